@@ -1,0 +1,196 @@
+"""Command line: parse arguments, call the library, map errors to exit codes. Nothing more.
+
+Exit status: 0 success, 1 the training job failed, 2 bad spec or bad command line,
+130 interrupted (SIGINT or SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from runner import __version__
+from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, TrainingError, UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so the exit code is mapped in one place."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``runner`` argument parser with its sub-commands."""
+    parser = _Parser(
+        prog="runner",
+        description="Declarative experiment runner for PyTorch: a TOML spec in, one MLflow run out.",
+        epilog="Exit status: 0 ok, 1 training failed, 2 bad spec or usage, 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"runner {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("validate", help="check specs: keys, types, ranges, cross-field rules (no torch import)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=_validate)
+
+    p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
+    _spec_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    p.set_defaults(func=_schema)
+
+    p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
+    _spec_args(p)
+    p.add_argument("--run-name", metavar="NAME", help="MLflow run name")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint ('last': newest run)")
+    p.add_argument(
+        "--allow-spec-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: allow dotted KEY to differ from the run's spec (repeatable; recorded as a tag)",
+    )
+    p.set_defaults(func=_exec)
+    return parser
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="the experiment spec (TOML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a dotted key with a TOML value, e.g. --set optim.lr=0.05 (repeatable)")
+    p.add_argument("--nnodes", type=int, help="ddp: number of nodes (parallel.nnodes)")
+    p.add_argument("--node-rank", type=int, help="ddp: rank of this node (parallel.node_rank)")
+    p.add_argument("--nproc-per-node", type=int, help="ddp: workers per node (parallel.nproc_per_node)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="ddp: c10d rendezvous endpoint (parallel.rdzv_endpoint)")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = list(args.overrides)
+    for flag, key in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("nproc_per_node", "nproc_per_node")):
+        if getattr(args, flag) is not None:
+            out.append(f"parallel.{key}={getattr(args, flag)}")
+    if args.rdzv_endpoint is not None:
+        out.append(f"parallel.rdzv_endpoint={json.dumps(args.rdzv_endpoint)}")
+    return out
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from runner.loading import load_spec
+
+    return load_spec(args.file, _overrides(args))
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from runner.loading import load_spec
+
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            load_spec(path)
+            print(f"ok    {path}")
+        except SpecError as exc:
+            status = EXIT_USAGE
+            print(f"error {path}", file=sys.stdout)
+            print(_indent(str(exc)), file=sys.stderr)
+    return status
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from runner.loading import dump_spec
+    from runner.planning import make_plan
+
+    loaded = _load(args)
+    plan = make_plan(loaded)
+    info = plan.describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"# resolved spec: {loaded.path}")
+    print(dump_spec(loaded.spec))
+    print("# plan")
+    for key, value in info.items():
+        if isinstance(value, (dict, list)):
+            print(f"{key}:")
+            print(_indent(json.dumps(value, indent=2)))
+        else:
+            print(f"{key}: {value}")
+    return EXIT_OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from runner.spec import json_schema
+
+    text = json.dumps(json_schema(), indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def _exec(args: argparse.Namespace) -> int:
+    from runner.launch import ExecOptions, exec_experiment
+
+    if args.allow_spec_change and not args.resume:
+        raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
+    loaded = _load(args)
+    options = ExecOptions(run_name=args.run_name, resume=args.resume, allow_spec_change=tuple(args.allow_spec_change))
+    result = exec_experiment(loaded, options)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return EXIT_OK
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"status: {result.status}")
+    if result.run_id:
+        print(f"run id: {result.run_id}  (experiment {result.experiment!r})")
+    for key in sorted(result.metrics):
+        print(f"  {key:<22} {result.metrics[key]:.6g}")
+    if result.tracking_uri:
+        print(f"open the UI: mlflow ui --backend-store-uri {result.tracking_uri}")
+    return EXIT_OK
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``runner`` console script.
+
+    Returns:
+        The exit status (0, 1, 2 or 130); see the module docstring.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return EXIT_USAGE
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except (SpecError, UsageError, DeviceError, TrackingError) as exc:
+        print(f"runner: error: {exc}" if "\n" not in str(exc) else f"runner: error:\n{_indent(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingError as exc:
+        print(f"runner: training failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (Interrupted, KeyboardInterrupt):
+        print("runner: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RunnerError as exc:
+        print(f"runner: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
+
+The driver is the process that launches (DESIGN §5-§6):
+
+* ``none`` / ``dp``: the worker runs in the driver's own process;
+* ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
+  (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
+  with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
+* started by ``torchrun`` or a scheduler (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set):
+  this process is a worker and launches nothing; rank 0 owns the run.
+
+Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError, UsageError
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """Command-line options of ``runner exec`` beyond the spec.
+
+    Attributes:
+        run_name: MLflow run name (overrides ``tracking.run_name``).
+        resume: Run id to continue, ``"last"`` for the newest run of the experiment, or ``None``.
+        allow_spec_change: Dotted keys that may differ from the resumed run's spec.
+    """
+
+    run_name: Optional[str] = None
+    resume: Optional[str] = None
+    allow_spec_change: tuple[str, ...] = ()
+
+
+@dataclass
+class ExecResult:
+    """Outcome of ``runner exec``.
+
+    Attributes:
+        run_id: The MLflow run (``None`` when tracking is off).
+        status: ``FINISHED`` (failures raise instead).
+        metrics: Final metrics from the logging rank.
+        tracking_uri: Where the run is stored.
+        experiment: MLflow experiment name.
+        checkpoint_dir: Folder of the run's checkpoints.
+        history: ``(step, metrics)`` pairs from the logging rank.
+        notes: Messages for the user (resume, skipped checkpoints).
+    """
+
+    run_id: Optional[str]
+    status: str
+    metrics: dict[str, float]
+    tracking_uri: Optional[str]
+    experiment: str
+    checkpoint_dir: str
+    history: list[Any] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecResult:
+    """Run the experiment of ``loaded`` to the end and record it in MLflow.
+
+    Args:
+        loaded: The :class:`runner.loading.LoadedSpec`.
+        options: See :class:`ExecOptions`.
+
+    Returns:
+        The :class:`ExecResult` of a FINISHED run.
+
+    Raises:
+        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2);
+            no MLflow run is left behind.
+        TrainingError: training failed on some rank; the run is FAILED (exit 1).
+        Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
+    """
+    from runner import tracking
+    from runner.checkpoint import default_checkpoint_dir
+    from runner.devices import apply_device_env
+    from runner.models import check_model_name
+    from runner.planning import make_plan
+
+    plan = make_plan(loaded)
+    spec = loaded.spec
+    check_model_name(spec.model.name, loaded.path.parent)
+    external = plan.launch == "external"
+    rank = int(os.environ.get("RANK", "0")) if external else 0
+    owner = rank == 0 if external else spec.parallel.node_rank == 0
+    uri = plan.tracking_uri
+    run_id: Optional[str] = None
+    resume = options.resume is not None
+    notes: list[str] = []
+    if uri is not None:
+        tracking.check_reachable(uri)
+    if resume:
+        if uri is None:
+            raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
+        run_id = _resolve_resume(uri, plan.experiment, options.resume)
+    checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id or "pending")
+    if resume:
+        notes += _check_resume(loaded, checkpoint_dir, options.allow_spec_change)
+    apply_device_env(plan.devices)
+
+    if owner and uri is not None and not resume:
+        if external and os.environ.get("RUNNER_RUN_ID"):
+            run_id = os.environ["RUNNER_RUN_ID"]
+        else:
+            handle = tracking.start_run(loaded, plan.describe(), run_name=options.run_name or spec.tracking.run_name)
+            run_id = handle.run_id
+    elif owner and resume:
+        tracking.reopen_run(uri, run_id, spec_change=_spec_change_tag(options.allow_spec_change))
+    if run_id is None:
+        run_key = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_key)
+    else:
+        checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+
+    from runner.worker import WorkerArgs
+
+    args = WorkerArgs(
+        loaded=loaded,
+        plan=plan.devices,
+        run_id=run_id if owner else None,
+        tracking_uri=uri,
+        checkpoint_dir=str(checkpoint_dir),
+        resume=resume,
+    )
+    status, error = "FAILED", None
+    try:
+        result = _launch(plan, args)
+        status = "FINISHED"
+    except (Interrupted, KeyboardInterrupt) as exc:
+        status = "KILLED"
+        raise Interrupted(getattr(exc, "signum", 2)) from None
+    except SpecError as exc:
+        error = str(exc)
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, the run marked FAILED
+        if _is_signal(exc):
+            status = "KILLED"
+            raise Interrupted(getattr(exc, "sigval", 15)) from None
+        error = _describe_failure(exc)
+        raise TrainingError(error) from None
+    finally:
+        if owner and run_id is not None:
+            tracking.end_run(uri, run_id, status, error)
+    return ExecResult(
+        run_id=run_id,
+        status=status,
+        metrics=result.metrics,
+        tracking_uri=uri,
+        experiment=plan.experiment,
+        checkpoint_dir=str(checkpoint_dir),
+        history=result.history,
+        notes=notes + result.notes,
+    )
+
+
+def _launch(plan: Any, args: Any) -> Any:
+    """Run the workers and return the logging rank's :class:`runner.worker.WorkerResult`."""
+    from runner.worker import run_worker
+
+    if plan.launch != "elastic":
+        return run_worker(args)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    par = plan.loaded.spec.parallel
+    endpoint = par.rdzv_endpoint or "localhost:0"
+    config = LaunchConfig(
+        min_nodes=par.nnodes,
+        max_nodes=par.nnodes,
+        nproc_per_node=plan.devices.nproc_per_node,
+        run_id=par.rdzv_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": par.node_rank == 0} if par.nnodes > 1 else {},
+        max_restarts=par.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, run_worker)(args)
+    with_run = [r for r in results.values() if r is not None]
+    with_run.sort(key=lambda r: (not r.metrics, r.rank))
+    return with_run[0]
+
+
+def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
+    from runner import tracking
+
+    if resume == "last":
+        run_id = tracking.latest_run_id(uri, experiment)
+        if run_id is None:
+            raise UsageError(f"--resume last: experiment {experiment!r} at {uri} has no run to resume")
+        return run_id
+    if not tracking.run_exists(uri, resume):
+        raise UsageError(f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)")
+    return resume
+
+
+def _check_resume(loaded: Any, directory: Path, allowed: tuple[str, ...]) -> list[str]:
+    """Refuse to resume with a spec that differs from the run's, unless the change is allowed.
+
+    Raises:
+        UsageError: The run has no readable checkpoint.
+        SpecError: The spec differs in keys not listed in ``allowed``.
+    """
+    from runner.checkpoint import CheckpointError, load_latest, spec_changes
+    from runner.loading import flatten_spec
+
+    try:
+        found = load_latest(directory)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if found is None:
+        raise UsageError(f"nothing to resume: no checkpoint in {directory}")
+    changed = spec_changes(found.payload["spec"], flatten_spec(loaded.spec))
+    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
+    if unexpected:
+        issues = [
+            SpecIssue(
+                loaded.path,
+                None,
+                key,
+                f"differs from the resumed run: was {found.payload['spec'].get(key)!r}, now "
+                f"{flatten_spec(loaded.spec).get(key)!r} (undo it, or pass --allow-spec-change {key})",
+            )
+            for key in unexpected
+        ]
+        raise SpecError(issues)
+    notes = [f"resuming from {found.path.name}"]
+    notes += [f"skipped {reason}" for _, reason in found.skipped]
+    if changed:
+        notes.append("spec changed on resume: " + ", ".join(changed))
+    return notes
+
+
+def _spec_change_tag(allowed: tuple[str, ...]) -> Optional[str]:
+    return json.dumps(list(allowed)) if allowed else None
+
+
+def _is_signal(exc: BaseException) -> bool:
+    return type(exc).__name__ == "SignalException"
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """A readable message for a failed job; for DDP, the first failing rank's error."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: {exc}"
+    rank, failure = min(failures.items())
+    message = ""
+    data = getattr(failure, "error_file_data", None) or {}
+    if isinstance(data, dict):
+        inner = data.get("message", {})
+        if isinstance(inner, dict):
+            message = inner.get("message", "")
+            trace = inner.get("extraInfo", {}).get("py_callstack", "")
+            if trace:
+                message = trace.strip().splitlines()[-1]
+        elif isinstance(inner, str):
+            message = inner
+    if not message:
+        message = getattr(failure, "message", "") or f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {message}"

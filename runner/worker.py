@@ -1,0 +1,269 @@
+"""One training process: build strategy, data, model and optimizer from the spec, resume, train.
+
+:func:`run_worker` is the function the elastic launcher starts once per rank (it must be
+importable and its argument picklable); for ``none`` and ``dp`` the driver calls it in
+its own process. It never launches processes and never ends the MLflow run: the driver
+owns the run (DESIGN §6) and sets its final status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runner.errors import Interrupted
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """Everything a worker needs, picklable so it crosses the ``spawn`` boundary.
+
+    Attributes:
+        loaded: The :class:`runner.loading.LoadedSpec`.
+        plan: The :class:`runner.devices.DevicePlan` resolved by the driver.
+        run_id: The MLflow run to log into, or ``None`` (tracking off, or another node owns it).
+        tracking_uri: Absolute tracking URI, or ``None`` when tracking is off.
+        checkpoint_dir: Folder of this run's checkpoints.
+        resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
+    """
+
+    loaded: Any
+    plan: Any
+    run_id: Optional[str]
+    tracking_uri: Optional[str]
+    checkpoint_dir: str
+    resume: bool = False
+
+
+@dataclass
+class WorkerResult:
+    """What a worker returns (only the logging rank's is used by the driver).
+
+    Attributes:
+        rank: Global rank of the process.
+        metrics: Last value of every metric.
+        global_step: Optimizer steps taken at the end.
+        history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
+        resumed_from: Checkpoint file the run continued from, if any.
+        notes: Things the user should know (e.g. damaged checkpoints skipped).
+    """
+
+    rank: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    global_step: int = 0
+    history: list[Any] = field(default_factory=list)
+    resumed_from: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+
+@record
+def run_worker(args: WorkerArgs) -> WorkerResult:
+    """Train one rank to the end (or to a stop signal).
+
+    Args:
+        args: See :class:`WorkerArgs`.
+
+    Returns:
+        The rank's :class:`WorkerResult`.
+
+    Raises:
+        Interrupted: SIGINT/SIGTERM arrived; a checkpoint was written first.
+        SpecError: A name in the spec (model, dataset, kwargs) turned out not to build.
+        Exception: Anything the training code raises; the driver marks the run FAILED.
+    """
+    import torch
+
+    from runner import checkpoint as ckpt
+    from runner.data import build_datasets, build_loaders
+    from runner.models import build_model
+    from runner.optim import amp_settings, build_loss, build_optimizer, build_scheduler, scheduler_interval
+    from runner.parallel import load_state_dict_flexible, make_strategy, unwrapped_state_dict
+    from runner.seeding import capture_rng_state, restore_rng_state, seed_everything
+    from runner.train import LoopParts, TrainState, fit
+
+    spec = args.loaded.spec
+    spec_dir = args.loaded.path.parent
+    strategy = make_strategy(spec, args.plan)
+    stop = _StopFlag()
+    tracker: Any = None
+    try:
+        strategy.setup()
+        stop.install()
+        seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
+        run_id, log_rank = _agree_on_run(strategy, args.run_id)
+        bundle = build_datasets(spec, spec_dir)
+        torch.manual_seed(spec.seed)  # identical initialisation on every rank
+        model = build_model(
+            spec.model, spec_dir, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
+        )
+        loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
+        wrapped = strategy.wrap(model)
+        raw_model = strategy.unwrap(wrapped)
+        optimizer = build_optimizer(spec.optim, raw_model.parameters())
+        total_steps = len(loaders.global_batch_sizes) * spec.train.epochs
+        if spec.train.max_steps is not None:
+            total_steps = min(total_steps, spec.train.max_steps)
+        scheduler = build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
+        autocast_dtype, scaler = amp_settings(spec.train.amp, strategy.device)
+        loss_fn, classification = build_loss(spec.train)
+        tracker = _make_tracker(spec, args, run_id, is_logger=strategy.rank == log_rank)
+
+        result = WorkerResult(rank=strategy.rank)
+        state = TrainState()
+        directory = Path(args.checkpoint_dir)
+        auto_resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if args.resume or auto_resume:
+            found = ckpt.load_latest(directory)
+            if found is not None:
+                payload = found.payload
+                load_state_dict_flexible(raw_model, payload["model"])
+                optimizer.load_state_dict(payload["optimizer"])
+                if scheduler is not None and payload["scheduler"] is not None:
+                    scheduler.load_state_dict(payload["scheduler"])
+                if scaler is not None and payload["scaler"] is not None:
+                    scaler.load_state_dict(payload["scaler"])
+                state = TrainState(**payload["state"])
+                rng = payload["rng"]
+                if len(rng) == strategy.world_size:
+                    restore_rng_state(rng[strategy.rank])
+                else:
+                    result.notes.append(
+                        f"world size changed ({len(rng)} -> {strategy.world_size}): RNG states not restored"
+                    )
+                result.resumed_from = str(found.path)
+                result.notes += [f"skipped {reason}" for _, reason in found.skipped]
+            elif args.resume:
+                result.notes.append(f"no checkpoint in {directory}: starting from step 0")
+
+        def on_checkpoint(st: TrainState, reason: str) -> None:
+            rng_states = strategy.all_gather_object(capture_rng_state())
+            if strategy.rank == log_rank and spec.checkpoint.enabled:
+                payload = ckpt.build_payload(
+                    model_state=unwrapped_state_dict(wrapped),
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    state=st,
+                    rng_states=rng_states,
+                    spec_flat=_flat(args.loaded.spec),
+                    spec_sha256=args.loaded.sha256,
+                    run_id=run_id,
+                )
+                ckpt.save_checkpoint(directory, payload, spec.checkpoint.keep_last)
+            strategy.barrier()
+
+        parts = LoopParts(
+            model=wrapped,
+            strategy=strategy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scheduler_interval=scheduler_interval(spec.scheduler),
+            loss_fn=loss_fn,
+            loaders=loaders,
+            tracker=tracker,
+            scaler=scaler,
+            autocast_dtype=autocast_dtype,
+            classification=classification,
+            on_checkpoint=on_checkpoint,
+            should_stop=stop.is_set,
+        )
+        for note in result.notes:
+            if strategy.rank == log_rank:
+                print(f"runner: {note}", flush=True)
+        fit_result = fit(parts, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
+        if strategy.rank == log_rank and spec.tracking.log_model and run_id is not None:
+            tracker.flush()
+            _log_model(args.tracking_uri, run_id, raw_model)
+        result.metrics = fit_result.metrics
+        result.global_step = fit_result.state.global_step
+        result.history = fit_result.history
+        return result
+    finally:
+        stop.uninstall()
+        if tracker is not None:
+            tracker.close()
+        strategy.teardown()
+
+
+def _agree_on_run(strategy: Any, local_run_id: Optional[str]) -> tuple[Optional[str], int]:
+    """Find the run id and the rank that logs to it.
+
+    On one node every rank already has the run id. With several nodes only the workers of
+    the node whose driver created the run have it: all ranks gather their ids and the
+    lowest rank holding one becomes the logging rank.
+    """
+    ids = strategy.all_gather_object(local_run_id)
+    for rank, rid in enumerate(ids):
+        if rid is not None:
+            return rid, rank
+    return None, 0
+
+
+def _make_tracker(spec: Any, args: WorkerArgs, run_id: Optional[str], is_logger: bool) -> Any:
+    from runner.tracking import MlflowTracker, NullTracker
+
+    if is_logger and run_id is not None and args.tracking_uri is not None:
+        return MlflowTracker(args.tracking_uri, run_id, flush_every_s=spec.tracking.flush_every_s)
+    return NullTracker()
+
+
+def _flat(spec: Any) -> dict[str, Any]:
+    from runner.loading import flatten_spec
+
+    return flatten_spec(spec)
+
+
+def _log_model(uri: Optional[str], run_id: str, model: Any) -> None:
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
+        mlflow.pytorch.log_model(model, name="model")
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM handler: the first signal asks the loop to stop after the current step.
+
+    A second SIGINT more than one second after the first raises ``KeyboardInterrupt`` at once
+    (a terminal Ctrl-C reaches the launcher and every worker together, and the launcher
+    forwards it again, so signals within one second count as one).
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._first: Optional[float] = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import time
+
+        now = time.monotonic()
+        if self._first is not None and signum == signal.SIGINT and now - self._first > 1.0:
+            raise KeyboardInterrupt
+        if self._first is None:
+            self._first = now
+            self.signum = signum
+        self._event.set()
+
+
+__all__ = ["WorkerArgs", "WorkerResult", "run_worker", "Interrupted"]
