@@ -1,0 +1,99 @@
+"""Shared fixtures: a clean environment per test, a temporary MLflow store, spec writing helpers."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+_ENV_PREFIXES = ("MLFLOW_", "MASTER_", "TORCHELASTIC_", "RUNNER_")
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def _snapshot() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Start every test without launcher/MLflow variables, restore them after, and leave no process group."""
+    before = _snapshot()
+    for key in before:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield
+    for key in set(_snapshot()) - set(before):
+        os.environ.pop(key, None)
+    os.environ.update(before)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import mlflow
+
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    """A fresh sqlite tracking URI in the test's temporary folder."""
+    return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+MINIMAL_SPEC = """
+name = "t"
+seed = 0
+
+[model]
+name = "mlp"
+kwargs = {{ hidden = [32] }}
+
+[data]
+dataset = "synthetic"
+num_samples = 96
+input_shape = [8]
+num_classes = 3
+batch_size = 16
+val_fraction = 0.25
+
+[devices]
+accelerator = "cpu"
+
+[optim]
+name = "sgd"
+lr = 0.1
+
+[train]
+epochs = 2
+log_every_n_steps = 1
+progress = "off"
+
+[tracking]
+uri = "{store}"
+experiment = "tests"
+"""
+
+
+@pytest.fixture
+def write_spec(tmp_path: Path, store: str) -> Callable[..., Path]:
+    """Write a spec file; ``write_spec(extra="...")`` appends TOML, ``text=`` replaces the minimal spec."""
+
+    def write(extra: str = "", *, text: str | None = None, name: str = "spec.toml") -> Path:
+        body = MINIMAL_SPEC.format(store=store) if text is None else text
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(body) + "\n" + textwrap.dedent(extra), encoding="utf-8")
+        return path
+
+    return write

@@ -1,0 +1,148 @@
+"""``runner exec`` end to end on CPU: real digits data, MLflow records, statuses and exit codes."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+DIGITS = """
+name = "digits"
+seed = {seed}
+
+[model]
+name = "mlp"
+kwargs = {{ hidden = [64] }}
+
+[data]
+dataset = "sklearn.digits"
+batch_size = 64
+val_fraction = 0.2
+
+[devices]
+accelerator = "cpu"
+
+[optim]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+
+[train]
+epochs = {epochs}
+log_every_n_steps = 5
+progress = "lines"
+
+[tracking]
+uri = "{store}"
+experiment = "digits-test"
+"""
+
+
+def _runs(store: str, experiment: str = "digits-test"):
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name(experiment)
+    return client, ([] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]))
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, capsys) -> None:
+    spec = write_spec(text=DIGITS.format(seed=0, epochs=4, store=store))
+    assert main(["exec", str(spec)]) == 0
+    out = capsys.readouterr().out
+    client, runs = _runs(store)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_id in out and "mlflow ui --backend-store-uri" in out
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.1"
+    assert run.data.params["data.batch_size"] == "64"
+    assert run.data.params["model.kwargs.hidden"] == "[64]"
+    assert run.data.tags["runner.spec.sha256"]
+    assert run.data.metrics["val/accuracy"] > 0.9
+    for key in ("train/loss", "val/loss", "val/accuracy", "train/accuracy", "lr", "samples_per_s", "epoch_time_s"):
+        history = _history(client, run.info.run_id, key)
+        assert history, key
+        steps = [s for s, _ in history]
+        assert all(isinstance(s, int) for s in steps)
+        assert steps == sorted(set(steps)), f"{key} steps not strictly increasing: {steps}"
+    # 1437 training samples / 64 = 23 steps per epoch (last one partial), 4 epochs
+    assert _history(client, run.info.run_id, "val/accuracy")[-1][0] == 4 * 23
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "spec")}
+    assert "spec/resolved.toml" in artifacts and "spec/spec.toml" in artifacts
+
+
+def test_same_seed_same_metrics_other_seed_differs(write_spec, store: str) -> None:
+    for seed, name in ((0, "a.toml"), (0, "b.toml"), (1, "c.toml")):
+        assert main(["exec", str(write_spec(text=DIGITS.format(seed=seed, epochs=1, store=store), name=name))]) == 0
+    client, runs = _runs(store)
+    a, b, c = (_history(client, r.info.run_id, "train/loss") for r in runs)
+    assert a == b
+    assert a != c
+
+
+def test_unreachable_tracking_server_fails_before_training(write_spec, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = write_spec(text=DIGITS.format(seed=0, epochs=1, store=f"http://127.0.0.1:{port}"))
+    assert main(["exec", str(spec)]) == 2
+    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+FACTORY = '''
+import torch
+
+
+class Exploding(torch.nn.Module):
+    def __init__(self, at_call: int = 3):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+        self.calls = 0
+        self.at_call = at_call
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise RuntimeError("exploded on purpose")
+        return self.lin(x)
+
+
+def build(at_call: int = 3):
+    return Exploding(at_call)
+'''
+
+
+def test_failing_model_marks_run_failed_and_leaves_no_active_run(write_spec, store: str, tmp_path: Path) -> None:
+    import mlflow
+
+    (tmp_path / "boom_factory.py").write_text(FACTORY)
+    spec = write_spec()
+    for _ in range(2):
+        assert main(["exec", str(spec), "--set", 'model.name="boom_factory:build"', "--set", "model.kwargs={}"]) == 1
+        assert mlflow.active_run() is None
+    client, runs = _runs(store, "tests")
+    assert [r.info.status for r in runs] == ["FAILED", "FAILED"]
+    assert "exploded on purpose" in runs[0].data.tags["runner.error"]
+
+
+def test_bad_override_exits_2_without_a_run(write_spec, store: str) -> None:
+    spec = write_spec()
+    assert main(["exec", str(spec), "--set", "optim.lr=-1"]) == 2
+    assert _runs(store, "tests")[1] == []
+
+
+def test_unknown_model_exits_2_without_a_run(write_spec, store: str, capsys) -> None:
+    spec = write_spec()
+    assert main(["exec", str(spec), "--set", 'model.name="torchvision.resnet19"']) == 2
+    assert "resnet18" in capsys.readouterr().err
+    assert _runs(store, "tests")[1] == []
