@@ -59,7 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="with --resume: allow dotted KEY to differ from the run's spec (repeatable; recorded as a tag)",
     )
+    p.add_argument("--parent-run-id", metavar="RUN_ID", help=argparse.SUPPRESS)
     p.set_defaults(func=_exec)
+
+    p = sub.add_parser("sweep", help="run many trials of one spec (grid or random), as child runs of one MLflow run")
+    _spec_args(p)
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="grid over dotted KEY with TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)")
+    p.add_argument("--random", action="append", default=[], metavar="KEY=LOW:HIGH[:log|:int]",
+                   help="sample dotted KEY uniformly (or log-uniformly / integers) from a range (repeatable)")
+    p.add_argument("--num-trials", type=int, metavar="N", help="trial budget (required for random sampling)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed of random sampling (default: sweep.seed or 0)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials run at a time (default 1)")
+    p.add_argument("--metric", metavar="NAME", help="metric that ranks trials (default: sweep.metric or val/accuracy)")
+    p.add_argument("--mode", choices=["max", "min"], help="whether larger or smaller is better (default: max)")
+    p.add_argument("--resume", metavar="PARENT_RUN_ID", help="continue a sweep: skip trials that already finished")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("bench", help="measure none / dp / ddp side by side on this machine")
+    _spec_args(p)
+    p.add_argument("--modes", default="none,dp,ddp", metavar="M1,M2", help="parallel modes to compare (default none,dp,ddp)")
+    p.add_argument("--nproc", default="1,2", metavar="N1,N2", help="ddp process counts / dp device counts (default 1,2)")
+    p.add_argument("--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)")
+    p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
+    p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_bench)
     return parser
 
 
@@ -144,7 +170,12 @@ def _exec(args: argparse.Namespace) -> int:
     if args.allow_spec_change and not args.resume:
         raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
     loaded = _load(args)
-    options = ExecOptions(run_name=args.run_name, resume=args.resume, allow_spec_change=tuple(args.allow_spec_change))
+    options = ExecOptions(
+        run_name=args.run_name,
+        resume=args.resume,
+        allow_spec_change=tuple(args.allow_spec_change),
+        parent_run_id=args.parent_run_id,
+    )
     result = exec_experiment(loaded, options)
     if int(os.environ.get("RANK", "0")) != 0:
         return EXIT_OK
@@ -158,6 +189,51 @@ def _exec(args: argparse.Namespace) -> int:
     if result.tracking_uri:
         print(f"open the UI: mlflow ui --backend-store-uri {result.tracking_uri}")
     return EXIT_OK
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from runner.sweep import run_sweep
+
+    report = run_sweep(
+        args.file,
+        _overrides(args),
+        grid=args.grid,
+        random=args.random,
+        num_trials=args.num_trials,
+        seed=args.seed,
+        jobs=args.jobs,
+        metric=args.metric,
+        goal=args.mode,
+        resume=args.resume,
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    if report.failed:
+        print(f"runner: {report.failed} of {len(report.trials)} trials failed", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from runner.bench import run_bench
+
+    report = run_bench(
+        args.file,
+        _overrides(args),
+        modes=_csv(args.modes, str),
+        nprocs=_csv(args.nproc, int),
+        steps=args.steps,
+        warmup=args.warmup,
+        out_dir=args.out,
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    return EXIT_OK
+
+
+def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:
+    try:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"expected a comma-separated list, got {text!r}") from None
 
 
 def _indent(text: str) -> str:

@@ -32,11 +32,17 @@ class ExecOptions:
         run_name: MLflow run name (overrides ``tracking.run_name``).
         resume: Run id to continue, ``"last"`` for the newest run of the experiment, or ``None``.
         allow_spec_change: Dotted keys that may differ from the resumed run's spec.
+        parent_run_id: Make the run a child of this run (``mlflow.parentRunId``), for sweeps and bench.
+        tags: Extra MLflow tags for the run.
+        sync_timing: Exact per-step timing on CUDA (``runner bench``).
     """
 
     run_name: Optional[str] = None
     resume: Optional[str] = None
     allow_spec_change: tuple[str, ...] = ()
+    parent_run_id: Optional[str] = None
+    tags: tuple[tuple[str, str], ...] = ()
+    sync_timing: bool = False
 
 
 @dataclass
@@ -52,6 +58,7 @@ class ExecResult:
         checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
         notes: Messages for the user (resume, skipped checkpoints).
+        workers: Every rank's :class:`runner.worker.WorkerResult` on this node, by rank.
     """
 
     run_id: Optional[str]
@@ -62,6 +69,7 @@ class ExecResult:
     checkpoint_dir: str
     history: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    workers: list[Any] = field(default_factory=list)
 
 
 def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecResult:
@@ -111,7 +119,12 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         if external and os.environ.get("RUNNER_RUN_ID"):
             run_id = os.environ["RUNNER_RUN_ID"]
         else:
-            handle = tracking.start_run(loaded, plan.describe(), run_name=options.run_name or spec.tracking.run_name)
+            tags = dict(options.tags)
+            if options.parent_run_id:
+                tags["mlflow.parentRunId"] = options.parent_run_id
+            handle = tracking.start_run(
+                loaded, plan.describe(), run_name=options.run_name or spec.tracking.run_name, extra_tags=tags
+            )
             run_id = handle.run_id
     elif owner and resume:
         tracking.reopen_run(uri, run_id, spec_change=_spec_change_tag(options.allow_spec_change))
@@ -130,10 +143,12 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         tracking_uri=uri,
         checkpoint_dir=str(checkpoint_dir),
         resume=resume,
+        sync_timing=options.sync_timing,
     )
     status, error = "FAILED", None
     try:
-        result = _launch(plan, args)
+        workers = _launch(plan, args)
+        result = workers[0]
         status = "FINISHED"
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
@@ -159,15 +174,16 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         checkpoint_dir=str(checkpoint_dir),
         history=result.history,
         notes=notes + result.notes,
+        workers=sorted(workers, key=lambda w: w.rank),
     )
 
 
-def _launch(plan: Any, args: Any) -> Any:
-    """Run the workers and return the logging rank's :class:`runner.worker.WorkerResult`."""
+def _launch(plan: Any, args: Any) -> list[Any]:
+    """Run the workers; return their :class:`runner.worker.WorkerResult`, the logging rank's first."""
     from runner.worker import run_worker
 
     if plan.launch != "elastic":
-        return run_worker(args)
+        return [run_worker(args)]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     par = plan.loaded.spec.parallel
@@ -185,9 +201,9 @@ def _launch(plan: Any, args: Any) -> Any:
         start_method="spawn",
     )
     results = elastic_launch(config, run_worker)(args)
-    with_run = [r for r in results.values() if r is not None]
-    with_run.sort(key=lambda r: (not r.metrics, r.rank))
-    return with_run[0]
+    done = [r for r in results.values() if r is not None]
+    done.sort(key=lambda r: (not r.metrics, r.rank))
+    return done
 
 
 def _resolve_resume(uri: str, experiment: str, resume: str) -> str:

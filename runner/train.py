@@ -52,11 +52,15 @@ class FitResult:
         state: The final :class:`TrainState`.
         metrics: Last value of every metric (rank-reduced), e.g. ``val/accuracy``.
         history: ``(step, metrics)`` pairs in logging order (kept for tests and bench).
+        step_times_s: Wall time of each optimizer step of this run, in seconds (data included).
+        data_wait_s: Of each step's time, seconds spent waiting for the DataLoader.
     """
 
     state: TrainState
     metrics: dict[str, float] = field(default_factory=dict)
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +80,8 @@ class LoopParts:
         classification: Whether accuracy is computed (targets are class indices).
         on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).
         should_stop: Returns True when a stop signal arrived on this rank.
+        sync_timing: Synchronise the device at the end of every step so that step times are
+            exact on CUDA (``runner bench``); costs a little throughput, so off by default.
     """
 
     model: nn.Module
@@ -91,6 +97,7 @@ class LoopParts:
     classification: bool = True
     on_checkpoint: Optional[Callable[[TrainState, str], None]] = None
     should_stop: Callable[[], bool] = lambda: False
+    sync_timing: bool = False
 
 
 def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, checkpoint_spec: Any = None) -> FitResult:
@@ -142,10 +149,14 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
                 global_size = loaders.global_batch_sizes[state.batch_in_epoch]
                 share = rank_batch_size(global_size, world, strategy.rank)
                 denom = global_size / world
+                step_start = time.perf_counter()
+                waited = 0.0
                 parts.optimizer.zero_grad(set_to_none=True)
                 consumed = 0
                 while consumed < share:
+                    fetch_start = time.perf_counter()
                     x, y = next(batches)
+                    waited += time.perf_counter() - fetch_start
                     n = int(y.shape[0])
                     last_micro = consumed + n >= share
                     x = x.to(device, non_blocking=True)
@@ -175,6 +186,10 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
                     parts.optimizer.step()
                 if parts.scheduler is not None and parts.scheduler_interval == "step":
                     parts.scheduler.step()
+                if parts.sync_timing and device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                result.step_times_s.append(time.perf_counter() - step_start)
+                result.data_wait_s.append(waited)
                 state.global_step += 1
                 state.batch_in_epoch += 1
                 epoch_samples += global_size

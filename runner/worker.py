@@ -31,6 +31,7 @@ class WorkerArgs:
         tracking_uri: Absolute tracking URI, or ``None`` when tracking is off.
         checkpoint_dir: Folder of this run's checkpoints.
         resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
+        sync_timing: Exact per-step timing on CUDA (see :class:`runner.train.LoopParts`).
     """
 
     loaded: Any
@@ -39,6 +40,7 @@ class WorkerArgs:
     tracking_uri: Optional[str]
     checkpoint_dir: str
     resume: bool = False
+    sync_timing: bool = False
 
 
 @dataclass
@@ -52,6 +54,11 @@ class WorkerResult:
         history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
         resumed_from: Checkpoint file the run continued from, if any.
         notes: Things the user should know (e.g. damaged checkpoints skipped).
+        step_times_s: Wall time of each optimizer step, seconds.
+        data_wait_s: Seconds of each step spent waiting for data.
+        peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
+            the process's peak resident set size.
+        device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
     """
 
     rank: int
@@ -60,6 +67,10 @@ class WorkerResult:
     history: list[Any] = field(default_factory=list)
     resumed_from: Optional[str] = None
     notes: list[str] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    device: str = "cpu"
 
 
 @record
@@ -172,6 +183,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
             classification=classification,
             on_checkpoint=on_checkpoint,
             should_stop=stop.is_set,
+            sync_timing=args.sync_timing,
         )
         for note in result.notes:
             if strategy.rank == log_rank:
@@ -183,6 +195,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         result.metrics = fit_result.metrics
         result.global_step = fit_result.state.global_step
         result.history = fit_result.history
+        result.step_times_s = fit_result.step_times_s
+        result.data_wait_s = fit_result.data_wait_s
+        result.peak_memory_bytes = _peak_memory_bytes(strategy.device)
+        result.device = str(strategy.device)
         return result
     finally:
         stop.uninstall()
@@ -203,6 +219,17 @@ def _agree_on_run(strategy: Any, local_run_id: Optional[str]) -> tuple[Optional[
         if rid is not None:
             return rid, rank
     return None, 0
+
+
+def _peak_memory_bytes(device: Any) -> int:
+    """CUDA allocator peak of ``device``, else this process's peak RSS (``ru_maxrss`` is KiB on Linux)."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _make_tracker(spec: Any, args: WorkerArgs, run_id: Optional[str], is_logger: bool) -> Any:
