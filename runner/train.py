@@ -129,7 +129,7 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
         total_steps = min(total_steps, train_spec.max_steps)
     progress = Progress(train_spec.progress, total_steps, enabled=strategy.is_main, initial=state.global_step)
     log_every = train_spec.log_every_n_steps
-    window = _Window(device)
+    window = _Window(strategy.output_device)
 
     def log(metrics: dict[str, float], step: int) -> None:
         result.metrics.update(metrics)
@@ -140,7 +140,7 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
         while state.epoch < train_spec.epochs and state.global_step < total_steps:
             epoch_start = time.perf_counter()
             epoch_samples = 0
-            epoch_window = _Window(device)
+            epoch_window = _Window(strategy.output_device)
             loaders.train_sampler.set_epoch(state.epoch)
             loaders.train_sampler.set_start_batch(state.batch_in_epoch)
             model.train()
@@ -160,7 +160,7 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
                     n = int(y.shape[0])
                     last_micro = consumed + n >= share
                     x = x.to(device, non_blocking=True)
-                    y = y.to(device, non_blocking=True)
+                    y = y.to(strategy.output_device, non_blocking=True)
                     sync = contextlib.nullcontext() if last_micro else strategy.no_sync(model)
                     with sync:
                         with _autocast(device, parts.autocast_dtype):
@@ -201,7 +201,7 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
                         metrics["train/step_accuracy"] = acc
                     log(metrics, state.global_step)
                     progress.show(epoch=state.epoch, loss=loss_mean)
-                    window = _Window(device)
+                    window = _Window(strategy.output_device)
                 if checkpoint_spec is not None and checkpoint_spec.every_n_steps and state.global_step % checkpoint_spec.every_n_steps == 0:
                     _checkpoint(parts, state, "step")
                 if _any(strategy, parts.should_stop()):
@@ -251,10 +251,10 @@ def evaluate(parts: LoopParts, strategy: Any) -> dict[str, float]:
     """
     module = strategy.eval_module(parts.model)
     module.eval()
-    window = _Window(strategy.device)
+    window = _Window(strategy.output_device)
     for x, y in parts.loaders.val:
         x = x.to(strategy.device, non_blocking=True)
-        y = y.to(strategy.device, non_blocking=True)
+        y = y.to(strategy.output_device, non_blocking=True)
         with _autocast(strategy.device, parts.autocast_dtype):
             out = module(x)
             loss_sum = parts.loss_fn(out, y)

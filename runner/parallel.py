@@ -1,0 +1,553 @@
+"""Wrap a model for one parallel mode (none, dp, ddp) behind one small Strategy interface; unwrap it for state dicts.
+
+The training loop talks only to :class:`Strategy`; everything that differs
+between modes lives here:
+
+========  ==========================  ==================  ========================
+mode      model                       inputs go to        collectives
+========  ==========================  ==================  ========================
+none      as is, on ``device``        ``device``          identity
+dp        ``torch.nn.DataParallel``   ``cuda:0``          identity (one process)
+ddp       ``DistributedDataParallel`` ``cuda:LOCAL_RANK`` torch.distributed
+                                      or cpu
+========  ==========================  ==================  ========================
+
+Device indices are those after :func:`runner.devices.apply_device_env` has
+narrowed ``CUDA_VISIBLE_DEVICES``: the chosen GPUs are ``cuda:0 .. cuda:n-1``.
+
+DataParallel and small batches: the micro-batch is split with ``torch.chunk``
+along ``parallel.dim``; a batch smaller than the number of devices (e.g. the
+last batch of an epoch) runs on fewer replicas, the first devices only. With
+``data.drop_last = true`` such a batch never reaches the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from runner.devices import DevicePlan
+from runner.errors import DeviceError, TrainingError, UsageError
+
+_WRAPPERS = (DataParallel, DistributedDataParallel)
+_PREFIXES = ("module.", "_orig_mod.")  # DataParallel / DDP, torch.compile
+_MAX_KEYS_SHOWN = 20
+
+
+class StateDictMismatchError(TrainingError):
+    """A state dict does not fit a module; ``missing`` and ``unexpected`` list the keys."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str]):
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Return the user's model inside DataParallel / DDP / ``torch.compile`` wrappers.
+
+    Args:
+        module: A model, wrapped or not.
+
+    Returns:
+        The innermost module (the same object when ``module`` is not wrapped).
+    """
+    while True:
+        if isinstance(module, _WRAPPERS):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
+    """Return the state dict of the model inside any wrapper: keys carry no ``module.`` prefix.
+
+    Args:
+        module: A model, wrapped or not.
+
+    Returns:
+        ``unwrap(module).state_dict()`` (tensors stay on their devices).
+    """
+    return unwrap(module).state_dict()
+
+
+def _strip_uniform_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(state_dict)
+    changed = True
+    while changed and out:
+        changed = False
+        for prefix in _PREFIXES:
+            if all(k.startswith(prefix) for k in out):
+                out = {k[len(prefix):]: v for k, v in out.items()}
+                changed = True
+    return out
+
+
+def _key_list(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_KEYS_SHOWN])
+    more = f" (+{len(keys) - _MAX_KEYS_SHOWN} more)" if len(keys) > _MAX_KEYS_SHOWN else ""
+    return f"{shown}{more}" if keys else "none"
+
+
+def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Load a state dict saved from any mode into a model in any mode, strictly.
+
+    A ``module.`` (DataParallel / DDP) or ``_orig_mod.`` (``torch.compile``)
+    prefix shared by every key is stripped; the model is unwrapped likewise.
+
+    Args:
+        module: Target model, wrapped or not.
+        state_dict: Parameters and buffers, e.g. from :func:`unwrapped_state_dict`.
+
+    Raises:
+        StateDictMismatchError: Keys are missing or unexpected (both are listed),
+            or a tensor's shape differs.
+    """
+    target = unwrap(module)
+    sd = _strip_uniform_prefixes(state_dict)
+    expected = list(target.state_dict().keys())
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in set(expected)]
+    if missing or unexpected:
+        raise StateDictMismatchError(
+            f"state dict does not fit {type(target).__name__}: missing keys: {_key_list(missing)}; "
+            f"unexpected keys: {_key_list(unexpected)} (was it saved from another model or model.kwargs?)",
+            missing,
+            unexpected,
+        )
+    try:
+        target.load_state_dict(sd, strict=True)
+    except RuntimeError as exc:
+        raise StateDictMismatchError(f"state dict does not fit {type(target).__name__}: {exc}", [], []) from exc
+
+
+def check_gatherable(output: Any, path: str = "output") -> None:
+    """Check that DataParallel can gather a model output from its replicas.
+
+    Gatherable: a tensor, ``None``, or dicts / lists / tuples (named tuples too)
+    of gatherable values.
+
+    Args:
+        output: What ``forward`` returned (on one replica).
+        path: Name used in the message for ``output`` itself.
+
+    Raises:
+        TrainingError: Names the first value that cannot be gathered, e.g.
+            ``output['aux'] is a str``.
+    """
+    if output is None or isinstance(output, torch.Tensor):
+        return
+    if isinstance(output, dict):
+        for key, value in output.items():
+            check_gatherable(value, f"{path}[{key!r}]")
+        return
+    if isinstance(output, (list, tuple)):
+        for pos, value in enumerate(output):
+            check_gatherable(value, f"{path}[{pos}]")
+        return
+    raise TrainingError(
+        f"{path} is a {type(output).__name__}: parallel.mode = \"dp\" can only gather tensors (or dicts, lists "
+        f"and tuples of tensors) from its replicas; return tensors from forward, or use mode = \"none\" or \"ddp\""
+    )
+
+
+class _GatherCheckedDataParallel(DataParallel):
+    """DataParallel that explains an output it cannot gather instead of failing deep inside ``gather``."""
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        check_gatherable(outputs[0])
+        return super().gather(outputs, output_device)
+
+
+def _count_batchnorm(module: nn.Module) -> int:
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+_UNUSED_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+): ([^\n]*)")
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def is_unused_parameters_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is DDP's "Expected to have finished reduction in the prior iteration" error."""
+    return isinstance(exc, RuntimeError) and "Expected to have finished reduction" in str(exc)
+
+
+def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> TrainingError:
+    """Turn DDP's unused-parameter RuntimeError into a TrainingError that names the parameters.
+
+    Names come from DDP's message (``TORCH_DISTRIBUTED_DEBUG=INFO`` or ``DETAIL``
+    lists them; otherwise indices are mapped to names), else from the
+    parameters whose ``.grad`` is ``None``.
+
+    Args:
+        exc: The RuntimeError raised by DDP's forward.
+        module: The model, wrapped or not.
+
+    Returns:
+        The error to raise (``raise describe_unused_parameters_error(e, m) from e``).
+    """
+    text = str(exc)
+    trainable = [name for name, p in unwrap(module).named_parameters() if p.requires_grad]
+    names: list[str] = []
+    rank = None
+    if match := _UNUSED_NAMES.search(text):
+        rank = match.group(1)
+        names = [n.strip() for n in match.group(2).split(",") if n.strip()]
+    elif match := _UNUSED_INDICES.search(text):
+        rank = match.group(1)
+        names = [trainable[int(i)] if int(i) < len(trainable) else f"#{i}" for i in match.group(2).split()]
+    if not names:
+        names = [name for name, p in unwrap(module).named_parameters() if p.requires_grad and p.grad is None]
+    where = f" on rank {rank}" if rank is not None else ""
+    listed = _key_list(names) if names else "(could not tell which)"
+    if "static_graph" in text:
+        fix = "the set of used parameters changed between steps: set parallel.static_graph = false"
+    else:
+        fix = (
+            "make forward use them (or freeze them with requires_grad = False), "
+            "or set parallel.find_unused_parameters = true (slower)"
+        )
+    return TrainingError(f"ddp: parameters got no gradient in the previous step{where}: {listed}; {fix}")
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+class Strategy:
+    """How one process runs the model: device, wrapping, collectives. Base: one process, no peers.
+
+    Use as ``strategy.setup()`` ... ``strategy.teardown()`` (or ``with strategy:``).
+
+    Attributes:
+        mode: ``"none"``, ``"dp"`` or ``"ddp"``.
+        plan: The resolved device plan.
+        device: Where inputs go.
+        output_device: Where model outputs land (put loss targets here).
+    """
+
+    mode = "none"
+
+    def __init__(self, spec: Any, plan: DevicePlan):
+        self.spec = spec
+        self.plan = plan
+        self.device = torch.device("cuda", 0) if plan.accelerator == "cuda" else torch.device("cpu")
+        self.output_device = self.device
+
+    # process layout -------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Global rank of this process (0 .. world_size-1)."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the process that logs and saves)."""
+        return self.rank == 0
+
+    # lifecycle ------------------------------------------------------------
+    def setup(self) -> None:
+        """Prepare this process (nothing for one process)."""
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` took; safe to call twice."""
+
+    def __enter__(self) -> "Strategy":
+        self.setup()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.teardown()
+
+    # model ----------------------------------------------------------------
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Move ``module`` to :attr:`device` and wrap it for this mode.
+
+        Args:
+            module: The user's model.
+
+        Returns:
+            The module to train with.
+        """
+        return module.to(self.device)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """Return the user's model inside the wrapper (for state dicts and optimizers' views)."""
+        return unwrap(module)
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        """Return the module to evaluate with (the wrapped one unless collectives would get in the way)."""
+        return wrapped
+
+    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager:
+        """Context for micro-batches before the last one of a gradient-accumulation step (no gradient sync)."""
+        return contextlib.nullcontext()
+
+    # collectives ----------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all processes; returns a tensor on ``tensor``'s device (identity here)."""
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait for every process (no-op here)."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Return rank 0's ``obj`` on every process (identity here)."""
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj``, indexed by rank (``[obj]`` here)."""
+        return [obj]
+
+
+class SingleDevice(Strategy):
+    """``mode = "none"``: one process, one device (``cuda:0`` after narrowing, or cpu)."""
+
+    mode = "none"
+
+
+class DataParallelStrategy(Strategy):
+    """``mode = "dp"``: one process drives every chosen GPU through ``torch.nn.DataParallel``.
+
+    The whole micro-batch is loaded on ``cuda:0``; DataParallel scatters it along
+    ``parallel.dim`` (``torch.chunk``), runs one replica per chunk and gathers the
+    outputs on ``parallel.output_device``. With one device the model runs unwrapped.
+    """
+
+    mode = "dp"
+
+    def __init__(self, spec: Any, plan: DevicePlan):
+        if plan.accelerator != "cuda":
+            raise DeviceError("parallel.mode = \"dp\" needs CUDA GPUs: use mode = \"none\", or \"ddp\" with gloo on CPU")
+        super().__init__(spec, plan)
+        self.num_devices = len(plan.requested_ids)
+        self.output_device = torch.device("cuda", plan.output_index)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
+
+        Raises:
+            DeviceError: torch sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``
+                was not narrowed before CUDA started).
+        """
+        module = module.to(self.device)
+        if self.num_devices == 1:
+            return module
+        seen = torch.cuda.device_count()
+        if seen < self.num_devices:
+            raise DeviceError(
+                f"dp planned {self.num_devices} GPUs ({self.plan.selected}) but torch sees {seen}: "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+            )
+        bn = _count_batchnorm(module)
+        if bn:
+            warnings.warn(
+                f"model has {bn} BatchNorm layer(s): under dp their running statistics come from the first "
+                f"replica's chunk only; use parallel.mode = \"ddp\" with sync_batchnorm = true for exact statistics",
+                UserWarning,
+                stacklevel=2,
+            )
+        return _GatherCheckedDataParallel(
+            module,
+            device_ids=list(range(self.num_devices)),
+            output_device=self.plan.output_index,
+            dim=self.spec.parallel.dim,
+        )
+
+
+class DDPStrategy(Strategy):
+    """``mode = "ddp"``: one process per device, DistributedDataParallel, a torch.distributed process group.
+
+    Each process is started by torch's elastic launcher (or ``torchrun`` / a
+    scheduler), which sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    """
+
+    mode = "ddp"
+    _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    def __init__(self, spec: Any, plan: DevicePlan):
+        super().__init__(spec, plan)
+        self.backend = plan.backend or ("nccl" if plan.accelerator == "cuda" else "gloo")
+        if self.backend == "nccl" and plan.accelerator != "cuda":
+            raise DeviceError("parallel.backend = \"nccl\" needs CUDA: use backend = \"gloo\" on CPU")
+        self._layout: Optional[tuple[int, int, int, int]] = None  # rank, local rank, world, local world
+        self._owns_group = False
+
+    def _need_setup(self) -> tuple[int, int, int, int]:
+        if self._layout is None:
+            raise TrainingError("DDPStrategy used before setup(): call strategy.setup() in the worker first")
+        return self._layout
+
+    @property
+    def rank(self) -> int:
+        return self._need_setup()[0]
+
+    @property
+    def local_rank(self) -> int:
+        return self._need_setup()[1]
+
+    @property
+    def world_size(self) -> int:
+        return self._need_setup()[2]
+
+    def setup(self) -> None:
+        """Join the process group described by the launcher's environment variables.
+
+        Sets the device (``cuda:LOCAL_RANK`` with nccl), caps CPU threads to
+        cores / local processes on CPU, and calls ``init_process_group`` with
+        ``timeout = parallel.timeout_s``.
+
+        Raises:
+            UsageError: The launcher's variables are missing, or ``WORLD_SIZE``
+                differs from the plan's world size.
+            DeviceError: ``LOCAL_RANK`` has no GPU.
+        """
+        env = os.environ  # init_process_group's env:// reads the same variables
+        missing = [k for k in self._ENV if k not in env]
+        if missing:
+            raise UsageError(
+                f"mode = \"ddp\" worker started without {missing}: start it with `runner exec` (which launches the "
+                f"workers), torchrun, or a scheduler that sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+            )
+        rank, local_rank, world = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", self.plan.nproc_per_node))
+        if world != self.plan.world_size:
+            raise UsageError(
+                f"the launcher says WORLD_SIZE={world} but the spec resolves to world size {self.plan.world_size} "
+                f"(nnodes {self.plan.nnodes} x nproc_per_node {self.plan.nproc_per_node}): make them agree"
+            )
+        if self.plan.accelerator == "cuda":
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise DeviceError(
+                    f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): one process per GPU"
+                )
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // max(1, local_world)))
+        self.output_device = self.device
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.spec.parallel.timeout_s)}
+            if self.backend == "nccl":
+                kwargs["device_id"] = self.device
+            dist.init_process_group(self.backend, rank=rank, world_size=world, **kwargs)
+            self._owns_group = True
+        self._layout = (rank, local_rank, world, local_world)
+
+    def teardown(self) -> None:
+        """Destroy the process group this strategy created; safe to call twice."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Move ``module`` to this rank's device, convert BatchNorm if asked, wrap in DDP."""
+        self._need_setup()
+        module = module.to(self.device)
+        if self.spec.parallel.sync_batchnorm and self.device.type == "cuda":
+            module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        par = self.spec.parallel
+        return DistributedDataParallel(
+            module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=par.find_unused_parameters,
+            static_graph=par.static_graph,
+            gradient_as_bucket_view=par.gradient_as_bucket_view,
+        )
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        """The unwrapped model: evaluation batches may be uneven across ranks, so no DDP hooks."""
+        return unwrap(wrapped)
+
+    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager:
+        """``wrapped.no_sync()`` for DDP models (skip the all-reduce while accumulating)."""
+        if isinstance(wrapped, DistributedDataParallel):
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def _collective_device(self) -> torch.device:
+        return torch.device("cpu") if self.backend == "gloo" else self.device
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks (a detached copy; the input is not modified).
+
+        Args:
+            tensor: Any shape; gloo reduces on CPU, nccl on this rank's GPU.
+
+        Returns:
+            The sum, on ``tensor``'s device.
+        """
+        self._need_setup()
+        buf = tensor.detach().to(self._collective_device(), copy=True)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        return buf.to(tensor.device)
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+        self._need_setup()
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Return rank 0's ``obj`` (picklable) on every rank."""
+        self._need_setup()
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self._collective_device())
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj`` (picklable), indexed by rank, on every rank."""
+        self._need_setup()
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+_STRATEGIES: dict[str, type[Strategy]] = {"none": SingleDevice, "dp": DataParallelStrategy, "ddp": DDPStrategy}
+
+
+def make_strategy(spec: Any, plan: DevicePlan) -> Strategy:
+    """Build the strategy for ``plan.mode``.
+
+    Args:
+        spec: The validated :class:`~runner.spec.ExperimentSpec`.
+        plan: From :func:`runner.devices.resolve_devices` (already applied to the environment).
+
+    Returns:
+        A :class:`Strategy`; call ``setup()`` before use and ``teardown()`` in ``finally``.
+
+    Raises:
+        DeviceError: The plan's accelerator cannot run the mode (dp on CPU, nccl on CPU).
+    """
+    return _STRATEGIES[plan.mode](spec, plan)

@@ -1,0 +1,122 @@
+"""Two CPU processes (gloo) started by torch's elastic launcher: collectives and DDP gradients match one process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from runner.devices import Inventory, resolve_devices
+from runner.parallel import make_strategy
+from runner.spec import ExperimentSpec
+
+pytestmark = pytest.mark.integration
+
+WORLD = 2
+BATCH = 8
+
+
+def _spec() -> ExperimentSpec:
+    return ExperimentSpec.model_validate(
+        {
+            "name": "t",
+            "model": {"name": "mlp"},
+            "data": {"dataset": "synthetic", "batch_size": BATCH},
+            "optim": {"lr": 0.1},
+            "devices": {"accelerator": "cpu"},
+            "parallel": {"mode": "ddp", "nproc_per_node": WORLD, "timeout_s": 60.0},
+        }
+    )
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    return torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen)
+
+
+def _worker() -> dict:
+    """Runs in each elastic worker; returns what the test checks."""
+    spec = _spec()
+    strategy = make_strategy(spec, resolve_devices(spec, {}, Inventory([], False)))
+    strategy.setup()
+    try:
+        rank = strategy.rank
+        out = {
+            "rank": rank,
+            "world": strategy.world_size,
+            "local_rank": strategy.local_rank,
+            "is_main": strategy.is_main,
+            "threads": torch.get_num_threads(),
+            "sum": strategy.all_reduce_sum(torch.tensor([rank + 1.0, 10.0])),
+            "broadcast": strategy.broadcast_object({"from": rank, "run_id": f"run-{rank}"}),
+            "gathered": strategy.all_gather_object(rank * 10),
+        }
+        wrapped = strategy.wrap(_model())
+        x, y = _batch()
+        share = BATCH // WORLD
+        xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        nn.functional.mse_loss(wrapped(xs), ys).backward()
+        out["grads"] = {n: p.grad.clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
+        strategy.barrier()
+        return out
+    finally:
+        strategy.teardown()
+
+
+def _launch() -> dict[int, dict]:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=WORLD,
+        run_id=f"test-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, _worker)()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _launch()
+
+
+@pytest.mark.timeout(120)
+def test_layout_and_threads(results):
+    assert sorted(results) == [0, 1]
+    for rank, res in results.items():
+        assert (res["rank"], res["world"], res["local_rank"], res["is_main"]) == (rank, WORLD, rank, rank == 0)
+    cores = len(os.sched_getaffinity(0))
+    assert all(res["threads"] == max(1, cores // WORLD) for res in results.values())
+
+
+@pytest.mark.timeout(120)
+def test_collectives(results):
+    for res in results.values():
+        assert torch.equal(res["sum"], torch.tensor([3.0, 20.0]))
+        assert res["broadcast"] == {"from": 0, "run_id": "run-0"}
+        assert res["gathered"] == [0, 10]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_gradient_equals_single_process_gradient(results):
+    model = _model()
+    x, y = _batch()
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for res in results.values():
+        assert res["grads"].keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(res["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
