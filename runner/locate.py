@@ -1,0 +1,481 @@
+"""Locate spec problems: the line each TOML key is written on, and a readable message per validation error."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+from runner.spec import CrossFieldError, ExperimentSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+Loc = tuple  # tuple[str | int, ...]: table keys are str, array indices are int
+
+_BARE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_SCALAR_END = frozenset(",]}\n#")
+
+
+def locate_keys(text: str) -> dict[Loc, int]:
+    """Map every key path written in a TOML document to the 1-based line it is written on.
+
+    Covers ``[table]`` and ``[[array]]`` headers, ``key = value`` lines, dotted keys
+    (``a.b = 1`` also places ``a`` on that line unless it was placed before), quoted keys,
+    keys of inline tables and elements of arrays (``("devices", "ids", 1)``). The text
+    is assumed to be valid TOML (parse it with tomllib first); on anything unexpected
+    the scan stops and returns what it has found so far.
+
+    Args:
+        text: The TOML document.
+
+    Returns:
+        Dict from key path (tuple of str keys and int array indices) to line number.
+    """
+    scanner = _Scanner(text)
+    try:
+        scanner.document()
+    except (IndexError, ValueError):
+        pass
+    return scanner.lines
+
+
+def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
+    """Return the line of ``loc``, else of its nearest located ancestor, else 1.
+
+    Args:
+        lines: Result of :func:`locate_keys`.
+        loc: Key path, e.g. ``("parallel", "mode")``.
+
+    Returns:
+        A 1-based line number.
+    """
+    loc = tuple(loc)
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return 1
+
+
+class _Scanner:
+    """A forgiving, position-tracking reader of valid TOML that records where keys are."""
+
+    def __init__(self, text: str):
+        self.s = text
+        self.i = 0
+        self.line = 1
+        self.lines: dict[Loc, int] = {}
+        self.array_tables: dict[Loc, int] = {}
+
+    # -- low level
+    def peek(self, n: int = 1) -> str:
+        return self.s[self.i : self.i + n]
+
+    def advance(self, n: int = 1) -> None:
+        self.line += self.s.count("\n", self.i, self.i + n)
+        self.i += n
+
+    def skip_blank(self, newlines: bool) -> None:
+        """Skip spaces and tabs (and newlines and comments when ``newlines``)."""
+        while self.i < len(self.s):
+            c = self.s[self.i]
+            if c in " \t\r" or (newlines and c == "\n"):
+                self.advance()
+            elif c == "#" and newlines:
+                end = self.s.find("\n", self.i)
+                self.advance((len(self.s) if end < 0 else end) - self.i)
+            else:
+                return
+
+    def place(self, loc: Loc, line: int, overwrite: bool = True) -> None:
+        if overwrite or loc not in self.lines:
+            self.lines[loc] = line
+
+    # -- grammar
+    def document(self) -> None:
+        table: Loc = ()
+        while True:
+            self.skip_blank(newlines=True)
+            if self.i >= len(self.s):
+                return
+            if self.peek() == "[":
+                table = self.header()
+            else:
+                self.keyval(table)
+            self.skip_blank(newlines=False)
+            if self.peek() == "#":
+                self.skip_blank(newlines=True)
+
+    def header(self) -> Loc:
+        is_array = self.peek(2) == "[["
+        self.advance(2 if is_array else 1)
+        line = self.line
+        key = self.key()
+        self.skip_blank(newlines=False)
+        self.advance(2 if is_array else 1)
+        for n in range(1, len(key)):
+            self.place(key[:n], line, overwrite=False)
+        if is_array:
+            index = self.array_tables.get(key, -1) + 1
+            self.array_tables[key] = index
+            self.place(key, line, overwrite=False)
+            key = key + (index,)
+        self.place(key, line)
+        return key
+
+    def keyval(self, table: Loc) -> None:
+        line = self.line
+        key = table + self.key()
+        for n in range(len(table) + 1, len(key)):
+            self.place(key[:n], line, overwrite=False)
+        self.place(key, line)
+        self.skip_blank(newlines=False)
+        if self.peek() != "=":
+            raise ValueError("expected '='")
+        self.advance()
+        self.skip_blank(newlines=False)
+        self.value(key)
+
+    def key(self) -> Loc:
+        parts: list[str] = []
+        while True:
+            self.skip_blank(newlines=False)
+            c = self.peek()
+            if c in ('"', "'"):
+                start = self.i
+                self.string()
+                parts.append(tomllib.loads(f"k = {self.s[start:self.i]}")["k"])
+            else:
+                start = self.i
+                while self.i < len(self.s) and self.s[self.i] in _BARE:
+                    self.i += 1
+                if start == self.i:
+                    raise ValueError("empty key")
+                parts.append(self.s[start : self.i])
+            self.skip_blank(newlines=False)
+            if self.peek() != ".":
+                return tuple(parts)
+            self.advance()
+
+    def string(self) -> None:
+        quote = self.peek()
+        if self.peek(3) == quote * 3:
+            self.advance(3)
+            end = self._find_close(quote * 3, escapes=quote == '"')
+            self.advance(end + 3 - self.i)
+            while self.peek() == quote:  # up to two quotes may end the content
+                self.advance()
+            return
+        self.advance()
+        end = self._find_close(quote, escapes=quote == '"')
+        self.advance(end + 1 - self.i)
+
+    def _find_close(self, delim: str, escapes: bool) -> int:
+        j = self.i
+        while True:
+            if escapes and self.s[j] == "\\":
+                j += 2
+                continue
+            if self.s.startswith(delim, j):
+                return j
+            if j >= len(self.s):
+                raise ValueError("unterminated string")
+            j += 1
+
+    def value(self, loc: Loc) -> None:
+        c = self.peek()
+        if c in ('"', "'"):
+            self.string()
+        elif c == "[":
+            self.advance()
+            index = 0
+            while True:
+                self.skip_blank(newlines=True)
+                if self.peek() == "]":
+                    self.advance()
+                    return
+                self.place(loc + (index,), self.line)
+                self.value(loc + (index,))
+                index += 1
+                self.skip_blank(newlines=True)
+                if self.peek() == ",":
+                    self.advance()
+        elif c == "{":
+            self.advance()
+            while True:
+                self.skip_blank(newlines=True)
+                if self.peek() == "}":
+                    self.advance()
+                    return
+                self.keyval(loc)
+                self.skip_blank(newlines=True)
+                if self.peek() == ",":
+                    self.advance()
+        else:
+            start = self.i
+            while self.i < len(self.s) and self.s[self.i] not in _SCALAR_END:
+                self.i += 1
+            if start == self.i:
+                raise ValueError("empty value")
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def format_key(loc: Sequence[str | int]) -> str:
+    """Return the dotted key of a path: ``("devices", "ids", 1)`` -> ``devices.ids[1]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        name = part if part and set(part) <= _BARE else json.dumps(part, ensure_ascii=False)
+        out += f".{name}" if out else name
+    return out
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """Render a value as it would be written in TOML (shortened to about ``limit`` characters)."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, float) and not math.isfinite(value):
+        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(show(v, limit) for v in value) + "]"
+    elif isinstance(value, dict):
+        text = "{ " + ", ".join(f"{k} = {show(v, limit)}" for k, v in value.items()) + " }" if value else "{}"
+    else:
+        text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def annotation_at(loc: Sequence[str | int]) -> Any:
+    """Return the schema type at ``loc`` (Optional unwrapped), or ``None`` if the schema has no such key."""
+    return _walk(tuple(loc))[2]
+
+
+def explain_errors(errors: Iterable[Mapping[str, Any]]) -> list[tuple[Loc, str]]:
+    """Turn pydantic error dicts (validating :class:`ExperimentSpec`) into ``(key path, message)`` pairs.
+
+    Messages read ``got X; expected Y (hint)``; unknown keys and misspelled choices get a
+    did-you-mean; a :class:`~runner.spec.CrossFieldError` gives one pair per problem at its
+    own key; union alternatives (``ids = [0, 1]`` or ``"all"``) are folded into one message.
+
+    Args:
+        errors: ``ValidationError.errors()``.
+
+    Returns:
+        One ``(loc, message)`` per problem, in the order pydantic reported them.
+    """
+    out: list[tuple[Loc, str]] = []
+    unions: dict[Loc, list[tuple[Loc, Mapping[str, Any]]]] = {}
+    for err in errors:
+        clean, union_at, _ = _walk(tuple(err["loc"]))
+        if union_at is None:
+            out += _explain(clean, err)
+        else:
+            if union_at not in unions:
+                out.append((union_at, ""))  # placeholder keeps the order
+            unions.setdefault(union_at, []).append((clean, err))
+    final: list[tuple[Loc, str]] = []
+    for loc, message in out:
+        if message or loc not in unions:
+            final.append((loc, message))
+            continue
+        group = unions.pop(loc)
+        deeper = [(c, e) for c, e in group if len(c) > len(loc)]
+        if deeper:
+            for c, e in deeper:
+                final += _explain(c, e)
+        else:
+            final.append((loc, _explain_union([e for _, e in group])))
+    return final
+
+
+def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
+    """Follow ``loc`` through the schema: (loc without union tags, where a union was, type at the end)."""
+    ann: Any = ExperimentSpec
+    clean: list[str | int] = []
+    union_at: Loc | None = None
+    for part in loc:
+        ann = _unwrap_optional(ann)
+        if get_origin(ann) in (Union, types.UnionType):
+            union_at, ann = tuple(clean), None  # this part is pydantic's tag of a union member
+            continue
+        clean.append(part)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(part) if isinstance(part, str) else None
+            ann = field.annotation if field else None
+        elif get_origin(ann) is dict:
+            ann = get_args(ann)[1]
+        elif get_origin(ann) is list:
+            ann = get_args(ann)[0]
+        else:
+            ann = None
+    return tuple(clean), union_at, _unwrap_optional(ann)
+
+
+def _unwrap_optional(ann: Any) -> Any:
+    if get_origin(ann) in (Union, types.UnionType):
+        args = [a for a in get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+
+
+def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
+    word = str(word)
+    lowered = {c.lower(): c for c in choices}
+    match = lowered.get(word.lower()) or next(iter(difflib.get_close_matches(word, choices, n=1, cutoff=0.6)), None)
+    return f"did you mean {show(match)}?" if match else ""
+
+
+def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = ()) -> list[str]:
+    """Dotted keys of other tables that have a field called ``key``."""
+    found = []
+    for name, field in model.model_fields.items():
+        ann = _unwrap_optional(field.annotation)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            found += _elsewhere(key, ann, prefix + (name,))
+        elif name == key and prefix:
+            found.append(format_key(prefix + (name,)))
+    return found
+
+
+def _choices(expected: str) -> list[str]:
+    return re.findall(r"'((?:[^'\\]|\\.)*)'", expected)
+
+
+def _join(parts: Sequence[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _with_hint(message: str, hint: str) -> str:
+    return f"{message} ({hint})" if hint else message
+
+
+def _explain(loc: Loc, err: Mapping[str, Any]) -> list[tuple[Loc, str]]:
+    """Message(s) for one non-union pydantic error at ``loc``."""
+    kind = err["type"]
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    got = f"got {show(value)}"
+    if kind in ("value_error", "assertion_error"):
+        exc = ctx.get("error")
+        if isinstance(exc, CrossFieldError):
+            return [(tuple(key.split(".")), message) for key, message in exc.problems]
+        message = str(exc) if exc is not None else err["msg"].removeprefix("Value error, ")
+        return [(_subject(loc, message), message)]
+    if kind == "extra_forbidden":
+        parent = annotation_at(loc[:-1])
+        known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+        hint = _did_you_mean(loc[-1], known)
+        where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
+        if not hint and (other := _elsewhere(str(loc[-1]))):
+            hint = f"did you mean {_join(other)}?"
+        return [(loc, _with_hint(f"got unknown key {show(str(loc[-1]))}; expected {where}: {', '.join(known)}", hint))]
+    if kind == "missing":
+        return [(loc, _missing(loc))]
+    if kind == "literal_error":
+        choices = _choices(ctx.get("expected", ""))
+        return [(loc, _with_hint(f"{got}; expected {_join([show(c) for c in choices])}", _did_you_mean(value, choices)))]
+    if kind in ("int_type", "int_from_float", "int_parsing"):
+        hint = ""
+        if isinstance(value, float) and not isinstance(value, bool):
+            hint = f"counts are whole numbers: write {int(value)}" if value.is_integer() else "counts are whole numbers"
+        return [(loc, _with_hint(f"{got}; expected a whole number", hint or _type_hint(value)))]
+    if kind in ("float_type", "float_parsing"):
+        return [(loc, _with_hint(f"{got}; expected a number", _type_hint(value)))]
+    if kind in ("bool_type", "bool_parsing"):
+        hint = "write true/false" if isinstance(value, (int, float)) else _type_hint(value)
+        return [(loc, _with_hint(f"{got}; expected true or false", hint))]
+    if kind == "string_type":
+        hint = f"quote it: {show(show(value))}" if isinstance(value, (int, float, bool)) else ""
+        return [(loc, _with_hint(f"{got}; expected a string", hint))]
+    if kind == "list_type":
+        return [(loc, _with_hint(f"{got}; expected a list", f"write [{show(value)}]" if not isinstance(value, dict) else ""))]
+    if kind in ("dict_type", "model_type"):
+        name = format_key(loc)
+        return [(loc, f"{got}; expected a table (write [{name}] with its keys, or {name} = {{ ... }})")]
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return [(loc, f"{got}; expected a value {bounds[kind]} {show(limit)}")]
+    if kind in ("too_short", "string_too_short"):
+        what = "character" if kind == "string_too_short" else "item"
+        n = ctx.get("min_length", 1)
+        return [(loc, f"{got}; expected at least {n} {what}{'s' if n != 1 else ''}")]
+    if kind in ("too_long", "string_too_long"):
+        what = "character" if kind == "string_too_long" else "item"
+        n = ctx.get("max_length", 0)
+        return [(loc, f"{got}; expected at most {n} {what}{'s' if n != 1 else ''}")]
+    return [(loc, f"{got}; " + err["msg"].replace("Input should be", "expected").lower())]
+
+
+def _subject(loc: Loc, message: str) -> Loc:
+    """Key a table validator's message is about: its first word when that names a field of the table.
+
+    Table validators in :mod:`runner.spec` start their messages with the offending key
+    (``ids [0, 0] lists [0] more than once``), so the issue can point at that key's line.
+    """
+    table = annotation_at(loc)
+    word = re.match(r"[A-Za-z_]\w*", message)
+    if word and isinstance(table, type) and issubclass(table, BaseModel) and word.group() in table.model_fields:
+        return loc + (word.group(),)
+    return loc
+
+
+def _type_hint(value: Any) -> str:
+    """Hint for a value of the wrong type: quoted numbers or booleans."""
+    if isinstance(value, bool):
+        return "a boolean is not a number"
+    if isinstance(value, str):
+        try:
+            float(value)
+            return f"remove the quotes: write {value}"
+        except ValueError:
+            pass
+        if value.lower() in ("true", "false"):
+            return f"remove the quotes: write {value.lower()}"
+    return ""
+
+
+def _missing(loc: Loc) -> str:
+    parent = annotation_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    about = f"; {field.description}" if field is not None and field.description else ""
+    target = annotation_at(loc)
+    if isinstance(target, type) and issubclass(target, BaseModel):
+        return f"required table is missing: add [{format_key(loc)}]{about}"
+    where = f"under [{format_key(loc[:-1])}]" if loc[:-1] else "at the top, before any [table]"
+    return f"required key is missing: add {loc[-1]} = ... {where}{about}"
+
+
+def _explain_union(errors: list[Mapping[str, Any]]) -> str:
+    """One message for a value that matched none of the members of a union."""
+    value = errors[0].get("input")
+    expected: list[str] = []
+    choices: list[str] = []
+    for err in errors:
+        if err["type"] == "literal_error":
+            found = _choices((err.get("ctx") or {}).get("expected", ""))
+            choices += found
+            expected += [show(c) for c in found]
+        elif err["type"] == "list_type":
+            expected.append("a list")
+        else:
+            expected.append(err["msg"].replace("Input should be ", ""))
+    hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
+    return _with_hint(f"got {show(value)}; expected {_join(expected)}", hint)
