@@ -1,0 +1,817 @@
+"""Everything MLflow: tracking URI, run creation with provenance, buffered metric logging, run end.
+
+Only :class:`mlflow.tracking.MlflowClient` is used, always with an explicit run id, so
+runs never depend on MLflow's fluent "active run" stack. mlflow and torch are imported
+inside functions, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import operator
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from runner.errors import TrackingError
+from runner.gitinfo import git_diff, git_info
+
+log = logging.getLogger(__name__)
+
+TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+PARAMS_PER_BATCH = 100  # MLflow's limit for params (and tags) in one log_batch request
+METRICS_PER_BATCH = 1000  # MLflow's limit for metrics in one log_batch request
+ERROR_TAG_CHARS = 1000
+_BARE_URIS = ("databricks", "databricks-uc", "uc")
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+_SERVER_HINT = (
+    "start a server with `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`, "
+    "fix tracking.uri in the spec, or unset MLFLOW_TRACKING_URI to log to ./mlflow.db"
+)
+
+
+# --------------------------------------------------------------------------- URI
+
+
+def _absolute_uri(uri: str, cwd: Path) -> str:
+    """Resolve a relative sqlite path, ``file:`` URI or plain path against ``cwd``."""
+    if uri in _BARE_URIS:
+        return uri
+    if uri.startswith("sqlite:"):
+        prefix = "sqlite:///"
+        if not uri.startswith(prefix):
+            return uri  # sqlite:// (in memory) or something MLflow will reject with its own message
+        rest, sep, query = uri[len(prefix):].partition("?")
+        if not rest or rest.startswith(":memory:") or rest.startswith("/"):
+            return uri
+        return f"{prefix}{(cwd / rest).resolve()}{sep}{query}"
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        path = Path(parts.path)
+        if parts.netloc or path.is_absolute():
+            return uri
+        return (cwd / path).resolve().as_uri()
+    if len(parts.scheme) > 1:  # http, https, postgresql, databricks://profile, ...
+        return uri
+    return str((cwd / Path(uri).expanduser()).resolve())  # plain local path (a file store)
+
+
+def resolve_tracking_uri(spec: Any, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> str:
+    """Return the tracking URI a run of ``spec`` logs to.
+
+    Precedence: ``spec.tracking.uri``, then ``$MLFLOW_TRACKING_URI``, then
+    ``sqlite:///<cwd>/mlflow.db``. A relative sqlite path, relative ``file:`` URI or plain
+    path is resolved once against ``cwd`` (MLflow's own convention), so worker processes
+    started elsewhere log to the same store.
+
+    Args:
+        spec: An ``ExperimentSpec`` (only ``spec.tracking.uri`` is read).
+        env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
+        cwd: Folder relative paths are taken from. Default: the current directory.
+
+    Returns:
+        An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
+    """
+    env = os.environ if env is None else env
+    base = Path.cwd() if cwd is None else Path(cwd)
+    raw = (spec.tracking.uri or "").strip() or env.get("MLFLOW_TRACKING_URI", "").strip()
+    if not raw:
+        return f"sqlite:///{(base / 'mlflow.db').resolve()}"
+    return _absolute_uri(raw, base)
+
+
+def _local_store_path(uri: str) -> tuple[str, Path] | None:
+    """``("sqlite"|"file", path)`` for local stores, ``None`` for anything else."""
+    if uri.startswith("sqlite:///"):
+        rest = uri[len("sqlite:///"):].partition("?")[0]
+        if not rest or rest.startswith(":memory:"):
+            return None
+        return "sqlite", Path(rest if rest.startswith("/") else os.path.abspath(rest))
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        from urllib.request import url2pathname
+
+        return "file", Path(url2pathname(parts.path))
+    if uri not in _BARE_URIS and len(parts.scheme) <= 1:
+        return "file", Path(uri).expanduser()
+    return None
+
+
+def _http_auth() -> tuple[dict[str, str], Any, Any]:
+    """Headers, basic auth and TLS verification from MLflow's standard environment variables."""
+    headers: dict[str, str] = {}
+    auth = None
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    elif user and password:
+        auth = (user, password)
+    verify: Any = True
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true"):
+        verify = False
+    elif os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):
+        verify = os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"]
+    return headers, auth, verify
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, before any training, when the tracking store cannot be used.
+
+    http(s): ``GET <uri>/health`` (falling back to the REST experiments-search endpoint),
+    with no retries. sqlite: the database's folder exists and is writable (and the file,
+    if it exists, too). Local file store: the folder, or its parent, is writable. Other
+    schemes (postgresql, databricks, ...) are not checked here. Nothing is written.
+
+    Args:
+        uri: An absolute tracking URI, e.g. from :func:`resolve_tracking_uri`.
+        timeout_s: Seconds to wait for the server to answer each request.
+
+    Raises:
+        TrackingError: The server does not answer, answers like something other than an
+            MLflow server, rejects the credentials, or the local store is not writable.
+    """
+    scheme = urlsplit(uri).scheme
+    if scheme in ("http", "https"):
+        _check_http(uri, timeout_s)
+        return
+    local = _local_store_path(uri)
+    if local is None:
+        return
+    kind, path = local
+    if kind == "sqlite":
+        folder = path.parent
+        if not folder.is_dir():
+            raise TrackingError(
+                f"tracking store {uri}: folder {folder} does not exist; create it (mkdir -p {folder}) "
+                "or set tracking.uri / MLFLOW_TRACKING_URI to another location"
+            )
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise TrackingError(f"tracking store {uri}: folder {folder} is not writable (sqlite writes a journal next to the database)")
+        if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+            raise TrackingError(f"tracking store {uri}: database {path} is not readable and writable by this user")
+        return
+    target = path if path.exists() else path.parent
+    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+        raise TrackingError(f"tracking store {uri}: {target} is not a writable folder")
+
+
+def _check_http(uri: str, timeout_s: float) -> None:
+    import requests
+
+    headers, auth, verify = _http_auth()
+    base = uri.rstrip("/")
+
+    def get(endpoint: str) -> int:
+        try:
+            resp = requests.get(base + endpoint, headers=headers, auth=auth, verify=verify, timeout=timeout_s, allow_redirects=True)
+        except requests.exceptions.RequestException as exc:
+            raise TrackingError(f"cannot reach the MLflow tracking server at {uri} ({type(exc).__name__}: {exc}); {_SERVER_HINT}") from exc
+        return resp.status_code
+
+    health = get("/health")
+    if health == 200:
+        return
+    api = get("/api/2.0/mlflow/experiments/search?max_results=1")
+    if api == 200:
+        return
+    if api in (401, 403):
+        raise TrackingError(
+            f"the MLflow tracking server at {uri} rejected the request (HTTP {api}): set MLFLOW_TRACKING_TOKEN, "
+            "or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+    raise TrackingError(
+        f"{uri} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does not look like "
+        f"an MLflow tracking server; {_SERVER_HINT}"
+    )
+
+
+# --------------------------------------------------------------------------- run creation
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """Where a run lives.
+
+    Attributes:
+        uri: Absolute tracking URI.
+        run_id: MLflow run id (32 hex digits).
+        experiment_id: MLflow experiment id.
+        experiment_name: MLflow experiment name.
+        run_name: The run's display name (given or generated by MLflow).
+        artifact_uri: Root of the run's artifacts.
+    """
+
+    uri: str
+    run_id: str
+    experiment_id: str
+    experiment_name: str
+    run_name: str = ""
+    artifact_uri: str = ""
+
+
+def _spec_codec() -> tuple[Any, Any]:
+    """``(flatten_spec, dump_spec)`` from :mod:`runner.loading` (imported lazily)."""
+    from runner.loading import dump_spec, flatten_spec
+
+    return flatten_spec, dump_spec
+
+
+def param_value(value: Any) -> str:
+    """Render one flattened spec value as an MLflow param string, stably.
+
+    ``True`` -> ``"true"``, ``1`` -> ``"1"``, ``1.0`` -> ``"1.0"`` (floats use ``repr``),
+    lists and tables -> JSON, strings unchanged.
+
+    Args:
+        value: A JSON-able scalar, list or dict.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def _shorten(text: str, limit: int, where: str) -> str:
+    """Cut ``text`` to ``limit`` characters with a marker saying how long it was and where the rest is."""
+    if len(text) <= limit:
+        return text
+    marker = f"...[truncated from {len(text)} chars; full text in {where}]"
+    return text[: max(0, limit - len(marker))] + marker
+
+
+def spec_params(spec: Any) -> dict[str, str]:
+    """Return the MLflow params of a spec: dotted keys to strings within MLflow's limits.
+
+    Keys come from ``runner.loading.flatten_spec`` (``None`` values are left out);
+    characters MLflow rejects in keys become ``_``; values longer than MLflow's limit
+    (``MAX_PARAM_VAL_LENGTH``, 6000) are shortened with a marker pointing at the
+    ``spec/resolved.toml`` artifact, which holds the full spec.
+
+    Args:
+        spec: An ``ExperimentSpec``.
+    """
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    flatten_spec, _ = _spec_codec()
+    out: dict[str, str] = {}
+    for key, value in flatten_spec(spec).items():
+        if value is None:
+            continue
+        out[_BAD_KEY_CHARS.sub("_", key)] = _shorten(param_value(value), MAX_PARAM_VAL_LENGTH, "artifact spec/resolved.toml")
+    return out
+
+
+def _check_fluent_run(nested: bool) -> str | None:
+    """Raise when a fluent MLflow run is active and nesting was not asked for; return the parent id."""
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is None:
+        return None
+    active_id = active.info.run_id
+    if not nested:
+        raise TrackingError(
+            f"an MLflow run ({active_id}) is already active in this process (mlflow.start_run() was called before runner): "
+            "end it with mlflow.end_run() first, or pass nested=True to record this run as its child"
+        )
+    return active_id
+
+
+def _torch_versions() -> tuple[str, str]:
+    """``(torch version, CUDA version of the torch build or "none")`` without initialising CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return "none", "none"
+    return str(torch.__version__), str(torch.version.cuda or "none")
+
+
+def _runner_version() -> str:
+    import runner
+
+    return str(getattr(runner, "__version__", "unknown"))
+
+
+def run_tags(
+    loaded: Any,
+    plan_description: Mapping[str, Any],
+    info: Any,
+    extra_tags: Mapping[str, Any] | None = None,
+    parent_run_id: str | None = None,
+) -> dict[str, str]:
+    """Build the tags of a new run: provenance, environment, spec tags, then ``extra_tags``.
+
+    Args:
+        loaded: A ``LoadedSpec``.
+        plan_description: ``DevicePlan.describe()``; ``devices[*].name`` (or ``names``),
+            ``world_size``, ``accelerator`` and ``mode`` are read when present.
+        info: :class:`runner.gitinfo.GitInfo` of the repository holding the spec, or ``None``.
+        extra_tags: Tags that override all others.
+        parent_run_id: Set ``mlflow.parentRunId`` (nested runs).
+
+    Returns:
+        Tag key -> string value (values cut to MLflow's ``MAX_TAG_VAL_LENGTH``).
+    """
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    spec = loaded.spec
+    torch_version, cuda_version = _torch_versions()
+    spec_path = info.relpath(loaded.path) if info is not None else str(Path(loaded.path).resolve())
+    tags: dict[str, Any] = {
+        "mlflow.source.type": "LOCAL",
+        "mlflow.source.name": spec_path,
+        "runner.spec.path": spec_path,
+        "runner.spec.sha256": loaded.sha256,
+        "runner.version": _runner_version(),
+        "runner.torch_version": torch_version,
+        "runner.cuda_version": cuda_version,
+        "runner.hostname": socket.gethostname(),
+        "runner.parallel_mode": plan_description.get("mode", spec.parallel.mode),
+    }
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except Exception:  # no user name in containers without a passwd entry
+        pass
+    if info is not None:
+        tags["runner.git.dirty"] = "true" if info.dirty else "false"
+        tags["runner.git.untracked_files"] = str(info.untracked_count)
+        if info.commit:
+            tags["mlflow.source.git.commit"] = info.commit
+        if info.branch:
+            tags["runner.git.branch"] = info.branch
+            tags["mlflow.source.git.branch"] = info.branch
+        if info.remote_url:
+            tags["mlflow.source.git.repoURL"] = info.remote_url
+    names = plan_description.get("names") or [
+        d["name"] for d in plan_description.get("devices") or () if isinstance(d, Mapping) and d.get("name")
+    ]
+    if names:
+        tags["runner.devices"] = ", ".join(str(n) for n in names)
+    elif plan_description.get("accelerator") == "cpu":
+        tags["runner.devices"] = "cpu"
+    for key in ("world_size", "accelerator"):
+        if plan_description.get(key) is not None:
+            tags[f"runner.{key}"] = plan_description[key]
+    if spec.description:
+        tags["mlflow.note.content"] = spec.description
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    tags.update(spec.tags)
+    tags.update(extra_tags or {})
+    return {k: _shorten(param_value(v), MAX_TAG_VAL_LENGTH, "the run's artifacts") for k, v in tags.items()}
+
+
+def _ensure_experiment(client: Any, name: str, uri: str) -> str:
+    """Return the id of experiment ``name``, creating it when missing (race-safe)."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name)
+        except MlflowException as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+            exp = client.get_experiment_by_name(name)  # another process created it meanwhile
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        raise TrackingError(
+            f"MLflow experiment {name!r} (id {exp.experiment_id}) in {uri} is deleted: restore it with "
+            f"`mlflow experiments restore --experiment-id {exp.experiment_id}` or set tracking.experiment to another name"
+        )
+    return exp.experiment_id
+
+
+def start_run(
+    loaded: Any,
+    plan_description: Mapping[str, Any],
+    run_name: str | None = None,
+    extra_tags: Mapping[str, Any] | None = None,
+    *,
+    uri: str | None = None,
+    nested: bool = False,
+) -> RunHandle:
+    """Create the MLflow run of an experiment and record its spec, provenance and plan.
+
+    Creates the experiment (``spec.tracking.experiment``, else ``spec.name``) when
+    missing, then one run with an explicit id (MLflow's fluent active run is neither used
+    nor changed). Logs the flattened spec as params (batches of 100); tags from
+    :func:`run_tags`; artifacts ``spec/<spec file name>`` (the file's own text),
+    ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked files
+    differ from HEAD and ``git/untracked.txt`` when untracked files exist, in the git
+    repository that contains the spec file. If logging fails after the run was created,
+    the run is marked FAILED before the error is raised.
+
+    Args:
+        loaded: A ``runner.loading.LoadedSpec`` (``spec``, ``path``, ``source_text``, ``sha256``).
+        plan_description: JSON-able description of the device plan (``DevicePlan.describe()``).
+        run_name: Display name. Default: ``spec.tracking.run_name``, else MLflow's generated name.
+        extra_tags: Further tags; they override every other tag.
+        uri: Tracking URI. Default: :func:`resolve_tracking_uri` of the spec.
+        nested: Allow a fluent MLflow run to be active and record it as this run's parent.
+
+    Returns:
+        The new run's :class:`RunHandle`; the run is RUNNING until :func:`end_run`.
+
+    Raises:
+        TrackingError: A fluent run is active and ``nested`` is false, the store is not
+            reachable, the experiment is deleted, or MLflow rejects a request.
+    """
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    spec = loaded.spec
+    uri = uri or resolve_tracking_uri(spec)
+    parent_run_id = _check_fluent_run(nested)
+    check_reachable(uri)
+    # Everything that can fail without the network is computed before the run exists.
+    _, dump_spec = _spec_codec()
+    params = [Param(k, v) for k, v in spec_params(spec).items()]
+    resolved_toml = dump_spec(spec)
+    plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
+    info = git_info(loaded.path)
+    tags = run_tags(loaded, plan_description, info, extra_tags, parent_run_id)
+    experiment_name = spec.tracking.experiment or spec.name
+    run_name = run_name or spec.tracking.run_name
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        experiment_id = _ensure_experiment(client, experiment_name, uri)
+        run = client.create_run(experiment_id, tags=tags, run_name=run_name)
+    except MlflowException as exc:
+        raise TrackingError(f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}") from exc
+    run_id = run.info.run_id
+    try:
+        for i in range(0, len(params), PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH], synchronous=True)
+        source_name = Path(loaded.path).name
+        if source_name in ("resolved.toml", "plan.json"):
+            source_name = f"source-{source_name}"
+        client.log_text(run_id, loaded.source_text, f"spec/{source_name}")
+        client.log_text(run_id, resolved_toml, "spec/resolved.toml")
+        client.log_text(run_id, plan_json, "spec/plan.json")
+        if info is not None and info.dirty:
+            client.log_text(run_id, git_diff(info), "git/diff.patch")
+        if info is not None and info.untracked:
+            more = info.untracked_count - len(info.untracked)
+            listing = "\n".join(info.untracked) + (f"\n[... and {more} more]" if more > 0 else "") + "\n"
+            client.log_text(run_id, listing, "git/untracked.txt")
+    except Exception as exc:
+        try:
+            client.set_terminated(run_id, "FAILED")
+        except Exception:  # the original error matters more
+            log.debug("could not mark run %s FAILED", run_id, exc_info=True)
+        raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+    return RunHandle(
+        uri=uri,
+        run_id=run_id,
+        experiment_id=experiment_id,
+        experiment_name=experiment_name,
+        run_name=run.info.run_name or "",
+        artifact_uri=run.info.artifact_uri or "",
+    )
+
+
+def _error_tag(error: str) -> str:
+    """Keep both ends of a long error (a traceback ends with the exception message)."""
+    text = error.strip()
+    if len(text) <= ERROR_TAG_CHARS:
+        return text
+    head, tail = 200, ERROR_TAG_CHARS - 260
+    return f"{text[:head]}\n...[{len(text) - head - tail} chars cut; full text in artifact error.txt]...\n{text[-tail:]}"
+
+
+def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:
+    """Give a run its terminal status, recording the error when there is one.
+
+    Args:
+        uri: Tracking URI of the run.
+        run_id: The run.
+        status: ``"FINISHED"``, ``"FAILED"`` or ``"KILLED"``.
+        error: What went wrong (message or traceback); stored in full as artifact
+            ``error.txt`` and, cut to both ends of about 1000 characters, as tag ``runner.error``.
+
+    Raises:
+        ValueError: ``status`` is not a terminal status.
+        TrackingError: MLflow rejects a request (unknown run, unreachable store).
+    """
+    if status not in TERMINAL_STATUSES:
+        raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        if error:
+            client.log_batch(run_id, tags=[RunTag("runner.error", _error_tag(error))], synchronous=True)
+            client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
+        client.set_terminated(run_id, status)
+    except Exception as exc:
+        raise TrackingError(f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- trackers
+
+
+class Tracker(Protocol):
+    """What the training loop logs through; only rank 0 gets an :class:`MlflowTracker`."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullTracker:
+    """A tracker that records nothing (ranks other than 0, ``tracking.enabled = false``)."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Do nothing."""
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Do nothing."""
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Do nothing."""
+
+    def flush(self) -> None:
+        """Do nothing."""
+
+    def close(self) -> None:
+        """Do nothing."""
+
+    def __enter__(self) -> "NullTracker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class MlflowTracker:
+    """Logs metrics, tags and artifacts of one run from a background thread.
+
+    ``log_metrics``, ``set_tags`` and ``log_artifact`` only append to a buffer (a lock
+    held for a list append); a daemon thread sends metrics with ``MlflowClient.log_batch``
+    (at most ``max_batch`` per request) every ``flush_every_s`` seconds, or sooner when
+    ``max_batch`` metrics are waiting. The training thread waits on the network only in
+    :meth:`flush` and :meth:`close`. A failed request is not retried beyond MLflow's own
+    HTTP retries; its error is kept and raised as :class:`TrackingError` by the next
+    ``flush``/``close``, so nothing is lost silently.
+
+    Args:
+        uri: Tracking URI.
+        run_id: The run to log to (created by :func:`start_run`).
+        flush_every_s: Longest time, in seconds, a metric waits in the buffer.
+        max_batch: Metrics per request (capped at MLflow's limit of 1000).
+    """
+
+    def __init__(self, uri: str, run_id: str, flush_every_s: float = 5.0, max_batch: int = METRICS_PER_BATCH):
+        from mlflow.tracking import MlflowClient
+
+        if flush_every_s <= 0:
+            raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
+        self.uri, self.run_id = uri, run_id
+        self.flush_every_s = float(flush_every_s)
+        self.max_batch = max(1, min(int(max_batch), METRICS_PER_BATCH))
+        self._client = MlflowClient(tracking_uri=uri)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the sender waits on it
+        self._done = threading.Condition(self._lock)  # flush() waits on it
+        self._metrics: list[tuple[str, float, int, int]] = []  # (key, value, timestamp_ms, step)
+        self._ops: list[tuple[str, Any, Any]] = []  # ("tags", dict, None) | ("artifact", path, artifact_path)
+        self._queued = 0  # items ever buffered
+        self._processed = 0  # items sent or given up on
+        self._flush_wanted = False
+        self._closing = False
+        self._closed = False
+        self._failures: list[tuple[str, BaseException]] = []
+        self._lost = 0
+        self._keys_ok: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"runner-mlflow-{run_id[:8]}", daemon=True)
+        self._thread.start()
+
+    # ---- training-thread side
+
+    def _check_key(self, key: str) -> None:
+        from mlflow.exceptions import MlflowException
+        from mlflow.utils.validation import _validate_metric_name
+
+        try:
+            _validate_metric_name(key)
+        except MlflowException as exc:
+            raise ValueError(f"invalid MLflow metric name {key!r}: {exc.message}") from None
+        self._keys_ok.add(key)
+
+    def _enqueue(self, metrics: list[tuple[str, float, int, int]] = (), op: tuple[str, Any, Any] | None = None) -> None:
+        with self._lock:
+            if self._closing:
+                raise TrackingError(f"tracker of run {self.run_id} is closed; nothing more can be logged")
+            if metrics:
+                self._metrics.extend(metrics)
+                self._queued += len(metrics)
+                if len(self._metrics) >= self.max_batch:
+                    self._wake.notify()
+            if op is not None:
+                self._ops.append(op)
+                self._queued += 1
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Buffer metric values for one step; returns without touching the network.
+
+        Args:
+            metrics: Name (e.g. ``train/loss``) -> value; convertible with ``float()``.
+                Pass Python floats: converting a CUDA tensor here would synchronise the GPU.
+            step: Integer step (optimizer steps, or epochs for per-epoch metrics).
+
+        Raises:
+            TypeError: ``step`` is not an integer.
+            ValueError: A name is not a valid MLflow metric name.
+            TrackingError: The tracker was closed.
+        """
+        step = operator.index(step)
+        ts = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            if key not in self._keys_ok:
+                self._check_key(key)
+            items.append((key, float(value), ts, step))
+        self._enqueue(items)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Buffer run tags (values rendered like params: ``true``, ``1.0``, JSON for lists).
+
+        Raises:
+            TrackingError: The tracker was closed.
+        """
+        if tags:
+            self._enqueue(op=("tags", {str(k): param_value(v) for k, v in tags.items()}, None))
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Buffer the upload of a file or folder; it must stay in place until the next flush/close.
+
+        Args:
+            path: Local file or folder.
+            artifact_path: Folder inside the run's artifacts. Default: the root.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            TrackingError: The tracker was closed.
+        """
+        p = Path(path).resolve()
+        if not p.exists():
+            raise FileNotFoundError(f"artifact {p} does not exist")
+        self._enqueue(op=("artifact", str(p), artifact_path))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until everything buffered before this call has been sent.
+
+        Args:
+            timeout_s: Give up after this many seconds. Default: wait (MLflow's HTTP
+                retries bound how long a dead server takes to fail).
+
+        Raises:
+            TrackingError: Sending failed (the errors since the last flush are reported
+                once, with how many items were lost), the sender thread died, or the
+                timeout passed.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            target = self._queued
+            if self._processed < target:
+                self._flush_wanted = True
+                self._wake.notify()
+            while self._processed < target:
+                if not self._thread.is_alive():
+                    break
+                left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+                if left <= 0:
+                    raise TrackingError(
+                        f"timed out after {timeout_s} s sending {target - self._processed} buffered items to run {self.run_id} at {self.uri}"
+                    )
+                self._done.wait(left)
+            pending = target - self._processed
+        self._raise_failures(pending)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send everything buffered, then stop the sender thread. Idempotent.
+
+        Raises:
+            TrackingError: As :meth:`flush`.
+        """
+        if self._closed:
+            self._raise_failures(0)
+            return
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self._lock:
+                self._closing = True
+                self._wake.notify()
+            self._thread.join(timeout=timeout_s)
+            self._closed = True
+        self._raise_failures(0)
+
+    def __enter__(self) -> "MlflowTracker":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not hide the exception already on its way out
+            self.close()
+        except TrackingError as err:
+            log.warning("%s", err)
+
+    def _raise_failures(self, pending: int) -> None:
+        with self._lock:
+            failures, self._failures = self._failures, []
+            lost, self._lost = self._lost, 0
+            dead = not self._thread.is_alive() and not self._closing
+        if not failures and not pending and not dead:
+            return
+        what = f"{lost} items were not recorded" if lost else "items may be missing"
+        if pending:
+            what += f"; {pending} items are still unsent (the sender thread stopped)"
+        first = failures[0] if failures else ("sender thread", None)
+        detail = f"; first error ({first[0]}): {type(first[1]).__name__}: {first[1]}" if first[1] is not None else ""
+        more = f" ({len(failures)} failed requests)" if len(failures) > 1 else ""
+        raise TrackingError(f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}{detail}") from first[1]
+
+    # ---- sender thread
+
+    def _run(self) -> None:
+        try:
+            next_due = time.monotonic() + self.flush_every_s
+            while True:
+                with self._lock:
+                    while True:
+                        pending = bool(self._metrics or self._ops)
+                        now = time.monotonic()
+                        if self._closing or self._flush_wanted or len(self._metrics) >= self.max_batch:
+                            break
+                        if now >= next_due:
+                            if pending:
+                                break
+                            next_due = now + self.flush_every_s
+                        self._wake.wait(max(0.0, next_due - now))
+                    metrics, self._metrics = self._metrics, []
+                    ops, self._ops = self._ops, []
+                    target = self._queued
+                    self._flush_wanted = False
+                    closing = self._closing
+                self._send(metrics, ops)
+                next_due = time.monotonic() + self.flush_every_s
+                with self._lock:
+                    self._processed = target
+                    self._done.notify_all()
+                    if closing and not self._metrics and not self._ops:
+                        return
+        except BaseException as exc:  # keep it for flush(); the thread ends
+            with self._lock:
+                self._failures.append(("sender thread", exc))
+                self._done.notify_all()
+
+    def _fail(self, what: str, exc: BaseException, count: int) -> None:
+        log.debug("MLflow %s failed", what, exc_info=True)
+        with self._lock:
+            self._failures.append((what, exc))
+            self._lost += count
+
+    def _send(self, metrics: list[tuple[str, float, int, int]], ops: list[tuple[str, Any, Any]]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        for i in range(0, len(metrics), self.max_batch):
+            chunk = [Metric(k, v, ts, step) for k, v, ts, step in metrics[i : i + self.max_batch]]
+            try:
+                self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            except Exception as exc:
+                self._fail(f"log_batch of {len(chunk)} metrics", exc, len(chunk))
+        for kind, a, b in ops:
+            try:
+                if kind == "tags":
+                    tags = [RunTag(k, v) for k, v in a.items()]
+                    for j in range(0, len(tags), PARAMS_PER_BATCH):
+                        self._client.log_batch(self.run_id, tags=tags[j : j + PARAMS_PER_BATCH], synchronous=True)
+                elif Path(a).is_dir():
+                    self._client.log_artifacts(self.run_id, a, b)
+                else:
+                    self._client.log_artifact(self.run_id, a, b)
+            except Exception as exc:
+                self._fail(f"{'set_tags' if kind == 'tags' else 'log_artifact ' + a}", exc, 1)
