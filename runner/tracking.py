@@ -525,6 +525,60 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
         raise TrackingError(f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}") from exc
 
 
+def run_exists(uri: str, run_id: str) -> bool:
+    """Whether ``run_id`` is a run of the store at ``uri`` (deleted runs do not count)."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    except Exception:  # noqa: BLE001 - MLflow raises MlflowException for unknown ids
+        return False
+    return run.info.lifecycle_stage != "deleted"
+
+
+def latest_run_id(uri: str, experiment: str) -> str | None:
+    """Id of the most recently started top-level run of ``experiment``, or ``None``.
+
+    Child runs of sweeps and benches (tag ``mlflow.parentRunId``) are not candidates.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=50)
+    for run in runs:
+        if "mlflow.parentRunId" not in run.data.tags and run.data.tags.get("runner.sweep") != "parent":
+            return run.info.run_id
+    return None
+
+
+def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
+    """Mark a stopped run RUNNING again so a resumed job continues it (params are not logged again).
+
+    Args:
+        uri: Tracking URI.
+        run_id: The run to continue.
+        spec_change: JSON list of dotted keys the user allowed to change; recorded as tag
+            ``runner.resume.spec_change``.
+
+    Raises:
+        TrackingError: MLflow rejects the update.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        client.update_run(run_id, status="RUNNING")
+        count = int(client.get_run(run_id).data.tags.get("runner.resume.count", "0")) + 1
+        client.set_tag(run_id, "runner.resume.count", str(count))
+        if spec_change:
+            client.set_tag(run_id, "runner.resume.spec_change", spec_change)
+    except Exception as exc:
+        raise TrackingError(f"could not reopen MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+
+
 # --------------------------------------------------------------------------- trackers
 
 
