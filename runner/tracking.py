@@ -579,6 +579,41 @@ def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
         raise TrackingError(f"could not reopen MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
+def last_logged_steps(uri: str, run_id: str) -> dict[str, int]:
+    """The highest step logged so far for every metric of a run (``{}`` for a new run).
+
+    A resumed job uses it to skip steps it recomputes after its last checkpoint, so that the
+    run's metric histories never hold a step twice.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    keys = client.get_run(run_id).data.metrics.keys()
+    return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1) for key in keys}
+
+
+class SkipLoggedSteps:
+    """A tracker wrapper that drops metrics at steps the run already holds (after resume).
+
+    Args:
+        inner: The real tracker.
+        last_steps: From :func:`last_logged_steps`.
+    """
+
+    def __init__(self, inner: Any, last_steps: dict[str, int]):
+        self.inner = inner
+        self.last_steps = last_steps
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Forward the metrics whose ``step`` is beyond what the run already holds."""
+        fresh = {k: v for k, v in metrics.items() if step > self.last_steps.get(k, -1)}
+        if fresh:
+            self.inner.log_metrics(fresh, step=step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 # --------------------------------------------------------------------------- trackers
 
 

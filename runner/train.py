@@ -37,11 +37,16 @@ class TrainState:
         epoch: Index of the epoch in progress (0-based).
         global_step: Optimizer steps taken so far, over all epochs.
         batch_in_epoch: Global batches of ``epoch`` already consumed.
+        epoch_sums: Rank-reduced ``[loss sum, correct, samples]`` of the batches of ``epoch``
+            consumed so far, so that epoch metrics of a resumed epoch cover the whole epoch.
+        window_sums: The same for the steps since the last ``train/loss`` log.
     """
 
     epoch: int = 0
     global_step: int = 0
     batch_in_epoch: int = 0
+    epoch_sums: Optional[list[float]] = None
+    window_sums: Optional[list[float]] = None
 
 
 @dataclass
@@ -129,7 +134,8 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
         total_steps = min(total_steps, train_spec.max_steps)
     progress = Progress(train_spec.progress, total_steps, enabled=strategy.is_main, initial=state.global_step)
     log_every = train_spec.log_every_n_steps
-    window = _Window(strategy.output_device)
+    window = _Window(strategy.output_device, state.window_sums if strategy.rank == 0 else None)
+    resumed_epoch_sums = state.epoch_sums if strategy.rank == 0 else None
 
     def log(metrics: dict[str, float], step: int) -> None:
         result.metrics.update(metrics)
@@ -140,7 +146,8 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
         while state.epoch < train_spec.epochs and state.global_step < total_steps:
             epoch_start = time.perf_counter()
             epoch_samples = 0
-            epoch_window = _Window(strategy.output_device)
+            epoch_window = _Window(strategy.output_device, resumed_epoch_sums)
+            resumed_epoch_sums = None
             loaders.train_sampler.set_epoch(state.epoch)
             loaders.train_sampler.set_start_batch(state.batch_in_epoch)
             model.train()
@@ -203,9 +210,9 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
                     progress.show(epoch=state.epoch, loss=loss_mean)
                     window = _Window(strategy.output_device)
                 if checkpoint_spec is not None and checkpoint_spec.every_n_steps and state.global_step % checkpoint_spec.every_n_steps == 0:
-                    _checkpoint(parts, state, "step")
+                    _checkpoint(parts, state, "step", epoch_window, window)
                 if _any(strategy, parts.should_stop()):
-                    _checkpoint(parts, state, "signal")
+                    _checkpoint(parts, state, "signal", epoch_window, window)
                     raise Interrupted()
             epoch_done = state.batch_in_epoch >= steps_per_epoch
             epoch_time = time.perf_counter() - epoch_start
@@ -231,8 +238,9 @@ def fit(parts: LoopParts, train_spec: Any, state: Optional[TrainState] = None, c
             state.epoch += 1
             state.batch_in_epoch = 0
             if checkpoint_spec is not None and state.epoch % checkpoint_spec.every_n_epochs == 0:
-                _checkpoint(parts, state, "epoch")
+                _checkpoint(parts, state, "epoch", None, window)
             if _any(strategy, parts.should_stop()):
+                _checkpoint(parts, state, "signal", None, window)
                 raise Interrupted()
     finally:
         progress.close()
@@ -270,9 +278,12 @@ def evaluate(parts: LoopParts, strategy: Any) -> dict[str, float]:
 class _Window:
     """Running sums (loss, correct, count) kept on the device; reduced over ranks on demand."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, start: Optional[list[float]] = None):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
         self.has_correct = False
+        if start is not None:  # rank-reduced sums restored from a checkpoint, held by rank 0 only
+            self.sums += torch.tensor(start[:3], dtype=torch.float64, device=device)
+            self.has_correct = bool(start[3]) if len(start) > 3 else False
 
     def add(self, loss_sum: torch.Tensor, correct: Optional[torch.Tensor], count: int) -> None:
         self.sums[0] += loss_sum.to(torch.float64)
@@ -280,6 +291,10 @@ class _Window:
             self.sums[1] += correct
             self.has_correct = True
         self.sums[2] += count
+
+    def reduced_sums(self, strategy: Any) -> list[float]:
+        """``[loss sum, correct, samples, has_correct]`` summed over ranks (a collective)."""
+        return strategy.all_reduce_sum(self.sums.clone()).tolist() + [1.0 if self.has_correct else 0.0]
 
     def reduce(self, strategy: Any) -> tuple[float, Optional[float]]:
         loss, correct, count = strategy.all_reduce_sum(self.sums.clone()).tolist()
@@ -307,7 +322,11 @@ def _any(strategy: Any, flag: bool) -> bool:
     return bool(strategy.all_reduce_sum(t).item() > 0)
 
 
-def _checkpoint(parts: LoopParts, state: TrainState, reason: str) -> None:
-    if parts.on_checkpoint is not None:
-        parts.on_checkpoint(state, reason)
+def _checkpoint(parts: LoopParts, state: TrainState, reason: str, epoch_window: Optional[_Window], window: _Window) -> None:
+    """Record the running sums in ``state`` (collectives on every rank), then save."""
+    if parts.on_checkpoint is None:
+        return
+    state.epoch_sums = epoch_window.reduced_sums(parts.strategy) if epoch_window is not None else None
+    state.window_sums = window.reduced_sums(parts.strategy)
+    parts.on_checkpoint(state, reason)
 

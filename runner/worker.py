@@ -148,6 +148,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
                         f"world size changed ({len(rng)} -> {strategy.world_size}): RNG states not restored"
                     )
                 result.resumed_from = str(found.path)
+                tracker = _skip_logged(tracker, args.tracking_uri, run_id)
                 result.notes += [f"skipped {reason}" for _, reason in found.skipped]
             elif args.resume:
                 result.notes.append(f"no checkpoint in {directory}: starting from step 0")
@@ -219,6 +220,14 @@ def _agree_on_run(strategy: Any, local_run_id: Optional[str]) -> tuple[Optional[
         if rid is not None:
             return rid, rank
     return None, 0
+
+
+def _skip_logged(tracker: Any, uri: Optional[str], run_id: Optional[str]) -> Any:
+    from runner.tracking import NullTracker, SkipLoggedSteps, last_logged_steps
+
+    if isinstance(tracker, NullTracker) or uri is None or run_id is None:
+        return tracker
+    return SkipLoggedSteps(tracker, last_logged_steps(uri, run_id))
 
 
 def _peak_memory_bytes(device: Any) -> int:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from runner import checkpoint as ckpt
+from runner.train import TrainState
 
 
 def _payload(step: int, value: float = 1.0) -> dict:
@@ -22,7 +22,7 @@ def _payload(step: int, value: float = 1.0) -> dict:
         optimizer=opt,
         scheduler=None,
         scaler=None,
-        state=SimpleNamespace(epoch=1, global_step=step, batch_in_epoch=0),
+        state=TrainState(epoch=1, global_step=step, batch_in_epoch=0),
         rng_states=[{"torch": torch.get_rng_state()}],
         spec_flat={"optim.lr": 0.1},
         spec_sha256="abc",

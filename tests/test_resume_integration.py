@@ -1,0 +1,234 @@
+"""Interruption, checkpoints and resume: a stopped run continues into the same MLflow run and ends equal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner.checkpoint import list_checkpoints, load_latest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).parents[1]
+
+FACTORY = '''
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+class Probe(torch.nn.Module):
+    """A small MLP that can mark a point in training (for a test to signal) or crash once there."""
+
+    def __init__(self, in_features: int = 8, num_classes: int = 3):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(), torch.nn.Linear(16, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            rank = int(os.environ.get("RANK", "0"))
+            at = int(os.environ.get("PROBE_AT", "0"))
+            marker = os.environ.get("PROBE_MARKER")
+            if marker and self.calls >= at:
+                if os.environ.get("PROBE_CRASH") and rank == 1 and not Path(marker).exists():
+                    Path(marker).touch()
+                    os._exit(3)  # a hard crash, once
+                if not os.environ.get("PROBE_CRASH") and rank == 0:
+                    Path(marker).touch()
+                    time.sleep(0.3)  # slow down so the signal lands mid-run
+        return self.net(x)
+
+
+def build(**kwargs):
+    return Probe(**kwargs)
+'''
+
+SPEC = """
+name = "resume"
+seed = 3
+
+[model]
+name = "probe_factory:build"
+kwargs = {{ in_features = 8, num_classes = 3 }}
+
+[data]
+dataset = "synthetic"
+num_samples = 96
+input_shape = [8]
+num_classes = 3
+batch_size = 16
+val_fraction = 0.25
+
+[devices]
+accelerator = "cpu"
+
+[parallel]
+{parallel}
+
+[optim]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+
+[scheduler]
+name = "step"
+kwargs = {{ step_size = 1, gamma = 0.5 }}
+
+[train]
+epochs = 3
+log_every_n_steps = 2
+progress = "off"
+
+[checkpoint]
+keep_last = 5
+{checkpoint}
+
+[tracking]
+uri = "{store}"
+experiment = "resume"
+"""
+
+DDP = 'mode = "ddp"\nnproc_per_node = 2\ntimeout_s = 60'
+STEPS_PER_EPOCH = 5  # 72 training samples, global batch 16
+KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
+
+
+def _write(tmp_path: Path, store: str, parallel: str = 'mode = "none"', checkpoint: str = "", name: str = "spec.toml") -> Path:
+    (tmp_path / "probe_factory.py").write_text(FACTORY)
+    path = tmp_path / name
+    path.write_text(SPEC.format(parallel=parallel, checkpoint=checkpoint, store=store))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _runner(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", "exec", *args], cwd=tmp_path, env=_env(**env),
+                          capture_output=True, text=True, timeout=240)
+
+
+def _runs(store: str) -> list:
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("resume")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _histories(store: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    client = MlflowClient(store)
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in KEYS}
+
+
+def _final_model(store: str, run_id: str) -> dict[str, torch.Tensor]:
+    found = load_latest(Path(store[len("sqlite:///"):]).parent / "checkpoints" / run_id)
+    assert found is not None
+    return found.payload["model"]
+
+
+def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "exec", str(spec)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(STEPS_PER_EPOCH + 1)))
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the run never reached epoch 2"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    return proc
+
+
+@pytest.mark.parametrize("parallel", ['mode = "none"', DDP], ids=["none", "ddp"])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: str, parallel: str) -> None:
+    spec = _write(tmp_path, store, parallel)
+    done = _runner(tmp_path, str(spec))
+    assert done.returncode == 0, done.stderr
+    proc = _interrupt(tmp_path, spec)
+    assert proc.returncode == 130
+    full, stopped = _runs(store)
+    assert stopped.info.status == "KILLED"
+    stopped_steps = [s for s, _ in _histories(store, stopped.info.run_id)["train/loss"]]
+    assert stopped_steps and stopped_steps[-1] < 3 * STEPS_PER_EPOCH
+
+    resumed = _runner(tmp_path, str(spec), "--resume", "last")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from step-" in resumed.stdout
+    runs = _runs(store)
+    assert len(runs) == 2, "resume must continue the same run, not start a new one"
+    again = MlflowClient(store).get_run(stopped.info.run_id)
+    assert again.info.status == "FINISHED"
+    expected, got = _histories(store, full.info.run_id), _histories(store, stopped.info.run_id)
+    for key in KEYS:
+        steps = [s for s, _ in got[key]]
+        assert steps == sorted(set(steps)), f"{key}: duplicated steps {steps}"
+        assert got[key] == expected[key], key
+    a, b = _final_model(store, full.info.run_id), _final_model(store, stopped.info.run_id)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    (run,) = _runs(store)
+    folder = Path(store[len("sqlite:///"):]).parent / "checkpoints" / run.info.run_id
+    files = list_checkpoints(folder)
+    assert [f.name for f in files][-2:] == ["step-00000010.pt", "step-00000015.pt"]
+    files[-1].write_bytes(files[-1].read_bytes()[:1000])
+    before = _histories(store, run.info.run_id)
+    resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-00000015.pt" in resumed.stdout and "truncated" in resumed.stdout
+    assert "resuming from step-00000010.pt" in resumed.stdout
+    after = _histories(store, run.info.run_id)
+    assert after == before  # epoch 3 recomputed to the same values, no step logged twice
+    assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    (run,) = _runs(store)
+    edited = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "optim.lr=0.2", "--set", "seed=4")
+    assert edited.returncode == 2
+    assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
+    allowed = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "train.epochs=4",
+                      "--allow-spec-change", "train.epochs")
+    assert allowed.returncode == 0, allowed.stderr
+    again = MlflowClient(store).get_run(run.info.run_id)
+    assert again.data.tags["runner.resume.spec_change"] == '["train.epochs"]'
+    steps = [s for s, _ in _histories(store, run.info.run_id)["val/accuracy"]]
+    assert steps == [5, 10, 15, 20]
+
+
+def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store, DDP + "\nmax_restarts = 1", "every_n_steps = 2")
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    crashed = _runner(tmp_path, str(spec), PROBE_MARKER=str(tmp_path / "crashed"), PROBE_AT="8", PROBE_CRASH="1")
+    assert crashed.returncode == 0, crashed.stdout + crashed.stderr
+    assert (tmp_path / "crashed").exists(), "the worker never crashed: the test tests nothing"
+    full, restarted = _runs(store)
+    assert restarted.info.status == "FINISHED"
+    got = _histories(store, restarted.info.run_id)
+    assert got == _histories(store, full.info.run_id)
+    a, b = _final_model(store, full.info.run_id), _final_model(store, restarted.info.run_id)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -1,0 +1,365 @@
+"""Sweep definitions, trial expansion, trial validation and the report, without training anything."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from types import SimpleNamespace
+
+import pytest
+
+from runner.cli import main
+from runner.errors import SpecError, UsageError
+from runner.loading import load_spec, spec_sha256
+from runner.spec import SweepParam, SweepSpec
+from runner.sweep import _device_pool, pick_device, prepare_trials, run_sweep, trial_tags, without_sweep
+from runner.sweep_space import (
+    SweepDefinition,
+    SweepReport,
+    Trial,
+    TrialResult,
+    build_definition,
+    expand,
+    parse_grid,
+    parse_random,
+    toml_value,
+)
+
+SWEEP_TABLE = """
+[sweep]
+method = "grid"
+metric = "val/loss"
+goal = "min"
+
+[sweep.params."optim.lr"]
+values = [0.1, 0.01]
+
+[sweep.params.seed]
+values = [0, 1]
+"""
+
+
+# --------------------------------------------------------------------------- command-line entries
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "values"),
+    [
+        ("optim.lr=0.1,0.01", "optim.lr", [0.1, 0.01]),
+        ("seed=0,1,2", "seed", [0, 1, 2]),
+        ("optim.name=adam,sgd", "optim.name", ["adam", "sgd"]),
+        ('optim.name="adam","sgd"', "optim.name", ["adam", "sgd"]),
+        ("model.kwargs.hidden=[16],[32, 32]", "model.kwargs.hidden", [[16], [32, 32]]),
+        ("train.amp = no , bf16", "train.amp", ["no", "bf16"]),
+        ("data.shuffle=true,false", "data.shuffle", [True, False]),
+    ],
+)
+def test_grid_entries_are_toml_values(entry: str, key: str, values: list) -> None:
+    got_key, param = parse_grid(entry)
+    assert got_key == key and param.values == values
+    assert [type(v) for v in param.values] == [type(v) for v in values]
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("optim.lr=1e-4:1e-1:log", SweepParam(low=1e-4, high=0.1, distribution="log_uniform")),
+        ("optim.momentum=0:0.9", SweepParam(low=0.0, high=0.9)),
+        ("seed=0:100:int", SweepParam(low=0, high=100, distribution="int_uniform")),
+    ],
+)
+def test_random_entries(entry: str, expected: SweepParam) -> None:
+    assert parse_random(entry)[1] == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "entry", "fragment"),
+    [
+        ("grid", "optim.lr", "expected KEY=V1,V2"),
+        ("grid", "=0.1", "expected KEY=V1,V2"),
+        ("grid", "optim.lr=", "no values"),
+        ("random", "optim.lr=0.1", "expected KEY=LOW:HIGH"),
+        ("random", "optim.lr=1:2:cubic", "expected KEY=LOW:HIGH"),
+        ("random", "optim.lr=a:b", "must be numbers"),
+        ("random", "optim.lr=0.1:0.01", "low < high"),
+        ("random", "optim.lr=0:1:log", "log_uniform needs low > 0"),
+    ],
+)
+def test_bad_entries_are_usage_errors_naming_the_entry(flag: str, entry: str, fragment: str) -> None:
+    parse = parse_grid if flag == "grid" else parse_random
+    with pytest.raises(UsageError) as info:
+        parse(entry)
+    assert fragment in str(info.value) and f"--{flag} {entry}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0.1, 1e-5, 3e20, -2.5, 0, 7, True, False, "adam", 'qu"ote\\s é', [16, 32], [[1], [2, 3]], {"a": 1, "b c": [0.5, "x"]}],
+)
+def test_toml_value_round_trips(value) -> None:
+    text = toml_value(value)
+    assert tomllib.loads(f"v = {text}")["v"] == value
+
+
+def test_toml_value_special_floats() -> None:
+    assert toml_value(math.inf) == "inf" and toml_value(-math.inf) == "-inf" and toml_value(math.nan) == "nan"
+    with pytest.raises(TypeError):
+        toml_value(None)
+
+
+# --------------------------------------------------------------------------- definitions
+
+
+def test_command_line_adds_to_and_replaces_the_spec_params() -> None:
+    spec = SweepSpec(params={"optim.lr": SweepParam(values=[0.1]), "seed": SweepParam(values=[0])}, metric="val/loss", goal="min")
+    d = build_definition(spec, grid=["optim.lr=0.5,0.05", "optim.momentum=0.0,0.9"])
+    assert [k for k, _ in d.params] == ["optim.lr", "seed", "optim.momentum"]  # replaced key keeps its place
+    assert dict(d.params)["optim.lr"].values == [0.5, 0.05]
+    assert (d.method, d.metric, d.goal, d.seed, d.num_trials) == ("grid", "val/loss", "min", 0, None)
+    d = build_definition(spec, grid=["seed=1,2"], num_trials=3, seed=7, metric="val/accuracy", goal="max")
+    assert (d.num_trials, d.seed, d.metric, d.goal) == (3, 7, "val/accuracy", "max")
+
+
+def test_random_flag_makes_the_sweep_random_and_needs_a_budget() -> None:
+    with pytest.raises(UsageError, match="--num-trials"):
+        build_definition(None, random=["optim.lr=1e-4:1e-1:log"])
+    d = build_definition(None, random=["optim.lr=1e-4:1e-1:log"], grid=["seed=0,1"], num_trials=4)
+    assert d.method == "random"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({}, "nothing to sweep"),
+        ({"grid": ["optim.lr=0.1", "optim.lr=0.2"]}, "swept twice"),
+        ({"grid": ["tracking.experiment=a,b"]}, "cannot sweep tracking.experiment"),
+        ({"grid": ["sweep.seed=1,2"]}, "cannot sweep sweep.seed"),
+        ({"grid": ["seed=1,2"], "num_trials": 0}, "at least 1"),
+        ({"grid": ["seed=1,2"], "seed": -1}, ">= 0"),
+    ],
+)
+def test_bad_definitions_are_usage_errors(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(UsageError, match=fragment):
+        build_definition(None, **kwargs)
+
+
+def test_a_range_in_a_grid_sweep_is_a_spec_error_with_its_line(write_spec) -> None:
+    path = write_spec('[sweep]\n[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\n')
+    loaded = load_spec(path)
+    from runner.locate import locate_keys
+
+    with pytest.raises(SpecError) as info:
+        build_definition(loaded.spec.sweep, spec_file=path, key_lines=locate_keys(loaded.source_text))
+    (issue,) = info.value.issues
+    assert issue.key == 'sweep.params."optim.lr"' and issue.file == path and issue.line is not None
+    assert path.read_text().splitlines()[issue.line - 1].startswith('[sweep.params."optim.lr"]')
+    assert "method = \"random\"" in issue.message
+    # the same range is fine for random search
+    random_def = build_definition(loaded.spec.sweep, num_trials=2, random=["optim.momentum=0:0.5"])
+    assert random_def.method == "random"
+
+
+def test_definition_json_round_trip() -> None:
+    d = build_definition(None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=3)
+    back = SweepDefinition.from_json(d.to_json())
+    assert back == d and back.same_trials(d)
+    assert not back.same_trials(build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=4))
+    assert d.describe("optim.lr") == "log_uniform(0.001, 0.1)" and d.describe("seed") == "[0, 1]"
+    with pytest.raises(ValueError):
+        SweepDefinition.from_json({"method": "grid"})
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+def test_grid_is_the_cartesian_product_in_key_order_capped_by_num_trials() -> None:
+    d = build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"])
+    trials = expand(d)
+    assert [t.index for t in trials] == list(range(6))
+    assert [tuple(t.values.values()) for t in trials] == [(0.1, 0), (0.1, 1), (0.1, 2), (0.01, 0), (0.01, 1), (0.01, 2)]
+    assert trials[4].overrides() == ["optim.lr=0.01", "seed=1"]
+    assert trials[4].label() == "trial 4 (optim.lr=0.01, seed=1)"
+    capped = expand(build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"], num_trials=4))
+    assert [t.values for t in capped] == [t.values for t in trials[:4]]
+    assert len(expand(build_definition(None, grid=["seed=0,1"], num_trials=10))) == 2
+
+
+def test_random_sampling_is_seeded_and_respects_bounds() -> None:
+    def draw(seed: int, n: int = 200) -> list[Trial]:
+        return expand(
+            build_definition(
+                None,
+                grid=["optim.name=adam,sgd"],
+                random=["optim.lr=1e-5:1e-1:log", "optim.momentum=0.1:0.9", "seed=3:7:int"],
+                num_trials=n,
+                seed=seed,
+            )
+        )
+
+    first, again, other = draw(0), draw(0), draw(1)
+    assert [t.values for t in first] == [t.values for t in again]
+    assert [t.values for t in first] != [t.values for t in other]
+    lrs = [t.values["optim.lr"] for t in first]
+    assert all(1e-5 <= lr <= 1e-1 for lr in lrs)
+    # log-uniform: about as many draws below the geometric middle (1e-3) as above, and every decade is hit
+    below = sum(lr < 1e-3 for lr in lrs)
+    assert 70 < below < 130
+    assert {math.floor(math.log10(lr)) for lr in lrs} == {-5, -4, -3, -2}
+    assert all(0.1 <= t.values["optim.momentum"] <= 0.9 for t in first)
+    seeds = [t.values["seed"] for t in first]
+    assert all(isinstance(s, int) for s in seeds) and set(seeds) == {3, 4, 5, 6, 7}
+    assert {t.values["optim.name"] for t in first} == {"adam", "sgd"}
+    assert len(first) == 200 and list(first[0].values) == ["optim.name", "optim.lr", "optim.momentum", "seed"]
+
+
+def test_int_range_without_an_integer_is_an_error() -> None:
+    with pytest.raises(UsageError, match="no integer"):
+        expand(build_definition(None, random=["seed=0.2:0.8:int"], num_trials=1))
+
+
+# --------------------------------------------------------------------------- trial specs
+
+
+def test_trial_specs_drop_the_sweep_table(write_spec) -> None:
+    path = write_spec(SWEEP_TABLE)
+    base = load_spec(path)
+    trial = without_sweep(load_spec(path, ["optim.lr=0.01"]))
+    assert base.spec.sweep is not None and trial.spec.sweep is None and "sweep" not in trial.data
+    assert trial.spec.optim.lr == 0.01 and trial.path == base.path
+    assert trial.sha256 == spec_sha256(trial.spec) != base.sha256
+    assert without_sweep(trial) is trial
+
+
+def test_trial_overrides_reproduce_the_values_through_the_loader(write_spec) -> None:
+    path = write_spec()
+    trial = Trial(0, {"optim.lr": 1e-5 / 3, "model.kwargs.hidden": [8, 4], "optim.name": "adam", "seed": 5})
+    spec = load_spec(path, trial.overrides()).spec
+    assert (spec.optim.lr, spec.model.kwargs["hidden"], spec.optim.name, spec.seed) == (1e-5 / 3, [8, 4], "adam", 5)
+
+
+def test_every_bad_trial_is_reported_with_its_number_and_key(write_spec) -> None:
+    path = write_spec()
+    trials = expand(build_definition(None, grid=["optim.lr=0.1,-1", "train.epochs=1,0"]))
+    with pytest.raises(SpecError) as info:
+        prepare_trials(path, [], trials)
+    found = {(i.key, i.message.rsplit("[sweep ", 1)[-1]) for i in info.value.issues}
+    assert ("train.epochs", "trial 1 (optim.lr=0.1, train.epochs=0)]") in found
+    assert ("optim.lr", "trial 2 (optim.lr=-1, train.epochs=1)]") in found
+    assert {"optim.lr", "train.epochs"} == {k for k, m in found if m.startswith("trial 3 ")}
+    assert not any(m.startswith("trial 0 ") for _, m in found)
+
+
+def test_unknown_keys_and_models_are_caught_before_running(write_spec) -> None:
+    path = write_spec()
+    with pytest.raises(SpecError) as info:
+        prepare_trials(path, [], expand(build_definition(None, grid=['model.name="mlp","resnett"'])))
+    (issue,) = info.value.issues
+    assert issue.key == "model.name" and 'trial 1 (model.name="resnett")' in issue.message
+    with pytest.raises(SpecError) as info:
+        prepare_trials(path, [], expand(build_definition(None, grid=["optim.lrr=0.1"])))
+    assert info.value.issues[0].key == "optim.lrr" and "trial 0 (" in str(info.value)
+
+
+def test_run_sweep_with_a_bad_value_fails_before_any_run(write_spec, store: str, tmp_path, capsys) -> None:
+    path = write_spec()
+    with pytest.raises(SpecError) as info:
+        run_sweep(path, [], grid=["optim.lr=0.1,-1"])
+    assert info.value.issues[0].key == "optim.lr" and "trial 1 (optim.lr=-1)" in str(info.value)
+    assert not (tmp_path / "mlflow.db").exists()  # the store was not even opened: no parent, no child
+    assert main(["sweep", str(path), "--grid", "optim.lr=0.1,-1"]) == 2
+    assert "trial 1 (optim.lr=-1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--random", "optim.lr=0.1:0.01"], "low < high"),
+        (["--random", "optim.lr=1e-3:1e-1"], "--num-trials"),
+        (["--grid", "optim.lr=0.1", "--jobs", "0"], "--jobs 0"),
+    ],
+)
+def test_cli_usage_errors_exit_2(write_spec, args: list[str], fragment: str, capsys) -> None:
+    assert main(["sweep", str(write_spec()), *args]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_sweeps_need_tracking(write_spec) -> None:
+    path = write_spec()
+    with pytest.raises(UsageError, match="tracking.enabled"):
+        run_sweep(path, ["tracking.enabled=false"], grid=["seed=0,1"])
+
+
+def test_trial_tags() -> None:
+    tags = dict(trial_tags(Trial(3, {"optim.lr": 0.01, "model.kwargs.hidden": [16], "optim.name": "adam"})))
+    assert tags["runner.sweep.trial"] == "3"
+    assert tags["runner.sweep.values"] == '{"optim.lr": 0.01, "model.kwargs.hidden": [16], "optim.name": "adam"}'
+    assert (tags["sweep.optim.lr"], tags["sweep.model.kwargs.hidden"], tags["sweep.optim.name"]) == ("0.01", "[16]", "adam")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _plan(accelerator: str = "cuda", ids: tuple[int, ...] = (0,), world: int = 1, visible: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(
+        devices=SimpleNamespace(accelerator=accelerator, requested_ids=list(ids), world_size=world, visible=[str(i) for i in range(visible)])
+    )
+
+
+def test_concurrent_single_gpu_trials_spread_over_the_spec_devices() -> None:
+    d = build_definition(None, grid=["seed=0,1,2,3"])
+    spec = lambda ids: SimpleNamespace(devices=SimpleNamespace(ids=ids))  # noqa: E731
+    assert _device_pool(spec([2, 3]), [_plan()], d) == [2, 3]
+    assert _device_pool(spec("all"), [_plan()], d) == [0, 1, 2, 3]
+    assert _device_pool(spec("all"), [_plan("cpu", ())], d) is None
+    assert _device_pool(spec([0, 1]), [_plan(ids=(0, 1), world=2)], d) is None  # ddp / dp trials keep their devices
+    assert _device_pool(spec([0, 1]), [_plan()], build_definition(None, grid=["devices.ids=[0],[1]"])) is None
+    load: dict[int, int] = {}
+    picked = []
+    for _ in range(3):
+        k = pick_device(load, [2, 3])
+        load[k] = load.get(k, 0) + 1
+        picked.append(k)
+    assert picked == [2, 3, 2]
+    load[2] -= 1
+    assert pick_device(load, [2, 3]) == 2
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _report(goal: str = "max") -> SweepReport:
+    d = build_definition(None, grid=["optim.lr=0.1,0.01,0.001,0.0001"], metric="val/accuracy", goal=goal)
+    trials = [
+        TrialResult(0, {"optim.lr": 0.1}, "r0", "FINISHED", 0.5),
+        TrialResult(1, {"optim.lr": 0.01}, "r1", "FINISHED", 0.9, reused=True),
+        TrialResult(2, {"optim.lr": 0.001}, "r2", "FAILED", None, "TrainingError: RuntimeError: boom\nmore"),
+        TrialResult(3, {"optim.lr": 0.0001}, "r3", "FINISHED", 0.9),
+    ]
+    return SweepReport(d, trials, "parent", "sqlite:///x.db", "tests", ["a note"])
+
+
+def test_report_best_failed_table_and_json() -> None:
+    report = _report()
+    assert report.failed == 1 and report.best is not None and report.best.index == 1  # ties: lowest index
+    assert _report("min").best.index == 0  # type: ignore[union-attr]
+    table = report.table()
+    lines = table.splitlines()
+    assert lines[1].split() == ["trial", "optim.lr", "val/accuracy", "status"]
+    assert lines[3].split()[:3] == ["1*", "0.01", "0.9"] and "(earlier run)" in lines[3]
+    assert lines[4].split()[-1] == "FAILED" and lines[4].split()[2] == "-"
+    assert "best: trial 1" in table and "trial 2 FAILED: TrainingError: RuntimeError: boom" in table and "note: a note" in table
+    data = report.to_json()
+    assert data["failed"] == 1 and data["best"]["run_id"] == "r1" and data["trials"][2]["error"].startswith("TrainingError")
+    assert data["definition"]["params"]["optim.lr"]["values"] == [0.1, 0.01, 0.001, 0.0001]
+    import json
+
+    json.dumps(data)
+
+
+def test_report_without_a_metric_has_no_best() -> None:
+    report = _report()
+    for t in report.trials:
+        t.metric_value = None
+    assert report.best is None and "no finished trial logged val/accuracy" in report.table()
+    report.trials[0].metric_value = math.nan
+    assert report.best is None
