@@ -132,7 +132,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from runner.loading import dump_spec
-    from runner.planning import make_plan
+    from runner.planning import format_plan, make_plan
 
     loaded = _load(args)
     plan = make_plan(loaded)
@@ -140,15 +140,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
-    print(f"# resolved spec: {loaded.path}")
+    print(f"# resolved spec ({loaded.path})")
     print(dump_spec(loaded.spec))
-    print("# plan")
-    for key, value in info.items():
-        if isinstance(value, (dict, list)):
-            print(f"{key}:")
-            print(_indent(json.dumps(value, indent=2)))
-        else:
-            print(f"{key}: {value}")
+    print(format_plan(info))
     return EXIT_OK
 
 

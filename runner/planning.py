@@ -61,6 +61,31 @@ class Plan:
         return out
 
 
+def format_plan(info: dict[str, Any]) -> str:
+    """Human-readable summary of :meth:`Plan.describe` for ``runner plan``."""
+    dev = info["devices"]
+    lines = [f"plan for {info['spec']}"]
+    launch = {"in-process": "one process", "elastic": "elastic launcher (torchrun machinery)", "external": "already a worker (torchrun / scheduler)"}
+    lines.append(f"  mode           {info['mode']} ({launch.get(info['launch'], info['launch'])})")
+    lines.append(f"  accelerator    {dev['accelerator']}" + (f", backend {dev['backend']}" if dev.get("backend") else ""))
+    for d in dev.get("devices", []):
+        uuid = f", {d['uuid']}" if d.get("uuid") else ""
+        lines.append(f"  device         id {d['id']} -> visible {d['entry']} -> cuda:{d['cuda_index']} {d['name']}{uuid}")
+    lines.append(f"  world size     {info['world_size']} ({dev['nnodes']} node(s) x {dev['nproc_per_node']} process(es))")
+    split = " + ".join(str(b) for b in dev["per_device_batch"])
+    accum = f" x {info['grad_accum_steps']} micro-steps" if info["grad_accum_steps"] > 1 else ""
+    lines.append(f"  global batch   {info['global_batch_size']} = {split} per device{accum}")
+    if "rendezvous" in info:
+        r = info["rendezvous"]
+        lines.append(f"  rendezvous     c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})")
+    tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
+    lines.append(f"  tracking       {tracking}")
+    if dev.get("env"):
+        lines.append("  environment    " + " ".join(f"{k}={v}" for k, v in dev["env"].items()))
+    lines += [f"  note           {note}" for note in dev.get("notes", [])]
+    return "\n".join(lines)
+
+
 def launched_externally(env: Mapping[str, str]) -> bool:
     """True when torchrun or a scheduler already started this process as a worker (RANK etc. set)."""
     return all(k in env for k in LAUNCHER_ENV)
@@ -82,13 +107,16 @@ def make_plan(loaded: Any, *, env: Optional[Mapping[str, str]] = None, inventory
         UsageError: Started by torchrun with a world size that differs from the spec's.
     """
     from runner.devices import probe_inventory, resolve_devices
-    from runner.errors import UsageError
+    from runner.errors import DeviceError, UsageError
     from runner.tracking import resolve_tracking_uri
 
     env = os.environ if env is None else env
     spec = loaded.spec
     inventory = probe_inventory(env) if inventory is None else inventory
-    devices = resolve_devices(spec, env, inventory)
+    try:
+        devices = resolve_devices(spec, env, inventory)
+    except DeviceError as exc:
+        raise DeviceError(f"{loaded.path}: {exc}") from None
     if launched_externally(env):
         launch = "external"
         outside = int(env["WORLD_SIZE"])

@@ -103,6 +103,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     strategy = make_strategy(spec, args.plan)
     stop = _StopFlag()
     tracker: Any = None
+    monitor: Any = None
     try:
         strategy.setup()
         stop.install()
@@ -189,10 +190,17 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         for note in result.notes:
             if strategy.rank == log_rank:
                 print(f"runner: {note}", flush=True)
+        is_logger = strategy.rank == log_rank and run_id is not None
+        if is_logger and spec.tracking.system_metrics:
+            monitor = _start_system_metrics(args.tracking_uri, run_id, resumed=result.resumed_from is not None)
         fit_result = fit(parts, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
-        if strategy.rank == log_rank and spec.tracking.log_model and run_id is not None:
+        if is_logger and spec.checkpoint.enabled and spec.checkpoint.log_to_mlflow:
+            saved = ckpt.list_checkpoints(directory)
+            if saved:
+                tracker.log_artifact(str(saved[-1]), "checkpoints")
+        if is_logger and spec.tracking.log_model:
             tracker.flush()
-            _log_model(args.tracking_uri, run_id, raw_model)
+            _log_model(args.tracking_uri, run_id, raw_model, bundle.train[0][0].unsqueeze(0))
         result.metrics = fit_result.metrics
         result.global_step = fit_result.state.global_step
         result.history = fit_result.history
@@ -203,6 +211,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         return result
     finally:
         stop.uninstall()
+        if monitor is not None:
+            monitor.finish()
         if tracker is not None:
             tracker.close()
         strategy.teardown()
@@ -255,12 +265,34 @@ def _flat(spec: Any) -> dict[str, Any]:
     return flatten_spec(spec)
 
 
-def _log_model(uri: Optional[str], run_id: str, model: Any) -> None:
-    import mlflow
+def _start_system_metrics(uri: Optional[str], run_id: str, resumed: bool) -> Any:
+    """Start MLflow's system metrics monitor (CPU, memory, GPU) for ``run_id``; see mlflow.system_metrics."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
-        mlflow.pytorch.log_model(model, name="model")
+    monitor = SystemMetricsMonitor(run_id, tracking_uri=uri, resume_logging=resumed)
+    monitor.start()
+    return monitor
+
+
+def _log_model(uri: Optional[str], run_id: str, model: Any, example: Any) -> None:
+    """Save the unwrapped model in MLflow's pytorch flavour and upload it as artifact ``model/``.
+
+    ``mlflow.pytorch.save_model`` + ``MlflowClient.log_artifacts`` keep MLflow's fluent run
+    stack untouched (the driver, not this worker, ends the run). ``example`` is one input of
+    shape ``(1, *input_shape)``; it gives the model signature. The model is pickled (MLflow's
+    ``pt2`` export needs a traceable forward, which user models need not have).
+    """
+    import tempfile
+
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model.to("cpu").eval()
+        mlflow.pytorch.save_model(
+            model, f"{tmp}/model", input_example=example.cpu().numpy(), serialization_format="pickle"
+        )
+        MlflowClient(tracking_uri=uri).log_artifacts(run_id, f"{tmp}/model", "model")
 
 
 class _StopFlag:

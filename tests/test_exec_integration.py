@@ -146,3 +146,22 @@ def test_unknown_model_exits_2_without_a_run(write_spec, store: str, capsys) -> 
     assert main(["exec", str(spec), "--set", 'model.name="torchvision.resnet19"']) == 2
     assert "resnet18" in capsys.readouterr().err
     assert _runs(store, "tests")[1] == []
+
+
+def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> None:
+    spec = write_spec()
+    sets = ["tracking.log_model=true", "checkpoint.log_to_mlflow=true", "tracking.system_metrics=true", "train.epochs=1"]
+    args = ["exec", str(spec)]
+    for item in sets:
+        args += ["--set", item]
+    assert main(args) == 0
+    client, (run,) = _runs(store, "tests")
+    assert run.info.status == "FINISHED"
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/step-00000005.pt"]
+    import mlflow
+    import torch
+
+    mlflow.set_tracking_uri(store)
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    assert model(torch.zeros(2, 8)).shape == (2, 3)

@@ -1,0 +1,338 @@
+"""Figures, terminal table, JSON and chart of a ``runner bench`` comparison (pure; no torch, no mlflow).
+
+Definitions used everywhere (table, JSON, chart, README):
+
+* **samples/s** = samples in the timed steps / sum of the timed step times. Warm-up steps are
+  not timed. In ddp every rank times its own steps and the slowest rank (largest total) is used,
+  since a step ends for the job when the last rank finishes it.
+* **step p50 / p90**: median and 90th percentile (linear interpolation) of the timed step times.
+* **data wait**: sum of the time spent waiting for the DataLoader / sum of the step times, on the
+  same rank.
+* **scaling efficiency** of a configuration on ``n`` devices (dp) or processes (ddp) =
+  samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
+  definition; with no ``none`` measurement it is not available.
+* **final loss**: ``train/loss`` after the last step. For models without batch-statistics layers
+  every mode computes the same optimizer steps (DESIGN section 3), so a configuration whose final
+  loss differs from ``none`` by more than ``loss_tolerance`` (relative) is flagged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+LOSS_TOLERANCE = 1e-4
+NOT_COMPARABLE = "not comparable: batch-statistics layers"
+MIB = 1024 * 1024
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of ``values`` (``nan`` when empty)."""
+    return float(statistics.median(values)) if values else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
+
+    Matches ``numpy.percentile(values, q)`` (its default "linear" method).
+
+    Raises:
+        ValueError: ``q`` is outside 0..100.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(float(v) for v in values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def throughput(samples: int, step_times_s: Sequence[float]) -> float:
+    """Samples per second over the given steps: ``samples / sum(step_times_s)`` (0 when no time)."""
+    total = float(sum(step_times_s))
+    return samples / total if total > 0 else 0.0
+
+
+def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: Optional[float], n: int) -> Optional[float]:
+    """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline.
+
+    Args:
+        samples_per_s: Throughput of the configuration.
+        baseline_samples_per_s: Throughput of ``none`` (one device), or ``None``.
+        n: Devices (dp) or processes (ddp) of the configuration.
+    """
+    if not baseline_samples_per_s or baseline_samples_per_s <= 0 or n < 1:
+        return None
+    return samples_per_s / (n * baseline_samples_per_s)
+
+
+def loss_check(loss: Optional[float], baseline: Optional[float], *, batch_statistics: bool, tolerance: float = LOSS_TOLERANCE) -> str:
+    """Compare a final loss to ``none``'s.
+
+    Returns:
+        ``"ok"``, ``"differs: ..."`` (relative difference above ``tolerance``),
+        :data:`NOT_COMPARABLE` for models with batch-statistics layers, or ``"no baseline"``.
+    """
+    if batch_statistics:
+        return NOT_COMPARABLE
+    if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
+        return "no baseline"
+    if math.isclose(loss, baseline, rel_tol=tolerance, abs_tol=0.0):
+        return "ok"
+    rel = abs(loss - baseline) / max(abs(loss), abs(baseline))
+    return f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
+
+
+@dataclass
+class ConfigResult:
+    """One measured (or skipped) configuration.
+
+    Attributes:
+        config: Short id: ``none``, ``dp-2``, ``ddp-1``, ``ddp-2``.
+        mode: ``none``, ``dp`` or ``ddp``.
+        n: Devices (none, dp) or processes (ddp).
+        status: ``ok``, ``skipped`` (cannot run on this machine) or ``failed`` (unexpected error).
+        reason: Why it was skipped or how it failed.
+        run_id: The child MLflow run.
+        devices: Device of every rank (ddp) or the devices used (none, dp), e.g. ``["cuda:0", "cuda:1"]``.
+        timed_steps: Optimizer steps timed (after warm-up).
+        timed_samples: Samples in those steps (all ranks together).
+        samples_per_s: See the module docstring.
+        step_time_median_s: Median timed step time, seconds.
+        step_time_p90_s: 90th percentile timed step time, seconds.
+        data_wait_fraction: 0..1.
+        peak_memory_bytes: Per CUDA device (allocator peak) or per process on CPU (peak RSS).
+        peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
+        scaling_efficiency: See the module docstring.
+        final_loss: ``train/loss`` after the last step.
+        loss_check: ``ok``, ``differs: ...``, :data:`NOT_COMPARABLE` or ``no baseline``.
+    """
+
+    config: str
+    mode: str
+    n: int
+    status: str = "ok"
+    reason: str = ""
+    run_id: Optional[str] = None
+    devices: list[str] = field(default_factory=list)
+    timed_steps: int = 0
+    timed_samples: int = 0
+    samples_per_s: Optional[float] = None
+    step_time_median_s: Optional[float] = None
+    step_time_p90_s: Optional[float] = None
+    data_wait_fraction: Optional[float] = None
+    peak_memory_bytes: list[int] = field(default_factory=list)
+    peak_memory_kind: str = ""
+    scaling_efficiency: Optional[float] = None
+    final_loss: Optional[float] = None
+    loss_check: str = ""
+
+
+def config_id(mode: str, n: int) -> str:
+    """``none`` for mode none, else ``<mode>-<n>`` (``dp-2``, ``ddp-4``)."""
+    return "none" if mode == "none" else f"{mode}-{n}"
+
+
+def finish_comparisons(configs: Sequence[ConfigResult], *, batch_statistics: bool, tolerance: float = LOSS_TOLERANCE) -> None:
+    """Fill ``scaling_efficiency`` and ``loss_check`` of measured configurations against ``none``."""
+    base = next((c for c in configs if c.mode == "none" and c.status == "ok"), None)
+    for c in configs:
+        if c.status != "ok":
+            continue
+        c.scaling_efficiency = scaling_efficiency(c.samples_per_s or 0.0, base.samples_per_s if base else None, c.n)
+        if c is base:
+            c.loss_check = NOT_COMPARABLE if batch_statistics else "baseline"
+        else:
+            c.loss_check = loss_check(
+                c.final_loss, base.final_loss if base else None, batch_statistics=batch_statistics, tolerance=tolerance
+            )
+
+
+@dataclass
+class BenchReport:
+    """Result of ``runner bench``: every configuration side by side.
+
+    Attributes:
+        spec: Absolute path of the spec file.
+        name: The spec's ``name``.
+        accelerator: ``cuda`` or ``cpu`` (of the configurations that ran; ``cpu`` when none did).
+        global_batch_size: ``data.batch_size`` (samples per optimizer step).
+        steps: Timed optimizer steps per configuration.
+        warmup: Untimed optimizer steps run first.
+        batch_statistics: The model has batch-statistics layers (``_BatchNorm``): losses are not compared.
+        loss_tolerance: Relative tolerance of the loss comparison.
+        configs: One :class:`ConfigResult` per configuration, in run order.
+        parent_run_id: The MLflow run holding the configurations as child runs (``None`` with tracking off).
+        tracking_uri: Where it is stored.
+        experiment: MLflow experiment name.
+        json_path: The written ``bench.json``.
+        png_path: The written ``bench.png``.
+    """
+
+    spec: str
+    name: str
+    accelerator: str
+    global_batch_size: int
+    steps: int
+    warmup: int
+    batch_statistics: bool
+    configs: list[ConfigResult]
+    loss_tolerance: float = LOSS_TOLERANCE
+    parent_run_id: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    experiment: str = ""
+    json_path: Optional[str] = None
+    png_path: Optional[str] = None
+
+    @property
+    def failed(self) -> int:
+        """Number of configurations that failed unexpectedly."""
+        return sum(c.status == "failed" for c in self.configs)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (what ``--json`` prints and ``bench.json`` holds); ``nan`` becomes ``null``."""
+        out = {k: v for k, v in asdict(self).items() if k != "configs"}
+        out["definitions"] = {
+            "samples_per_s": "samples in timed steps / sum of timed step times (ddp: slowest rank)",
+            "scaling_efficiency": "samples_per_s / (n * samples_per_s of none); n = devices (dp) or processes (ddp)",
+            "data_wait_fraction": "sum of DataLoader wait / sum of step time over timed steps",
+            "peak_memory_bytes": "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process",
+            "loss_check": f"train/loss after the last step vs none, relative tolerance {self.loss_tolerance:g}",
+        }
+        out["configurations"] = [_clean(asdict(c)) for c in self.configs]
+        return _clean(out)
+
+    def table(self) -> str:
+        """Terminal table, one row per configuration; skipped and failed rows carry their reason."""
+        head = (
+            f"runner bench: {self.name} ({self.spec})\n"
+            f"{self.accelerator}, global batch {self.global_batch_size}, {self.steps} timed steps after {self.warmup} warm-up"
+        )
+        cols = ["config", "devices", "samples/s", "step p50 ms", "step p90 ms", "data wait", "peak mem MiB", "efficiency", "final loss", "note"]
+        rows = [cols] + [_row(c) for c in self.configs]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]
+        right = {2, 3, 4, 5, 6, 7, 8}
+        lines = []
+        for r in rows:
+            cells = [r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i]) for i in range(len(cols) - 1)]
+            lines.append(("  ".join(cells) + "  " + r[-1]).rstrip())
+        foot = [
+            "efficiency = samples/s / (n x samples/s of none); ddp figures are the slowest rank's; "
+            + ("peak mem = CUDA allocator peak per device" if self.accelerator == "cuda" else "peak mem = peak RSS per process"),
+        ]
+        if self.batch_statistics:
+            foot.append("losses not compared: the model has batch-statistics layers (BatchNorm sees per-device batches)")
+        else:
+            foot.append(f"final losses compared with none at relative tolerance {self.loss_tolerance:g}")
+        if self.parent_run_id:
+            foot.append(f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}")
+        if self.json_path or self.png_path:
+            foot.append(f"files: {self.json_path}  {self.png_path}")
+        return "\n".join([head, ""] + lines + [""] + foot)
+
+
+def _row(c: ConfigResult) -> list[str]:
+    if c.status != "ok":
+        return [c.config, "-", "-", "-", "-", "-", "-", "-", "-", f"{c.status}: {_one_line(c.reason)}"]
+    note = "" if c.loss_check in ("ok", "baseline") else c.loss_check
+    mem = "/".join(f"{b / MIB:.0f}" for b in c.peak_memory_bytes) or "-"
+    return [
+        c.config,
+        _devices(c.devices),
+        _num(c.samples_per_s, "{:.1f}"),
+        _num(c.step_time_median_s, "{:.2f}", 1e3),
+        _num(c.step_time_p90_s, "{:.2f}", 1e3),
+        _num(c.data_wait_fraction, "{:.1f}%", 100),
+        mem,
+        _num(c.scaling_efficiency, "{:.0f}%", 100),
+        _num(c.final_loss, "{:.6f}"),
+        note,
+    ]
+
+
+def _devices(devices: Sequence[str]) -> str:
+    if not devices:
+        return "-"
+    if len(set(devices)) == 1 and len(devices) > 1:
+        return f"{len(devices)}x {devices[0]}"
+    return ",".join(devices)
+
+
+def _num(value: Optional[float], fmt: str, scale: float = 1.0) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return fmt.format(value * scale)
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _clean(value: Any) -> Any:
+    """Replace non-finite floats by ``None`` so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(report: BenchReport, path: Path) -> Path:
+    """Write ``report.to_json()`` to ``path`` (indented, trailing newline); return ``path``."""
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def write_chart(report: BenchReport, path: Path) -> Path:
+    """Draw samples/s and scaling efficiency per configuration into a PNG (matplotlib, Agg backend).
+
+    Skipped and failed configurations appear as empty slots labelled with their status.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    names = [c.config for c in report.configs] or ["(none)"]
+    ok = [c.status == "ok" for c in report.configs] or [False]
+    speed = [c.samples_per_s or 0.0 if c.status == "ok" else 0.0 for c in report.configs] or [0.0]
+    eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in report.configs] or [0.0]
+    fig = Figure(figsize=(max(6.0, 1.6 * len(names) * 2), 4.2), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    x = list(range(len(names)))
+    colors = ["tab:blue" if good else "lightgrey" for good in ok]
+    ax1.bar(x, speed, color=colors)
+    ax1.set_title("throughput (samples/s, higher is better)")
+    ax2.bar(x, eff, color=["tab:green" if good else "lightgrey" for good in ok])
+    ax2.axhline(100, color="black", linewidth=0.8, linestyle="--")
+    ax2.set_title("scaling efficiency vs none (%)")
+    for ax, values, fmt in ((ax1, speed, "{:.0f}"), (ax2, eff, "{:.0f}%")):
+        ax.set_xticks(x, names)
+        top = max(values + [1.0])
+        for i, (v, good) in enumerate(zip(values, ok)):
+            ax.text(i, v + top * 0.01, fmt.format(v) if good else _status(report, i), ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, top * 1.15)
+    fig.suptitle(
+        f"runner bench: {report.name} - {report.accelerator}, global batch {report.global_batch_size}, "
+        f"{report.steps} timed steps",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _status(report: BenchReport, i: int) -> str:
+    return report.configs[i].status if i < len(report.configs) else ""

@@ -1,0 +1,274 @@
+"""``runner bench`` without training: statistics, efficiency, configuration specs, table, JSON and chart."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from runner.bench import bench_spec_data, configurations, final_loss, summarize
+from runner.bench_report import (
+    NOT_COMPARABLE,
+    BenchReport,
+    ConfigResult,
+    config_id,
+    finish_comparisons,
+    loss_check,
+    median,
+    percentile,
+    scaling_efficiency,
+    throughput,
+    write_chart,
+)
+from runner.cli import main
+from runner.errors import UsageError
+from runner.loading import load_spec, spec_from_dict
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("values", [[0.5], [3.0, 1.0], [0.01, 0.02, 0.5, 0.03, 0.02], list(np.linspace(0, 1, 11))])
+def test_median_and_p90_match_numpy(values: list[float]) -> None:
+    assert median(values) == pytest.approx(float(np.median(values)))
+    assert percentile(values, 90) == pytest.approx(float(np.percentile(values, 90)))
+    assert percentile(values, 0) == min(values) and percentile(values, 100) == max(values)
+
+
+def test_p90_sees_a_slow_tail_the_median_ignores() -> None:
+    times = [0.010] * 9 + [0.100]
+    assert median(times) == pytest.approx(0.010)
+    assert percentile(times, 90) == pytest.approx(0.019)
+
+
+def test_statistics_of_nothing_are_nan_and_bad_quantiles_are_refused() -> None:
+    assert math.isnan(median([])) and math.isnan(percentile([], 90))
+    with pytest.raises(ValueError, match="0..100"):
+        percentile([1.0], 101)
+
+
+def test_throughput_is_samples_over_summed_step_time() -> None:
+    assert throughput(64 * 4, [0.5, 0.5, 0.5, 0.5]) == pytest.approx(128.0)
+    assert throughput(10, []) == 0.0
+
+
+def test_scaling_efficiency_against_n_times_the_single_device_rate() -> None:
+    assert scaling_efficiency(180.0, 100.0, 2) == pytest.approx(0.9)
+    assert scaling_efficiency(100.0, 100.0, 1) == pytest.approx(1.0)
+    assert scaling_efficiency(50.0, 100.0, 4) == pytest.approx(0.125)
+    assert scaling_efficiency(180.0, None, 2) is None
+    assert scaling_efficiency(180.0, 0.0, 2) is None
+
+
+def test_loss_check_tolerance_and_batch_statistics() -> None:
+    assert loss_check(1.00005, 1.0, batch_statistics=False) == "ok"
+    flagged = loss_check(1.001, 1.0, batch_statistics=False)
+    assert flagged.startswith("differs") and "0.0001" in flagged
+    assert loss_check(1.5, 1.0, batch_statistics=True) == NOT_COMPARABLE
+    assert loss_check(1.0, None, batch_statistics=False) == "no baseline"
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+def test_configurations_order_and_dp_needs_two_devices() -> None:
+    assert configurations(["none", "dp", "ddp"], [2, 1, 2]) == [("none", 1), ("dp", 2), ("ddp", 1), ("ddp", 2)]
+    assert configurations(["ddp"], [4]) == [("ddp", 4)]
+    assert configurations(["dp", "none"], [1]) == [("none", 1)]
+    assert [config_id(m, n) for m, n in configurations(["none", "dp", "ddp"], [1, 2])] == ["none", "dp-2", "ddp-1", "ddp-2"]
+
+
+@pytest.mark.parametrize("modes,nprocs,match", [(["none", "fsdp"], [1], "subset of none,dp,ddp"), ([], [1], "--modes"), (["ddp"], [0], "--nproc"), (["ddp"], [], "--nproc")])
+def test_configurations_refuses_bad_arguments(modes, nprocs, match) -> None:
+    with pytest.raises(UsageError, match=match):
+        configurations(modes, nprocs)
+
+
+DDP_SPEC = """
+[parallel]
+mode = "ddp"
+backend = "gloo"
+nproc_per_node = 2
+timeout_s = 60
+max_restarts = 1
+"""
+
+
+def test_bench_spec_data_derives_a_valid_spec_for_every_mode(write_spec) -> None:
+    base = load_spec(write_spec(DDP_SPEC))
+    before = json.dumps(base.data, sort_keys=True, default=str)
+    none = spec_from_dict(bench_spec_data(base.data, "none", 1, steps=5, warmup=2))
+    ddp = spec_from_dict(bench_spec_data(base.data, "ddp", 4, steps=5, warmup=2))
+    assert json.dumps(base.data, sort_keys=True, default=str) == before, "the user's dict must not change"
+    assert none.parallel.mode == "none" and "nproc_per_node" not in none.parallel.model_fields_set
+    assert ddp.parallel.nproc_per_node == 4 and ddp.parallel.backend == "gloo" and ddp.parallel.timeout_s == 60
+    assert ddp.parallel.max_restarts == 0, "restarts would hide failures and distort timing"
+    for spec in (none, ddp):
+        assert spec.train.max_steps == 7 and spec.train.epochs >= 7
+        assert spec.train.log_every_n_steps == 1 and spec.train.progress == "off"
+        assert spec.checkpoint.enabled is False
+        assert (spec.seed, spec.data.batch_size, spec.optim.lr) == (base.spec.seed, base.spec.data.batch_size, base.spec.optim.lr)
+    assert none.devices.ids == [0] and ddp.devices.ids == [0, 1, 2, 3]
+    assert none.devices.accelerator == ddp.devices.accelerator == "cpu"
+
+
+def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(write_spec) -> None:
+    from runner.bench import _prepare
+
+    base = load_spec(write_spec("", name="s.toml"), ["data.batch_size=15"])
+    dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
+    assert dp.loaded is None and dp.result.status == "skipped" and "dp" in dp.result.reason and "cpu" in dp.result.reason
+    assert ddp2.loaded is None and ddp2.result.status == "skipped" and "15" in ddp2.result.reason
+    assert ddp1.loaded is not None and ddp1.result.status == "ok"
+    assert sum(ddp1.batch_sizes) == 72  # 96 synthetic samples, 25 % held out
+
+
+def test_batch_statistics_layers_are_detected(write_spec) -> None:
+    from runner.bench import _has_batch_statistics
+
+    assert not _has_batch_statistics(load_spec(write_spec("", name="a.toml")))
+    bn = load_spec(
+        write_spec("", name="b.toml"),
+        ['model.name="cnn"', "model.kwargs={ batch_norm = true, width = 4 }", "data.input_shape=[1,8,8]"],
+    )
+    assert _has_batch_statistics(bn)
+
+
+# ----------------------------------------------------------------------------- summarize
+
+
+def _worker(rank: int, times: list[float], waits: list[float], peak: int = 100 << 20, device: str = "cpu"):
+    return SimpleNamespace(rank=rank, step_times_s=times, data_wait_s=waits, peak_memory_bytes=peak, device=device)
+
+
+def test_summarize_uses_timed_steps_of_the_slowest_rank_and_the_last_loss() -> None:
+    history = [(s, {"train/loss": 1.0 / s, "lr": 0.1}) for s in range(1, 7)] + [(6, {"val/loss": 0.3})]
+    fast = _worker(0, [9.0, 9.0, 0.10, 0.10, 0.10, 0.10], [1.0, 1.0, 0.01, 0.01, 0.01, 0.01])
+    slow = _worker(1, [9.0, 9.0, 0.20, 0.20, 0.20, 0.40], [1.0, 1.0, 0.05, 0.05, 0.05, 0.05], peak=200 << 20)
+    exec_result = SimpleNamespace(run_id="abc", workers=[slow, fast], history=history)
+    row = ConfigResult(config="ddp-2", mode="ddp", n=2)
+    summarize(row, exec_result, batch_sizes=[32, 32, 16], warmup=2, steps=4)
+    # steps 2..5 of a 3-step epoch: sizes 16, 32, 32, 16
+    assert row.timed_steps == 4 and row.timed_samples == 96
+    assert row.samples_per_s == pytest.approx(96 / 1.0)
+    assert row.step_time_median_s == pytest.approx(0.20)
+    assert row.step_time_p90_s == pytest.approx(0.34)
+    assert row.data_wait_fraction == pytest.approx(0.2)
+    assert row.peak_memory_bytes == [100 << 20, 200 << 20] and row.peak_memory_kind == "cpu_rss"
+    assert row.devices == ["cpu", "cpu"] and row.run_id == "abc"
+    assert row.final_loss == pytest.approx(1 / 6)
+
+
+def test_summarize_reports_every_dp_device_from_the_cuda_peaks() -> None:
+    exec_result = SimpleNamespace(run_id="r", workers=[_worker(0, [0.1] * 3, [0.0] * 3, device="cuda:0")], history=[])
+    row = ConfigResult(config="dp-2", mode="dp", n=2)
+    summarize(row, exec_result, [8], warmup=1, steps=2, cuda_peaks=[3 << 20, 1 << 20])
+    assert row.peak_memory_bytes == [3 << 20, 1 << 20] and row.devices == ["cuda:0", "cuda:1"]
+    assert row.peak_memory_kind == "cuda_allocated" and row.final_loss is None
+
+
+def test_final_loss_skips_epoch_metrics() -> None:
+    assert final_loss([(1, {"train/loss": 2.0}), (2, {"train/loss": 1.5}), (2, {"train/epoch_loss": 9.0})]) == 1.5
+    assert final_loss([]) is None
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _report(batch_statistics: bool = False) -> BenchReport:
+    rows = [
+        ConfigResult("none", "none", 1, samples_per_s=1000.0, step_time_median_s=0.064, step_time_p90_s=0.07,
+                     data_wait_fraction=0.05, peak_memory_bytes=[300 << 20], devices=["cpu"], final_loss=0.5, timed_steps=20),
+        ConfigResult("dp-2", "dp", 2, status="skipped", reason='parallel.mode = "dp" needs CUDA GPUs but none is usable'),
+        ConfigResult("ddp-2", "ddp", 2, samples_per_s=1500.0, step_time_median_s=0.043, step_time_p90_s=0.05,
+                     data_wait_fraction=0.02, peak_memory_bytes=[280 << 20, 270 << 20], devices=["cpu", "cpu"],
+                     final_loss=0.5 * (1 + 5e-3), timed_steps=20),
+        ConfigResult("ddp-4", "ddp", 4, status="failed", reason="rank 1 failed: RuntimeError: boom"),
+    ]
+    report = BenchReport(spec="/x/spec.toml", name="demo", accelerator="cpu", global_batch_size=64, steps=20, warmup=3,
+                         batch_statistics=batch_statistics, configs=rows, parent_run_id="p" * 32, tracking_uri="sqlite:///m.db",
+                         experiment="e", json_path="out/bench.json", png_path="out/bench.png")
+    finish_comparisons(report.configs, batch_statistics=batch_statistics)
+    return report
+
+
+def test_comparisons_fill_efficiency_and_flag_a_differing_loss() -> None:
+    report = _report()
+    none, dp, ddp, failed = report.configs
+    assert none.scaling_efficiency == pytest.approx(1.0) and none.loss_check == "baseline"
+    assert ddp.scaling_efficiency == pytest.approx(0.75)
+    assert ddp.loss_check.startswith("differs")
+    assert dp.scaling_efficiency is None and dp.loss_check == ""
+    assert report.failed == 1
+
+
+def test_batch_statistics_make_losses_not_comparable() -> None:
+    report = _report(batch_statistics=True)
+    assert {c.loss_check for c in report.configs if c.status == "ok"} == {NOT_COMPARABLE}
+    assert "batch-statistics" in report.table()
+
+
+def test_table_lists_every_configuration_with_aligned_columns_and_reasons() -> None:
+    table = _report().table()
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("config"))
+    rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in ("none", "dp-2", "ddp-2", "ddp-4")}
+    assert set(rows) == {"none", "dp-2", "ddp-2", "ddp-4"}
+    assert "skipped: parallel.mode = \"dp\" needs CUDA GPUs" in rows["dp-2"]
+    assert "failed: rank 1 failed" in rows["ddp-4"]
+    end = header.index("samples/s") + len("samples/s")
+    assert rows["none"][:end].endswith("1000.0") and rows["ddp-2"][:end].endswith("1500.0")
+    assert "75%" in rows["ddp-2"] and "100%" in rows["none"]
+    assert "64.00" in rows["none"] and "280/270" in rows["ddp-2"] and "5.0%" in rows["none"]
+    assert "differs" in rows["ddp-2"]
+    assert "p" * 32 in table and "efficiency = samples/s / (n x samples/s of none)" in table
+
+
+def test_json_is_standard_and_complete() -> None:
+    report = _report()
+    report.configs[0].step_time_p90_s = math.nan
+    data = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert [c["config"] for c in data["configurations"]] == ["none", "dp-2", "ddp-2", "ddp-4"]
+    assert data["configurations"][0]["step_time_p90_s"] is None
+    assert data["configurations"][1]["status"] == "skipped" and data["configurations"][1]["reason"]
+    assert {"samples_per_s", "scaling_efficiency"} <= set(data["definitions"])
+    assert data["global_batch_size"] == 64 and data["parent_run_id"] == "p" * 32
+
+
+def test_chart_is_a_png(tmp_path: Path) -> None:
+    path = write_chart(_report(), tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] > 300
+
+
+# ----------------------------------------------------------------------------- CLI errors
+
+
+def test_cli_refuses_unknown_modes_and_torchrun(write_spec, monkeypatch, capsys) -> None:
+    spec = str(write_spec())
+    assert main(["bench", spec, "--modes", "none,fsdp"]) == 2
+    assert "fsdp" in capsys.readouterr().err
+    assert main(["bench", spec, "--steps", "0"]) == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["bench", spec]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_cli_bad_spec_exits_2_without_any_run(write_spec, store: str, capsys) -> None:
+    spec = str(write_spec("", name="bad.toml"))
+    assert main(["bench", spec, "--set", "optim.lr=-1"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(store).get_experiment_by_name("tests") is None

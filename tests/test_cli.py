@@ -1,0 +1,107 @@
+"""The command line: exit codes, messages, and the shipped example specs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.cli import main
+
+REPO = Path(__file__).parents[1]
+EXPERIMENTS = sorted((REPO / "experiments").glob("**/*.toml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[str(p.relative_to(REPO)) for p in EXPERIMENTS])
+def test_every_shipped_spec_validates(path: Path, capsys) -> None:
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("ok")
+
+
+def test_there_are_shipped_specs_in_subfolders_too() -> None:
+    assert len(EXPERIMENTS) >= 4 and any(p.parent.name != "experiments" for p in EXPERIMENTS)
+
+
+def test_validate_reports_each_file_and_exits_2_when_one_is_bad(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 0\n[optim]\nlr = 0.1\n')
+    assert main(["validate", str(EXPERIMENTS[0]), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert f"ok    {EXPERIMENTS[0]}" in captured.out and f"error {bad}" in captured.out
+    assert f"{bad}:6: data.batch_size" in captured.err
+
+
+def test_validate_imports_neither_torch_nor_mlflow() -> None:
+    code = (
+        "import sys; from runner.cli import main; rc = main(['validate', sys.argv[1]]); "
+        "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules)); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(EXPERIMENTS[0])], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_plan_of_dp_spec_on_a_cpu_machine_explains_and_exits_2(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert main(["plan", str(REPO / "experiments" / "resnet_dp.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "resnet_dp.toml" in err and "no GPU is visible" in err and "Traceback" not in err
+
+
+def test_plan_json_of_ddp_spec(capsys) -> None:
+    assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 2 and info["launch"] == "elastic"
+    assert info["devices"]["per_device_batch"] == [32, 32] and info["devices"]["backend"] == "gloo"
+
+
+def test_plan_shows_overrides_and_multi_node_flags(capsys) -> None:
+    spec = str(REPO / "experiments" / "digits_mlp_ddp.toml")
+    assert main(["plan", spec, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["world_size"] == 4
+    assert info["rendezvous"]["endpoint"] == "10.0.0.1:29500" and info["rendezvous"]["node_rank"] == 1
+
+
+def test_plan_human_output_has_the_batch_split(capsys) -> None:
+    assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "global batch   64 = 32 + 32 per device" in out and "[optim]" in out
+
+
+def test_schema_is_json_schema_with_documented_fields(capsys) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["$schema"].endswith("2020-12/schema")
+    batch = schema["$defs"]["DataSpec"]["properties"]["batch_size"]
+    assert "GLOBAL" in batch["description"] and batch["minimum"] == 1
+
+
+def test_usage_errors_exit_2(capsys) -> None:
+    assert main([]) == 2
+    assert main(["exec"]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["exec", str(EXPERIMENTS[0]), "--allow-spec-change", "optim.lr"]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_missing_spec_file_exits_2(tmp_path: Path, capsys) -> None:
+    assert main(["exec", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml" in capsys.readouterr().err
+
+
+def test_version_and_help(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("runner ")
+    with pytest.raises(SystemExit):
+        main(["exec", "--help"])
+    assert "--resume" in capsys.readouterr().out
+
+
+def test_python_dash_m_runner_works() -> None:
+    proc = subprocess.run([sys.executable, "-m", "runner", "validate", str(EXPERIMENTS[0])], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok")
