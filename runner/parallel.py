@@ -459,6 +459,13 @@ class DDPStrategy(Strategy):
             kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.spec.parallel.timeout_s)}
             if self.backend == "nccl":
                 kwargs["device_id"] = self.device
+            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if restart > 0:
+                # After an elastic restart the workers reuse the agent's store, where the failed
+                # attempt's keys (e.g. gloo's peer addresses) are still present: a new rank could
+                # read a dead peer's address. A per-attempt prefix keeps attempts apart.
+                store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=kwargs["timeout"]))
+                kwargs["store"] = dist.PrefixStore(f"runner/attempt_{restart}", store)
             dist.init_process_group(self.backend, rank=rank, world_size=world, **kwargs)
             self._owns_group = True
         self._layout = (rank, local_rank, world, local_world)

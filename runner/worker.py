@@ -169,6 +169,9 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
                     run_id=run_id,
                 )
                 ckpt.save_checkpoint(directory, payload, spec.checkpoint.keep_last)
+                # Metrics up to a checkpoint must be in MLflow before training goes on: a restart
+                # resumes from the checkpoint and only re-logs what comes after it.
+                tracker.flush()
             strategy.barrier()
 
         parts = LoopParts(
