@@ -38,6 +38,7 @@ from runner.bench_report import (
     LOSS_TOLERANCE,
     BenchReport,
     ConfigResult,
+    comparability,
     config_id,
     finish_comparisons,
     median,
@@ -167,8 +168,8 @@ def run_bench(
     if launched_externally(os.environ):
         raise UsageError("runner bench starts its own workers: run it directly, not under torchrun or a scheduler's launcher")
     base = load_spec(path, overrides)
-    configs = [_prepare(base, mode, n, steps, warmup) for mode, n in pairs]
-    batch_statistics = _has_batch_statistics(base)
+    num_train, batch_statistics, dropout = probe_model_and_data(base)
+    configs = [_prepare(base, mode, n, steps, warmup, num_train) for mode, n in pairs]
     runnable = [c for c in configs if c.loaded is not None]
     accelerator = runnable[0].accelerator if runnable else "cpu"
     spec = base.spec
@@ -180,6 +181,7 @@ def run_bench(
         steps=steps,
         warmup=warmup,
         batch_statistics=batch_statistics,
+        dropout=dropout,
         configs=[c.result for c in configs],
         loss_tolerance=LOSS_TOLERANCE,
         experiment=spec.tracking.experiment or spec.name,
@@ -192,7 +194,7 @@ def run_bench(
         for i, config in enumerate(runnable, 1):
             print(f"runner bench: {config.result.config} ({i}/{len(runnable)}): {warmup} + {steps} steps", file=sys.stderr, flush=True)
             _measure(config, report, parent, warmup, steps)
-        finish_comparisons(report.configs, batch_statistics=batch_statistics, tolerance=LOSS_TOLERANCE)
+        finish_comparisons(report.configs, not_comparable=comparability(batch_statistics, dropout), tolerance=LOSS_TOLERANCE)
         if parent is not None:
             for row in report.configs:
                 if row.status == "ok" and row.run_id:
@@ -223,7 +225,7 @@ def run_bench(
 # ----------------------------------------------------------------------------- preparing
 
 
-def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int) -> _Config:
+def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int, num_train: int) -> _Config:
     """Build and plan one configuration; a spec or device problem makes it a skipped row."""
     from runner.loading import spec_from_dict, spec_sha256
     from runner.planning import make_plan
@@ -238,41 +240,34 @@ def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int) -> _Config:
     except (SpecError, DeviceError, UsageError) as exc:
         result.status, result.reason = "skipped", _reason(exc)
         return _Config(result)
-    if mode == "dp" and plan.devices.accelerator == "cuda" and len(plan.devices.requested_ids) < n:
-        result.status, result.reason = "skipped", f"dp-{n} needs {n} GPUs"
-        return _Config(result)
     config = _Config(result, loaded, plan.devices.accelerator, plan.devices.world_size)
-    config.batch_sizes = global_batch_sizes(_num_train(base), spec.data.batch_size, spec.data.drop_last, plan.devices.world_size)
+    config.batch_sizes = global_batch_sizes(num_train, spec.data.batch_size, spec.data.drop_last, plan.devices.world_size)
     return config
 
 
-_PROBE: dict[str, Any] = {}
+def probe_model_and_data(base: Any) -> tuple[int, bool, bool]:
+    """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
 
+    Returns:
+        ``(training samples, batch_statistics, dropout)``: whether the model holds a
+        ``torch.nn.modules.batchnorm._BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, ...), and
+        whether it holds a dropout layer with ``p > 0`` (``torch.nn.modules.dropout._DropoutNd``).
 
-def _probe(base: Any) -> Any:
-    """Build the datasets and the model of the user's spec once, on CPU (never touches CUDA)."""
-    key = base.sha256
-    if key not in _PROBE:
-        import torch
+    Raises:
+        SpecError: The dataset or the model cannot be built from the spec.
+    """
+    import torch
 
-        from runner.data import build_datasets
-        from runner.models import build_model
+    from runner.data import build_datasets
+    from runner.models import build_model
 
-        bundle = build_datasets(base.spec, base.path.parent)
-        with torch.random.fork_rng(devices=[]):
-            model = build_model(base.spec.model, base.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes)
-        _PROBE.clear()
-        _PROBE[key] = (bundle.info.num_train, any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()))
-    return _PROBE[key]
-
-
-def _num_train(base: Any) -> int:
-    return int(_probe(base)[0])
-
-
-def _has_batch_statistics(base: Any) -> bool:
-    """Whether the spec's model has batch-statistics layers (``torch.nn.modules.batchnorm._BatchNorm``)."""
-    return bool(_probe(base)[1])
+    bundle = build_datasets(base.spec, base.path.parent)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(base.spec.model, base.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes)
+    modules = list(model.modules())
+    batch_statistics = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules)
+    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules)
+    return bundle.info.num_train, batch_statistics, dropout
 
 
 def _reason(exc: BaseException) -> str:
@@ -343,6 +338,7 @@ def summarize(result: ConfigResult, exec_result: Any, batch_sizes: Sequence[int]
         result.devices = [str(w.device) for w in workers]
     result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
     result.final_loss = final_loss(exec_result.history)
+    result.train_losses = {int(step): float(m["train/loss"]) for step, m in exec_result.history if "train/loss" in m}
 
 
 def final_loss(history: Sequence[Any]) -> Optional[float]:

@@ -11,9 +11,14 @@ Definitions used everywhere (table, JSON, chart, README):
 * **scaling efficiency** of a configuration on ``n`` devices (dp) or processes (ddp) =
   samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
   definition; with no ``none`` measurement it is not available.
-* **final loss**: ``train/loss`` after the last step. For models without batch-statistics layers
-  every mode computes the same optimizer steps (DESIGN section 3), so a configuration whose final
-  loss differs from ``none`` by more than ``loss_tolerance`` (relative) is flagged.
+* **final loss**: ``train/loss`` after the last step. For models without batch-statistics or
+  dropout layers every mode computes the same optimizer steps (DESIGN section 3), so a
+  configuration whose final loss differs from ``none`` by more than ``loss_tolerance``
+  (relative) is flagged, with the last step up to which the two loss curves still agreed: a
+  curve that parts at the first steps computes something else; one that parts late has
+  amplified float rounding (n processes sum gradients in another order than one).
+  BatchNorm normalises over each device's share of the batch and dropout draws per-rank
+  masks, so for such models the losses are reported but not compared.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from typing import Any, Optional, Sequence
 
 LOSS_TOLERANCE = 1e-4
 NOT_COMPARABLE = "not comparable: batch-statistics layers"
+
+
+def comparability(batch_statistics: bool, dropout: bool = False) -> str:
+    """``""`` when losses of different modes must agree, else ``"not comparable: <why>"``."""
+    kinds = [k for k, on in (("batch-statistics layers", batch_statistics), ("dropout layers", dropout)) if on]
+    return "not comparable: " + " and ".join(kinds) if kinds else ""
 MIB = 1024 * 1024
 
 
@@ -73,21 +84,54 @@ def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: Optional[fl
     return samples_per_s / (n * baseline_samples_per_s)
 
 
-def loss_check(loss: Optional[float], baseline: Optional[float], *, batch_statistics: bool, tolerance: float = LOSS_TOLERANCE) -> str:
+def losses_agree(a: float, b: float, tolerance: float = LOSS_TOLERANCE) -> bool:
+    """``|a - b| <= tolerance * max(|a|, |b|)``."""
+    return math.isclose(a, b, rel_tol=tolerance, abs_tol=0.0)
+
+
+def agrees_through(curve: dict[int, float], baseline: dict[int, float], tolerance: float = LOSS_TOLERANCE) -> Optional[int]:
+    """Last step up to which two ``{step: loss}`` curves agree at every common step (``None``: not even the first)."""
+    last = None
+    for step in sorted(set(curve) & set(baseline)):
+        if not losses_agree(curve[step], baseline[step], tolerance):
+            break
+        last = step
+    return last
+
+
+def loss_check(
+    loss: Optional[float],
+    baseline: Optional[float],
+    *,
+    not_comparable: str = "",
+    tolerance: float = LOSS_TOLERANCE,
+    agreed_through: Optional[int] = None,
+    last_step: Optional[int] = None,
+) -> str:
     """Compare a final loss to ``none``'s.
 
+    Args:
+        loss: Final ``train/loss`` of the configuration.
+        baseline: Final ``train/loss`` of ``none``.
+        not_comparable: From :func:`comparability`; when set it is returned as is.
+        tolerance: Relative tolerance.
+        agreed_through: Last step up to which the loss curves agreed (see :func:`agrees_through`).
+        last_step: The final step, shown with ``agreed_through``.
+
     Returns:
-        ``"ok"``, ``"differs: ..."`` (relative difference above ``tolerance``),
-        :data:`NOT_COMPARABLE` for models with batch-statistics layers, or ``"no baseline"``.
+        ``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"``.
     """
-    if batch_statistics:
-        return NOT_COMPARABLE
+    if not_comparable:
+        return not_comparable
     if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
         return "no baseline"
-    if math.isclose(loss, baseline, rel_tol=tolerance, abs_tol=0.0):
+    if losses_agree(loss, baseline, tolerance):
         return "ok"
     rel = abs(loss - baseline) / max(abs(loss), abs(baseline))
-    return f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
+    text = f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
+    if last_step is not None:
+        text += f"; curves agree through step {agreed_through or 0} of {last_step}"
+    return text
 
 
 @dataclass
@@ -112,7 +156,9 @@ class ConfigResult:
         peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
         scaling_efficiency: See the module docstring.
         final_loss: ``train/loss`` after the last step.
-        loss_check: ``ok``, ``differs: ...``, :data:`NOT_COMPARABLE` or ``no baseline``.
+        loss_check: ``ok``, ``baseline`` (none itself), ``differs: ...``, ``not comparable: ...`` or ``no baseline``.
+        loss_agrees_through_step: Last step up to which the loss curve agrees with none's.
+        train_losses: ``{step: train/loss}`` (not in the JSON).
     """
 
     config: str
@@ -133,6 +179,8 @@ class ConfigResult:
     scaling_efficiency: Optional[float] = None
     final_loss: Optional[float] = None
     loss_check: str = ""
+    loss_agrees_through_step: Optional[int] = None
+    train_losses: dict[int, float] = field(default_factory=dict, repr=False)
 
 
 def config_id(mode: str, n: int) -> str:
@@ -140,19 +188,35 @@ def config_id(mode: str, n: int) -> str:
     return "none" if mode == "none" else f"{mode}-{n}"
 
 
-def finish_comparisons(configs: Sequence[ConfigResult], *, batch_statistics: bool, tolerance: float = LOSS_TOLERANCE) -> None:
-    """Fill ``scaling_efficiency`` and ``loss_check`` of measured configurations against ``none``."""
+def finish_comparisons(configs: Sequence[ConfigResult], *, not_comparable: str = "", tolerance: float = LOSS_TOLERANCE) -> None:
+    """Fill ``scaling_efficiency`` and the loss comparison of measured configurations against ``none``.
+
+    Args:
+        configs: The rows; ``none`` (if measured) is the baseline.
+        not_comparable: From :func:`comparability` (losses are then reported, not compared).
+        tolerance: Relative tolerance of the loss comparison.
+    """
     base = next((c for c in configs if c.mode == "none" and c.status == "ok"), None)
     for c in configs:
         if c.status != "ok":
             continue
         c.scaling_efficiency = scaling_efficiency(c.samples_per_s or 0.0, base.samples_per_s if base else None, c.n)
         if c is base:
-            c.loss_check = NOT_COMPARABLE if batch_statistics else "baseline"
-        else:
-            c.loss_check = loss_check(
-                c.final_loss, base.final_loss if base else None, batch_statistics=batch_statistics, tolerance=tolerance
-            )
+            c.loss_check = not_comparable or "baseline"
+            continue
+        agreed = last = None
+        if base is not None and c.train_losses and base.train_losses:
+            agreed = agrees_through(c.train_losses, base.train_losses, tolerance)
+            last = max(set(c.train_losses) & set(base.train_losses), default=None)
+            c.loss_agrees_through_step = None if not_comparable else agreed
+        c.loss_check = loss_check(
+            c.final_loss,
+            base.final_loss if base else None,
+            not_comparable=not_comparable,
+            tolerance=tolerance,
+            agreed_through=agreed,
+            last_step=last,
+        )
 
 
 @dataclass
@@ -167,6 +231,7 @@ class BenchReport:
         steps: Timed optimizer steps per configuration.
         warmup: Untimed optimizer steps run first.
         batch_statistics: The model has batch-statistics layers (``_BatchNorm``): losses are not compared.
+        dropout: The model has active dropout layers: losses are not compared.
         loss_tolerance: Relative tolerance of the loss comparison.
         configs: One :class:`ConfigResult` per configuration, in run order.
         parent_run_id: The MLflow run holding the configurations as child runs (``None`` with tracking off).
@@ -184,6 +249,7 @@ class BenchReport:
     warmup: int
     batch_statistics: bool
     configs: list[ConfigResult]
+    dropout: bool = False
     loss_tolerance: float = LOSS_TOLERANCE
     parent_run_id: Optional[str] = None
     tracking_uri: Optional[str] = None
@@ -206,13 +272,13 @@ class BenchReport:
             "peak_memory_bytes": "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process",
             "loss_check": f"train/loss after the last step vs none, relative tolerance {self.loss_tolerance:g}",
         }
-        out["configurations"] = [_clean(asdict(c)) for c in self.configs]
+        out["configurations"] = [_clean({k: v for k, v in asdict(c).items() if k != "train_losses"}) for c in self.configs]
         return _clean(out)
 
     def table(self) -> str:
         """Terminal table, one row per configuration; skipped and failed rows carry their reason."""
         head = (
-            f"runner bench: {self.name} ({self.spec})\n"
+            f"runner bench: {self.name} ({_shown(self.spec)})\n"
             f"{self.accelerator}, global batch {self.global_batch_size}, {self.steps} timed steps after {self.warmup} warm-up"
         )
         cols = ["config", "devices", "samples/s", "step p50 ms", "step p90 ms", "data wait", "peak mem MiB", "efficiency", "final loss", "note"]
@@ -227,8 +293,9 @@ class BenchReport:
             "efficiency = samples/s / (n x samples/s of none); ddp figures are the slowest rank's; "
             + ("peak mem = CUDA allocator peak per device" if self.accelerator == "cuda" else "peak mem = peak RSS per process"),
         ]
-        if self.batch_statistics:
-            foot.append("losses not compared: the model has batch-statistics layers (BatchNorm sees per-device batches)")
+        why = comparability(self.batch_statistics, self.dropout)
+        if why:
+            foot.append(f"final losses {why} (BatchNorm normalises per device, dropout draws per-rank masks)")
         else:
             foot.append(f"final losses compared with none at relative tolerance {self.loss_tolerance:g}")
         if self.parent_run_id:
@@ -236,6 +303,17 @@ class BenchReport:
         if self.json_path or self.png_path:
             foot.append(f"files: {self.json_path}  {self.png_path}")
         return "\n".join([head, ""] + lines + [""] + foot)
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it, else unchanged."""
+    import os
+
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
 
 
 def _row(c: ConfigResult) -> list[str]:

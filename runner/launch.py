@@ -103,7 +103,7 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
     uri = plan.tracking_uri
     run_id: Optional[str] = None
     resume = options.resume is not None
-    notes: list[str] = []
+    notes: list[str] = list(plan.devices.notes)
     if uri is not None:
         tracking.check_reachable(uri)
     if resume:

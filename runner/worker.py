@@ -94,7 +94,13 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     from runner.data import build_datasets, build_loaders
     from runner.models import build_model
     from runner.optim import amp_settings, build_loss, build_optimizer, build_scheduler, scheduler_interval
-    from runner.parallel import load_state_dict_flexible, make_strategy, unwrapped_state_dict
+    from runner.parallel import (
+        describe_unused_parameters_error,
+        is_unused_parameters_error,
+        load_state_dict_flexible,
+        make_strategy,
+        unwrapped_state_dict,
+    )
     from runner.seeding import capture_rng_state, restore_rng_state, seed_everything
     from runner.train import LoopParts, TrainState, fit
 
@@ -196,7 +202,12 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         is_logger = strategy.rank == log_rank and run_id is not None
         if is_logger and spec.tracking.system_metrics:
             monitor = _start_system_metrics(args.tracking_uri, run_id, resumed=result.resumed_from is not None)
-        fit_result = fit(parts, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
+        try:
+            fit_result = fit(parts, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
+        except RuntimeError as exc:
+            if is_unused_parameters_error(exc):
+                raise describe_unused_parameters_error(exc, raw_model) from None
+            raise
         if is_logger and spec.checkpoint.enabled and spec.checkpoint.log_to_mlflow:
             saved = ckpt.list_checkpoints(directory)
             if saved:

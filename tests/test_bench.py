@@ -15,6 +15,8 @@ from runner.bench_report import (
     NOT_COMPARABLE,
     BenchReport,
     ConfigResult,
+    agrees_through,
+    comparability,
     config_id,
     finish_comparisons,
     loss_check,
@@ -66,12 +68,22 @@ def test_scaling_efficiency_against_n_times_the_single_device_rate() -> None:
     assert scaling_efficiency(180.0, 0.0, 2) is None
 
 
-def test_loss_check_tolerance_and_batch_statistics() -> None:
-    assert loss_check(1.00005, 1.0, batch_statistics=False) == "ok"
-    flagged = loss_check(1.001, 1.0, batch_statistics=False)
-    assert flagged.startswith("differs") and "0.0001" in flagged
-    assert loss_check(1.5, 1.0, batch_statistics=True) == NOT_COMPARABLE
-    assert loss_check(1.0, None, batch_statistics=False) == "no baseline"
+def test_loss_check_tolerance_and_comparability() -> None:
+    assert loss_check(1.00005, 1.0) == "ok"
+    flagged = loss_check(1.001, 1.0, agreed_through=14, last_step=35)
+    assert flagged.startswith("differs") and "0.0001" in flagged and "agree through step 14 of 35" in flagged
+    assert comparability(True) == NOT_COMPARABLE
+    assert comparability(False, dropout=True) == "not comparable: dropout layers"
+    assert comparability(False, False) == ""
+    assert loss_check(1.5, 1.0, not_comparable=comparability(True)) == NOT_COMPARABLE
+    assert loss_check(1.0, None) == "no baseline"
+
+
+def test_agrees_through_finds_where_two_loss_curves_part() -> None:
+    base = {1: 2.0, 2: 1.5, 3: 1.0, 4: 0.5}
+    assert agrees_through(dict(base), base) == 4
+    assert agrees_through({1: 2.0, 2: 1.5 * (1 + 1e-6), 3: 1.01, 4: 0.5}, base) == 2
+    assert agrees_through({1: 2.1, 2: 1.5}, base) is None
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -122,22 +134,24 @@ def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(w
     from runner.bench import _prepare
 
     base = load_spec(write_spec("", name="s.toml"), ["data.batch_size=15"])
-    dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
+    dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1, num_train=72) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
     assert dp.loaded is None and dp.result.status == "skipped" and "dp" in dp.result.reason and "cpu" in dp.result.reason
     assert ddp2.loaded is None and ddp2.result.status == "skipped" and "15" in ddp2.result.reason
     assert ddp1.loaded is not None and ddp1.result.status == "ok"
     assert sum(ddp1.batch_sizes) == 72  # 96 synthetic samples, 25 % held out
 
 
-def test_batch_statistics_layers_are_detected(write_spec) -> None:
-    from runner.bench import _has_batch_statistics
+def test_probe_counts_training_samples_and_detects_batch_statistics_layers(write_spec) -> None:
+    from runner.bench import probe_model_and_data
 
-    assert not _has_batch_statistics(load_spec(write_spec("", name="a.toml")))
+    assert probe_model_and_data(load_spec(write_spec("", name="a.toml"))) == (72, False, False)
     bn = load_spec(
         write_spec("", name="b.toml"),
         ['model.name="cnn"', "model.kwargs={ batch_norm = true, width = 4 }", "data.input_shape=[1,8,8]"],
     )
-    assert _has_batch_statistics(bn)
+    assert probe_model_and_data(bn) == (72, True, False)
+    dropout = load_spec(write_spec("", name="c.toml"), ["model.kwargs={ hidden = [8], dropout = 0.5 }"])
+    assert probe_model_and_data(dropout) == (72, False, True)
 
 
 # ----------------------------------------------------------------------------- summarize
@@ -163,6 +177,7 @@ def test_summarize_uses_timed_steps_of_the_slowest_rank_and_the_last_loss() -> N
     assert row.peak_memory_bytes == [100 << 20, 200 << 20] and row.peak_memory_kind == "cpu_rss"
     assert row.devices == ["cpu", "cpu"] and row.run_id == "abc"
     assert row.final_loss == pytest.approx(1 / 6)
+    assert row.train_losses == {s: pytest.approx(1.0 / s) for s in range(1, 7)}
 
 
 def test_summarize_reports_every_dp_device_from_the_cuda_peaks() -> None:
@@ -182,19 +197,22 @@ def test_final_loss_skips_epoch_metrics() -> None:
 
 
 def _report(batch_statistics: bool = False) -> BenchReport:
+    curve = {s: 1.0 / s for s in range(1, 21)}
     rows = [
         ConfigResult("none", "none", 1, samples_per_s=1000.0, step_time_median_s=0.064, step_time_p90_s=0.07,
-                     data_wait_fraction=0.05, peak_memory_bytes=[300 << 20], devices=["cpu"], final_loss=0.5, timed_steps=20),
+                     data_wait_fraction=0.05, peak_memory_bytes=[300 << 20], devices=["cpu"], final_loss=0.5, timed_steps=20,
+                     train_losses=dict(curve)),
         ConfigResult("dp-2", "dp", 2, status="skipped", reason='parallel.mode = "dp" needs CUDA GPUs but none is usable'),
         ConfigResult("ddp-2", "ddp", 2, samples_per_s=1500.0, step_time_median_s=0.043, step_time_p90_s=0.05,
                      data_wait_fraction=0.02, peak_memory_bytes=[280 << 20, 270 << 20], devices=["cpu", "cpu"],
-                     final_loss=0.5 * (1 + 5e-3), timed_steps=20),
+                     final_loss=0.5 * (1 + 5e-3), timed_steps=20,
+                     train_losses={s: v * (1 + 1e-3 * (s > 12)) for s, v in curve.items()}),
         ConfigResult("ddp-4", "ddp", 4, status="failed", reason="rank 1 failed: RuntimeError: boom"),
     ]
     report = BenchReport(spec="/x/spec.toml", name="demo", accelerator="cpu", global_batch_size=64, steps=20, warmup=3,
                          batch_statistics=batch_statistics, configs=rows, parent_run_id="p" * 32, tracking_uri="sqlite:///m.db",
                          experiment="e", json_path="out/bench.json", png_path="out/bench.png")
-    finish_comparisons(report.configs, batch_statistics=batch_statistics)
+    finish_comparisons(report.configs, not_comparable=comparability(batch_statistics))
     return report
 
 
@@ -203,7 +221,8 @@ def test_comparisons_fill_efficiency_and_flag_a_differing_loss() -> None:
     none, dp, ddp, failed = report.configs
     assert none.scaling_efficiency == pytest.approx(1.0) and none.loss_check == "baseline"
     assert ddp.scaling_efficiency == pytest.approx(0.75)
-    assert ddp.loss_check.startswith("differs")
+    assert ddp.loss_check.startswith("differs") and ddp.loss_check.endswith("curves agree through step 12 of 20")
+    assert ddp.loss_agrees_through_step == 12
     assert dp.scaling_efficiency is None and dp.loss_check == ""
     assert report.failed == 1
 
@@ -211,6 +230,7 @@ def test_comparisons_fill_efficiency_and_flag_a_differing_loss() -> None:
 def test_batch_statistics_make_losses_not_comparable() -> None:
     report = _report(batch_statistics=True)
     assert {c.loss_check for c in report.configs if c.status == "ok"} == {NOT_COMPARABLE}
+    assert report.configs[2].loss_agrees_through_step is None
     assert "batch-statistics" in report.table()
 
 
@@ -239,6 +259,7 @@ def test_json_is_standard_and_complete() -> None:
     assert data["configurations"][1]["status"] == "skipped" and data["configurations"][1]["reason"]
     assert {"samples_per_s", "scaling_efficiency"} <= set(data["definitions"])
     assert data["global_batch_size"] == 64 and data["parent_run_id"] == "p" * 32
+    assert "train_losses" not in data["configurations"][0]
 
 
 def test_chart_is_a_png(tmp_path: Path) -> None:

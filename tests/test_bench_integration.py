@@ -55,7 +55,7 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(write_spec, s
     base = rows["none"]["final_loss"]
     for name in ("ddp-1", "ddp-2"):
         assert math.isclose(rows[name]["final_loss"], base, rel_tol=1e-4), (name, rows[name]["final_loss"], base)
-        assert rows[name]["loss_check"] == "ok"
+        assert rows[name]["loss_check"] == "ok" and rows[name]["loss_agrees_through_step"] == 7
 
     client, runs = _runs(store)
     parent_id = report["parent_run_id"]

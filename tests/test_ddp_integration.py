@@ -154,3 +154,32 @@ def test_under_torchrun_one_run_same_results(write_spec, store: str, tmp_path: P
     a = [m.value for m in client.get_metric_history(first.info.run_id, "train/loss")]
     b = [m.value for m in client.get_metric_history(second.info.run_id, "train/loss")]
     assert a == pytest.approx(b, abs=1e-6)
+
+
+UNUSED = '''
+import torch
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 3)
+        self.spare_head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def build():
+    return WithUnused()
+'''
+
+
+def test_unused_parameters_error_names_them_and_the_spec_key(write_spec, store: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "unused_factory.py").write_text(UNUSED)
+    spec = write_spec()
+    sets = DDP + ['model.name="unused_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]
+    assert main(["exec", str(spec), *_sets(sets)]) == 1
+    err = capsys.readouterr().err
+    assert "spare_head.weight" in err and "parallel.find_unused_parameters" in err
+    assert main(["exec", str(spec), *_sets(sets + ["parallel.find_unused_parameters=true"])]) == 0
