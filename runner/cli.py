@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown reference of every key instead")
     p.set_defaults(func=_schema)
 
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
@@ -147,9 +148,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from runner.reference import markdown_reference
     from runner.spec import json_schema
 
-    text = json.dumps(json_schema(), indent=2)
+    text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")

@@ -383,16 +383,16 @@ class ExperimentSpec(_Table):
         description="Use PyTorch's deterministic algorithms (and the settings they need). Default: false.",
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Extra MLflow tags for the run. Default: none.")
-    model: ModelSpec
-    data: DataSpec
-    devices: DevicesSpec = Field(default_factory=DevicesSpec)
-    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
-    optim: OptimSpec
-    scheduler: Optional[SchedulerSpec] = None
-    train: TrainSpec = Field(default_factory=TrainSpec)
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    sweep: Optional[SweepSpec] = None
+    model: ModelSpec = Field(description="The network to build.")
+    data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
+    devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="Parallel mode (none, dp, ddp) and its options.")
+    optim: OptimSpec = Field(description="The optimizer.")
+    scheduler: Optional[SchedulerSpec] = Field(default=None, description="Optional learning-rate schedule.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
+    sweep: Optional[SweepSpec] = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentSpec":
