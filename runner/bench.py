@@ -391,28 +391,7 @@ def _child(loaded: Any, options: Any) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         peaks = [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
-    rss = peak_rss_bytes()
-    if rss is not None and loaded.spec.parallel.mode != "ddp":
-        for worker in result.workers:  # none/dp trained in this very process
-            if str(worker.device) == "cpu":
-                worker.peak_memory_bytes = rss
     return {"status": "ok", "result": result, "cuda_peaks": peaks}
-
-
-def peak_rss_bytes() -> Optional[int]:
-    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
-
-    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed process
-    does not inherit the peak of the process that started it.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 # ----------------------------------------------------------------------------- MLflow

@@ -222,6 +222,9 @@ def _bench(args: argparse.Namespace) -> int:
         out_dir=args.out,
     )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    if report.failed:
+        print(f"runner: {report.failed} configuration(s) failed", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

@@ -255,14 +255,28 @@ def _skip_logged(tracker: Any, uri: Optional[str], run_id: Optional[str]) -> Any
 
 
 def _peak_memory_bytes(device: Any) -> int:
-    """CUDA allocator peak of ``device``, else this process's peak RSS (``ru_maxrss`` is KiB on Linux)."""
-    import resource
-
+    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
     import torch
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss_bytes() or 0
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
+
+    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed worker
+    does not inherit the peak of the process that started it.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _make_tracker(spec: Any, args: WorkerArgs, run_id: Optional[str], is_logger: bool) -> Any:
