@@ -1,4 +1,4 @@
-"""Datasets and DataLoaders: build ``[data]`` into train/val datasets and per-rank loaders.
+"""Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.loaders`).
 
 Every dataset yields ``(x, y)`` with ``x`` a float32 tensor of ``DatasetInfo.input_shape``
 and ``y`` an int64 scalar tensor. Sources:
@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
-from runner.models import did_you_mean, resolve_factory, spec_issue
-from runner.sampling import EpochSampler, EvalSampler, global_batch_sizes
-from runner.seeding import loader_generator, worker_init_fn
+from runner.loaders import Loaders, build_loaders  # noqa: F401 - re-exported: importers use runner.data
+from runner.models import resolve_factory, spec_issue
 
 BUILTIN_DATASETS = ("sklearn.digits", "synthetic", "imagefolder")
 _NOT_DATASETS = {"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"}
@@ -441,91 +440,3 @@ def build_datasets(spec: Any, spec_dir: Path | str | None) -> DatasetBundle:
         name=name,
     )
     return DatasetBundle(train=train, val=val, info=info)
-
-
-@dataclass
-class Loaders:
-    """A rank's training and validation DataLoaders and the step layout of an epoch.
-
-    Attributes:
-        train: Training DataLoader; its batches are micro-batches of ``micro_batch`` samples.
-        val: Validation DataLoader over this rank's share (``EvalSampler``), or ``None``.
-        train_sampler: The :class:`~runner.sampling.EpochSampler` of ``train``; call its
-            ``set_epoch`` (and ``set_start_batch`` when resuming) before every epoch.
-        micro_batch: ``batch_size // (world_size * grad_accum_steps)``.
-        steps_per_epoch: Optimizer steps per epoch (``len(global_batch_sizes)``).
-        global_batch_sizes: Samples of every optimizer step of an epoch, all ranks together.
-    """
-
-    train: DataLoader
-    val: DataLoader | None
-    train_sampler: EpochSampler
-    micro_batch: int
-    steps_per_epoch: int
-    global_batch_sizes: list[int]
-
-
-def build_loaders(spec: Any, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
-    """Build this rank's DataLoaders.
-
-    The training loader yields micro-batches of ``batch_size // (world_size * grad_accum_steps)``
-    samples in :class:`~runner.sampling.EpochSampler` order: each group of micro-batches that makes
-    one optimizer step is this rank's share of one global batch (see :mod:`runner.sampling`).
-    The validation loader gives this rank every ``world_size``-th sample, in batches of
-    ``ceil(eval_batch_size / world_size)``.
-
-    Args:
-        spec: The :class:`~runner.spec.ExperimentSpec`.
-        bundle: Datasets from :func:`build_datasets`.
-        rank: Global rank of this process (0 for ``none``/``dp``).
-        world_size: Number of processes (1 for ``none``/``dp``).
-
-    Returns:
-        The :class:`Loaders`.
-
-    Raises:
-        SpecError: (``data.batch_size``) if the batch does not divide by ``world_size x
-            grad_accum_steps``, or an epoch would have no step.
-    """
-    data = spec.data
-    accum = spec.train.grad_accum_steps
-    per_step = world_size * accum
-    if data.batch_size % per_step:
-        raise spec_issue(
-            "data.batch_size",
-            f"batch_size = {data.batch_size} is not divisible by world size {world_size} x grad_accum_steps {accum}: "
-            f"use a multiple of {per_step}",
-        )
-    micro = data.batch_size // per_step
-    num_train = len(bundle.train)
-    sizes = global_batch_sizes(num_train, data.batch_size, data.drop_last, world_size)
-    if not sizes:
-        raise spec_issue(
-            "data.batch_size",
-            f"batch_size = {data.batch_size} leaves no training step: there are only {num_train} training samples"
-            + (" and drop_last = true" if data.drop_last else f" for world size {world_size}")
-            + "; use a smaller batch_size",
-        )
-    workers = dict(
-        num_workers=data.num_workers,
-        pin_memory=data.pin_memory and torch.cuda.is_available(),
-        persistent_workers=data.persistent_workers and data.num_workers > 0,
-        worker_init_fn=worker_init_fn,
-    )
-    generator = loader_generator(spec.seed, rank)
-    sampler = EpochSampler(
-        num_train, world_size, rank, spec.seed, data.shuffle, data.batch_size, data.drop_last, generator=generator
-    )
-    train = DataLoader(bundle.train, batch_size=micro, sampler=sampler, drop_last=False, generator=generator, **workers)
-    val = None
-    if bundle.val is not None and len(bundle.val) > 0:
-        eval_batch = math.ceil((data.eval_batch_size or data.batch_size) / world_size)
-        val = DataLoader(
-            bundle.val,
-            batch_size=eval_batch,
-            sampler=EvalSampler(len(bundle.val), world_size, rank),
-            drop_last=False,
-            generator=loader_generator(spec.seed, rank),
-            **workers,
-        )
-    return Loaders(train, val, sampler, micro, len(sizes), sizes)

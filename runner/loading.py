@@ -21,7 +21,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecError, SpecIssue
-from runner.locate import Loc, annotation_at, explain_errors, format_key, line_of, locate_keys, show
+from runner.locate import Loc, format_key, line_of, locate_keys
+from runner.messages import annotation_at, explain_errors, show
 from runner.spec import ExperimentSpec
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the

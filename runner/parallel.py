@@ -1,4 +1,4 @@
-"""Wrap a model for one parallel mode (none, dp, ddp) behind one small Strategy interface; unwrap it for state dicts.
+"""Wrap a model for one parallel mode (none, dp, ddp) behind one small Strategy interface.
 
 The training loop talks only to :class:`Strategy`; everything that differs
 between modes lives here:
@@ -19,6 +19,9 @@ DataParallel and small batches: the micro-batch is split with ``torch.chunk``
 along ``parallel.dim``; a batch smaller than the number of devices (e.g. the
 last batch of an epoch) runs on fewer replicas, the first devices only. With
 ``data.drop_last = true`` such a batch never reaches the model.
+
+Unwrapping and state dicts that load across modes live in :mod:`runner.state_dicts`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import contextlib
 import os
 import re
 import warnings
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -38,102 +40,16 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from runner.devices import DevicePlan
 from runner.errors import DeviceError, TrainingError, UsageError
-
-_WRAPPERS = (DataParallel, DistributedDataParallel)
-_PREFIXES = ("module.", "_orig_mod.")  # DataParallel / DDP, torch.compile
-_MAX_KEYS_SHOWN = 20
-
-
-class StateDictMismatchError(TrainingError):
-    """A state dict does not fit a module; ``missing`` and ``unexpected`` list the keys."""
-
-    def __init__(self, message: str, missing: list[str], unexpected: list[str]):
-        super().__init__(message)
-        self.missing = missing
-        self.unexpected = unexpected
+from runner.state_dicts import (  # noqa: F401 - re-exported: importers use runner.parallel
+    StateDictMismatchError,
+    key_list,
+    load_state_dict_flexible,
+    unwrap,
+    unwrapped_state_dict,
+)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """Return the user's model inside DataParallel / DDP / ``torch.compile`` wrappers.
-
-    Args:
-        module: A model, wrapped or not.
-
-    Returns:
-        The innermost module (the same object when ``module`` is not wrapped).
-    """
-    while True:
-        if isinstance(module, _WRAPPERS):
-            module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """Return the state dict of the model inside any wrapper: keys carry no ``module.`` prefix.
-
-    Args:
-        module: A model, wrapped or not.
-
-    Returns:
-        ``unwrap(module).state_dict()`` (tensors stay on their devices).
-    """
-    return unwrap(module).state_dict()
-
-
-def _strip_uniform_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(state_dict)
-    changed = True
-    while changed and out:
-        changed = False
-        for prefix in _PREFIXES:
-            if all(k.startswith(prefix) for k in out):
-                out = {k[len(prefix):]: v for k, v in out.items()}
-                changed = True
-    return out
-
-
-def _key_list(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_KEYS_SHOWN])
-    more = f" (+{len(keys) - _MAX_KEYS_SHOWN} more)" if len(keys) > _MAX_KEYS_SHOWN else ""
-    return f"{shown}{more}" if keys else "none"
-
-
-def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    """Load a state dict saved from any mode into a model in any mode, strictly.
-
-    A ``module.`` (DataParallel / DDP) or ``_orig_mod.`` (``torch.compile``)
-    prefix shared by every key is stripped; the model is unwrapped likewise.
-
-    Args:
-        module: Target model, wrapped or not.
-        state_dict: Parameters and buffers, e.g. from :func:`unwrapped_state_dict`.
-
-    Raises:
-        StateDictMismatchError: Keys are missing or unexpected (both are listed),
-            or a tensor's shape differs.
-    """
-    target = unwrap(module)
-    sd = _strip_uniform_prefixes(state_dict)
-    expected = list(target.state_dict().keys())
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in set(expected)]
-    if missing or unexpected:
-        raise StateDictMismatchError(
-            f"state dict does not fit {type(target).__name__}: missing keys: {_key_list(missing)}; "
-            f"unexpected keys: {_key_list(unexpected)} (was it saved from another model or model.kwargs?)",
-            missing,
-            unexpected,
-        )
-    try:
-        target.load_state_dict(sd, strict=True)
-    except RuntimeError as exc:
-        raise StateDictMismatchError(f"state dict does not fit {type(target).__name__}: {exc}", [], []) from exc
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:
@@ -214,7 +130,7 @@ def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> T
     if not names:
         names = [name for name, p in unwrap(module).named_parameters() if p.requires_grad and p.grad is None]
     where = f" on rank {rank}" if rank is not None else ""
-    listed = _key_list(names) if names else "(could not tell which)"
+    listed = key_list(names) if names else "(could not tell which)"
     if "static_graph" in text:
         fix = "the set of used parameters changed between steps: set parallel.static_graph = false"
     else:

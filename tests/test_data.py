@@ -1,4 +1,4 @@
-"""Tests for runner.data: dataset sources, the seeded split and per-rank loaders."""
+"""Tests for runner.data and runner.loaders: dataset sources, the seeded split and per-rank loaders."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data import build_datasets, build_loaders, split_indices
+from runner.data import build_datasets, split_indices
 from runner.errors import SpecError
+from runner.loaders import build_loaders
 from runner.spec import ExperimentSpec
 
 ASSETS = Path(__file__).parent / "assets"

@@ -17,17 +17,14 @@ from runner.parallel import (
     DataParallelStrategy,
     DDPStrategy,
     SingleDevice,
-    StateDictMismatchError,
     _GatherCheckedDataParallel,
     check_gatherable,
     describe_unused_parameters_error,
     is_unused_parameters_error,
-    load_state_dict_flexible,
     make_strategy,
-    unwrap,
-    unwrapped_state_dict,
 )
 from runner.spec import ExperimentSpec
+from runner.state_dicts import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
