@@ -202,11 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
         goal=args.mode,
         resume=args.resume,
     )
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
-    if report.failed:
-        print(f"runner: {report.failed} of {len(report.trials)} trials failed", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return _print_report(report, args.json, f"{report.failed} of {len(report.trials)} trials failed")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -221,9 +217,14 @@ def _bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         out_dir=args.out,
     )
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
+
+
+def _print_report(report: Any, as_json: bool, failure: str) -> int:
+    """Print a sweep/bench report as a table or JSON; exit 1 when some of it failed."""
+    print(json.dumps(report.to_json(), indent=2) if as_json else report.table())
     if report.failed:
-        print(f"runner: {report.failed} configuration(s) failed", file=sys.stderr)
+        print(f"runner: {failure}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
