@@ -113,7 +113,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     try:
         strategy.setup()
         stop.install()
-        seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
+        seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
         run_id, log_rank = _agree_on_run(strategy, args.run_id)
         bundle = build_datasets(spec, spec_dir)
         torch.manual_seed(spec.seed)  # identical initialisation on every rank
@@ -196,6 +196,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
             should_stop=stop.is_set,
             sync_timing=args.sync_timing,
         )
+        if spec.deterministic:
+            settings = ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
+            result.notes.append(f"deterministic mode: {settings}")
+            tracker.set_tags({"runner.deterministic_settings": settings})
         for note in result.notes:
             if strategy.rank == log_rank:
                 print(f"runner: {note}", flush=True)

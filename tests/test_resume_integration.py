@@ -47,7 +47,7 @@ class Probe(torch.nn.Module):
                     os._exit(3)  # a hard crash, once
                 if not os.environ.get("PROBE_CRASH") and rank == 0:
                     Path(marker).touch()
-                    time.sleep(0.3)  # slow down so the signal lands mid-run
+                    time.sleep(float(os.environ.get("PROBE_SLEEP", "0.3")))  # so the signal lands mid-run
         return self.net(x)
 
 
@@ -232,3 +232,25 @@ def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path,
     a, b = _final_model(store, full.info.run_id), _final_model(store, restarted.info.run_id)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "exec", str(spec)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=_env(PROBE_MARKER=str(marker), PROBE_AT="2", PROBE_SLEEP="30"))
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # first: finish the step (which now takes 30 s), then stop
+    time.sleep(1.5)
+    assert proc.poll() is None
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # second: stop now
+    out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 130, out
+    assert time.monotonic() - start < 15
+    (run,) = _runs(store)
+    assert run.info.status == "KILLED"

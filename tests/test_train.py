@@ -1,0 +1,106 @@
+"""The training loop's features through the library API: accumulation, AMP, clipping, schedules, max_steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runner.launch import exec_experiment
+from runner.loading import load_spec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(write_spec, *sets: str):
+    spec = write_spec()
+    loaded = load_spec(spec, ["tracking.enabled=false", "checkpoint.enabled=false", *sets])
+    return exec_experiment(loaded)
+
+
+def _series(result, key: str) -> list[tuple[int, float]]:
+    return [(step, m[key]) for step, m in result.history if key in m]
+
+
+def test_gradient_accumulation_keeps_the_global_batch_semantics(write_spec) -> None:
+    plain = _run(write_spec)
+    accumulated = _run(write_spec, "train.grad_accum_steps=2")
+    a, b = _series(plain, "train/loss"), _series(accumulated, "train/loss")
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 10
+    for (_, x), (_, y) in zip(a, b):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_other_seed_other_curve(write_spec) -> None:
+    a = _series(_run(write_spec), "train/loss")
+    b = _series(_run(write_spec, "seed=1"), "train/loss")
+    assert a != b
+
+
+def test_max_steps_stops_mid_epoch_and_still_evaluates(write_spec) -> None:
+    result = _run(write_spec, "train.max_steps=3", "train.epochs=5")
+    assert [s for s, _ in _series(result, "train/loss")] == [1, 2, 3]
+    assert _series(result, "val/accuracy")[-1][0] == 3
+
+
+def test_bf16_autocast_on_cpu_trains(write_spec) -> None:
+    result = _run(write_spec, 'train.amp="bf16"', "train.epochs=3")
+    losses = [v for _, v in _series(result, "train/loss")]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+
+
+def test_step_scheduler_changes_the_logged_lr(write_spec) -> None:
+    result = _run(write_spec, 'scheduler={name="step", kwargs={step_size=1, gamma=0.5}}')
+    lrs = dict(_series(result, "lr"))
+    assert lrs[1] == pytest.approx(0.1) and lrs[6] == pytest.approx(0.05)
+
+
+def test_onecycle_steps_every_optimizer_step(write_spec) -> None:
+    result = _run(write_spec, 'scheduler={name="onecycle"}')
+    lrs = [v for _, v in _series(result, "lr")]
+    assert all(a != b for a, b in zip(lrs, lrs[1:]))  # a new lr after every step
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < len(lrs) - 1 and max(lrs) == pytest.approx(0.1)
+
+
+def test_tiny_clip_norm_slows_learning(write_spec) -> None:
+    free = _run(write_spec, "train.epochs=3")
+    clipped = _run(write_spec, "train.epochs=3", "train.clip_grad_norm=1e-4")
+    assert _series(free, "train/loss")[0] == _series(clipped, "train/loss")[0]  # before any update
+    epochs = [v for _, v in _series(clipped, "train/epoch_loss")]
+    assert epochs[-1] == pytest.approx(epochs[0], rel=0.01)  # steps of norm 1e-4 barely move the weights
+    assert clipped.metrics["val/loss"] > free.metrics["val/loss"]
+
+
+def test_label_smoothing_raises_the_loss_floor(write_spec) -> None:
+    plain = _series(_run(write_spec), "train/loss")
+    smooth = _series(_run(write_spec, "train.label_smoothing=0.2"), "train/loss")
+    assert smooth[0][1] != plain[0][1]
+
+
+def test_adamw_with_kwargs(write_spec) -> None:
+    result = _run(write_spec, 'optim.name="adamw"', "optim.lr=0.01", "optim.kwargs={betas=[0.8, 0.99]}")
+    assert math.isfinite(result.metrics["val/loss"])
+
+
+def test_bad_optimizer_kwargs_is_a_spec_error(write_spec) -> None:
+    from runner.errors import SpecError
+
+    with pytest.raises(SpecError, match="optim.kwargs"):
+        _run(write_spec, "optim.kwargs={nesterov_typo=true}")
+
+
+def test_deterministic_mode_is_reproducible(write_spec) -> None:
+    timing = ("epoch_time_s", "samples_per_s")
+
+    def values(result):
+        return [(step, {k: v for k, v in m.items() if k not in timing}) for step, m in result.history]
+
+    a = _run(write_spec, "deterministic=true")
+    b = _run(write_spec, "deterministic=true")
+    assert values(a) == values(b)
+    assert any("torch.use_deterministic_algorithms=True" in note for note in a.notes)
+    assert torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
