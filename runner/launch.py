@@ -110,9 +110,7 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         if uri is None:
             raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
         run_id = _resolve_resume(uri, plan.experiment, options.resume)
-    checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id or "pending")
-    if resume:
-        notes += _check_resume(loaded, checkpoint_dir, options.allow_spec_change)
+        notes += _check_resume(loaded, default_checkpoint_dir(uri, spec.checkpoint.dir, run_id), options.allow_spec_change)
     apply_device_env(plan.devices)
 
     if owner and uri is not None and not resume:
@@ -128,11 +126,10 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
             run_id = handle.run_id
     elif owner and resume:
         tracking.reopen_run(uri, run_id, spec_change=_spec_change_tag(options.allow_spec_change))
-    if run_id is None:
-        run_key = f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_key)
-    else:
-        checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
+    # logging rank's folder once the process group exists (see runner.worker).
+    run_key = run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_key)
 
     from runner.worker import WorkerArgs
 

@@ -114,7 +114,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         strategy.setup()
         stop.install()
         seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
-        run_id, log_rank = _agree_on_run(strategy, args.run_id)
+        run_id, log_rank, checkpoint_dir = _agree_on_run(strategy, args.run_id, args.checkpoint_dir)
         bundle = build_datasets(spec, spec_dir)
         torch.manual_seed(spec.seed)  # identical initialisation on every rank
         model = build_model(
@@ -134,7 +134,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
 
         result = WorkerResult(rank=strategy.rank)
         state = TrainState()
-        directory = Path(args.checkpoint_dir)
+        directory = Path(checkpoint_dir)
         auto_resume = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.resume or auto_resume:
             found = ckpt.load_latest(directory)
@@ -236,18 +236,19 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         strategy.teardown()
 
 
-def _agree_on_run(strategy: Any, local_run_id: Optional[str]) -> tuple[Optional[str], int]:
-    """Find the run id and the rank that logs to it.
+def _agree_on_run(strategy: Any, local_run_id: Optional[str], local_dir: str) -> tuple[Optional[str], int, str]:
+    """Find the run id, the rank that logs to it, and the checkpoint folder every rank uses.
 
-    On one node every rank already has the run id. With several nodes only the workers of
-    the node whose driver created the run have it: all ranks gather their ids and the
-    lowest rank holding one becomes the logging rank.
+    On one node every rank already has the run id. With several nodes (or under torchrun)
+    only the workers whose driver created the run have it: all ranks gather ``(run id,
+    checkpoint folder)`` and the lowest rank holding a run id becomes the logging rank; its
+    folder is used by all (resuming on several nodes therefore needs a shared filesystem).
     """
-    ids = strategy.all_gather_object(local_run_id)
-    for rank, rid in enumerate(ids):
+    gathered = strategy.all_gather_object((local_run_id, local_dir))
+    for rank, (rid, folder) in enumerate(gathered):
         if rid is not None:
-            return rid, rank
-    return None, 0
+            return rid, rank, folder
+    return None, 0, gathered[0][1]
 
 
 def _skip_logged(tracker: Any, uri: Optional[str], run_id: Optional[str]) -> Any:
