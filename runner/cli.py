@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so the exit code is mapped in one place."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,7 +260,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TrainingError as exc:
         print(f"runner: training failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (Interrupted, KeyboardInterrupt):
+    except Interrupted as exc:
+        print(f"runner: interrupted: {exc.hint()}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
         print("runner: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RunnerError as exc:

@@ -15,24 +15,26 @@ class SpecIssue:
     """One problem found in a spec.
 
     Attributes:
-        file: The spec file the problem is in (``None`` for command-line overrides).
+        file: The spec file the problem is in (``None`` when it is not in a file).
         line: 1-based line number in ``file``, or ``None`` when it cannot be located.
         key: Dotted key, e.g. ``parallel.mode``; empty for whole-file problems.
         message: What is wrong and how to fix it.
+        origin: Where the value came from when not from ``file``, e.g. ``"--set"``.
     """
 
     file: Path | None
     line: int | None
     key: str
     message: str
+    origin: str | None = None
 
     def format(self) -> str:
         """Return ``FILE:LINE: dotted.key: message`` (parts that are unknown are left out)."""
         where = ""
         if self.file is not None:
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
-        elif self.line is None:
-            where = "--set: "
+        elif self.origin:
+            where = f"{self.origin}: "
         key = f"{self.key}: " if self.key else ""
         return f"{where}{key}{self.message}"
 
@@ -75,7 +77,18 @@ class TrainingError(RunnerError):
 class Interrupted(RunnerError):
     """The job was stopped by SIGINT or SIGTERM; exit status 130."""
 
-    def __init__(self, signum: int = 2):
+    def __init__(self, signum: int = 2, run_id: str | None = None, spec: str | None = None):
         self.signum = signum
+        self.run_id = run_id
+        self.spec = spec
         super().__init__(f"interrupted by signal {signum}")
+
+    def hint(self) -> str:
+        """What to tell the user: the run that was stopped and how to continue it."""
+        if self.run_id and self.spec:
+            return (
+                f"run {self.run_id} is KILLED; a checkpoint was written. Continue it with: "
+                f"runner exec {self.spec} --resume {self.run_id}"
+            )
+        return "stopped"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError, UsageError
+from runner.loading import relocate_issues
 
 
 @dataclass(frozen=True)
@@ -149,19 +150,25 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         status = "FINISHED"
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
-        raise Interrupted(getattr(exc, "signum", 2)) from None
-    except SpecError as exc:
-        error = str(exc)
-        raise
+        raise Interrupted(getattr(exc, "signum", 2), run_id=run_id, spec=str(loaded.path)) from None
     except Exception as exc:  # noqa: BLE001 - every failure is reported, the run marked FAILED
         if _is_signal(exc):
             status = "KILLED"
-            raise Interrupted(getattr(exc, "sigval", 15)) from None
+            raise Interrupted(getattr(exc, "sigval", 15), run_id=run_id, spec=str(loaded.path)) from None
+        bad_spec = exc if isinstance(exc, SpecError) else _spec_error_of_child(exc)
+        if bad_spec is not None:
+            # A kwarg or name that only fails when built: still a bad spec (exit 2), and the run
+            # made for it is removed so that no stray run is left behind.
+            status = "DELETE"
+            raise relocate_issues(bad_spec, loaded) from None
         error = _describe_failure(exc)
         raise TrainingError(error) from None
     finally:
         if owner and run_id is not None:
-            tracking.end_run(uri, run_id, status, error)
+            if status == "DELETE" and not resume:
+                tracking.delete_run(uri, run_id)
+            else:
+                tracking.end_run(uri, run_id, "FAILED" if status == "DELETE" else status, error)
     return ExecResult(
         run_id=run_id,
         status=status,
@@ -259,6 +266,23 @@ def _spec_change_tag(allowed: tuple[str, ...]) -> Optional[str]:
 
 def _is_signal(exc: BaseException) -> bool:
     return type(exc).__name__ == "SignalException"
+
+
+def _spec_error_of_child(exc: BaseException) -> Optional[SpecError]:
+    """The SpecError a DDP worker raised while building, recovered from the launcher's failure record."""
+    marker = "runner.errors.SpecError: "
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        data = getattr(failure, "error_file_data", None) or {}
+        inner = data.get("message", {}) if isinstance(data, dict) else {}
+        trace = inner.get("extraInfo", {}).get("py_callstack", "") if isinstance(inner, dict) else ""
+        if marker in trace:
+            text = trace.rsplit(marker, 1)[1].strip()
+            issues = []
+            for line in text.splitlines():
+                key, sep, message = line.partition(": ")
+                issues.append(SpecIssue(None, None, key, message) if sep and " " not in key else SpecIssue(None, None, "", line))
+            return SpecError(issues)
+    return None
 
 
 def _describe_failure(exc: BaseException) -> str:

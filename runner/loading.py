@@ -336,7 +336,16 @@ def _apply_override(data: dict, provenance: _Provenance, override: str, issues: 
     key_text, eq, value_text = override.partition("=")
     loc = _parse_key(key_text) if eq else None
     if loc is None:
-        issues.append(SpecIssue(None, None, "", f"{show(override)}: expected dotted.key=value, e.g. --set optim.lr=0.05"))
+        issues.append(
+            SpecIssue(None, None, "", f"{show(override)}: expected dotted.key=value, e.g. --set optim.lr=0.05", "--set")
+        )
+        return
+    bare_fraction = re.fullmatch(r"([+-]?)\.(\d.*)", value_text.strip())
+    if bare_fraction:
+        fixed = f"{bare_fraction.group(1)}0.{bare_fraction.group(2)}"
+        issues.append(
+            SpecIssue(None, None, format_key(loc), f"invalid TOML value {value_text.strip()} (write {fixed})", "--set")
+        )
         return
     value = _override_value(loc, value_text.strip())
     node = data
@@ -345,7 +354,11 @@ def _apply_override(data: dict, provenance: _Provenance, override: str, issues: 
         if not isinstance(child, dict):
             issues.append(
                 SpecIssue(
-                    None, None, format_key(loc), f"{format_key(loc[: i + 1])} is {show(child)}, not a table (from --set {override})"
+                    None,
+                    None,
+                    format_key(loc),
+                    f"{format_key(loc[: i + 1])} is {show(child)}, not a table (from --set {override})",
+                    "--set",
                 )
             )
             return
@@ -399,7 +412,9 @@ def _validate(data: dict, where, issues: list[SpecIssue]) -> Optional[Experiment
             origin = where(loc)
             if origin.override is not None:
                 message += f" (from --set {origin.override})"
-            found.append(SpecIssue(origin.file, origin.line, format_key(loc), message))
+            found.append(
+                SpecIssue(origin.file, origin.line, format_key(loc), message, "--set" if origin.override else None)
+            )
         order = {f: i for i, f in enumerate(dict.fromkeys(i.file for i in found if i.file is not None))}
         found.sort(key=lambda i: (i.file is None, order.get(i.file, 0), i.line or 0))
         issues.extend(found)
@@ -410,7 +425,28 @@ def _origin_of(provenance: _Provenance, loc: Loc, top: Path) -> _Origin:
     for n in range(len(loc), 0, -1):
         if loc[:n] in provenance:
             return provenance[loc[:n]]
+    for known, origin in provenance.items():  # e.g. an unknown table created only by --set a.b.c=1
+        if known[: len(loc)] == loc:
+            return origin
     return _Origin(top, 1)
+
+
+def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
+    """Place issues found while building (model, optimizer, dataset kwargs) on the spec file's lines.
+
+    Builders only know the dotted key (``optim.kwargs``); this finds where that key is written
+    in the spec file so the message reads ``FILE:LINE: optim.kwargs: ...`` like every other
+    spec error. Keys written in an ``extends`` base keep the file name without a line.
+    """
+    lines = locate_keys(loaded.source_text)
+    moved = []
+    for issue in error.issues:
+        if issue.file is None and issue.origin is None and issue.key:
+            loc = tuple(issue.key.split("."))
+            line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+            issue = SpecIssue(loaded.path, line, issue.key, issue.message)
+        moved.append(issue)
+    return SpecError(moved)
 
 
 def _required_keys(model: type[BaseModel] = ExperimentSpec, prefix: str = "") -> list[str]:

@@ -343,16 +343,20 @@ def run_tags(
             tags["mlflow.source.git.branch"] = info.branch
         if info.remote_url:
             tags["mlflow.source.git.repoURL"] = info.remote_url
-    names = plan_description.get("names") or [
-        d["name"] for d in plan_description.get("devices") or () if isinstance(d, Mapping) and d.get("name")
+    # ``plan_description`` is either a DevicePlan description or a whole plan holding one under "devices".
+    nested = plan_description.get("devices")
+    device_plan = nested if isinstance(nested, Mapping) else plan_description
+    names = device_plan.get("names") or [
+        d["name"] for d in device_plan.get("devices") or () if isinstance(d, Mapping) and d.get("name")
     ]
     if names:
         tags["runner.devices"] = ", ".join(str(n) for n in names)
-    elif plan_description.get("accelerator") == "cpu":
+    elif device_plan.get("accelerator") == "cpu":
         tags["runner.devices"] = "cpu"
     for key in ("world_size", "accelerator"):
-        if plan_description.get(key) is not None:
-            tags[f"runner.{key}"] = plan_description[key]
+        value = plan_description.get(key, device_plan.get(key))
+        if value is not None:
+            tags[f"runner.{key}"] = value
     if spec.description:
         tags["mlflow.note.content"] = spec.description
     if parent_run_id:
@@ -522,6 +526,16 @@ def run_exists(uri: str, run_id: str) -> bool:
     except Exception:  # noqa: BLE001 - MLflow raises MlflowException for unknown ids
         return False
     return run.info.lifecycle_stage != "deleted"
+
+
+def delete_run(uri: str, run_id: str) -> None:
+    """Delete a run that never trained (its spec turned out not to build); see ``MlflowClient.delete_run``."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).delete_run(run_id)
+    except Exception as exc:
+        raise TrackingError(f"could not delete MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def latest_run_id(uri: str, experiment: str) -> str | None:

@@ -8,6 +8,7 @@ owns the run (DESIGN §6) and sets its final status.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -88,6 +89,28 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         SpecError: A name in the spec (model, dataset, kwargs) turned out not to build.
         Exception: Anything the training code raises; the driver marks the run FAILED.
     """
+    from runner.parallel import make_strategy
+
+    strategy = make_strategy(args.loaded.spec, args.plan)
+    stop = _StopFlag()
+    try:
+        strategy.setup()
+        stop.install()
+        result = _train(args, strategy, stop)
+        strategy.barrier()  # every rank is done with collectives before any destroys the group
+        return result
+    finally:
+        stop.uninstall()
+        gc.collect()  # free DDP's reducer and its pending work before the process group goes
+        strategy.teardown()
+
+
+def _train(args: WorkerArgs, strategy: Any, stop: "_StopFlag") -> WorkerResult:
+    """Build data, model and optimizer on an initialised strategy, resume if asked, and fit.
+
+    Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
+    released when it returns, before the process group is destroyed.
+    """
     import torch
 
     from runner import checkpoint as ckpt
@@ -98,7 +121,6 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         describe_unused_parameters_error,
         is_unused_parameters_error,
         load_state_dict_flexible,
-        make_strategy,
         unwrapped_state_dict,
     )
     from runner.seeding import capture_rng_state, restore_rng_state, seed_everything
@@ -106,13 +128,9 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
 
     spec = args.loaded.spec
     spec_dir = args.loaded.path.parent
-    strategy = make_strategy(spec, args.plan)
-    stop = _StopFlag()
     tracker: Any = None
     monitor: Any = None
     try:
-        strategy.setup()
-        stop.install()
         seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
         run_id, log_rank, checkpoint_dir = _agree_on_run(strategy, args.run_id, args.checkpoint_dir)
         bundle = build_datasets(spec, spec_dir)
@@ -228,12 +246,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         result.device = str(strategy.device)
         return result
     finally:
-        stop.uninstall()
         if monitor is not None:
             monitor.finish()
         if tracker is not None:
             tracker.close()
-        strategy.teardown()
 
 
 def _agree_on_run(strategy: Any, local_run_id: Optional[str], local_dir: str) -> tuple[Optional[str], int, str]:

@@ -67,6 +67,8 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert run.data.params["data.batch_size"] == "64"
     assert run.data.params["model.kwargs.hidden"] == "[64]"
     assert run.data.tags["runner.spec.sha256"]
+    assert run.data.tags["runner.devices"] == "cpu" and run.data.tags["runner.accelerator"] == "cpu"
+    assert run.data.tags["runner.world_size"] == "1"
     assert run.data.metrics["val/accuracy"] > 0.9
     for key in ("train/loss", "val/loss", "val/accuracy", "train/accuracy", "lr", "samples_per_s", "epoch_time_s"):
         history = _history(client, run.info.run_id, key)
@@ -165,3 +167,33 @@ def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> No
     mlflow.set_tracking_uri(store)
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     assert model(torch.zeros(2, 8)).shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("model.kwargs={bogus=1}", "model.kwargs"), ("optim.kwargs={nesterov_typo=true}", "optim.kwargs")],
+)
+def test_kwargs_that_do_not_build_exit_2_and_leave_no_run(write_spec, store: str, capsys, override: str, key: str) -> None:
+    spec = write_spec()
+    assert main(["exec", str(spec), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}" in err and key in err and "Traceback" not in err
+    assert _runs(store, "tests")[1] == []
+
+
+def test_kwargs_that_do_not_build_under_ddp_exit_2_and_leave_no_run(write_spec, store: str, capsys) -> None:
+    spec = write_spec()
+    sets = ['parallel.mode="ddp"', "parallel.nproc_per_node=2", "optim.kwargs={nesterov_typo=true}"]
+    args = ["exec", str(spec)]
+    for item in sets:
+        args += ["--set", item]
+    assert main(args) == 2
+    assert "optim.kwargs" in capsys.readouterr().err
+    assert _runs(store, "tests")[1] == []
+
+
+def test_interrupt_message_says_how_to_resume() -> None:
+    from runner.errors import Interrupted
+
+    hint = Interrupted(15, run_id="abc", spec="exp.toml").hint()
+    assert "runner exec exp.toml --resume abc" in hint

@@ -248,3 +248,26 @@ def test_loading_imports_neither_torch_nor_mlflow():
     code = "import sys, runner.loading, runner.locate; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_override_with_bare_fraction_says_write_0_point(tmp_path) -> None:
+    from runner.errors import SpecError
+    from runner.loading import load_spec
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n')
+    with pytest.raises(SpecError) as info:
+        load_spec(spec, ["optim.lr=.001"])
+    assert str(info.value) == "--set: optim.lr: invalid TOML value .001 (write 0.001)"
+
+
+def test_override_creating_an_unknown_table_blames_the_override(tmp_path) -> None:
+    from runner.errors import SpecError
+    from runner.loading import load_spec
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n')
+    with pytest.raises(SpecError) as info:
+        load_spec(spec, ["foo.bar.baz=1"])
+    text = str(info.value)
+    assert text.startswith("--set: foo:") and "from --set foo.bar.baz=1" in text
