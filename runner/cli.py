@@ -269,6 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RunnerError as exc:
         print(f"runner: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except BrokenPipeError:  # e.g. `runner schema | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,15 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         if uri is None:
             raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
         run_id = _resolve_resume(uri, plan.experiment, options.resume)
-        notes += _check_resume(loaded, default_checkpoint_dir(uri, spec.checkpoint.dir, run_id), options.allow_spec_change)
+        changes, complete, resume_notes = _check_resume(
+            loaded, default_checkpoint_dir(uri, spec.checkpoint.dir, run_id), options.allow_spec_change
+        )
+        notes += resume_notes
+        if complete and tracking.run_status(uri, run_id) == "FINISHED":
+            raise UsageError(
+                f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
+                f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
+            )
     apply_device_env(plan.devices)
 
     if owner and uri is not None and not resume:
@@ -126,7 +135,7 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
             )
             run_id = handle.run_id
     elif owner and resume:
-        tracking.reopen_run(uri, run_id, spec_change=_spec_change_tag(options.allow_spec_change))
+        tracking.reopen_run(uri, run_id, spec_change=json.dumps(changes) if changes else None)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.worker).
     run_key = run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -188,6 +197,7 @@ def _launch(plan: Any, args: Any) -> list[Any]:
 
     if plan.launch != "elastic":
         return [run_worker(args)]
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     par = plan.loaded.spec.parallel
@@ -204,7 +214,10 @@ def _launch(plan: Any, args: Any) -> list[Any]:
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, run_worker)(args)
+    with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
+        # The launcher keeps per-attempt error files here; removed when the job ends.
+        config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
+        results = elastic_launch(config, run_worker)(args)
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
@@ -223,23 +236,39 @@ def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
     return resume
 
 
-def _check_resume(loaded: Any, directory: Path, allowed: tuple[str, ...]) -> list[str]:
-    """Refuse to resume with a spec that differs from the run's, unless the change is allowed.
+def _check_resume(
+    loaded: Any, directory: Path, allowed: tuple[str, ...]
+) -> tuple[dict[str, list[Any]], bool, list[str]]:
+    """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
+
+    Returns:
+        ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
+        whether the newest usable checkpoint already covers all the training the spec asks for.
 
     Raises:
-        UsageError: The run has no readable checkpoint.
+        UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
+    from difflib import get_close_matches
+
     from runner.checkpoint import CheckpointError, load_latest, spec_changes
     from runner.loading import flatten_spec
 
+    current = flatten_spec(loaded.spec)
     try:
         found = load_latest(directory)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     if found is None:
         raise UsageError(f"nothing to resume: no checkpoint in {directory}")
-    changed = spec_changes(found.payload["spec"], flatten_spec(loaded.spec))
+    saved = found.payload["spec"]
+    known = set(saved) | set(current)
+    for key in allowed:
+        if not any(k == key or k.startswith(key + ".") for k in known):
+            close = get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UsageError(f"--allow-spec-change {key}: the spec has no such key{hint}")
+    changed = spec_changes(saved, current)
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if unexpected:
         issues = [
@@ -247,8 +276,8 @@ def _check_resume(loaded: Any, directory: Path, allowed: tuple[str, ...]) -> lis
                 loaded.path,
                 None,
                 key,
-                f"differs from the resumed run: was {found.payload['spec'].get(key)!r}, now "
-                f"{flatten_spec(loaded.spec).get(key)!r} (undo it, or pass --allow-spec-change {key})",
+                f"differs from the resumed run: was {saved.get(key)!r}, now {current.get(key)!r} "
+                f"(undo it, or pass --allow-spec-change {key})",
             )
             for key in unexpected
         ]
@@ -257,11 +286,9 @@ def _check_resume(loaded: Any, directory: Path, allowed: tuple[str, ...]) -> lis
     notes += [f"skipped {reason}" for _, reason in found.skipped]
     if changed:
         notes.append("spec changed on resume: " + ", ".join(changed))
-    return notes
-
-
-def _spec_change_tag(allowed: tuple[str, ...]) -> Optional[str]:
-    return json.dumps(list(allowed)) if allowed else None
+    state, train = found.payload["state"], loaded.spec.train
+    complete = state["epoch"] >= train.epochs or (train.max_steps is not None and state["global_step"] >= train.max_steps)
+    return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
 
 
 def _is_signal(exc: BaseException) -> bool:

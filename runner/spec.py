@@ -135,7 +135,8 @@ class DevicesSpec(_Table):
         default="all",
         description=(
             "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
-            "or `all`. With mode = none only the first is used. Ignored on CPU. Default: all."
+            "or `all`. mode = none takes one id (with `all`, the first visible GPU). Ignored when the run "
+            "is on CPU. Default: all."
         ),
     )
 
@@ -486,4 +487,12 @@ def json_schema() -> dict[str, Any]:
     schema = ExperimentSpec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "runner experiment spec"
+    # `extends` is resolved by the loader before validation, so the models do not declare it.
+    schema["properties"] = {
+        "extends": {
+            "description": "Spec file(s) this one builds on, relative to this file; tables merge, values replace.",
+            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+        },
+        **schema["properties"],
+    }
     return schema

@@ -538,6 +538,13 @@ def delete_run(uri: str, run_id: str) -> None:
         raise TrackingError(f"could not delete MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
+def run_status(uri: str, run_id: str) -> str:
+    """MLflow status of a run: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+
+
 def latest_run_id(uri: str, experiment: str) -> str | None:
     """Id of the most recently started top-level run of ``experiment``, or ``None``.
 
@@ -562,8 +569,8 @@ def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
     Args:
         uri: Tracking URI.
         run_id: The run to continue.
-        spec_change: JSON list of dotted keys the user allowed to change; recorded as tag
-            ``runner.resume.spec_change``.
+        spec_change: JSON object ``{dotted key: [old, new]}`` of the changes the user allowed;
+            recorded as tag ``runner.resume.spec_change`` (params keep their first values).
 
     Raises:
         TrackingError: MLflow rejects the update.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -210,11 +211,16 @@ def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str
     edited = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "optim.lr=0.2", "--set", "seed=4")
     assert edited.returncode == 2
     assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
+    finished = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
+    assert finished.returncode == 2 and "already FINISHED" in finished.stderr
+    typo = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "train.epochs=4",
+                   "--allow-spec-change", "train.epoch")
+    assert typo.returncode == 2 and "did you mean train.epochs" in typo.stderr
     allowed = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "train.epochs=4",
                       "--allow-spec-change", "train.epochs")
     assert allowed.returncode == 0, allowed.stderr
     again = MlflowClient(store).get_run(run.info.run_id)
-    assert again.data.tags["runner.resume.spec_change"] == '["train.epochs"]'
+    assert json.loads(again.data.tags["runner.resume.spec_change"]) == {"train.epochs": [3, 4]}
     steps = [s for s, _ in _histories(store, run.info.run_id)["val/accuracy"]]
     assert steps == [5, 10, 15, 20]
 
