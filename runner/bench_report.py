@@ -316,10 +316,16 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+SUPERLINEAR = 1.1  # efficiency above this is almost always measurement noise, not real speed-up
+
+
 def _row(c: ConfigResult) -> list[str]:
     if c.status != "ok":
         return [c.config, "-", "-", "-", "-", "-", "-", "-", "-", f"{c.status}: {_one_line(c.reason)}"]
     note = "" if c.loss_check in ("ok", "baseline") else c.loss_check
+    if c.scaling_efficiency is not None and c.scaling_efficiency > SUPERLINEAR and c.mode != "none":
+        warning = "efficiency above 100%: the baseline was likely slowed by other load; rerun on a quiet machine"
+        note = f"{note}; {warning}" if note else warning
     mem = "/".join(f"{b / MIB:.0f}" for b in c.peak_memory_bytes) or "-"
     return [
         c.config,

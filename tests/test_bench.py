@@ -293,3 +293,15 @@ def test_cli_bad_spec_exits_2_without_any_run(write_spec, store: str, capsys) ->
     from mlflow.tracking import MlflowClient
 
     assert MlflowClient(store).get_experiment_by_name("tests") is None
+
+
+def test_superlinear_efficiency_is_flagged_as_noise() -> None:
+    from runner.bench_report import _row
+
+    def row(efficiency: float) -> list[str]:
+        c = ConfigResult("ddp-2", "ddp", 2, samples_per_s=1000.0, scaling_efficiency=efficiency)
+        c.status, c.loss_check = "ok", "ok"
+        return _row(c)
+
+    assert "efficiency above 100%" in row(13.18)[-1]
+    assert row(0.9)[-1] == ""
