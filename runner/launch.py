@@ -37,6 +37,8 @@ class ExecOptions:
         parent_run_id: Make the run a child of this run (``mlflow.parentRunId``), for sweeps and bench.
         tags: Extra MLflow tags for the run.
         sync_timing: Exact per-step timing on CUDA (``runner bench``).
+        nested: Allow starting while an MLflow fluent run is active in this process (the new
+            run becomes its child); without it that is an error.
     """
 
     run_name: Optional[str] = None
@@ -45,6 +47,7 @@ class ExecOptions:
     parent_run_id: Optional[str] = None
     tags: tuple[tuple[str, str], ...] = ()
     sync_timing: bool = False
+    nested: bool = False
 
 
 @dataclass
@@ -131,7 +134,11 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
             if options.parent_run_id:
                 tags["mlflow.parentRunId"] = options.parent_run_id
             handle = tracking.start_run(
-                loaded, plan.describe(), run_name=options.run_name or spec.tracking.run_name, extra_tags=tags
+                loaded,
+                plan.describe(),
+                run_name=options.run_name or spec.tracking.run_name,
+                extra_tags=tags,
+                nested=options.nested,
             )
             run_id = handle.run_id
     elif owner and resume:

@@ -197,3 +197,21 @@ def test_interrupt_message_says_how_to_resume() -> None:
 
     hint = Interrupted(15, run_id="abc", spec="exp.toml").hint()
     assert "runner exec exp.toml --resume abc" in hint
+
+
+def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) -> None:
+    import mlflow
+
+    from runner.errors import TrackingError
+    from runner.launch import ExecOptions, exec_experiment
+    from runner.loading import load_spec
+
+    loaded = load_spec(write_spec(), ["train.epochs=1"])
+    mlflow.set_tracking_uri(store)
+    with mlflow.start_run() as outer:
+        with pytest.raises(TrackingError, match="active"):
+            exec_experiment(loaded)
+        result = exec_experiment(loaded, ExecOptions(nested=True))
+    child = MlflowClient(store).get_run(result.run_id)
+    assert child.info.status == "FINISHED"
+    assert child.data.tags.get("mlflow.parentRunId") == outer.info.run_id
