@@ -47,6 +47,20 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 @pytest.fixture
+def git_identity(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A fixed git author/committer and no global or system git config (HOME is the test folder)."""
+    for key, value in {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.com",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.com",
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> str:
     """A fresh sqlite tracking URI in the test's temporary folder."""
     return f"sqlite:///{tmp_path}/mlflow.db"

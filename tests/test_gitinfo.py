@@ -12,20 +12,10 @@ from runner.gitinfo import GitInfo, git_diff, git_info
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git executable")
 
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.com",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.com",
-    "GIT_CONFIG_NOSYSTEM": "1",
-}
-
 
 @pytest.fixture(autouse=True)
-def _git_identity(monkeypatch, tmp_path):
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no global config from the machine
+def _git_identity(git_identity):
+    """Every test here runs git with a fixed identity and no machine config."""
 
 
 def git(repo: Path, *args: str) -> str:

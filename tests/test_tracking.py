@@ -56,26 +56,15 @@ PLAN = {
     "world_size": 1,
 }
 
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.com",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.com",
-    "GIT_CONFIG_NOSYSTEM": "1",
-}
-
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git executable")
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
+def _clean_env(monkeypatch, tmp_path, git_identity):
     """Restore MLFLOW_* variables, isolate git config, and keep MLflow's ./mlruns inside tmp_path."""
     for key in list(os.environ):
         if key.startswith("MLFLOW_"):
             monkeypatch.delenv(key)
-    for k, v in GIT_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("HOME", str(tmp_path))
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
