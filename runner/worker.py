@@ -115,6 +115,7 @@ def _train(args: WorkerArgs, strategy: Any, stop: "_StopFlag") -> WorkerResult:
 
     from runner import checkpoint as ckpt
     from runner.data import build_datasets, build_loaders
+    from runner.loading import flatten_spec
     from runner.models import build_model
     from runner.optim import amp_settings, build_loss, build_optimizer, build_scheduler, scheduler_interval
     from runner.parallel import (
@@ -178,6 +179,8 @@ def _train(args: WorkerArgs, strategy: Any, stop: "_StopFlag") -> WorkerResult:
             elif args.resume:
                 result.notes.append(f"no checkpoint in {directory}: starting from step 0")
 
+        spec_flat = flatten_spec(spec)  # the same for every checkpoint of this run
+
         def on_checkpoint(st: TrainState, reason: str) -> None:
             rng_states = strategy.all_gather_object(capture_rng_state())
             if strategy.rank == log_rank and spec.checkpoint.enabled:
@@ -188,7 +191,7 @@ def _train(args: WorkerArgs, strategy: Any, stop: "_StopFlag") -> WorkerResult:
                     scaler=scaler,
                     state=st,
                     rng_states=rng_states,
-                    spec_flat=_flat(args.loaded.spec),
+                    spec_flat=spec_flat,
                     spec_sha256=args.loaded.sha256,
                     run_id=run_id,
                 )
@@ -306,12 +309,6 @@ def _make_tracker(spec: Any, args: WorkerArgs, run_id: Optional[str], is_logger:
     if is_logger and run_id is not None and args.tracking_uri is not None:
         return MlflowTracker(args.tracking_uri, run_id, flush_every_s=spec.tracking.flush_every_s)
     return NullTracker()
-
-
-def _flat(spec: Any) -> dict[str, Any]:
-    from runner.loading import flatten_spec
-
-    return flatten_spec(spec)
 
 
 def _start_system_metrics(uri: Optional[str], run_id: str, resumed: bool) -> Any:
