@@ -59,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", default="1,2", help="ddp process counts (default 1,2)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--out", default="bench-results", help="folder for bench.json / bench.png (default bench-results)")
+    parser.add_argument(
+        "--out", default="bench-results", help="folder for bench.json / bench.png (default bench-results)"
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     args = parser.parse_args(argv)
 
     import json
 
-    from runner.bench import run_bench
+    from runner.tools.bench import run_bench
 
     nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
     with tempfile.TemporaryDirectory(prefix="runner-ddp-throughput-") as tmp:
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         if spec is None:
             spec = str(Path(tmp) / "ddp_throughput.toml")
             Path(spec).write_text(BUILTIN.format(store=Path(tmp) / "mlflow.db"), encoding="utf-8")
-        report = run_bench(spec, (), modes=["none", "ddp"], nprocs=nprocs, steps=args.steps, warmup=args.warmup, out_dir=args.out)
+        report = run_bench(
+            spec, (), modes=["none", "ddp"], nprocs=nprocs, steps=args.steps, warmup=args.warmup, out_dir=args.out
+        )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
     return 1 if report.failed else 0
 

@@ -1,8 +1,8 @@
 """Compare training throughput and peak GPU memory of parallel modes (none vs dp) on this machine.
 
 Each mode runs in a fresh process (so CUDA_VISIBLE_DEVICES is narrowed before CUDA
-starts, exactly as ``runner exec`` does) through ``runner.devices`` and
-``runner.parallel``, on synthetic data already in host memory, so the numbers
+starts, exactly as ``runner exec`` does) through ``runner.devices.resolve`` and
+``runner.strategies``, on synthetic data already in host memory, so the numbers
 measure the model and the parallel mode, not the data pipeline.
 
 Usage::
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def _spec(args: argparse.Namespace, mode: str) -> Any:
-    from runner.spec import ExperimentSpec
+    from runner.spec.schema import ExperimentSpec
 
     ids: Any = "all" if args.ids == "all" else [int(i) for i in args.ids.split(",")]
     if mode == "none" and ids != "all":
@@ -56,12 +56,15 @@ def _model(name: str, image_size: int) -> Any:
 
         return torchvision.models.resnet18(weights=None, num_classes=10)
     features = 3 * image_size * image_size
-    return nn.Sequential(nn.Flatten(), nn.Linear(features, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(features, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
+    )
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` timed steps in this process with ``args.mode``; return the measurements."""
-    from runner.devices import apply_device_env, probe_inventory, resolve_devices
+    from runner.devices.inventory import probe_inventory
+    from runner.devices.resolve import apply_device_env, resolve_devices
     from runner.errors import RunnerError
 
     spec = _spec(args, args.mode)
@@ -74,7 +77,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from runner.parallel import make_strategy
+    from runner.strategies.registry import make_strategy
 
     strategy = make_strategy(spec, plan)
     strategy.setup()
@@ -113,7 +116,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": args.mode,
         "model": args.model,
-        "devices": [f"{i}:{name}" for i, name in zip(plan.requested_ids, plan.names)] or ["cpu"],
+        "devices": [f"{i}:{name}" for i, name in zip(plan.requested_ids, plan.names, strict=False)] or ["cpu"],
         "wrapped": type(wrapped).__name__,
         "global_batch": args.batch,
         "per_device_batch": plan.per_device_batch,
@@ -155,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    print(f"{'mode':<5} {'wrapped':<27} {'per-device batch':<18} {'samples/s':>10} {'ms/step':>8}  peak MiB per device  devices")
+    print(
+        f"{'mode':<5} {'wrapped':<27} {'per-device batch':<18} {'samples/s':>10} {'ms/step':>8}  peak MiB per device  devices"
+    )
     for res in results:
         if "error" in res:
             print(f"{res['mode']:<5} not run: {res['error']}")
             continue
         print(
-            f"{res['mode']:<5} {res['wrapped']:<27} {str(res['per_device_batch']):<18} {res['samples_per_s']:>10.1f} "
-            f"{res['ms_per_step']:>8.2f}  {str(res['peak_mib']):<20} {', '.join(res['devices'])}"
+            f"{res['mode']:<5} {res['wrapped']:<27} {res['per_device_batch']!s:<18} {res['samples_per_s']:>10.1f} "
+            f"{res['ms_per_step']:>8.2f}  {res['peak_mib']!s:<20} {', '.join(res['devices'])}"
         )
         for note in res["notes"]:
             print(f"      note: {note}")

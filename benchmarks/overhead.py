@@ -4,8 +4,8 @@ Both sides train an MLP (784 -> 512 -> 512 -> 10 by default) on seeded synthetic
 inputs, batch 256, SGD with momentum, on one device (CPU here, the first GPU when
 ``--accelerator cuda``). The hand-written side is the loop everyone writes (zero_grad,
 forward, ``F.cross_entropy``, backward, step, ``loss.item()`` every step) over a DataLoader with
-runner's own :class:`runner.sampling.EpochSampler` and dataset, so both see the very same
-batches; runner runs ``runner.launch.exec_experiment`` with per-step MLflow logging
+runner's own :class:`runner.training.sampling.EpochSampler` and dataset, so both see the very same
+batches; runner runs ``runner.launch.driver.exec_experiment`` with per-step MLflow logging
 (``log_every_n_steps = 1``) into a temporary sqlite store.
 
 Only training after warm-up is timed: from the end of step ``warmup`` to the end of step
@@ -82,15 +82,17 @@ def hand_written(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from runner.data import build_datasets
-    from runner.models import build_model
-    from runner.sampling import EpochSampler
+    from runner.training.data import build_datasets
+    from runner.training.models import build_model
+    from runner.training.sampling import EpochSampler
 
     spec = loaded.spec
     device = torch.device("cuda:0" if spec.devices.accelerator == "cuda" else "cpu")
     bundle = build_datasets(spec, loaded.path.parent)
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, loaded.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes)
+    model = build_model(
+        spec.model, loaded.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
+    )
     model.to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.optim.lr, momentum=spec.optim.momentum)
     n = len(bundle.train)
@@ -121,7 +123,7 @@ def with_runner(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
     """Train with ``exec_experiment``; return (seconds for the timed steps, loss of the last step)."""
     from mlflow.tracking import MlflowClient
 
-    from runner.launch import exec_experiment
+    from runner.launch.driver import exec_experiment
 
     result = exec_experiment(loaded)
     history = {m.step: m for m in MlflowClient(result.tracking_uri).get_metric_history(result.run_id, "train/loss")}
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = parser.parse_args(argv)
 
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     total = args.warmup + args.steps
     results: dict[str, list[float]] = {"hand-written": [], "runner": []}
@@ -166,18 +168,34 @@ def main(argv: list[str] | None = None) -> int:
                 seconds, loss = fn(loaded, args.warmup, args.steps)
                 results[name].append(seconds)
                 losses[name] = loss
-                print(f"{name:<13} run {i + 1}: {seconds:8.3f} s for {args.steps} steps "
-                      f"({args.steps * args.batch / seconds:9.1f} samples/s), final loss {loss:.6f}", flush=True)
+                print(
+                    f"{name:<13} run {i + 1}: {seconds:8.3f} s for {args.steps} steps "
+                    f"({args.steps * args.batch / seconds:9.1f} samples/s), final loss {loss:.6f}",
+                    flush=True,
+                )
     best = {k: min(v) for k, v in results.items()}
     ratio = best["runner"] / best["hand-written"]
     agree = abs(losses["runner"] - losses["hand-written"]) <= 1e-4 * max(abs(losses["runner"]), 1e-12)
     print(f"best: hand-written {best['hand-written']:.3f} s, runner {best['runner']:.3f} s")
     print(f"ratio runner / hand-written = {ratio:.3f}  (target <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})")
-    print(f"final losses {'agree' if agree else 'DIFFER'}: runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}")
+    print(
+        f"final losses {'agree' if agree else 'DIFFER'}: runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}"
+    )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"seconds": results, "best": best, "ratio": ratio, "final_loss": losses, "steps": args.steps,
-                        "warmup": args.warmup, "batch": args.batch}, indent=2) + "\n",
+            json.dumps(
+                {
+                    "seconds": results,
+                    "best": best,
+                    "ratio": ratio,
+                    "final_loss": losses,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "batch": args.batch,
+                },
+                indent=2,
+            )
+            + "\n",
             encoding="utf-8",
         )
     return 0

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base, _, _ = _time_process([sys.executable, "-c", "pass"], repeat)
     print(f"python startup (baseline)           {_summary(base)}")
-    imports, _, _ = _time_process([sys.executable, "-c", "import runner.loading"], repeat)
-    print(f"python + import runner.loading      {_summary(imports)}")
+    imports, _, _ = _time_process([sys.executable, "-c", "import runner.spec.loading"], repeat)
+    print(f"python + import runner.spec.loading      {_summary(imports)}")
     cli, status, stderr = _time_process([sys.executable, "-m", "runner", "validate", *map(str, files)], repeat)
     if "No module named runner.__main__" in stderr or "No module named runner" in stderr:
         print("runner validate (subprocess)        skipped: the runner CLI is not importable")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from runner.errors import SpecError
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     total_best = 0.0
     invalid = 0
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         invalid += not ok
         total_best += min(times)
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-        print(f"  {str(shown):40s} {min(times):7.2f} ms  {statistics.median(times):7.2f} ms{'' if ok else '   (invalid)'}")
+        print(f"  {shown!s:40s} {min(times):7.2f} ms  {statistics.median(times):7.2f} ms{'' if ok else '   (invalid)'}")
     print(f"in-process total {total_best:.2f} ms, {total_best / len(files):.2f} ms per file, {invalid} invalid")
     return 0
 

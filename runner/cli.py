@@ -10,7 +10,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from runner import __version__
 from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, TrainingError, UsageError
@@ -52,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
     _spec_args(p)
     p.add_argument("--run-name", metavar="NAME", help="MLflow run name")
-    p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint ('last': newest run)")
+    p.add_argument(
+        "--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint ('last': newest run)"
+    )
     p.add_argument(
         "--allow-spec-change",
         action="append",
@@ -65,10 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweep", help="run many trials of one spec (grid or random), as child runs of one MLflow run")
     _spec_args(p)
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
-                   help="grid over dotted KEY with TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)")
-    p.add_argument("--random", action="append", default=[], metavar="KEY=LOW:HIGH[:log|:int]",
-                   help="sample dotted KEY uniformly (or log-uniformly / integers) from a range (repeatable)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="grid over dotted KEY with TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)",
+    )
+    p.add_argument(
+        "--random",
+        action="append",
+        default=[],
+        metavar="KEY=LOW:HIGH[:log|:int]",
+        help="sample dotted KEY uniformly (or log-uniformly / integers) from a range (repeatable)",
+    )
     p.add_argument("--num-trials", type=int, metavar="N", help="trial budget (required for random sampling)")
     p.add_argument("--seed", type=int, metavar="S", help="seed of random sampling (default: sweep.seed or 0)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials run at a time (default 1)")
@@ -80,9 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure none / dp / ddp side by side on this machine")
     _spec_args(p)
-    p.add_argument("--modes", default="none,dp,ddp", metavar="M1,M2", help="parallel modes to compare (default none,dp,ddp)")
-    p.add_argument("--nproc", default="1,2", metavar="N1,N2", help="ddp process counts / dp device counts (default 1,2)")
-    p.add_argument("--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)")
+    p.add_argument(
+        "--modes", default="none,dp,ddp", metavar="M1,M2", help="parallel modes to compare (default none,dp,ddp)"
+    )
+    p.add_argument(
+        "--nproc", default="1,2", metavar="N1,N2", help="ddp process counts / dp device counts (default 1,2)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)"
+    )
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -92,12 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="the experiment spec (TOML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a dotted key with a TOML value, e.g. --set optim.lr=0.05 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a dotted key with a TOML value, e.g. --set optim.lr=0.05 (repeatable)",
+    )
     p.add_argument("--nnodes", type=int, help="ddp: number of nodes (parallel.nnodes)")
     p.add_argument("--node-rank", type=int, help="ddp: rank of this node (parallel.node_rank)")
     p.add_argument("--nproc-per-node", type=int, help="ddp: workers per node (parallel.nproc_per_node)")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="ddp: c10d rendezvous endpoint (parallel.rdzv_endpoint)")
+    p.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="ddp: c10d rendezvous endpoint (parallel.rdzv_endpoint)"
+    )
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -111,13 +138,13 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     return load_spec(args.file, _overrides(args))
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     status = EXIT_OK
     for path in args.files:
@@ -132,8 +159,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from runner.loading import dump_spec
-    from runner.planning import format_plan, make_plan
+    from runner.plan import format_plan, make_plan
+    from runner.spec.loading import dump_spec
 
     loaded = _load(args)
     plan = make_plan(loaded)
@@ -148,8 +175,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from runner.reference import markdown_reference
-    from runner.spec import json_schema
+    from runner.spec.reference import markdown_reference
+    from runner.spec.schema import json_schema
 
     text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:
@@ -161,7 +188,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _exec(args: argparse.Namespace) -> int:
-    from runner.launch import ExecOptions, exec_experiment
+    from runner.launch.driver import ExecOptions, exec_experiment
 
     if args.allow_spec_change and not args.resume:
         raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
@@ -188,7 +215,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from runner.sweep import run_sweep
+    from runner.tools.sweep import run_sweep
 
     report = run_sweep(
         args.file,
@@ -206,7 +233,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from runner.bench import run_bench
+    from runner.tools.bench import run_bench
 
     report = run_bench(
         args.file,
@@ -240,7 +267,7 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``runner`` console script.
 
     Returns:
@@ -255,7 +282,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except (SpecError, UsageError, DeviceError, TrackingError) as exc:
-        print(f"runner: error: {exc}" if "\n" not in str(exc) else f"runner: error:\n{_indent(str(exc))}", file=sys.stderr)
+        print(
+            f"runner: error: {exc}" if "\n" not in str(exc) else f"runner: error:\n{_indent(str(exc))}", file=sys.stderr
+        )
         return EXIT_USAGE
     except TrainingError as exc:
         print(f"runner: training failed: {exc}", file=sys.stderr)

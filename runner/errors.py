@@ -91,4 +91,3 @@ class Interrupted(RunnerError):
                 f"runner exec {self.spec} --resume {self.run_id}"
             )
         return "stopped"
-

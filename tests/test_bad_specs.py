@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import SpecError
-from runner.loading import load_spec
+from runner.spec.loading import load_spec
 
 BAD = Path(__file__).parent / "assets" / "bad"
 
@@ -120,7 +120,8 @@ def test_error_in_base_file_points_at_base(tmp_path: Path):
     (tmp_path / "base.toml").write_text('[model]\nname = "mlp"\n[train]\n\nepochs = 0\n', encoding="utf-8")
     child = tmp_path / "child.toml"
     child.write_text(
-        'extends = "base.toml"\nname = "c"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n', encoding="utf-8"
+        'extends = "base.toml"\nname = "c"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n',
+        encoding="utf-8",
     )
     (issue,) = _error(child).issues
     assert (issue.file, issue.line, issue.key) == (tmp_path / "base.toml", 5, "train.epochs")
@@ -180,9 +181,13 @@ def test_set_errors_and_file_errors_come_together(tmp_path: Path):
 
 
 def test_spec_from_dict_reports_keys():
-    from runner.loading import spec_from_dict
+    from runner.spec.loading import spec_from_dict
 
     with pytest.raises(SpecError) as info:
-        spec_from_dict({"name": "t", "model": {"name": "mlp"}, "data": {"dataset": "s"}, "optim": {"lr": 0.1}}, origin="sweep")
+        spec_from_dict(
+            {"name": "t", "model": {"name": "mlp"}, "data": {"dataset": "s"}, "optim": {"lr": 0.1}}, origin="sweep"
+        )
     (issue,) = info.value.issues
-    assert issue.key == "data.batch_size" and str(info.value).startswith("sweep: data.batch_size: required key is missing")
+    assert issue.key == "data.batch_size" and str(info.value).startswith(
+        "sweep: data.batch_size: required key is missing"
+    )

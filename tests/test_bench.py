@@ -10,8 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from runner.bench import bench_spec_data, configurations, final_loss, summarize
-from runner.bench_report import (
+from runner.cli import main
+from runner.errors import UsageError
+from runner.spec.loading import load_spec, spec_from_dict
+from runner.tools.bench import bench_spec_data, configurations, final_loss, summarize
+from runner.tools.bench_report import (
     NOT_COMPARABLE,
     BenchReport,
     ConfigResult,
@@ -26,9 +29,6 @@ from runner.bench_report import (
     throughput,
     write_chart,
 )
-from runner.cli import main
-from runner.errors import UsageError
-from runner.loading import load_spec, spec_from_dict
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -93,10 +93,23 @@ def test_configurations_order_and_dp_needs_two_devices() -> None:
     assert configurations(["none", "dp", "ddp"], [2, 1, 2]) == [("none", 1), ("dp", 2), ("ddp", 1), ("ddp", 2)]
     assert configurations(["ddp"], [4]) == [("ddp", 4)]
     assert configurations(["dp", "none"], [1]) == [("none", 1)]
-    assert [config_id(m, n) for m, n in configurations(["none", "dp", "ddp"], [1, 2])] == ["none", "dp-2", "ddp-1", "ddp-2"]
+    assert [config_id(m, n) for m, n in configurations(["none", "dp", "ddp"], [1, 2])] == [
+        "none",
+        "dp-2",
+        "ddp-1",
+        "ddp-2",
+    ]
 
 
-@pytest.mark.parametrize("modes,nprocs,match", [(["none", "fsdp"], [1], "subset of none,dp,ddp"), ([], [1], "--modes"), (["ddp"], [0], "--nproc"), (["ddp"], [], "--nproc")])
+@pytest.mark.parametrize(
+    "modes,nprocs,match",
+    [
+        (["none", "fsdp"], [1], "subset of none,dp,ddp"),
+        ([], [1], "--modes"),
+        (["ddp"], [0], "--nproc"),
+        (["ddp"], [], "--nproc"),
+    ],
+)
 def test_configurations_refuses_bad_arguments(modes, nprocs, match) -> None:
     with pytest.raises(UsageError, match=match):
         configurations(modes, nprocs)
@@ -125,24 +138,30 @@ def test_bench_spec_data_derives_a_valid_spec_for_every_mode(write_spec) -> None
         assert spec.train.max_steps == 7 and spec.train.epochs >= 7
         assert spec.train.log_every_n_steps == 1 and spec.train.progress == "off"
         assert spec.checkpoint.enabled is False
-        assert (spec.seed, spec.data.batch_size, spec.optim.lr) == (base.spec.seed, base.spec.data.batch_size, base.spec.optim.lr)
+        assert (spec.seed, spec.data.batch_size, spec.optim.lr) == (
+            base.spec.seed,
+            base.spec.data.batch_size,
+            base.spec.optim.lr,
+        )
     assert none.devices.ids == [0] and ddp.devices.ids == [0, 1, 2, 3]
     assert none.devices.accelerator == ddp.devices.accelerator == "cpu"
 
 
 def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(write_spec) -> None:
-    from runner.bench import _prepare
+    from runner.tools.bench import _prepare
 
     base = load_spec(write_spec("", name="s.toml"), ["data.batch_size=15"])
     dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1, num_train=72) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
-    assert dp.loaded is None and dp.result.status == "skipped" and "dp" in dp.result.reason and "cpu" in dp.result.reason
+    assert (
+        dp.loaded is None and dp.result.status == "skipped" and "dp" in dp.result.reason and "cpu" in dp.result.reason
+    )
     assert ddp2.loaded is None and ddp2.result.status == "skipped" and "15" in ddp2.result.reason
     assert ddp1.loaded is not None and ddp1.result.status == "ok"
     assert sum(ddp1.batch_sizes) == 72  # 96 synthetic samples, 25 % held out
 
 
 def test_probe_counts_training_samples_and_detects_batch_statistics_layers(write_spec) -> None:
-    from runner.bench import probe_model_and_data
+    from runner.tools.bench import probe_model_and_data
 
     assert probe_model_and_data(load_spec(write_spec("", name="a.toml"))) == (72, False, False)
     bn = load_spec(
@@ -199,26 +218,61 @@ def test_final_loss_skips_epoch_metrics() -> None:
 def _report(batch_statistics: bool = False) -> BenchReport:
     curve = {s: 1.0 / s for s in range(1, 21)}
     rows = [
-        ConfigResult("none", "none", 1, samples_per_s=1000.0, step_time_median_s=0.064, step_time_p90_s=0.07,
-                     data_wait_fraction=0.05, peak_memory_bytes=[300 << 20], devices=["cpu"], final_loss=0.5, timed_steps=20,
-                     train_losses=dict(curve)),
-        ConfigResult("dp-2", "dp", 2, status="skipped", reason='parallel.mode = "dp" needs CUDA GPUs but none is usable'),
-        ConfigResult("ddp-2", "ddp", 2, samples_per_s=1500.0, step_time_median_s=0.043, step_time_p90_s=0.05,
-                     data_wait_fraction=0.02, peak_memory_bytes=[280 << 20, 270 << 20], devices=["cpu", "cpu"],
-                     final_loss=0.5 * (1 + 5e-3), timed_steps=20,
-                     train_losses={s: v * (1 + 1e-3 * (s > 12)) for s, v in curve.items()}),
+        ConfigResult(
+            "none",
+            "none",
+            1,
+            samples_per_s=1000.0,
+            step_time_median_s=0.064,
+            step_time_p90_s=0.07,
+            data_wait_fraction=0.05,
+            peak_memory_bytes=[300 << 20],
+            devices=["cpu"],
+            final_loss=0.5,
+            timed_steps=20,
+            train_losses=dict(curve),
+        ),
+        ConfigResult(
+            "dp-2", "dp", 2, status="skipped", reason='parallel.mode = "dp" needs CUDA GPUs but none is usable'
+        ),
+        ConfigResult(
+            "ddp-2",
+            "ddp",
+            2,
+            samples_per_s=1500.0,
+            step_time_median_s=0.043,
+            step_time_p90_s=0.05,
+            data_wait_fraction=0.02,
+            peak_memory_bytes=[280 << 20, 270 << 20],
+            devices=["cpu", "cpu"],
+            final_loss=0.5 * (1 + 5e-3),
+            timed_steps=20,
+            train_losses={s: v * (1 + 1e-3 * (s > 12)) for s, v in curve.items()},
+        ),
         ConfigResult("ddp-4", "ddp", 4, status="failed", reason="rank 1 failed: RuntimeError: boom"),
     ]
-    report = BenchReport(spec="/x/spec.toml", name="demo", accelerator="cpu", global_batch_size=64, steps=20, warmup=3,
-                         batch_statistics=batch_statistics, configs=rows, parent_run_id="p" * 32, tracking_uri="sqlite:///m.db",
-                         experiment="e", json_path="out/bench.json", png_path="out/bench.png")
+    report = BenchReport(
+        spec="/x/spec.toml",
+        name="demo",
+        accelerator="cpu",
+        global_batch_size=64,
+        steps=20,
+        warmup=3,
+        batch_statistics=batch_statistics,
+        configs=rows,
+        parent_run_id="p" * 32,
+        tracking_uri="sqlite:///m.db",
+        experiment="e",
+        json_path="out/bench.json",
+        png_path="out/bench.png",
+    )
     finish_comparisons(report.configs, not_comparable=comparability(batch_statistics))
     return report
 
 
 def test_comparisons_fill_efficiency_and_flag_a_differing_loss() -> None:
     report = _report()
-    none, dp, ddp, failed = report.configs
+    none, dp, ddp, _failed = report.configs
     assert none.scaling_efficiency == pytest.approx(1.0) and none.loss_check == "baseline"
     assert ddp.scaling_efficiency == pytest.approx(0.75)
     assert ddp.loss_check.startswith("differs") and ddp.loss_check.endswith("curves agree through step 12 of 20")
@@ -238,9 +292,13 @@ def test_table_lists_every_configuration_with_aligned_columns_and_reasons() -> N
     table = _report().table()
     lines = table.splitlines()
     header = next(line for line in lines if line.startswith("config"))
-    rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in ("none", "dp-2", "ddp-2", "ddp-4")}
+    rows = {
+        line.split()[0]: line
+        for line in lines
+        if line.split() and line.split()[0] in ("none", "dp-2", "ddp-2", "ddp-4")
+    }
     assert set(rows) == {"none", "dp-2", "ddp-2", "ddp-4"}
-    assert "skipped: parallel.mode = \"dp\" needs CUDA GPUs" in rows["dp-2"]
+    assert 'skipped: parallel.mode = "dp" needs CUDA GPUs' in rows["dp-2"]
     assert "failed: rank 1 failed" in rows["ddp-4"]
     end = header.index("samples/s") + len("samples/s")
     assert rows["none"][:end].endswith("1000.0") and rows["ddp-2"][:end].endswith("1500.0")
@@ -296,7 +354,7 @@ def test_cli_bad_spec_exits_2_without_any_run(write_spec, store: str, capsys) ->
 
 
 def test_superlinear_efficiency_is_flagged_as_noise() -> None:
-    from runner.bench_report import _row
+    from runner.tools.bench_report import _row
 
     def row(efficiency: float) -> list[str]:
         c = ConfigResult("ddp-2", "ddp", 2, samples_per_s=1000.0, scaling_efficiency=efficiency)

@@ -29,10 +29,24 @@ def _runs(store: str, experiment: str = "tests"):
     return client, client.search_runs([exp.experiment_id])
 
 
-def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(write_spec, store: str, tmp_path: Path, capsys) -> None:
+def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
+    write_spec, store: str, tmp_path: Path, capsys
+) -> None:
     spec = write_spec()
     out_dir = tmp_path / "results"
-    argv = [str(spec), "--modes", "none,dp,ddp", "--nproc", "1,2", "--steps", "5", "--warmup", "2", "--out", str(out_dir)]
+    argv = [
+        str(spec),
+        "--modes",
+        "none,dp,ddp",
+        "--nproc",
+        "1,2",
+        "--steps",
+        "5",
+        "--warmup",
+        "2",
+        "--out",
+        str(out_dir),
+    ]
     status, report = _bench(argv, capsys)
     assert status == 0
 
@@ -106,11 +120,13 @@ def build():
 '''
 
 
-def test_a_configuration_that_fails_is_reported_and_fails_the_parent(write_spec, store: str, tmp_path: Path, capsys) -> None:
+def test_a_configuration_that_fails_is_reported_and_fails_the_parent(
+    write_spec, store: str, tmp_path: Path, capsys
+) -> None:
     (tmp_path / "bench_fragile.py").write_text(textwrap.dedent(FRAGILE), encoding="utf-8")
     spec = write_spec("", name="fragile.toml")
     argv = [str(spec), "--set", 'model.name="bench_fragile:build"', "--set", "model.kwargs={}"]
-    status, report = _bench(argv + ["--modes", "none,ddp", "--nproc", "1", "--steps", "2", "--warmup", "0"], capsys)
+    status, report = _bench([*argv, "--modes", "none,ddp", "--nproc", "1", "--steps", "2", "--warmup", "0"], capsys)
     assert status == 1
     rows = {c["config"]: c for c in report["configurations"]}
     assert rows["none"]["status"] == "ok"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import checkpoint as ckpt
-from runner.train import TrainState
+from runner.training import checkpoint as ckpt
+from runner.training.loop import TrainState
 
 
 def _payload(step: int, value: float = 1.0) -> dict:

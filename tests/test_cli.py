@@ -27,7 +27,9 @@ def test_there_are_shipped_specs_in_subfolders_too() -> None:
 
 def test_validate_reports_each_file_and_exits_2_when_one_is_bad(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 0\n[optim]\nlr = 0.1\n')
+    bad.write_text(
+        'name = "x"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 0\n[optim]\nlr = 0.1\n'
+    )
     assert main(["validate", str(EXPERIMENTS[0]), str(bad)]) == 2
     captured = capsys.readouterr()
     assert f"ok    {EXPERIMENTS[0]}" in captured.out and f"error {bad}" in captured.out
@@ -103,5 +105,7 @@ def test_version_and_help(capsys) -> None:
 
 
 def test_python_dash_m_runner_works() -> None:
-    proc = subprocess.run([sys.executable, "-m", "runner", "validate", str(EXPERIMENTS[0])], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "validate", str(EXPERIMENTS[0])], capture_output=True, text=True
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok")

@@ -1,4 +1,4 @@
-"""CUDA tests for runner.devices and runner.parallel; skipped (with the reason) where CUDA or enough GPUs are missing."""
+"""CUDA tests for runner.devices.resolve and runner.strategies; skipped (with the reason) where CUDA or enough GPUs are missing."""
 
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ import sys
 import textwrap
 import uuid
 import warnings
-from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from runner.devices import probe_inventory, resolve_devices
+from runner.devices.inventory import probe_inventory
+from runner.devices.resolve import resolve_devices
 from runner.errors import TrainingError
-from runner.parallel import DataParallelStrategy, make_strategy
-from runner.spec import ExperimentSpec
+from runner.spec.schema import ExperimentSpec
+from runner.strategies.dp import DataParallelStrategy
+from runner.strategies.registry import make_strategy
 
 pytestmark = pytest.mark.cuda
 
 
-def _cuda_gap(min_gpus: int) -> Optional[str]:
+def _cuda_gap(min_gpus: int) -> str | None:
     """What is missing for a test that needs ``min_gpus`` GPUs, or ``None`` (never initialises CUDA)."""
     if not torch.backends.cuda.is_built():
         return f"needs CUDA: torch {torch.__version__} is built without it"
@@ -45,7 +46,9 @@ def requires_gpus(min_gpus: int = 1) -> pytest.MarkDecorator:
     return pytest.mark.skipif(gap is not None, reason=gap or "")
 
 
-def make_spec(mode: str, ids="all", batch: int = 10, parallel: Optional[dict] = None, accelerator: str = "cuda") -> ExperimentSpec:
+def make_spec(
+    mode: str, ids="all", batch: int = 10, parallel: dict | None = None, accelerator: str = "cuda"
+) -> ExperimentSpec:
     return ExperimentSpec.model_validate(
         {
             "name": "t",
@@ -58,7 +61,7 @@ def make_spec(mode: str, ids="all", batch: int = 10, parallel: Optional[dict] = 
     )
 
 
-def run_child(code: str, env_update: Optional[dict] = None) -> dict:
+def run_child(code: str, env_update: dict | None = None) -> dict:
     """Run ``code`` in a fresh interpreter (CUDA not yet initialised); it prints one JSON line."""
     env = dict(os.environ, **(env_update or {}))
     proc = subprocess.run(
@@ -92,7 +95,7 @@ def test_probe_matches_torch_without_initialising_cuda():
     res = run_child(
         """
         import json, torch
-        from runner.devices import probe_inventory
+        from runner.devices.inventory import probe_inventory
         inv = probe_inventory()
         initialised = torch.cuda.is_initialized()
         props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
@@ -119,8 +122,9 @@ def test_narrowing_selects_the_planned_card(form):
     res = run_child(
         f"""
         import json, os, torch
-        from runner.devices import apply_device_env, probe_inventory, resolve_devices
-        from runner.spec import ExperimentSpec
+        from runner.devices.inventory import probe_inventory
+        from runner.devices.resolve import apply_device_env, resolve_devices
+        from runner.spec.schema import ExperimentSpec
         spec = ExperimentSpec.model_validate({{"name": "t", "model": {{"name": "mlp"}},
             "data": {{"dataset": "synthetic", "batch_size": 4}}, "optim": {{"lr": 0.1}},
             "devices": {{"accelerator": "cuda", "ids": [{last.index}]}}}})
@@ -143,7 +147,7 @@ def test_apply_refuses_after_real_cuda_init():
     res = run_child(
         """
         import json, torch
-        from runner.devices import DevicePlan, apply_device_env
+        from runner.devices.resolve import DevicePlan, apply_device_env
         from runner.errors import DeviceError
         torch.cuda.init()
         plan = DevicePlan("cuda", "none", [0], ["0"], ["0"], ["x"], [None], 1, 1, 1, None, 1, [1],
@@ -285,7 +289,7 @@ def _ddp_worker() -> dict:
         torch.manual_seed(0)
         wrapped = strategy.wrap(Recorder())
         x, y = _data(8)
-        xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        xs, ys = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
         nn.functional.mse_loss(wrapped(xs.to(strategy.device)), ys.to(strategy.device)).backward()
         return {
             "device": str(strategy.device),

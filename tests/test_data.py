@@ -1,4 +1,4 @@
-"""Tests for runner.data and runner.loaders: dataset sources, the seeded split and per-rank loaders."""
+"""Tests for runner.training.data and runner.training.loaders: dataset sources, the seeded split and per-rank loaders."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data import build_datasets, split_indices
 from runner.errors import SpecError
-from runner.loaders import build_loaders
-from runner.spec import ExperimentSpec
+from runner.spec.schema import ExperimentSpec
+from runner.training.data import build_datasets, split_indices
+from runner.training.loaders import build_loaders
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -76,9 +76,13 @@ def test_synthetic_is_deterministic_and_learnable_shape():
     assert a.info.input_shape == (3, 4, 4) and a.info.num_classes == 5
     assert a.info.num_train == 160 and a.info.num_val == 40
     assert len(set(a.train.y.tolist())) > 1 and int(a.train.y.max()) < 5
-    c = build_datasets(make_spec(dataset="synthetic", num_samples=200, input_shape=[3, 4, 4], num_classes=5, seed=4), None)
+    c = build_datasets(
+        make_spec(dataset="synthetic", num_samples=200, input_shape=[3, 4, 4], num_classes=5, seed=4), None
+    )
     assert not torch.equal(a.train.x[:10], c.train.x[:10])
-    resized = build_datasets(make_spec(dataset="synthetic", num_samples=20, input_shape=[1, 4, 4], image_size=8, num_channels=3), None)
+    resized = build_datasets(
+        make_spec(dataset="synthetic", num_samples=20, input_shape=[1, 4, 4], image_size=8, num_channels=3), None
+    )
     assert resized.info.input_shape == (3, 8, 8)
 
 
@@ -122,7 +126,7 @@ def test_imagefolder_with_explicit_val(tmp_path):
     info = bundle.info
     assert (info.num_train, info.num_val, info.num_classes, info.input_shape) == (7, 3, 2, (3, 8, 8))
     x, y = bundle.train[0]
-    assert x.dtype == torch.float32 and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert x.dtype == torch.float32 and float(x.min()) >= 0.0 and float(x.max()) <= 1.0
     assert y.dtype == torch.int64 and y.dim() == 0
     assert sorted(int(bundle.val[i][1]) for i in range(3)) == [0, 1, 1]
 
@@ -155,7 +159,12 @@ def test_torchvision_missing_files_name_the_path_and_the_fix(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "suggestion"),
-    [("sklearn.digit", "'sklearn.digits'"), ("torchvision.MNSIT", "'torchvision.MNIST'"), ("syntetic", "'synthetic'"), ("torchvision.mnist", "'torchvision.MNIST'")],
+    [
+        ("sklearn.digit", "'sklearn.digits'"),
+        ("torchvision.MNSIT", "'torchvision.MNIST'"),
+        ("syntetic", "'synthetic'"),
+        ("torchvision.mnist", "'torchvision.MNIST'"),
+    ],
 )
 def test_unknown_dataset_did_you_mean(name, suggestion, tmp_path):
     with pytest.raises(SpecError) as err:
@@ -198,7 +207,7 @@ def test_loaders_layout_and_eval_exactly_once(digits):
         loaders.train_sampler.set_epoch(0)
         sizes = [len(y) for _, y in loaders.train]
         assert sizes[:2] == [10, 10] and sum(sizes) == len(loaders.train_sampler)
-        for x, y in loaders.val:
+        for _x, y in loaders.val:
             assert len(y) <= 17  # ceil(50 / 3)
             seen_val += y.tolist()
     assert len(seen_val) == digits.info.num_val
@@ -212,7 +221,7 @@ def test_loaders_with_workers_are_reproducible(digits):
         loaders.train_sampler.set_epoch(1)
     a = [y for _, y in first.train]
     b = [y for _, y in second.train]
-    assert all(torch.equal(p, q) for p, q in zip(a, b)) and len(a) == first.steps_per_epoch
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=False)) and len(a) == first.steps_per_epoch
 
 
 def test_loaders_errors(digits):
@@ -243,9 +252,11 @@ def test_torchvision_mnist_from_local_files(tmp_path):
     info = bundle.info
     assert (info.num_train, info.num_val, info.num_classes, info.input_shape) == (16, 4, 10, (1, 28, 28))
     x, y = bundle.train[0]
-    assert x.dtype == torch.float32 and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert x.dtype == torch.float32 and float(x.min()) >= 0.0 and float(x.max()) <= 1.0
     assert y.dtype == torch.int64 and y.dim() == 0
-    resized = build_datasets(make_spec(dataset="torchvision.MNIST", root="data", image_size=14, num_channels=3), tmp_path)
+    resized = build_datasets(
+        make_spec(dataset="torchvision.MNIST", root="data", image_size=14, num_channels=3), tmp_path
+    )
     assert resized.info.input_shape == (3, 14, 14)
     loaders = build_loaders(make_spec(dataset="torchvision.MNIST", root="data", batch_size=4), resized, 0, 1)
     xb, yb = next(iter(loaders.train))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.checkpoint import load_latest
 from runner.cli import main
+from runner.training.checkpoint import load_latest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -36,7 +36,7 @@ def _runs(store: str, experiment: str = "tests"):
 
 
 def _final_params(store: str, run_id: str) -> dict[str, torch.Tensor]:
-    found = load_latest(Path(store[len("sqlite:///"):]).parent / "checkpoints" / run_id)
+    found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
     assert found is not None
     return found.payload["model"]
 
@@ -64,7 +64,7 @@ def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
     a = [(m.step, m.value) for m in client.get_metric_history(single.info.run_id, "train/loss")]
     b = [(m.step, m.value) for m in client.get_metric_history(ddp.info.run_id, "train/loss")]
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 15
-    for (step, va), (_, vb) in zip(a, b):
+    for (step, va), (_, vb) in zip(a, b, strict=False):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
     pa, pb = _final_params(store, single.info.run_id), _final_params(store, ddp.info.run_id)
     assert pa.keys() == pb.keys()
@@ -73,7 +73,7 @@ def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
     assert single.data.metrics["val/accuracy"] == pytest.approx(ddp.data.metrics["val/accuracy"], abs=1e-9)
 
 
-FAILING = '''
+FAILING = """
 import os
 import torch
 
@@ -94,14 +94,20 @@ class FailOnRank(torch.nn.Module):
 
 def build(**kwargs):
     return FailOnRank(**kwargs)
-'''
+"""
 
 
 def test_one_rank_failing_fails_the_job_fast(write_spec, store: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "failing_factory.py").write_text(FAILING)
     spec = write_spec()
     start = time.monotonic()
-    code = main(["exec", str(spec), *_sets(DDP + ['model.name="failing_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"])])
+    code = main(
+        [
+            "exec",
+            str(spec),
+            *_sets([*DDP, 'model.name="failing_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]),
+        ]
+    )
     elapsed = time.monotonic() - start
     assert code == 1
     assert elapsed < 60
@@ -125,10 +131,27 @@ def _env() -> dict[str, str]:
 def test_two_nodes_on_one_machine_make_one_run(write_spec, store: str, tmp_path: Path) -> None:
     port = _free_port()
     spec = write_spec()
-    common = [sys.executable, "-m", "runner", "exec", str(spec), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              *_sets(['parallel.mode="ddp"', "parallel.nproc_per_node=1", "parallel.timeout_s=60"])]
+    common = [
+        sys.executable,
+        "-m",
+        "runner",
+        "exec",
+        str(spec),
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *_sets(['parallel.mode="ddp"', "parallel.nproc_per_node=1", "parallel.timeout_s=60"]),
+    ]
     nodes = [
-        subprocess.Popen(common + ["--node-rank", str(r)], env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [*common, "--node-rank", str(r)],
+            env=_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in (0, 1)
     ]
     outputs = [n.communicate(timeout=200)[0] for n in nodes]
@@ -143,8 +166,22 @@ def test_two_nodes_on_one_machine_make_one_run(write_spec, store: str, tmp_path:
 def test_under_torchrun_one_run_same_results(write_spec, store: str, tmp_path: Path) -> None:
     spec = write_spec()
     assert main(["exec", str(spec), *_sets(DDP)]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "localhost:0", "-m", "runner", "exec", str(spec), *_sets(DDP)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "-m",
+        "runner",
+        "exec",
+        str(spec),
+        *_sets(DDP),
+    ]
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     client, runs = _runs(store)
@@ -156,7 +193,7 @@ def test_under_torchrun_one_run_same_results(write_spec, store: str, tmp_path: P
     assert a == pytest.approx(b, abs=1e-6)
 
 
-UNUSED = '''
+UNUSED = """
 import torch
 
 
@@ -172,14 +209,14 @@ class WithUnused(torch.nn.Module):
 
 def build():
     return WithUnused()
-'''
+"""
 
 
 def test_unused_parameters_error_names_them_and_the_spec_key(write_spec, store: str, tmp_path: Path, capsys) -> None:
     (tmp_path / "unused_factory.py").write_text(UNUSED)
     spec = write_spec()
-    sets = DDP + ['model.name="unused_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]
+    sets = [*DDP, 'model.name="unused_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]
     assert main(["exec", str(spec), *_sets(sets)]) == 1
     err = capsys.readouterr().err
     assert "spare_head.weight" in err and "parallel.find_unused_parameters" in err
-    assert main(["exec", str(spec), *_sets(sets + ["parallel.find_unused_parameters=true"])]) == 0
+    assert main(["exec", str(spec), *_sets([*sets, "parallel.find_unused_parameters=true"])]) == 0

@@ -1,4 +1,4 @@
-"""Tests for runner.devices: probing, resolution over fake inventories, narrowing the environment."""
+"""Tests for runner.devices.resolve: probing, resolution over fake inventories, narrowing the environment."""
 
 from __future__ import annotations
 
@@ -9,17 +9,10 @@ import types
 
 import pytest
 
-from runner.devices import (
-    DevicePlan,
-    GpuInfo,
-    Inventory,
-    apply_device_env,
-    chunk_sizes,
-    probe_inventory,
-    resolve_devices,
-)
+from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
+from runner.devices.resolve import DevicePlan, apply_device_env, chunk_sizes, resolve_devices
 from runner.errors import DeviceError
-from runner.spec import ExperimentSpec
+from runner.spec.schema import ExperimentSpec
 
 UUIDS = [f"GPU-{i}aaa1111-2222-3333-4444-55556666777{i}" for i in range(4)]
 SMI = "\n".join(f"{i}, NVIDIA A100-SXM4-80GB, {UUIDS[i]}, 81920" for i in range(4)) + "\n"
@@ -144,7 +137,7 @@ def test_cuda_without_gpu_is_an_error_not_a_fallback():
     with pytest.raises(DeviceError) as err:
         resolve_devices(make_spec(accelerator="cuda"), {"CUDA_VISIBLE_DEVICES": ""}, fake_inventory(0))
     msg = str(err.value)
-    assert "accelerator = \"cuda\" but" in msg and "no GPU is visible" in msg and "CUDA_VISIBLE_DEVICES=''" in msg
+    assert 'accelerator = "cuda" but' in msg and "no GPU is visible" in msg and "CUDA_VISIBLE_DEVICES=''" in msg
 
 
 def test_cuda_with_cpu_only_torch_is_an_error():
@@ -202,7 +195,9 @@ def test_ids_index_the_inherited_visible_set():
 
 def test_uuid_entries_stay_uuids():
     inv = fake_inventory(2, entries=[UUIDS[3], UUIDS[1]])
-    plan = resolve_devices(make_spec(mode="dp", ids="all"), {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS[i] for i in (3, 1))}, inv)
+    plan = resolve_devices(
+        make_spec(mode="dp", ids="all"), {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS[i] for i in (3, 1))}, inv
+    )
     assert plan.selected == [UUIDS[3], UUIDS[1]]
     assert plan.env["CUDA_VISIBLE_DEVICES"] == f"{UUIDS[3]},{UUIDS[1]}"
     assert plan.uuids == [UUIDS[0], UUIDS[1]]  # fake inventory's own uuid column
@@ -243,7 +238,7 @@ def test_one_gpu_machine():
 def test_dp_without_gpu_suggests_none_or_ddp():
     with pytest.raises(DeviceError) as err:
         resolve_devices(make_spec(mode="dp"), {}, fake_inventory(0))
-    assert "\"none\"" in str(err.value) and "\"ddp\"" in str(err.value) and "gloo" in str(err.value)
+    assert '"none"' in str(err.value) and '"ddp"' in str(err.value) and "gloo" in str(err.value)
 
 
 def test_dp_with_one_gpu_notes_unwrapped():
@@ -292,15 +287,15 @@ def test_ddp_cuda_defaults():
 def test_ddp_cpu_defaults():
     plan = resolve_devices(make_spec(mode="ddp"), {}, fake_inventory(0))
     assert (plan.nproc_per_node, plan.world_size, plan.backend, plan.env) == (1, 1, "gloo", {})
-    plan = resolve_devices(make_spec(mode="ddp", accelerator="cpu", parallel={"nproc_per_node": 2}), {}, fake_inventory(2))
+    plan = resolve_devices(
+        make_spec(mode="ddp", accelerator="cpu", parallel={"nproc_per_node": 2}), {}, fake_inventory(2)
+    )
     assert (plan.world_size, plan.backend, plan.per_device_batch) == (2, "gloo", [4, 4])
     assert plan.env == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_ddp_multi_node_world_size():
-    spec = make_spec(
-        mode="ddp", ids=[0, 1], batch=16, parallel={"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29500"}
-    )
+    spec = make_spec(mode="ddp", ids=[0, 1], batch=16, parallel={"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29500"})
     plan = resolve_devices(spec, {}, fake_inventory(2))
     assert (plan.world_size, plan.per_device_batch) == (4, [4, 4])
 
@@ -357,8 +352,8 @@ def test_apply_refuses_after_cuda_init(monkeypatch):
 def test_resolving_and_applying_never_import_torch():
     code = (
         "import sys\n"
-        "from runner import devices\n"
-        "inv = devices.Inventory([devices.GpuInfo(0, 'x')], True)\n"
+        "from runner.devices import inventory, resolve as devices\n"
+        "inv = inventory.Inventory([inventory.GpuInfo(0, 'x')], True)\n"
         "assert devices.cuda_initialized() is False\n"
         "env = {}\n"
         "devices.apply_device_env(devices.DevicePlan('cuda', 'none', [0], ['0'], ['0'], ['x'], [None], 1, 1, 1, None, 1, [1], {'CUDA_VISIBLE_DEVICES': '0'}), env)\n"

@@ -47,7 +47,9 @@ experiment = "digits-test"
 def _runs(store: str, experiment: str = "digits-test"):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name(experiment)
-    return client, ([] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]))
+    return client, (
+        [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+    )
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -101,7 +103,7 @@ def test_unreachable_tracking_server_fails_before_training(write_spec, tmp_path:
     assert not (tmp_path / "mlflow.db").exists()
 
 
-FACTORY = '''
+FACTORY = """
 import torch
 
 
@@ -121,7 +123,7 @@ class Exploding(torch.nn.Module):
 
 def build(at_call: int = 3):
     return Exploding(at_call)
-'''
+"""
 
 
 def test_failing_model_marks_run_failed_and_leaves_no_active_run(write_spec, store: str, tmp_path: Path) -> None:
@@ -132,7 +134,7 @@ def test_failing_model_marks_run_failed_and_leaves_no_active_run(write_spec, sto
     for _ in range(2):
         assert main(["exec", str(spec), "--set", 'model.name="boom_factory:build"', "--set", "model.kwargs={}"]) == 1
         assert mlflow.active_run() is None
-    client, runs = _runs(store, "tests")
+    _client, runs = _runs(store, "tests")
     assert [r.info.status for r in runs] == ["FAILED", "FAILED"]
     assert "exploded on purpose" in runs[0].data.tags["runner.error"]
 
@@ -152,7 +154,12 @@ def test_unknown_model_exits_2_without_a_run(write_spec, store: str, capsys) -> 
 
 def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> None:
     spec = write_spec()
-    sets = ["tracking.log_model=true", "checkpoint.log_to_mlflow=true", "tracking.system_metrics=true", "train.epochs=1"]
+    sets = [
+        "tracking.log_model=true",
+        "checkpoint.log_to_mlflow=true",
+        "tracking.system_metrics=true",
+        "train.epochs=1",
+    ]
     args = ["exec", str(spec)]
     for item in sets:
         args += ["--set", item]
@@ -173,7 +180,9 @@ def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> No
     "override, key",
     [("model.kwargs={bogus=1}", "model.kwargs"), ("optim.kwargs={nesterov_typo=true}", "optim.kwargs")],
 )
-def test_kwargs_that_do_not_build_exit_2_and_leave_no_run(write_spec, store: str, capsys, override: str, key: str) -> None:
+def test_kwargs_that_do_not_build_exit_2_and_leave_no_run(
+    write_spec, store: str, capsys, override: str, key: str
+) -> None:
     spec = write_spec()
     assert main(["exec", str(spec), "--set", override]) == 2
     err = capsys.readouterr().err
@@ -203,8 +212,8 @@ def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) 
     import mlflow
 
     from runner.errors import TrackingError
-    from runner.launch import ExecOptions, exec_experiment
-    from runner.loading import load_spec
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.spec.loading import load_spec
 
     loaded = load_spec(write_spec(), ["train.epochs=1"])
     mlflow.set_tracking_uri(store)

@@ -15,8 +15,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecError
-from runner.loading import LoadedSpec, dump_spec, flatten_spec, load_spec, spec_from_dict
-from runner.locate import format_key, line_of, locate_keys
+from runner.spec.loading import LoadedSpec, dump_spec, flatten_spec, load_spec, spec_from_dict
+from runner.spec.locate import format_key, line_of, locate_keys
 
 ASSETS = Path(__file__).parent / "assets"
 MINIMAL = 'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
@@ -106,7 +106,13 @@ def test_set_takes_precedence_over_file_and_extends():
 def test_set_values_are_toml_and_bare_words_are_strings(tmp_path: Path):
     spec = load_spec(
         write(tmp_path, MINIMAL),
-        ["parallel.mode=ddp", "devices.accelerator=cpu", "devices.ids=[0,1]", "parallel.nproc_per_node=2", "scheduler.name=cosine"],
+        [
+            "parallel.mode=ddp",
+            "devices.accelerator=cpu",
+            "devices.ids=[0,1]",
+            "parallel.nproc_per_node=2",
+            "scheduler.name=cosine",
+        ],
     ).spec
     assert spec.parallel.mode == "ddp" and spec.devices.ids == [0, 1] and spec.parallel.nproc_per_node == 2
     assert spec.scheduler is not None and spec.scheduler.name == "cosine"  # a missing table is created
@@ -128,7 +134,7 @@ def test_set_replaces_a_whole_table(tmp_path: Path):
 
 def test_relative_paths_resolve_against_the_spec_folder(tmp_path: Path):
     path = write(tmp_path, MINIMAL + '[checkpoint]\ndir = "../ckpt"\n', "sub/spec.toml")
-    text = path.read_text().replace('batch_size = 8', 'batch_size = 8\nroot = "data/digits"')
+    text = path.read_text().replace("batch_size = 8", 'batch_size = 8\nroot = "data/digits"')
     path.write_text(text)
     spec = load_spec(path).spec
     assert spec.data.root == str(tmp_path / "sub" / "data" / "digits")
@@ -137,7 +143,11 @@ def test_relative_paths_resolve_against_the_spec_folder(tmp_path: Path):
 
 def test_absolute_and_home_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    path = write(tmp_path, MINIMAL.replace("batch_size = 8", 'batch_size = 8\nroot = "~/data"') + f'[checkpoint]\ndir = "{tmp_path / "abs"}"\n')
+    path = write(
+        tmp_path,
+        MINIMAL.replace("batch_size = 8", 'batch_size = 8\nroot = "~/data"')
+        + f'[checkpoint]\ndir = "{tmp_path / "abs"}"\n',
+    )
     spec = load_spec(path).spec
     assert spec.data.root == str(tmp_path / "home" / "data")
     assert spec.checkpoint.dir == str(tmp_path / "abs")
@@ -206,10 +216,10 @@ def test_flatten_spec(tmp_path: Path):
 def test_locate_keys_follows_toml_syntax():
     text = (
         'name = "x"  # comment with [fake] table\n'  # 1
-        'a.b = 1\n'  # 2
+        "a.b = 1\n"  # 2
         '"q.k" = 2\n'  # 3
         's = """\n'  # 4
-        '[not_a_table]\n'  # 5
+        "[not_a_table]\n"  # 5
         'x = 1"""\n'  # 6
         "[model]\n"  # 7
         "kwargs = { depth = 2, inner = { w = 1 } }\n"  # 8
@@ -245,17 +255,19 @@ def test_format_key():
 
 
 def test_loading_imports_neither_torch_nor_mlflow():
-    code = "import sys, runner.loading, runner.locate; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    code = "import sys, runner.spec.loading, runner.spec.locate; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_override_with_bare_fraction_says_write_0_point(tmp_path) -> None:
     from runner.errors import SpecError
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     spec = tmp_path / "s.toml"
-    spec.write_text('name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n')
+    spec.write_text(
+        'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
+    )
     with pytest.raises(SpecError) as info:
         load_spec(spec, ["optim.lr=.001"])
     assert str(info.value) == "--set: optim.lr: invalid TOML value .001 (write 0.001)"
@@ -263,10 +275,12 @@ def test_override_with_bare_fraction_says_write_0_point(tmp_path) -> None:
 
 def test_override_creating_an_unknown_table_blames_the_override(tmp_path) -> None:
     from runner.errors import SpecError
-    from runner.loading import load_spec
+    from runner.spec.loading import load_spec
 
     spec = tmp_path / "s.toml"
-    spec.write_text('name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n')
+    spec.write_text(
+        'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
+    )
     with pytest.raises(SpecError) as info:
         load_spec(spec, ["foo.bar.baz=1"])
     text = str(info.value)

@@ -1,4 +1,4 @@
-"""Tests for runner.models: torchvision builders, built-ins, factories and spec errors."""
+"""Tests for runner.training.models: torchvision builders, built-ins, factories and spec errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from runner.errors import SpecError
-from runner.models import build_model, check_model_name
-from runner.spec import ModelSpec
+from runner.spec.schema import ModelSpec
+from runner.training.models import build_model, check_model_name
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -81,11 +81,14 @@ def test_cnn_on_flat_samples_is_a_spec_error():
 def test_models_are_deterministic_given_the_torch_seed(name):
     def params(seed: int) -> list[torch.Tensor]:
         torch.manual_seed(seed)
-        return [p.detach().clone() for p in build_model(model(name), None, input_shape=(3, 8, 8), num_classes=4).parameters()]
+        return [
+            p.detach().clone()
+            for p in build_model(model(name), None, input_shape=(3, 8, 8), num_classes=4).parameters()
+        ]
 
     a, b, c = params(1), params(1), params(2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=False))
 
 
 def test_factory_from_the_spec_folder():
@@ -166,6 +169,6 @@ def test_bad_kwargs_name_model_kwargs_and_the_signature():
 
 
 def test_check_model_name_for_builtins_does_not_import_torch():
-    code = "import sys, runner.models as m; m.check_model_name('mlp'); m.check_model_name('cnn'); print('torch' in sys.modules)"
+    code = "import sys, runner.training.models as m; m.check_model_name('mlp'); m.check_model_name('cnn'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

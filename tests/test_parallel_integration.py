@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from runner.devices import Inventory, resolve_devices
-from runner.parallel import make_strategy
-from runner.spec import ExperimentSpec
+from runner.devices.inventory import Inventory
+from runner.devices.resolve import resolve_devices
+from runner.spec.schema import ExperimentSpec
+from runner.strategies.registry import make_strategy
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +63,7 @@ def _worker() -> dict:
         wrapped = strategy.wrap(_model())
         x, y = _batch()
         share = BATCH // WORLD
-        xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         nn.functional.mse_loss(wrapped(xs), ys).backward()
         out["grads"] = {n: p.grad.clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
         strategy.barrier()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.reference import BEGIN, END, markdown_reference
-from runner.spec import ExperimentSpec
+from runner.spec.reference import BEGIN, END, markdown_reference
+from runner.spec.schema import ExperimentSpec
 
 README = Path(__file__).parents[1] / "README.md"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.checkpoint import list_checkpoints, load_latest
+from runner.training.checkpoint import list_checkpoints, load_latest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -106,7 +106,9 @@ STEPS_PER_EPOCH = 5  # 72 training samples, global batch 16
 KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
 
 
-def _write(tmp_path: Path, store: str, parallel: str = 'mode = "none"', checkpoint: str = "", name: str = "spec.toml") -> Path:
+def _write(
+    tmp_path: Path, store: str, parallel: str = 'mode = "none"', checkpoint: str = "", name: str = "spec.toml"
+) -> Path:
     (tmp_path / "probe_factory.py").write_text(FACTORY)
     path = tmp_path / name
     path.write_text(SPEC.format(parallel=parallel, checkpoint=checkpoint, store=store))
@@ -121,8 +123,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _runner(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", "exec", *args], cwd=tmp_path, env=_env(**env),
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "exec", *args],
+        cwd=tmp_path,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _runs(store: str) -> list:
@@ -137,16 +145,21 @@ def _histories(store: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def _final_model(store: str, run_id: str) -> dict[str, torch.Tensor]:
-    found = load_latest(Path(store[len("sqlite:///"):]).parent / "checkpoints" / run_id)
+    found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
     assert found is not None
     return found.payload["model"]
 
 
 def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-m", "runner", "exec", str(spec)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(STEPS_PER_EPOCH + 1)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "exec", str(spec)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(STEPS_PER_EPOCH + 1)),
+    )
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()[0]
@@ -190,7 +203,7 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, stor
     spec = _write(tmp_path, store)
     assert _runner(tmp_path, str(spec)).returncode == 0
     (run,) = _runs(store)
-    folder = Path(store[len("sqlite:///"):]).parent / "checkpoints" / run.info.run_id
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
     files = list_checkpoints(folder)
     assert [f.name for f in files][-2:] == ["step-00000010.pt", "step-00000015.pt"]
     files[-1].write_bytes(files[-1].read_bytes()[:1000])
@@ -213,11 +226,27 @@ def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str
     assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
     finished = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert finished.returncode == 2 and "already FINISHED" in finished.stderr
-    typo = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "train.epochs=4",
-                   "--allow-spec-change", "train.epoch")
+    typo = _runner(
+        tmp_path,
+        str(spec),
+        "--resume",
+        run.info.run_id,
+        "--set",
+        "train.epochs=4",
+        "--allow-spec-change",
+        "train.epoch",
+    )
     assert typo.returncode == 2 and "did you mean train.epochs" in typo.stderr
-    allowed = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "train.epochs=4",
-                      "--allow-spec-change", "train.epochs")
+    allowed = _runner(
+        tmp_path,
+        str(spec),
+        "--resume",
+        run.info.run_id,
+        "--set",
+        "train.epochs=4",
+        "--allow-spec-change",
+        "train.epochs",
+    )
     assert allowed.returncode == 0, allowed.stderr
     again = MlflowClient(store).get_run(run.info.run_id)
     assert json.loads(again.data.tags["runner.resume.spec_change"]) == {"train.epochs": [3, 4]}
@@ -243,9 +272,14 @@ def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path,
 def test_second_ctrl_c_exits_at_once(tmp_path: Path, store: str) -> None:
     spec = _write(tmp_path, store)
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-m", "runner", "exec", str(spec)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=_env(PROBE_MARKER=str(marker), PROBE_AT="2", PROBE_SLEEP="30"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "exec", str(spec)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(PROBE_MARKER=str(marker), PROBE_AT="2", PROBE_SLEEP="30"),
+    )
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]

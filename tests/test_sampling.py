@@ -1,4 +1,4 @@
-"""Tests for runner.sampling: epoch permutation, rank shares, step layout with grad accumulation."""
+"""Tests for runner.training.sampling: epoch permutation, rank shares, step layout with grad accumulation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from runner.sampling import (
+from runner.training.sampling import (
     EpochSampler,
     EvalSampler,
     epoch_permutation,
@@ -16,7 +16,9 @@ from runner.sampling import (
 )
 
 
-def samplers(n: int, world: int, batch: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False) -> list[EpochSampler]:
+def samplers(
+    n: int, world: int, batch: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False
+) -> list[EpochSampler]:
     return [EpochSampler(n, world, r, seed, shuffle, batch, drop_last) for r in range(world)]
 
 
@@ -203,7 +205,12 @@ def test_sharded_gradients_equal_single_process_gradients():
             ref = EpochSampler(n, 1, 0, 0, True, batch, False).indices()
             data = TensorDataset(torch.arange(n))
             per_rank = [
-                steps_of(DataLoader(data, batch_size=micro, sampler=EpochSampler(n, world, r, 0, True, batch, False)), sizes, world, r)
+                steps_of(
+                    DataLoader(data, batch_size=micro, sampler=EpochSampler(n, world, r, 0, True, batch, False)),
+                    sizes,
+                    world,
+                    r,
+                )
                 for r in range(world)
             ]
             start = 0

@@ -1,4 +1,4 @@
-"""Tests for runner.seeding: seeds, determinism switches, worker seeds and RNG state round trips."""
+"""Tests for runner.training.seeding: seeds, determinism switches, worker seeds and RNG state round trips."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from runner.seeding import (
+from runner.training.seeding import (
     CUBLAS_WORKSPACE_CONFIG,
     capture_rng_state,
     derive_seed,
@@ -99,7 +99,11 @@ class RandomDraws(Dataset):
 
 def worker_draws(seed: int, rank: int) -> torch.Tensor:
     loader = DataLoader(
-        RandomDraws(), batch_size=1, num_workers=2, worker_init_fn=worker_init_fn, generator=loader_generator(seed, rank)
+        RandomDraws(),
+        batch_size=1,
+        num_workers=2,
+        worker_init_fn=worker_init_fn,
+        generator=loader_generator(seed, rank),
     )
     return torch.cat(list(loader))
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import math
-import tomllib
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 
 from runner.cli import main
 from runner.errors import SpecError, UsageError
-from runner.loading import load_spec, spec_sha256
-from runner.spec import SweepParam, SweepSpec
-from runner.sweep import _device_pool, pick_device, prepare_trials, run_sweep, trial_tags, without_sweep
-from runner.sweep_space import (
+from runner.spec.loading import load_spec, spec_sha256
+from runner.spec.schema import SweepParam, SweepSpec
+from runner.tools.sweep import _device_pool, pick_device, prepare_trials, run_sweep, trial_tags, without_sweep
+from runner.tools.sweep_space import (
     SweepDefinition,
     SweepReport,
     Trial,
@@ -94,7 +94,21 @@ def test_bad_entries_are_usage_errors_naming_the_entry(flag: str, entry: str, fr
 
 @pytest.mark.parametrize(
     "value",
-    [0.1, 1e-5, 3e20, -2.5, 0, 7, True, False, "adam", 'qu"ote\\s é', [16, 32], [[1], [2, 3]], {"a": 1, "b c": [0.5, "x"]}],
+    [
+        0.1,
+        1e-5,
+        3e20,
+        -2.5,
+        0,
+        7,
+        True,
+        False,
+        "adam",
+        'qu"ote\\s é',
+        [16, 32],
+        [[1], [2, 3]],
+        {"a": 1, "b c": [0.5, "x"]},
+    ],
 )
 def test_toml_value_round_trips(value) -> None:
     text = toml_value(value)
@@ -111,7 +125,9 @@ def test_toml_value_special_floats() -> None:
 
 
 def test_command_line_adds_to_and_replaces_the_spec_params() -> None:
-    spec = SweepSpec(params={"optim.lr": SweepParam(values=[0.1]), "seed": SweepParam(values=[0])}, metric="val/loss", goal="min")
+    spec = SweepSpec(
+        params={"optim.lr": SweepParam(values=[0.1]), "seed": SweepParam(values=[0])}, metric="val/loss", goal="min"
+    )
     d = build_definition(spec, grid=["optim.lr=0.5,0.05", "optim.momentum=0.0,0.9"])
     assert [k for k, _ in d.params] == ["optim.lr", "seed", "optim.momentum"]  # replaced key keeps its place
     assert dict(d.params)["optim.lr"].values == [0.5, 0.05]
@@ -146,24 +162,28 @@ def test_bad_definitions_are_usage_errors(kwargs: dict, fragment: str) -> None:
 def test_a_range_in_a_grid_sweep_is_a_spec_error_with_its_line(write_spec) -> None:
     path = write_spec('[sweep]\n[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\n')
     loaded = load_spec(path)
-    from runner.locate import locate_keys
+    from runner.spec.locate import locate_keys
 
     with pytest.raises(SpecError) as info:
         build_definition(loaded.spec.sweep, spec_file=path, key_lines=locate_keys(loaded.source_text))
     (issue,) = info.value.issues
     assert issue.key == 'sweep.params."optim.lr"' and issue.file == path and issue.line is not None
     assert path.read_text().splitlines()[issue.line - 1].startswith('[sweep.params."optim.lr"]')
-    assert "method = \"random\"" in issue.message
+    assert 'method = "random"' in issue.message
     # the same range is fine for random search
     random_def = build_definition(loaded.spec.sweep, num_trials=2, random=["optim.momentum=0:0.5"])
     assert random_def.method == "random"
 
 
 def test_definition_json_round_trip() -> None:
-    d = build_definition(None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=3)
+    d = build_definition(
+        None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=3
+    )
     back = SweepDefinition.from_json(d.to_json())
     assert back == d and back.same_trials(d)
-    assert not back.same_trials(build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=4))
+    assert not back.same_trials(
+        build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=4)
+    )
     assert d.describe("optim.lr") == "log_uniform(0.001, 0.1)" and d.describe("seed") == "[0, 1]"
     with pytest.raises(ValueError):
         SweepDefinition.from_json({"method": "grid"})
@@ -293,7 +313,11 @@ def test_trial_tags() -> None:
     tags = dict(trial_tags(Trial(3, {"optim.lr": 0.01, "model.kwargs.hidden": [16], "optim.name": "adam"})))
     assert tags["runner.sweep.trial"] == "3"
     assert tags["runner.sweep.values"] == '{"optim.lr": 0.01, "model.kwargs.hidden": [16], "optim.name": "adam"}'
-    assert (tags["sweep.optim.lr"], tags["sweep.model.kwargs.hidden"], tags["sweep.optim.name"]) == ("0.01", "[16]", "adam")
+    assert (tags["sweep.optim.lr"], tags["sweep.model.kwargs.hidden"], tags["sweep.optim.name"]) == (
+        "0.01",
+        "[16]",
+        "adam",
+    )
 
 
 # --------------------------------------------------------------------------- devices
@@ -301,7 +325,9 @@ def test_trial_tags() -> None:
 
 def _plan(accelerator: str = "cuda", ids: tuple[int, ...] = (0,), world: int = 1, visible: int = 4) -> SimpleNamespace:
     return SimpleNamespace(
-        devices=SimpleNamespace(accelerator=accelerator, requested_ids=list(ids), world_size=world, visible=[str(i) for i in range(visible)])
+        devices=SimpleNamespace(
+            accelerator=accelerator, requested_ids=list(ids), world_size=world, visible=[str(i) for i in range(visible)]
+        )
     )
 
 
@@ -347,9 +373,17 @@ def test_report_best_failed_table_and_json() -> None:
     assert lines[1].split() == ["trial", "optim.lr", "val/accuracy", "status"]
     assert lines[3].split()[:3] == ["1*", "0.01", "0.9"] and "(earlier run)" in lines[3]
     assert lines[4].split()[-1] == "FAILED" and lines[4].split()[2] == "-"
-    assert "best: trial 1" in table and "trial 2 FAILED: TrainingError: RuntimeError: boom" in table and "note: a note" in table
+    assert (
+        "best: trial 1" in table
+        and "trial 2 FAILED: TrainingError: RuntimeError: boom" in table
+        and "note: a note" in table
+    )
     data = report.to_json()
-    assert data["failed"] == 1 and data["best"]["run_id"] == "r1" and data["trials"][2]["error"].startswith("TrainingError")
+    assert (
+        data["failed"] == 1
+        and data["best"]["run_id"] == "r1"
+        and data["trials"][2]["error"].startswith("TrainingError")
+    )
     assert data["definition"]["params"]["optim.lr"]["values"] == [0.1, 0.01, 0.001, 0.0001]
     import json
 

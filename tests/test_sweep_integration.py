@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-import runner.sweep
+import runner.tools.sweep
 from runner.cli import main
 from runner.errors import UsageError
-from runner.sweep import run_sweep
+from runner.tools.sweep import run_sweep
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -118,7 +118,9 @@ def test_grid_sweep_gives_one_parent_with_nested_children_and_the_best_trial(wri
 
 
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(flaky_spec: Path, store: str, capsys) -> None:
-    code = main(["sweep", str(flaky_spec), "--grid", "model.kwargs.explode=false,true", "--grid", "optim.lr=0.1", "--json"])
+    code = main(
+        ["sweep", str(flaky_spec), "--grid", "model.kwargs.explode=false,true", "--grid", "optim.lr=0.1", "--json"]
+    )
     captured = capsys.readouterr()
     assert code == 1 and "1 of 2 trials failed" in captured.err
     report = json.loads(captured.out)
@@ -167,11 +169,11 @@ def test_jobs_run_trials_as_subprocesses_with_the_same_results(flaky_spec: Path,
     def not_here(*args, **kwargs):
         raise AssertionError("with --jobs 2 trials must run in subprocesses")
 
-    monkeypatch.setattr(runner.sweep, "_run_here", not_here)
+    monkeypatch.setattr(runner.tools.sweep, "_run_here", not_here)
     apart = run_sweep(flaky_spec, [], grid=grid, num_trials=3, jobs=2)
     assert [t.status for t in apart.trials] == ["FINISHED", "FINISHED", "FAILED"] and apart.failed == 1
     assert "exploded on purpose" in (apart.trials[2].error or "")
-    for a, b in zip(apart.trials, here.trials):
+    for a, b in zip(apart.trials, here.trials, strict=False):
         assert a.values == b.values
         assert a.metric_value == pytest.approx(b.metric_value)
     client = MlflowClient(store)

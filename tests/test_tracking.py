@@ -1,4 +1,4 @@
-"""Tests of runner.tracking against a throw-away sqlite MLflow store (CPU, no server)."""
+"""Tests of runner.tracking.runs against a throw-away sqlite MLflow store (CPU, no server)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner import tracking
 from runner.errors import TrackingError
-from runner.loading import load_spec
-from runner.tracking import (
-    MlflowTracker,
-    NullTracker,
-    RunHandle,
-    check_reachable,
-    end_run,
-    param_value,
-    resolve_tracking_uri,
-    start_run,
-)
+from runner.spec.loading import load_spec
+from runner.tracking import runs as tracking
+from runner.tracking.runs import RunHandle, check_reachable, end_run, resolve_tracking_uri, start_run
+from runner.tracking.trackers import MlflowTracker, NullTracker, param_value
 
 SPEC = """\
 name = "demo"
@@ -131,8 +123,12 @@ def test_resolve_uri_precedence(tmp_path):
     env = {"MLFLOW_TRACKING_URI": "http://env-host:5000"}
     assert resolve_tracking_uri(spec_with_uri("http://spec-host:5000"), env=env) == "http://spec-host:5000"
     assert resolve_tracking_uri(spec_with_uri(None), env=env) == "http://env-host:5000"
-    assert resolve_tracking_uri(spec_with_uri(None), env={}, cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
-    assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": "  "}, cwd=tmp_path).startswith("sqlite:////")
+    assert (
+        resolve_tracking_uri(spec_with_uri(None), env={}, cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    )
+    assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": "  "}, cwd=tmp_path).startswith(
+        "sqlite:////"
+    )
 
 
 def test_resolve_uri_makes_local_paths_absolute(tmp_path):
@@ -195,7 +191,7 @@ def test_check_reachable_closed_port_fails_fast():
 
 def test_check_reachable_rejects_a_server_that_is_not_mlflow():
     class NotFound(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(404)
             self.end_headers()
 
@@ -524,7 +520,7 @@ def test_end_run_errors(uri, client):
 
 
 def test_module_import_is_light():
-    code = "import sys, runner.tracking, runner.gitinfo; assert 'mlflow' not in sys.modules and 'torch' not in sys.modules"
+    code = "import sys, runner.tracking.runs, runner.tracking.gitinfo; assert 'mlflow' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([os.sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""runner.tracking against a real `mlflow server` process on 127.0.0.1 (REST over HTTP)."""
+"""runner.tracking.runs against a real `mlflow server` process on 127.0.0.1 (REST over HTTP)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from runner.errors import TrackingError
-from runner.loading import load_spec
-from runner.tracking import MlflowTracker, check_reachable, end_run, start_run
+from runner.spec.loading import load_spec
+from runner.tracking.runs import check_reachable, end_run, start_run
+from runner.tracking.trackers import MlflowTracker
 
 SPEC = """\
 name = "served"
@@ -93,7 +94,9 @@ def mlflow_server(tmp_path):
                 break
             except TrackingError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+                    pytest.fail(
+                        f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
+                    )
                 time.sleep(0.5)
         yield server
     finally:

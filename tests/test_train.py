@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from runner.launch import exec_experiment
-from runner.loading import load_spec
+from runner.launch.driver import exec_experiment
+from runner.spec.loading import load_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +29,7 @@ def test_gradient_accumulation_keeps_the_global_batch_semantics(write_spec) -> N
     accumulated = _run(write_spec, "train.grad_accum_steps=2")
     a, b = _series(plain, "train/loss"), _series(accumulated, "train/loss")
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 10
-    for (_, x), (_, y) in zip(a, b):
+    for (_, x), (_, y) in zip(a, b, strict=False):
         assert x == pytest.approx(y, abs=1e-5)
 
 
@@ -60,7 +61,7 @@ def test_step_scheduler_changes_the_logged_lr(write_spec) -> None:
 def test_onecycle_steps_every_optimizer_step(write_spec) -> None:
     result = _run(write_spec, 'scheduler={name="onecycle"}')
     lrs = [v for _, v in _series(result, "lr")]
-    assert all(a != b for a, b in zip(lrs, lrs[1:]))  # a new lr after every step
+    assert all(a != b for a, b in itertools.pairwise(lrs))  # a new lr after every step
     peak = lrs.index(max(lrs))
     assert 0 < peak < len(lrs) - 1 and max(lrs) == pytest.approx(0.1)
 

@@ -1,0 +1,152 @@
+"""What would run: devices, world size, batches, launch method and tracking target of a spec.
+
+Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
+two can never disagree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved spec ready to run.
+
+    Attributes:
+        loaded: The :class:`runner.spec.loading.LoadedSpec`.
+        devices: The :class:`runner.devices.resolve.DevicePlan`.
+        tracking_uri: Absolute MLflow tracking URI, or ``None`` when tracking is off.
+        experiment: MLflow experiment name.
+        launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
+            ``"external"`` (already a worker of torchrun or a scheduler).
+    """
+
+    loaded: Any
+    devices: Any
+    tracking_uri: str | None
+    experiment: str
+    launch: str
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
+        spec = self.loaded.spec
+        par = spec.parallel
+        out: dict[str, Any] = {
+            "spec": str(self.loaded.path),
+            "name": spec.name,
+            "mode": par.mode,
+            "devices": self.devices.describe(),
+            "world_size": self.devices.world_size,
+            "global_batch_size": spec.data.batch_size,
+            "grad_accum_steps": spec.train.grad_accum_steps,
+            "launch": self.launch,
+            "tracking_uri": self.tracking_uri,
+            "experiment": self.experiment,
+        }
+        if par.mode == "ddp":
+            out["rendezvous"] = {
+                "backend": "c10d",
+                "endpoint": par.rdzv_endpoint or "localhost:<free port>",
+                "id": par.rdzv_id,
+                "nnodes": par.nnodes,
+                "node_rank": par.node_rank,
+                "nproc_per_node": self.devices.nproc_per_node,
+                "max_restarts": par.max_restarts,
+            }
+        return out
+
+
+def format_plan(info: dict[str, Any]) -> str:
+    """Human-readable summary of :meth:`Plan.describe` for ``runner plan``."""
+    dev = info["devices"]
+    lines = [f"plan for {info['spec']}"]
+    launch = {
+        "in-process": "one process",
+        "elastic": "elastic launcher (torchrun machinery)",
+        "external": "already a worker (torchrun / scheduler)",
+    }
+    lines.append(f"  mode           {info['mode']} ({launch.get(info['launch'], info['launch'])})")
+    lines.append(
+        f"  accelerator    {dev['accelerator']}" + (f", backend {dev['backend']}" if dev.get("backend") else "")
+    )
+    for d in dev.get("devices", []):
+        uuid = f", {d['uuid']}" if d.get("uuid") else ""
+        lines.append(
+            f"  device         id {d['id']} -> visible {d['entry']} -> cuda:{d['cuda_index']} {d['name']}{uuid}"
+        )
+    lines.append(
+        f"  world size     {info['world_size']} ({dev['nnodes']} node(s) x {dev['nproc_per_node']} process(es))"
+    )
+    split = " + ".join(str(b) for b in dev["per_device_batch"])
+    accum = f" x {info['grad_accum_steps']} micro-steps" if info["grad_accum_steps"] > 1 else ""
+    lines.append(f"  global batch   {info['global_batch_size']} = {split} per device{accum}")
+    if "rendezvous" in info:
+        r = info["rendezvous"]
+        lines.append(
+            f"  rendezvous     c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
+        )
+    tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
+    lines.append(f"  tracking       {tracking}")
+    if dev.get("env"):
+        lines.append("  environment    " + " ".join(f"{k}={v}" for k, v in dev["env"].items()))
+    lines += [f"  note           {note}" for note in dev.get("notes", [])]
+    return "\n".join(lines)
+
+
+def launched_externally(env: Mapping[str, str]) -> bool:
+    """True when torchrun or a scheduler already started this process as a worker (RANK etc. set)."""
+    return all(k in env for k in LAUNCHER_ENV)
+
+
+def make_plan(loaded: Any, *, env: Mapping[str, str] | None = None, inventory: Any = None) -> Plan:
+    """Resolve devices, launch method and tracking target of ``loaded``.
+
+    Args:
+        loaded: The :class:`runner.spec.loading.LoadedSpec`.
+        env: Environment to resolve against (default ``os.environ``).
+        inventory: Device inventory (default: probed without initialising CUDA).
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        DeviceError: The spec asks for devices this machine does not have.
+        UsageError: Started by torchrun with a world size that differs from the spec's.
+    """
+    from runner.devices.inventory import probe_inventory
+    from runner.devices.resolve import resolve_devices
+    from runner.errors import DeviceError, UsageError
+    from runner.tracking.runs import resolve_tracking_uri
+
+    env = os.environ if env is None else env
+    spec = loaded.spec
+    inventory = probe_inventory(env) if inventory is None else inventory
+    try:
+        devices = resolve_devices(spec, env, inventory)
+    except DeviceError as exc:
+        raise DeviceError(f"{loaded.path}: {exc}") from None
+    if launched_externally(env):
+        launch = "external"
+        outside = int(env["WORLD_SIZE"])
+        if spec.parallel.mode != "ddp" and outside > 1:
+            raise UsageError(
+                f"{loaded.path}: started as one of {outside} workers (WORLD_SIZE={outside}) but parallel.mode = "
+                f'"{spec.parallel.mode}": set mode = "ddp" or start runner without torchrun'
+            )
+        if spec.parallel.mode == "ddp" and outside != devices.world_size:
+            raise UsageError(
+                f"{loaded.path}: the launcher started WORLD_SIZE={outside} workers but the spec's world size is "
+                f"{devices.world_size} (parallel.nnodes x nproc_per_node): make them agree"
+            )
+    elif spec.parallel.mode == "ddp":
+        launch = "elastic"
+    else:
+        launch = "in-process"
+    uri = resolve_tracking_uri(spec) if spec.tracking.enabled else None
+    return Plan(loaded, devices, uri, spec.tracking.experiment or spec.name, launch)

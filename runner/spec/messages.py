@@ -1,0 +1,260 @@
+"""Word pydantic validation errors of a spec as ``got X; expected Y (hint)`` messages at their keys."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+from runner.spec.locate import Loc, format_key
+from runner.spec.schema import CrossFieldError, ExperimentSpec
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """Render a value as it would be written in TOML (shortened to about ``limit`` characters)."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, float) and not math.isfinite(value):
+        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(show(v, limit) for v in value) + "]"
+    elif isinstance(value, dict):
+        text = "{ " + ", ".join(f"{k} = {show(v, limit)}" for k, v in value.items()) + " }" if value else "{}"
+    else:
+        text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def annotation_at(loc: Sequence[str | int]) -> Any:
+    """Return the schema type at ``loc`` (Optional unwrapped), or ``None`` if the schema has no such key."""
+    return _walk(tuple(loc))[2]
+
+
+def explain_errors(errors: Iterable[Mapping[str, Any]]) -> list[tuple[Loc, str]]:
+    """Turn pydantic error dicts (validating :class:`ExperimentSpec`) into ``(key path, message)`` pairs.
+
+    Messages read ``got X; expected Y (hint)``; unknown keys and misspelled choices get a
+    did-you-mean; a :class:`~runner.spec.schema.CrossFieldError` gives one pair per problem at its
+    own key; union alternatives (``ids = [0, 1]`` or ``"all"``) are folded into one message.
+
+    Args:
+        errors: ``ValidationError.errors()``.
+
+    Returns:
+        One ``(loc, message)`` per problem, in the order pydantic reported them.
+    """
+    out: list[tuple[Loc, str]] = []
+    unions: dict[Loc, list[tuple[Loc, Mapping[str, Any]]]] = {}
+    for err in errors:
+        clean, union_at, _ = _walk(tuple(err["loc"]))
+        if union_at is None:
+            out += _explain(clean, err)
+        else:
+            if union_at not in unions:
+                out.append((union_at, ""))  # placeholder keeps the order
+            unions.setdefault(union_at, []).append((clean, err))
+    final: list[tuple[Loc, str]] = []
+    for loc, message in out:
+        if message or loc not in unions:
+            final.append((loc, message))
+            continue
+        group = unions.pop(loc)
+        deeper = [(c, e) for c, e in group if len(c) > len(loc)]
+        if deeper:
+            for c, e in deeper:
+                final += _explain(c, e)
+        else:
+            final.append((loc, _explain_union([e for _, e in group])))
+    return final
+
+
+def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
+    """Follow ``loc`` through the schema: (loc without union tags, where a union was, type at the end)."""
+    ann: Any = ExperimentSpec
+    clean: list[str | int] = []
+    union_at: Loc | None = None
+    for part in loc:
+        ann = _unwrap_optional(ann)
+        if get_origin(ann) in (Union, types.UnionType):
+            union_at, ann = tuple(clean), None  # this part is pydantic's tag of a union member
+            continue
+        clean.append(part)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(part) if isinstance(part, str) else None
+            ann = field.annotation if field else None
+        elif get_origin(ann) is dict:
+            ann = get_args(ann)[1]
+        elif get_origin(ann) is list:
+            ann = get_args(ann)[0]
+        else:
+            ann = None
+    return tuple(clean), union_at, _unwrap_optional(ann)
+
+
+def _unwrap_optional(ann: Any) -> Any:
+    if get_origin(ann) in (Union, types.UnionType):
+        args = [a for a in get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
+    word = str(word)
+    lowered = {c.lower(): c for c in choices}
+    match = lowered.get(word.lower()) or next(iter(difflib.get_close_matches(word, choices, n=1, cutoff=0.6)), None)
+    return f"did you mean {show(match)}?" if match else ""
+
+
+def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = ()) -> list[str]:
+    """Dotted keys of other tables that have a field called ``key``."""
+    found = []
+    for name, field in model.model_fields.items():
+        ann = _unwrap_optional(field.annotation)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            found += _elsewhere(key, ann, (*prefix, name))
+        elif name == key and prefix:
+            found.append(format_key((*prefix, name)))
+    return found
+
+
+def _choices(expected: str) -> list[str]:
+    return re.findall(r"'((?:[^'\\]|\\.)*)'", expected)
+
+
+def _join(parts: Sequence[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _with_hint(message: str, hint: str) -> str:
+    return f"{message} ({hint})" if hint else message
+
+
+def _explain(loc: Loc, err: Mapping[str, Any]) -> list[tuple[Loc, str]]:
+    """Message(s) for one non-union pydantic error at ``loc``."""
+    kind = err["type"]
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    got = f"got {show(value)}"
+    if kind in ("value_error", "assertion_error"):
+        exc = ctx.get("error")
+        if isinstance(exc, CrossFieldError):
+            return [(tuple(key.split(".")), message) for key, message in exc.problems]
+        message = str(exc) if exc is not None else err["msg"].removeprefix("Value error, ")
+        return [(_subject(loc, message), message)]
+    if kind == "extra_forbidden":
+        parent = annotation_at(loc[:-1])
+        known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+        hint = _did_you_mean(loc[-1], known)
+        where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
+        if not hint and (other := _elsewhere(str(loc[-1]))):
+            hint = f"did you mean {_join(other)}?"
+        return [(loc, _with_hint(f"got unknown key {show(str(loc[-1]))}; expected {where}: {', '.join(known)}", hint))]
+    if kind == "missing":
+        return [(loc, _missing(loc))]
+    if kind == "literal_error":
+        choices = _choices(ctx.get("expected", ""))
+        return [
+            (loc, _with_hint(f"{got}; expected {_join([show(c) for c in choices])}", _did_you_mean(value, choices)))
+        ]
+    if kind in ("int_type", "int_from_float", "int_parsing"):
+        hint = ""
+        if isinstance(value, float) and not isinstance(value, bool):
+            hint = f"counts are whole numbers: write {int(value)}" if value.is_integer() else "counts are whole numbers"
+        return [(loc, _with_hint(f"{got}; expected a whole number", hint or _type_hint(value)))]
+    if kind in ("float_type", "float_parsing"):
+        return [(loc, _with_hint(f"{got}; expected a number", _type_hint(value)))]
+    if kind in ("bool_type", "bool_parsing"):
+        hint = "write true/false" if isinstance(value, (int, float)) else _type_hint(value)
+        return [(loc, _with_hint(f"{got}; expected true or false", hint))]
+    if kind == "string_type":
+        hint = f"quote it: {show(show(value))}" if isinstance(value, (int, float, bool)) else ""
+        return [(loc, _with_hint(f"{got}; expected a string", hint))]
+    if kind == "list_type":
+        return [
+            (
+                loc,
+                _with_hint(f"{got}; expected a list", f"write [{show(value)}]" if not isinstance(value, dict) else ""),
+            )
+        ]
+    if kind in ("dict_type", "model_type"):
+        name = format_key(loc)
+        return [(loc, f"{got}; expected a table (write [{name}] with its keys, or {name} = {{ ... }})")]
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return [(loc, f"{got}; expected a value {bounds[kind]} {show(limit)}")]
+    if kind in ("too_short", "string_too_short"):
+        what = "character" if kind == "string_too_short" else "item"
+        n = ctx.get("min_length", 1)
+        return [(loc, f"{got}; expected at least {n} {what}{'s' if n != 1 else ''}")]
+    if kind in ("too_long", "string_too_long"):
+        what = "character" if kind == "string_too_long" else "item"
+        n = ctx.get("max_length", 0)
+        return [(loc, f"{got}; expected at most {n} {what}{'s' if n != 1 else ''}")]
+    return [(loc, f"{got}; " + err["msg"].replace("Input should be", "expected").lower())]
+
+
+def _subject(loc: Loc, message: str) -> Loc:
+    """Key a table validator's message is about: its first word when that names a field of the table.
+
+    Table validators in :mod:`runner.spec.schema` start their messages with the offending key
+    (``ids [0, 0] lists [0] more than once``), so the issue can point at that key's line.
+    """
+    table = annotation_at(loc)
+    word = re.match(r"[A-Za-z_]\w*", message)
+    if word and isinstance(table, type) and issubclass(table, BaseModel) and word.group() in table.model_fields:
+        return (*loc, word.group())
+    return loc
+
+
+def _type_hint(value: Any) -> str:
+    """Hint for a value of the wrong type: quoted numbers or booleans."""
+    if isinstance(value, bool):
+        return "a boolean is not a number"
+    if isinstance(value, str):
+        try:
+            float(value)
+            return f"remove the quotes: write {value}"
+        except ValueError:
+            pass
+        if value.lower() in ("true", "false"):
+            return f"remove the quotes: write {value.lower()}"
+    return ""
+
+
+def _missing(loc: Loc) -> str:
+    parent = annotation_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    about = f"; {field.description}" if field is not None and field.description else ""
+    target = annotation_at(loc)
+    if isinstance(target, type) and issubclass(target, BaseModel):
+        return f"required table is missing: add [{format_key(loc)}]{about}"
+    where = f"under [{format_key(loc[:-1])}]" if loc[:-1] else "at the top, before any [table]"
+    return f"required key is missing: add {loc[-1]} = ... {where}{about}"
+
+
+def _explain_union(errors: list[Mapping[str, Any]]) -> str:
+    """One message for a value that matched none of the members of a union."""
+    value = errors[0].get("input")
+    expected: list[str] = []
+    choices: list[str] = []
+    for err in errors:
+        if err["type"] == "literal_error":
+            found = _choices((err.get("ctx") or {}).get("expected", ""))
+            choices += found
+            expected += [show(c) for c in found]
+        elif err["type"] == "list_type":
+            expected.append("a list")
+        else:
+            expected.append(err["msg"].replace("Input should be ", ""))
+    hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
+    return _with_hint(f"got {show(value)}; expected {_join(expected)}", hint)

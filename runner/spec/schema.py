@@ -1,0 +1,570 @@
+"""Pydantic models of an experiment spec: shape, types, ranges and cross-field rules.
+
+Nothing here touches the machine: rules that depend on the hardware (how many GPUs
+are visible, whether CUDA exists) are checked by :mod:`runner.devices.resolve`, so that
+``runner validate`` gives the same answer on a laptop and on a GPU node.
+
+Conventions (see DESIGN.md):
+
+* counts are strict integers (``2.0`` is rejected), hyperparameters are floats
+  (an integer literal such as ``lr = 1`` is accepted and stored as ``1.0``),
+  booleans are strict (``1`` is not ``true``);
+* every table forbids unknown keys and every model is frozen;
+* ``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all
+  devices and processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ParallelMode = Literal["none", "dp", "ddp"]
+Accelerator = Literal["auto", "cuda", "cpu"]
+
+
+class _Table(BaseModel):
+    """Base of every spec table: strict types, unknown keys forbidden, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+
+
+class ModelSpec(_Table):
+    """``[model]``: which network to build."""
+
+    name: str = Field(
+        min_length=1,
+        description=(
+            "Model to build: a torchvision builder (`torchvision.resnet18`), a built-in "
+            "(`mlp`, `cnn`) or an import path `pkg.module:factory` returning an nn.Module."
+        ),
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`. Default: none.",
+    )
+
+
+class DataSpec(_Table):
+    """``[data]``: dataset, split and loader settings. ``batch_size`` is global."""
+
+    dataset: str = Field(
+        min_length=1,
+        description=(
+            "Dataset: `sklearn.digits` (UCI handwritten digits shipped with scikit-learn), "
+            "`torchvision.<Name>` (e.g. `torchvision.MNIST`, read from `root`), `imagefolder` "
+            "(`root`/train and `root`/val), `synthetic` (seeded random tensors) or `pkg.module:factory`."
+        ),
+    )
+    root: str | None = Field(
+        default=None,
+        description="Folder holding the data for torchvision and imagefolder datasets; relative to the spec file. Default: none.",
+    )
+    download: bool = Field(
+        default=False,
+        description="Let torchvision download missing files into `root`. Default: false (runs never touch the network).",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for the dataset builder or factory. Default: none.",
+    )
+    image_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size.",
+    )
+    num_channels: int | None = Field(
+        default=None,
+        ge=1,
+        description="Repeat grayscale images to this many channels (3 for ImageNet-style models). Default: native.",
+    )
+    batch_size: int = Field(
+        ge=1,
+        description=(
+            "GLOBAL batch size: samples per optimizer step across all devices and processes. "
+            "dp scatters it; ddp loads batch_size / world_size per rank (must divide)."
+        ),
+    )
+    eval_batch_size: int | None = Field(
+        default=None, ge=1, description="Global batch size for evaluation. Default: `batch_size`."
+    )
+    val_fraction: float = Field(
+        default=0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the training set held out for validation (seeded, stable split); 0 disables. Default: 0.2.",
+    )
+    shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
+    drop_last: bool = Field(
+        default=False, description="Drop the last incomplete training batch of each epoch. Default: false."
+    )
+    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank. Default: 0.")
+    pin_memory: bool = Field(
+        default=False, description="Pin host memory for faster host-to-GPU copies. Default: false."
+    )
+    persistent_workers: bool = Field(
+        default=False,
+        description="Keep DataLoader workers alive between epochs (needs num_workers > 0). Default: false.",
+    )
+    num_samples: int = Field(default=1024, ge=1, description="`synthetic` only: number of samples. Default: 1024.")
+    input_shape: list[int] = Field(
+        default_factory=lambda: [64],
+        min_length=1,
+        description="`synthetic` only: shape of one sample, e.g. [3, 32, 32]. Default: [64].",
+    )
+    num_classes: int = Field(default=10, ge=2, description="`synthetic` only: number of classes. Default: 10.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError(
+                "persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)"
+            )
+        if (self.dataset in ("imagefolder",) or self.dataset.startswith("torchvision.")) and self.root is None:
+            raise ValueError(f"dataset {self.dataset!r} reads files: set data.root to the folder that holds them")
+        if any(d < 1 for d in self.input_shape):
+            raise ValueError(f"input_shape {self.input_shape} must contain positive sizes only")
+        return self
+
+
+class DevicesSpec(_Table):
+    """``[devices]``: which accelerator and which of the visible devices."""
+
+    accelerator: Accelerator = Field(
+        default="auto",
+        description="`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU). Default: auto.",
+    )
+    ids: list[int] | Literal["all"] = Field(
+        default="all",
+        description=(
+            "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
+            "or `all`. mode = none takes one id (with `all`, the first visible GPU). Ignored when the run "
+            "is on CPU. Default: all."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DevicesSpec:
+        if isinstance(self.ids, list):
+            if not self.ids:
+                raise ValueError('ids is empty: list at least one device index, e.g. [0], or use "all"')
+            negative = [i for i in self.ids if i < 0]
+            if negative:
+                raise ValueError(f"ids {self.ids} contains negative indices {negative}: device ids count from 0")
+            dupes = sorted({i for i in self.ids if self.ids.count(i) > 1})
+            if dupes:
+                raise ValueError(f"ids {self.ids} lists {dupes} more than once: each device may appear once")
+        return self
+
+
+DP_ONLY = ("output_device", "dim")
+DDP_ONLY = (
+    "backend",
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+    "timeout_s",
+    "find_unused_parameters",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "sync_batchnorm",
+)
+
+
+class ParallelSpec(_Table):
+    """``[parallel]``: how the model is replicated. Options apply only to their mode."""
+
+    mode: ParallelMode = Field(
+        default="none",
+        description="`none` (one device), `dp` (torch.nn.DataParallel, one process) or `ddp` (DistributedDataParallel, one process per device). Default: none.",
+    )
+    # --- dp
+    output_device: int | None = Field(
+        default=None, ge=0, description="dp only: device id (from devices.ids) that gathers outputs. Default: first id."
+    )
+    dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along. Default: 0.")
+    # --- ddp
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        default="auto", description="ddp only: process-group backend; auto = nccl on CUDA, gloo on CPU. Default: auto."
+    )
+    nproc_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description="ddp only: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
+    )
+    nnodes: int = Field(default=1, ge=1, description="ddp only: number of nodes. Default: 1.")
+    node_rank: int = Field(default=0, ge=0, description="ddp only: rank of this node, 0 .. nnodes-1. Default: 0.")
+    rdzv_endpoint: str | None = Field(
+        default=None,
+        description="ddp only: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
+    )
+    rdzv_id: str = Field(
+        default="runner",
+        min_length=1,
+        description="ddp only: rendezvous (job) id shared by all nodes. Default: runner.",
+    )
+    max_restarts: int = Field(default=0, ge=0, description="ddp only: elastic restarts of failed workers. Default: 0.")
+    timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="ddp only: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
+    )
+    find_unused_parameters: bool = Field(
+        default=False, description="ddp only: allow parameters that get no gradient in a step. Default: false."
+    )
+    static_graph: bool = Field(
+        default=False, description="ddp only: the set of used parameters never changes. Default: false."
+    )
+    gradient_as_bucket_view: bool = Field(
+        default=False,
+        description="ddp only: gradients are views into the all-reduce buckets (saves memory). Default: false.",
+    )
+    sync_batchnorm: bool = Field(
+        default=False, description="ddp only, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelSpec:
+        wrong = [k for k in DP_ONLY if k in self.model_fields_set and self.mode != "dp"]
+        wrong += [k for k in DDP_ONLY if k in self.model_fields_set and self.mode != "ddp"]
+        if wrong:
+            owner = {k: "dp" for k in DP_ONLY} | {k: "ddp" for k in DDP_ONLY}
+            parts = ", ".join(f'{k} (mode = "{owner[k]}")' for k in wrong)
+            raise ValueError(f'mode = "{self.mode}" does not take {parts}: remove them or change mode')
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank = {self.node_rank} must be < nnodes = {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f'nnodes = {self.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f'rdzv_endpoint {self.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
+        return self
+
+
+class OptimSpec(_Table):
+    """``[optim]``: the optimizer (torch.optim)."""
+
+    name: Literal["sgd", "adam", "adamw"] = Field(
+        default="sgd", description="Optimizer: sgd, adam or adamw. Default: sgd."
+    )
+    lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd only: momentum factor. Default: 0.")
+    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw). Default: 0.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further keyword arguments for the torch.optim class, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimSpec:
+        if self.name != "sgd" and "momentum" in self.model_fields_set:
+            raise ValueError(f"momentum applies to sgd only, not {self.name!r} (use kwargs.betas for adam/adamw)")
+        clash = sorted({"lr", "momentum", "weight_decay"} & set(self.kwargs))
+        if clash:
+            raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
+        return self
+
+
+class SchedulerSpec(_Table):
+    """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
+
+    name: Literal["step", "multistep", "exponential", "cosine", "onecycle", "linear"] = Field(
+        description=(
+            "Schedule: step (StepLR), multistep (MultiStepLR), exponential (ExponentialLR), "
+            "cosine (CosineAnnealingLR), onecycle (OneCycleLR), linear (LinearLR)."
+        )
+    )
+    interval: Literal["epoch", "step"] = Field(
+        default="epoch",
+        description="Call scheduler.step() after every `epoch` or every optimizer `step`. Default: epoch.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`.",
+    )
+
+
+class TrainSpec(_Table):
+    """``[train]``: the loop."""
+
+    epochs: int = Field(default=1, ge=1, description="Passes over the training set. Default: 1.")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many optimizer steps, even mid-epoch. Default: no limit."
+    )
+    grad_accum_steps: int = Field(
+        default=1,
+        ge=1,
+        description="Micro-batches accumulated per optimizer step; the global batch is split into this many. Default: 1.",
+    )
+    amp: Literal["no", "bf16", "fp16"] = Field(
+        default="no",
+        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler). Default: no.",
+    )
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
+    )
+    loss: Literal["cross_entropy", "mse", "nll"] = Field(
+        default="cross_entropy", description="Loss, mean-reduced. Default: cross_entropy."
+    )
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=1, description="cross_entropy only: label smoothing. Default: 0."
+    )
+    log_every_n_steps: int = Field(default=10, ge=1, description="Log train/loss every N optimizer steps. Default: 10.")
+    eval_every_n_epochs: int = Field(
+        default=1, ge=1, description="Evaluate on the validation split every N epochs. Default: 1."
+    )
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        default="auto",
+        description="Progress display: a bar on a terminal, plain lines otherwise (auto). Default: auto.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSpec:
+        if self.label_smoothing and self.loss != "cross_entropy":
+            raise ValueError(f'label_smoothing applies to loss = "cross_entropy", not {self.loss!r}')
+        return self
+
+
+class TrackingSpec(_Table):
+    """``[tracking]``: MLflow."""
+
+    enabled: bool = Field(default=True, description="Record the run in MLflow. Default: true.")
+    uri: str | None = Field(
+        default=None,
+        description="Tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory.",
+    )
+    experiment: str | None = Field(
+        default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
+    )
+    run_name: str | None = Field(default=None, description="MLflow run name. Default: MLflow's generated name.")
+    log_model: bool = Field(
+        default=False, description="Log the trained model with mlflow.pytorch at the end. Default: false."
+    )
+    system_metrics: bool = Field(
+        default=False, description="Record MLflow system metrics (CPU, memory, GPU). Default: false."
+    )
+    flush_every_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Send buffered metrics at least this often (seconds), off the training thread. Default: 5.",
+    )
+
+
+class CheckpointSpec(_Table):
+    """``[checkpoint]``: periodic, atomic checkpoints for resume."""
+
+    enabled: bool = Field(default=True, description="Write checkpoints. Default: true.")
+    dir: str | None = Field(
+        default=None,
+        description="Folder for checkpoints, relative to the spec file. Default: `checkpoints/<run id>` next to the tracking store.",
+    )
+    every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs. Default: 1.")
+    every_n_steps: int | None = Field(
+        default=None, ge=1, description="Also checkpoint every N optimizer steps. Default: off."
+    )
+    keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints. Default: 2.")
+    log_to_mlflow: bool = Field(
+        default=False, description="Also log the final checkpoint as an MLflow artifact. Default: false."
+    )
+
+
+class SweepParam(_Table):
+    """One swept key in ``[sweep.params]``: explicit values or a numeric range."""
+
+    values: list[Any] | None = Field(default=None, min_length=1, description="Explicit values to try.")
+    low: float | None = Field(default=None, description="Lower bound of a sampled range (random search).")
+    high: float | None = Field(default=None, description="Upper bound of a sampled range (random search).")
+    distribution: Literal["uniform", "log_uniform", "int_uniform"] = Field(
+        default="uniform", description="How a range is sampled. Default: uniform."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepParam:
+        has_range = self.low is not None or self.high is not None
+        if (self.values is None) == (not has_range):
+            raise ValueError("give either values = [...] or low and high, not both and not neither")
+        if has_range:
+            if self.low is None or self.high is None or not self.low < self.high:
+                raise ValueError(f"a range needs low < high, got low = {self.low}, high = {self.high}")
+            if self.distribution == "log_uniform" and self.low <= 0:
+                raise ValueError(f"log_uniform needs low > 0, got {self.low}")
+        return self
+
+
+class SweepSpec(_Table):
+    """``[sweep]``: many trials of one spec (see ``runner sweep``)."""
+
+    method: Literal["grid", "random"] = Field(
+        default="grid", description="grid (cartesian product) or random sampling. Default: grid."
+    )
+    num_trials: int | None = Field(
+        default=None, ge=1, description="Trial budget (random: required; grid: cap). Default: all."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of random sampling. Default: 0.")
+    metric: str = Field(default="val/accuracy", description="Metric that ranks trials. Default: val/accuracy.")
+    goal: Literal["max", "min"] = Field(
+        default="max", description="Whether a larger or smaller metric is better. Default: max."
+    )
+    params: dict[str, SweepParam] = Field(
+        default_factory=dict,
+        description='Dotted spec key -> values or range, e.g. `"optim.lr" = { values = [0.1, 0.01] }`.',
+    )
+
+
+class ExperimentSpec(_Table):
+    """A whole experiment spec: the root of the TOML file."""
+
+    name: str = Field(min_length=1, description="Experiment name; also the default MLflow experiment.")
+    description: str = Field(
+        default="", description="Free text, recorded as the MLflow run description. Default: empty."
+    )
+    seed: int = Field(
+        default=0, ge=0, description="Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers. Default: 0."
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="Use PyTorch's deterministic algorithms (and the settings they need). Default: false.",
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra MLflow tags for the run. Default: none.")
+    model: ModelSpec = Field(description="The network to build.")
+    data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
+    devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")
+    parallel: ParallelSpec = Field(
+        default_factory=ParallelSpec, description="Parallel mode (none, dp, ddp) and its options."
+    )
+    optim: OptimSpec = Field(description="The optimizer.")
+    scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
+    sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentSpec:
+        problems: list[tuple[str, str]] = []
+        dev, par, data, train = self.devices, self.parallel, self.data, self.train
+        if par.mode == "none" and isinstance(dev.ids, list) and len(dev.ids) > 1:
+            problems.append(
+                (
+                    "devices.ids",
+                    f'mode = "none" runs on one device but ids = {dev.ids}: use one id, or mode = "dp" / "ddp"',
+                )
+            )
+        if par.mode == "dp" and dev.accelerator == "cpu":
+            problems.append(
+                (
+                    "parallel.mode",
+                    'mode = "dp" needs CUDA devices but accelerator = "cpu": use mode = "none", or "ddp" (gloo runs on CPU)',
+                )
+            )
+        if (
+            par.mode == "dp"
+            and par.output_device is not None
+            and isinstance(dev.ids, list)
+            and par.output_device not in dev.ids
+        ):
+            problems.append(
+                ("parallel.output_device", f"output_device = {par.output_device} is not in devices.ids = {dev.ids}")
+            )
+        if par.backend == "nccl" and dev.accelerator == "cpu":
+            problems.append(
+                ("parallel.backend", 'backend = "nccl" needs CUDA but accelerator = "cpu": use backend = "gloo"')
+            )
+        if par.sync_batchnorm and dev.accelerator == "cpu":
+            problems.append(
+                (
+                    "parallel.sync_batchnorm",
+                    "sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel); remove it on CPU",
+                )
+            )
+        if train.amp == "fp16" and dev.accelerator == "cpu":
+            problems.append(("train.amp", 'amp = "fp16" needs CUDA: use amp = "bf16" on CPU'))
+        if (
+            par.mode == "ddp"
+            and dev.accelerator == "cuda"
+            and isinstance(dev.ids, list)
+            and par.nproc_per_node is not None
+            and par.nproc_per_node != len(dev.ids)
+        ):
+            problems.append(
+                (
+                    "parallel.nproc_per_node",
+                    f"nproc_per_node = {par.nproc_per_node} but devices.ids lists {len(dev.ids)} GPUs: one process per GPU",
+                )
+            )
+        world = self.static_world_size()
+        per_step = train.grad_accum_steps * (world or 1)
+        if data.batch_size % per_step:
+            if world and world > 1:
+                problems.append(
+                    (
+                        "data.batch_size",
+                        f"batch_size = {data.batch_size} is not divisible by world size {world}"
+                        + (f" x grad_accum_steps {train.grad_accum_steps}" if train.grad_accum_steps > 1 else "")
+                        + f": use a multiple of {per_step}, e.g. {max(per_step, data.batch_size - data.batch_size % per_step)}",
+                    )
+                )
+            else:
+                problems.append(
+                    (
+                        "data.batch_size",
+                        f"batch_size = {data.batch_size} is not divisible by grad_accum_steps = {train.grad_accum_steps}",
+                    )
+                )
+        if self.sweep is not None and self.sweep.method == "random" and self.sweep.num_trials is None:
+            problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
+        if problems:
+            raise CrossFieldError(problems)
+        return self
+
+    def static_world_size(self) -> int | None:
+        """World size known from the spec alone, or ``None`` when it depends on the machine.
+
+        Returns:
+            ``nnodes * nproc_per_node`` for ddp when it is known without looking at the
+            hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU), ``1`` for
+            none/dp (one process), ``None`` when ``ids = "all"`` must be resolved first.
+        """
+        par, dev = self.parallel, self.devices
+        if par.mode != "ddp":
+            return 1
+        if par.nproc_per_node is not None:
+            return par.nnodes * par.nproc_per_node
+        if dev.accelerator == "cpu":
+            return par.nnodes
+        if dev.accelerator == "cuda" and isinstance(dev.ids, list):
+            return par.nnodes * len(dev.ids)
+        return None
+
+
+class CrossFieldError(ValueError):
+    """Several cross-field problems, each ``(dotted key, message)``; raised inside validation."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
+
+
+def json_schema() -> dict[str, Any]:
+    """Return the JSON Schema (draft 2020-12) of a spec, for TOML editors such as taplo.
+
+    Returns:
+        A JSON-serialisable dict; ``runner schema`` prints it.
+    """
+    schema = ExperimentSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "runner experiment spec"
+    # `extends` is resolved by the loader before validation, so the models do not declare it.
+    schema["properties"] = {
+        "extends": {
+            "description": "Spec file(s) this one builds on, relative to this file; tables merge, values replace.",
+            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+        },
+        **schema["properties"],
+    }
+    return schema

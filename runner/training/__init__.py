@@ -1,0 +1,1 @@
+"""What one rank does: the loop, its setup, data and loaders, models, optimizers, seeding, checkpoints."""

@@ -1,0 +1,223 @@
+"""Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup.
+
+A checkpoint holds everything needed to continue exactly (DESIGN §8): the unwrapped
+model state (no ``module.`` prefix), optimizer, scheduler, grad scaler, the
+:class:`runner.training.loop.TrainState` (epoch, global step, batches consumed in the epoch) and
+the RNG states of every rank, plus the flattened spec and its SHA-256.
+
+Files are ``step-00000123.pt`` in the run's checkpoint folder. Each is written to a
+temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
+atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from runner.errors import RunnerError
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+class CheckpointError(RunnerError):
+    """A checkpoint file is damaged, truncated, or not a runner checkpoint."""
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint read back from disk.
+
+    Attributes:
+        path: The file it came from.
+        payload: The saved dict (see :func:`build_payload`).
+        skipped: Newer files that were damaged and skipped, with the reason, newest first.
+    """
+
+    path: Path
+    payload: dict[str, Any]
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
+    """Folder for one run's checkpoints.
+
+    Args:
+        tracking_uri: The MLflow tracking URI; for a ``sqlite:///`` or file store the folder
+            sits next to it (``<store dir>/checkpoints/<run_key>``), otherwise in the working
+            directory.
+        spec_dir: ``checkpoint.dir`` from the spec (absolute), which replaces the base folder.
+        run_key: The MLflow run id (or a local id when tracking is off).
+
+    Returns:
+        An absolute path (not created).
+    """
+    if spec_dir:
+        return Path(spec_dir) / run_key
+    base = Path.cwd()
+    if tracking_uri:
+        parsed = urlparse(tracking_uri)
+        if parsed.scheme == "sqlite":
+            base = Path(tracking_uri[len("sqlite:///") :]).parent
+        elif parsed.scheme in ("", "file"):
+            base = Path(parsed.path).parent
+    return (base / "checkpoints" / run_key).resolve()
+
+
+def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) -> Path:
+    """Write ``payload`` atomically as ``step-<global_step>.pt`` and keep the newest ``keep_last`` files.
+
+    Call on rank 0 only. The bytes are serialised in memory first, written to a temporary
+    file in ``directory``, flushed, fsync'ed and renamed over the final name; the folder is
+    fsync'ed too so the rename survives a power loss.
+
+    Args:
+        directory: The run's checkpoint folder (created if missing).
+        payload: From :func:`build_payload`.
+        keep_last: Number of checkpoints to keep (>= 1); older ones are deleted after the write.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: The folder is not writable or the disk is full (no partial file is left).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step-{payload['state']['global_step']:08d}.pt"
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buffer.getbuffer())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    for old in list_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest first (by global step); temporary files are ignored."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and check one checkpoint file.
+
+    Raises:
+        CheckpointError: The file is truncated or damaged, or lacks the runner fields; the
+            message names the file.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        raise CheckpointError(f"{path}: damaged or truncated checkpoint ({type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION or "model" not in payload:
+        raise CheckpointError(f"{path}: not a runner checkpoint (format {FORMAT_VERSION} expected)")
+    return payload
+
+
+def load_latest(directory: Path) -> LoadedCheckpoint | None:
+    """The newest checkpoint of ``directory`` that reads back, falling back past damaged ones.
+
+    Returns:
+        ``None`` when the folder holds no checkpoint at all.
+
+    Raises:
+        CheckpointError: Checkpoints exist but none of them can be read (lists each file and why).
+    """
+    files = list_checkpoints(directory)
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(files):
+        try:
+            return LoadedCheckpoint(path, read_checkpoint(path), tuple(skipped))
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+    if skipped:
+        raise CheckpointError("no usable checkpoint:\n" + "\n".join(reason for _, reason in skipped))
+    return None
+
+
+def build_payload(
+    *,
+    model_state: dict[str, Any],
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    state: Any,
+    rng_states: list[Any],
+    spec_flat: dict[str, Any],
+    spec_sha256: str,
+    run_id: str | None,
+) -> dict[str, Any]:
+    """Assemble the dict that :func:`save_checkpoint` writes.
+
+    Args:
+        model_state: ``unwrapped_state_dict(model)``: keys without ``module.``.
+        optimizer, scheduler, scaler: Objects with ``state_dict()`` (scheduler/scaler may be ``None``).
+        state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
+        rng_states: One RNG-state dict per rank, indexed by rank.
+        spec_flat: The flattened spec (dotted keys), to report what changed on resume.
+        spec_sha256: SHA-256 of the resolved spec.
+        run_id: The MLflow run the checkpoint belongs to.
+    """
+    return {
+        "format": FORMAT_VERSION,
+        "model": model_state,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "state": {
+            "epoch": state.epoch,
+            "global_step": state.global_step,
+            "batch_in_epoch": state.batch_in_epoch,
+            "epoch_sums": state.epoch_sums,
+            "window_sums": state.window_sums,
+        },
+        "rng": rng_states,
+        "spec": spec_flat,
+        "spec_sha256": spec_sha256,
+        "run_id": run_id,
+    }
+
+
+def spec_changes(saved: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys whose values differ between two flattened specs (added/removed keys included).
+
+    Keys that cannot change results (``tracking.*``, ``train.progress``, ``checkpoint.*``)
+    and any prefixes in ``ignore`` are not reported.
+    """
+    quiet = ("tracking.", "train.progress", "checkpoint.", "description", *tuple(ignore))
+    keys = set(saved) | set(current)
+    return sorted(k for k in keys if not k.startswith(quiet) and saved.get(k) != current.get(k))
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

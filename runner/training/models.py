@@ -1,0 +1,378 @@
+"""Model registry: turn ``[model]`` (a torchvision builder, a built-in or ``pkg.module:factory``) into an nn.Module.
+
+Names:
+
+* ``torchvision.<builder>`` (also ``torchvision.models.<builder>``): any name of
+  ``torchvision.models.list_models()``, built with ``weights=None`` (and
+  ``weights_backbone=None`` where the builder has it) unless the kwargs say otherwise, so
+  nothing is downloaded by default.
+* ``mlp``: Flatten -> (Linear -> ReLU [-> Dropout]) per hidden size -> Linear. No
+  batch-statistics layers, so ``none`` and ``ddp`` runs agree step by step.
+* ``cnn``: three 3x3 conv blocks (widths ``width``, ``2*width``, ``4*width``; strides 1, 2, 2),
+  optional BatchNorm, global average pooling, Linear.
+* ``pkg.module:factory``: ``factory(**kwargs)`` must return an ``nn.Module``; the spec's
+  folder and the working directory are importable.
+
+Parameters are initialised from torch's global RNG, so a model is a pure function of the
+torch seed set just before building it. torch is imported lazily: this module is imported by
+``runner validate`` paths through :func:`check_model_name`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.errors import SpecError, SpecIssue
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+BUILTINS = ("mlp", "cnn")
+_TV_PREFIXES = ("torchvision.models.", "torchvision.")
+
+
+def spec_issue(key: str, message: str) -> SpecError:
+    """Return a :class:`SpecError` for ``key`` without a file position (the caller locates it)."""
+    return SpecError(SpecIssue(file=None, line=None, key=key, message=message))
+
+
+def did_you_mean(name: str, choices: Sequence[str], n: int = 3) -> str:
+    """Return `` (did you mean 'a' or 'b'?)`` for the closest ``choices`` (ignoring case), or an empty string."""
+    lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=n, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(lower[c]) for c in close) + "?)"
+
+
+def make_importable(spec_dir: Path | str | None) -> None:
+    """Put the spec's folder (first) and the working directory on ``sys.path`` if missing.
+
+    Args:
+        spec_dir: Folder of the spec file, or ``None``.
+    """
+    for folder in (os.getcwd(), spec_dir):
+        if folder is None:
+            continue
+        path = str(Path(folder).resolve())
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Callable[..., Any]:
+    """Import ``pkg.module:attr`` and return the callable it names.
+
+    Args:
+        target: ``"pkg.module:factory"`` (``attr`` may be dotted, e.g. ``Class.create``).
+        spec_dir: Spec folder, made importable together with the working directory.
+        key: Dotted spec key to blame in errors, e.g. ``model.name``.
+
+    Returns:
+        The callable.
+
+    Raises:
+        SpecError: If the path is malformed, the module cannot be imported, the attribute is
+            missing or is not callable.
+    """
+    module_name, _, attr = target.partition(":")
+    parts = module_name.split(".") + attr.split(".")
+    if not module_name or not attr or not all(p.isidentifier() for p in parts):
+        raise spec_issue(key, f'{target!r} is not an import path: write "pkg.module:factory"')
+    make_importable(spec_dir)
+    where = f"spec folder {Path(spec_dir).resolve()}, " if spec_dir is not None else ""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise spec_issue(
+                key,
+                f"cannot import module {module_name!r} of {target!r}: not found in the {where}"
+                f"working directory {os.getcwd()} or installed packages (check the spelling, or put "
+                f"{module_name.split('.')[0]} next to the spec file)",
+            ) from None
+        raise spec_issue(key, f"importing module {module_name!r} of {target!r} failed: {exc}") from None
+    except Exception as exc:  # a user module that fails on import: report, never a traceback
+        raise spec_issue(
+            key, f"importing module {module_name!r} of {target!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            raise spec_issue(
+                key, f"module {module_name!r} has no attribute {attr!r}{did_you_mean(part, names)}"
+            ) from None
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise spec_issue(key, f"{target!r} is a {type(obj).__name__}, not a callable factory")
+    return obj
+
+
+def _torchvision_names() -> list[str]:
+    from torchvision import models
+
+    return list(models.list_models())
+
+
+def _torchvision_bare(name: str) -> str | None:
+    for prefix in _TV_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return None
+
+
+def _unknown_model(name: str) -> SpecError:
+    tv = _torchvision_names()
+    choices = list(BUILTINS) + [f"torchvision.{n}" for n in tv]
+    hint = did_you_mean(name, choices)
+    if not hint:  # e.g. "resnet18" or "torchvision.resnet_18": match the bare builder name
+        bare = _torchvision_bare(name) or name.rpartition(".")[2]
+        lower = {c.lower(): c for c in tv}
+        close = difflib.get_close_matches(bare.lower(), list(lower), n=3, cutoff=0.6)
+        if close:
+            hint = " (did you mean " + " or ".join(repr(f"torchvision.{lower[c]}") for c in close) + "?)"
+    return spec_issue(
+        "model.name",
+        f"unknown model {name!r}{hint}; use a built-in ({', '.join(BUILTINS)}), "
+        '"torchvision.<builder>" (a name from torchvision.models.list_models(), e.g. torchvision.resnet18) '
+        'or "pkg.module:factory"',
+    )
+
+
+def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
+    """Check that ``model.name`` names a buildable model, without building it.
+
+    Imports a factory's module (and checks the attribute) but never calls it.
+
+    Args:
+        name: ``model.name`` from the spec.
+        spec_dir: Spec folder, for ``pkg.module:factory`` names.
+
+    Raises:
+        SpecError: Unknown name (with a did-you-mean), or a factory that cannot be imported.
+    """
+    if name in BUILTINS:
+        return
+    if ":" in name:
+        resolve_factory(name, spec_dir, "model.name")
+        return
+    bare = _torchvision_bare(name)
+    if bare is not None and bare in _torchvision_names():
+        return
+    raise _unknown_model(name)
+
+
+def _plain_signature(fn: Callable[..., Any], drop: Sequence[str] = ()) -> str | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = [p.replace(annotation=p.empty) for n, p in sig.parameters.items() if n not in drop]
+    return str(sig.replace(parameters=params, return_annotation=sig.empty))
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    """``name(params)`` without annotations; for ``**kwargs`` builders also the class they feed."""
+    text = f"{getattr(fn, '__name__', 'factory')}{_plain_signature(fn) or '(...)'}"
+    try:
+        sig = inspect.signature(fn, eval_str=True)
+    except Exception:  # unresolvable annotations: show what we have
+        return text
+    takes_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    target = sig.return_annotation
+    if takes_var_kw and inspect.isclass(target):
+        inner = _plain_signature(target.__init__, drop=("self",))
+        if inner:
+            text += f"; its **kwargs go to {target.__name__}{inner}"
+    return text
+
+
+def build_mlp(
+    *, in_features: int, num_classes: int = 10, hidden: Sequence[int] = (128, 64), dropout: float = 0.0
+) -> torch.nn.Module:
+    """Build a multi-layer perceptron for inputs of any shape (flattened).
+
+    Args:
+        in_features: Features of one flattened sample.
+        num_classes: Output logits per sample.
+        hidden: Hidden layer widths, e.g. ``[128, 64]``; ``[]`` gives a linear model.
+        dropout: Dropout probability after each hidden ReLU, in ``[0, 1)``.
+
+    Returns:
+        ``nn.Sequential`` mapping ``(N, *shape)`` to ``(N, num_classes)``.
+
+    Raises:
+        ValueError: If a size is not a positive integer or ``dropout`` is out of range.
+    """
+    from torch import nn
+
+    _positive("in_features", in_features)
+    _positive("num_classes", num_classes)
+    if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Sequence):
+        raise ValueError(f"hidden must be a list of layer widths, got {hidden!r}")
+    for h in hidden:
+        _positive("hidden", h)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    layers: list[nn.Module] = [nn.Flatten(1)]
+    width = in_features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def build_cnn(
+    *, in_channels: int = 1, num_classes: int = 10, width: int = 32, batch_norm: bool = False
+) -> torch.nn.Module:
+    """Build a small convolutional classifier for images of any size.
+
+    Args:
+        in_channels: Image channels ``C``.
+        num_classes: Output logits per sample.
+        width: Channels of the first conv block (then ``2*width``, ``4*width``).
+        batch_norm: Add BatchNorm2d after each conv (makes results depend on how the batch is split).
+
+    Returns:
+        ``nn.Sequential`` mapping ``(N, C, H, W)`` to ``(N, num_classes)``.
+
+    Raises:
+        ValueError: If a size is not a positive integer or ``batch_norm`` is not a bool.
+    """
+    from torch import nn
+
+    _positive("in_channels", in_channels)
+    _positive("num_classes", num_classes)
+    _positive("width", width)
+    if not isinstance(batch_norm, bool):
+        raise ValueError(f"batch_norm must be true or false, got {batch_norm!r}")
+    layers: list[nn.Module] = []
+    channels = in_channels
+    for i, out in enumerate((width, 2 * width, 4 * width)):
+        layers.append(nn.Conv2d(channels, out, 3, stride=1 if i == 0 else 2, padding=1, bias=not batch_norm))
+        if batch_norm:
+            layers.append(nn.BatchNorm2d(out))
+        layers.append(nn.ReLU())
+        channels = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(channels, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def build_model(
+    model_spec: Any,
+    spec_dir: Path | str | None,
+    *,
+    input_shape: Sequence[int] | None = None,
+    num_classes: int | None = None,
+) -> torch.nn.Module:
+    """Build the model named by ``[model]``.
+
+    Hints from the dataset fill kwargs the user left out: ``mlp`` gets ``in_features`` (the
+    product of ``input_shape``) and ``num_classes``; ``cnn`` gets ``in_channels``
+    (``input_shape[0]``) and ``num_classes``; torchvision classifiers get ``num_classes``
+    when no pretrained ``weights`` are asked for. Factories get only their kwargs.
+
+    Args:
+        model_spec: ``spec.model`` (anything with ``name: str`` and ``kwargs: dict``).
+        spec_dir: Spec folder, for ``pkg.module:factory`` names.
+        input_shape: Shape of one sample, e.g. ``(1, 8, 8)`` (``DatasetInfo.input_shape``).
+        num_classes: Classes of the dataset (``DatasetInfo.num_classes``; 0 or ``None``: unknown).
+
+    Returns:
+        The model on CPU, initialised from torch's global RNG.
+
+    Raises:
+        SpecError: Unknown name (``model.name``, with a did-you-mean), a factory that cannot be
+            imported or returns no ``nn.Module`` (``model.name``), kwargs the builder rejects
+            (``model.kwargs``, with the builder's signature), or a built-in whose sizes cannot
+            be inferred from the dataset (``model.kwargs``).
+    """
+    import torch
+
+    name: str = model_spec.name
+    kwargs: dict[str, Any] = dict(model_spec.kwargs)
+    shape = tuple(int(d) for d in input_shape) if input_shape is not None else None
+    classes = num_classes or None
+    builder: Callable[..., Any]
+    if name == "mlp":
+        builder = build_mlp
+        if "in_features" not in kwargs:
+            if shape is None:
+                raise spec_issue(
+                    "model.kwargs", "mlp needs in_features (features of one flattened sample): set kwargs.in_features"
+                )
+            kwargs["in_features"] = math.prod(shape)
+        if classes and "num_classes" not in kwargs:
+            kwargs["num_classes"] = classes
+    elif name == "cnn":
+        builder = build_cnn
+        if "in_channels" not in kwargs and shape is not None:
+            if len(shape) != 3:
+                raise spec_issue(
+                    "model.name",
+                    f"cnn needs image samples of shape (C, H, W) but the dataset gives {list(shape)}: use mlp, or an image dataset",
+                )
+            kwargs["in_channels"] = shape[0]
+        if classes and "num_classes" not in kwargs:
+            kwargs["num_classes"] = classes
+    elif ":" in name:
+        builder = resolve_factory(name, spec_dir, "model.name")
+    else:
+        bare = _torchvision_bare(name)
+        if bare is None or bare not in _torchvision_names():
+            raise _unknown_model(name)
+        from torchvision import models
+
+        builder = models.get_model_builder(bare)
+        params = _parameters(builder)
+        kwargs.setdefault("weights", None)
+        if "weights_backbone" in params:
+            kwargs.setdefault("weights_backbone", None)
+        classifier = bare in models.list_models(module=models)
+        if classifier and classes and kwargs["weights"] is None and "num_classes" not in kwargs:
+            kwargs["num_classes"] = classes
+
+    try:
+        inspect.signature(builder).bind(**kwargs)
+    except TypeError as exc:
+        raise _bad_kwargs(name, builder, kwargs, exc) from None
+    except ValueError:  # no signature available (builtins, C callables): let the call decide
+        pass
+    try:
+        model = builder(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise _bad_kwargs(name, builder, kwargs, exc) from None
+    if not isinstance(model, torch.nn.Module):
+        raise spec_issue("model.name", f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _bad_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any], exc: Exception) -> SpecError:
+    given = ", ".join(f"{k} = {v!r}" for k, v in kwargs.items()) or "none"
+    return spec_issue(
+        "model.kwargs",
+        f"{name!r} rejected the kwargs ({given}): {exc}; signature: {_signature(builder)}",
+    )

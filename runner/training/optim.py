@@ -1,0 +1,132 @@
+"""Build the optimizer, LR scheduler, loss and AMP settings named by a spec."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.errors import SpecError, SpecIssue
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+_SCHEDULERS = {
+    "step": torch.optim.lr_scheduler.StepLR,
+    "multistep": torch.optim.lr_scheduler.MultiStepLR,
+    "exponential": torch.optim.lr_scheduler.ExponentialLR,
+    "cosine": torch.optim.lr_scheduler.CosineAnnealingLR,
+    "onecycle": torch.optim.lr_scheduler.OneCycleLR,
+    "linear": torch.optim.lr_scheduler.LinearLR,
+}
+
+
+def build_optimizer(optim_spec: Any, params: Any) -> torch.optim.Optimizer:
+    """Create the ``torch.optim`` optimizer of ``[optim]`` over ``params``.
+
+    Args:
+        optim_spec: The :class:`runner.spec.schema.OptimSpec`.
+        params: Parameters (or parameter groups) of the unwrapped model.
+
+    Returns:
+        The optimizer; ``lr`` is the base learning rate.
+
+    Raises:
+        SpecError: ``optim.kwargs`` holds an argument the optimizer does not take.
+    """
+    cls = _OPTIMIZERS[optim_spec.name]
+    kwargs: dict[str, Any] = {"lr": optim_spec.lr, "weight_decay": optim_spec.weight_decay}
+    if optim_spec.name == "sgd":
+        kwargs["momentum"] = optim_spec.momentum
+    kwargs.update({k: tuple(v) if isinstance(v, list) else v for k, v in optim_spec.kwargs.items()})
+    return _construct(cls, "optim.kwargs", params, **kwargs)
+
+
+def build_scheduler(scheduler_spec: Any, optimizer: torch.optim.Optimizer, total_steps: int, epochs: int) -> Any:
+    """Create the LR scheduler of ``[scheduler]``, or ``None`` when there is none.
+
+    ``cosine`` defaults ``T_max`` to the number of scheduler calls in the run (epochs or
+    optimizer steps, per ``interval``); ``onecycle`` defaults ``max_lr`` to the optimizer's
+    lr and ``total_steps`` to the run's optimizer steps (it always steps per batch).
+
+    Raises:
+        SpecError: ``scheduler.kwargs`` holds an argument the scheduler does not take or lacks a required one.
+    """
+    if scheduler_spec is None:
+        return None
+    cls = _SCHEDULERS[scheduler_spec.name]
+    kwargs = dict(scheduler_spec.kwargs)
+    calls = total_steps if scheduler_spec.interval == "step" else epochs
+    if scheduler_spec.name == "cosine":
+        kwargs.setdefault("T_max", max(1, calls))
+    if scheduler_spec.name == "onecycle":
+        kwargs.setdefault("max_lr", optimizer.param_groups[0]["lr"])
+        kwargs.setdefault("total_steps", max(1, total_steps))
+    return _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
+
+
+def scheduler_interval(scheduler_spec: Any) -> str:
+    """``"step"`` or ``"epoch"``: when the scheduler steps (``onecycle`` always per step)."""
+    if scheduler_spec is None:
+        return "epoch"
+    return "step" if scheduler_spec.name == "onecycle" else scheduler_spec.interval
+
+
+def build_loss(train_spec: Any) -> tuple[Callable[[Any, torch.Tensor], torch.Tensor], bool]:
+    """Return ``(loss_fn, is_classification)``.
+
+    ``loss_fn(output, target)`` sums the per-sample losses (``reduction="sum"``); the loop
+    divides by the global sample count of the step. ``output`` may be a tensor ``(B, C)``, a
+    tuple/list whose first element is the logits, or a dict with ``"logits"`` or ``"out"``.
+    """
+    if train_spec.loss == "cross_entropy":
+        crit: nn.Module = nn.CrossEntropyLoss(reduction="sum", label_smoothing=train_spec.label_smoothing)
+    elif train_spec.loss == "nll":
+        crit = nn.NLLLoss(reduction="sum")
+    else:
+        crit = nn.MSELoss(reduction="sum")
+    classification = train_spec.loss != "mse"
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = primary_output(output)
+        if not classification:
+            return crit(logits.float(), target.to(logits.dtype).reshape(logits.shape)).float()
+        return crit(logits.float(), target)
+
+    return loss_fn, classification
+
+
+def primary_output(output: Any) -> torch.Tensor:
+    """The tensor a loss is computed on: the output itself, its first item, or ``logits``/``out`` of a dict."""
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    if isinstance(output, dict):
+        for key in ("logits", "out"):
+            if key in output:
+                return output[key]
+        return next(iter(output.values()))
+    return output
+
+
+def amp_settings(amp: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
+    """Return ``(autocast dtype or None, GradScaler or None)`` for ``train.amp``.
+
+    bf16 needs no scaler; fp16 uses ``torch.amp.GradScaler`` (CUDA only; the spec and the
+    device resolution reject fp16 on CPU). Source: PyTorch AMP docs, torch.amp.
+    """
+    if amp == "bf16":
+        return torch.bfloat16, None
+    if amp == "fp16":
+        return torch.float16, torch.amp.GradScaler(device.type)
+    return None, None
+
+
+def _construct(cls: Any, key: str, first: Any, **kwargs: Any) -> Any:
+    try:
+        return cls(first, **kwargs)
+    except TypeError as exc:
+        sig = inspect.signature(cls.__init__)
+        raise SpecError(SpecIssue(None, None, key, f"{exc}; {cls.__name__} takes {sig}")) from None
+    except ValueError as exc:
+        raise SpecError(SpecIssue(None, None, key, f"{cls.__name__}: {exc}")) from None

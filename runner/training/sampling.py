@@ -1,0 +1,251 @@
+"""Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives).
+
+The layout that makes ``none``, ``dp`` and ``ddp`` runs of one spec agree step by step:
+
+* Every epoch has ONE permutation of ``range(num_samples)``, drawn exactly like
+  :class:`torch.utils.data.DistributedSampler` draws it: ``torch.randperm(N)`` with a
+  ``torch.Generator`` seeded ``seed + epoch`` (or ``range(N)`` without shuffling).
+* Global batch ``k`` (one optimizer step, ``B = data.batch_size`` samples) is positions
+  ``[k*B, k*B + size_k)`` of that permutation; ``size_k`` comes from
+  :func:`global_batch_sizes`.
+* Rank ``r`` of ``W`` takes positions ``r::W`` of the (truncated) permutation. Since ``B``
+  is a multiple of ``W``, rank ``r``'s share of global batch ``k`` is positions
+  ``k*B + r, k*B + r + W, ...``: ``B / W`` consecutive entries of the rank's stream
+  (``rank_batch_size(size_k, W, r)`` for a short final batch).
+* With ``grad_accum_steps = A`` the DataLoader's batch size is the micro-batch
+  ``m = B / (W * A)``. Cutting the rank's stream into consecutive chunks of ``m`` gives
+  exactly ``A`` micro-batches per full step, whose union over ranks and micro-steps is the
+  global batch of a ``W = 1, A = 1`` run. A short final step holds the rank's
+  ``rank_batch_size(size_k, W, r)`` samples cut into ``m``-sized chunks
+  (:func:`micro_batch_sizes`), so it can have fewer than ``A`` micro-batches and ranks
+  may differ by one sample (and by one micro-batch): the loop must group micro-batches by
+  these sizes, not by counting to ``A``.
+
+Resuming mid-epoch: :meth:`EpochSampler.set_start_batch` skips the first ``k`` global
+batches of the epoch (this rank's share of them), so the remaining steps read exactly
+what an uninterrupted run reads.
+
+Final incomplete global batch rule: it is kept (split ``r::W`` over ranks) unless
+``drop_last``, but it is dropped whenever it holds fewer than ``W`` samples, so that every
+rank has at least one sample in every step and all ranks run the same number of steps.
+No index is ever padded or repeated, unlike ``DistributedSampler``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, world_size: int) -> list[int]:
+    """Return the size of every global batch (optimizer step) of one epoch.
+
+    Args:
+        num_samples: Training samples ``N``.
+        global_batch: Samples per optimizer step across all ranks ``B``.
+        drop_last: Drop the final incomplete batch.
+        world_size: Ranks ``W``; a final batch smaller than ``W`` is always dropped.
+
+    Returns:
+        ``[B] * (N // B)`` plus ``N % B`` when it is kept (see the module docstring).
+
+    Raises:
+        ValueError: If a size is not positive.
+    """
+    if num_samples < 0 or global_batch < 1 or world_size < 1:
+        raise ValueError(
+            f"need num_samples >= 0, global_batch >= 1, world_size >= 1; got {num_samples}, {global_batch}, {world_size}"
+        )
+    sizes = [global_batch] * (num_samples // global_batch)
+    rest = num_samples % global_batch
+    if rest and not drop_last and rest >= world_size:
+        sizes.append(rest)
+    return sizes
+
+
+def rank_batch_size(global_size: int, world_size: int, rank: int) -> int:
+    """Return how many samples of a global batch of ``global_size`` rank ``rank`` gets.
+
+    The rank takes positions ``rank::world_size`` of the batch, so sizes differ by at most one
+    and the rank sizes sum to ``global_size``. The loop divides each rank's summed per-sample loss by
+    ``global_size / world_size`` so that DDP's gradient average equals the exact global mean.
+
+    Args:
+        global_size: Samples in the global batch.
+        world_size: Ranks ``W``.
+        rank: This rank, ``0 <= rank < W``.
+
+    Returns:
+        ``len(range(rank, global_size, world_size))``.
+
+    Raises:
+        ValueError: If ``rank`` is out of range.
+    """
+    _check_rank(rank, world_size)
+    return len(range(rank, global_size, world_size))
+
+
+def micro_batch_sizes(global_size: int, world_size: int, rank: int, micro_batch: int) -> list[int]:
+    """Return the sizes of the micro-batches this rank loads for one optimizer step.
+
+    Args:
+        global_size: Samples in the global batch of the step.
+        world_size: Ranks ``W``.
+        rank: This rank.
+        micro_batch: The DataLoader batch size ``B / (W * grad_accum_steps)``.
+
+    Returns:
+        ``grad_accum_steps`` times ``micro_batch`` for a full step; for a short final step the
+        rank's share cut into ``micro_batch``-sized chunks (the last may be smaller).
+
+    Raises:
+        ValueError: If ``rank`` is out of range or ``micro_batch < 1``.
+    """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    n = rank_batch_size(global_size, world_size, rank)
+    return [min(micro_batch, n - start) for start in range(0, n, micro_batch)]
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """Return the epoch's order of sample indices, identical to ``DistributedSampler``'s.
+
+    Args:
+        num_samples: Samples ``N``.
+        seed: Base seed (``spec.seed``).
+        epoch: Epoch number; the generator is seeded ``seed + epoch``.
+        shuffle: ``False`` gives ``range(N)``.
+
+    Returns:
+        A permutation of ``range(N)`` as a list of ints.
+    """
+    if not shuffle:
+        return list(range(num_samples))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(num_samples, generator=g).tolist()
+
+
+class EpochSampler(Sampler[int]):
+    """Training sampler: one seeded permutation per epoch, rank ``r`` reads positions ``r::W``.
+
+    Same permutation as :class:`torch.utils.data.DistributedSampler` but without padding or
+    duplicates, truncated to the samples of the epoch's global batches (module docstring).
+    Call :meth:`set_epoch` before every epoch.
+
+    Args:
+        num_samples: Training samples ``N``.
+        world_size: Ranks ``W`` (1 for ``none`` and ``dp``).
+        rank: This rank.
+        seed: Base seed; epoch ``e`` uses ``seed + e``.
+        shuffle: Shuffle every epoch (else the natural order).
+        global_batch: Samples per optimizer step across all ranks (a multiple of ``W``).
+        drop_last: Drop the final incomplete global batch.
+        generator: Optional DataLoader generator (it seeds the workers) that :meth:`set_epoch`
+            reseeds with ``runner.training.seeding.derive_seed(seed, rank, epoch)``, so worker seeds
+            depend on (seed, rank, epoch) only and a resumed run reproduces them.
+
+    Raises:
+        ValueError: If ``rank`` is out of range or ``global_batch`` is not a multiple of ``W``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        shuffle: bool,
+        global_batch: int,
+        drop_last: bool,
+        *,
+        generator: torch.Generator | None = None,
+    ):
+        _check_rank(rank, world_size)
+        if global_batch % world_size:
+            raise ValueError(f"global_batch {global_batch} is not a multiple of world_size {world_size}")
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.global_batch = global_batch
+        self.drop_last = drop_last
+        self.generator = generator
+        self.epoch = 0
+        self.start_batch = 0
+        self.batch_sizes = global_batch_sizes(num_samples, global_batch, drop_last, world_size)
+        self.total_size = sum(self.batch_sizes)
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (seed ``seed + epoch``) for the next iteration.
+
+        Also reseeds the attached DataLoader generator, if any (see the class docstring).
+        """
+        self.epoch = epoch
+        if self.generator is not None:
+            from runner.training.seeding import derive_seed
+
+            self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
+
+    def set_start_batch(self, batch: int) -> None:
+        """Start the next iteration at global batch ``batch`` of the epoch (0: the whole epoch).
+
+        Args:
+            batch: Global batches of the current epoch already consumed, ``0 <= batch <= steps``.
+
+        Raises:
+            ValueError: If ``batch`` is out of range.
+        """
+        if not 0 <= batch <= len(self.batch_sizes):
+            raise ValueError(f"start batch {batch} is not in [0, {len(self.batch_sizes)}]")
+        self.start_batch = batch
+
+    def indices(self) -> list[int]:
+        """Return this rank's sample indices for the current epoch (from the start batch), in loading order."""
+        perm = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
+        start = sum(self.batch_sizes[: self.start_batch])  # a multiple of world_size
+        return perm[start + self.rank : self.total_size : self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        start = sum(self.batch_sizes[: self.start_batch])
+        return len(range(start + self.rank, self.total_size, self.world_size))
+
+
+class EvalSampler(Sampler[int]):
+    """Evaluation sampler: rank ``r`` reads indices ``r::W`` in order; every sample exactly once.
+
+    Ranks may get counts differing by one; metrics must be summed (not averaged per rank)
+    across ranks, and evaluation must not run collectives per batch.
+
+    Args:
+        num_samples: Validation samples.
+        world_size: Ranks ``W``.
+        rank: This rank.
+
+    Raises:
+        ValueError: If ``rank`` is out of range.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int):
+        _check_rank(rank, world_size)
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size = {world_size})")
