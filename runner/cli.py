@@ -160,7 +160,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from runner.plan import format_plan, make_plan
-    from runner.spec.loading import dump_spec
+    from runner.spec.dump import dump_spec
 
     loaded = _load(args)
     plan = make_plan(loaded)
@@ -175,8 +175,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from runner.spec.reference import markdown_reference
-    from runner.spec.schema import json_schema
+    from runner.spec.reference import json_schema, markdown_reference
 
     text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:

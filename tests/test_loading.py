@@ -15,7 +15,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecError
-from runner.spec.loading import LoadedSpec, dump_spec, flatten_spec, load_spec, spec_from_dict
+from runner.spec.dump import dump_spec, flatten_spec
+from runner.spec.loading import LoadedSpec, load_spec, spec_from_dict
 from runner.spec.locate import format_key, line_of, locate_keys
 
 ASSETS = Path(__file__).parent / "assets"

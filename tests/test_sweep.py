@@ -10,7 +10,8 @@ import tomllib
 
 from runner.cli import main
 from runner.errors import SpecError, UsageError
-from runner.spec.loading import load_spec, spec_sha256
+from runner.spec.dump import spec_sha256
+from runner.spec.loading import load_spec
 from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep import _device_pool, pick_device, prepare_trials, run_sweep, trial_tags, without_sweep
 from runner.tools.sweep_space import (

@@ -260,7 +260,7 @@ def _check_resume(
     """
     from difflib import get_close_matches
 
-    from runner.spec.loading import flatten_spec
+    from runner.spec.dump import flatten_spec
     from runner.training.checkpoint import CheckpointError, load_latest, spec_changes
 
     current = flatten_spec(loaded.spec)

@@ -113,7 +113,7 @@ def _train(args: WorkerArgs, strategy: Any, stop: _StopFlag) -> WorkerResult:
     """
     import torch
 
-    from runner.spec.loading import flatten_spec
+    from runner.spec.dump import flatten_spec
     from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
     from runner.strategies.state_dicts import load_state_dict_flexible, unwrapped_state_dict
     from runner.tracking.models import log_model

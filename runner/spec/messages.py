@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
 import re
 import types
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,24 +10,10 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from runner.spec.locate import Loc, format_key
-from runner.spec.schema import CrossFieldError, ExperimentSpec
-
-
-def show(value: Any, limit: int = 60) -> str:
-    """Render a value as it would be written in TOML (shortened to about ``limit`` characters)."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, float) and not math.isfinite(value):
-        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    elif isinstance(value, (list, tuple)):
-        text = "[" + ", ".join(show(v, limit) for v in value) + "]"
-    elif isinstance(value, dict):
-        text = "{ " + ", ".join(f"{k} = {show(v, limit)}" for k, v in value.items()) + " }" if value else "{}"
-    else:
-        text = str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+from runner.spec.rules import CrossFieldError
+from runner.spec.schema import ExperimentSpec
+from runner.spec.suggest import did_you_mean, suggest
+from runner.spec.wording import join_or, show, with_hint
 
 
 def annotation_at(loc: Sequence[str | int]) -> Any:
@@ -107,13 +90,6 @@ def _unwrap_optional(ann: Any) -> Any:
     return ann
 
 
-def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
-    word = str(word)
-    lowered = {c.lower(): c for c in choices}
-    match = lowered.get(word.lower()) or next(iter(difflib.get_close_matches(word, choices, n=1, cutoff=0.6)), None)
-    return f"did you mean {show(match)}?" if match else ""
-
-
 def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = ()) -> list[str]:
     """Dotted keys of other tables that have a field called ``key``."""
     found = []
@@ -130,83 +106,93 @@ def _choices(expected: str) -> list[str]:
     return re.findall(r"'((?:[^'\\]|\\.)*)'", expected)
 
 
-def _join(parts: Sequence[str]) -> str:
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
-
-
-def _with_hint(message: str, hint: str) -> str:
-    return f"{message} ({hint})" if hint else message
-
-
 def _explain(loc: Loc, err: Mapping[str, Any]) -> list[tuple[Loc, str]]:
     """Message(s) for one non-union pydantic error at ``loc``."""
     kind = err["type"]
-    value = err.get("input")
-    ctx = err.get("ctx") or {}
-    got = f"got {show(value)}"
     if kind in ("value_error", "assertion_error"):
-        exc = ctx.get("error")
+        exc = (err.get("ctx") or {}).get("error")
         if isinstance(exc, CrossFieldError):
             return [(tuple(key.split(".")), message) for key, message in exc.problems]
         message = str(exc) if exc is not None else err["msg"].removeprefix("Value error, ")
         return [(_subject(loc, message), message)]
     if kind == "extra_forbidden":
-        parent = annotation_at(loc[:-1])
-        known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
-        hint = _did_you_mean(loc[-1], known)
-        where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
-        if not hint and (other := _elsewhere(str(loc[-1]))):
-            hint = f"did you mean {_join(other)}?"
-        return [(loc, _with_hint(f"got unknown key {show(str(loc[-1]))}; expected {where}: {', '.join(known)}", hint))]
+        return [(loc, _unknown_key(loc))]
     if kind == "missing":
         return [(loc, _missing(loc))]
+    return [(loc, _wrong_value(loc, err))]
+
+
+def _unknown_key(loc: Loc) -> str:
+    """``got unknown key "x"; expected a key of [t]: a, b (did you mean "a"?)``, or the table that has it."""
+    parent = annotation_at(loc[:-1])
+    known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+    hint = did_you_mean(loc[-1], known)
+    where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
+    if not hint and (other := _elsewhere(str(loc[-1]))):
+        hint = suggest(other, render=str)
+    return with_hint(f"got unknown key {show(str(loc[-1]))}; expected {where}: {', '.join(known)}", hint)
+
+
+def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
+    """``got X; expected Y (hint)`` for a value of the wrong kind, outside its range, or not a choice."""
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    got = f"got {show(value)}"
     if kind == "literal_error":
         choices = _choices(ctx.get("expected", ""))
-        return [
-            (loc, _with_hint(f"{got}; expected {_join([show(c) for c in choices])}", _did_you_mean(value, choices)))
-        ]
+        return with_hint(f"{got}; expected {join_or([show(c) for c in choices])}", did_you_mean(value, choices))
+    if kind in ("dict_type", "model_type"):
+        name = format_key(loc)
+        return f"{got}; expected a table (write [{name}] with its keys, or {name} = {{ ... }})"
+    wrong_type = _wrong_type(kind, value)
+    if wrong_type is not None:
+        expected, hint = wrong_type
+        return with_hint(f"{got}; expected {expected}", hint)
+    bound = _out_of_range(kind, ctx)
+    if bound is not None:
+        return f"{got}; expected {bound}"
+    return f"{got}; " + err["msg"].replace("Input should be", "expected").lower()
+
+
+def _wrong_type(kind: str, value: Any) -> tuple[str, str] | None:
+    """``(what was expected, hint)`` for a type error, or ``None`` when ``kind`` is not one."""
     if kind in ("int_type", "int_from_float", "int_parsing"):
         hint = ""
         if isinstance(value, float) and not isinstance(value, bool):
             hint = f"counts are whole numbers: write {int(value)}" if value.is_integer() else "counts are whole numbers"
-        return [(loc, _with_hint(f"{got}; expected a whole number", hint or _type_hint(value)))]
+        return "a whole number", hint or _type_hint(value)
     if kind in ("float_type", "float_parsing"):
-        return [(loc, _with_hint(f"{got}; expected a number", _type_hint(value)))]
+        return "a number", _type_hint(value)
     if kind in ("bool_type", "bool_parsing"):
-        hint = "write true/false" if isinstance(value, (int, float)) else _type_hint(value)
-        return [(loc, _with_hint(f"{got}; expected true or false", hint))]
+        return "true or false", "write true/false" if isinstance(value, (int, float)) else _type_hint(value)
     if kind == "string_type":
-        hint = f"quote it: {show(show(value))}" if isinstance(value, (int, float, bool)) else ""
-        return [(loc, _with_hint(f"{got}; expected a string", hint))]
+        return "a string", f"quote it: {show(show(value))}" if isinstance(value, (int, float, bool)) else ""
     if kind == "list_type":
-        return [
-            (
-                loc,
-                _with_hint(f"{got}; expected a list", f"write [{show(value)}]" if not isinstance(value, dict) else ""),
-            )
-        ]
-    if kind in ("dict_type", "model_type"):
-        name = format_key(loc)
-        return [(loc, f"{got}; expected a table (write [{name}] with its keys, or {name} = {{ ... }})")]
-    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-    if kind in bounds:
+        return "a list", f"write [{show(value)}]" if not isinstance(value, dict) else ""
+    return None
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _out_of_range(kind: str, ctx: Mapping[str, Any]) -> str | None:
+    """What was expected of a value outside its bound or length, or ``None`` when ``kind`` is not one."""
+    if kind in _BOUNDS:
         limit = next(iter(ctx.values()), "?")
-        return [(loc, f"{got}; expected a value {bounds[kind]} {show(limit)}")]
+        return f"a value {_BOUNDS[kind]} {show(limit)}"
+    what = "character" if kind.startswith("string_") else "item"
     if kind in ("too_short", "string_too_short"):
-        what = "character" if kind == "string_too_short" else "item"
         n = ctx.get("min_length", 1)
-        return [(loc, f"{got}; expected at least {n} {what}{'s' if n != 1 else ''}")]
+        return f"at least {n} {what}{'s' if n != 1 else ''}"
     if kind in ("too_long", "string_too_long"):
-        what = "character" if kind == "string_too_long" else "item"
         n = ctx.get("max_length", 0)
-        return [(loc, f"{got}; expected at most {n} {what}{'s' if n != 1 else ''}")]
-    return [(loc, f"{got}; " + err["msg"].replace("Input should be", "expected").lower())]
+        return f"at most {n} {what}{'s' if n != 1 else ''}"
+    return None
 
 
 def _subject(loc: Loc, message: str) -> Loc:
     """Key a table validator's message is about: its first word when that names a field of the table.
 
-    Table validators in :mod:`runner.spec.schema` start their messages with the offending key
+    Table rules in :mod:`runner.spec.rules` start their messages with the offending key
     (``ids [0, 0] lists [0] more than once``), so the issue can point at that key's line.
     """
     table = annotation_at(loc)
@@ -256,5 +242,5 @@ def _explain_union(errors: list[Mapping[str, Any]]) -> str:
             expected.append("a list")
         else:
             expected.append(err["msg"].replace("Input should be ", ""))
-    hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
-    return _with_hint(f"got {show(value)}; expected {_join(expected)}", hint)
+    hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+    return with_hint(f"got {show(value)}; expected {join_or(expected)}", hint)

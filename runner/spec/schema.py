@@ -1,33 +1,38 @@
-"""Pydantic models of an experiment spec: shape, types, ranges and cross-field rules.
+"""Pydantic models of an experiment spec: the tables, their keys, types, ranges, defaults and meanings.
 
-Nothing here touches the machine: rules that depend on the hardware (how many GPUs
-are visible, whether CUDA exists) are checked by :mod:`runner.devices.resolve`, so that
-``runner validate`` gives the same answer on a laptop and on a GPU node.
-
-Conventions (see DESIGN.md):
-
-* counts are strict integers (``2.0`` is rejected), hyperparameters are floats
-  (an integer literal such as ``lr = 1`` is accepted and stored as ``1.0``),
-  booleans are strict (``1`` is not ``true``);
-* every table forbids unknown keys and every model is frozen;
-* ``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all
-  devices and processes.
+Rules between keys live in :mod:`runner.spec.rules` (each table names its ``rule``); rules that need
+the machine (visible GPUs, CUDA) are checked by :mod:`runner.devices.resolve`, so ``runner validate``
+answers the same on a laptop and on a GPU node. Conventions (docs/design.md): counts are strict
+integers (``2.0`` is rejected); hyperparameters are floats (``lr = 1`` is stored as ``1.0``);
+booleans are strict (``1`` is not ``true``); every table forbids unknown keys and is frozen;
+``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all devices and processes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runner.spec import rules
 
 ParallelMode = Literal["none", "dp", "ddp"]
 Accelerator = Literal["auto", "cuda", "cpu"]
 
 
 class _Table(BaseModel):
-    """Base of every spec table: strict types, unknown keys forbidden, immutable."""
+    """Base of every spec table: strict, unknown keys forbidden, frozen; ``rule`` runs once its keys are valid."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+    rule: ClassVar[Callable[[Any], None] | None] = None
+
+    @model_validator(mode="after")
+    def _check_rule(self) -> _Table:
+        rule = type(self).rule
+        if rule is not None:
+            rule(self)
+        return self
 
 
 class ModelSpec(_Table):
@@ -59,11 +64,16 @@ class DataSpec(_Table):
     )
     root: str | None = Field(
         default=None,
-        description="Folder holding the data for torchvision and imagefolder datasets; relative to the spec file. Default: none.",
+        description=(
+            "Folder holding the data for torchvision and imagefolder datasets; "
+            "relative to the spec file. Default: none."
+        ),
     )
     download: bool = Field(
         default=False,
-        description="Let torchvision download missing files into `root`. Default: false (runs never touch the network).",
+        description=(
+            "Let torchvision download missing files into `root`. Default: false (runs never touch the network)."
+        ),
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -72,7 +82,9 @@ class DataSpec(_Table):
     image_size: int | None = Field(
         default=None,
         ge=1,
-        description="Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size.",
+        description=(
+            "Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size."
+        ),
     )
     num_channels: int | None = Field(
         default=None,
@@ -93,7 +105,9 @@ class DataSpec(_Table):
         default=0.2,
         ge=0.0,
         lt=1.0,
-        description="Fraction of the training set held out for validation (seeded, stable split); 0 disables. Default: 0.2.",
+        description=(
+            "Fraction of the training set held out for validation (seeded, stable split); 0 disables. Default: 0.2."
+        ),
     )
     shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
     drop_last: bool = Field(
@@ -115,17 +129,7 @@ class DataSpec(_Table):
     )
     num_classes: int = Field(default=10, ge=2, description="`synthetic` only: number of classes. Default: 10.")
 
-    @model_validator(mode="after")
-    def _check(self) -> DataSpec:
-        if self.persistent_workers and self.num_workers == 0:
-            raise ValueError(
-                "persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)"
-            )
-        if (self.dataset in ("imagefolder",) or self.dataset.startswith("torchvision.")) and self.root is None:
-            raise ValueError(f"dataset {self.dataset!r} reads files: set data.root to the folder that holds them")
-        if any(d < 1 for d in self.input_shape):
-            raise ValueError(f"input_shape {self.input_shape} must contain positive sizes only")
-        return self
+    rule = rules.check_data
 
 
 class DevicesSpec(_Table):
@@ -144,35 +148,7 @@ class DevicesSpec(_Table):
         ),
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> DevicesSpec:
-        if isinstance(self.ids, list):
-            if not self.ids:
-                raise ValueError('ids is empty: list at least one device index, e.g. [0], or use "all"')
-            negative = [i for i in self.ids if i < 0]
-            if negative:
-                raise ValueError(f"ids {self.ids} contains negative indices {negative}: device ids count from 0")
-            dupes = sorted({i for i in self.ids if self.ids.count(i) > 1})
-            if dupes:
-                raise ValueError(f"ids {self.ids} lists {dupes} more than once: each device may appear once")
-        return self
-
-
-DP_ONLY = ("output_device", "dim")
-DDP_ONLY = (
-    "backend",
-    "nproc_per_node",
-    "nnodes",
-    "node_rank",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "max_restarts",
-    "timeout_s",
-    "find_unused_parameters",
-    "static_graph",
-    "gradient_as_bucket_view",
-    "sync_batchnorm",
-)
+    rule = rules.check_devices
 
 
 class ParallelSpec(_Table):
@@ -180,7 +156,10 @@ class ParallelSpec(_Table):
 
     mode: ParallelMode = Field(
         default="none",
-        description="`none` (one device), `dp` (torch.nn.DataParallel, one process) or `ddp` (DistributedDataParallel, one process per device). Default: none.",
+        description=(
+            "`none` (one device), `dp` (torch.nn.DataParallel, one process) or "
+            "`ddp` (DistributedDataParallel, one process per device). Default: none."
+        ),
     )
     # --- dp
     output_device: int | None = Field(
@@ -227,23 +206,7 @@ class ParallelSpec(_Table):
         default=False, description="ddp only, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> ParallelSpec:
-        wrong = [k for k in DP_ONLY if k in self.model_fields_set and self.mode != "dp"]
-        wrong += [k for k in DDP_ONLY if k in self.model_fields_set and self.mode != "ddp"]
-        if wrong:
-            owner = {k: "dp" for k in DP_ONLY} | {k: "ddp" for k in DDP_ONLY}
-            parts = ", ".join(f'{k} (mode = "{owner[k]}")' for k in wrong)
-            raise ValueError(f'mode = "{self.mode}" does not take {parts}: remove them or change mode')
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank = {self.node_rank} must be < nnodes = {self.nnodes}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f'nnodes = {self.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
-        if self.rdzv_endpoint is not None:
-            host, _, port = self.rdzv_endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-                raise ValueError(f'rdzv_endpoint {self.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
-        return self
+    rule = rules.check_parallel
 
 
 class OptimSpec(_Table):
@@ -257,17 +220,13 @@ class OptimSpec(_Table):
     weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw). Default: 0.")
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Further keyword arguments for the torch.optim class, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`.",
+        description=(
+            "Further keyword arguments for the torch.optim class, "
+            "e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
+        ),
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> OptimSpec:
-        if self.name != "sgd" and "momentum" in self.model_fields_set:
-            raise ValueError(f"momentum applies to sgd only, not {self.name!r} (use kwargs.betas for adam/adamw)")
-        clash = sorted({"lr", "momentum", "weight_decay"} & set(self.kwargs))
-        if clash:
-            raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
-        return self
+    rule = rules.check_optim
 
 
 class SchedulerSpec(_Table):
@@ -299,7 +258,9 @@ class TrainSpec(_Table):
     grad_accum_steps: int = Field(
         default=1,
         ge=1,
-        description="Micro-batches accumulated per optimizer step; the global batch is split into this many. Default: 1.",
+        description=(
+            "Micro-batches accumulated per optimizer step; the global batch is split into this many. Default: 1."
+        ),
     )
     amp: Literal["no", "bf16", "fp16"] = Field(
         default="no",
@@ -323,11 +284,7 @@ class TrainSpec(_Table):
         description="Progress display: a bar on a terminal, plain lines otherwise (auto). Default: auto.",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> TrainSpec:
-        if self.label_smoothing and self.loss != "cross_entropy":
-            raise ValueError(f'label_smoothing applies to loss = "cross_entropy", not {self.loss!r}')
-        return self
+    rule = rules.check_train
 
 
 class TrackingSpec(_Table):
@@ -361,7 +318,10 @@ class CheckpointSpec(_Table):
     enabled: bool = Field(default=True, description="Write checkpoints. Default: true.")
     dir: str | None = Field(
         default=None,
-        description="Folder for checkpoints, relative to the spec file. Default: `checkpoints/<run id>` next to the tracking store.",
+        description=(
+            "Folder for checkpoints, relative to the spec file. "
+            "Default: `checkpoints/<run id>` next to the tracking store."
+        ),
     )
     every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs. Default: 1.")
     every_n_steps: int | None = Field(
@@ -383,17 +343,7 @@ class SweepParam(_Table):
         default="uniform", description="How a range is sampled. Default: uniform."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> SweepParam:
-        has_range = self.low is not None or self.high is not None
-        if (self.values is None) == (not has_range):
-            raise ValueError("give either values = [...] or low and high, not both and not neither")
-        if has_range:
-            if self.low is None or self.high is None or not self.low < self.high:
-                raise ValueError(f"a range needs low < high, got low = {self.low}, high = {self.high}")
-            if self.distribution == "log_uniform" and self.low <= 0:
-                raise ValueError(f"log_uniform needs low > 0, got {self.low}")
-        return self
+    rule = rules.check_sweep_param
 
 
 class SweepSpec(_Table):
@@ -444,127 +394,4 @@ class ExperimentSpec(_Table):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
     sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
 
-    @model_validator(mode="after")
-    def _check(self) -> ExperimentSpec:
-        problems: list[tuple[str, str]] = []
-        dev, par, data, train = self.devices, self.parallel, self.data, self.train
-        if par.mode == "none" and isinstance(dev.ids, list) and len(dev.ids) > 1:
-            problems.append(
-                (
-                    "devices.ids",
-                    f'mode = "none" runs on one device but ids = {dev.ids}: use one id, or mode = "dp" / "ddp"',
-                )
-            )
-        if par.mode == "dp" and dev.accelerator == "cpu":
-            problems.append(
-                (
-                    "parallel.mode",
-                    'mode = "dp" needs CUDA devices but accelerator = "cpu": use mode = "none", or "ddp" (gloo runs on CPU)',
-                )
-            )
-        if (
-            par.mode == "dp"
-            and par.output_device is not None
-            and isinstance(dev.ids, list)
-            and par.output_device not in dev.ids
-        ):
-            problems.append(
-                ("parallel.output_device", f"output_device = {par.output_device} is not in devices.ids = {dev.ids}")
-            )
-        if par.backend == "nccl" and dev.accelerator == "cpu":
-            problems.append(
-                ("parallel.backend", 'backend = "nccl" needs CUDA but accelerator = "cpu": use backend = "gloo"')
-            )
-        if par.sync_batchnorm and dev.accelerator == "cpu":
-            problems.append(
-                (
-                    "parallel.sync_batchnorm",
-                    "sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel); remove it on CPU",
-                )
-            )
-        if train.amp == "fp16" and dev.accelerator == "cpu":
-            problems.append(("train.amp", 'amp = "fp16" needs CUDA: use amp = "bf16" on CPU'))
-        if (
-            par.mode == "ddp"
-            and dev.accelerator == "cuda"
-            and isinstance(dev.ids, list)
-            and par.nproc_per_node is not None
-            and par.nproc_per_node != len(dev.ids)
-        ):
-            problems.append(
-                (
-                    "parallel.nproc_per_node",
-                    f"nproc_per_node = {par.nproc_per_node} but devices.ids lists {len(dev.ids)} GPUs: one process per GPU",
-                )
-            )
-        world = self.static_world_size()
-        per_step = train.grad_accum_steps * (world or 1)
-        if data.batch_size % per_step:
-            if world and world > 1:
-                problems.append(
-                    (
-                        "data.batch_size",
-                        f"batch_size = {data.batch_size} is not divisible by world size {world}"
-                        + (f" x grad_accum_steps {train.grad_accum_steps}" if train.grad_accum_steps > 1 else "")
-                        + f": use a multiple of {per_step}, e.g. {max(per_step, data.batch_size - data.batch_size % per_step)}",
-                    )
-                )
-            else:
-                problems.append(
-                    (
-                        "data.batch_size",
-                        f"batch_size = {data.batch_size} is not divisible by grad_accum_steps = {train.grad_accum_steps}",
-                    )
-                )
-        if self.sweep is not None and self.sweep.method == "random" and self.sweep.num_trials is None:
-            problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
-        if problems:
-            raise CrossFieldError(problems)
-        return self
-
-    def static_world_size(self) -> int | None:
-        """World size known from the spec alone, or ``None`` when it depends on the machine.
-
-        Returns:
-            ``nnodes * nproc_per_node`` for ddp when it is known without looking at the
-            hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU), ``1`` for
-            none/dp (one process), ``None`` when ``ids = "all"`` must be resolved first.
-        """
-        par, dev = self.parallel, self.devices
-        if par.mode != "ddp":
-            return 1
-        if par.nproc_per_node is not None:
-            return par.nnodes * par.nproc_per_node
-        if dev.accelerator == "cpu":
-            return par.nnodes
-        if dev.accelerator == "cuda" and isinstance(dev.ids, list):
-            return par.nnodes * len(dev.ids)
-        return None
-
-
-class CrossFieldError(ValueError):
-    """Several cross-field problems, each ``(dotted key, message)``; raised inside validation."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
-        super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
-
-
-def json_schema() -> dict[str, Any]:
-    """Return the JSON Schema (draft 2020-12) of a spec, for TOML editors such as taplo.
-
-    Returns:
-        A JSON-serialisable dict; ``runner schema`` prints it.
-    """
-    schema = ExperimentSpec.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "runner experiment spec"
-    # `extends` is resolved by the loader before validation, so the models do not declare it.
-    schema["properties"] = {
-        "extends": {
-            "description": "Spec file(s) this one builds on, relative to this file; tables merge, values replace.",
-            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
-        },
-        **schema["properties"],
-    }
-    return schema
+    rule = rules.check_experiment

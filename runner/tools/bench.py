@@ -246,7 +246,8 @@ def run_bench(
 def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int, num_train: int) -> _Config:
     """Build and plan one configuration; a spec or device problem makes it a skipped row."""
     from runner.plan import make_plan
-    from runner.spec.loading import spec_from_dict, spec_sha256
+    from runner.spec.dump import spec_sha256
+    from runner.spec.loading import spec_from_dict
     from runner.training.sampling import global_batch_sizes
 
     result = ConfigResult(config=config_id(mode, n), mode=mode, n=n)

@@ -216,7 +216,8 @@ def without_sweep(loaded: Any) -> Any:
     Raises:
         SpecError: Cannot happen for a spec that validated with its ``[sweep]`` table.
     """
-    from runner.spec.loading import spec_from_dict, spec_sha256
+    from runner.spec.dump import spec_sha256
+    from runner.spec.loading import spec_from_dict
 
     if loaded.spec.sweep is None and "sweep" not in loaded.data:
         return loaded

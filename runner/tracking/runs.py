@@ -225,8 +225,8 @@ class RunHandle:
 
 
 def _spec_codec() -> tuple[Any, Any]:
-    """``(flatten_spec, dump_spec)`` from :mod:`runner.spec.loading` (imported lazily)."""
-    from runner.spec.loading import dump_spec, flatten_spec
+    """``(flatten_spec, dump_spec)`` from :mod:`runner.spec.dump` (imported lazily)."""
+    from runner.spec.dump import dump_spec, flatten_spec
 
     return flatten_spec, dump_spec
 
@@ -242,7 +242,7 @@ def _shorten(text: str, limit: int, where: str) -> str:
 def spec_params(spec: Any) -> dict[str, str]:
     """Return the MLflow params of a spec: dotted keys to strings within MLflow's limits.
 
-    Keys come from ``runner.spec.loading.flatten_spec`` (``None`` values are left out);
+    Keys come from ``runner.spec.dump.flatten_spec`` (``None`` values are left out);
     characters MLflow rejects in keys become ``_``; values longer than MLflow's limit
     (``MAX_PARAM_VAL_LENGTH``, 6000) are shortened with a marker pointing at the
     ``spec/resolved.toml`` artifact, which holds the full spec.

@@ -1,0 +1,257 @@
+"""Read spec files: TOML (binary, UTF-8) -> dict, ``extends`` merged in, the file and line of every key.
+
+Reading is kept apart from validating (:mod:`runner.spec.loading`): the result is a plain dict
+and, for each key, where it was written (:class:`Origin`), so that validation messages can say
+``FILE:LINE:`` even for keys that came from a base file. Problems with the files themselves
+(missing, not UTF-8, not TOML, an ``extends`` cycle) become located :class:`~runner.errors.SpecIssue`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from runner.errors import SpecIssue
+from runner.spec.locate import Loc, format_key, line_of, locate_keys
+from runner.spec.wording import show
+
+# Keys holding filesystem paths; relative values are resolved against the folder of the
+# file that wrote them (``--set`` values against the working directory).
+PATH_KEYS: tuple[Loc, ...] = (("data", "root"), ("checkpoint", "dir"))
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a key was written: a file and line, or a ``--set`` override.
+
+    Attributes:
+        file: The spec file as the user named it (``None`` for an override).
+        line: 1-based line in ``file`` (``None`` when unknown).
+        override: The ``dotted.key=value`` text of the ``--set`` that wrote it.
+    """
+
+    file: Path | None
+    line: int | None
+    override: str | None = None
+
+
+Provenance = dict[Loc, Origin]
+
+
+@dataclass
+class SpecTree:
+    """A spec file read with everything it extends, not yet validated.
+
+    Attributes:
+        data: The merged dict; relative paths already resolved.
+        provenance: Where each key of ``data`` was written.
+        text: The text of the top file (not of the files it extends).
+    """
+
+    data: dict[str, Any]
+    provenance: Provenance
+    text: str
+
+
+def read_tree(path: Path, shown: Path, issues: list[SpecIssue]) -> SpecTree | None:
+    """Read ``path`` and, recursively, the files it ``extends``.
+
+    ``extends = "base.toml"`` (or a list) deep-merges the named files (relative to the extending
+    file) under this one: tables merge key by key, other values are replaced.
+
+    Args:
+        path: Absolute path of the spec file.
+        shown: The path as the user wrote it, used in messages.
+        issues: Problems found are appended here.
+
+    Returns:
+        The merged tree, or ``None`` when a file could not be read (the reasons are in ``issues``).
+    """
+    return _read_tree(path, shown, (), issues)
+
+
+def _read_tree(
+    path: Path, shown: Path, chain: tuple[tuple[Path, Path], ...], issues: list[SpecIssue]
+) -> SpecTree | None:
+    read = _read_file(path, shown, issues)
+    if read is None:
+        return None
+    raw, text, lines = read
+    chain = (*chain, (Path(os.path.realpath(path)), shown))
+    tree = SpecTree({}, {}, text)
+    ok = True
+    for base in _extends_of(raw, lines, shown, issues):
+        sub = _read_base(path, shown, base, chain, issues)
+        if sub is None:
+            ok = False
+            continue
+        merge(tree.data, tree.provenance, sub.data, sub.provenance, ())
+    _resolve_paths(raw, path.parent)
+    own = {loc: Origin(shown, line) for loc, line in lines.items() if loc[:1] != ("extends",)}
+    merge(tree.data, tree.provenance, raw, own, ())
+    return tree if ok else None
+
+
+def _read_base(
+    path: Path, shown: Path, entry: tuple[str, int], chain: tuple[tuple[Path, Path], ...], issues: list[SpecIssue]
+) -> SpecTree | None:
+    """Read one file ``extends`` names, as ``(relative path, line)``; a cycle or a missing file is an issue."""
+    base, line = entry
+    target = path.parent / base
+    target_shown = Path(os.path.normpath(shown.parent / base))
+    real = Path(os.path.realpath(target))
+    if any(real == seen for seen, _ in chain):
+        cycle = " -> ".join(str(s) for _, s in chain) + f" -> {target_shown}"
+        issues.append(SpecIssue(shown, line, "extends", f"extends cycle: {cycle}; remove one of these extends"))
+        return None
+    if not target.is_file():
+        what = "is a directory" if target.is_dir() else "does not exist"
+        message = f"extends {show(base)}: {target_shown} {what} (paths are relative to {shown})"
+        issues.append(SpecIssue(shown, line, "extends", message))
+        return None
+    return _read_tree(target, target_shown, chain, issues)
+
+
+def _read_file(path: Path, shown: Path, issues: list[SpecIssue]) -> tuple[dict[str, Any], str, dict[Loc, int]] | None:
+    """Read one TOML file in binary mode; return (raw dict, text, key lines) or None after adding an issue."""
+    if path.is_dir():
+        issues.append(SpecIssue(shown, None, "", "is a directory, not a spec file: give the path of a .toml file"))
+        return None
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        issues.append(SpecIssue(shown, None, "", f"spec file not found (looked for {path})"))
+        return None
+    except OSError as exc:
+        issues.append(SpecIssue(shown, None, "", f"cannot read the spec file: {exc.strerror or exc}"))
+        return None
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = blob.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (blob.rfind(b"\n", 0, exc.start) + 1) + 1
+        message = (
+            f"not UTF-8 text: byte 0x{blob[exc.start]:02x} at byte offset {exc.start} (column {column}); "
+            "save the file as UTF-8"
+        )
+        issues.append(SpecIssue(shown, line, "", message))
+        return None
+    text = text.removeprefix("\ufeff")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        issues.append(_syntax_issue(shown, text, str(exc)))
+        return None
+    return raw, text, locate_keys(text)
+
+
+_AT = re.compile(r"\s*\((?:at line (\d+), column (\d+)|at end of document)\)\s*$")
+
+
+def _syntax_issue(shown: Path, text: str, message: str) -> SpecIssue:
+    """Turn a tomllib message ``Invalid value (at line 2, column 6)`` into a located issue with a hint."""
+    m = _AT.search(message)
+    what = message[: m.start()] if m else message
+    lines = text.split("\n")
+    if m and m.group(1):
+        line, column = int(m.group(1)), int(m.group(2))
+        where = f" at column {column}"
+    else:
+        line, where = max(1, len(lines) - (1 if lines and not lines[-1].strip() else 0)), " at the end of the file"
+    source = lines[line - 1] if 0 < line <= len(lines) else ""
+    hint = _syntax_hint(source, what)
+    key = _key_on_line(lines, line)
+    what = what[:1].lower() + what[1:]
+    return SpecIssue(shown, line, key, f"invalid TOML: {what}{where}" + (f" ({hint})" if hint else ""))
+
+
+def _syntax_hint(source: str, what: str) -> str:
+    """The fix for common TOML slips on the line ``source``: ``.5``, ``1.``, ``True``, ``None``, bare words."""
+    if what.startswith(("Cannot overwrite", "Cannot declare")):
+        return "each key and each [table] may be written only once"
+    if what.startswith("Unclosed"):
+        return "close it with the matching bracket or quote"
+    key, eq, value = source.partition("=")
+    value = value.split("#", 1)[0].strip() if eq else ""
+    if m := re.fullmatch(r"([+-]?)\.(\d[\d_]*(?:[eE][+-]?\d+)?)", value):
+        return f"write {m.group(1)}0.{m.group(2)}"
+    if m := re.fullmatch(r"([+-]?\d[\d_]*)\.", value):
+        return f"write {m.group(1)}.0"
+    if value in ("True", "False", "TRUE", "FALSE", "yes", "no", "on", "off"):
+        return f"write {'true' if value.lower() in ('true', 'yes', 'on') else 'false'} (TOML booleans are lowercase)"
+    if value in ("None", "none", "null", "nil", "NULL"):
+        return "TOML has no null: leave the key out to use its default"
+    if re.fullmatch(r"[A-Za-z_][\w.\-/:+]*", value):
+        return f"strings need quotes: write {key.strip()} = {show(value)}"
+    return ""
+
+
+def _key_on_line(lines: list[str], line: int) -> str:
+    """Best-effort dotted key of the statement on ``line`` of a text that failed to parse."""
+    source = lines[line - 1] if 0 < line <= len(lines) else ""
+    key, eq, _ = source.partition("=")
+    if not eq or not key.strip() or key.lstrip().startswith(("#", "[")):
+        return ""
+    found = locate_keys("\n".join([*lines[: line - 1], key + "= 0"]))
+    here = [loc for loc, n in found.items() if n == line]
+    return format_key(max(here, key=len)) if here else ""
+
+
+def _extends_of(
+    raw: dict[str, Any], lines: dict[Loc, int], shown: Path, issues: list[SpecIssue]
+) -> list[tuple[str, int]]:
+    """Pop ``extends`` from ``raw``; return [(relative path, line)]; bad values become issues."""
+    value = raw.pop("extends", None)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [(value, line_of(lines, ("extends",)))]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [(v, line_of(lines, ("extends", i))) for i, v in enumerate(value)]
+    message = f"got {show(value)}; expected a file name or a list of file names"
+    issues.append(SpecIssue(shown, line_of(lines, ("extends",)), "extends", message))
+    return []
+
+
+def merge(
+    dst: dict[str, Any], provenance: Provenance, src: dict[str, Any], src_origins: Provenance, prefix: Loc
+) -> None:
+    """Deep-merge ``src`` into ``dst`` (tables merge, other values replace) and record where keys came from.
+
+    Args:
+        dst: The dict merged into (changed in place).
+        provenance: Origins of the keys of ``dst`` (changed in place).
+        src: The dict merged in (copied, never aliased).
+        src_origins: Origins of the keys of ``src``.
+        prefix: Key path of ``dst`` inside the whole spec.
+    """
+    for key, value in src.items():
+        loc = (*prefix, key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            merge(dst[key], provenance, value, {}, loc)
+        else:
+            forget(provenance, loc)
+            dst[key] = copy.deepcopy(value)
+    provenance.update(src_origins)
+
+
+def forget(provenance: Provenance, loc: Loc) -> None:
+    """Drop the origins of ``loc`` and every key below it (they are about to be replaced)."""
+    for known in [k for k in provenance if k[: len(loc)] == loc]:
+        del provenance[known]
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    for table, key in PATH_KEYS:
+        section = raw.get(table)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            section[key] = os.path.normpath(base / Path(section[key]).expanduser())

@@ -1,0 +1,284 @@
+"""Rules between fields of a spec, each checked in one place with one wording.
+
+Static rules (the spec alone decides) run inside validation: the table validators of
+:mod:`runner.spec.schema` call the ``check_*`` functions here. Rules that need the machine
+(how many GPUs are visible, whether ``accelerator = "auto"`` found CUDA) are checked by
+:func:`runner.devices.resolve.resolve_devices`, which words them with the same functions
+(:func:`dp_needs_cuda`, :func:`nccl_needs_cuda`, :func:`batch_split_problem`, ...), so one rule
+reads the same whether ``runner validate`` or ``runner plan`` finds it. A rule is checked
+statically when the spec decides it, on the machine otherwise, never both for one spec.
+
+Every message starts with the key it is about (``batch_size = 10 is not divisible ...``)
+and is reported at that key: ``FILE:LINE: data.batch_size: batch_size = 10 is not ...``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runner.spec.wording import show
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.schema import (
+        DataSpec,
+        DevicesSpec,
+        ExperimentSpec,
+        OptimSpec,
+        ParallelSpec,
+        SweepParam,
+        TrainSpec,
+    )
+
+DP_ONLY = ("output_device", "dim")
+DDP_ONLY = (
+    "backend",
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+    "timeout_s",
+    "find_unused_parameters",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "sync_batchnorm",
+)
+ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
+
+Problem = tuple[str, str]  # (dotted key, message)
+
+
+class CrossFieldError(ValueError):
+    """Several cross-field problems, each ``(dotted key, message)``; raised inside validation."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
+
+
+# ----------------------------------------------------------------------------- wording shared with devices
+
+
+def dp_needs_cuda(why: str) -> str:
+    """``mode = "dp"`` on CPU; ``why`` says how the run ended up there (``accelerator = "cpu"``)."""
+    return f'mode = "dp" needs CUDA GPUs but {why}: use mode = "none", or "ddp" (backend gloo runs on CPU)'
+
+
+def nccl_needs_cuda(why: str) -> str:
+    """``backend = "nccl"`` on CPU; see :func:`dp_needs_cuda` for ``why``."""
+    return f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")'
+
+
+def sync_batchnorm_needs_cuda(why: str) -> str:
+    """``sync_batchnorm = true`` on CPU (SyncBatchNorm has no CPU kernel)."""
+    return f"sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel) but {why}: remove it, or run on GPUs"
+
+
+def fp16_needs_cuda(why: str) -> str:
+    """``amp = "fp16"`` on CPU (its GradScaler is CUDA-only)."""
+    return f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'
+
+
+def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
+    """Whether a global batch splits into ``world_size x grad_accum_steps`` equal micro-batches.
+
+    Args:
+        batch: ``data.batch_size``, samples per optimizer step across all ranks.
+        world_size: Processes (1 for none and dp).
+        grad_accum_steps: Micro-batches per optimizer step.
+
+    Returns:
+        ``None`` when it divides, else the message (at ``data.batch_size``) with the nearest fix.
+    """
+    per_step = world_size * grad_accum_steps
+    if batch % per_step == 0:
+        return None
+    if world_size == 1:
+        what = f"grad_accum_steps {grad_accum_steps}"
+    else:
+        what = f"world size {world_size}"
+        if grad_accum_steps > 1:
+            what += f" x grad_accum_steps {grad_accum_steps} = {per_step}"
+    example = max(per_step, batch - batch % per_step)
+    return f"batch_size = {batch} is not divisible by {what}: use a multiple of {per_step}, e.g. {example}"
+
+
+def nproc_mismatch(nproc: int, ids: list[int] | str, chosen: int) -> str:
+    """ddp on CUDA runs one process per chosen GPU; ``nproc_per_node`` says otherwise."""
+    return (
+        f"nproc_per_node = {nproc} but {chosen} GPU(s) are chosen (devices.ids = {show(ids)}): "
+        f"ddp runs one process per GPU; set nproc_per_node = {chosen} or list {nproc} ids"
+    )
+
+
+def output_device_not_chosen(output_device: int, ids: list[int]) -> str:
+    """dp gathers on ``output_device``, which must be one of the devices it runs on."""
+    return f"output_device = {output_device} is not one of the chosen devices {ids} (devices.ids)"
+
+
+# ----------------------------------------------------------------------------- table rules
+
+
+def check_data(data: DataSpec) -> None:
+    """Rules inside ``[data]``.
+
+    Raises:
+        ValueError: The first problem found, its message starting with the key it is about.
+    """
+    if data.persistent_workers and data.num_workers == 0:
+        raise ValueError("persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)")
+    if (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")) and data.root is None:
+        raise ValueError(f"dataset {data.dataset!r} reads files: set data.root to the folder that holds them")
+    if any(d < 1 for d in data.input_shape):
+        raise ValueError(f"input_shape {data.input_shape} must contain positive sizes only")
+
+
+def check_devices(devices: DevicesSpec) -> None:
+    """Rules inside ``[devices]``: a non-empty list of distinct, non-negative ids.
+
+    Raises:
+        ValueError: The first problem found.
+    """
+    ids = devices.ids
+    if not isinstance(ids, list):
+        return
+    if not ids:
+        raise ValueError('ids is empty: list at least one device index, e.g. [0], or use "all"')
+    negative = [i for i in ids if i < 0]
+    if negative:
+        raise ValueError(f"ids {ids} contains negative indices {negative}: device ids count from 0")
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"ids {ids} lists {dupes} more than once: each device may appear once")
+
+
+def check_parallel(par: ParallelSpec) -> None:
+    """Rules inside ``[parallel]``: options of other modes, node rank, rendezvous endpoint.
+
+    Raises:
+        ValueError: The first problem found.
+    """
+    wrong = [k for k in DP_ONLY if k in par.model_fields_set and par.mode != "dp"]
+    wrong += [k for k in DDP_ONLY if k in par.model_fields_set and par.mode != "ddp"]
+    if wrong:
+        owner = {k: "dp" for k in DP_ONLY} | {k: "ddp" for k in DDP_ONLY}
+        parts = ", ".join(f'{k} (mode = "{owner[k]}")' for k in wrong)
+        raise ValueError(f'mode = "{par.mode}" does not take {parts}: remove them or change mode')
+    if par.node_rank >= par.nnodes:
+        raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
+    if par.nnodes > 1 and not par.rdzv_endpoint:
+        raise ValueError(f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
+    if par.rdzv_endpoint is not None:
+        host, _, port = par.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f'rdzv_endpoint {par.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
+
+
+def check_optim(optim: OptimSpec) -> None:
+    """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys.
+
+    Raises:
+        ValueError: The first problem found.
+    """
+    if optim.name != "sgd" and "momentum" in optim.model_fields_set:
+        raise ValueError(f"momentum applies to sgd only, not {optim.name!r} (use kwargs.betas for adam/adamw)")
+    clash = sorted({"lr", "momentum", "weight_decay"} & set(optim.kwargs))
+    if clash:
+        raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
+
+
+def check_train(train: TrainSpec) -> None:
+    """Rules inside ``[train]``.
+
+    Raises:
+        ValueError: label smoothing with a loss other than cross entropy.
+    """
+    if train.label_smoothing and train.loss != "cross_entropy":
+        raise ValueError(f'label_smoothing applies to loss = "cross_entropy", not {train.loss!r}')
+
+
+def check_sweep_param(param: SweepParam) -> None:
+    """Rules of one ``[sweep.params."key"]``: values, or a range ``low < high``.
+
+    Raises:
+        ValueError: The first problem found.
+    """
+    has_range = param.low is not None or param.high is not None
+    if (param.values is None) == (not has_range):
+        raise ValueError("give either values = [...] or low and high, not both and not neither")
+    if has_range:
+        if param.low is None or param.high is None or not param.low < param.high:
+            raise ValueError(f"a range needs low < high, got low = {param.low}, high = {param.high}")
+        if param.distribution == "log_uniform" and param.low <= 0:
+            raise ValueError(f"log_uniform needs low > 0, got {param.low}")
+
+
+# ----------------------------------------------------------------------------- rules across tables
+
+
+def static_world_size(spec: ExperimentSpec) -> int | None:
+    """World size known from the spec alone, or ``None`` when it depends on the machine.
+
+    Returns:
+        ``nnodes * nproc_per_node`` for ddp when it is known without looking at the
+        hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU), ``1`` for
+        none/dp (one process), ``None`` when the GPU count must be resolved first.
+    """
+    par, dev = spec.parallel, spec.devices
+    if par.mode != "ddp":
+        return 1
+    if par.nproc_per_node is not None:
+        return par.nnodes * par.nproc_per_node
+    if dev.accelerator == "cpu":
+        return par.nnodes
+    if dev.accelerator == "cuda" and isinstance(dev.ids, list):
+        return par.nnodes * len(dev.ids)
+    return None
+
+
+def check_experiment(spec: ExperimentSpec) -> None:
+    """Rules across tables that the spec alone decides.
+
+    Raises:
+        CrossFieldError: Every problem found, each at its own key.
+    """
+    problems = _device_problems(spec) + _layout_problems(spec)
+    if spec.sweep is not None and spec.sweep.method == "random" and spec.sweep.num_trials is None:
+        problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
+    if problems:
+        raise CrossFieldError(problems)
+
+
+def _device_problems(spec: ExperimentSpec) -> list[Problem]:
+    """CUDA-only settings under ``accelerator = "cpu"``."""
+    par, on_cpu = spec.parallel, spec.devices.accelerator == "cpu"
+    problems: list[Problem] = []
+    if on_cpu and par.mode == "dp":
+        problems.append(("parallel.mode", dp_needs_cuda(ON_CPU)))
+    if on_cpu and par.backend == "nccl":
+        problems.append(("parallel.backend", nccl_needs_cuda(ON_CPU)))
+    if on_cpu and par.sync_batchnorm:
+        problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(ON_CPU)))
+    if on_cpu and spec.train.amp == "fp16":
+        problems.append(("train.amp", fp16_needs_cuda(ON_CPU)))
+    return problems
+
+
+def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
+    """Device ids, processes and the batch split, where the spec alone fixes them."""
+    dev, par = spec.devices, spec.parallel
+    ids = dev.ids if isinstance(dev.ids, list) else None
+    problems: list[Problem] = []
+    if par.mode == "none" and ids is not None and len(ids) > 1:
+        message = f'mode = "none" runs on one device but ids = {ids}: use one id, or mode = "dp" / "ddp"'
+        problems.append(("devices.ids", message))
+    if par.mode == "dp" and par.output_device is not None and ids is not None and par.output_device not in ids:
+        problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
+    nproc = par.nproc_per_node if par.mode == "ddp" and dev.accelerator == "cuda" else None
+    if nproc is not None and ids is not None and nproc != len(ids):
+        problems.append(("parallel.nproc_per_node", nproc_mismatch(nproc, ids, len(ids))))
+    world = static_world_size(spec)
+    if world is not None and (problem := batch_split_problem(spec.data.batch_size, world, spec.train.grad_accum_steps)):
+        problems.append(("data.batch_size", problem))
+    return problems
