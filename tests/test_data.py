@@ -160,10 +160,10 @@ def test_torchvision_missing_files_name_the_path_and_the_fix(tmp_path):
 @pytest.mark.parametrize(
     ("name", "suggestion"),
     [
-        ("sklearn.digit", "'sklearn.digits'"),
-        ("torchvision.MNSIT", "'torchvision.MNIST'"),
-        ("syntetic", "'synthetic'"),
-        ("torchvision.mnist", "'torchvision.MNIST'"),
+        ("sklearn.digit", '"sklearn.digits"'),
+        ("torchvision.MNSIT", '"torchvision.MNIST"'),
+        ("syntetic", '"synthetic"'),
+        ("torchvision.mnist", '"torchvision.MNIST"'),
     ],
 )
 def test_unknown_dataset_did_you_mean(name, suggestion, tmp_path):

@@ -106,7 +106,7 @@ def test_factory_errors_name_model_name(tmp_path):
     with pytest.raises(SpecError) as err:
         build_model(model("factories:build_modle"), ASSETS)
     assert only_issue(err).key == "model.name"
-    assert "did you mean 'build_model'" in str(err.value)
+    assert 'did you mean "build_model"' in str(err.value)
 
     with pytest.raises(SpecError, match="not a torch.nn.Module"):
         build_model(model("factories:not_a_model"), ASSETS)
@@ -131,11 +131,11 @@ def test_check_model_name_never_calls_the_factory(tmp_path):
 @pytest.mark.parametrize(
     ("name", "suggestion"),
     [
-        ("mpl", "'mlp'"),
-        ("MLP", "'mlp'"),
-        ("resnet18", "'torchvision.resnet18'"),
-        ("torchvision.resnet19", "'torchvision.resnet18'"),
-        ("torchvision.models.resnt50", "'torchvision.resnet50'"),
+        ("mpl", '"mlp"'),
+        ("MLP", '"mlp"'),
+        ("resnet18", '"torchvision.resnet18"'),
+        ("torchvision.resnet19", '"torchvision.resnet18"'),
+        ("torchvision.models.resnt50", '"torchvision.resnet50"'),
     ],
 )
 def test_unknown_names_get_a_did_you_mean(name, suggestion):

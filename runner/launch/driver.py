@@ -258,9 +258,9 @@ def _check_resume(
         UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
-    from difflib import get_close_matches
-
     from runner.spec.dump import flatten_spec
+    from runner.spec.suggest import did_you_mean
+    from runner.spec.wording import with_hint
     from runner.training.checkpoint import CheckpointError, load_latest, spec_changes
 
     current = flatten_spec(loaded.spec)
@@ -274,9 +274,8 @@ def _check_resume(
     known = set(saved) | set(current)
     for key in allowed:
         if not any(k == key or k.startswith(key + ".") for k in known):
-            close = get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise UsageError(f"--allow-spec-change {key}: the spec has no such key{hint}")
+            hint = did_you_mean(key, sorted(known), render=str)
+            raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
     changed = spec_changes(saved, current)
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if unexpected:

@@ -23,7 +23,6 @@ the same seed and size always give the same split.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 from collections.abc import Sequence
@@ -35,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
 from runner.training.models import resolve_factory, spec_issue
 
 BUILTIN_DATASETS = ("sklearn.digits", "synthetic", "imagefolder")
@@ -238,16 +239,13 @@ def torchvision_dataset_names() -> list[str]:
 
 def _unknown_dataset(name: str) -> Exception:
     choices = list(BUILTIN_DATASETS) + torchvision_dataset_names()
-    lower = {c.lower(): c for c in choices}  # match ignoring case, suggest the real spelling
-    close = difflib.get_close_matches(name.lower(), list(lower), n=3, cutoff=0.6)
-    bare = {c.lower()[len("torchvision.") :]: c for c in choices if c.startswith("torchvision.")}
-    if name.lower().startswith("torchvision.") or not close:  # compare class names, not the shared prefix
-        query = name.lower().removeprefix("torchvision.")
-        close = [bare[c].lower() for c in difflib.get_close_matches(query, list(bare), n=3, cutoff=0.6)]
-    hint = " (did you mean " + " or ".join(repr(lower[c]) for c in close) + "?)" if close else ""
+    hint = did_you_mean(name, choices, n=3)  # ignoring case, suggesting the real spelling
+    if name.lower().startswith("torchvision.") or not hint:  # compare class names, not the shared prefix
+        bare = {c.removeprefix("torchvision."): c for c in choices if c.startswith("torchvision.")}
+        hint = did_you_mean(name.lower().removeprefix("torchvision."), bare, n=3)
     return spec_issue(
         "data.dataset",
-        f'unknown dataset {name!r}{hint}; use {", ".join(BUILTIN_DATASETS)}, "torchvision.<Name>" '
+        with_hint(f"unknown dataset {name!r}", hint) + f'; use {", ".join(BUILTIN_DATASETS)}, "torchvision.<Name>" '
         '(a class of torchvision.datasets, e.g. torchvision.MNIST) or "pkg.module:factory"',
     )
 

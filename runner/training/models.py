@@ -20,7 +20,6 @@ torch seed set just before building it. torch is imported lazily: this module is
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import math
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, SpecIssue
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -42,15 +43,6 @@ _TV_PREFIXES = ("torchvision.models.", "torchvision.")
 def spec_issue(key: str, message: str) -> SpecError:
     """Return a :class:`SpecError` for ``key`` without a file position (the caller locates it)."""
     return SpecError(SpecIssue(file=None, line=None, key=key, message=message))
-
-
-def did_you_mean(name: str, choices: Sequence[str], n: int = 3) -> str:
-    """Return `` (did you mean 'a' or 'b'?)`` for the closest ``choices`` (ignoring case), or an empty string."""
-    lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(name.lower(), list(lower), n=n, cutoff=0.6)
-    if not close:
-        return ""
-    return " (did you mean " + " or ".join(repr(lower[c]) for c in close) + "?)"
 
 
 def make_importable(spec_dir: Path | str | None) -> None:
@@ -107,9 +99,8 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise spec_issue(
-                key, f"module {module_name!r} has no attribute {attr!r}{did_you_mean(part, names)}"
-            ) from None
+            message = with_hint(f"module {module_name!r} has no attribute {attr!r}", did_you_mean(part, names, n=3))
+            raise spec_issue(key, message) from None
         obj = getattr(obj, part)
     if not callable(obj):
         raise spec_issue(key, f"{target!r} is a {type(obj).__name__}, not a callable factory")
@@ -132,16 +123,13 @@ def _torchvision_bare(name: str) -> str | None:
 def _unknown_model(name: str) -> SpecError:
     tv = _torchvision_names()
     choices = list(BUILTINS) + [f"torchvision.{n}" for n in tv]
-    hint = did_you_mean(name, choices)
+    hint = did_you_mean(name, choices, n=3)
     if not hint:  # e.g. "resnet18" or "torchvision.resnet_18": match the bare builder name
         bare = _torchvision_bare(name) or name.rpartition(".")[2]
-        lower = {c.lower(): c for c in tv}
-        close = difflib.get_close_matches(bare.lower(), list(lower), n=3, cutoff=0.6)
-        if close:
-            hint = " (did you mean " + " or ".join(repr(f"torchvision.{lower[c]}") for c in close) + "?)"
+        hint = did_you_mean(bare, {n: f"torchvision.{n}" for n in tv}, n=3)
     return spec_issue(
         "model.name",
-        f"unknown model {name!r}{hint}; use a built-in ({', '.join(BUILTINS)}), "
+        with_hint(f"unknown model {name!r}", hint) + f"; use a built-in ({', '.join(BUILTINS)}), "
         '"torchvision.<builder>" (a name from torchvision.models.list_models(), e.g. torchvision.resnet18) '
         'or "pkg.module:factory"',
     )
