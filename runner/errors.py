@@ -1,13 +1,33 @@
-"""Exception hierarchy: every error the CLI maps to an exit status."""
+"""Exception hierarchy: every error raised on purpose, each class carrying its exit status and heading.
+
+Exit status (docs/design.md): 0 success, 1 the training job failed, 2 bad spec, bad command line,
+missing devices or an unreachable tracking store (all found before training), 130 interrupted.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 
 class RunnerError(Exception):
-    """Base class of every error raised on purpose by runner."""
+    """Base class of every error raised on purpose by runner.
+
+    Attributes:
+        exit_code: Exit status of ``runner`` when this error ends it (class attribute).
+        heading: First words of the message on standard error, ``runner: <heading>: ...``.
+    """
+
+    exit_code: ClassVar[int] = 1
+    heading: ClassVar[str] = "error"
+
+    def format_message(self) -> str:
+        """The text ``runner`` prints after ``runner: `` (a message of several lines is indented below)."""
+        text = str(self)
+        if "\n" not in text:
+            return f"{self.heading}: {text}"
+        return f"{self.heading}:\n" + "\n".join("  " + line for line in text.splitlines())
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,8 @@ class SpecError(RunnerError):
     Holds every problem found in one file, so that users fix them all at once.
     """
 
+    exit_code = 2
+
     def __init__(self, issues: list[SpecIssue] | SpecIssue | str):
         if isinstance(issues, str):
             issues = [SpecIssue(None, 0, "", issues)]
@@ -57,25 +79,54 @@ class SpecError(RunnerError):
 class UsageError(RunnerError):
     """The command line is wrong (bad flag combination, missing file); exit status 2."""
 
+    exit_code = 2
+
 
 class DeviceError(RunnerError):
     """The spec asks for devices this machine does not have; exit status 2.
 
     Raised when devices are resolved (``plan``, ``exec``), never by the schema, so
-    ``runner validate`` works on any laptop.
+    ``runner validate`` works on any laptop. Like a spec issue it names the key it is about,
+    and, once :meth:`located`, the spec file and line: ``FILE:LINE: dotted.key: message``.
+
+    Args:
+        message: What is wrong on this machine and how to fix it.
+        key: Dotted spec key the problem is about (empty when none is).
     """
+
+    exit_code = 2
+
+    def __init__(self, message: str, key: str = "", file: Path | None = None, line: int | None = None):
+        self.message, self.key, self.file, self.line = message, key, file, line
+        super().__init__(SpecIssue(file, line, key, message).format())
+
+    def located(self, file: Path, line: int | None) -> DeviceError:
+        """The same error placed at ``file`` and ``line`` (the line of :attr:`key` in the spec file)."""
+        return DeviceError(self.message, self.key, file, line)
 
 
 class TrackingError(RunnerError):
-    """The MLflow tracking store cannot be reached or used; exit status 2 when raised before training."""
+    """The MLflow tracking store cannot be reached or used; exit status 2.
+
+    It reaches the command line only before training: a failure during training is reported
+    as a :class:`TrainingError` of the run.
+    """
+
+    exit_code = 2
 
 
 class TrainingError(RunnerError):
     """The training job failed (an exception in the loop or a worker); exit status 1."""
 
+    exit_code = 1
+    heading = "training failed"
+
 
 class Interrupted(RunnerError):
-    """The job was stopped by SIGINT or SIGTERM; exit status 130."""
+    """The job was stopped by SIGINT or SIGTERM; exit status 130 (128 + SIGINT, as shells report it)."""
+
+    exit_code = 130
+    heading = "interrupted"
 
     def __init__(self, signum: int = 2, run_id: str | None = None, spec: str | None = None):
         self.signum = signum
@@ -91,3 +142,7 @@ class Interrupted(RunnerError):
                 f"runner exec {self.spec} --resume {self.run_id}"
             )
         return "stopped"
+
+    def format_message(self) -> str:
+        """``interrupted: <hint>``: the run that was stopped and how to continue it."""
+        return f"{self.heading}: {self.hint()}"

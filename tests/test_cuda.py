@@ -123,7 +123,8 @@ def test_narrowing_selects_the_planned_card(form):
         f"""
         import json, os, torch
         from runner.devices.inventory import probe_inventory
-        from runner.devices.resolve import apply_device_env, resolve_devices
+        from runner.devices.env import apply_device_env
+        from runner.devices.resolve import resolve_devices
         from runner.spec.schema import ExperimentSpec
         spec = ExperimentSpec.model_validate({{"name": "t", "model": {{"name": "mlp"}},
             "data": {{"dataset": "synthetic", "batch_size": 4}}, "optim": {{"lr": 0.1}},
@@ -147,7 +148,8 @@ def test_apply_refuses_after_real_cuda_init():
     res = run_child(
         """
         import json, torch
-        from runner.devices.resolve import DevicePlan, apply_device_env
+        from runner.devices.env import apply_device_env
+        from runner.devices.resolve import DevicePlan
         from runner.errors import DeviceError
         torch.cuda.init()
         plan = DevicePlan("cuda", "none", [0], ["0"], ["0"], ["x"], [None], 1, 1, 1, None, 1, [1],

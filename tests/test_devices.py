@@ -10,7 +10,8 @@ import types
 import pytest
 
 from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
-from runner.devices.resolve import DevicePlan, apply_device_env, chunk_sizes, resolve_devices
+from runner.devices.env import apply_device_env
+from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
 
@@ -352,11 +353,13 @@ def test_apply_refuses_after_cuda_init(monkeypatch):
 def test_resolving_and_applying_never_import_torch():
     code = (
         "import sys\n"
-        "from runner.devices import inventory, resolve as devices\n"
+        "from runner.devices import env as device_env, inventory, resolve as devices\n"
         "inv = inventory.Inventory([inventory.GpuInfo(0, 'x')], True)\n"
-        "assert devices.cuda_initialized() is False\n"
+        "assert device_env.cuda_initialized() is False\n"
         "env = {}\n"
-        "devices.apply_device_env(devices.DevicePlan('cuda', 'none', [0], ['0'], ['0'], ['x'], [None], 1, 1, 1, None, 1, [1], {'CUDA_VISIBLE_DEVICES': '0'}), env)\n"
+        "plan = devices.DevicePlan('cuda', 'none', [0], ['0'], ['0'], ['x'], [None], 1, 1, 1, None, 1, [1],\n"
+        "                          {'CUDA_VISIBLE_DEVICES': '0'})\n"
+        "device_env.apply_device_env(plan, env)\n"
         "assert env == {'CUDA_VISIBLE_DEVICES': '0'}\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

@@ -134,7 +134,8 @@ def _map_visible(
         if not digits.isdigit() or int(digits) not in by_index:
             if item not in ("", "-1"):
                 notes.append(
-                    f"{VISIBLE_VAR} item {item!r} is not a GPU index on this machine; CUDA ignores it and every item after it"
+                    f"{VISIBLE_VAR} item {item!r} is not a GPU index on this machine; "
+                    "CUDA ignores it and every item after it"
                 )
             break
         chosen.append((item, by_index[int(digits)]))

@@ -8,9 +8,13 @@ Three steps, kept apart so the middle one is pure and testable without a GPU:
 2. :func:`resolve_devices` turns spec + environment + inventory into a
    :class:`DevicePlan` (accelerator, chosen devices, world size, backend,
    per-device batch) or raises :class:`~runner.errors.DeviceError`.
-3. :func:`apply_device_env` narrows ``CUDA_VISIBLE_DEVICES`` to the chosen
-   devices, so that inside this process and its children they are
+3. :func:`runner.devices.env.apply_device_env` narrows ``CUDA_VISIBLE_DEVICES``
+   to the chosen devices, so that inside this process and its children they are
    ``cuda:0 .. cuda:n-1``.
+
+Only the rules that need the machine are checked here (a GPU is visible, ``auto`` found
+CUDA, the GPU count); the schema checks what the spec alone decides. Both word a rule with
+the same function of :mod:`runner.spec.rules`, and never check it twice for one spec.
 
 Numbering: ``devices.ids`` index the GPUs visible when runner starts (the
 user's view, honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
@@ -22,14 +26,19 @@ order, which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
 from __future__ import annotations
 
 import math
-import os
-import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from runner.devices.inventory import DEFAULT_ORDER, ORDER_VAR, VISIBLE_VAR, Inventory
 from runner.errors import DeviceError
+from runner.spec import rules
+from runner.spec.wording import show
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.schema import DevicesSpec, ExperimentSpec, ParallelSpec
+
+Accelerator = Literal["cuda", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class DevicePlan:
         total_memory_bytes: Memory of the chosen GPUs in bytes (``None`` when unknown).
     """
 
-    accelerator: Literal["cuda", "cpu"]
+    accelerator: Accelerator
     mode: Literal["none", "dp", "ddp"]
     requested_ids: list[int]
     visible: list[str]
@@ -126,17 +135,6 @@ def _at(values: Sequence[Any], pos: int) -> Any:
 # --------------------------------------------------------------------------- resolve
 
 
-def _visible_text(env: Mapping[str, str]) -> str:
-    value = env.get(VISIBLE_VAR)
-    return f"{VISIBLE_VAR}={value!r}" if value is not None else f"{VISIBLE_VAR} unset"
-
-
-def _visible_listing(inventory: Inventory) -> str:
-    if not inventory.gpus:
-        return "none"
-    return "; ".join(g.label() for g in inventory.gpus)
-
-
 def chunk_sizes(total: int, parts: int) -> list[int]:
     """Sizes ``torch.chunk`` (and so DataParallel's scatter) gives to each of ``parts`` devices.
 
@@ -161,11 +159,11 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
     return out
 
 
-def resolve_devices(spec: Any, env: Mapping[str, str], inventory: Inventory) -> DevicePlan:
+def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> DevicePlan:
     """Decide where a spec runs on this machine (pure: reads nothing else).
 
     Args:
-        spec: The validated :class:`~runner.spec.schema.ExperimentSpec`.
+        spec: The validated spec.
         env: The environment runner started with (for ``CUDA_VISIBLE_DEVICES`` and
             ``CUDA_DEVICE_ORDER``).
         inventory: GPUs visible at start, from :func:`probe_inventory` (or a fake one).
@@ -174,100 +172,188 @@ def resolve_devices(spec: Any, env: Mapping[str, str], inventory: Inventory) -> 
         The :class:`DevicePlan`.
 
     Raises:
-        DeviceError: ``accelerator = "cuda"`` without a visible GPU; ids out of
-            range; dp without GPUs; nccl, sync_batchnorm or fp16 on CPU; a ddp
-            ``nproc_per_node`` that differs from the number of GPUs; a global batch
-            that does not divide by ``world_size * grad_accum_steps``.
+        DeviceError: ``accelerator = "cuda"`` without a visible GPU; ids out of range;
+            ``accelerator = "auto"`` found no GPU for dp, nccl, sync_batchnorm or fp16; a
+            ddp ``nproc_per_node`` that differs from the number of GPUs; a global batch that
+            does not divide by ``world_size * grad_accum_steps`` (when the spec alone does not
+            fix the world size). Each names its spec key.
     """
-    dev, par, train = spec.devices, spec.parallel, spec.train
-    mode = par.mode
     notes = list(inventory.notes)
-    usable = bool(inventory.gpus) and inventory.cuda_available
-
-    if dev.accelerator == "cuda" and not usable:
-        if inventory.gpus:
-            why = f"{len(inventory.gpus)} GPU(s) are visible but the installed torch is built without CUDA"
-        else:
-            why = f"no GPU is visible ({_visible_text(env)}; {inventory.source})"
-        raise DeviceError(
-            f'devices.accelerator = "cuda" but {why}; runner never falls back to CPU silently: '
-            f'set devices.accelerator = "cpu" (or "auto"), or run where a GPU is visible'
-        )
-    accelerator: Literal["cuda", "cpu"] = (
-        "cuda" if dev.accelerator == "cuda" or (dev.accelerator == "auto" and usable) else "cpu"
-    )
-    if dev.accelerator == "auto" and inventory.gpus and not usable:
-        notes.append("accelerator = auto chose cpu: GPUs are visible but torch is built without CUDA")
-
+    accelerator = _choose_accelerator(spec.devices, env, inventory, notes)
     if accelerator == "cpu":
-        if mode == "dp":
-            raise DeviceError(
-                f'parallel.mode = "dp" needs CUDA GPUs but none is usable ({_visible_text(env)}; {inventory.source}): '
-                f'use parallel.mode = "none", or "ddp" (backend gloo runs on CPU)'
-            )
-        if par.backend == "nccl":
-            raise DeviceError(
-                'parallel.backend = "nccl" needs CUDA but the run is on cpu: use backend = "gloo" (or "auto")'
-            )
-        if par.sync_batchnorm:
-            raise DeviceError("parallel.sync_batchnorm needs CUDA but the run is on cpu: remove it, or run on GPUs")
-        if train.amp == "fp16":
-            raise DeviceError('train.amp = "fp16" needs CUDA but the run is on cpu: use amp = "bf16" or "no"')
+        _check_cpu_run(spec, env, inventory)
         ids: list[int] = []
-        child_env: dict[str, str] = {}
-        if isinstance(dev.ids, list):
-            notes.append(f"devices.ids = {dev.ids} is ignored: the run is on cpu")
-        if dev.accelerator == "cpu" and inventory.gpus:
-            child_env[VISIBLE_VAR] = ""  # hide the GPUs so nothing (cuDNN, libraries) touches them
+        child_env = _cpu_env(spec.devices, inventory, notes)
     else:
-        n_visible = len(inventory.gpus)
-        ids = list(range(n_visible)) if dev.ids == "all" else list(dev.ids)
-        bad = [i for i in ids if i >= n_visible]
-        if bad:
-            raise DeviceError(
-                f"devices.ids = {list(dev.ids)} asks for {bad} but only {n_visible} GPU(s) are visible "
-                f"({_visible_text(env)}), numbered 0..{n_visible - 1}: {_visible_listing(inventory)}. "
-                f"ids count the visible GPUs, not nvidia-smi's numbering"
-            )
-        if mode == "none" and len(ids) > 1:
-            notes.append(f"mode = none uses only device {ids[0]} of {len(ids)} visible")
-            ids = ids[:1]
-        if mode == "dp" and len(ids) == 1:
-            notes.append("dp with one device runs unwrapped (no DataParallel)")
+        ids = _select_gpus(spec, env, inventory, notes)
         child_env = {
             VISIBLE_VAR: ",".join(inventory.gpus[i].visible_entry for i in ids),
             ORDER_VAR: env.get(ORDER_VAR, DEFAULT_ORDER),
         }
+    layout = _process_layout(spec, accelerator, ids)
+    chosen = [inventory.gpus[i] for i in ids]
+    return DevicePlan(
+        accelerator=accelerator,
+        mode=spec.parallel.mode,
+        requested_ids=ids,
+        visible=[g.visible_entry for g in inventory.gpus],
+        selected=[g.visible_entry for g in chosen],
+        names=[g.name for g in chosen],
+        uuids=[g.uuid for g in chosen],
+        nproc_per_node=layout.nproc_per_node,
+        nnodes=layout.nnodes,
+        world_size=layout.world_size,
+        backend=layout.backend,
+        global_batch=spec.data.batch_size,
+        per_device_batch=_split_batch(spec, layout, ids, notes),
+        env=child_env,
+        notes=notes,
+        grad_accum_steps=spec.train.grad_accum_steps,
+        output_index=_output_index(spec.parallel, spec.devices, ids),
+        physical_indices=[g.physical_index for g in chosen],
+        total_memory_bytes=[g.total_memory_bytes for g in chosen],
+    )
 
-    output_index = 0
-    if mode == "dp" and par.output_device is not None:
-        if par.output_device not in ids:
-            raise DeviceError(f"parallel.output_device = {par.output_device} is not one of the chosen devices {ids}")
-        output_index = ids.index(par.output_device)
 
-    backend: Literal["nccl", "gloo"] | None = None
-    nnodes, nproc = 1, 1
-    if mode == "ddp":
-        nnodes = par.nnodes
-        default_nproc = len(ids) if accelerator == "cuda" else 1
-        nproc = par.nproc_per_node if par.nproc_per_node is not None else default_nproc
-        if accelerator == "cuda" and nproc != len(ids):
-            raise DeviceError(
-                f"parallel.nproc_per_node = {nproc} but {len(ids)} GPU(s) are chosen (devices.ids = {dev.ids}): "
-                f"ddp runs one process per GPU; set nproc_per_node = {len(ids)} or list {nproc} ids"
-            )
-        backend = ("nccl" if accelerator == "cuda" else "gloo") if par.backend == "auto" else par.backend
-    world = nnodes * nproc
+def _visible_text(env: Mapping[str, str]) -> str:
+    value = env.get(VISIBLE_VAR)
+    return f"{VISIBLE_VAR}={value!r}" if value is not None else f"{VISIBLE_VAR} unset"
 
-    batch, accum = spec.data.batch_size, train.grad_accum_steps
-    per_step = world * accum
-    if batch % per_step:
-        what = f"world size {world}" + (f" x grad_accum_steps {accum}" if accum > 1 else "")
+
+def _no_gpu_reason(env: Mapping[str, str], inventory: Inventory) -> str:
+    """Why CUDA cannot be used here: no visible GPU, or a torch built without CUDA."""
+    if inventory.gpus:
+        return f"{len(inventory.gpus)} GPU(s) are visible but the installed torch is built without CUDA"
+    return f"no GPU is visible ({_visible_text(env)}; {inventory.source})"
+
+
+def _choose_accelerator(
+    devices: DevicesSpec, env: Mapping[str, str], inventory: Inventory, notes: list[str]
+) -> Accelerator:
+    """``cuda`` when asked for (and usable) or when ``auto`` finds a usable GPU, else ``cpu``.
+
+    Raises:
+        DeviceError: ``accelerator = "cuda"`` and no usable GPU: never a silent fallback.
+    """
+    usable = bool(inventory.gpus) and inventory.cuda_available
+    if devices.accelerator == "cuda" and not usable:
         raise DeviceError(
-            f"data.batch_size = {batch} is not divisible by {what} = {per_step}: "
-            f"use a multiple of {per_step}, e.g. {max(per_step, batch - batch % per_step)}"
+            f'accelerator = "cuda" but {_no_gpu_reason(env, inventory)}; runner never falls back to CPU silently: '
+            f'set devices.accelerator = "cpu" (or "auto"), or run where a GPU is visible',
+            key="devices.accelerator",
         )
-    micro = batch // per_step
+    if devices.accelerator == "auto" and inventory.gpus and not usable:
+        notes.append("accelerator = auto chose cpu: GPUs are visible but torch is built without CUDA")
+    return "cuda" if devices.accelerator == "cuda" or (devices.accelerator == "auto" and usable) else "cpu"
+
+
+def _check_cpu_run(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> None:
+    """CUDA-only settings when ``accelerator = "auto"`` found no GPU (``"cpu"`` is the schema's to check).
+
+    Raises:
+        DeviceError: The first CUDA-only setting found: dp, nccl, sync_batchnorm or fp16.
+    """
+    if spec.devices.accelerator != "auto":
+        return
+    why = f'accelerator = "auto" chose cpu since {_no_gpu_reason(env, inventory)}'
+    par = spec.parallel
+    if par.mode == "dp":
+        raise DeviceError(rules.dp_needs_cuda(why), key="parallel.mode")
+    if par.backend == "nccl":
+        raise DeviceError(rules.nccl_needs_cuda(why), key="parallel.backend")
+    if par.sync_batchnorm:
+        raise DeviceError(rules.sync_batchnorm_needs_cuda(why), key="parallel.sync_batchnorm")
+    if spec.train.amp == "fp16":
+        raise DeviceError(rules.fp16_needs_cuda(why), key="train.amp")
+
+
+def _cpu_env(devices: DevicesSpec, inventory: Inventory, notes: list[str]) -> dict[str, str]:
+    """Variables for a CPU run: hide the GPUs when the spec chose the CPU on a GPU machine."""
+    if isinstance(devices.ids, list):
+        notes.append(f"devices.ids = {devices.ids} is ignored: the run is on cpu")
+    if devices.accelerator == "cpu" and inventory.gpus:
+        return {VISIBLE_VAR: ""}  # hide the GPUs so nothing (cuDNN, libraries) touches them
+    return {}
+
+
+def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory, notes: list[str]) -> list[int]:
+    """The visible indices the run uses: ``devices.ids`` (or every visible GPU), one for mode none.
+
+    Raises:
+        DeviceError: An id that no visible GPU has.
+    """
+    dev, mode = spec.devices, spec.parallel.mode
+    n_visible = len(inventory.gpus)
+    ids = list(range(n_visible)) if dev.ids == "all" else list(dev.ids)
+    bad = [i for i in ids if i >= n_visible]
+    if bad:
+        listing = "; ".join(g.label() for g in inventory.gpus) or "none"
+        raise DeviceError(
+            f"ids = {show(dev.ids)} asks for {bad} but only {n_visible} GPU(s) are visible "
+            f"({_visible_text(env)}), numbered 0..{n_visible - 1}: {listing}. "
+            f"ids count the visible GPUs, not nvidia-smi's numbering",
+            key="devices.ids",
+        )
+    if mode == "none" and len(ids) > 1:
+        notes.append(f"mode = none uses only device {ids[0]} of {len(ids)} visible")
+        ids = ids[:1]
+    if mode == "dp" and len(ids) == 1:
+        notes.append("dp with one device runs unwrapped (no DataParallel)")
+    return ids
+
+
+def _output_index(par: ParallelSpec, devices: DevicesSpec, ids: list[int]) -> int:
+    """dp: position of ``output_device`` among the chosen ids (0: the first).
+
+    Raises:
+        DeviceError: ``output_device`` is not one of the GPUs that ``ids = "all"`` chose.
+    """
+    if par.mode != "dp" or par.output_device is None:
+        return 0
+    if par.output_device not in ids:  # an id list was checked by the schema; "all" is known only here
+        raise DeviceError(rules.output_device_not_chosen(par.output_device, ids), key="parallel.output_device")
+    return ids.index(par.output_device)
+
+
+class _Layout(NamedTuple):
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    backend: Literal["nccl", "gloo"] | None
+
+
+def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[int]) -> _Layout:
+    """Nodes, processes per node, world size and backend: one process unless ddp.
+
+    Raises:
+        DeviceError: ddp on CUDA whose ``nproc_per_node`` differs from the GPUs chosen here
+            (when the spec alone fixes both, the schema has checked it).
+    """
+    par, dev = spec.parallel, spec.devices
+    if par.mode != "ddp":
+        return _Layout(1, 1, 1, None)
+    nproc = par.nproc_per_node if par.nproc_per_node is not None else (len(ids) if accelerator == "cuda" else 1)
+    static = dev.accelerator == "cuda" and isinstance(dev.ids, list)
+    if accelerator == "cuda" and nproc != len(ids) and not static:
+        raise DeviceError(rules.nproc_mismatch(nproc, dev.ids, len(ids)), key="parallel.nproc_per_node")
+    backend: Literal["nccl", "gloo"] = (
+        par.backend if par.backend != "auto" else ("nccl" if accelerator == "cuda" else "gloo")
+    )
+    return _Layout(par.nnodes, nproc, par.nnodes * nproc, backend)
+
+
+def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: list[str]) -> list[int]:
+    """Samples each device sees per forward pass: dp's ``torch.chunk`` split, ddp's per-rank share.
+
+    Raises:
+        DeviceError: The batch does not divide by ``world x grad_accum_steps``, for a world size
+            only this machine fixes (the schema checks a world size the spec fixes).
+    """
+    batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
+    if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
+        raise DeviceError(problem, key="data.batch_size")
+    micro = batch // (world * accum)
+    mode = spec.parallel.mode
     if mode == "dp" and len(ids) > 1:
         per_device = chunk_sizes(micro, len(ids))
         idle = [ids[k] for k, size in enumerate(per_device) if size == 0]
@@ -275,67 +361,5 @@ def resolve_devices(spec: Any, env: Mapping[str, str], inventory: Inventory) -> 
             notes.append(
                 f"a micro-batch of {micro} leaves device(s) {idle} idle under dp (torch.chunk split {per_device})"
             )
-    elif mode == "ddp":
-        per_device = [micro] * nproc
-    else:
-        per_device = [micro]
-
-    chosen = [inventory.gpus[i] for i in ids]
-    return DevicePlan(
-        accelerator=accelerator,
-        mode=mode,
-        requested_ids=ids,
-        visible=[g.visible_entry for g in inventory.gpus],
-        selected=[g.visible_entry for g in chosen],
-        names=[g.name for g in chosen],
-        uuids=[g.uuid for g in chosen],
-        nproc_per_node=nproc,
-        nnodes=nnodes,
-        world_size=world,
-        backend=backend,
-        global_batch=batch,
-        per_device_batch=per_device,
-        env=child_env,
-        notes=notes,
-        grad_accum_steps=accum,
-        output_index=output_index,
-        physical_indices=[g.physical_index for g in chosen],
-        total_memory_bytes=[g.total_memory_bytes for g in chosen],
-    )
-
-
-# --------------------------------------------------------------------------- apply
-
-
-def cuda_initialized() -> bool:
-    """Whether CUDA is initialised in this process (never imports torch to find out)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    cuda = getattr(torch, "cuda", None)
-    return bool(cuda is not None and cuda.is_initialized())
-
-
-def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices.
-
-    Afterwards the chosen GPUs are ``cuda:0 .. cuda:n-1`` in this process, in
-    ``devices.ids`` order.
-
-    Args:
-        plan: The resolved plan.
-        environ: Environment to change (default: this process's).
-
-    Raises:
-        DeviceError: CUDA is already initialised in this process and the plan
-            would change ``CUDA_VISIBLE_DEVICES`` or ``CUDA_DEVICE_ORDER``; CUDA
-            keeps its first view, so the run would silently use other cards.
-    """
-    changes = {k: v for k, v in plan.env.items() if environ.get(k) != v}
-    if changes and cuda_initialized():
-        now = {k: environ.get(k) for k in changes}
-        raise DeviceError(
-            f"CUDA is already initialised in this process, so setting {changes} (now {now}) would not take effect "
-            f"and the run would use other GPUs than planned; resolve and apply devices before anything touches CUDA"
-        )
-    environ.update(changes)
+        return per_device
+    return [micro] * layout.nproc_per_node if mode == "ddp" else [micro]
