@@ -1,7 +1,8 @@
 """Command line: parse arguments, call the library, map errors to exit codes. Nothing more.
 
 Exit status: 0 success, 1 the training job failed, 2 bad spec or bad command line,
-130 interrupted (SIGINT or SIGTERM).
+130 interrupted (SIGINT or SIGTERM). Each :class:`~runner.errors.RunnerError` carries its
+own ``exit_code``; :func:`main` maps them with one ``except``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,26 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from runner import __version__
-from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, TrainingError, UsageError
+from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, UsageError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.loading import LoadedSpec
+
+EXIT_OK = 0
+
+
+class _Report(Protocol):
+    """What ``runner sweep`` and ``runner bench`` return: a table, its JSON, and how many parts failed."""
+
+    @property
+    def failed(self) -> int: ...
+
+    def table(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,7 +152,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace) -> LoadedSpec:
     from runner.spec.loading import load_spec
 
     return load_spec(args.file, _overrides(args))
@@ -147,12 +162,12 @@ def _validate(args: argparse.Namespace) -> int:
     from runner.spec.loading import load_spec
 
     status = EXIT_OK
-    for path in args.files:
+    for path in args.files:  # every file is checked, so one run reports all bad files
         try:
             load_spec(path)
             print(f"ok    {path}")
         except SpecError as exc:
-            status = EXIT_USAGE
+            status = exc.exit_code
             print(f"error {path}", file=sys.stdout)
             print(_indent(str(exc)), file=sys.stderr)
     return status
@@ -198,18 +213,9 @@ def _exec(args: argparse.Namespace) -> int:
         allow_spec_change=tuple(args.allow_spec_change),
         parent_run_id=args.parent_run_id,
     )
-    result = exec_experiment(loaded, options)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return EXIT_OK
-    for note in result.notes:
-        print(f"note: {note}")
-    print(f"status: {result.status}")
-    if result.run_id:
-        print(f"run id: {result.run_id}  (experiment {result.experiment!r})")
-    for key in sorted(result.metrics):
-        print(f"  {key:<22} {result.metrics[key]:.6g}")
-    if result.tracking_uri:
-        print(f"open the UI: mlflow ui --backend-store-uri {result.tracking_uri}")
+    summary = exec_experiment(loaded, options).summary()
+    if summary:
+        print(summary)
     return EXIT_OK
 
 
@@ -246,12 +252,12 @@ def _bench(args: argparse.Namespace) -> int:
     return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
 
 
-def _print_report(report: Any, as_json: bool, failure: str) -> int:
+def _print_report(report: _Report, as_json: bool, failure: str) -> int:
     """Print a sweep/bench report as a table or JSON; exit 1 when some of it failed."""
     print(json.dumps(report.to_json(), indent=2) if as_json else report.table())
     if report.failed:
         print(f"runner: {failure}", file=sys.stderr)
-        return EXIT_FAILED
+        return TrainingError.exit_code
     return EXIT_OK
 
 
@@ -270,33 +276,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``runner`` console script.
 
     Returns:
-        The exit status (0, 1, 2 or 130); see the module docstring.
+        The exit status (0, 1, 2 or 130): the ``exit_code`` of the error that ended the command.
     """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
             parser.print_help()
-            return EXIT_USAGE
+            return UsageError.exit_code
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
-    except (SpecError, UsageError, DeviceError, TrackingError) as exc:
-        print(
-            f"runner: error: {exc}" if "\n" not in str(exc) else f"runner: error:\n{_indent(str(exc))}", file=sys.stderr
-        )
-        return EXIT_USAGE
-    except TrainingError as exc:
-        print(f"runner: training failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except Interrupted as exc:
-        print(f"runner: interrupted: {exc.hint()}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except RunnerError as exc:
+        print(f"runner: {exc.format_message()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("runner: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except RunnerError as exc:
-        print(f"runner: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return Interrupted.exit_code
     except BrokenPipeError:  # e.g. `runner schema | head`: the reader left; not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

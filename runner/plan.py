@@ -1,7 +1,8 @@
 """What would run: devices, world size, batches, launch method and tracking target of a spec.
 
 Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
-two can never disagree.
+two can never disagree. The launcher's environment is read here, once, through
+:class:`runner.launch.environment.LauncherEnvironment`.
 """
 
 from __future__ import annotations
@@ -9,9 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+from runner.launch.environment import LauncherEnvironment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.devices.inventory import Inventory
+    from runner.devices.resolve import DevicePlan
+    from runner.spec.loading import LoadedSpec
+
+Launch = Literal["in-process", "elastic", "external"]
 
 
 @dataclass(frozen=True)
@@ -19,19 +27,21 @@ class Plan:
     """A resolved spec ready to run.
 
     Attributes:
-        loaded: The :class:`runner.spec.loading.LoadedSpec`.
-        devices: The :class:`runner.devices.resolve.DevicePlan`.
+        loaded: The spec and where it came from.
+        devices: Where it runs on this machine.
         tracking_uri: Absolute MLflow tracking URI, or ``None`` when tracking is off.
         experiment: MLflow experiment name.
         launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
             ``"external"`` (already a worker of torchrun or a scheduler).
+        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``).
     """
 
-    loaded: Any
-    devices: Any
+    loaded: LoadedSpec
+    devices: DevicePlan
     tracking_uri: str | None
     experiment: str
-    launch: str
+    launch: Launch
+    launcher: LauncherEnvironment
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
@@ -63,7 +73,14 @@ class Plan:
 
 
 def format_plan(info: dict[str, Any]) -> str:
-    """Human-readable summary of :meth:`Plan.describe` for ``runner plan``."""
+    """Human-readable summary of :meth:`Plan.describe` for ``runner plan``.
+
+    Args:
+        info: What :meth:`Plan.describe` returned.
+
+    Returns:
+        One line per fact: mode, accelerator, each device, world size, batch split, tracking, notes.
+    """
     dev = info["devices"]
     lines = [f"plan for {info['spec']}"]
     launch = {
@@ -89,7 +106,8 @@ def format_plan(info: dict[str, Any]) -> str:
     if "rendezvous" in info:
         r = info["rendezvous"]
         lines.append(
-            f"  rendezvous     c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
+            f"  rendezvous     c10d at {r['endpoint']} "
+            f"(id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
         )
     tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
     lines.append(f"  tracking       {tracking}")
@@ -101,14 +119,14 @@ def format_plan(info: dict[str, Any]) -> str:
 
 def launched_externally(env: Mapping[str, str]) -> bool:
     """True when torchrun or a scheduler already started this process as a worker (RANK etc. set)."""
-    return all(k in env for k in LAUNCHER_ENV)
+    return LauncherEnvironment.detect(env).external
 
 
-def make_plan(loaded: Any, *, env: Mapping[str, str] | None = None, inventory: Any = None) -> Plan:
+def make_plan(loaded: LoadedSpec, *, env: Mapping[str, str] | None = None, inventory: Inventory | None = None) -> Plan:
     """Resolve devices, launch method and tracking target of ``loaded``.
 
     Args:
-        loaded: The :class:`runner.spec.loading.LoadedSpec`.
+        loaded: The validated spec.
         env: Environment to resolve against (default ``os.environ``).
         inventory: Device inventory (default: probed without initialising CUDA).
 
@@ -116,37 +134,53 @@ def make_plan(loaded: Any, *, env: Mapping[str, str] | None = None, inventory: A
         The :class:`Plan`.
 
     Raises:
-        DeviceError: The spec asks for devices this machine does not have.
-        UsageError: Started by torchrun with a world size that differs from the spec's.
+        DeviceError: The spec asks for devices this machine does not have; placed at the
+            spec file's line of the key it is about.
+        UsageError: Started by torchrun with a world size that differs from the spec's, or with
+            launcher variables that are not integers.
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices
     from runner.errors import DeviceError, UsageError
+    from runner.spec.loading import key_line
     from runner.tracking.runs import resolve_tracking_uri
 
     env = os.environ if env is None else env
     spec = loaded.spec
+    try:
+        launcher = LauncherEnvironment.detect(env)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     inventory = probe_inventory(env) if inventory is None else inventory
     try:
         devices = resolve_devices(spec, env, inventory)
     except DeviceError as exc:
-        raise DeviceError(f"{loaded.path}: {exc}") from None
-    if launched_externally(env):
-        launch = "external"
-        outside = int(env["WORLD_SIZE"])
-        if spec.parallel.mode != "ddp" and outside > 1:
-            raise UsageError(
-                f"{loaded.path}: started as one of {outside} workers (WORLD_SIZE={outside}) but parallel.mode = "
-                f'"{spec.parallel.mode}": set mode = "ddp" or start runner without torchrun'
-            )
-        if spec.parallel.mode == "ddp" and outside != devices.world_size:
-            raise UsageError(
-                f"{loaded.path}: the launcher started WORLD_SIZE={outside} workers but the spec's world size is "
-                f"{devices.world_size} (parallel.nnodes x nproc_per_node): make them agree"
-            )
-    elif spec.parallel.mode == "ddp":
-        launch = "elastic"
-    else:
-        launch = "in-process"
+        raise exc.located(loaded.path, key_line(loaded, exc.key)) from None
+    launch = _launch_method(loaded, launcher, devices)
     uri = resolve_tracking_uri(spec) if spec.tracking.enabled else None
-    return Plan(loaded, devices, uri, spec.tracking.experiment or spec.name, launch)
+    return Plan(loaded, devices, uri, spec.tracking.experiment or spec.name, launch, launcher)
+
+
+def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:
+    """How the workers are made; a job started by torchrun must agree with the spec on ``WORLD_SIZE``.
+
+    Raises:
+        UsageError: ``WORLD_SIZE`` > 1 for a one-process mode, or differing from the spec's world size.
+    """
+    from runner.errors import UsageError
+
+    mode = loaded.spec.parallel.mode
+    if not launcher.external:
+        return "elastic" if mode == "ddp" else "in-process"
+    outside = launcher.world_size
+    if mode != "ddp" and outside > 1:
+        raise UsageError(
+            f"{loaded.path}: started as one of {outside} workers (WORLD_SIZE={outside}) but parallel.mode = "
+            f'"{mode}": set mode = "ddp" or start runner without torchrun'
+        )
+    if mode == "ddp" and outside != devices.world_size:
+        raise UsageError(
+            f"{loaded.path}: the launcher started WORLD_SIZE={outside} workers but the spec's world size is "
+            f"{devices.world_size} (parallel.nnodes x nproc_per_node): make them agree"
+        )
+    return "external"

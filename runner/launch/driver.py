@@ -1,6 +1,6 @@
 """Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
 
-The driver is the process that launches (DESIGN §5-§6):
+The driver is the process that launches (docs/design.md, "run ownership"):
 
 * ``none`` / ``dp``: the worker runs in the driver's own process;
 * ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
@@ -19,11 +19,16 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError, UsageError
+from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
 from runner.spec.loading import relocate_issues
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.resume import ResumePoint
+    from runner.launch.worker import WorkerArgs, WorkerResult
+    from runner.plan import Plan
+    from runner.spec.loading import LoadedSpec
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class ExecResult:
         checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
         notes: Messages for the user (resume, skipped checkpoints).
-        workers: Every rank's :class:`runner.launch.worker.WorkerResult` on this node, by rank.
+        workers: Every rank's result on this node, by rank.
+        rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
     """
 
     run_id: str | None
@@ -74,14 +80,32 @@ class ExecResult:
     checkpoint_dir: str
     history: list[Any] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    workers: list[Any] = field(default_factory=list)
+    workers: list[WorkerResult] = field(default_factory=list)
+    rank: int = 0
+
+    def summary(self) -> str:
+        """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
+
+        Returns:
+            The lines, joined; empty on ranks other than 0 (one process of a job reports).
+        """
+        if self.rank != 0:
+            return ""
+        lines = [f"note: {note}" for note in self.notes]
+        lines.append(f"status: {self.status}")
+        if self.run_id:
+            lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
+        lines += [f"  {key:<22} {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
+        if self.tracking_uri:
+            lines.append(f"open the UI: mlflow ui --backend-store-uri {self.tracking_uri}")
+        return "\n".join(lines)
 
 
-def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecResult:
+def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) -> ExecResult:
     """Run the experiment of ``loaded`` to the end and record it in MLflow.
 
     Args:
-        loaded: The :class:`runner.spec.loading.LoadedSpec`.
+        loaded: The validated spec.
         options: See :class:`ExecOptions`.
 
     Returns:
@@ -93,7 +117,9 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
-    from runner.devices.resolve import apply_device_env
+    from runner.devices.env import apply_device_env
+    from runner.launch.resume import prepare_resume
+    from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
     from runner.tracking import runs as tracking
     from runner.training.checkpoint import default_checkpoint_dir
@@ -102,68 +128,91 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
     plan = make_plan(loaded)
     spec = loaded.spec
     check_model_name(spec.model.name, loaded.path.parent)
-    external = plan.launch == "external"
-    rank = int(os.environ.get("RANK", "0")) if external else 0
-    owner = rank == 0 if external else spec.parallel.node_rank == 0
+    owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
-    run_id: str | None = None
-    resume = options.resume is not None
-    notes: list[str] = list(plan.devices.notes)
     if uri is not None:
         tracking.check_reachable(uri)
-    if resume:
-        if uri is None:
-            raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-        run_id = _resolve_resume(uri, plan.experiment, options.resume)
-        changes, complete, resume_notes = _check_resume(
-            loaded, default_checkpoint_dir(uri, spec.checkpoint.dir, run_id), options.allow_spec_change
-        )
-        notes += resume_notes
-        if complete and tracking.run_status(uri, run_id) == "FINISHED":
-            raise UsageError(
-                f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
-                f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
-            )
+    resume = prepare_resume(plan, options) if options.resume is not None else None
     apply_device_env(plan.devices)
-
-    if owner and uri is not None and not resume:
-        if external and os.environ.get("RUNNER_RUN_ID"):
-            run_id = os.environ["RUNNER_RUN_ID"]
-        else:
-            tags = dict(options.tags)
-            if options.parent_run_id:
-                tags["mlflow.parentRunId"] = options.parent_run_id
-            handle = tracking.start_run(
-                loaded,
-                plan.describe(),
-                run_name=options.run_name or spec.tracking.run_name,
-                extra_tags=tags,
-                nested=options.nested,
-            )
-            run_id = handle.run_id
-    elif owner and resume:
-        tracking.reopen_run(uri, run_id, spec_change=json.dumps(changes) if changes else None)
+    run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
     run_key = run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     checkpoint_dir = default_checkpoint_dir(uri, spec.checkpoint.dir, run_key)
-
-    from runner.launch.worker import WorkerArgs
-
     args = WorkerArgs(
         loaded=loaded,
         plan=plan.devices,
         run_id=run_id if owner else None,
         tracking_uri=uri,
         checkpoint_dir=str(checkpoint_dir),
-        resume=resume,
+        resume=resume is not None,
         sync_timing=options.sync_timing,
     )
+    workers = _run_to_the_end(plan, args, run_id)
+    result = workers[0]
+    return ExecResult(
+        run_id=run_id,
+        status="FINISHED",
+        metrics=result.metrics,
+        tracking_uri=uri,
+        experiment=plan.experiment,
+        checkpoint_dir=str(checkpoint_dir),
+        history=result.history,
+        notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
+        workers=sorted(workers, key=lambda w: w.rank),
+        rank=plan.launcher.rank if plan.launch == "external" else 0,
+    )
+
+
+def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
+    """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
+
+    Returns:
+        The run id, or ``None`` when tracking is off or another process owns the run.
+    """
+    from runner.tracking import runs as tracking
+
+    if resume is not None:
+        if owner:
+            spec_change = json.dumps(resume.changes) if resume.changes else None
+            tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
+        return resume.run_id
+    if not owner or plan.tracking_uri is None:
+        return None
+    if plan.launch == "external" and plan.launcher.run_id:
+        return plan.launcher.run_id
+    tags = dict(options.tags)
+    if options.parent_run_id:
+        tags["mlflow.parentRunId"] = options.parent_run_id
+    handle = tracking.start_run(
+        plan.loaded,
+        plan.describe(),
+        run_name=options.run_name or plan.loaded.spec.tracking.run_name,
+        extra_tags=tags,
+        nested=options.nested,
+    )
+    return handle.run_id
+
+
+def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[WorkerResult]:
+    """Launch the workers and end the run with their outcome, when this process owns it (``args.run_id``).
+
+    ``run_id`` is the job's run, named in the interrupt hint on every rank.
+
+    Raises:
+        Interrupted: SIGINT/SIGTERM; the run ends KILLED.
+        SpecError: A name or kwarg that only fails when built; the new run is deleted (a resumed
+            one ends FAILED), so no stray run is left.
+        TrainingError: Any other failure; the run ends FAILED with the cause.
+    """
+    from runner.tracking import runs as tracking
+
+    loaded = plan.loaded
     status, error = "FAILED", None
     try:
         workers = _launch(plan, args)
-        result = workers[0]
         status = "FINISHED"
+        return workers
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
         raise Interrupted(getattr(exc, "signum", 2), run_id=run_id, spec=str(loaded.path)) from None
@@ -180,30 +229,23 @@ def exec_experiment(loaded: Any, options: ExecOptions = ExecOptions()) -> ExecRe
         error = _describe_failure(exc)
         raise TrainingError(error) from None
     finally:
-        if owner and run_id is not None:
-            if status == "DELETE" and not resume:
-                tracking.delete_run(uri, run_id)
+        owned, uri = args.run_id, plan.tracking_uri
+        if owned is not None and uri is not None:
+            if status == "DELETE" and not args.resume:
+                tracking.delete_run(uri, owned)
             else:
-                tracking.end_run(uri, run_id, "FAILED" if status == "DELETE" else status, error)
-    return ExecResult(
-        run_id=run_id,
-        status=status,
-        metrics=result.metrics,
-        tracking_uri=uri,
-        experiment=plan.experiment,
-        checkpoint_dir=str(checkpoint_dir),
-        history=result.history,
-        notes=notes + result.notes,
-        workers=sorted(workers, key=lambda w: w.rank),
-    )
+                tracking.end_run(uri, owned, "FAILED" if status == "DELETE" else status, error)
 
 
-def _launch(plan: Any, args: Any) -> list[Any]:
-    """Run the workers; return their :class:`runner.launch.worker.WorkerResult`, the logging rank's first."""
+def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
+    """Run the workers; return their results, the logging rank's first."""
     from runner.launch.worker import run_worker
 
     if plan.launch != "elastic":
-        return [run_worker(args)]
+        result = run_worker(args)
+        if result is None:  # torch's @record turns a worker's sys.exit(0) into None
+            raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
+        return [result]
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -228,77 +270,6 @@ def _launch(plan: Any, args: Any) -> list[Any]:
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
-
-
-def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
-    from runner.tracking import runs as tracking
-
-    if resume == "last":
-        run_id = tracking.latest_run_id(uri, experiment)
-        if run_id is None:
-            raise UsageError(f"--resume last: experiment {experiment!r} at {uri} has no run to resume")
-        return run_id
-    if not tracking.run_exists(uri, resume):
-        raise UsageError(
-            f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
-        )
-    return resume
-
-
-def _check_resume(
-    loaded: Any, directory: Path, allowed: tuple[str, ...]
-) -> tuple[dict[str, list[Any]], bool, list[str]]:
-    """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
-
-    Returns:
-        ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
-        whether the newest usable checkpoint already covers all the training the spec asks for.
-
-    Raises:
-        UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
-        SpecError: The spec differs in keys not listed in ``allowed``.
-    """
-    from runner.spec.dump import flatten_spec
-    from runner.spec.suggest import did_you_mean
-    from runner.spec.wording import with_hint
-    from runner.training.checkpoint import CheckpointError, load_latest, spec_changes
-
-    current = flatten_spec(loaded.spec)
-    try:
-        found = load_latest(directory)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    if found is None:
-        raise UsageError(f"nothing to resume: no checkpoint in {directory}")
-    saved = found.payload["spec"]
-    known = set(saved) | set(current)
-    for key in allowed:
-        if not any(k == key or k.startswith(key + ".") for k in known):
-            hint = did_you_mean(key, sorted(known), render=str)
-            raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
-    changed = spec_changes(saved, current)
-    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
-    if unexpected:
-        issues = [
-            SpecIssue(
-                loaded.path,
-                None,
-                key,
-                f"differs from the resumed run: was {saved.get(key)!r}, now {current.get(key)!r} "
-                f"(undo it, or pass --allow-spec-change {key})",
-            )
-            for key in unexpected
-        ]
-        raise SpecError(issues)
-    notes = [f"resuming from {found.path.name}"]
-    notes += [f"skipped {reason}" for _, reason in found.skipped]
-    if changed:
-        notes.append("spec changed on resume: " + ", ".join(changed))
-    state, train = found.payload["state"], loaded.spec.train
-    complete = state["epoch"] >= train.epochs or (
-        train.max_steps is not None and state["global_step"] >= train.max_steps
-    )
-    return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
 
 
 def _is_signal(exc: BaseException) -> bool:

@@ -117,12 +117,29 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
     moved = []
     for issue in error.issues:
         if issue.file is None and issue.origin is None and issue.key:
-            loc = tuple(issue.key.split("."))
-            line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
-            moved.append(SpecIssue(loaded.path, line, issue.key, issue.message))
+            moved.append(SpecIssue(loaded.path, _line_in(lines, issue.key), issue.key, issue.message))
         else:
             moved.append(issue)
     return SpecError(moved)
+
+
+def key_line(loaded: LoadedSpec, key: str) -> int | None:
+    """Line of the spec file where dotted ``key`` (or its nearest written ancestor) is written.
+
+    Args:
+        loaded: The spec.
+        key: Dotted key such as ``parallel.mode``; empty for none.
+
+    Returns:
+        The 1-based line, or ``None`` when the key is not written in the file itself (a default,
+        or a value from an ``extends`` base or ``--set``).
+    """
+    return _line_in(locate_keys(loaded.source_text), key) if key else None
+
+
+def _line_in(lines: dict[Loc, int], key: str) -> int | None:
+    loc = tuple(key.split("."))
+    return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
 
 
 def _validate(data: dict[str, Any], where: Callable[[Loc], Origin], issues: list[SpecIssue]) -> ExperimentSpec | None:

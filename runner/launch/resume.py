@@ -1,0 +1,137 @@
+"""Resume: find the run ``--resume`` names and refuse a spec that differs from its checkpoint's.
+
+A resumed run continues the same MLflow run from its newest usable checkpoint. The spec may
+differ from the run's only in keys named by ``--allow-spec-change``; each change is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.errors import SpecError, SpecIssue, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.driver import ExecOptions
+    from runner.plan import Plan
+    from runner.spec.loading import LoadedSpec
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A run to continue, checked against its newest checkpoint.
+
+    Attributes:
+        run_id: The MLflow run.
+        uri: Its tracking URI.
+        changes: Allowed spec changes, ``{dotted key: [old value, new value]}``.
+        notes: What to tell the user (the checkpoint used, damaged ones skipped, keys changed).
+    """
+
+    run_id: str
+    uri: str
+    changes: dict[str, list[Any]]
+    notes: list[str]
+
+
+def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
+    """Find the run ``--resume`` names and check the spec against its newest checkpoint.
+
+    Args:
+        plan: The plan of the spec to continue with.
+        options: ``resume`` (a run id or ``"last"``) and ``allow_spec_change``.
+
+    Returns:
+        The run and the changes allowed.
+
+    Raises:
+        UsageError: Tracking is off, the run does not exist, or it already FINISHED with this spec.
+        SpecError: The spec differs from the run's in keys not allowed to change.
+    """
+    from runner.tracking import runs as tracking
+    from runner.training.checkpoint import default_checkpoint_dir
+
+    uri, spec = plan.tracking_uri, plan.loaded.spec
+    if uri is None or options.resume is None:
+        raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
+    run_id = _resolve_resume(uri, plan.experiment, options.resume)
+    directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
+    if complete and tracking.run_status(uri, run_id) == "FINISHED":
+        raise UsageError(
+            f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
+            f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
+        )
+    return ResumePoint(run_id, uri, changes, notes)
+
+
+def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
+    from runner.tracking import runs as tracking
+
+    if resume == "last":
+        run_id = tracking.latest_run_id(uri, experiment)
+        if run_id is None:
+            raise UsageError(f"--resume last: experiment {experiment!r} at {uri} has no run to resume")
+        return run_id
+    if not tracking.run_exists(uri, resume):
+        raise UsageError(
+            f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
+        )
+    return resume
+
+
+def _check_resume(
+    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...]
+) -> tuple[dict[str, list[Any]], bool, list[str]]:
+    """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
+
+    Returns:
+        ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
+        whether the newest usable checkpoint already covers all the training the spec asks for.
+
+    Raises:
+        UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
+        SpecError: The spec differs in keys not listed in ``allowed``.
+    """
+    from runner.spec.dump import flatten_spec
+    from runner.spec.suggest import did_you_mean
+    from runner.spec.wording import with_hint
+    from runner.training.checkpoint import CheckpointError, load_latest, spec_changes
+
+    current = flatten_spec(loaded.spec)
+    try:
+        found = load_latest(directory)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if found is None:
+        raise UsageError(f"nothing to resume: no checkpoint in {directory}")
+    saved = found.payload["spec"]
+    known = set(saved) | set(current)
+    for key in allowed:
+        if not any(k == key or k.startswith(key + ".") for k in known):
+            hint = did_you_mean(key, sorted(known), render=str)
+            raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
+    changed = spec_changes(saved, current)
+    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
+    if unexpected:
+        issues = [
+            SpecIssue(
+                loaded.path,
+                None,
+                key,
+                f"differs from the resumed run: was {saved.get(key)!r}, now {current.get(key)!r} "
+                f"(undo it, or pass --allow-spec-change {key})",
+            )
+            for key in unexpected
+        ]
+        raise SpecError(issues)
+    notes = [f"resuming from {found.path.name}"]
+    notes += [f"skipped {reason}" for _, reason in found.skipped]
+    if changed:
+        notes.append("spec changed on resume: " + ", ".join(changed))
+    state, train = found.payload["state"], loaded.spec.train
+    complete = state["epoch"] >= train.epochs or (
+        train.max_steps is not None and state["global_step"] >= train.max_steps
+    )
+    return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
