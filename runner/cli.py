@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 EXIT_OK = 0
+_Commands = argparse._SubParsersAction  # what ``ArgumentParser.add_subparsers()`` returns
 
 
 class _Report(Protocol):
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a Markdown reference of every key instead")
     p.set_defaults(func=_schema)
 
+    _add_exec(sub)
+    _add_sweep(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_exec(sub: _Commands) -> None:
+    """``runner exec FILE``: train and record one run."""
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
     _spec_args(p)
     p.add_argument("--run-name", metavar="NAME", help="MLflow run name")
@@ -81,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-run-id", metavar="RUN_ID", help=argparse.SUPPRESS)
     p.set_defaults(func=_exec)
 
+
+def _add_sweep(sub: _Commands) -> None:
+    """``runner sweep FILE``: many trials as child runs of one MLflow run."""
     p = sub.add_parser("sweep", help="run many trials of one spec (grid or random), as child runs of one MLflow run")
     _spec_args(p)
     p.add_argument(
@@ -106,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_sweep)
 
+
+def _add_bench(sub: _Commands) -> None:
+    """``runner bench FILE``: none / dp / ddp measured side by side."""
     p = sub.add_parser("bench", help="measure none / dp / ddp side by side on this machine")
     _spec_args(p)
     p.add_argument(
@@ -121,7 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_bench)
-    return parser
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:

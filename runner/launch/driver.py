@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
 from runner.spec.loading import relocate_issues
@@ -78,7 +78,7 @@ class ExecResult:
     tracking_uri: str | None
     experiment: str
     checkpoint_dir: str
-    history: list[Any] = field(default_factory=list)
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0

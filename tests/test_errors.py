@@ -1,0 +1,148 @@
+"""Exit codes live on the exception classes; the CLI maps every RunnerError with one except."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import runner.cli as cli
+from runner.errors import (
+    DeviceError,
+    Interrupted,
+    RunnerError,
+    SpecError,
+    SpecIssue,
+    TrackingError,
+    TrainingError,
+    UsageError,
+)
+from runner.launch.driver import ExecResult
+
+RUNNER = Path(__file__).parents[1] / "runner"
+
+
+@pytest.mark.parametrize(
+    ("cls", "code"),
+    [
+        (RunnerError, 1),
+        (SpecError, 2),
+        (UsageError, 2),
+        (DeviceError, 2),
+        (TrackingError, 2),
+        (TrainingError, 1),
+        (Interrupted, 130),
+    ],
+)
+def test_each_class_carries_its_exit_code(cls: type[RunnerError], code: int):
+    assert cls.exit_code == code
+
+
+def test_subclasses_inherit_the_exit_code():
+    from runner.strategies.state_dicts import StateDictMismatchError
+    from runner.training.checkpoint import CheckpointError
+
+    assert StateDictMismatchError.exit_code == 1 and CheckpointError.exit_code == 1
+
+
+def test_messages_have_their_heading():
+    assert UsageError("bad flag").format_message() == "error: bad flag"
+    assert TrainingError("rank 1 failed: boom").format_message() == "training failed: rank 1 failed: boom"
+    two = SpecError([SpecIssue(Path("a.toml"), 1, "x", "one"), SpecIssue(Path("a.toml"), 2, "y", "two")])
+    assert two.format_message() == "error:\n  a.toml:1: x: one\n  a.toml:2: y: two"
+    stopped = Interrupted(2, run_id="r1", spec="s.toml").format_message()
+    assert stopped.startswith("interrupted: run r1 is KILLED") and "--resume r1" in stopped
+    assert Interrupted().format_message() == "interrupted: stopped"
+
+
+def test_device_error_names_its_key_and_can_be_placed():
+    error = DeviceError("ids = [3] asks for [3]", key="devices.ids")
+    assert str(error) == "devices.ids: ids = [3] asks for [3]"
+    placed = error.located(Path("s.toml"), 9)
+    assert str(placed) == "s.toml:9: devices.ids: ids = [3] asks for [3]" and placed.key == "devices.ids"
+    assert str(DeviceError("no key")) == "no key"
+
+
+class _Custom(RunnerError):
+    exit_code = 7
+    heading = "custom"
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "heading"),
+    [
+        (SpecError("x.toml:1: a: bad"), 2, "runner: error: "),
+        (UsageError("bad flag"), 2, "runner: error: "),
+        (DeviceError("no GPU", key="devices.accelerator"), 2, "runner: error: devices.accelerator: no GPU"),
+        (TrackingError("store down"), 2, "runner: error: store down"),
+        (TrainingError("rank 0 failed"), 1, "runner: training failed: rank 0 failed"),
+        (Interrupted(15), 130, "runner: interrupted: stopped"),
+        (_Custom("seven"), 7, "runner: custom: seven"),
+        (KeyboardInterrupt(), 130, "runner: interrupted"),
+    ],
+)
+def test_main_maps_what_a_command_raises(monkeypatch, capsys, error: BaseException, code: int, heading: str):
+    def command(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_validate", command)
+    assert cli.main(["validate", "any.toml"]) == code
+    captured = capsys.readouterr()
+    assert captured.err.startswith(heading) and "Traceback" not in captured.err
+
+
+def test_broken_pipe_is_not_an_error(monkeypatch, tmp_path: Path):
+    def command(args):
+        raise BrokenPipeError
+
+    redirected: list[int] = []
+    monkeypatch.setattr(cli, "_schema", command)
+    monkeypatch.setattr(cli.os, "dup2", lambda fd, target: redirected.append(target))
+    with open(tmp_path / "out", "w") as stdout:
+        monkeypatch.setattr(cli.sys, "stdout", stdout)
+        assert cli.main(["schema"]) == 0
+        assert redirected == [stdout.fileno()]  # later writes go to the null device, not the closed pipe
+
+
+def test_main_has_one_except_for_runner_errors():
+    tree = ast.parse((RUNNER / "cli.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    caught = [ast.unparse(h.type) for node in ast.walk(main) if isinstance(node, ast.Try) for h in node.handlers]
+    assert caught == ["RunnerError", "KeyboardInterrupt", "BrokenPipeError"]
+    errors = {"SpecError", "UsageError", "DeviceError", "TrackingError", "TrainingError", "Interrupted"}
+    handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and n.type is not None]
+    assert {ast.unparse(h.type) for h in handlers} & errors <= {"SpecError"}  # validate goes on after a bad file
+    assert "EXIT_FAILED" not in (RUNNER / "cli.py").read_text()
+
+
+@pytest.mark.parametrize("module", ["cli.py", "plan.py", "launch/driver.py", "launch/resume.py"])
+def test_launcher_variables_are_read_through_launcher_environment(module: str):
+    text = (RUNNER / module).read_text()
+    assert not re.search(r"environ(\.get)?[\[(]\s*[\"'](RANK|LOCAL_RANK|WORLD_SIZE|RUNNER_RUN_ID)", text)
+    assert not re.search(r"env\[[\"'](RANK|WORLD_SIZE)", text)
+
+
+def test_exec_summary_is_printed_by_rank_0_only():
+    result = ExecResult(
+        run_id="r1",
+        status="FINISHED",
+        metrics={"val/loss": 0.25, "train/loss": 0.5},
+        tracking_uri="sqlite:///m.db",
+        experiment="e",
+        checkpoint_dir="c",
+        notes=["resuming from step-1.pt"],
+    )
+    assert result.summary().splitlines() == [
+        "note: resuming from step-1.pt",
+        "status: FINISHED",
+        "run id: r1  (experiment 'e')",
+        "  train/loss             0.5",
+        "  val/loss               0.25",
+        "open the UI: mlflow ui --backend-store-uri sqlite:///m.db",
+    ]
+    result.rank = 1
+    assert result.summary() == ""
+    quiet = ExecResult(None, "FINISHED", {}, None, "e", "c")
+    assert quiet.summary() == "status: FINISHED"

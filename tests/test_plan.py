@@ -1,0 +1,88 @@
+"""The plan: device errors placed at FILE:LINE: key, the launcher's WORLD_SIZE checked once, the launch method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.devices.inventory import GpuInfo, Inventory
+from runner.errors import DeviceError, UsageError
+from runner.plan import launched_externally, make_plan
+from runner.spec.loading import key_line, load_spec
+
+NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+SPEC = """name = "t"
+[model]
+name = "mlp"
+[data]
+dataset = "synthetic"
+batch_size = 8
+[parallel]
+mode = "{mode}"
+[optim]
+lr = 0.1
+[tracking]
+enabled = false
+"""
+WORKER = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+
+
+def load(tmp_path: Path, mode: str = "none", extra: str = ""):
+    path = tmp_path / "spec.toml"
+    path.write_text(SPEC.format(mode=mode) + extra, encoding="utf-8")
+    return load_spec(path)
+
+
+def test_device_error_is_placed_at_the_key_line(tmp_path: Path):
+    loaded = load(tmp_path, "dp")
+    with pytest.raises(DeviceError) as info:
+        make_plan(loaded, env={}, inventory=NO_GPU)
+    text = str(info.value)
+    assert text.startswith(f'{loaded.path}:8: parallel.mode: mode = "dp" needs CUDA GPUs but')
+    assert (info.value.file, info.value.line, info.value.key) == (loaded.path, 8, "parallel.mode")
+
+
+def test_device_error_names_the_accelerator_line_and_defaults_have_none(tmp_path: Path):
+    loaded = load(tmp_path, extra='[devices]\naccelerator = "cuda"\n')
+    with pytest.raises(DeviceError) as info:
+        make_plan(loaded, env={}, inventory=NO_GPU)
+    assert str(info.value).startswith(f'{loaded.path}:14: devices.accelerator: accelerator = "cuda" but no GPU')
+    assert key_line(loaded, "train.epochs") is None and key_line(loaded, "") is None
+
+
+def test_launch_method_without_a_launcher(tmp_path: Path):
+    assert make_plan(load(tmp_path), env={}, inventory=NO_GPU).launch == "in-process"
+    plan = make_plan(load(tmp_path, "ddp"), env={}, inventory=NO_GPU)
+    assert plan.launch == "elastic" and not plan.launcher.external
+
+
+def test_world_size_must_agree_with_the_spec(tmp_path: Path):
+    with pytest.raises(UsageError, match=r'WORLD_SIZE=2\) but parallel.mode = "none"'):
+        make_plan(load(tmp_path), env=WORKER, inventory=NO_GPU)
+    with pytest.raises(UsageError, match="WORLD_SIZE=2 workers but the spec's world size is 1"):
+        make_plan(load(tmp_path, "ddp"), env=WORKER, inventory=NO_GPU)
+    agreeing = load_spec(load(tmp_path, "ddp").path, ["parallel.nproc_per_node=2"])
+    plan = make_plan(agreeing, env={**WORKER, "RANK": "1", "RUNNER_RUN_ID": "abc"}, inventory=NO_GPU)
+    assert plan.launch == "external"
+    assert (plan.launcher.rank, plan.launcher.world_size, plan.launcher.run_id) == (1, 2, "abc")
+
+
+def test_launcher_variables_that_are_not_integers_are_a_usage_error(tmp_path: Path):
+    with pytest.raises(UsageError, match="WORLD_SIZE='two' is not an integer"):
+        make_plan(load(tmp_path), env={**WORKER, "WORLD_SIZE": "two"}, inventory=NO_GPU)
+
+
+def test_launched_externally_needs_all_three_variables():
+    assert launched_externally(WORKER)
+    assert not launched_externally({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_plan_describes_itself(tmp_path: Path):
+    info = make_plan(load(tmp_path, "ddp"), env={}, inventory=gpu_free()).describe()
+    assert info["launch"] == "elastic" and info["world_size"] == 1 and info["rendezvous"]["backend"] == "c10d"
+    assert info["tracking_uri"] is None and info["devices"]["backend"] == "gloo"
+
+
+def gpu_free() -> Inventory:
+    return Inventory([GpuInfo(0, "x")], False, None, "fake", [])
