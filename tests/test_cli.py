@@ -41,7 +41,9 @@ def test_validate_imports_neither_torch_nor_mlflow() -> None:
         "import sys; from runner.cli import main; rc = main(['validate', sys.argv[1]]); "
         "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules)); sys.exit(rc)"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(EXPERIMENTS[0])], capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(EXPERIMENTS[0])], capture_output=True, text=True, cwd=REPO, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
@@ -106,6 +108,6 @@ def test_version_and_help(capsys) -> None:
 
 def test_python_dash_m_runner_works() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "validate", str(EXPERIMENTS[0])], capture_output=True, text=True
+        [sys.executable, "-m", "runner", "validate", str(EXPERIMENTS[0])], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0 and proc.stdout.startswith("ok")

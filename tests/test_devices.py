@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
 from runner.devices.env import apply_device_env
+from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
 from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec

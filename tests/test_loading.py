@@ -167,8 +167,13 @@ VARIANTS = {
     "minimal": "",
     "ddp-cpu": '[devices]\naccelerator = "cpu"\n[parallel]\nmode = "ddp"\nnproc_per_node = 2\ntimeout_s = 60\n',
     "dp-cuda": '[devices]\naccelerator = "cuda"\nids = [0, 1]\n[parallel]\nmode = "dp"\noutput_device = 1\n',
-    "adam-schedule": '[scheduler]\nname = "step"\nkwargs = { step_size = 2, gamma = 0.5 }\n[train]\nclip_grad_norm = 1\n',
-    "sweep": '[sweep]\nmethod = "random"\nnum_trials = 3\n[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\ndistribution = "log_uniform"\n',
+    "adam-schedule": (
+        '[scheduler]\nname = "step"\nkwargs = { step_size = 2, gamma = 0.5 }\n[train]\nclip_grad_norm = 1\n'
+    ),
+    "sweep": (
+        '[sweep]\nmethod = "random"\nnum_trials = 3\n'
+        '[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\ndistribution = "log_uniform"\n'
+    ),
     "kwargs-tags": '[tags]\nteam = "vision"\n[tracking]\nuri = "sqlite:///x.db"\n',
 }
 
@@ -256,7 +261,12 @@ def test_format_key():
 
 
 def test_loading_imports_neither_torch_nor_mlflow():
-    code = "import sys, runner.spec.loading, runner.spec.locate; print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    code = (
+        "import importlib, pkgutil, sys, runner.spec\n"
+        "for m in pkgutil.iter_modules(runner.spec.__path__): importlib.import_module('runner.spec.' + m.name)\n"
+        "assert 'runner.spec.reading' in sys.modules and 'runner.spec.dump' in sys.modules\n"
+        "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

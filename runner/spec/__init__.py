@@ -1,4 +1,10 @@
-"""What was asked: the spec schema, reading TOML and ``extends``, ``--set`` overrides, validation messages.
+"""What was asked: the spec schema and its rules, reading TOML and ``extends``, ``--set``, messages, dumping.
 
-Imports neither torch nor mlflow, so ``runner validate`` answers on any laptop.
+One module per step: :mod:`~runner.spec.schema` (the tables) and :mod:`~runner.spec.rules` (rules
+between keys); :mod:`~runner.spec.reading` (files -> dict and key origins),
+:mod:`~runner.spec.overrides` (``--set``), :mod:`~runner.spec.loading` (validation into located
+issues), :mod:`~runner.spec.messages` with :mod:`~runner.spec.wording` and
+:mod:`~runner.spec.suggest` (how problems are worded), :mod:`~runner.spec.dump` (TOML, flat keys,
+hash), :mod:`~runner.spec.locate` (key lines) and :mod:`~runner.spec.reference` (JSON Schema,
+Markdown reference). Imports neither torch nor mlflow, so ``runner validate`` answers on any laptop.
 """

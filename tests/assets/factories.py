@@ -1,4 +1,4 @@
-"""Factories for tests and example specs: `factories:build_model`, `factories:build_dataset`, `factories:build_split`."""
+"""Test and example factories: `factories:build_model`, `factories:build_dataset` and `factories:build_split`."""
 
 from __future__ import annotations
 
