@@ -51,6 +51,14 @@ def test_device_error_names_the_accelerator_line_and_defaults_have_none(tmp_path
     assert key_line(loaded, "train.epochs") is None and key_line(loaded, "") is None
 
 
+def test_device_error_for_a_key_set_by_an_override_names_no_line(tmp_path: Path):
+    loaded = load_spec(load(tmp_path).path, ['parallel.mode="dp"'])
+    with pytest.raises(DeviceError) as info:
+        make_plan(loaded, env={}, inventory=NO_GPU)
+    assert str(info.value).startswith(f'{loaded.path}: parallel.mode: mode = "dp" needs CUDA GPUs')
+    assert key_line(loaded, "parallel.mode") is None and key_line(loaded, "optim.lr") == 10
+
+
 def test_launch_method_without_a_launcher(tmp_path: Path):
     assert make_plan(load(tmp_path), env={}, inventory=NO_GPU).launch == "in-process"
     plan = make_plan(load(tmp_path, "ddp"), env={}, inventory=NO_GPU)

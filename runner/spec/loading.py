@@ -19,7 +19,7 @@ from runner.errors import SpecError, SpecIssue
 from runner.spec.dump import spec_sha256
 from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
-from runner.spec.overrides import ORIGIN, apply_override
+from runner.spec.overrides import ORIGIN, apply_override, parse_key
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.schema import ExperimentSpec
 
@@ -34,6 +34,7 @@ class LoadedSpec:
         source_text: The text of that file (not of the files it extends).
         data: The merged raw dict after ``extends`` and ``--set``, paths resolved.
         sha256: Hex SHA-256 of :func:`runner.spec.dump.dump_spec` of ``spec`` (ignores comments and layout).
+        overrides: The ``--set`` texts applied, in order.
     """
 
     spec: ExperimentSpec
@@ -41,6 +42,7 @@ class LoadedSpec:
     source_text: str
     data: dict[str, Any]
     sha256: str
+    overrides: tuple[str, ...] = ()
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
@@ -76,7 +78,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
     spec = _validate(tree.data, lambda loc: _origin_of(tree.provenance, loc, shown), issues)
     if issues or spec is None:
         raise SpecError(issues)
-    return LoadedSpec(spec=spec, path=absolute, source_text=tree.text, data=tree.data, sha256=spec_sha256(spec))
+    return LoadedSpec(spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides))
 
 
 def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
@@ -132,9 +134,13 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
     Returns:
         The 1-based line, or ``None`` when the key is not written in the file itself (a default,
-        or a value from an ``extends`` base or ``--set``).
+        or a value from an ``extends`` base) or ``--set`` replaced it.
     """
-    return _line_in(locate_keys(loaded.source_text), key) if key else None
+    loc = tuple(key.split("."))
+    overridden = (parse_key(o.partition("=")[0]) for o in loaded.overrides)
+    if not key or any(o is not None and loc[: len(o)] == o for o in overridden):
+        return None
+    return _line_in(locate_keys(loaded.source_text), key)
 
 
 def _line_in(lines: dict[Loc, int], key: str) -> int | None:
