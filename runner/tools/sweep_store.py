@@ -16,6 +16,7 @@ from runner.errors import TrackingError, UsageError
 from runner.tools.sweep_report import SweepReport
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 from runner.tracking import parents
+from runner.tracking.tags import source_tags
 from runner.tracking.values import max_param_chars, max_tag_chars, safe_key
 
 if TYPE_CHECKING:
@@ -75,8 +76,7 @@ class SweepStore:
             "runner.sweep.overrides": json.dumps(list(overrides)),
             "runner.spec.path": str(base.path),
             "runner.spec.sha256": base.sha256,
-            "mlflow.source.name": str(base.path),
-            "mlflow.source.type": "LOCAL",
+            **source_tags(str(base.path)),
         }
         if len(recorded) <= max_tag_chars():
             tags["runner.sweep.definition"] = recorded

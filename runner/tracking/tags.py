@@ -35,6 +35,15 @@ def _runner_version() -> str:
     return str(getattr(runner, "__version__", "unknown"))
 
 
+def source_tags(source: str) -> dict[str, str]:
+    """MLflow's source tags of a run started from a local file (``mlflow.source.name``, ``mlflow.source.type``).
+
+    Args:
+        source: The spec file, as shown in the MLflow UI.
+    """
+    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": source}
+
+
 def _git_tags(info: GitInfo) -> dict[str, str]:
     """``runner.git.*`` and MLflow's ``mlflow.source.git.*`` tags of a working tree."""
     tags = {
@@ -98,8 +107,7 @@ def run_tags(
     torch_version, cuda_version = _torch_versions()
     spec_path = info.relpath(loaded.path) if info is not None else str(Path(loaded.path).resolve())
     tags: dict[str, Any] = {
-        "mlflow.source.type": "LOCAL",
-        "mlflow.source.name": spec_path,
+        **source_tags(spec_path),
         "runner.spec.path": spec_path,
         "runner.spec.sha256": loaded.sha256,
         "runner.version": _runner_version(),
