@@ -153,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = list(argv if argv is not None else sys.argv[1:])
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "--mode", mode, *_strip_option(passthrough, "--json")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             results.append({"mode": mode, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"})
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
 
     print(
-        f"{'mode':<5} {'wrapped':<27} {'per-device batch':<18} {'samples/s':>10} {'ms/step':>8}  peak MiB per device  devices"
+        f"{'mode':<5} {'wrapped':<27} {'per-device batch':<18} {'samples/s':>10} {'ms/step':>8}  "
+        "peak MiB per device  devices"
     )
     for res in results:
         if "error" in res:

@@ -103,8 +103,8 @@ def hand_written(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
     epoch = 0
     while step < total:
         sampler.set_epoch(epoch)
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for x_cpu, y_cpu in loader:
+            x, y = x_cpu.to(device, non_blocking=True), y_cpu.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"best: hand-written {best['hand-written']:.3f} s, runner {best['runner']:.3f} s")
     print(f"ratio runner / hand-written = {ratio:.3f}  (target <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})")
     print(
-        f"final losses {'agree' if agree else 'DIFFER'}: runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}"
+        f"final losses {'agree' if agree else 'DIFFER'}: "
+        f"runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}"
     )
     if args.json:
         Path(args.json).write_text(

@@ -143,7 +143,7 @@ def make_plan(loaded: LoadedSpec, *, env: Mapping[str, str] | None = None, inven
     from runner.devices.resolve import resolve_devices
     from runner.errors import DeviceError, UsageError
     from runner.spec.loading import key_line
-    from runner.tracking.runs import resolve_tracking_uri
+    from runner.tracking.uri import resolve_tracking_uri
 
     env = os.environ if env is None else env
     spec = loaded.spec

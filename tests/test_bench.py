@@ -13,22 +13,20 @@ import pytest
 from runner.cli import main
 from runner.errors import UsageError
 from runner.spec.loading import load_spec, spec_from_dict
-from runner.tools.bench import bench_spec_data, configurations, final_loss, summarize
-from runner.tools.bench_report import (
+from runner.tools.bench import bench_spec_data, configurations
+from runner.tools.bench_chart import write_chart
+from runner.tools.bench_figures import (
     NOT_COMPARABLE,
-    BenchReport,
-    ConfigResult,
     agrees_through,
     comparability,
-    config_id,
-    finish_comparisons,
     loss_check,
     median,
     percentile,
     scaling_efficiency,
     throughput,
-    write_chart,
 )
+from runner.tools.bench_measure import final_loss, summarize
+from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -51,7 +49,7 @@ def test_p90_sees_a_slow_tail_the_median_ignores() -> None:
 
 def test_statistics_of_nothing_are_nan_and_bad_quantiles_are_refused() -> None:
     assert math.isnan(median([])) and math.isnan(percentile([], 90))
-    with pytest.raises(ValueError, match="0..100"):
+    with pytest.raises(ValueError, match=r"0\.\.100"):
         percentile([1.0], 101)
 
 

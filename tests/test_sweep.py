@@ -13,10 +13,11 @@ from runner.errors import SpecError, UsageError
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema import SweepParam, SweepSpec
-from runner.tools.sweep import _device_pool, pick_device, prepare_trials, run_sweep, trial_tags, without_sweep
+from runner.tools.sweep import run_sweep
+from runner.tools.sweep_jobs import device_pool, pick_device
+from runner.tools.sweep_report import SweepReport
 from runner.tools.sweep_space import (
     SweepDefinition,
-    SweepReport,
     Trial,
     TrialResult,
     build_definition,
@@ -25,6 +26,7 @@ from runner.tools.sweep_space import (
     parse_random,
     toml_value,
 )
+from runner.tools.sweep_trials import prepare_trials, trial_tags, without_sweep
 
 SWEEP_TABLE = """
 [sweep]
@@ -306,7 +308,7 @@ def test_cli_usage_errors_exit_2(write_spec, args: list[str], fragment: str, cap
 
 def test_sweeps_need_tracking(write_spec) -> None:
     path = write_spec()
-    with pytest.raises(UsageError, match="tracking.enabled"):
+    with pytest.raises(UsageError, match=r"tracking\.enabled"):
         run_sweep(path, ["tracking.enabled=false"], grid=["seed=0,1"])
 
 
@@ -335,11 +337,11 @@ def _plan(accelerator: str = "cuda", ids: tuple[int, ...] = (0,), world: int = 1
 def test_concurrent_single_gpu_trials_spread_over_the_spec_devices() -> None:
     d = build_definition(None, grid=["seed=0,1,2,3"])
     spec = lambda ids: SimpleNamespace(devices=SimpleNamespace(ids=ids))  # noqa: E731
-    assert _device_pool(spec([2, 3]), [_plan()], d) == [2, 3]
-    assert _device_pool(spec("all"), [_plan()], d) == [0, 1, 2, 3]
-    assert _device_pool(spec("all"), [_plan("cpu", ())], d) is None
-    assert _device_pool(spec([0, 1]), [_plan(ids=(0, 1), world=2)], d) is None  # ddp / dp trials keep their devices
-    assert _device_pool(spec([0, 1]), [_plan()], build_definition(None, grid=["devices.ids=[0],[1]"])) is None
+    assert device_pool(spec([2, 3]), [_plan()], d) == [2, 3]
+    assert device_pool(spec("all"), [_plan()], d) == [0, 1, 2, 3]
+    assert device_pool(spec("all"), [_plan("cpu", ())], d) is None
+    assert device_pool(spec([0, 1]), [_plan(ids=(0, 1), world=2)], d) is None  # ddp / dp trials keep their devices
+    assert device_pool(spec([0, 1]), [_plan()], build_definition(None, grid=["devices.ids=[0],[1]"])) is None
     load: dict[int, int] = {}
     picked = []
     for _ in range(3):

@@ -1,24 +1,31 @@
-"""Tests of runner.tracking.runs against a throw-away sqlite MLflow store (CPU, no server)."""
+"""Tests of runner.tracking.runs and runner.tracking.tags against a throw-away sqlite MLflow store (CPU, no server)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
-from runner.tracking.runs import RunHandle, check_reachable, end_run, resolve_tracking_uri, start_run
-from runner.tracking.trackers import MlflowTracker, NullTracker, param_value
+from runner.tracking.runs import (
+    RunHandle,
+    delete_run,
+    end_run,
+    last_logged_steps,
+    latest_run_id,
+    reopen_run,
+    run_exists,
+    run_status,
+    start_run,
+)
 
 SPEC = """\
 name = "demo"
@@ -112,111 +119,12 @@ def read_artifact(client, run_id: str, path: str, tmp_path: Path) -> str:
     return Path(client.download_artifacts(run_id, path, str(dst))).read_text()
 
 
-# --------------------------------------------------------------------------- URI
-
-
-def spec_with_uri(value):
-    return SimpleNamespace(tracking=SimpleNamespace(uri=value))
-
-
-def test_resolve_uri_precedence(tmp_path):
-    env = {"MLFLOW_TRACKING_URI": "http://env-host:5000"}
-    assert resolve_tracking_uri(spec_with_uri("http://spec-host:5000"), env=env) == "http://spec-host:5000"
-    assert resolve_tracking_uri(spec_with_uri(None), env=env) == "http://env-host:5000"
-    assert (
-        resolve_tracking_uri(spec_with_uri(None), env={}, cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
-    )
-    assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": "  "}, cwd=tmp_path).startswith(
-        "sqlite:////"
-    )
-
-
-def test_resolve_uri_makes_local_paths_absolute(tmp_path):
-    def r(value):
-        return resolve_tracking_uri(spec_with_uri(value), env={}, cwd=tmp_path)
-
-    base = tmp_path.resolve()
-    assert r("sqlite:///runs/m.db") == f"sqlite:///{base}/runs/m.db"
-    assert r("sqlite:///m.db?timeout=30") == f"sqlite:///{base}/m.db?timeout=30"
-    assert r("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
-    assert r("mlruns") == str(base / "mlruns")
-    assert r("file:mlruns") == (base / "mlruns").as_uri()
-    assert r("file:///abs/mlruns") == "file:///abs/mlruns"
-    assert r("https://host/mlflow") == "https://host/mlflow"
-    assert r("databricks") == "databricks"
-    assert r("postgresql://u@h/db") == "postgresql://u@h/db"
-    # from the environment too, resolved once
-    env = {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
-    assert resolve_tracking_uri(spec_with_uri(None), env=env, cwd=tmp_path) == f"sqlite:///{base}/x.db"
-
-
-# --------------------------------------------------------------------------- reachability
-
-
-def test_check_reachable_sqlite(tmp_path):
-    check_reachable(f"sqlite:///{tmp_path}/ok.db")
-    missing = tmp_path / "no" / "such"
-    with pytest.raises(TrackingError, match="does not exist") as err:
-        check_reachable(f"sqlite:///{missing}/m.db")
-    assert str(missing) in str(err.value)
-    assert not (tmp_path / "no").exists() and not (tmp_path / "ok.db").exists()
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_check_reachable_sqlite_read_only_folder(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    try:
-        with pytest.raises(TrackingError, match="not writable"):
-            check_reachable(f"sqlite:///{ro}/m.db")
-    finally:
-        ro.chmod(0o755)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_check_reachable_closed_port_fails_fast():
-    url = f"http://127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    with pytest.raises(TrackingError) as err:
-        check_reachable(url, timeout_s=2.0)
-    assert time.monotonic() - t0 < 10
-    assert url in str(err.value) and "mlflow server" in str(err.value) and "MLFLOW_TRACKING_URI" in str(err.value)
-
-
-def test_check_reachable_rejects_a_server_that_is_not_mlflow():
-    class NotFound(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), NotFound)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(TrackingError, match="does not look like an MLflow"):
-            check_reachable(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=2.0)
-    finally:
-        server.shutdown()
-        server.server_close()
+def new_run(client) -> str:
+    exp = client.create_experiment(f"e{time.monotonic_ns()}")
+    return client.create_run(exp).info.run_id
 
 
 # --------------------------------------------------------------------------- start_run
-
-
-def test_param_value_is_stable():
-    assert param_value(True) == "true" and param_value(False) == "false"
-    assert param_value(1) == "1" and param_value(1.0) == "1.0" and param_value(1e-5) == "1e-05"
-    assert param_value([3, 32, 32]) == "[3, 32, 32]"
-    assert param_value("sgd") == "sgd"
 
 
 @needs_git
@@ -349,144 +257,6 @@ def test_start_run_unreachable_store_creates_nothing(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
-# --------------------------------------------------------------------------- trackers
-
-
-def new_run(client) -> str:
-    exp = client.create_experiment(f"e{time.monotonic_ns()}")
-    return client.create_run(exp).info.run_id
-
-
-def test_tracker_logs_2500_metrics_in_order(uri, client):
-    run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=0.2)
-    for step in range(2500):
-        tracker.log_metrics({"train/loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
-    tracker.close()
-    hist = client.get_metric_history(run_id, "train/loss")
-    assert len(hist) == 2500
-    ordered = sorted(hist, key=lambda m: (m.step, m.timestamp))
-    assert [m.step for m in ordered] == list(range(2500))
-    assert all(isinstance(m.step, int) for m in ordered)
-    assert [m.value for m in ordered] == [1.0 / (s + 1) for s in range(2500)]
-    ts = [m.timestamp for m in ordered]
-    assert ts == sorted(ts)
-    assert len(client.get_metric_history(run_id, "lr")) == 2500
-
-
-def test_tracker_flush_semantics(uri, client):
-    run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
-    for step in range(10):
-        tracker.log_metrics({"m": float(step)}, step=step)
-    time.sleep(0.3)
-    assert client.get_metric_history(run_id, "m") == []  # nothing sent before it is due
-    tracker.flush()
-    assert [m.step for m in client.get_metric_history(run_id, "m")] == list(range(10))
-    tracker.flush()  # nothing new: returns at once
-    tracker.close()
-    tracker.close()  # idempotent
-    with pytest.raises(TrackingError, match="closed"):
-        tracker.log_metrics({"m": 1.0}, step=11)
-
-
-def test_tracker_sends_when_batch_is_full_or_due(uri, client):
-    run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600, max_batch=5)
-    for step in range(5):
-        tracker.log_metrics({"full": 1.0}, step=step)
-    deadline = time.monotonic() + 10
-    while len(client.get_metric_history(run_id, "full")) < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(client.get_metric_history(run_id, "full")) == 5
-    tracker.close()
-
-    timed = MlflowTracker(uri, run_id, flush_every_s=0.2)
-    timed.log_metrics({"due": 1.0}, step=0)
-    deadline = time.monotonic() + 10
-    while not client.get_metric_history(run_id, "due") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(client.get_metric_history(run_id, "due")) == 1
-    timed.close()
-
-
-def test_tracker_never_blocks_the_caller(uri, client):
-    run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=0.05, max_batch=1)
-    real = tracker._client
-
-    class Slow:
-        def log_batch(self, *args, **kwargs):
-            time.sleep(0.2)
-            return real.log_batch(*args, **kwargs)
-
-    tracker._client = Slow()
-    worst = 0.0
-    for step in range(10):
-        t0 = time.perf_counter()
-        tracker.log_metrics({"slow": float(step)}, step=step)
-        worst = max(worst, time.perf_counter() - t0)
-        time.sleep(0.005)
-    assert worst < 0.1
-    tracker.close()
-    assert len(client.get_metric_history(run_id, "slow")) == 10
-
-
-def test_tracker_tags_and_artifacts(tmp_path, uri, client):
-    run_id = new_run(client)
-    f = tmp_path / "notes.txt"
-    f.write_text("hello\n")
-    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
-        tracker.set_tags({"phase": "train", "best_epoch": 3, "ok": True})
-        tracker.log_artifact(f, "extra")
-        with pytest.raises(FileNotFoundError):
-            tracker.log_artifact(tmp_path / "absent.bin")
-    tags = client.get_run(run_id).data.tags
-    assert tags["phase"] == "train" and tags["best_epoch"] == "3" and tags["ok"] == "true"
-    assert "extra/notes.txt" in artifact_paths(client, run_id)
-
-
-def test_tracker_rejects_bad_input(uri, client):
-    tracker = MlflowTracker(uri, new_run(client), flush_every_s=3600)
-    with pytest.raises(TypeError):
-        tracker.log_metrics({"m": 1.0}, step=1.5)
-    with pytest.raises(ValueError, match="metric name"):
-        tracker.log_metrics({"bad|name": 1.0}, step=1)
-    tracker.close()
-    with pytest.raises(ValueError):
-        MlflowTracker(uri, "x", flush_every_s=0)
-
-
-def test_tracker_errors_surface_on_flush(uri, client):
-    tracker = MlflowTracker(uri, "0" * 32, flush_every_s=3600)
-    tracker.log_metrics({"m": 1.0}, step=0)
-    with pytest.raises(TrackingError, match="1 items were not recorded") as err:
-        tracker.flush()
-    assert "0" * 32 in str(err.value)
-    tracker.flush()  # reported once
-    tracker.close()
-
-
-def test_tracker_errors_surface_on_close_for_deleted_run(uri, client):
-    run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
-    tracker.log_metrics({"m": 1.0}, step=0)
-    tracker.flush()
-    client.delete_run(run_id)
-    tracker.log_metrics({"m": 2.0}, step=1)
-    with pytest.raises(TrackingError, match="failed"):
-        tracker.close()
-
-
-def test_null_tracker_does_nothing(tmp_path):
-    with NullTracker() as t:
-        t.log_metrics({"m": 1.0}, step=0)
-        t.set_tags({"a": "b"})
-        t.log_artifact(tmp_path / "absent")
-        t.flush()
-    t.close()
-
-
 # --------------------------------------------------------------------------- end_run
 
 
@@ -520,7 +290,14 @@ def test_end_run_errors(uri, client):
 
 
 def test_module_import_is_light():
-    code = "import sys, runner.tracking.runs, runner.tracking.gitinfo; assert 'mlflow' not in sys.modules and 'torch' not in sys.modules"
+    code = (
+        "import importlib, pkgutil, sys, runner.tracking as t\n"
+        "names = [m.name for m in pkgutil.iter_modules(t.__path__, 'runner.tracking.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "assert 'runner.tracking.runs' in names and 'runner.tracking.parents' in names, names\n"
+        "heavy = [m for m in ('mlflow', 'torch') if m in sys.modules]\n"
+        "assert not heavy, heavy"
+    )
     subprocess.run([os.sys.executable, "-c", code], check=True)
 
 
@@ -550,3 +327,37 @@ def test_start_run_marks_run_failed_when_recording_fails(tmp_path, uri, client, 
     exp = client.get_experiment_by_name("exp-demo")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
+
+
+# --------------------------------------------------------------------------- looking runs up, reopening
+
+
+def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
+    loaded = load_spec(write_spec(tmp_path / "loose"))
+    assert latest_run_id(uri, "exp-demo") is None  # no such experiment yet
+    first = start_run(loaded, {}, uri=uri).run_id
+    parent = start_run(loaded, {}, uri=uri, extra_tags={"runner.sweep": "parent"}).run_id
+    start_run(loaded, {}, uri=uri, extra_tags={"mlflow.parentRunId": parent})
+    assert latest_run_id(uri, "exp-demo") == first  # sweep parents and child runs are not candidates
+
+    assert run_exists(uri, first) and not run_exists(uri, "0" * 32)
+    assert run_status(uri, first) == "RUNNING"
+    client.log_metric(first, "train/loss", 1.0, step=3)
+    client.log_metric(first, "train/loss", 0.5, step=7)
+    client.log_metric(first, "val/loss", 0.9, step=5)
+    assert last_logged_steps(uri, first) == {"train/loss": 7, "val/loss": 5}
+    assert last_logged_steps(uri, parent) == {}
+
+    end_run(uri, first, "KILLED")
+    reopen_run(uri, first, spec_change=json.dumps({"train.epochs": [1, 2]}))
+    reopen_run(uri, first)
+    run = client.get_run(first)
+    assert run.info.status == "RUNNING" and run.data.tags["runner.resume.count"] == "2"
+    assert json.loads(run.data.tags["runner.resume.spec_change"]) == {"train.epochs": [1, 2]}
+    with pytest.raises(TrackingError, match="could not reopen"):
+        reopen_run(uri, "0" * 32)
+
+    delete_run(uri, first)
+    assert not run_exists(uri, first)
+    with pytest.raises(TrackingError, match="could not delete"):
+        delete_run(uri, "0" * 32)

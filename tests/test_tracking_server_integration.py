@@ -1,4 +1,4 @@
-"""runner.tracking.runs against a real `mlflow server` process on 127.0.0.1 (REST over HTTP)."""
+"""runner.tracking against a real `mlflow server` process on 127.0.0.1 (REST over HTTP)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
-from runner.tracking.runs import check_reachable, end_run, start_run
-from runner.tracking.trackers import MlflowTracker
+from runner.tracking.mlflow_tracker import MlflowTracker
+from runner.tracking.runs import end_run, start_run
+from runner.tracking.uri import check_reachable
 
 SPEC = """\
 name = "served"

@@ -121,7 +121,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
-    from runner.tracking import runs as tracking
+    from runner.tracking.uri import check_reachable
     from runner.training.checkpoint import default_checkpoint_dir
     from runner.training.models import check_model_name
 
@@ -131,7 +131,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
     if uri is not None:
-        tracking.check_reachable(uri)
+        check_reachable(uri)
     resume = prepare_resume(plan, options) if options.resume is not None else None
     apply_device_env(plan.devices)
     run_id = _open_run(plan, options, owner, resume)

@@ -15,12 +15,11 @@ The bench overrides ``train.max_steps = warmup + steps`` (``train.epochs`` large
 it, evaluation only once at the end), ``checkpoint.enabled = false``, ``train.progress = "off"``
 and ``train.log_every_n_steps = 1``. Multi-node settings are dropped: the bench runs on one machine.
 
-Each configuration runs in a fresh process (``spawn``), so ``CUDA_VISIBLE_DEVICES`` is narrowed
-before CUDA starts, as ``runner exec`` does, and memory peaks are those of that configuration
-alone. A configuration that cannot run here (dp without two GPUs, more ddp processes than GPUs,
-a batch that does not divide) is listed as skipped with the reason; a configuration that fails
-while training is listed as failed and the parent run ends FAILED.
-Figures are defined in :mod:`runner.tools.bench_report`.
+Each configuration runs in a fresh process (:mod:`runner.tools.bench_measure`). A configuration
+that cannot run here (dp without two GPUs, more ddp processes than GPUs, a batch that does not
+divide) is listed as skipped with the reason; a configuration that fails while training is listed
+as failed and the parent run ends FAILED.
+Figures are defined in :mod:`runner.tools.bench_figures`.
 """
 
 from __future__ import annotations
@@ -30,25 +29,17 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
-from runner.tools.bench_report import (
-    LOSS_TOLERANCE,
-    BenchReport,
-    ConfigResult,
-    comparability,
-    config_id,
-    finish_comparisons,
-    median,
-    percentile,
-    throughput,
-    write_chart,
-    write_json,
-)
+from runner.errors import DeviceError, Interrupted, SpecError, UsageError
+from runner.tools.bench_chart import write_chart
+from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
+from runner.tools.bench_measure import measure, reason
+from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, write_json
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
 
 MODES = ("none", "dp", "ddp")
 DEFAULT_OUT_DIR = "bench-results"
@@ -70,10 +61,17 @@ class _Config:
     """A configuration to measure: its result row and, when it can run, its spec."""
 
     result: ConfigResult
-    loaded: Any = None
+    loaded: LoadedSpec | None = None
     accelerator: str = "cpu"
     world_size: int = 1
     batch_sizes: list[int] = dataclasses.field(default_factory=list)
+
+
+class _Parent(NamedTuple):
+    """The bench's parent run."""
+
+    uri: str
+    run_id: str
 
 
 def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[str, int]]:
@@ -107,7 +105,7 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
     return out
 
 
-def bench_spec_data(data: dict, mode: str, n: int, steps: int, warmup: int) -> dict:
+def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
     """Derive the raw spec dict of one configuration from the user's merged spec dict.
 
     Args:
@@ -181,14 +179,13 @@ def run_bench(
         )
     base = load_spec(path, overrides)
     num_train, batch_statistics, dropout = probe_model_and_data(base)
-    configs = [_prepare(base, mode, n, steps, warmup, num_train) for mode, n in pairs]
+    configs = [_prepare(base, mode, n, steps, warmup, num_train=num_train) for mode, n in pairs]
     runnable = [c for c in configs if c.loaded is not None]
-    accelerator = runnable[0].accelerator if runnable else "cpu"
     spec = base.spec
     report = BenchReport(
         spec=str(base.path),
         name=spec.name,
-        accelerator=accelerator,
+        accelerator=runnable[0].accelerator if runnable else "cpu",
         global_batch_size=spec.data.batch_size,
         steps=steps,
         warmup=warmup,
@@ -203,26 +200,7 @@ def run_bench(
     parent = _start_parent(base, report, [c.result.config for c in configs])
     status, error = "FAILED", None
     try:
-        for i, config in enumerate(runnable, 1):
-            print(
-                f"runner bench: {config.result.config} ({i}/{len(runnable)}): {warmup} + {steps} steps",
-                file=sys.stderr,
-                flush=True,
-            )
-            _measure(config, report, parent, warmup, steps)
-        finish_comparisons(
-            report.configs, not_comparable=comparability(batch_statistics, dropout), tolerance=LOSS_TOLERANCE
-        )
-        if parent is not None:
-            for row in report.configs:
-                if row.status == "ok" and row.run_id:
-                    _record_child(parent[0], row, warmup, steps)
-        report.json_path = str(out / "bench.json")
-        report.png_path = str(out / "bench.png")
-        write_chart(report, Path(report.png_path))
-        write_json(report, Path(report.json_path))
-        if parent is not None:
-            _record_parent(report, parent)
+        _measure_all(runnable, report, parent, out)
         failures = [c for c in report.configs if c.status == "failed"]
         status = "FAILED" if failures else "FINISHED"
         error = "\n".join(f"{c.config}: {c.reason}" for c in failures) or None
@@ -234,16 +212,54 @@ def run_bench(
         raise
     finally:
         if parent is not None:
-            from runner.tracking import runs as tracking
+            from runner.tracking.runs import end_run
 
-            tracking.end_run(parent[0], parent[1], status, error)
+            end_run(parent.uri, parent.run_id, status, error)
     return report
+
+
+def _measure_all(runnable: Sequence[_Config], report: BenchReport, parent: _Parent | None, out: Path) -> None:
+    """Measure every runnable configuration, compare them with ``none``, write and record the results."""
+    from runner.launch.driver import ExecOptions
+
+    warmup, steps = report.warmup, report.steps
+    for i, config in enumerate(runnable, 1):
+        result = config.result
+        print(
+            f"runner bench: {result.config} ({i}/{len(runnable)}): {warmup} + {steps} steps",
+            file=sys.stderr,
+            flush=True,
+        )
+        options = ExecOptions(
+            parent_run_id=parent.run_id if parent else None,
+            tags=(
+                ("runner.bench.config", result.config),
+                ("runner.bench.mode", result.mode),
+                ("runner.bench.nproc", str(result.n)),
+            ),
+            run_name=f"bench-{report.name}-{result.config}",
+            sync_timing=True,
+        )
+        assert config.loaded is not None  # runnable
+        measure(config.loaded, result, batch_sizes=config.batch_sizes, options=options, warmup=warmup, steps=steps)
+    not_comparable = comparability(report.batch_statistics, report.dropout)
+    finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
+    if parent is not None:
+        for row in report.configs:
+            if row.status == "ok" and row.run_id:
+                _record_child(parent.uri, row, warmup, steps)
+    report.json_path = str(out / "bench.json")
+    report.png_path = str(out / "bench.png")
+    write_chart(report, Path(report.png_path))
+    write_json(report, Path(report.json_path))
+    if parent is not None:
+        _record_parent(report, parent)
 
 
 # ----------------------------------------------------------------------------- preparing
 
 
-def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int, num_train: int) -> _Config:
+def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, num_train: int) -> _Config:
     """Build and plan one configuration; a spec or device problem makes it a skipped row."""
     from runner.plan import make_plan
     from runner.spec.dump import spec_sha256
@@ -257,7 +273,7 @@ def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int, num_train: i
         loaded = dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec))
         plan = make_plan(loaded)
     except (SpecError, DeviceError, UsageError) as exc:
-        result.status, result.reason = "skipped", _reason(exc)
+        result.status, result.reason = "skipped", reason(exc)
         return _Config(result)
     config = _Config(result, loaded, plan.devices.accelerator, plan.devices.world_size)
     config.batch_sizes = global_batch_sizes(
@@ -266,7 +282,7 @@ def _prepare(base: Any, mode: str, n: int, steps: int, warmup: int, num_train: i
     return config
 
 
-def probe_model_and_data(base: Any) -> tuple[int, bool, bool]:
+def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
     """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
 
     Returns:
@@ -293,154 +309,24 @@ def probe_model_and_data(base: Any) -> tuple[int, bool, bool]:
     return bundle.info.num_train, batch_statistics, dropout
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return " ".join(text.split()) if text else type(exc).__name__
+# ----------------------------------------------------------------------------- tracking
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def _measure(config: _Config, report: BenchReport, parent: tuple[str, str] | None, warmup: int, steps: int) -> None:
-    """Run one configuration in a fresh process and fill its result row."""
-    from runner.launch.driver import ExecOptions
-
-    result = config.result
-    tags = (
-        ("runner.bench.config", result.config),
-        ("runner.bench.mode", result.mode),
-        ("runner.bench.nproc", str(result.n)),
-    )
-    options = ExecOptions(
-        parent_run_id=parent[1] if parent else None,
-        tags=tags,
-        run_name=f"bench-{report.name}-{result.config}",
-        sync_timing=True,
-    )
-    outcome = _in_fresh_process(config.loaded, options)
-    if outcome["status"] == "interrupted":
-        raise Interrupted()
-    if outcome["status"] != "ok":
-        result.status, result.reason = outcome["status"], outcome["reason"]
-        return
-    summarize(result, outcome["result"], config.batch_sizes, warmup, steps, outcome.get("cuda_peaks") or [])
-
-
-def summarize(
-    result: ConfigResult,
-    exec_result: Any,
-    batch_sizes: Sequence[int],
-    warmup: int,
-    steps: int,
-    cuda_peaks: Sequence[int] = (),
-) -> None:
-    """Fill ``result`` from an :class:`runner.launch.driver.ExecResult` of ``warmup + steps`` steps.
-
-    Args:
-        result: The row to fill.
-        exec_result: What ``exec_experiment`` returned; ``workers`` holds every rank.
-        batch_sizes: Global samples of each optimizer step of an epoch (cycled over epochs).
-        warmup: Steps to leave out of the timing.
-        steps: Steps to time.
-        cuda_peaks: Allocator peak of every CUDA device of an in-process (none/dp) run.
-    """
-    workers = sorted(exec_result.workers, key=lambda w: w.rank)
-    timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
-    slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
-    times = timed[slowest]
-    waits = list(workers[slowest].data_wait_s[warmup : warmup + len(times)])
-    cycle = list(batch_sizes) or [0]
-    samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
-    result.run_id = exec_result.run_id
-    result.timed_steps = len(times)
-    result.timed_samples = samples
-    result.samples_per_s = throughput(samples, times)
-    result.step_time_median_s = median(times)
-    result.step_time_p90_s = percentile(times, 90)
-    total = sum(times)
-    result.data_wait_fraction = sum(waits) / total if total > 0 else None
-    on_cuda = any(str(w.device).startswith("cuda") for w in workers)
-    if on_cuda and result.mode != "ddp" and cuda_peaks:
-        result.peak_memory_bytes = [int(b) for b in cuda_peaks]
-        result.devices = [f"cuda:{i}" for i in range(len(cuda_peaks))]
-    else:
-        result.peak_memory_bytes = [int(w.peak_memory_bytes) for w in workers]
-        result.devices = [str(w.device) for w in workers]
-    result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
-    result.final_loss = final_loss(exec_result.history)
-    result.train_losses = {int(step): float(m["train/loss"]) for step, m in exec_result.history if "train/loss" in m}
-
-
-def final_loss(history: Sequence[Any]) -> float | None:
-    """``train/loss`` of the last step that logged it, from ``(step, metrics)`` pairs."""
-    for _, metrics in reversed(list(history)):
-        if "train/loss" in metrics:
-            return float(metrics["train/loss"])
-    return None
-
-
-def _in_fresh_process(loaded: Any, options: Any) -> dict[str, Any]:
-    """Run :func:`_child` in a new ``spawn`` process; a child that dies becomes a failed outcome."""
-    import multiprocessing
-
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        return pool.submit(_child, loaded, options).result()
-    except BrokenProcessPool as exc:
-        return {"status": "failed", "reason": f"the benchmark process died: {exc}"}
-    except KeyboardInterrupt:
-        raise Interrupted() from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _child(loaded: Any, options: Any) -> dict[str, Any]:
-    """Body of the configuration process: ``exec_experiment`` and the CUDA peaks of this process.
-
-    Standard output is pointed at standard error first, so that the report (or ``--json``) is
-    all that ``runner bench`` writes to standard output.
-    """
-    sys.stdout.flush()
-    os.dup2(2, 1)
-    from runner.errors import RunnerError
-    from runner.launch.driver import exec_experiment
-
-    try:
-        result = exec_experiment(loaded, options)
-    except (SpecError, DeviceError, UsageError) as exc:
-        return {"status": "skipped", "reason": _reason(exc)}
-    except (Interrupted, KeyboardInterrupt):
-        return {"status": "interrupted", "reason": "interrupted"}
-    except TrainingError as exc:
-        return {"status": "failed", "reason": _reason(exc)}
-    except RunnerError as exc:
-        return {"status": "failed", "reason": f"{type(exc).__name__}: {_reason(exc)}"}
-    except Exception as exc:
-        return {"status": "failed", "reason": f"{type(exc).__name__}: {_reason(exc)}"}
-    peaks: list[int] = []
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        peaks = [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
-    return {"status": "ok", "result": result, "cuda_peaks": peaks}
-
-
-# ----------------------------------------------------------------------------- MLflow
-
-
-def _start_parent(base: Any, report: BenchReport, config_ids: list[str]) -> tuple[str, str] | None:
-    """Create the parent run (``None`` when tracking is off); return ``(uri, run_id)``."""
-    from runner.tracking import runs as tracking
+def _start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -> _Parent | None:
+    """Create the parent run (``None`` when tracking is off)."""
+    from runner.tracking.runs import start_run
+    from runner.tracking.uri import check_reachable, resolve_tracking_uri
 
     if not base.spec.tracking.enabled:
         return None
-    uri = tracking.resolve_tracking_uri(base.spec)
-    tracking.check_reachable(uri)
+    uri = resolve_tracking_uri(base.spec)
+    check_reachable(uri)
     description = {
         "mode": "bench",
         "bench": {"configurations": config_ids, "steps": report.steps, "warmup": report.warmup},
         "global_batch_size": report.global_batch_size,
     }
-    handle = tracking.start_run(
+    handle = start_run(
         base,
         description,
         run_name=f"bench-{report.name}",
@@ -448,13 +334,12 @@ def _start_parent(base: Any, report: BenchReport, config_ids: list[str]) -> tupl
         uri=uri,
     )
     report.parent_run_id, report.tracking_uri = handle.run_id, uri
-    return uri, handle.run_id
+    return _Parent(uri, handle.run_id)
 
 
 def _record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> None:
     """Log the bench params and figures on a finished child run."""
-    from mlflow.entities import Param
-    from mlflow.tracking import MlflowClient
+    from runner.tracking.parents import record_summary
 
     params = {
         "bench.mode": result.mode,
@@ -462,32 +347,26 @@ def _record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> No
         "bench.steps": str(steps),
         "bench.warmup": str(warmup),
     }
-    MlflowClient(uri).log_batch(
-        result.run_id, metrics=_metrics(result, ""), params=[Param(k, v) for k, v in params.items()], synchronous=True
-    )
+    if result.run_id is not None:
+        record_summary(uri, result.run_id, metrics=_figures(result, ""), params=params)
 
 
-def _record_parent(report: BenchReport, parent: tuple[str, str]) -> None:
-    """Log per-configuration figures, ``bench.json`` and ``bench.png`` on the parent run."""
-    from mlflow.entities import Param
-    from mlflow.tracking import MlflowClient
+def _record_parent(report: BenchReport, parent: _Parent) -> None:
+    """Log per-configuration figures and params, ``bench/bench.json`` and ``bench/bench.png`` on the parent run."""
+    from runner.tracking.parents import record_summary
 
-    client = MlflowClient(parent[0])
-    metrics = [m for c in report.configs if c.status == "ok" for m in _metrics(c, f"{c.config}/")]
-    params = [Param("bench.steps", str(report.steps)), Param("bench.warmup", str(report.warmup))]
-    params.append(Param("bench.configurations", ",".join(c.config for c in report.configs)))
-    client.log_batch(parent[1], metrics=metrics, params=params, synchronous=True)
-    for file in (report.json_path, report.png_path):
-        if file:
-            client.log_artifact(parent[1], file, "bench")
+    metrics = {k: v for c in report.configs if c.status == "ok" for k, v in _figures(c, f"{c.config}/").items()}
+    params = {
+        "bench.steps": str(report.steps),
+        "bench.warmup": str(report.warmup),
+        "bench.configurations": ",".join(c.config for c in report.configs),
+    }
+    files = [f for f in (report.json_path, report.png_path) if f]
+    record_summary(parent.uri, parent.run_id, metrics=metrics, params=params, files=files, files_dir="bench")
 
 
-def _metrics(result: ConfigResult, prefix: str) -> list[Any]:
-    import time
-
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
+def _figures(result: ConfigResult, prefix: str) -> dict[str, float]:
+    """The metrics of one configuration: ``bench/<prefix><figure>``, figures that exist only."""
     values = {
         "samples_per_s": result.samples_per_s,
         "step_time_median_s": result.step_time_median_s,
@@ -497,7 +376,7 @@ def _metrics(result: ConfigResult, prefix: str) -> list[Any]:
         "final_loss": result.final_loss,
         "peak_memory_max_bytes": float(max(result.peak_memory_bytes)) if result.peak_memory_bytes else None,
     }
-    return [Metric(f"bench/{prefix}{k}", float(v), now, 0) for k, v in values.items() if v is not None]
+    return {f"bench/{prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
 
-__all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "final_loss", "run_bench", "summarize"]
+__all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "run_bench"]

@@ -1,142 +1,27 @@
-"""Figures, terminal table, JSON and chart of a ``runner bench`` comparison (pure; no torch, no mlflow).
+"""The result of ``runner bench``: one row per configuration, the comparison against ``none``, table and JSON.
 
-Definitions used everywhere (table, JSON, chart, README):
-
-* **samples/s** = samples in the timed steps / sum of the timed step times. Warm-up steps are
-  not timed. In ddp every rank times its own steps and the slowest rank (largest total) is used,
-  since a step ends for the job when the last rank finishes it.
-* **step p50 / p90**: median and 90th percentile (linear interpolation) of the timed step times.
-* **data wait**: sum of the time spent waiting for the DataLoader / sum of the step times, on the
-  same rank.
-* **scaling efficiency** of a configuration on ``n`` devices (dp) or processes (ddp) =
-  samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
-  definition; with no ``none`` measurement it is not available.
-* **final loss**: ``train/loss`` after the last step. For models without batch-statistics or
-  dropout layers every mode computes the same optimizer steps (DESIGN section 3), so a
-  configuration whose final loss differs from ``none`` by more than ``loss_tolerance``
-  (relative) is flagged, with the last step up to which the two loss curves still agreed: a
-  curve that parts at the first steps computes something else; one that parts late has
-  amplified float rounding (n processes sum gradients in another order than one).
-  BatchNorm normalises over each device's share of the batch and dropout draws per-rank
-  masks, so for such models the losses are reported but not compared.
+The figures and their definitions are in :mod:`runner.tools.bench_figures`; the chart in
+:mod:`runner.tools.bench_chart`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOSS_TOLERANCE = 1e-4
-NOT_COMPARABLE = "not comparable: batch-statistics layers"
-
-
-def comparability(batch_statistics: bool, dropout: bool = False) -> str:
-    """``""`` when losses of different modes must agree, else ``"not comparable: <why>"``."""
-    kinds = [k for k, on in (("batch-statistics layers", batch_statistics), ("dropout layers", dropout)) if on]
-    return "not comparable: " + " and ".join(kinds) if kinds else ""
-
+from runner.tools.bench_figures import (
+    LOSS_TOLERANCE,
+    agrees_through,
+    comparability,
+    loss_check,
+    scaling_efficiency,
+)
 
 MIB = 1024 * 1024
-
-
-def median(values: Sequence[float]) -> float:
-    """Median of ``values`` (``nan`` when empty)."""
-    return float(statistics.median(values)) if values else math.nan
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
-
-    Matches ``numpy.percentile(values, q)`` (its default "linear" method).
-
-    Raises:
-        ValueError: ``q`` is outside 0..100.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be within 0..100, got {q}")
-    if not values:
-        return math.nan
-    ordered = sorted(float(v) for v in values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def throughput(samples: int, step_times_s: Sequence[float]) -> float:
-    """Samples per second over the given steps: ``samples / sum(step_times_s)`` (0 when no time)."""
-    total = float(sum(step_times_s))
-    return samples / total if total > 0 else 0.0
-
-
-def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: float | None, n: int) -> float | None:
-    """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline.
-
-    Args:
-        samples_per_s: Throughput of the configuration.
-        baseline_samples_per_s: Throughput of ``none`` (one device), or ``None``.
-        n: Devices (dp) or processes (ddp) of the configuration.
-    """
-    if not baseline_samples_per_s or baseline_samples_per_s <= 0 or n < 1:
-        return None
-    return samples_per_s / (n * baseline_samples_per_s)
-
-
-def losses_agree(a: float, b: float, tolerance: float = LOSS_TOLERANCE) -> bool:
-    """``|a - b| <= tolerance * max(|a|, |b|)``."""
-    return math.isclose(a, b, rel_tol=tolerance, abs_tol=0.0)
-
-
-def agrees_through(
-    curve: dict[int, float], baseline: dict[int, float], tolerance: float = LOSS_TOLERANCE
-) -> int | None:
-    """Last step up to which two ``{step: loss}`` curves agree at every common step (``None``: not even the first)."""
-    last = None
-    for step in sorted(set(curve) & set(baseline)):
-        if not losses_agree(curve[step], baseline[step], tolerance):
-            break
-        last = step
-    return last
-
-
-def loss_check(
-    loss: float | None,
-    baseline: float | None,
-    *,
-    not_comparable: str = "",
-    tolerance: float = LOSS_TOLERANCE,
-    agreed_through: int | None = None,
-    last_step: int | None = None,
-) -> str:
-    """Compare a final loss to ``none``'s.
-
-    Args:
-        loss: Final ``train/loss`` of the configuration.
-        baseline: Final ``train/loss`` of ``none``.
-        not_comparable: From :func:`comparability`; when set it is returned as is.
-        tolerance: Relative tolerance.
-        agreed_through: Last step up to which the loss curves agreed (see :func:`agrees_through`).
-        last_step: The final step, shown with ``agreed_through``.
-
-    Returns:
-        ``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"``.
-    """
-    if not_comparable:
-        return not_comparable
-    if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
-        return "no baseline"
-    if losses_agree(loss, baseline, tolerance):
-        return "ok"
-    rel = abs(loss - baseline) / max(abs(loss), abs(baseline))
-    text = f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
-    if last_step is not None:
-        text += f"; curves agree through step {agreed_through or 0} of {last_step}"
-    return text
 
 
 @dataclass
@@ -276,7 +161,9 @@ class BenchReport:
             "samples_per_s": "samples in timed steps / sum of timed step times (ddp: slowest rank)",
             "scaling_efficiency": "samples_per_s / (n * samples_per_s of none); n = devices (dp) or processes (ddp)",
             "data_wait_fraction": "sum of DataLoader wait / sum of step time over timed steps",
-            "peak_memory_bytes": "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process",
+            "peak_memory_bytes": (
+                "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process"
+            ),
             "loss_check": f"train/loss after the last step vs none, relative tolerance {self.loss_tolerance:g}",
         }
         out["configurations"] = [
@@ -288,7 +175,8 @@ class BenchReport:
         """Terminal table, one row per configuration; skipped and failed rows carry their reason."""
         head = (
             f"runner bench: {self.name} ({_shown(self.spec)})\n"
-            f"{self.accelerator}, global batch {self.global_batch_size}, {self.steps} timed steps after {self.warmup} warm-up"
+            f"{self.accelerator}, global batch {self.global_batch_size}, "
+            f"{self.steps} timed steps after {self.warmup} warm-up"
         )
         cols = [
             "config",
@@ -401,50 +289,3 @@ def write_json(report: BenchReport, path: Path) -> Path:
     """Write ``report.to_json()`` to ``path`` (indented, trailing newline); return ``path``."""
     path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
     return path
-
-
-def write_chart(report: BenchReport, path: Path) -> Path:
-    """Draw samples/s and scaling efficiency per configuration into a PNG (matplotlib, Agg backend).
-
-    Skipped and failed configurations appear as empty slots labelled with their status.
-
-    Returns:
-        ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    names = [c.config for c in report.configs] or ["(none)"]
-    ok = [c.status == "ok" for c in report.configs] or [False]
-    speed = [c.samples_per_s or 0.0 if c.status == "ok" else 0.0 for c in report.configs] or [0.0]
-    eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in report.configs] or [0.0]
-    fig = Figure(figsize=(max(6.0, 1.6 * len(names) * 2), 4.2), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
-    x = list(range(len(names)))
-    colors = ["tab:blue" if good else "lightgrey" for good in ok]
-    ax1.bar(x, speed, color=colors)
-    ax1.set_title("throughput (samples/s, higher is better)")
-    ax2.bar(x, eff, color=["tab:green" if good else "lightgrey" for good in ok])
-    ax2.axhline(100, color="black", linewidth=0.8, linestyle="--")
-    ax2.set_title("scaling efficiency vs none (%)")
-    for ax, values, fmt in ((ax1, speed, "{:.0f}"), (ax2, eff, "{:.0f}%")):
-        ax.set_xticks(x, names)
-        top = max([*values, 1.0])
-        for i, (v, good) in enumerate(zip(values, ok, strict=False)):
-            ax.text(
-                i, v + top * 0.01, fmt.format(v) if good else _status(report, i), ha="center", va="bottom", fontsize=8
-            )
-        ax.set_ylim(0, top * 1.15)
-    fig.suptitle(
-        f"runner bench: {report.name} - {report.accelerator}, global batch {report.global_batch_size}, "
-        f"{report.steps} timed steps",
-        fontsize=10,
-    )
-    fig.savefig(path, dpi=100)
-    return path
-
-
-def _status(report: BenchReport, i: int) -> str:
-    return report.configs[i].status if i < len(report.configs) else ""

@@ -13,36 +13,27 @@ the device view of the first trial in a process, and every trial must free its G
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError
-from runner.tools.sweep_space import (
-    SweepDefinition,
-    SweepReport,
-    Trial,
-    TrialResult,
-    build_definition,
-    expand,
-    first_line,
-)
-from runner.tools.sweep_store import SweepParent, SweepStore, mlflow_key
+from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, UsageError
+from runner.tools.sweep_jobs import Progress, Subprocesses, device_pool, sigterm_interrupts
+from runner.tools.sweep_report import SweepReport, first_line
+from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, build_definition, expand
+from runner.tools.sweep_store import SweepParent, SweepStore
+from runner.tools.sweep_trials import prepare_trials, trial_metric, trial_tags, without_sweep
 
-TERMINATE_GRACE_S = 30.0  # how long stopped trial processes get to end their runs KILLED
-_FAILED_TAIL_CHARS = 2000
+if TYPE_CHECKING:
+    from runner.plan import Plan
+    from runner.spec.loading import LoadedSpec
+
+_Todo = Sequence[tuple[Trial, "LoadedSpec", "Plan"]]
 
 
 def run_sweep(
@@ -102,45 +93,94 @@ def run_sweep(
         raise UsageError(f"{base.path}: a sweep records its trials in MLflow; set tracking.enabled = true")
     store = SweepStore.for_spec(base.spec)
     notes: list[str] = []
-    previous = None
-    if resume is not None:
-        previous = store.sweep_parent(resume)
-        if not overrides and previous.overrides:
-            overrides = list(previous.overrides)
-            base = load_spec(path, overrides)
-        elif overrides != previous.overrides:
-            raise UsageError(
-                f"--resume {resume}: the sweep ran with --set {previous.overrides}, now {overrides}; "
-                "repeat the original --set flags (or none, to reuse them)"
-            )
-        if previous.spec_sha256 and previous.spec_sha256 != base.sha256:
-            notes.append("the spec changed since the sweep started: earlier trials ran with the old spec")
+    previous = store.sweep_parent(resume) if resume is not None else None
+    if previous is not None:
+        base, overrides = _resumed_base(base, path, overrides, previous, notes)
     definition = _definition(
         base, previous, grid=grid, random=random, num_trials=num_trials, seed=seed, metric=metric, goal=goal
     )
     trials = expand(definition)
     prepared = prepare_trials(base.path, overrides, trials)
     store.check()
-
-    done: dict[int, TrialResult] = {}
-    if previous is not None:
-        done = store.finished_trials(previous.run_id, trials, definition.metric)
-        parent_id = previous.run_id
-        store.reopen(parent_id)
-    else:
-        parent_id = store.create_parent(base, overrides, definition, trials)
+    done, parent_id = _open_parent(store, base, overrides, trials, definition=definition, previous=previous)
     earlier = f", {len(done)} finished earlier" if previous is not None else ""
-    say(
-        f"sweep {parent_id}: {len(trials)} trials{earlier}, {definition.method}, {definition.metric} ({definition.goal})"
-    )
+    d = definition
+    say(f"sweep {parent_id}: {len(trials)} trials{earlier}, {d.method}, {d.metric} ({d.goal})")
     report = SweepReport(definition, [], parent_id, store.uri, store.experiment, notes)
+    todo = [(t, loaded, plan) for t, (loaded, plan) in zip(trials, prepared, strict=False) if t.index not in done]
+    progress = Progress(say, len(trials), definition.metric, len(done))
+    _run_all(report, store, trials, todo, done, how=(base, overrides, jobs), progress=progress)
+    _finish(report, store)
+    return report
+
+
+def _resumed_base(
+    base: LoadedSpec, path: str | Path, overrides: list[str], previous: SweepParent, notes: list[str]
+) -> tuple[LoadedSpec, list[str]]:
+    """The base spec of a resumed sweep: with its recorded ``--set`` flags when none are given.
+
+    Raises:
+        UsageError: Other ``--set`` flags than the recorded ones.
+    """
+    from runner.spec.loading import load_spec
+
+    if not overrides and previous.overrides:
+        overrides = list(previous.overrides)
+        base = load_spec(path, overrides)
+    elif overrides != previous.overrides:
+        raise UsageError(
+            f"--resume {previous.run_id}: the sweep ran with --set {previous.overrides}, now {overrides}; "
+            "repeat the original --set flags (or none, to reuse them)"
+        )
+    if previous.spec_sha256 and previous.spec_sha256 != base.sha256:
+        notes.append("the spec changed since the sweep started: earlier trials ran with the old spec")
+    return base, overrides
+
+
+def _open_parent(
+    store: SweepStore,
+    base: LoadedSpec,
+    overrides: Sequence[str],
+    trials: Sequence[Trial],
+    *,
+    definition: SweepDefinition,
+    previous: SweepParent | None,
+) -> tuple[dict[int, TrialResult], str]:
+    """``(trials finished earlier, parent run id)``: the reopened parent on resume, else a new one."""
+    if previous is None:
+        return {}, store.create_parent(base, overrides, definition, trials)
+    done = store.finished_trials(previous.run_id, trials, definition.metric)
+    store.reopen(previous.run_id)
+    return done, previous.run_id
+
+
+def _run_all(
+    report: SweepReport,
+    store: SweepStore,
+    trials: Sequence[Trial],
+    todo: _Todo,
+    done: dict[int, TrialResult],
+    *,
+    how: tuple[LoadedSpec, Sequence[str], int],
+    progress: Progress,
+) -> None:
+    """Run the trials not ``done`` and fill ``report.trials``; on interrupt or error, end the parent first.
+
+    Args:
+        how: ``(base spec, --set overrides, jobs)``.
+
+    Raises:
+        Interrupted: SIGINT/SIGTERM; the parent run is KILLED.
+    """
     results: dict[int, TrialResult] = dict(done)
+    parent_id = report.parent_run_id
     started_ms = int(time.time() * 1000)
+    base, overrides, jobs = how
     try:
-        todo = [(t, loaded, plan) for t, (loaded, plan) in zip(trials, prepared, strict=False) if t.index not in done]
-        progress = _Progress(say, len(trials), definition.metric, len(done))
-        with _sigterm_interrupts():
-            for result in _run_trials(todo, base, overrides, parent_id, definition, jobs, progress):
+        with sigterm_interrupts():
+            for result in _run_trials(
+                todo, base, overrides, parent_id=parent_id, definition=report.definition, jobs=jobs, progress=progress
+            ):
                 results[result.index] = result
         report.trials = [results[t.index] for t in trials]
         store.fill_run_ids(parent_id, report.trials, started_ms)
@@ -152,17 +192,22 @@ def run_sweep(
         report.trials = [results[t.index] for t in trials if t.index in results]
         store.end_quietly(parent_id, "FAILED", traceback.format_exc(), report)
         raise
+
+
+def _finish(report: SweepReport, store: SweepStore) -> None:
+    """Note a metric nobody logged, then end the parent FINISHED, or FAILED when a trial did not finish."""
+    metric = report.definition.metric
     if report.best is None and any(t.status == "FINISHED" for t in report.trials):
-        notes.append(
-            f"no finished trial logged the metric {definition.metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
+        report.notes.append(
+            f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
     failures = [f"{t.index}: {first_line(t.error or t.status)}" for t in report.trials if t.status != "FINISHED"]
-    error = f"{len(failures)} of {len(trials)} trials did not finish: " + "; ".join(failures) if failures else None
-    store.end(parent_id, "FAILED" if failures else "FINISHED", error, report)
-    return report
+    total = len(report.trials)
+    error = f"{len(failures)} of {total} trials did not finish: " + "; ".join(failures) if failures else None
+    store.end(report.parent_run_id, "FAILED" if failures else "FINISHED", error, report)
 
 
-def _definition(base: Any, previous: SweepParent | None, **cli: Any) -> SweepDefinition:
+def _definition(base: LoadedSpec, previous: SweepParent | None, **cli: Any) -> SweepDefinition:
     """The definition from the spec and the command line; on resume, the recorded one.
 
     Raises:
@@ -185,13 +230,14 @@ def _definition(base: Any, previous: SweepParent | None, **cli: Any) -> SweepDef
 
 
 def _run_trials(
-    todo: Sequence[tuple[Trial, Any, Any]],
-    base: Any,
+    todo: _Todo,
+    base: LoadedSpec,
     overrides: Sequence[str],
+    *,
     parent_id: str,
     definition: SweepDefinition,
     jobs: int,
-    progress: _Progress,
+    progress: Progress,
 ) -> Iterator[TrialResult]:
     """Yield each trial's result as it ends: in this process, or as subprocesses (jobs > 1, or CUDA)."""
     cuda = any(plan.devices.accelerator == "cuda" for _, _, plan in todo)
@@ -199,104 +245,14 @@ def _run_trials(
         for trial, loaded, _ in todo:
             yield progress(_run_here(loaded, trial, parent_id, definition.metric))
         return
-    pool = _device_pool(base.spec, [p for _, _, p in todo], definition) if jobs > 1 else None
-    children = _Subprocesses(base.path, overrides, parent_id, definition.metric, jobs, pool, progress)
+    pool = device_pool(base.spec, [p for _, _, p in todo], definition) if jobs > 1 else None
+    children = Subprocesses(
+        base.path, overrides, parent_id=parent_id, metric=definition.metric, jobs=jobs, pool=pool, progress=progress
+    )
     yield from children.run([(t, p) for t, _, p in todo])
 
 
-# --------------------------------------------------------------------------- trials
-
-
-def without_sweep(loaded: Any) -> Any:
-    """Return ``loaded`` as a plain experiment: its ``[sweep]`` table removed, hash recomputed.
-
-    Args:
-        loaded: A :class:`runner.spec.loading.LoadedSpec`.
-
-    Raises:
-        SpecError: Cannot happen for a spec that validated with its ``[sweep]`` table.
-    """
-    from runner.spec.dump import spec_sha256
-    from runner.spec.loading import spec_from_dict
-
-    if loaded.spec.sweep is None and "sweep" not in loaded.data:
-        return loaded
-    data = {k: v for k, v in loaded.data.items() if k != "sweep"}
-    spec = spec_from_dict(data, origin=str(loaded.path))
-    return dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
-
-
-def prepare_trials(path: Path, overrides: Sequence[str], trials: Sequence[Trial]) -> list[tuple[Any, Any]]:
-    """Load, validate and plan every trial before any runs; collect every problem.
-
-    Args:
-        path: The spec file.
-        overrides: Base ``--set`` strings; each trial's own values are applied after them.
-        trials: The trials.
-
-    Returns:
-        ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
-
-    Raises:
-        SpecError: Trial specs that do not validate or name unknown models; each issue
-            keeps its key and names the trial.
-        DeviceError: Trials that ask for devices this machine does not have, one line each.
-    """
-    from runner.devices.inventory import probe_inventory
-    from runner.plan import make_plan
-    from runner.spec.loading import load_spec
-    from runner.training.models import check_model_name
-
-    inventory = probe_inventory(os.environ)
-    issues: list[SpecIssue] = []
-    device_errors: list[str] = []
-    checked: dict[tuple[str, Path], SpecError | None] = {}
-    out = []
-    for trial in trials:
-        try:
-            loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()]))
-        except SpecError as exc:
-            issues += [_in_trial(issue, trial) for issue in exc.issues]
-            continue
-        name_key = (loaded.spec.model.name, loaded.path.parent)
-        if name_key not in checked:
-            try:
-                check_model_name(*name_key)
-                checked[name_key] = None
-            except SpecError as exc:
-                checked[name_key] = exc
-        if checked[name_key] is not None:
-            issues += [_in_trial(issue, trial) for issue in checked[name_key].issues]  # type: ignore[union-attr]
-            continue
-        try:
-            out.append((loaded, make_plan(loaded, inventory=inventory)))
-        except (DeviceError, UsageError) as exc:
-            device_errors.append(f"{trial.label()}: {exc}")
-    if issues:
-        raise SpecError(issues)
-    if device_errors:
-        raise DeviceError("\n".join(device_errors))
-    return out
-
-
-def trial_tags(trial: Trial) -> tuple[tuple[str, str], ...]:
-    """MLflow tags of a trial's child run: index, values (JSON) and ``sweep.<key>`` per swept key."""
-    from runner.tracking.trackers import param_value
-
-    tags = [
-        ("runner.sweep", "trial"),
-        ("runner.sweep.trial", str(trial.index)),
-        ("runner.sweep.values", json.dumps(trial.values, default=str)),
-    ]
-    tags += [(mlflow_key(f"sweep.{k}"), param_value(v)) for k, v in trial.values.items()]
-    return tuple(tags)
-
-
-def _in_trial(issue: SpecIssue, trial: Trial) -> SpecIssue:
-    return dataclasses.replace(issue, message=f"{issue.message} [sweep {trial.label()}]")
-
-
-def _run_here(loaded: Any, trial: Trial, parent_id: str, metric: str) -> TrialResult:
+def _run_here(loaded: LoadedSpec, trial: Trial, parent_id: str, metric: str) -> TrialResult:
     """Run one trial in this process; a failure becomes a FAILED result."""
     from runner.launch.driver import ExecOptions, exec_experiment
 
@@ -307,182 +263,11 @@ def _run_here(loaded: Any, trial: Trial, parent_id: str, metric: str) -> TrialRe
         raise
     except Exception as exc:
         return TrialResult(trial.index, trial.values, None, "FAILED", None, f"{type(exc).__name__}: {exc}")
-    return TrialResult(trial.index, trial.values, out.run_id, "FINISHED", _metric(out.metrics, metric))
-
-
-def _device_pool(spec: Any, plans: Sequence[Any], definition: SweepDefinition) -> list[int] | None:
-    """GPU ids to spread concurrent single-GPU trials over, or ``None`` to leave devices alone."""
-    if not plans or any(k == "devices.ids" or k.startswith("devices.ids.") for k, _ in definition.params):
-        return None
-    if any(
-        p.devices.accelerator != "cuda" or len(p.devices.requested_ids) != 1 or p.devices.world_size != 1 for p in plans
-    ):
-        return None
-    ids = spec.devices.ids
-    return list(ids) if isinstance(ids, list) else list(range(len(plans[0].devices.visible)))
-
-
-def pick_device(load: dict[int, int], pool: Sequence[int]) -> int:
-    """The device of ``pool`` running the fewest trials (first in ``pool`` on ties)."""
-    return min(pool, key=lambda k: (load.get(k, 0), list(pool).index(k)))
-
-
-class _Subprocesses:
-    """Run trials as ``python -m runner.tools.sweep`` processes, ``jobs`` at a time."""
-
-    def __init__(
-        self,
-        path: Path,
-        overrides: Sequence[str],
-        parent_id: str,
-        metric: str,
-        jobs: int,
-        pool: list[int] | None,
-        progress: Callable[[TrialResult], TrialResult],
-    ):
-        self.path, self.overrides, self.parent_id, self.metric = path, list(overrides), parent_id, metric
-        self.jobs, self.pool, self.progress = jobs, pool, progress
-
-    def run(self, todo: Sequence[tuple[Trial, Any]]) -> Iterator[TrialResult]:
-        """Yield each trial's result as its process ends; stop every process when interrupted."""
-        queue = deque(todo)
-        running: dict[subprocess.Popen, tuple[Trial, int | None, Path]] = {}
-        load: dict[int, int] = {}
-        with tempfile.TemporaryDirectory(prefix="runner-sweep-") as tmp:
-            try:
-                while queue or running:
-                    while queue and len(running) < self.jobs:
-                        trial, plan = queue.popleft()
-                        device = pick_device(load, self.pool) if self.pool else None
-                        if device is not None:
-                            load[device] = load.get(device, 0) + 1
-                        running[self._start(Path(tmp), trial, plan, device)] = (trial, device, Path(tmp))
-                    finished = [p for p in running if p.poll() is not None]
-                    if not finished:
-                        time.sleep(0.1)
-                    for proc in finished:
-                        trial, device, folder = running.pop(proc)
-                        if device is not None:
-                            load[device] -= 1
-                        yield self.progress(self._collect(folder, trial, proc))
-            except BaseException:  # also GeneratorExit: never leave trial processes behind
-                _stop(list(running))
-                raise
-
-    def _start(self, folder: Path, trial: Trial, plan: Any, device: int | None) -> subprocess.Popen:
-        sets = [*self.overrides, *trial.overrides()] + ([f"devices.ids=[{device}]"] if device is not None else [])
-        job = folder / f"trial-{trial.index}.json"
-        job.write_text(
-            json.dumps(
-                {
-                    "path": str(self.path),
-                    "overrides": sets,
-                    "parent_run_id": self.parent_id,
-                    "run_name": f"trial-{trial.index}",
-                    "tags": trial_tags(trial),
-                    "result": str(folder / f"trial-{trial.index}.result.json"),
-                }
-            ),
-            encoding="utf-8",
-        )
-        env = dict(os.environ)
-        if plan.devices.accelerator == "cpu" and self.jobs > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
-        quiet = self.jobs > 1  # concurrent trials would interleave their output: keep it in a log
-        out = open(folder / f"trial-{trial.index}.log", "wb") if quiet else None
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-m", "runner.tools.sweep", str(job)],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT if quiet else None,
-            )
-        finally:
-            if out is not None:
-                out.close()
-
-    def _collect(self, folder: Path, trial: Trial, proc: subprocess.Popen) -> TrialResult:
-        result_file = folder / f"trial-{trial.index}.result.json"
-        if result_file.is_file():
-            data = json.loads(result_file.read_text(encoding="utf-8"))
-            value = _metric(data.get("metrics") or {}, self.metric) if data["status"] == "FINISHED" else None
-            return TrialResult(trial.index, trial.values, data.get("run_id"), data["status"], value, data.get("error"))
-        code = proc.returncode
-        status = "KILLED" if code in (130, -signal.SIGINT, -signal.SIGTERM) else "FAILED"
-        log_file = folder / f"trial-{trial.index}.log"
-        tail = (
-            log_file.read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:] if log_file.is_file() else ""
-        )
-        return TrialResult(
-            trial.index, trial.values, None, status, None, f"trial process exited with status {code}\n{tail}".strip()
-        )
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Interrupted` while trials run, so the sweep ends its runs KILLED.
-
-    (SIGINT already raises KeyboardInterrupt; a training trial installs its own handlers
-    for both and restores these afterwards.)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """Ask running trial processes to stop (their runs end KILLED), then kill what remains."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _metric(metrics: dict[str, float], name: str) -> float | None:
-    value = metrics.get(name)
-    return None if value is None else float(value)
-
-
-class _Progress:
-    """One line per finished trial: ``[sweep 2/4] trial 1 (optim.lr=0.01): FINISHED val/accuracy=0.93``."""
-
-    def __init__(self, say: Callable[[str], None], total: int, metric: str, done: int = 0):
-        self.say, self.total, self.metric, self.done = say, total, metric, done
-
-    def __call__(self, result: TrialResult) -> TrialResult:
-        self.done += 1
-        value = "" if result.metric_value is None else f" {self.metric}={result.metric_value:.6g}"
-        detail = f": {first_line(result.error)}" if result.error else ""
-        index = result.index
-        self.say(
-            f"[sweep {self.done}/{self.total}] {Trial(index, result.values).label()}: {result.status}{value}{detail}"
-        )
-        return result
+    return TrialResult(trial.index, trial.values, out.run_id, "FINISHED", trial_metric(out.metrics, metric))
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- trial process
 
 
 def _trial_main(argv: Sequence[str]) -> int:

@@ -8,7 +8,7 @@ import json
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,89 +146,6 @@ class TrialResult:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class SweepReport:
-    """Outcome of a sweep.
-
-    Attributes:
-        definition: What was swept (method, keys, budget, seed, metric, goal).
-        trials: One result per trial, by index.
-        parent_run_id: The parent MLflow run.
-        tracking_uri: Where the runs are stored.
-        experiment: MLflow experiment name.
-        notes: Things worth telling the user.
-    """
-
-    definition: SweepDefinition
-    trials: list[TrialResult]
-    parent_run_id: str
-    tracking_uri: str
-    experiment: str
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def failed(self) -> int:
-        """Number of trials that did not finish."""
-        return sum(t.status != "FINISHED" for t in self.trials)
-
-    @property
-    def best(self) -> TrialResult | None:
-        """The finished trial with the best metric (lowest index on ties), or ``None``."""
-        ranked = [
-            t
-            for t in self.trials
-            if t.status == "FINISHED" and t.metric_value is not None and not math.isnan(t.metric_value)
-        ]
-        if not ranked:
-            return None
-        sign = -1.0 if self.definition.goal == "max" else 1.0
-        return min(ranked, key=lambda t: (sign * float(t.metric_value), t.index))  # type: ignore[arg-type]
-
-    def table(self) -> str:
-        """Terminal table: trial, swept values, metric, status; the best trial marked ``*``."""
-        d = self.definition
-        keys = [k for k, _ in d.params]
-        best = self.best
-        header = ["trial", *keys, d.metric, "status"]
-        rows = []
-        for t in self.trials:
-            mark = "*" if best is not None and t.index == best.index else ""
-            status = t.status + (" (earlier run)" if t.reused else "")
-            metric = "-" if t.metric_value is None else f"{t.metric_value:.6g}"
-            rows.append([f"{t.index}{mark}", *(_show(t.values.get(k)) for k in keys), metric, status])
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = [
-            f"sweep {self.parent_run_id} (experiment {self.experiment!r}): {d.method}, {len(self.trials)} trials, "
-            f"{d.metric} ({d.goal})",
-            "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)).rstrip(),
-        ]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
-        if best is not None:
-            lines.append(f"* best: trial {best.index}, {d.metric} = {best.metric_value:.6g} (run {best.run_id})")
-        else:
-            lines.append(f"no finished trial logged {d.metric}")
-        for t in self.trials:
-            if t.status != "FINISHED" and t.error:
-                lines.append(f"trial {t.index} {t.status}: {first_line(t.error)}")
-        lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"compare the trials: mlflow ui --backend-store-uri {self.tracking_uri}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able summary (``runner sweep --json``; artifact ``sweep_report.json`` of the parent)."""
-        best = self.best
-        return {
-            "parent_run_id": self.parent_run_id,
-            "tracking_uri": self.tracking_uri,
-            "experiment": self.experiment,
-            "definition": self.definition.to_json(),
-            "failed": self.failed,
-            "best": None if best is None else best.to_json(),
-            "trials": [t.to_json() for t in self.trials],
-            "notes": list(self.notes),
-        }
-
-
 def toml_value(value: Any) -> str:
     """Write one value as TOML value text (what ``--set key=<text>`` reads back to ``value``).
 
@@ -327,6 +244,33 @@ def build_definition(
         SpecError: A range in the spec's ``[sweep.params]`` while the method is grid.
     """
     base = sweep or SweepSpec()
+    params = _merge_params(base, grid, random)
+    method = "random" if random else base.method
+    trials = num_trials if num_trials is not None else base.num_trials
+    if trials is not None and trials < 1:
+        raise UsageError(f"--num-trials {trials}: give at least 1")
+    if method == "random" and trials is None:
+        raise UsageError("random sampling needs a trial budget: pass --num-trials N (or set sweep.num_trials)")
+    if method == "grid":
+        _check_no_ranges(params, spec_file, key_lines or {})
+    if seed is not None and seed < 0:
+        raise UsageError(f"--seed {seed}: give a seed >= 0")
+    return SweepDefinition(
+        method=method,
+        params=tuple(params.items()),
+        num_trials=trials,
+        seed=base.seed if seed is None else seed,
+        metric=metric or base.metric,
+        goal=goal or base.goal,
+    )
+
+
+def _merge_params(base: SweepSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, SweepParam]:
+    """The spec's ``[sweep.params]`` with the command-line entries added or replacing (same position).
+
+    Raises:
+        UsageError: A malformed or repeated entry, nothing to sweep, or a forbidden key.
+    """
     params: dict[str, SweepParam] = dict(base.params)
     given: set[str] = set()
     for flag, entries, parse in (("--grid", grid, parse_grid), ("--random", random, parse_random)):
@@ -343,38 +287,21 @@ def build_definition(
     for key in params:
         if key.split(".", 1)[0] in FORBIDDEN_PREFIXES:
             raise UsageError(f"cannot sweep {key}: every trial is recorded in the sweep's own store and experiment")
-    method = "random" if random else base.method
-    trials = num_trials if num_trials is not None else base.num_trials
-    if trials is not None and trials < 1:
-        raise UsageError(f"--num-trials {trials}: give at least 1")
-    if method == "random" and trials is None:
-        raise UsageError("random sampling needs a trial budget: pass --num-trials N (or set sweep.num_trials)")
-    if method == "grid":
-        ranges = [k for k, p in params.items() if p.values is None]
-        if ranges:
-            issues = []
-            for key in ranges:
-                loc = ("sweep", "params", key)
-                line = (key_lines or {}).get(loc)
-                issues.append(
-                    SpecIssue(
-                        spec_file,
-                        line,
-                        f'sweep.params."{key}"',
-                        'a range (low/high) cannot be gridded: set sweep.method = "random" with num_trials, '
-                        "or list values = [...]",
-                    )
-                )
-            raise SpecError(issues)
-    if seed is not None and seed < 0:
-        raise UsageError(f"--seed {seed}: give a seed >= 0")
-    return SweepDefinition(
-        method=method,
-        params=tuple(params.items()),
-        num_trials=trials,
-        seed=base.seed if seed is None else seed,
-        metric=metric or base.metric,
-        goal=goal or base.goal,
+    return params
+
+
+def _check_no_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, key_lines: Mapping[tuple, int]) -> None:
+    """A grid needs explicit values: one located issue per key given as a range.
+
+    Raises:
+        SpecError: Some key has ``low``/``high`` instead of ``values``.
+    """
+    ranges = [k for k, p in params.items() if p.values is None]
+    if not ranges:
+        return
+    hint = 'a range (low/high) cannot be gridded: set sweep.method = "random" with num_trials, or list values = [...]'
+    raise SpecError(
+        [SpecIssue(spec_file, key_lines.get(("sweep", "params", key)), f'sweep.params."{key}"', hint) for key in ranges]
     )
 
 
@@ -391,7 +318,7 @@ def expand(definition: SweepDefinition) -> list[Trial]:
     """
     keys = [k for k, _ in definition.params]
     if definition.method == "grid":
-        grid = itertools.product(*(p.values for _, p in definition.params))
+        grid = itertools.product(*(p.values or [] for _, p in definition.params))  # a grid has no ranges
         points = itertools.islice(grid, definition.num_trials)
         return [Trial(i, dict(zip(keys, point, strict=False))) for i, point in enumerate(points)]
     rng = random.Random(definition.seed)
@@ -436,17 +363,3 @@ def _param(where: str, **fields: Any) -> SweepParam:
     except ValidationError as exc:
         reasons = "; ".join(str(e.get("msg", e)).removeprefix("Value error, ") for e in exc.errors(include_url=False))
         raise UsageError(f"{where}: {reasons}") from None
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return "-" if value is None else (value if isinstance(value, str) else toml_value(value))
-
-
-def first_line(text: str) -> str:
-    """One line of an error: its first, or the last of a dead process's output (where the error is)."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return lines[-1] if lines[0].startswith("trial process exited") else lines[0]

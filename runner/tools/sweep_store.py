@@ -1,6 +1,7 @@
-"""The MLflow side of a sweep: parent run, child runs, resume records, best trial.
+"""What a sweep records: its parent run, the trials' child runs, resume records and the best trial.
 
-Uses :class:`mlflow.tracking.MlflowClient` only; mlflow is imported inside functions.
+The MLflow calls are :mod:`runner.tracking.parents` and :mod:`runner.tracking.runs`; this
+module decides only the sweep's names, tags, params and texts.
 """
 
 from __future__ import annotations
@@ -9,11 +10,19 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner.errors import TrackingError, UsageError
-from runner.tools.sweep_space import SweepDefinition, SweepReport, Trial, TrialResult
+from runner.tools.sweep_report import SweepReport
+from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
+from runner.tracking import parents
+from runner.tracking.tags import source_tags
+from runner.tracking.values import max_param_chars, max_tag_chars, safe_key
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.tracking.parents import RunRecord
 
 
 @dataclass(frozen=True)
@@ -27,67 +36,49 @@ class SweepParent:
 
 
 class SweepStore:
-    """The sweep's MLflow side: parent run, children, best trial. Uses MlflowClient only."""
+    """The sweep's runs in one tracking store and experiment.
+
+    Nothing touches the store before a method that needs it is called, so trials can be
+    validated before anything is written.
+
+    Args:
+        uri: Tracking URI.
+        experiment: Experiment name.
+    """
 
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
-        self._client: Any = None
-
-    @property
-    def client(self) -> Any:
-        """The MlflowClient, made on first use (nothing touches the store before trials validate)."""
-        if self._client is None:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.uri)
-        return self._client
 
     @classmethod
-    def for_spec(cls, spec: Any) -> SweepStore:
-        from runner.tracking.runs import resolve_tracking_uri
+    def for_spec(cls, spec: ExperimentSpec) -> SweepStore:
+        """The store and experiment the spec's runs are recorded in."""
+        from runner.tracking.uri import resolve_tracking_uri
 
         return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
 
     def check(self) -> None:
         """Raise TrackingError when the store cannot be used."""
-        from runner.tracking.runs import check_reachable
+        from runner.tracking.uri import check_reachable
 
         check_reachable(self.uri)
 
     def experiment_id(self) -> str:
-        from mlflow.exceptions import MlflowException
-
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is None:
-            try:
-                return self.client.create_experiment(self.experiment)
-            except MlflowException:
-                exp = self.client.get_experiment_by_name(self.experiment)  # created meanwhile by another process
-                if exp is None:
-                    raise
-        if exp.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"MLflow experiment {self.experiment!r} at {self.uri} is deleted: restore it or use another name"
-            )
-        return exp.experiment_id
+        """Id of the sweep's experiment (created when missing)."""
+        return parents.experiment_id(self.uri, self.experiment)
 
     def create_parent(
-        self, base: Any, overrides: Sequence[str], definition: SweepDefinition, trials: Sequence[Trial]
+        self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, trials: Sequence[Trial]
     ) -> str:
-        from mlflow.entities import Param
-        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
-
-        spec = base.spec
+        """Create the parent run: definition as params (and tag), ``sweep.json`` and the spec file as artifacts."""
         recorded = json.dumps(definition.to_json(), default=str)
         tags = {
             "runner.sweep": "parent",
             "runner.sweep.overrides": json.dumps(list(overrides)),
             "runner.spec.path": str(base.path),
             "runner.spec.sha256": base.sha256,
-            "mlflow.source.name": str(base.path),
-            "mlflow.source.type": "LOCAL",
+            **source_tags(str(base.path)),
         }
-        if len(recorded) <= MAX_TAG_VAL_LENGTH:
+        if len(recorded) <= max_tag_chars():
             tags["runner.sweep.definition"] = recorded
         params = {
             "sweep.method": definition.method,
@@ -96,43 +87,46 @@ class SweepStore:
             "sweep.goal": definition.goal,
             "sweep.num_trials": str(len(trials)),
         }
-        params.update({mlflow_key(f"sweep.params.{k}"): definition.describe(k)[:6000] for k, _ in definition.params})
-        try:
-            run = self.client.create_run(self.experiment_id(), tags=tags, run_name=f"{spec.name}-sweep")
-        except Exception as exc:
-            raise TrackingError(f"could not create the sweep's parent run at {self.uri}: {exc}") from exc
-        run_id = run.info.run_id
-        try:
-            self.client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()], synchronous=True)
-            sweep_json = {
-                "spec": str(base.path),
-                "overrides": list(overrides),
-                "definition": definition.to_json(),
-                "trials": [{"index": t.index, "values": t.values, "overrides": t.overrides()} for t in trials],
-            }
-            self.client.log_text(run_id, json.dumps(sweep_json, indent=2, default=str) + "\n", "sweep.json")
-            self.client.log_text(run_id, base.source_text, f"spec/{base.path.name}")
-        except Exception as exc:
-            self.client.set_terminated(run_id, "FAILED")
-            raise TrackingError(f"could not record sweep {run_id} at {self.uri}: {exc}") from exc
-        return run_id
+        limit = max_param_chars()
+        params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k, _ in definition.params})
+        sweep_json = {
+            "spec": str(base.path),
+            "overrides": list(overrides),
+            "definition": definition.to_json(),
+            "trials": [{"index": t.index, "values": t.values, "overrides": t.overrides()} for t in trials],
+        }
+        texts = {
+            "sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n",
+            f"spec/{base.path.name}": base.source_text,
+        }
+        return parents.create_parent_run(
+            self.uri,
+            self.experiment,
+            run_name=f"{base.spec.name}-sweep",
+            tags=tags,
+            params=params,
+            texts=texts,
+            what="the sweep's parent run",
+        )
 
     def sweep_parent(self, run_id: str) -> SweepParent:
-        """Read an earlier sweep's parent run (``--resume``)."""
-        from mlflow.exceptions import MlflowException
+        """Read an earlier sweep's parent run (``--resume``).
 
-        try:
-            run = self.client.get_run(run_id)
-        except MlflowException:
+        Raises:
+            UsageError: No such run, not a sweep's parent, another experiment's, or its
+                recorded definition cannot be read.
+        """
+        run = parents.find_run(self.uri, run_id)
+        if run is None:
             raise UsageError(
                 f"--resume {run_id}: no such run at {self.uri} (copy the parent run id from the sweep's output)"
-            ) from None
-        tags = run.data.tags
+            )
+        tags = run.tags
         if tags.get("runner.sweep") != "parent":
             raise UsageError(
                 f'--resume {run_id}: not the parent run of a sweep (tag runner.tools.sweep = "parent" missing)'
             )
-        if run.info.experiment_id != self.experiment_id():
+        if run.experiment_id != self.experiment_id():
             raise UsageError(
                 f"--resume {run_id}: the sweep belongs to another MLflow experiment than {self.experiment!r}"
             )
@@ -140,40 +134,29 @@ class SweepStore:
             if "runner.sweep.definition" in tags:
                 recorded = json.loads(tags["runner.sweep.definition"])
             else:  # too long for a tag: read the artifact
-                local = self.client.download_artifacts(run_id, "sweep.json")
-                recorded = json.loads(Path(local).read_text(encoding="utf-8"))["definition"]
+                recorded = json.loads(parents.read_text_artifact(self.uri, run_id, "sweep.json"))["definition"]
             definition = SweepDefinition.from_json(recorded)
-        except (MlflowException, OSError, ValueError, KeyError) as exc:
+        except (TrackingError, ValueError, KeyError) as exc:
             raise UsageError(f"--resume {run_id}: cannot read the sweep's recorded definition: {exc}") from None
         return SweepParent(
             run_id, definition, json.loads(tags.get("runner.sweep.overrides", "[]")), tags.get("runner.spec.sha256")
         )
 
-    def children(self, parent_id: str) -> list[Any]:
+    def children(self, parent_id: str) -> list[RunRecord]:
         """Every child run of ``parent_id``, oldest first."""
-        runs, token = [], None
-        while True:
-            page = self.client.search_runs(
-                [self.experiment_id()],
-                filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
-                order_by=["attributes.start_time ASC"],
-                page_token=token,
-            )
-            runs += list(page)
-            token = page.token
-            if not token:
-                return runs
+        return parents.child_runs(self.uri, self.experiment_id(), parent_id)
 
     def finished_trials(self, parent_id: str, trials: Sequence[Trial], metric: str) -> dict[int, TrialResult]:
         """Trials with a FINISHED child run of the same index and values."""
         found: dict[int, TrialResult] = {}
         by_index = {t.index: t for t in trials}
         for run in self.children(parent_id):
-            trial = by_index.get(_int(run.data.tags.get("runner.sweep.trial")))
-            if trial is None or run.info.status != "FINISHED" or _values(run) != trial.values:
+            index = _trial_index(run)
+            trial = None if index is None else by_index.get(index)
+            if trial is None or run.status != "FINISHED" or _values(run) != trial.values:
                 continue
             found[trial.index] = TrialResult(
-                trial.index, trial.values, run.info.run_id, "FINISHED", run.data.metrics.get(metric), reused=True
+                trial.index, trial.values, run.run_id, "FINISHED", run.metrics.get(metric), reused=True
             )
         return found
 
@@ -188,27 +171,31 @@ class SweepStore:
         if not missing:
             return
         for run in self.children(parent_id):
-            result = missing.get(_int(run.data.tags.get("runner.sweep.trial")))
-            if result is None or run.info.start_time < since_ms or _values(run) != result.values:
+            index = _trial_index(run)
+            result = None if index is None else missing.get(index)
+            if result is None or run.start_time_ms < since_ms or _values(run) != result.values:
                 continue
-            result.run_id = run.info.run_id  # the newest matching child wins (oldest first)
-            if run.info.status == "RUNNING":
-                end_run(self.uri, run.info.run_id, "FAILED", result.error or "the trial process died")
+            result.run_id = run.run_id  # the newest matching child wins (oldest first)
+            if run.status == "RUNNING":
+                end_run(self.uri, run.run_id, "FAILED", result.error or "the trial process died")
 
     def reopen(self, run_id: str) -> None:
-        self.client.update_run(run_id, status="RUNNING")
+        """Mark the parent RUNNING again for a resumed sweep."""
+        parents.mark_running(self.uri, run_id)
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport) -> None:
         """Record the best trial and the report on the parent run, then end it with ``status``."""
         from runner.tracking.runs import end_run
 
         best = report.best if report.trials else None
-        if best is not None:
-            self.client.log_metric(run_id, mlflow_key(f"best/{report.definition.metric}"), float(best.metric_value))  # type: ignore[arg-type]
-            self.client.set_tag(run_id, "runner.sweep.best_run_id", best.run_id or "")
-            self.client.set_tag(run_id, "runner.sweep.best_trial", str(best.index))
-        self.client.set_tag(run_id, "runner.sweep.failed", str(report.failed))
-        self.client.log_text(run_id, json.dumps(report.to_json(), indent=2, default=str) + "\n", "sweep_report.json")
+        metrics: dict[str, float] = {}
+        tags = {"runner.sweep.failed": str(report.failed)}
+        if best is not None and best.metric_value is not None:
+            metrics[safe_key(f"best/{report.definition.metric}")] = float(best.metric_value)
+            tags["runner.sweep.best_run_id"] = best.run_id or ""
+            tags["runner.sweep.best_trial"] = str(best.index)
+        texts = {"sweep_report.json": json.dumps(report.to_json(), indent=2, default=str) + "\n"}
+        parents.record_summary(self.uri, run_id, metrics=metrics, tags=tags, texts=texts)
         end_run(self.uri, run_id, status, error)
 
     def end_quietly(self, run_id: str, status: str, error: str | None, report: SweepReport) -> None:
@@ -219,20 +206,17 @@ class SweepStore:
             print(f"runner: could not end sweep run {run_id} with status {status}: {exc}", file=sys.stderr, flush=True)
 
 
-def mlflow_key(key: str) -> str:
-    """Replace characters MLflow rejects in param, tag and metric names with ``_``."""
-    return "".join(c if c.isalnum() or c in "_-./ :" else "_" for c in key)
-
-
-def _values(run: Any) -> Any:
+def _values(run: RunRecord) -> object:
+    """The trial values recorded on a child run (``None`` when unreadable)."""
     try:
-        return json.loads(run.data.tags.get("runner.sweep.values", "null"))
+        return json.loads(run.tags.get("runner.sweep.values", "null"))
     except ValueError:
         return None
 
 
-def _int(text: str | None) -> int | None:
+def _trial_index(run: RunRecord) -> int | None:
+    """The trial index recorded on a child run (``None`` when missing or unreadable)."""
     try:
-        return int(text) if text is not None else None
-    except ValueError:
+        return int(run.tags["runner.sweep.trial"])
+    except (KeyError, ValueError):
         return None

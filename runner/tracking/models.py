@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def log_model(uri: str | None, run_id: str, model: Any, example: Any) -> None:
+def log_model(uri: str | None, run_id: str, model: torch.nn.Module, example: torch.Tensor) -> None:
     """Save the unwrapped model in MLflow's pytorch flavour and upload it as artifact ``model/``.
 
     ``mlflow.pytorch.save_model`` + ``MlflowClient.log_artifacts`` keep MLflow's fluent run
@@ -17,6 +20,9 @@ def log_model(uri: str | None, run_id: str, model: Any, example: Any) -> None:
         run_id: The run.
         model: The unwrapped ``nn.Module``; moved to CPU and put in eval mode.
         example: One input of shape ``(1, *input_shape)``; it gives the model signature.
+
+    Raises:
+        mlflow.exceptions.MlflowException: MLflow cannot save or upload the model.
     """
     import tempfile
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 
-def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> Any:
+def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemMetricsMonitor:
     """Start MLflow's system metrics monitor for ``run_id``; see ``mlflow.system_metrics``.
 
     Args:

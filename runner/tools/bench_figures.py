@@ -1,0 +1,132 @@
+"""The figures of a ``runner bench`` comparison and how they are computed (pure functions; no torch).
+
+Definitions used everywhere (table, JSON, chart, README):
+
+* **samples/s** = samples in the timed steps / sum of the timed step times. Warm-up steps are
+  not timed. In ddp every rank times its own steps and the slowest rank (largest total) is used,
+  since a step ends for the job when the last rank finishes it.
+* **step p50 / p90**: median and 90th percentile (linear interpolation) of the timed step times.
+* **data wait**: sum of the time spent waiting for the DataLoader / sum of the step times, on the
+  same rank.
+* **scaling efficiency** of a configuration on ``n`` devices (dp) or processes (ddp) =
+  samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
+  definition; with no ``none`` measurement it is not available.
+* **final loss**: ``train/loss`` after the last step. For models without batch-statistics or
+  dropout layers every mode computes the same optimizer steps (DESIGN section 3), so a
+  configuration whose final loss differs from ``none`` by more than ``loss_tolerance``
+  (relative) is flagged, with the last step up to which the two loss curves still agreed: a
+  curve that parts at the first steps computes something else; one that parts late has
+  amplified float rounding (n processes sum gradients in another order than one).
+  BatchNorm normalises over each device's share of the batch and dropout draws per-rank
+  masks, so for such models the losses are reported but not compared.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+LOSS_TOLERANCE = 1e-4
+NOT_COMPARABLE = "not comparable: batch-statistics layers"
+
+
+def comparability(batch_statistics: bool, dropout: bool = False) -> str:
+    """``""`` when losses of different modes must agree, else ``"not comparable: <why>"``."""
+    kinds = [k for k, on in (("batch-statistics layers", batch_statistics), ("dropout layers", dropout)) if on]
+    return "not comparable: " + " and ".join(kinds) if kinds else ""
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of ``values`` (``nan`` when empty)."""
+    return float(statistics.median(values)) if values else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
+
+    Matches ``numpy.percentile(values, q)`` (its default "linear" method).
+
+    Raises:
+        ValueError: ``q`` is outside 0..100.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(float(v) for v in values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def throughput(samples: int, step_times_s: Sequence[float]) -> float:
+    """Samples per second over the given steps: ``samples / sum(step_times_s)`` (0 when no time)."""
+    total = float(sum(step_times_s))
+    return samples / total if total > 0 else 0.0
+
+
+def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: float | None, n: int) -> float | None:
+    """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline.
+
+    Args:
+        samples_per_s: Throughput of the configuration.
+        baseline_samples_per_s: Throughput of ``none`` (one device), or ``None``.
+        n: Devices (dp) or processes (ddp) of the configuration.
+    """
+    if not baseline_samples_per_s or baseline_samples_per_s <= 0 or n < 1:
+        return None
+    return samples_per_s / (n * baseline_samples_per_s)
+
+
+def losses_agree(a: float, b: float, tolerance: float = LOSS_TOLERANCE) -> bool:
+    """``|a - b| <= tolerance * max(|a|, |b|)``."""
+    return math.isclose(a, b, rel_tol=tolerance, abs_tol=0.0)
+
+
+def agrees_through(
+    curve: dict[int, float], baseline: dict[int, float], tolerance: float = LOSS_TOLERANCE
+) -> int | None:
+    """Last step up to which two ``{step: loss}`` curves agree at every common step (``None``: not even the first)."""
+    last = None
+    for step in sorted(set(curve) & set(baseline)):
+        if not losses_agree(curve[step], baseline[step], tolerance):
+            break
+        last = step
+    return last
+
+
+def loss_check(
+    loss: float | None,
+    baseline: float | None,
+    *,
+    not_comparable: str = "",
+    tolerance: float = LOSS_TOLERANCE,
+    agreed_through: int | None = None,
+    last_step: int | None = None,
+) -> str:
+    """Compare a final loss to ``none``'s.
+
+    Args:
+        loss: Final ``train/loss`` of the configuration.
+        baseline: Final ``train/loss`` of ``none``.
+        not_comparable: From :func:`comparability`; when set it is returned as is.
+        tolerance: Relative tolerance.
+        agreed_through: Last step up to which the loss curves agreed (see :func:`agrees_through`).
+        last_step: The final step, shown with ``agreed_through``.
+
+    Returns:
+        ``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"``.
+    """
+    if not_comparable:
+        return not_comparable
+    if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
+        return "no baseline"
+    if losses_agree(loss, baseline, tolerance):
+        return "ok"
+    rel = abs(loss - baseline) / max(abs(loss), abs(baseline))
+    text = f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
+    if last_step is not None:
+        text += f"; curves agree through step {agreed_through or 0} of {last_step}"
+    return text

@@ -1,0 +1,149 @@
+"""Provenance of a new run: its tags (source, git, versions, host, devices) and its git artifacts.
+
+Neither mlflow nor torch is imported when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.tracking.gitinfo import git_diff
+from runner.tracking.values import max_tag_chars, param_value, shorten
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+    from runner.tracking.gitinfo import GitInfo
+
+
+def _torch_versions() -> tuple[str, str]:
+    """``(torch version, CUDA version of the torch build or "none")`` without initialising CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return "none", "none"
+    return str(torch.__version__), str(torch.version.cuda or "none")
+
+
+def _runner_version() -> str:
+    import runner
+
+    return str(getattr(runner, "__version__", "unknown"))
+
+
+def source_tags(source: str) -> dict[str, str]:
+    """MLflow's source tags of a run started from a local file (``mlflow.source.name``, ``mlflow.source.type``).
+
+    Args:
+        source: The spec file, as shown in the MLflow UI.
+    """
+    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": source}
+
+
+def _git_tags(info: GitInfo) -> dict[str, str]:
+    """``runner.git.*`` and MLflow's ``mlflow.source.git.*`` tags of a working tree."""
+    tags = {
+        "runner.git.dirty": "true" if info.dirty else "false",
+        "runner.git.untracked_files": str(info.untracked_count),
+    }
+    if info.commit:
+        tags["mlflow.source.git.commit"] = info.commit
+    if info.branch:
+        tags["runner.git.branch"] = info.branch
+        tags["mlflow.source.git.branch"] = info.branch
+    if info.remote_url:
+        tags["mlflow.source.git.repoURL"] = info.remote_url
+    return tags
+
+
+def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
+    """``runner.devices``, ``runner.world_size`` and ``runner.accelerator`` from a plan description.
+
+    ``plan_description`` is either a ``DevicePlan`` description or a whole plan holding one
+    under ``"devices"``.
+    """
+    tags: dict[str, Any] = {}
+    nested = plan_description.get("devices")
+    device_plan = nested if isinstance(nested, Mapping) else plan_description
+    names = device_plan.get("names") or [
+        d["name"] for d in device_plan.get("devices") or () if isinstance(d, Mapping) and d.get("name")
+    ]
+    if names:
+        tags["runner.devices"] = ", ".join(str(n) for n in names)
+    elif device_plan.get("accelerator") == "cpu":
+        tags["runner.devices"] = "cpu"
+    for key in ("world_size", "accelerator"):
+        value = plan_description.get(key, device_plan.get(key))
+        if value is not None:
+            tags[f"runner.{key}"] = value
+    return tags
+
+
+def run_tags(
+    loaded: LoadedSpec,
+    plan_description: Mapping[str, Any],
+    info: GitInfo | None,
+    extra_tags: Mapping[str, Any] | None = None,
+    parent_run_id: str | None = None,
+) -> dict[str, str]:
+    """Build the tags of a new run: provenance, environment, spec tags, then ``extra_tags``.
+
+    Args:
+        loaded: A ``LoadedSpec``.
+        plan_description: ``DevicePlan.describe()``; ``devices[*].name`` (or ``names``),
+            ``world_size``, ``accelerator`` and ``mode`` are read when present.
+        info: :class:`runner.tracking.gitinfo.GitInfo` of the repository holding the spec, or ``None``.
+        extra_tags: Tags that override all others.
+        parent_run_id: Set ``mlflow.parentRunId`` (nested runs).
+
+    Returns:
+        Tag key -> string value (values cut to MLflow's ``MAX_TAG_VAL_LENGTH``).
+    """
+    spec = loaded.spec
+    torch_version, cuda_version = _torch_versions()
+    spec_path = info.relpath(loaded.path) if info is not None else str(Path(loaded.path).resolve())
+    tags: dict[str, Any] = {
+        **source_tags(spec_path),
+        "runner.spec.path": spec_path,
+        "runner.spec.sha256": loaded.sha256,
+        "runner.version": _runner_version(),
+        "runner.torch_version": torch_version,
+        "runner.cuda_version": cuda_version,
+        "runner.hostname": socket.gethostname(),
+        "runner.parallel_mode": plan_description.get("mode", spec.parallel.mode),
+    }
+    with contextlib.suppress(Exception):  # no user name in containers without a passwd entry
+        tags["mlflow.user"] = getpass.getuser()
+    if info is not None:
+        tags.update(_git_tags(info))
+    tags.update(_device_tags(plan_description))
+    if spec.description:
+        tags["mlflow.note.content"] = spec.description
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    tags.update(spec.tags)
+    tags.update(extra_tags or {})
+    limit = max_tag_chars()
+    return {k: shorten(param_value(v), limit, "the run's artifacts") for k, v in tags.items()}
+
+
+def git_artifacts(info: GitInfo | None) -> dict[str, str]:
+    """The git artifacts of a new run: artifact path -> text.
+
+    ``git/diff.patch`` (``git diff HEAD``) when tracked files differ from ``HEAD``, and
+    ``git/untracked.txt`` (one path a line, with a count of those not listed) when untracked
+    files exist; nothing outside a repository.
+    """
+    out: dict[str, str] = {}
+    if info is None:
+        return out
+    if info.dirty:
+        out["git/diff.patch"] = git_diff(info)
+    if info.untracked:
+        more = info.untracked_count - len(info.untracked)
+        out["git/untracked.txt"] = "\n".join(info.untracked) + (f"\n[... and {more} more]" if more > 0 else "") + "\n"
+    return out

@@ -1,0 +1,190 @@
+"""The tracking store: which URI a run logs to, and whether that store can be used before training starts.
+
+Neither mlflow nor torch is imported here; the HTTP check uses ``requests`` (an MLflow
+dependency), imported inside the function that needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from runner.errors import TrackingError
+
+if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
+
+_BARE_URIS = ("databricks", "databricks-uc", "uc")
+_SERVER_HINT = (
+    "start a server with `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`, "
+    "fix tracking.uri in the spec, or unset MLFLOW_TRACKING_URI to log to ./mlflow.db"
+)
+
+
+def _absolute_uri(uri: str, cwd: Path) -> str:
+    """Resolve a relative sqlite path, ``file:`` URI or plain path against ``cwd``."""
+    if uri in _BARE_URIS:
+        return uri
+    if uri.startswith("sqlite:"):
+        prefix = "sqlite:///"
+        if not uri.startswith(prefix):
+            return uri  # sqlite:// (in memory) or something MLflow will reject with its own message
+        rest, sep, query = uri[len(prefix) :].partition("?")
+        if not rest or rest.startswith(":memory:") or rest.startswith("/"):
+            return uri
+        return f"{prefix}{(cwd / rest).resolve()}{sep}{query}"
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        path = Path(parts.path)
+        if parts.netloc or path.is_absolute():
+            return uri
+        return (cwd / path).resolve().as_uri()
+    if len(parts.scheme) > 1:  # http, https, postgresql, databricks://profile, ...
+        return uri
+    return str((cwd / Path(uri).expanduser()).resolve())  # plain local path (a file store)
+
+
+def resolve_tracking_uri(
+    spec: ExperimentSpec, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
+) -> str:
+    """Return the tracking URI a run of ``spec`` logs to.
+
+    Precedence: ``spec.tracking.uri``, then ``$MLFLOW_TRACKING_URI``, then
+    ``sqlite:///<cwd>/mlflow.db``. A relative sqlite path, relative ``file:`` URI or plain
+    path is resolved once against ``cwd`` (MLflow's own convention), so worker processes
+    started elsewhere log to the same store.
+
+    Args:
+        spec: An ``ExperimentSpec`` (only ``spec.tracking.uri`` is read).
+        env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
+        cwd: Folder relative paths are taken from. Default: the current directory.
+
+    Returns:
+        An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
+    """
+    env = os.environ if env is None else env
+    base = Path.cwd() if cwd is None else Path(cwd)
+    raw = (spec.tracking.uri or "").strip() or env.get("MLFLOW_TRACKING_URI", "").strip()
+    if not raw:
+        return f"sqlite:///{(base / 'mlflow.db').resolve()}"
+    return _absolute_uri(raw, base)
+
+
+def _local_store_path(uri: str) -> tuple[str, Path] | None:
+    """``("sqlite"|"file", path)`` for local stores, ``None`` for anything else."""
+    if uri.startswith("sqlite:///"):
+        rest = uri[len("sqlite:///") :].partition("?")[0]
+        if not rest or rest.startswith(":memory:"):
+            return None
+        return "sqlite", Path(rest if rest.startswith("/") else os.path.abspath(rest))
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        from urllib.request import url2pathname
+
+        return "file", Path(url2pathname(parts.path))
+    if uri not in _BARE_URIS and len(parts.scheme) <= 1:
+        return "file", Path(uri).expanduser()
+    return None
+
+
+def _http_auth() -> tuple[dict[str, str], tuple[str, str] | None, bool | str]:
+    """Headers, basic auth and TLS verification from MLflow's standard environment variables."""
+    headers: dict[str, str] = {}
+    auth = None
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    elif user and password:
+        auth = (user, password)
+    verify: bool | str = True
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true"):
+        verify = False
+    elif os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):
+        verify = os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"]
+    return headers, auth, verify
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, before any training, when the tracking store cannot be used.
+
+    http(s): ``GET <uri>/health`` (falling back to the REST experiments-search endpoint),
+    with no retries. sqlite: the database's folder exists and is writable (and the file,
+    if it exists, too). Local file store: the folder, or its parent, is writable. Other
+    schemes (postgresql, databricks, ...) are not checked here. Nothing is written.
+
+    Args:
+        uri: An absolute tracking URI, e.g. from :func:`resolve_tracking_uri`.
+        timeout_s: Seconds to wait for the server to answer each request.
+
+    Raises:
+        TrackingError: The server does not answer, answers like something other than an
+            MLflow server, rejects the credentials, or the local store is not writable.
+    """
+    if urlsplit(uri).scheme in ("http", "https"):
+        _check_http(uri, timeout_s)
+        return
+    local = _local_store_path(uri)
+    if local is None:
+        return
+    kind, path = local
+    if kind == "sqlite":
+        _check_sqlite(uri, path)
+        return
+    target = path if path.exists() else path.parent
+    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+        raise TrackingError(f"tracking store {uri}: {target} is not a writable folder")
+
+
+def _check_sqlite(uri: str, path: Path) -> None:
+    """The database's folder exists and is writable (sqlite writes a journal beside it), the file too."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise TrackingError(
+            f"tracking store {uri}: folder {folder} does not exist; create it (mkdir -p {folder}) "
+            "or set tracking.uri / MLFLOW_TRACKING_URI to another location"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise TrackingError(
+            f"tracking store {uri}: folder {folder} is not writable (sqlite writes a journal next to the database)"
+        )
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise TrackingError(f"tracking store {uri}: database {path} is not readable and writable by this user")
+
+
+def _check_http(uri: str, timeout_s: float) -> None:
+    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`."""
+    import requests
+
+    headers, auth, verify = _http_auth()
+    base = uri.rstrip("/")
+
+    def get(endpoint: str) -> int:
+        try:
+            resp = requests.get(
+                base + endpoint, headers=headers, auth=auth, verify=verify, timeout=timeout_s, allow_redirects=True
+            )
+        except requests.exceptions.RequestException as exc:
+            raise TrackingError(
+                f"cannot reach the MLflow tracking server at {uri} ({type(exc).__name__}: {exc}); {_SERVER_HINT}"
+            ) from exc
+        return resp.status_code
+
+    health = get("/health")
+    if health == 200:
+        return
+    api = get("/api/2.0/mlflow/experiments/search?max_results=1")
+    if api == 200:
+        return
+    if api in (401, 403):
+        raise TrackingError(
+            f"the MLflow tracking server at {uri} rejected the request (HTTP {api}): set MLFLOW_TRACKING_TOKEN, "
+            "or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+    raise TrackingError(
+        f"{uri} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does not look like "
+        f"an MLflow tracking server; {_SERVER_HINT}"
+    )

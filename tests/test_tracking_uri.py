@@ -1,0 +1,111 @@
+"""Tests of runner.tracking.uri: which store a run logs to, and the checks made before any run exists."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from runner.errors import TrackingError
+from runner.tracking.uri import check_reachable, resolve_tracking_uri
+
+# --------------------------------------------------------------------------- URI
+
+
+def spec_with_uri(value):
+    return SimpleNamespace(tracking=SimpleNamespace(uri=value))
+
+
+def test_resolve_uri_precedence(tmp_path):
+    env = {"MLFLOW_TRACKING_URI": "http://env-host:5000"}
+    assert resolve_tracking_uri(spec_with_uri("http://spec-host:5000"), env=env) == "http://spec-host:5000"
+    assert resolve_tracking_uri(spec_with_uri(None), env=env) == "http://env-host:5000"
+    assert (
+        resolve_tracking_uri(spec_with_uri(None), env={}, cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    )
+    assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": "  "}, cwd=tmp_path).startswith(
+        "sqlite:////"
+    )
+
+
+def test_resolve_uri_makes_local_paths_absolute(tmp_path):
+    def r(value):
+        return resolve_tracking_uri(spec_with_uri(value), env={}, cwd=tmp_path)
+
+    base = tmp_path.resolve()
+    assert r("sqlite:///runs/m.db") == f"sqlite:///{base}/runs/m.db"
+    assert r("sqlite:///m.db?timeout=30") == f"sqlite:///{base}/m.db?timeout=30"
+    assert r("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert r("mlruns") == str(base / "mlruns")
+    assert r("file:mlruns") == (base / "mlruns").as_uri()
+    assert r("file:///abs/mlruns") == "file:///abs/mlruns"
+    assert r("https://host/mlflow") == "https://host/mlflow"
+    assert r("databricks") == "databricks"
+    assert r("postgresql://u@h/db") == "postgresql://u@h/db"
+    # from the environment too, resolved once
+    env = {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
+    assert resolve_tracking_uri(spec_with_uri(None), env=env, cwd=tmp_path) == f"sqlite:///{base}/x.db"
+
+
+# --------------------------------------------------------------------------- reachability
+
+
+def test_check_reachable_sqlite(tmp_path):
+    check_reachable(f"sqlite:///{tmp_path}/ok.db")
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(TrackingError, match="does not exist") as err:
+        check_reachable(f"sqlite:///{missing}/m.db")
+    assert str(missing) in str(err.value)
+    assert not (tmp_path / "no").exists() and not (tmp_path / "ok.db").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_check_reachable_sqlite_read_only_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(TrackingError, match="not writable"):
+            check_reachable(f"sqlite:///{ro}/m.db")
+    finally:
+        ro.chmod(0o755)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_check_reachable_closed_port_fails_fast():
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError) as err:
+        check_reachable(url, timeout_s=2.0)
+    assert time.monotonic() - t0 < 10
+    assert url in str(err.value) and "mlflow server" in str(err.value) and "MLFLOW_TRACKING_URI" in str(err.value)
+
+
+def test_check_reachable_rejects_a_server_that_is_not_mlflow():
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(TrackingError, match="does not look like an MLflow"):
+            check_reachable(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=2.0)
+    finally:
+        server.shutdown()
+        server.server_close()
