@@ -65,7 +65,7 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
         assert row["peak_memory_kind"] == "cpu_rss"
     assert rows["none"]["scaling_efficiency"] == pytest.approx(1.0)
     assert rows["ddp-2"]["devices"] == ["cpu", "cpu"]
-    # switching the parallel mode changes speed, not results (DESIGN section 3)
+    # switching the parallel mode changes speed, not results (docs/design.md §3)
     base = rows["none"]["final_loss"]
     for name in ("ddp-1", "ddp-2"):
         assert math.isclose(rows[name]["final_loss"], base, rel_tol=1e-4), (name, rows[name]["final_loss"], base)

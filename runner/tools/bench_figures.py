@@ -12,7 +12,7 @@ Definitions used everywhere (table, JSON, chart, README):
   samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
   definition; with no ``none`` measurement it is not available.
 * **final loss**: ``train/loss`` after the last step. For models without batch-statistics or
-  dropout layers every mode computes the same optimizer steps (DESIGN section 3), so a
+  dropout layers every mode computes the same optimizer steps (docs/design.md §3), so a
   configuration whose final loss differs from ``none`` by more than ``loss_tolerance``
   (relative) is flagged, with the last step up to which the two loss curves still agreed: a
   curve that parts at the first steps computes something else; one that parts late has

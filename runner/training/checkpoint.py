@@ -1,6 +1,6 @@
 """Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup.
 
-A checkpoint holds everything needed to continue exactly (DESIGN §8): the unwrapped
+A checkpoint holds everything needed to continue exactly (docs/design.md §8): the unwrapped
 model state (no ``module.`` prefix), optimizer, scheduler, grad scaler, the
 :class:`runner.training.loop.TrainState` (epoch, global step, batches consumed in the epoch) and
 the RNG states of every rank, plus the flattened spec and its SHA-256.
