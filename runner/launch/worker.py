@@ -89,9 +89,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         SpecError: A name in the spec (model, dataset, kwargs) turned out not to build.
         Exception: Anything the training code raises; the driver marks the run FAILED.
     """
+    from runner.launch.environment import LauncherEnvironment
     from runner.strategies.registry import make_strategy
 
-    strategy = make_strategy(args.loaded.spec, args.plan)
+    strategy = make_strategy(args.loaded.spec.parallel, args.plan, LauncherEnvironment.detect())
     stop = _StopFlag()
     try:
         strategy.setup()
