@@ -20,7 +20,7 @@ from runner.training.setup import (
     Checkpointer,
     build_parts,
     count_total_steps,
-    deterministic_note,
+    describe_settings,
     finish,
     restore,
 )
@@ -112,11 +112,11 @@ def test_restore_without_a_checkpoint(loaded, tmp_path: Path) -> None:
     assert restarted.state == TrainState() and restarted.notes == []  # an elastic restart before any checkpoint
 
 
-def test_deterministic_note_lists_the_settings() -> None:
-    assert deterministic_note(SeedInfo(0, 0, 1)) is None
+def test_deterministic_settings_are_listed_in_order() -> None:
+    assert describe_settings(SeedInfo(0, 0, 1)) == ""
     info = SeedInfo(0, 0, 1, {"torch.use_deterministic_algorithms": "True", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
-    expected = "deterministic mode: torch.use_deterministic_algorithms=True, CUBLAS_WORKSPACE_CONFIG=:4096:8"
-    assert deterministic_note(info) == expected
+    expected = "torch.use_deterministic_algorithms=True, CUBLAS_WORKSPACE_CONFIG=:4096:8"
+    assert describe_settings(info) == expected
 
 
 def test_finish_collects_the_worker_result(loaded) -> None:

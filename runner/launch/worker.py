@@ -111,11 +111,13 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         if restored.resumed_from is not None:
             tracker = skip_logged_steps(tracker, uri, run_id)
         notes = list(restored.notes)
-        if (note := setup.deterministic_note(seed_info)) is not None:
-            notes.append(note)
-            tracker.set_tags({"runner.deterministic_settings": note.removeprefix("deterministic mode: ")})
-        for note in notes if is_log_rank else []:
-            print(f"runner: {note}", flush=True)
+        if spec.deterministic:
+            settings = setup.describe_settings(seed_info)
+            notes.append(f"deterministic mode: {settings}")
+            tracker.set_tags({"runner.deterministic_settings": settings})
+        for note in notes:
+            if is_log_rank:
+                print(f"runner: {note}", flush=True)
         logged_run = run_id if is_log_rank else None
         if logged_run is not None and spec.tracking.system_metrics:
             monitor = start_system_metrics(uri, logged_run, resumed=restored.resumed_from is not None)
@@ -164,7 +166,7 @@ def _agree_on_run(strategy: Strategy, local_run_id: str | None, local_dir: str) 
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM handler: the first signal asks the loop to stop after the current step.
+    """SIGINT/SIGTERM handler: the first signal asks the loop to stop (:mod:`runner.training.loop` says at which step).
 
     A second SIGINT more than one second after the first raises ``KeyboardInterrupt`` at once
     (a terminal Ctrl-C reaches the launcher and every worker together, and the launcher

@@ -320,11 +320,9 @@ def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> FitResult
         raise
 
 
-def deterministic_note(seed_info: SeedInfo) -> str | None:
-    """``"deterministic mode: setting=value, ..."`` when deterministic algorithms were switched on, else ``None``."""
-    if not seed_info.deterministic_settings:
-        return None
-    return "deterministic mode: " + ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
+def describe_settings(seed_info: SeedInfo) -> str:
+    """The settings deterministic mode switched on, ``"setting=value, ..."`` (for a note and a tag)."""
+    return ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
 
 
 def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:
