@@ -80,7 +80,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 
     from runner.strategies.registry import make_strategy
 
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan)
     strategy.setup()
     cuda = plan.accelerator == "cuda"
     n_dev = len(plan.requested_ids) if cuda else 0

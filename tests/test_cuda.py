@@ -1,4 +1,4 @@
-"""CUDA tests for runner.devices.resolve and runner.strategies; skipped (with the reason) where CUDA or enough GPUs are missing."""
+"""CUDA tests of runner.devices.resolve and runner.strategies; skipped, with the reason, without enough GPUs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch import nn
 from runner.devices.inventory import probe_inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import TrainingError
+from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.dp import DataParallelStrategy
 from runner.strategies.registry import make_strategy
@@ -65,7 +66,7 @@ def run_child(code: str, env_update: dict | None = None) -> dict:
     """Run ``code`` in a fresh interpreter (CUDA not yet initialised); it prints one JSON line."""
     env = dict(os.environ, **(env_update or {}))
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=180
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=180, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -178,7 +179,7 @@ def _reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device:
 def test_none_step_on_cuda_matches_cpu():
     spec = make_spec("none", ids=[0])
     plan = resolve_devices(spec, os.environ, probe_inventory())
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan, LauncherEnvironment.detect())
     torch.manual_seed(0)
     model = Recorder()
     cpu_grads = _reference_grads(model, *_data(8), device="cpu")
@@ -195,7 +196,7 @@ def test_dp_with_one_device_runs_unwrapped():
     spec = make_spec("dp", ids=[0])
     plan = resolve_devices(spec, os.environ, probe_inventory())
     assert any("unwrapped" in n for n in plan.notes)
-    wrapped = make_strategy(spec, plan).wrap(Recorder())
+    wrapped = make_strategy(spec.parallel, plan, LauncherEnvironment.detect()).wrap(Recorder())
     assert not isinstance(wrapped, nn.DataParallel)
 
 
@@ -210,7 +211,7 @@ def test_dp_step_splits_and_gathers(batch):
     n = torch.cuda.device_count()
     spec = make_spec("dp", batch=batch, parallel={"output_device": n - 1})
     plan = resolve_devices(spec, os.environ, probe_inventory())
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan, LauncherEnvironment.detect())
     assert isinstance(strategy, DataParallelStrategy)
     torch.manual_seed(0)
     model = Recorder()
@@ -236,7 +237,9 @@ def test_dp_step_splits_and_gathers(batch):
 @requires_gpus(2)
 def test_dp_warns_about_batchnorm_and_explains_ungatherable_output():
     spec = make_spec("dp", batch=4)
-    strategy = make_strategy(spec, resolve_devices(spec, os.environ, probe_inventory()))
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, os.environ, probe_inventory()), LauncherEnvironment.detect()
+    )
     with pytest.warns(UserWarning, match="sync_batchnorm"):
         strategy.wrap(Recorder(batchnorm=True))
     wrapped = strategy.wrap(Recorder(bad_output=True))
@@ -262,7 +265,7 @@ def test_ddp_nccl_one_process(monkeypatch):
     spec = make_spec("ddp", ids=[0], batch=8, parallel={"timeout_s": 120.0})
     plan = resolve_devices(spec, os.environ, probe_inventory())
     assert plan.backend == "nccl"
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan, LauncherEnvironment.detect())
     strategy.setup()
     try:
         assert dist.get_backend() == "nccl" and strategy.device == torch.device("cuda", 0)
@@ -282,9 +285,60 @@ def test_ddp_nccl_one_process(monkeypatch):
     assert not dist.is_initialized()
 
 
+@requires_gpus(1)
+def test_ddp_nccl_stop_decision_never_synchronises_the_device(monkeypatch):
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    spec = make_spec("ddp", ids=[0], batch=8, parallel={"timeout_s": 120.0})
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, os.environ, probe_inventory()), LauncherEnvironment.detect()
+    )
+    strategy.setup()
+    try:
+        assert dist.get_backend() == "nccl"
+        torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
+        try:
+            answers = [strategy.reduce_stop_decision(flag) for flag in (False, True, False)]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert answers == [False, False, True]
+    finally:
+        strategy.teardown()
+
+
+@requires_gpus(1)
+def test_fp16_precision_scales_on_cuda():
+    from runner.strategies.precision import Precision
+
+    device = torch.device("cuda", 0)
+    precision = Precision("fp16", device)
+    assert precision.scaling and precision.dtype == torch.float16
+    torch.manual_seed(0)
+    model = Recorder().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data(8)
+    with precision.autocast():
+        out = model(x.to(device))
+    assert out.dtype == torch.float16
+    before = model.fc.weight.detach().clone()
+    precision.backward(nn.functional.mse_loss(out.float(), y.to(device)))
+    precision.unscale_(optimizer)
+    precision.step(optimizer)
+    assert not torch.equal(before, model.fc.weight)
+    state = precision.state_dict()
+    assert state is not None and state["scale"] > 0
+    again = Precision("fp16", device)
+    again.load_state_dict({**state, "scale": 8.0})
+    assert again.state_dict()["scale"] == 8.0
+
+
 def _ddp_worker() -> dict:
     spec = make_spec("ddp", ids=[0, 1], batch=8, parallel={"timeout_s": 120.0})
-    strategy = make_strategy(spec, resolve_devices(spec, os.environ, probe_inventory()))
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, os.environ, probe_inventory()), LauncherEnvironment.detect()
+    )
     strategy.setup()
     try:
         rank = strategy.rank

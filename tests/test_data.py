@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from runner.errors import SpecError
+from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
 from runner.training.data import build_datasets, split_indices
 from runner.training.loaders import build_loaders
@@ -224,9 +225,11 @@ def test_loaders_with_workers_are_reproducible(digits):
     assert all(torch.equal(p, q) for p, q in zip(a, b, strict=False)) and len(a) == first.steps_per_epoch
 
 
-def test_loaders_errors(digits):
+def test_loaders_errors(digits, write_spec):
+    # A batch that does not divide by world size x grad_accum_steps never reaches build_loaders:
+    # the spec is refused when it is loaded (the one place that rule is checked).
     with pytest.raises(SpecError) as err:
-        build_loaders(make_spec(dataset="sklearn.digits", batch_size=32), digits, 0, 3)
+        load_spec(write_spec(), ["data.batch_size=32", 'parallel.mode="ddp"', "parallel.nproc_per_node=3"])
     assert only_issue(err).key == "data.batch_size"
     with pytest.raises(SpecError) as err:
         build_loaders(make_spec(dataset="sklearn.digits", batch_size=2000, drop_last=True), digits, 0, 1)

@@ -14,6 +14,9 @@ from torch import nn
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, TrainingError, UsageError
+from runner.launch.environment import LauncherEnvironment
+from runner.plan import make_plan
+from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.ddp import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.dp import DataParallelStrategy, _GatherCheckedDataParallel, check_gatherable
@@ -69,7 +72,7 @@ def ddp_one(monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     spec = make_spec("ddp", parallel={"timeout_s": 60.0})
-    strategy = make_strategy(spec, cpu_plan(spec))
+    strategy = make_strategy(spec.parallel, cpu_plan(spec), LauncherEnvironment.detect())
     strategy.setup()
     yield strategy
     strategy.teardown()
@@ -91,12 +94,12 @@ class Net(nn.Module):
 
 
 def test_make_strategy_picks_class_per_mode():
-    assert isinstance(make_strategy(make_spec("none"), cpu_plan(make_spec("none"))), SingleDevice)
-    assert isinstance(make_strategy(make_spec("ddp"), cpu_plan(make_spec("ddp"))), DDPStrategy)
+    assert isinstance(make_strategy(make_spec("none").parallel, cpu_plan(make_spec("none"))), SingleDevice)
+    assert isinstance(make_strategy(make_spec("ddp").parallel, cpu_plan(make_spec("ddp"))), DDPStrategy)
 
 
 def test_single_device_cpu_is_trivial():
-    strategy = make_strategy(make_spec(), cpu_plan(make_spec()))
+    strategy = make_strategy(make_spec().parallel, cpu_plan(make_spec()))
     with strategy:
         assert (strategy.rank, strategy.local_rank, strategy.world_size, strategy.is_main) == (0, 0, 1, True)
         assert strategy.device == torch.device("cpu") == strategy.output_device
@@ -115,21 +118,20 @@ def test_single_device_cpu_is_trivial():
 def test_single_device_on_cuda_plan_targets_cuda0():
     spec = make_spec(accelerator="auto")
     plan = resolve_devices(spec, {}, Inventory([GpuInfo(0, "x"), GpuInfo(1, "y")], True))
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan)
     assert strategy.device == torch.device("cuda", 0)  # creating the device object does not touch CUDA
 
 
-def test_dp_strategy_refuses_cpu_plan():
-    spec = make_spec("none")
-    plan = cpu_plan(spec)
+def test_dp_without_gpus_is_refused_before_any_strategy_exists():
+    # The strategy assumes a CUDA plan: device resolution is where "dp needs CUDA" is checked.
     with pytest.raises(DeviceError, match="dp"):
-        DataParallelStrategy(spec, plan)
+        resolve_devices(make_spec("dp", accelerator="auto"), {}, Inventory([], False))
 
 
 def test_dp_strategy_output_device_from_plan():
     spec = make_spec("dp", accelerator="cuda", parallel={"output_device": 2})
     plan = resolve_devices(spec, {}, Inventory([GpuInfo(i, "g") for i in range(3)], True))
-    strategy = make_strategy(spec, plan)
+    strategy = make_strategy(spec.parallel, plan)
     assert isinstance(strategy, DataParallelStrategy)
     assert strategy.device == torch.device("cuda", 0) and strategy.output_device == torch.device("cuda", 2)
 
@@ -139,25 +141,21 @@ def test_dp_strategy_output_device_from_plan():
 
 def test_ddp_needs_launcher_env():
     spec = make_spec("ddp")
-    strategy = make_strategy(spec, cpu_plan(spec))
+    strategy = make_strategy(spec.parallel, cpu_plan(spec), LauncherEnvironment.detect())
     with pytest.raises(TrainingError, match="setup"):
         _ = strategy.rank
     with pytest.raises(UsageError, match="RANK"):
         strategy.setup()
+    with pytest.raises(UsageError, match="RANK"):  # no environment handed in: not started by a launcher
+        make_strategy(spec.parallel, cpu_plan(spec)).setup()
 
 
-def test_ddp_world_size_must_match_plan(monkeypatch):
-    for key, value in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "x",
-        "MASTER_PORT": "1",
-    }.items():
-        monkeypatch.setenv(key, value)
-    spec = make_spec("ddp")
+def test_ddp_world_size_must_match_plan(write_spec):
+    # Checked once, when the plan is made, before any worker or strategy exists.
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    loaded = load_spec(write_spec('[parallel]\nmode = "ddp"\n'))
     with pytest.raises(UsageError, match="WORLD_SIZE=2"):
-        make_strategy(spec, cpu_plan(spec)).setup()
+        make_plan(loaded, env=env, inventory=Inventory([], False))
 
 
 def test_ddp_one_process_collectives(ddp_one):
@@ -171,6 +169,43 @@ def test_ddp_one_process_collectives(ddp_one):
     ddp_one.barrier()
     cores = len(__import__("os").sched_getaffinity(0))
     assert torch.get_num_threads() == max(1, cores)
+
+
+def test_single_device_answers_the_stop_decision_at_once():
+    strategy = make_strategy(make_spec().parallel, cpu_plan(make_spec()))
+    assert [strategy.reduce_stop_decision(flag) for flag in (False, True, False)] == [False, True, False]
+    assert strategy.reduce_stop_decision(True, settle=True) is True
+
+
+def test_ddp_stop_decision_answers_one_call_later_and_stays(ddp_one):
+    # Hot path: a flag passed after step k is answered after step k + 1; the answer is final.
+    answers = [ddp_one.reduce_stop_decision(flag) for flag in (False, False, True, False, False)]
+    assert answers == [False, False, False, True, True]
+    assert ddp_one._pending_stop is None
+    assert ddp_one.reduce_stop_decision(False, settle=True) is True
+
+
+def test_ddp_stop_decision_settles_at_once(ddp_one):
+    assert ddp_one.reduce_stop_decision(False, settle=True) is False
+    assert ddp_one.reduce_stop_decision(True) is False  # in flight
+    assert ddp_one.reduce_stop_decision(False, settle=True) is True  # the outstanding flag is answered
+    assert ddp_one._pending_stop is None
+
+
+def test_ddp_settled_stop_decision_counts_the_current_flag(ddp_one):
+    assert ddp_one.reduce_stop_decision(False) is False
+    assert ddp_one.reduce_stop_decision(True, settle=True) is True
+    assert ddp_one._pending_stop is None
+
+
+def test_ddp_stop_decision_runs_on_a_cpu_gloo_side_group(ddp_one):
+    assert ddp_one._flag_group is not None and ddp_one._flag_group is not dist.group.WORLD
+    assert dist.get_backend(ddp_one._flag_group) == "gloo"
+    ddp_one.reduce_stop_decision(True)
+    _work, buf = ddp_one._pending_stop
+    assert buf.device == torch.device("cpu")
+    ddp_one.teardown()
+    assert ddp_one._flag_group is None and ddp_one._pending_stop is None
 
 
 def test_ddp_wrap_eval_and_teardown_twice(ddp_one):
@@ -202,11 +237,13 @@ def test_ddp_unused_parameters_error_names_them(ddp_one):
     ("message", "expect"),
     [
         (
-            "Expected to have finished reduction ...\nParameters which did not receive grad for rank 1: b.bias, b.weight\n",
+            "Expected to have finished reduction ...\n"
+            "Parameters which did not receive grad for rank 1: b.bias, b.weight\n",
             ["b.bias", "b.weight", "rank 1"],
         ),
         (
-            "Expected to have finished reduction ...\nParameter indices which did not receive grad for rank 0: 0 3\n In addition",
+            "Expected to have finished reduction ...\n"
+            "Parameter indices which did not receive grad for rank 0: 0 3\n In addition",
             ["a.weight, bn.bias", "rank 0"],
         ),
         ("Expected to have finished reduction ... static_graph set to True.", ["static_graph = false"]),
@@ -277,7 +314,7 @@ def test_state_dict_mismatch_lists_missing_and_unexpected_keys():
 
 def test_state_dict_partial_prefix_is_not_stripped():
     state = {("module." + k if k.startswith("a.") else k): v for k, v in Net().state_dict().items()}
-    with pytest.raises(StateDictMismatchError, match="module.a.weight"):
+    with pytest.raises(StateDictMismatchError, match=r"module\.a\.weight"):
         load_state_dict_flexible(Net(), state)
 
 

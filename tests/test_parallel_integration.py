@@ -11,6 +11,7 @@ from torch import nn
 
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
+from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.registry import make_strategy
 
@@ -46,7 +47,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _worker() -> dict:
     """Runs in each elastic worker; returns what the test checks."""
     spec = _spec()
-    strategy = make_strategy(spec, resolve_devices(spec, {}, Inventory([], False)))
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, {}, Inventory([], False)), LauncherEnvironment.detect()
+    )
     strategy.setup()
     try:
         rank = strategy.rank
@@ -66,10 +69,22 @@ def _worker() -> dict:
         xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         nn.functional.mse_loss(wrapped(xs), ys).backward()
         out["grads"] = {n: p.grad.clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
+        out["stop"] = _stop_answers(strategy)
         strategy.barrier()
         return out
     finally:
         strategy.teardown()
+
+
+STOP_FLAGGED_AT = 3  # rank 1 alone raises its stop flag after step 3 (and keeps it raised)
+
+
+def _stop_answers(strategy) -> dict[str, list[bool]]:
+    """The stop decisions one rank gets: settled at an epoch boundary, then on the hot path after steps 1..6."""
+    settled = [strategy.reduce_stop_decision(False, settle=True)]
+    hot = [strategy.reduce_stop_decision(strategy.rank == 1 and step >= STOP_FLAGGED_AT) for step in range(1, 7)]
+    settled.append(strategy.reduce_stop_decision(False, settle=True))  # final once True
+    return {"hot": hot, "settled": settled}
 
 
 def _launch() -> dict[int, dict]:
@@ -121,3 +136,13 @@ def test_ddp_gradient_equals_single_process_gradient(results):
         assert res["grads"].keys() == expected.keys()
         for name, grad in expected.items():
             torch.testing.assert_close(res["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_stop_decision_agrees_one_step_later_on_every_rank(results):
+    # Rank 1 asks to stop after step 3; both ranks learn it after step 4 (one step later), rank 0 too.
+    expected_hot = [step > STOP_FLAGGED_AT for step in range(1, 7)]
+    assert expected_hot == [False, False, False, True, True, True]
+    for res in results.values():
+        assert res["stop"]["hot"] == expected_hot
+        assert res["stop"]["settled"] == [False, True]

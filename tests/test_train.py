@@ -89,7 +89,7 @@ def test_adamw_with_kwargs(write_spec) -> None:
 def test_bad_optimizer_kwargs_is_a_spec_error(write_spec) -> None:
     from runner.errors import SpecError
 
-    with pytest.raises(SpecError, match="optim.kwargs"):
+    with pytest.raises(SpecError, match=r"optim\.kwargs"):
         _run(write_spec, "optim.kwargs={nesterov_typo=true}")
 
 

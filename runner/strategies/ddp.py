@@ -5,18 +5,25 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from runner.devices.resolve import DevicePlan
 from runner.errors import DeviceError, TrainingError, UsageError
 from runner.strategies.base import Strategy
 from runner.strategies.state_dicts import key_list, unwrap
+
+if TYPE_CHECKING:
+    from runner.devices.resolve import DevicePlan
+    from runner.launch.environment import LauncherEnvironment
+    from runner.spec.schema import ParallelSpec
+
+T = TypeVar("T")
 
 _UNUSED_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+): ([^\n]*)")
 _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
@@ -65,110 +72,137 @@ def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> T
     return TrainingError(f"ddp: parameters got no gradient in the previous step{where}: {listed}; {fix}")
 
 
+@dataclass(frozen=True)
+class _Layout:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
 class DDPStrategy(Strategy):
     """``mode = "ddp"``: one process per device, DistributedDataParallel, a torch.distributed process group.
 
-    Each process is started by torch's elastic launcher (or ``torchrun`` / a
-    scheduler), which sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    Each process is started by torch's elastic launcher (or ``torchrun`` / a scheduler),
+    which describes the job in variables that the worker reads once into a
+    :class:`~runner.launch.environment.LauncherEnvironment` and hands in here.
+
+    Args:
+        plan: The resolved device plan (accelerator, backend, processes per node).
+        parallel: The ``[parallel]`` table (timeout, DDP options, ``sync_batchnorm``).
+        env: This process's place in the job, from ``LauncherEnvironment.detect()``.
     """
 
     mode = "ddp"
-    _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-    def __init__(self, spec: Any, plan: DevicePlan):
-        super().__init__(spec, plan)
+    def __init__(self, plan: DevicePlan, parallel: ParallelSpec, env: LauncherEnvironment) -> None:
+        super().__init__(plan)
+        self.parallel = parallel
+        self.env = env
         self.backend = plan.backend or ("nccl" if plan.accelerator == "cuda" else "gloo")
-        if self.backend == "nccl" and plan.accelerator != "cuda":
-            raise DeviceError('parallel.backend = "nccl" needs CUDA: use backend = "gloo" on CPU')
-        self._layout: tuple[int, int, int, int] | None = None  # rank, local rank, world, local world
+        self._layout: _Layout | None = None
         self._owns_group = False
+        self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
+        self._pending_stop: tuple[dist.Work, torch.Tensor] | None = None
+        self._stopping = False  # the stop decision, final once True
 
-    def _need_setup(self) -> tuple[int, int, int, int]:
+    def _need_setup(self) -> _Layout:
         if self._layout is None:
             raise TrainingError("DDPStrategy used before setup(): call strategy.setup() in the worker first")
         return self._layout
 
     @property
     def rank(self) -> int:
-        return self._need_setup()[0]
+        """Global rank (``RANK``)."""
+        return self._need_setup().rank
 
     @property
     def local_rank(self) -> int:
-        return self._need_setup()[1]
+        """Rank on this node (``LOCAL_RANK``)."""
+        return self._need_setup().local_rank
 
     @property
     def world_size(self) -> int:
-        return self._need_setup()[2]
+        """Processes in the job (``WORLD_SIZE``)."""
+        return self._need_setup().world_size
 
     def setup(self) -> None:
-        """Join the process group described by the launcher's environment variables.
+        """Join the process group described by the launcher's environment.
 
         Sets the device (``cuda:LOCAL_RANK`` with nccl), caps CPU threads to
-        cores / local processes on CPU, and calls ``init_process_group`` with
-        ``timeout = parallel.timeout_s``.
+        cores / local processes on CPU, calls ``init_process_group`` with
+        ``timeout = parallel.timeout_s`` and creates the CPU (gloo) side group on which
+        :meth:`reduce_stop_decision` runs.
 
         Raises:
-            UsageError: The launcher's variables are missing, or ``WORLD_SIZE``
-                differs from the plan's world size.
-            DeviceError: ``LOCAL_RANK`` has no GPU.
+            UsageError: The launcher's variables are missing (not started by a launcher).
+            DeviceError: ``LOCAL_RANK`` has no GPU in this process.
         """
-        env = os.environ  # init_process_group's env:// reads the same variables
-        missing = [k for k in self._ENV if k not in env]
-        if missing:
+        env = self.env
+        if env.missing:
             raise UsageError(
-                f'mode = "ddp" worker started without {missing}: start it with `runner exec` (which launches the '
-                f"workers), torchrun, or a scheduler that sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+                f'mode = "ddp" worker started without {list(env.missing)}: start it with `runner exec` (which '
+                f"launches the workers), torchrun, or a scheduler that sets RANK, LOCAL_RANK, WORLD_SIZE, "
+                f"MASTER_ADDR, MASTER_PORT"
             )
-        rank, local_rank, world = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-        local_world = int(env.get("LOCAL_WORLD_SIZE", self.plan.nproc_per_node))
-        if world != self.plan.world_size:
-            raise UsageError(
-                f"the launcher says WORLD_SIZE={world} but the spec resolves to world size {self.plan.world_size} "
-                f"(nnodes {self.plan.nnodes} x nproc_per_node {self.plan.nproc_per_node}): make them agree"
-            )
+        layout = _Layout(env.rank, env.local_rank, env.world_size, env.local_world_size or self.plan.nproc_per_node)
+        self._place_process(layout)
+        timeout = timedelta(seconds=self.parallel.timeout_s)
+        if not dist.is_initialized():
+            self._init_process_group(layout, timeout)
+        # Every rank is a member, so this is a ProcessGroup (not GroupMember.NON_GROUP_MEMBER).
+        self._flag_group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))
+        self._layout = layout
+
+    def _place_process(self, layout: _Layout) -> None:
+        """Pick this rank's device; on CPU share the cores among the node's processes."""
         if self.plan.accelerator == "cuda":
             count = torch.cuda.device_count()
-            if local_rank >= count:
+            if layout.local_rank >= count:
                 raise DeviceError(
-                    f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) "
+                    f"LOCAL_RANK={layout.local_rank} but this process sees {count} GPU(s) "
                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): one process per GPU"
                 )
-            self.device = torch.device("cuda", local_rank)
+            self.device = torch.device("cuda", layout.local_rank)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // max(1, local_world)))
+            torch.set_num_threads(max(1, cores // max(1, layout.local_world_size)))
         self.output_device = self.device
-        if not dist.is_initialized():
-            kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.spec.parallel.timeout_s)}
-            if self.backend == "nccl":
-                kwargs["device_id"] = self.device
-            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if restart > 0:
-                # After an elastic restart the workers reuse the agent's store, where the failed
-                # attempt's keys (e.g. gloo's peer addresses) are still present: a new rank could
-                # read a dead peer's address. A per-attempt prefix keeps attempts apart.
-                store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=kwargs["timeout"]))
-                kwargs["store"] = dist.PrefixStore(f"runner/attempt_{restart}", store)
-            dist.init_process_group(self.backend, rank=rank, world_size=world, **kwargs)
-            self._owns_group = True
-        self._layout = (rank, local_rank, world, local_world)
+
+    def _init_process_group(self, layout: _Layout, timeout: timedelta) -> None:
+        """``init_process_group`` over ``env://`` (the launcher's store), one prefix per elastic attempt."""
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if self.backend == "nccl":
+            kwargs["device_id"] = self.device
+        if self.env.restarted:
+            # After an elastic restart the workers reuse the agent's store, where the failed
+            # attempt's keys (e.g. gloo's peer addresses) are still present: a new rank could
+            # read a dead peer's address. A per-attempt prefix keeps attempts apart.
+            store, _, _ = next(dist.rendezvous("env://", layout.rank, layout.world_size, timeout=timeout))
+            kwargs["store"] = dist.PrefixStore(f"runner/attempt_{self.env.restart_count}", store)
+        dist.init_process_group(self.backend, rank=layout.rank, world_size=layout.world_size, **kwargs)
+        self._owns_group = True
 
     def teardown(self) -> None:
-        """Destroy the process group this strategy created; safe to call twice."""
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """Destroy the groups this strategy created; safe to call twice."""
+        self._pending_stop = None
+        if dist.is_initialized():
+            if self._owns_group:
+                dist.destroy_process_group()
+            elif self._flag_group is not None:
+                dist.destroy_process_group(self._flag_group)
+        self._flag_group = None
         self._owns_group = False
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Move ``module`` to this rank's device, convert BatchNorm if asked, wrap in DDP."""
         self._need_setup()
         module = module.to(self.device)
-        if self.spec.parallel.sync_batchnorm and self.device.type == "cuda":
+        par = self.parallel
+        if par.sync_batchnorm and self.device.type == "cuda":
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        par = self.spec.parallel
         return DistributedDataParallel(
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -181,7 +215,7 @@ class DDPStrategy(Strategy):
         """The unwrapped model: evaluation batches may be uneven across ranks, so no DDP hooks."""
         return unwrap(wrapped)
 
-    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager:
+    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
         """``wrapped.no_sync()`` for DDP models (skip the all-reduce while accumulating)."""
         if isinstance(wrapped, DistributedDataParallel):
             return wrapped.no_sync()
@@ -212,16 +246,66 @@ class DDPStrategy(Strategy):
         else:
             dist.barrier()
 
-    def broadcast_object(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: T) -> T:
         """Return rank 0's ``obj`` (picklable) on every rank."""
         self._need_setup()
-        box = [obj]
+        box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=0, device=self._collective_device())
         return box[0]
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank, on every rank."""
         self._need_setup()
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
+        """Whether every rank stops now: True once any rank passed ``flag = True`` (see below for when).
+
+        The flags are reduced (a max of 0/1) on a CPU gloo group made at :meth:`setup`, so
+        the device is never synchronised for it, also under nccl.
+
+        * ``settle=False`` (after every optimizer step, the hot path): wait for the
+          reduction started by the previous call, which ran in the background during the
+          step in between, and return its answer; when it is False, start reducing
+          ``flag`` and return False. So the flags passed after step ``k`` are answered
+          after step ``k + 1``: a stop requested during step ``k`` stops every rank after
+          step ``k + 1``, one step later than a blocking reduction would.
+        * ``settle=True`` (epoch boundaries): wait for the outstanding reduction and, when
+          it is False, reduce ``flag`` at once (blocking). Nothing stays in flight.
+
+        Every rank makes the same calls in the same order, so every rank gets the same
+        answer at the same call. The answer is final: once True, every later call returns
+        True without a collective.
+
+        Args:
+            flag: Whether a stop was requested on this rank.
+            settle: Answer for ``flag`` itself before returning.
+
+        Returns:
+            The same value on every rank.
+        """
+        self._need_setup()
+        if not self._stopping:
+            self._stopping = self._wait_pending_stop() or self._reduce_stop_flag(flag, wait=settle)
+        return self._stopping
+
+    def _reduce_stop_flag(self, flag: bool, *, wait: bool) -> bool:
+        """Start the max-reduction of ``flag``; with ``wait`` return its result, else keep it pending and say False."""
+        buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
+        assert work is not None  # async_op=True returns the Work
+        if not wait:
+            self._pending_stop = (work, buf)
+            return False
+        work.wait()
+        return bool(buf.item())
+
+    def _wait_pending_stop(self) -> bool:
+        if self._pending_stop is None:
+            return False
+        work, buf = self._pending_stop
+        self._pending_stop = None
+        work.wait()
+        return bool(buf.item())

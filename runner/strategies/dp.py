@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel
 
-from runner.devices.resolve import DevicePlan
 from runner.errors import DeviceError, TrainingError
-from runner.strategies.base import Strategy
+from runner.strategies.single import SingleDevice
+
+if TYPE_CHECKING:
+    from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import ParallelSpec
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:
@@ -54,7 +57,7 @@ def check_gatherable(output: Any, path: str = "output") -> None:
 class _GatherCheckedDataParallel(DataParallel):
     """DataParallel that explains an output it cannot gather instead of failing deep inside ``gather``."""
 
-    def gather(self, outputs: Any, output_device: Any) -> Any:
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         check_gatherable(outputs[0])
         return super().gather(outputs, output_device)
 
@@ -63,20 +66,26 @@ def _count_batchnorm(module: nn.Module) -> int:
     return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-class DataParallelStrategy(Strategy):
+class DataParallelStrategy(SingleDevice):
     """``mode = "dp"``: one process drives every chosen GPU through ``torch.nn.DataParallel``.
 
     The whole micro-batch is loaded on ``cuda:0``; DataParallel scatters it along
     ``parallel.dim`` (``torch.chunk``), runs one replica per chunk and gathers the
     outputs on ``parallel.output_device``. With one device the model runs unwrapped.
+    Still one process: the layout, the collectives and the stop decision are those of
+    :class:`~runner.strategies.single.SingleDevice`; only the wrapping differs.
+
+    Args:
+        plan: The resolved device plan (a CUDA plan: the schema and device resolution
+            refuse dp on CPU); ``plan.output_index`` places the gathered outputs.
+        parallel: The ``[parallel]`` table (``dim``).
     """
 
     mode = "dp"
 
-    def __init__(self, spec: Any, plan: DevicePlan):
-        if plan.accelerator != "cuda":
-            raise DeviceError('parallel.mode = "dp" needs CUDA GPUs: use mode = "none", or "ddp" with gloo on CPU')
-        super().__init__(spec, plan)
+    def __init__(self, plan: DevicePlan, parallel: ParallelSpec) -> None:
+        super().__init__(plan)
+        self.dim = parallel.dim
         self.num_devices = len(plan.requested_ids)
         self.output_device = torch.device("cuda", plan.output_index)
 
@@ -84,7 +93,7 @@ class DataParallelStrategy(Strategy):
         """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
 
         Raises:
-            DeviceError: torch sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``
+            DeviceError: This process sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``
                 was not narrowed before CUDA started).
         """
         module = module.to(self.device)
@@ -108,5 +117,5 @@ class DataParallelStrategy(Strategy):
             module,
             device_ids=list(range(self.num_devices)),
             output_device=self.plan.output_index,
-            dim=self.spec.parallel.dim,
+            dim=self.dim,
         )

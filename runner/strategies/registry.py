@@ -1,29 +1,40 @@
-"""Pick the strategy of a parallel mode: ``none``, ``dp`` or ``ddp``."""
+"""Pick the strategy of a parallel mode (``none``, ``dp`` or ``ddp``) and build it from its own settings."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from runner.devices.resolve import DevicePlan
+from runner.launch.environment import LauncherEnvironment
 from runner.strategies.base import Strategy
 from runner.strategies.ddp import DDPStrategy
 from runner.strategies.dp import DataParallelStrategy
 from runner.strategies.single import SingleDevice
 
-_STRATEGIES: dict[str, type[Strategy]] = {"none": SingleDevice, "dp": DataParallelStrategy, "ddp": DDPStrategy}
+if TYPE_CHECKING:
+    from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import ParallelSpec
+
+_Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment], Strategy]
+
+_STRATEGIES: dict[str, _Builder] = {
+    "none": lambda parallel, plan, env: SingleDevice(plan),
+    "dp": lambda parallel, plan, env: DataParallelStrategy(plan, parallel),
+    "ddp": lambda parallel, plan, env: DDPStrategy(plan, parallel, env),
+}
 
 
-def make_strategy(spec: Any, plan: DevicePlan) -> Strategy:
+def make_strategy(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment | None = None) -> Strategy:
     """Build the strategy for ``plan.mode``.
 
     Args:
-        spec: The validated :class:`~runner.spec.schema.ExperimentSpec`.
+        parallel: The validated ``[parallel]`` table (:class:`~runner.spec.schema.ParallelSpec`).
         plan: From :func:`runner.devices.resolve.resolve_devices` (already applied to the environment).
+        env: This process's place in its job, from :meth:`LauncherEnvironment.detect`; ``None``
+            stands for a process that no launcher started (ddp's ``setup`` then refuses to run).
 
     Returns:
         A :class:`Strategy`; call ``setup()`` before use and ``teardown()`` in ``finally``.
-
-    Raises:
-        DeviceError: The plan's accelerator cannot run the mode (dp on CPU, nccl on CPU).
     """
-    return _STRATEGIES[plan.mode](spec, plan)
+    launcher = LauncherEnvironment.detect({}) if env is None else env
+    return _STRATEGIES[plan.mode](parallel, plan, launcher)

@@ -1,19 +1,21 @@
-"""Per-rank DataLoaders: micro-batches in :class:`~runner.training.sampling.EpochSampler` order, validation split across ranks."""
+"""Per-rank DataLoaders: micro-batches in ``EpochSampler`` order, the validation split across ranks."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from runner.training.models import spec_issue
 from runner.training.sampling import EpochSampler, EvalSampler, global_batch_sizes
 from runner.training.seeding import loader_generator, worker_init_fn
 
 if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
     from runner.training.data import DatasetBundle
 
 
@@ -39,14 +41,15 @@ class Loaders:
     global_batch_sizes: list[int]
 
 
-def build_loaders(spec: Any, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
+def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
     """Build this rank's DataLoaders.
 
     The training loader yields micro-batches of ``batch_size // (world_size * grad_accum_steps)``
     samples in :class:`~runner.training.sampling.EpochSampler` order: each group of micro-batches that makes
     one optimizer step is this rank's share of one global batch (see :mod:`runner.training.sampling`).
     The validation loader gives this rank every ``world_size``-th sample, in batches of
-    ``ceil(eval_batch_size / world_size)``.
+    ``ceil(eval_batch_size / world_size)``. ``data.batch_size`` is a multiple of ``world_size x
+    grad_accum_steps``: the schema and device resolution check that once, before any process starts.
 
     Args:
         spec: The :class:`~runner.spec.schema.ExperimentSpec`.
@@ -58,20 +61,12 @@ def build_loaders(spec: Any, bundle: DatasetBundle, rank: int, world_size: int) 
         The :class:`Loaders`.
 
     Raises:
-        SpecError: (``data.batch_size``) if the batch does not divide by ``world_size x
-            grad_accum_steps``, or an epoch would have no step.
+        SpecError: (``data.batch_size``) an epoch would have no step (fewer training samples
+            than one global batch with ``drop_last``, or than the world size).
     """
     data = spec.data
-    accum = spec.train.grad_accum_steps
-    per_step = world_size * accum
-    if data.batch_size % per_step:
-        raise spec_issue(
-            "data.batch_size",
-            f"batch_size = {data.batch_size} is not divisible by world size {world_size} x grad_accum_steps {accum}: "
-            f"use a multiple of {per_step}",
-        )
-    micro = data.batch_size // per_step
-    num_train = len(bundle.train)
+    micro = data.batch_size // (world_size * spec.train.grad_accum_steps)
+    num_train = _size(bundle.train)
     sizes = global_batch_sizes(num_train, data.batch_size, data.drop_last, world_size)
     if not sizes:
         raise spec_issue(
@@ -80,7 +75,7 @@ def build_loaders(spec: Any, bundle: DatasetBundle, rank: int, world_size: int) 
             + (" and drop_last = true" if data.drop_last else f" for world size {world_size}")
             + "; use a smaller batch_size",
         )
-    workers = dict(
+    workers: dict[str, Any] = dict(
         num_workers=data.num_workers,
         pin_memory=data.pin_memory and torch.cuda.is_available(),
         persistent_workers=data.persistent_workers and data.num_workers > 0,
@@ -92,14 +87,19 @@ def build_loaders(spec: Any, bundle: DatasetBundle, rank: int, world_size: int) 
     )
     train = DataLoader(bundle.train, batch_size=micro, sampler=sampler, drop_last=False, generator=generator, **workers)
     val = None
-    if bundle.val is not None and len(bundle.val) > 0:
+    if bundle.val is not None and _size(bundle.val) > 0:
         eval_batch = math.ceil((data.eval_batch_size or data.batch_size) / world_size)
         val = DataLoader(
             bundle.val,
             batch_size=eval_batch,
-            sampler=EvalSampler(len(bundle.val), world_size, rank),
+            sampler=EvalSampler(_size(bundle.val), world_size, rank),
             drop_last=False,
             generator=loader_generator(spec.seed, rank),
             **workers,
         )
     return Loaders(train, val, sampler, micro, len(sizes), sizes)
+
+
+def _size(dataset: Dataset) -> int:
+    """``len(dataset)``: runner's datasets are map-style and sized (``Dataset`` does not declare ``__len__``)."""
+    return len(cast(Sized, dataset))

@@ -2,25 +2,35 @@
 
 The loop reads top to bottom in the order zero_grad -> forward -> loss -> backward ->
 clip -> step -> schedule -> log. It never asks which parallel mode it runs under: the
-:class:`runner.strategies.base.Strategy` supplies wrapping, ``no_sync`` and the collectives, and
-it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
+:class:`runner.strategies.base.Strategy` supplies wrapping, ``no_sync``, the collectives and
+the stop decision, the :class:`runner.strategies.precision.Precision` supplies autocast and
+gradient scaling, and it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
 
-Loss normalisation (DESIGN §2-§3): every micro-batch loss is computed with
+Loss normalisation (docs/design.md §2-§3): every micro-batch loss is computed with
 ``reduction="sum"`` and divided by ``G / world_size`` where ``G`` is the number of samples
 in the whole optimizer step across all ranks and micro-batches. DDP averages gradients over
 ranks, so the gradient is exactly that of the mean loss over the global batch, also for
 uneven final batches and with gradient accumulation. This is what makes ``none`` and
 ``ddp`` runs of one spec agree step by step.
+
+Stopping: after every optimizer step the loop asks
+:meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop. A request
+seen after step ``k`` (e.g. SIGTERM during step ``k``) stops every rank after step ``k``
+under ``none`` and ``dp`` and after step ``k + 1`` under ``ddp``, whose ranks agree in the
+background while step ``k + 1`` runs. At the end of an epoch's steps and again at the epoch
+boundary (after evaluation and the epoch checkpoint) the decision is settled at once, so a
+request during an epoch's last step stops before its evaluation, as one during evaluation
+stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
+:class:`~runner.errors.Interrupted`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +38,18 @@ from torch import nn
 from runner.errors import Interrupted
 from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
+from runner.training.sums import RunningSums, correct_count
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from runner.spec.schema import CheckpointSpec, TrainSpec
+    from runner.strategies.base import Strategy
+    from runner.strategies.precision import Precision
+    from runner.tracking.trackers import Tracker
+    from runner.training.loaders import Loaders
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -71,18 +93,19 @@ class FitResult:
 
 @dataclass
 class LoopParts:
-    """Everything the loop needs, built by the worker; the loop builds nothing itself.
+    """Everything the loop needs, built by :mod:`runner.training.setup`; the loop builds nothing itself.
 
     Attributes:
         model: The wrapped module (``strategy.wrap`` already applied).
-        strategy: The parallel strategy (collectives, devices, ``no_sync``).
+        strategy: The parallel strategy (collectives, devices, ``no_sync``, the stop decision).
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
         scheduler: Optional LR scheduler; ``scheduler_interval`` says when it steps.
+        scheduler_interval: ``"step"`` (after every optimizer step) or ``"epoch"``.
         loss_fn: Per-sample loss with ``reduction="sum"``: ``(logits (B, C), target (B,)) -> scalar``.
-        loaders: The :class:`runner.training.data.Loaders` of this rank.
+        loaders: The :class:`runner.training.loaders.Loaders` of this rank.
         tracker: Where rank 0 sends metrics (a ``NullTracker`` on other ranks).
-        scaler: ``torch.amp.GradScaler`` for fp16, else ``None``.
-        autocast_dtype: ``torch.bfloat16`` / ``torch.float16`` for AMP, else ``None``.
+        total_steps: Optimizer steps of the whole run: ``min(steps_per_epoch * epochs, max_steps)``.
+        precision: Autocast and gradient scaling (:class:`runner.strategies.precision.Precision`).
         classification: Whether accuracy is computed (targets are class indices).
         on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).
         should_stop: Returns True when a stop signal arrived on this rank.
@@ -91,171 +114,185 @@ class LoopParts:
     """
 
     model: nn.Module
-    strategy: Any
+    strategy: Strategy
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LRScheduler | None
     scheduler_interval: str
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    loaders: Any
-    tracker: Any
-    scaler: Any = None
-    autocast_dtype: torch.dtype | None = None
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    loaders: Loaders
+    tracker: Tracker
+    total_steps: int
+    precision: Precision
     classification: bool = True
     on_checkpoint: Callable[[TrainState, str], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
     sync_timing: bool = False
 
 
-def fit(parts: LoopParts, train_spec: Any, state: TrainState | None = None, checkpoint_spec: Any = None) -> FitResult:
-    """Train for ``train_spec.epochs`` epochs (or ``max_steps`` optimizer steps).
+def fit(
+    parts: LoopParts,
+    train_spec: TrainSpec,
+    state: TrainState | None = None,
+    checkpoint_spec: CheckpointSpec | None = None,
+) -> FitResult:
+    """Train for ``train_spec.epochs`` epochs, at most ``parts.total_steps`` optimizer steps.
 
     Args:
         parts: The model, strategy, optimizer, data and tracker (see :class:`LoopParts`).
         train_spec: The ``[train]`` table (:class:`runner.spec.schema.TrainSpec`).
         state: Where to start; ``None`` starts from scratch. A resumed state skips the global
             batches of the current epoch that were already consumed.
-        checkpoint_spec: The ``[checkpoint]`` table, for ``every_n_epochs`` / ``every_n_steps``.
+        checkpoint_spec: The ``[checkpoint]`` table (``every_n_epochs``, ``every_n_steps``);
+            ``None`` writes no step or epoch checkpoints.
 
     Returns:
         A :class:`FitResult`; metrics are reduced over ranks and identical on every rank.
 
     Raises:
-        Interrupted: A stop signal arrived; the current step finished and ``on_checkpoint``
-            ran with reason ``"signal"`` first.
+        Interrupted: A stop signal arrived (the module docstring says at which step it takes
+            effect); ``on_checkpoint`` ran with reason ``"signal"`` first.
         RuntimeError: Whatever the model, optimizer or a collective raises.
     """
     state = state or TrainState()
-    result = FitResult(state=state)
-    strategy, model, loaders = parts.strategy, parts.model, parts.loaders
-    device = strategy.device
-    world = strategy.world_size
-    steps_per_epoch = len(loaders.global_batch_sizes)
-    total_steps = steps_per_epoch * train_spec.epochs
-    if train_spec.max_steps is not None:
-        total_steps = min(total_steps, train_spec.max_steps)
-    progress = Progress(train_spec.progress, total_steps, enabled=strategy.is_main, initial=state.global_step)
-    log_every = train_spec.log_every_n_steps
-    window = _Window(strategy.output_device, state.window_sums if strategy.rank == 0 else None)
-    resumed_epoch_sums = state.epoch_sums if strategy.rank == 0 else None
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        result.metrics.update(metrics)
-        result.history.append((step, dict(metrics)))
-        parts.tracker.log_metrics(metrics, step=step)  # a NullTracker except on the logging rank
-
+    strategy, loaders = parts.strategy, parts.loaders
+    progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)
+    report = _Report(FitResult(state=state), parts.tracker, progress)
+    held = strategy.rank == 0  # running sums restored from a checkpoint are held by rank 0 only
+    tally = _Tally(RunningSums(strategy.output_device, state.window_sums if held else None))
+    resumed_epoch_sums = state.epoch_sums if held else None
+    every_n_steps = checkpoint_spec.every_n_steps if checkpoint_spec is not None else None
     try:
-        while state.epoch < train_spec.epochs and state.global_step < total_steps:
+        while state.epoch < train_spec.epochs and state.global_step < parts.total_steps:
             epoch_start = time.perf_counter()
-            epoch_samples = 0
-            epoch_window = _Window(strategy.output_device, resumed_epoch_sums)
+            tally.start_epoch(RunningSums(strategy.output_device, resumed_epoch_sums))
             resumed_epoch_sums = None
-            loaders.train_sampler.set_epoch(state.epoch)
-            loaders.train_sampler.set_start_batch(state.batch_in_epoch)
-            model.train()
-            batches = iter(loaders.train)
-            while state.batch_in_epoch < steps_per_epoch and state.global_step < total_steps:
+            batches = _start_epoch(parts, state)
+            while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
                 global_size = loaders.global_batch_sizes[state.batch_in_epoch]
-                share = rank_batch_size(global_size, world, strategy.rank)
-                denom = global_size / world
                 step_start = time.perf_counter()
-                waited = 0.0
-                parts.optimizer.zero_grad(set_to_none=True)
-                consumed = 0
-                while consumed < share:
-                    fetch_start = time.perf_counter()
-                    x, y = next(batches)
-                    waited += time.perf_counter() - fetch_start
-                    n = int(y.shape[0])
-                    last_micro = consumed + n >= share
-                    x = x.to(device, non_blocking=True)
-                    y = y.to(strategy.output_device, non_blocking=True)
-                    sync = contextlib.nullcontext() if last_micro else strategy.no_sync(model)
-                    with sync:
-                        with _autocast(device, parts.autocast_dtype):
-                            out = model(x)
-                            loss_sum = parts.loss_fn(out, y)
-                        loss = loss_sum / denom
-                        if parts.scaler is not None:
-                            parts.scaler.scale(loss).backward()
-                        else:
-                            loss.backward()
-                    correct = _correct(out, y) if parts.classification else None
-                    window.add(loss_sum.detach(), correct, n)
-                    epoch_window.add(loss_sum.detach(), correct, n)
-                    consumed += n
-                if train_spec.clip_grad_norm is not None:
-                    if parts.scaler is not None:
-                        parts.scaler.unscale_(parts.optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), train_spec.clip_grad_norm)
-                if parts.scaler is not None:
-                    parts.scaler.step(parts.optimizer)
-                    parts.scaler.update()
-                else:
-                    parts.optimizer.step()
-                if parts.scheduler is not None and parts.scheduler_interval == "step":
-                    parts.scheduler.step()
-                if parts.sync_timing and device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                result.step_times_s.append(time.perf_counter() - step_start)
-                result.data_wait_s.append(waited)
+                waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally.sums())
+                report.result.step_times_s.append(time.perf_counter() - step_start)
+                report.result.data_wait_s.append(waited)
                 state.global_step += 1
                 state.batch_in_epoch += 1
-                epoch_samples += global_size
+                tally.epoch_samples += global_size
                 progress.update(1)
-                if state.global_step % log_every == 0:
-                    loss_mean, acc = window.reduce(strategy)
-                    metrics = {"train/loss": loss_mean, "lr": parts.optimizer.param_groups[0]["lr"]}
-                    if acc is not None:
-                        metrics["train/step_accuracy"] = acc
-                    log(metrics, state.global_step)
-                    progress.show(epoch=state.epoch, loss=loss_mean)
-                    window = _Window(strategy.output_device)
-                if (
-                    checkpoint_spec is not None
-                    and checkpoint_spec.every_n_steps
-                    and state.global_step % checkpoint_spec.every_n_steps == 0
-                ):
-                    _checkpoint(parts, state, "step", epoch_window, window)
-                if _any(strategy, parts.should_stop()):
-                    _checkpoint(parts, state, "signal", epoch_window, window)
-                    raise Interrupted()
-            epoch_done = state.batch_in_epoch >= steps_per_epoch
-            epoch_time = time.perf_counter() - epoch_start
-            loss_mean, acc = epoch_window.reduce(strategy)
-            epoch_metrics = {
-                "train/epoch_loss": loss_mean,
-                "epoch": float(state.epoch),
-                "epoch_time_s": epoch_time,
-                "samples_per_s": epoch_samples / epoch_time if epoch_time > 0 else 0.0,
-            }
-            if acc is not None:
-                epoch_metrics["train/accuracy"] = acc
-            if loaders.val is not None and (
-                (state.epoch + 1) % train_spec.eval_every_n_epochs == 0
-                or not epoch_done
-                or state.epoch + 1 == train_spec.epochs
-            ):
-                epoch_metrics.update(evaluate(parts, strategy))
-            log(epoch_metrics, state.global_step)
-            progress.show(epoch=state.epoch, **{k: v for k, v in epoch_metrics.items() if k.startswith("val/")})
-            if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:
-                parts.scheduler.step()
-            if not epoch_done:
+                if state.global_step % train_spec.log_every_n_steps == 0:
+                    tally.window = _log_window(parts, state, tally.window, report)
+                if every_n_steps and state.global_step % every_n_steps == 0:
+                    _checkpoint(parts, state, "step", tally)
+                _stop_if_asked(parts, state, tally, settle=False)
+            epoch_time_s = time.perf_counter() - epoch_start
+            _stop_if_asked(parts, state, tally, settle=True)
+            if not end_epoch(parts, train_spec, state, tally, report, epoch_time_s=epoch_time_s):
                 break  # max_steps reached mid-epoch
             state.epoch += 1
             state.batch_in_epoch = 0
+            tally.epoch = None
             if checkpoint_spec is not None and state.epoch % checkpoint_spec.every_n_epochs == 0:
-                _checkpoint(parts, state, "epoch", None, window)
-            if _any(strategy, parts.should_stop()):
-                _checkpoint(parts, state, "signal", None, window)
-                raise Interrupted()
+                _checkpoint(parts, state, "epoch", tally)
+            _stop_if_asked(parts, state, tally, settle=True)
     finally:
         progress.close()
-    return result
+    return report.result
+
+
+def train_step(
+    parts: LoopParts,
+    batches: Iterator[Batch],
+    global_size: int,
+    clip_grad_norm: float | None,
+    sums: Sequence[RunningSums],
+) -> float:
+    """Take one optimizer step: this rank's micro-batches of one global batch, then clip, step, schedule.
+
+    Every micro-batch but the last runs under ``strategy.no_sync`` (no gradient all-reduce
+    while accumulating); each micro-batch's summed loss is divided by ``global_size /
+    world_size`` (module docstring) before ``precision.backward``.
+
+    Args:
+        parts: See :class:`LoopParts`.
+        batches: This epoch's iterator over ``(x (B, ...), y (B,))`` micro-batches.
+        global_size: Samples of this optimizer step over all ranks and micro-batches.
+        clip_grad_norm: Largest global L2 norm of the gradients, or ``None`` for no clipping.
+        sums: Running sums that get each micro-batch's loss sum, correct count and samples.
+
+    Returns:
+        Seconds spent waiting for the DataLoader.
+    """
+    strategy, model = parts.strategy, parts.model
+    share = rank_batch_size(global_size, strategy.world_size, strategy.rank)
+    denom = global_size / strategy.world_size
+    waited = 0.0
+    parts.optimizer.zero_grad(set_to_none=True)
+    consumed = 0
+    while consumed < share:
+        fetch_start = time.perf_counter()
+        x, y = next(batches)
+        waited += time.perf_counter() - fetch_start
+        n = int(y.shape[0])
+        x = x.to(strategy.device, non_blocking=True)
+        y = y.to(strategy.output_device, non_blocking=True)
+        with contextlib.nullcontext() if consumed + n >= share else strategy.no_sync(model):
+            with parts.precision.autocast():
+                out = model(x)
+                loss_sum = parts.loss_fn(out, y)
+            parts.precision.backward(loss_sum / denom)
+        correct = correct_count(out, y) if parts.classification else None
+        for running in sums:
+            running.add(loss_sum.detach(), correct, n)
+        consumed += n
+    if clip_grad_norm is not None:
+        parts.precision.unscale_(parts.optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    parts.precision.step(parts.optimizer)
+    if parts.scheduler is not None and parts.scheduler_interval == "step":
+        parts.scheduler.step()
+    if parts.sync_timing and strategy.device.type == "cuda":
+        torch.cuda.synchronize(strategy.device)
+    return waited
+
+
+def end_epoch(
+    parts: LoopParts, train_spec: TrainSpec, state: TrainState, tally: _Tally, report: _Report, *, epoch_time_s: float
+) -> bool:
+    """Log the epoch's metrics (evaluating when due) and step a per-epoch scheduler.
+
+    Logged at ``state.global_step``: ``train/epoch_loss``, ``train/accuracy`` (classification),
+    ``epoch``, ``epoch_time_s`` (seconds of this run's steps of the epoch), ``samples_per_s``
+    (global samples per second) and ``val/loss``, ``val/accuracy`` when evaluated: every
+    ``eval_every_n_epochs`` epochs, after the last epoch, and when ``max_steps`` ends the run
+    mid-epoch.
+
+    Returns:
+        Whether the epoch is complete (False when ``max_steps`` ended it early).
+    """
+    epoch_done = state.batch_in_epoch >= parts.loaders.steps_per_epoch
+    assert tally.epoch is not None  # set by _Tally.start_epoch
+    loss_mean, acc = tally.epoch.reduce(parts.strategy)
+    metrics = {
+        "train/epoch_loss": loss_mean,
+        "epoch": float(state.epoch),
+        "epoch_time_s": epoch_time_s,
+        "samples_per_s": tally.epoch_samples / epoch_time_s if epoch_time_s > 0 else 0.0,
+    }
+    if acc is not None:
+        metrics["train/accuracy"] = acc
+    if parts.loaders.val is not None and (
+        (state.epoch + 1) % train_spec.eval_every_n_epochs == 0
+        or not epoch_done
+        or state.epoch + 1 == train_spec.epochs
+    ):
+        metrics.update(evaluate(parts))
+    report.log(metrics, state.global_step)
+    report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
+    if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:
+        parts.scheduler.step()
+    return epoch_done
 
 
 @torch.no_grad()
-def evaluate(parts: LoopParts, strategy: Any) -> dict[str, float]:
+def evaluate(parts: LoopParts) -> dict[str, float]:
     """Evaluate on this rank's validation shard and reduce over ranks.
 
     Every validation sample is counted exactly once across ranks (the eval sampler never
@@ -264,77 +301,86 @@ def evaluate(parts: LoopParts, strategy: Any) -> dict[str, float]:
     Returns:
         ``{"val/loss": float, "val/accuracy": float}`` (accuracy only for classification).
     """
+    strategy = parts.strategy
     module = strategy.eval_module(parts.model)
     module.eval()
-    window = _Window(strategy.output_device)
-    for x, y in parts.loaders.val:
-        x = x.to(strategy.device, non_blocking=True)
-        y = y.to(strategy.output_device, non_blocking=True)
-        with _autocast(strategy.device, parts.autocast_dtype):
+    sums = RunningSums(strategy.output_device)
+    assert parts.loaders.val is not None
+    for batch_x, batch_y in parts.loaders.val:
+        x = batch_x.to(strategy.device, non_blocking=True)
+        y = batch_y.to(strategy.output_device, non_blocking=True)
+        with parts.precision.autocast():
             out = module(x)
             loss_sum = parts.loss_fn(out, y)
-        window.add(loss_sum, _correct(out, y) if parts.classification else None, int(y.shape[0]))
+        sums.add(loss_sum, correct_count(out, y) if parts.classification else None, int(y.shape[0]))
     parts.model.train()
-    loss_mean, acc = window.reduce(strategy)
+    loss_mean, acc = sums.reduce(strategy)
     metrics = {"val/loss": loss_mean}
     if acc is not None:
         metrics["val/accuracy"] = acc
     return metrics
 
 
-class _Window:
-    """Running sums (loss, correct, count) kept on the device; reduced over ranks on demand."""
+@dataclass
+class _Tally:
+    """The loop's running sums: since the last ``train/loss`` log (across epochs) and of the epoch in progress."""
 
-    def __init__(self, device: torch.device, start: list[float] | None = None):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self.has_correct = False
-        if start is not None:  # rank-reduced sums restored from a checkpoint, held by rank 0 only
-            self.sums += torch.tensor(start[:3], dtype=torch.float64, device=device)
-            self.has_correct = bool(start[3]) if len(start) > 3 else False
+    window: RunningSums
+    epoch: RunningSums | None = None  # None between epochs
+    epoch_samples: int = 0  # global samples of this run's steps of the epoch
 
-    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor | None, count: int) -> None:
-        self.sums[0] += loss_sum.to(torch.float64)
-        if correct is not None:
-            self.sums[1] += correct
-            self.has_correct = True
-        self.sums[2] += count
+    def start_epoch(self, sums: RunningSums) -> None:
+        self.epoch = sums
+        self.epoch_samples = 0
 
-    def reduced_sums(self, strategy: Any) -> list[float]:
-        """``[loss sum, correct, samples, has_correct]`` summed over ranks (a collective)."""
-        return [*strategy.all_reduce_sum(self.sums.clone()).tolist(), 1.0 if self.has_correct else 0.0]
-
-    def reduce(self, strategy: Any) -> tuple[float, float | None]:
-        loss, correct, count = strategy.all_reduce_sum(self.sums.clone()).tolist()
-        if count == 0:
-            return math.nan, None
-        return loss / count, (correct / count if self.has_correct else None)
+    def sums(self) -> tuple[RunningSums, ...]:
+        return (self.window,) if self.epoch is None else (self.window, self.epoch)
 
 
-def _correct(out: Any, y: torch.Tensor) -> torch.Tensor:
-    logits = out[0] if isinstance(out, (tuple, list)) else out
-    return (logits.argmax(dim=1) == y).sum()
+class _Report:
+    """Where metrics go: the :class:`FitResult` (last values, history), the tracker and the progress display."""
+
+    def __init__(self, result: FitResult, tracker: Tracker, progress: Progress):
+        self.result = result
+        self.tracker = tracker
+        self.progress = progress
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.result.metrics.update(metrics)
+        self.result.history.append((step, dict(metrics)))
+        self.tracker.log_metrics(metrics, step=step)  # a NullTracker except on the logging rank
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[Batch]:
+    """Position the sampler at ``state`` (epoch, batches already consumed) and return the batch iterator."""
+    parts.loaders.train_sampler.set_epoch(state.epoch)
+    parts.loaders.train_sampler.set_start_batch(state.batch_in_epoch)
+    parts.model.train()
+    return iter(parts.loaders.train)
 
 
-def _any(strategy: Any, flag: bool) -> bool:
-    """True on every rank when any rank has ``flag`` set (one small all-reduce)."""
-    if strategy.world_size == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=strategy.device)
-    return bool(strategy.all_reduce_sum(t).item() > 0)
+def _log_window(parts: LoopParts, state: TrainState, window: RunningSums, report: _Report) -> RunningSums:
+    """Log ``train/loss``, ``lr`` and ``train/step_accuracy`` of the steps since the last log; return fresh sums."""
+    loss_mean, acc = window.reduce(parts.strategy)
+    metrics = {"train/loss": loss_mean, "lr": parts.optimizer.param_groups[0]["lr"]}
+    if acc is not None:
+        metrics["train/step_accuracy"] = acc
+    report.log(metrics, state.global_step)
+    report.progress.show(epoch=state.epoch, loss=loss_mean)
+    return RunningSums(parts.strategy.output_device)
 
 
-def _checkpoint(
-    parts: LoopParts, state: TrainState, reason: str, epoch_window: _Window | None, window: _Window
-) -> None:
+def _stop_if_asked(parts: LoopParts, state: TrainState, tally: _Tally, *, settle: bool) -> None:
+    """When the strategy's stop decision says so: checkpoint with reason ``"signal"``, then raise ``Interrupted``."""
+    if parts.strategy.reduce_stop_decision(parts.should_stop(), settle=settle):
+        _checkpoint(parts, state, "signal", tally)
+        raise Interrupted()
+
+
+def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: _Tally) -> None:
     """Record the running sums in ``state`` (collectives on every rank), then save."""
     if parts.on_checkpoint is None:
         return
-    state.epoch_sums = epoch_window.reduced_sums(parts.strategy) if epoch_window is not None else None
-    state.window_sums = window.reduced_sums(parts.strategy)
+    state.epoch_sums = tally.epoch.reduced_sums(parts.strategy) if tally.epoch is not None else None
+    state.window_sums = tally.window.reduced_sums(parts.strategy)
     parts.on_checkpoint(state, reason)

@@ -1,4 +1,4 @@
-"""Build the optimizer, LR scheduler, loss and AMP settings named by a spec."""
+"""Build the optimizer, LR scheduler and loss named by a spec (mixed precision: :mod:`runner.strategies.precision`)."""
 
 from __future__ import annotations
 
@@ -107,19 +107,6 @@ def primary_output(output: Any) -> torch.Tensor:
                 return output[key]
         return next(iter(output.values()))
     return output
-
-
-def amp_settings(amp: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
-    """Return ``(autocast dtype or None, GradScaler or None)`` for ``train.amp``.
-
-    bf16 needs no scaler; fp16 uses ``torch.amp.GradScaler`` (CUDA only; the spec and the
-    device resolution reject fp16 on CPU). Source: PyTorch AMP docs, torch.amp.
-    """
-    if amp == "bf16":
-        return torch.bfloat16, None
-    if amp == "fp16":
-        return torch.float16, torch.amp.GradScaler(device.type)
-    return None, None
 
 
 def _construct(cls: Any, key: str, first: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,364 @@
+"""One rank's training in named steps: build the parts, restore from a checkpoint, make the checkpointer, train, finish.
+
+The worker (:mod:`runner.launch.worker`) calls the steps in this order on a set-up
+strategy, after seeding and after the ranks agreed on the run::
+
+    parts = build_parts(spec, spec_dir, strategy)          # data, model, optimizer, scheduler, loss, precision
+    restored = restore(parts, strategy, folder, resume=..., restarted=...)
+    checkpointer = Checkpointer(parts, strategy, folder, loaded, run_id=..., writer=..., tracker=...)
+    fitted = train(loop_parts(parts, strategy, tracker, checkpointer, ...), spec, restored.state)
+    result = finish(fitted, strategy, restored.resumed_from, notes)
+
+The tracker is made by the worker and handed in: nothing here imports mlflow or
+:mod:`runner.tracking`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from runner.spec.dump import flatten_spec
+from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
+from runner.strategies.precision import Precision
+from runner.strategies.state_dicts import load_state_dict_flexible, unwrapped_state_dict
+from runner.training import checkpoint as ckpt
+from runner.training.data import build_datasets
+from runner.training.loaders import Loaders, build_loaders
+from runner.training.loop import FitResult, LoopParts, TrainState, fit
+from runner.training.models import build_model
+from runner.training.optim import build_loss, build_optimizer, build_scheduler, scheduler_interval
+from runner.training.seeding import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from torch.utils.data import Dataset
+
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec, TrainSpec
+    from runner.strategies.base import Strategy
+    from runner.tracking.trackers import Tracker
+    from runner.training.data import DatasetBundle
+    from runner.training.seeding import SeedInfo
+
+
+@dataclass
+class WorkerResult:
+    """What a worker returns (only the logging rank's is used by the driver).
+
+    Attributes:
+        rank: Global rank of the process.
+        metrics: Last value of every metric.
+        global_step: Optimizer steps taken at the end.
+        history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
+        resumed_from: Checkpoint file the run continued from, if any.
+        notes: Things the user should know (e.g. damaged checkpoints skipped).
+        step_times_s: Wall time of each optimizer step, seconds.
+        data_wait_s: Seconds of each step spent waiting for data.
+        peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
+            the process's peak resident set size.
+        device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
+    """
+
+    rank: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    global_step: int = 0
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    resumed_from: str | None = None
+    notes: list[str] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    device: str = "cpu"
+
+
+@dataclass
+class TrainingParts:
+    """What :func:`build_parts` makes from the spec on one rank.
+
+    Attributes:
+        model: The wrapped model (``strategy.wrap`` applied).
+        raw_model: The user's model inside it (state dicts, the optimizer, model logging).
+        optimizer: Over ``raw_model``'s parameters.
+        scheduler: The LR scheduler, or ``None``.
+        scheduler_interval: When it steps: ``"step"`` or ``"epoch"``.
+        precision: Autocast and gradient scaling of ``train.amp``.
+        loss_fn: Summed loss ``(output, target (B,)) -> scalar``.
+        classification: Whether accuracy is computed.
+        loaders: This rank's DataLoaders.
+        total_steps: Optimizer steps of the run (:func:`count_total_steps`).
+        train_set: The training dataset (its first sample is the model's example input).
+    """
+
+    model: nn.Module
+    raw_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler | None
+    scheduler_interval: str
+    precision: Precision
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    classification: bool
+    loaders: Loaders
+    total_steps: int
+    train_set: Dataset
+
+    def example_input(self) -> torch.Tensor:
+        """One training input with a batch dimension, ``(1, *input_shape)``, for a model signature."""
+        return self.train_set[0][0].unsqueeze(0)
+
+
+@dataclass
+class Restored:
+    """Where :func:`restore` left training.
+
+    Attributes:
+        state: The loop state to start from (a fresh one without a checkpoint).
+        resumed_from: The checkpoint file it came from, or ``None``.
+        notes: What the user should know (damaged files skipped, RNG states not restored, ...).
+    """
+
+    state: TrainState
+    resumed_from: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
+    """Optimizer steps of the whole run: ``steps_per_epoch * epochs``, capped by ``max_steps``."""
+    total = steps_per_epoch * train_spec.epochs
+    return total if train_spec.max_steps is None else min(total, train_spec.max_steps)
+
+
+def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> TrainingParts:
+    """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
+
+    Args:
+        spec: The validated spec.
+        spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
+        strategy: After ``setup()``: it gives the rank, the world size and the device.
+
+    Returns:
+        The :class:`TrainingParts`.
+
+    Raises:
+        SpecError: A dataset, model, optimizer or scheduler named in the spec does not build.
+    """
+    bundle = build_datasets(spec, spec_dir)
+    model = _setup_model(spec, spec_dir, bundle)
+    loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
+    wrapped = strategy.wrap(model)
+    raw_model = strategy.unwrap(wrapped)
+    total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
+    optimizer, scheduler = _setup_optimizer(spec, raw_model, total_steps)
+    loss_fn, classification = build_loss(spec.train)
+    return TrainingParts(
+        model=wrapped,
+        raw_model=raw_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scheduler_interval=scheduler_interval(spec.scheduler),
+        precision=Precision(spec.train.amp, strategy.device),
+        loss_fn=loss_fn,
+        classification=classification,
+        loaders=loaders,
+        total_steps=total_steps,
+        train_set=bundle.train,
+    )
+
+
+def _setup_model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle) -> nn.Module:
+    """The user's model, initialised identically on every rank (seeded with ``spec.seed``)."""
+    torch.manual_seed(spec.seed)
+    return build_model(spec.model, spec_dir, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes)
+
+
+def _setup_optimizer(
+    spec: ExperimentSpec, raw_model: nn.Module, total_steps: int
+) -> tuple[torch.optim.Optimizer, LRScheduler | None]:
+    """The optimizer over the unwrapped model's parameters and the LR scheduler sized to the run."""
+    optimizer = build_optimizer(spec.optim, raw_model.parameters())
+    return optimizer, build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
+
+
+def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: bool, restarted: bool) -> Restored:
+    """Load the newest valid checkpoint of ``folder`` into ``parts`` when resuming or after an elastic restart.
+
+    Restores the model, optimizer, scheduler, scaler, loop state and this rank's RNG state
+    (when the world size is unchanged).
+
+    Args:
+        parts: From :func:`build_parts`; loaded in place.
+        strategy: The set-up strategy (rank and world size).
+        folder: This run's checkpoint folder.
+        resume: ``runner exec --resume``: say so when there is nothing to resume from.
+        restarted: The elastic agent restarted the workers (continue from the checkpoint).
+
+    Returns:
+        The :class:`Restored` state (fresh when nothing was loaded).
+
+    Raises:
+        CheckpointError: Every checkpoint in ``folder`` is damaged.
+        StateDictMismatchError: The checkpoint's model does not fit the model built.
+    """
+    if not (resume or restarted):
+        return Restored(TrainState())
+    found = ckpt.load_latest(folder)
+    if found is None:
+        return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
+    payload = found.payload
+    load_state_dict_flexible(parts.raw_model, payload["model"])
+    parts.optimizer.load_state_dict(payload["optimizer"])
+    if parts.scheduler is not None and payload["scheduler"] is not None:
+        parts.scheduler.load_state_dict(payload["scheduler"])
+    parts.precision.load_state_dict(payload["scaler"])
+    notes = []
+    rng = payload["rng"]
+    if len(rng) == strategy.world_size:
+        restore_rng_state(rng[strategy.rank])
+    else:
+        notes.append(f"world size changed ({len(rng)} -> {strategy.world_size}): RNG states not restored")
+    notes += [f"skipped {reason}" for _, reason in found.skipped]
+    return Restored(TrainState(**payload["state"]), str(found.path), notes)
+
+
+class Checkpointer:
+    """The loop's ``on_checkpoint``: every rank hands in its RNG state, the writing rank saves, all wait.
+
+    Args:
+        parts: The parts whose state is saved.
+        strategy: The set-up strategy.
+        folder: This run's checkpoint folder.
+        loaded: The loaded spec (``[checkpoint]`` settings, the flattened spec and its SHA-256 go in each file).
+        run_id: The MLflow run the checkpoints belong to, or ``None``.
+        writer: Whether this rank writes (the logging rank).
+        tracker: Flushed after each save: metrics up to a checkpoint reach MLflow before training goes on.
+    """
+
+    def __init__(
+        self,
+        parts: TrainingParts,
+        strategy: Strategy,
+        folder: Path,
+        loaded: LoadedSpec,
+        *,
+        run_id: str | None,
+        writer: bool,
+        tracker: Tracker,
+    ) -> None:
+        self.parts, self.strategy, self.folder = parts, strategy, folder
+        self.settings = loaded.spec.checkpoint
+        self.spec_sha256 = loaded.sha256
+        self.run_id, self.writer, self.tracker = run_id, writer, tracker
+        self.spec_flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
+
+    def __call__(self, state: TrainState, reason: str) -> None:
+        """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``."""
+        rng_states = self.strategy.all_gather_object(capture_rng_state())
+        if self.writer and self.settings.enabled:
+            payload = ckpt.build_payload(
+                model_state=unwrapped_state_dict(self.parts.model),
+                optimizer=self.parts.optimizer,
+                scheduler=self.parts.scheduler,
+                scaler=self.parts.precision,  # its state_dict() is None without scaling
+                state=state,
+                rng_states=rng_states,
+                spec_flat=self.spec_flat,
+                spec_sha256=self.spec_sha256,
+                run_id=self.run_id,
+            )
+            ckpt.save_checkpoint(self.folder, payload, self.settings.keep_last)
+            # Metrics up to a checkpoint must be in MLflow before training goes on: a restart
+            # resumes from the checkpoint and only re-logs what comes after it.
+            self.tracker.flush()
+        self.strategy.barrier()
+
+
+def loop_parts(
+    parts: TrainingParts,
+    strategy: Strategy,
+    tracker: Tracker,
+    on_checkpoint: Callable[[TrainState, str], None],
+    should_stop: Callable[[], bool],
+    *,
+    sync_timing: bool = False,
+) -> LoopParts:
+    """Assemble the loop's :class:`~runner.training.loop.LoopParts` from the built parts."""
+    return LoopParts(
+        model=parts.model,
+        strategy=strategy,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        scheduler_interval=parts.scheduler_interval,
+        loss_fn=parts.loss_fn,
+        loaders=parts.loaders,
+        tracker=tracker,
+        total_steps=parts.total_steps,
+        precision=parts.precision,
+        classification=parts.classification,
+        on_checkpoint=on_checkpoint,
+        should_stop=should_stop,
+        sync_timing=sync_timing,
+    )
+
+
+def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> FitResult:
+    """Run :func:`~runner.training.loop.fit`, naming the parameters when DDP reports some got no gradient.
+
+    Raises:
+        TrainingError: DDP's unused-parameter error, with the parameters and the fix.
+        Interrupted: A stop signal arrived (after a checkpoint).
+    """
+    try:
+        return fit(loop, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
+    except RuntimeError as exc:
+        if is_unused_parameters_error(exc):
+            raise describe_unused_parameters_error(exc, loop.model) from None
+        raise
+
+
+def describe_settings(seed_info: SeedInfo) -> str:
+    """The settings deterministic mode switched on, ``"setting=value, ..."`` (for a note and a tag)."""
+    return ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
+
+
+def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:
+    """Collect this rank's :class:`WorkerResult` (metrics, history, step times, peak memory)."""
+    return WorkerResult(
+        rank=strategy.rank,
+        metrics=fitted.metrics,
+        global_step=fitted.state.global_step,
+        history=fitted.history,
+        resumed_from=resumed_from,
+        notes=notes,
+        step_times_s=fitted.step_times_s,
+        data_wait_s=fitted.data_wait_s,
+        peak_memory_bytes=peak_memory_bytes(strategy.device),
+        device=str(strategy.device),
+    )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes() or 0
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
+
+    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed worker
+    does not inherit the peak of the process that started it.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
