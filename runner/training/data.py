@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,11 @@ def to_long(y: Any) -> torch.Tensor:
     return torch.as_tensor(y, dtype=torch.long)
 
 
+def dataset_len(ds: Dataset) -> int:
+    """Number of samples of a map-style dataset (``torch.utils.data.Dataset`` declares no ``__len__``)."""
+    return len(cast(Sized, ds))
+
+
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Split ``range(num_samples)`` into sorted train and validation indices.
 
@@ -160,7 +165,7 @@ def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[lis
 
 
 def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
-    train_idx, val_idx = split_indices(len(ds), val_fraction, seed)
+    train_idx, val_idx = split_indices(dataset_len(ds), val_fraction, seed)
     if not val_idx:
         return ds, None
     if isinstance(ds, TensorPairDataset):
@@ -261,7 +266,7 @@ def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
     import torchvision.datasets as tvd
 
     cls_name = data.dataset[len("torchvision.") :]
-    cls = getattr(tvd, cls_name, None)
+    cls: Any = getattr(tvd, cls_name, None)
     if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
         raise _unknown_dataset(data.dataset)
     root = _root(data, spec_dir)
@@ -275,7 +280,8 @@ def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
         kwargs["download"] = data.download
     transform = ImageTransform(data.image_size, data.num_channels)
     try:
-        return cls(str(root), transform=transform, target_transform=to_long, **kwargs)
+        dataset_class: Any = cls  # a VisionDataset subclass: takes root, transform, target_transform
+        return dataset_class(str(root), transform=transform, target_transform=to_long, **kwargs)
     except TypeError as exc:
         raise spec_issue(
             "data.kwargs",
@@ -286,7 +292,8 @@ def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
         if data.download:
             raise spec_issue(
                 "data.root",
-                f"{data.dataset} could not be downloaded into {root}: {exc}; copy the files to {expected} and set download = false",
+                f"{data.dataset} could not be downloaded into {root}: {exc}; "
+                f"copy the files to {expected} and set download = false",
             ) from None
         raise spec_issue(
             "data.root",
@@ -308,7 +315,7 @@ def _imagefolder(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Datas
         )
     transform = ImageTransform(data.image_size, data.num_channels)
 
-    def load(folder: Path) -> Dataset:
+    def load(folder: Path) -> ImageFolder:
         try:
             return ImageFolder(str(folder), transform=transform, target_transform=to_long, **data.kwargs)
         except TypeError as exc:
@@ -323,7 +330,8 @@ def _imagefolder(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Datas
     if val.class_to_idx != train.class_to_idx:
         raise spec_issue(
             "data.root",
-            f"{val_dir} has classes {sorted(val.class_to_idx)} but {train_dir} has {sorted(train.class_to_idx)}: use the same class folders",
+            f"{val_dir} has classes {sorted(val.class_to_idx)} but {train_dir} has "
+            f"{sorted(train.class_to_idx)}: use the same class folders",
         )
     return train, val
 
@@ -392,9 +400,9 @@ def _label_count(ds: Dataset) -> int:
     if isinstance(base, TensorPairDataset):
         labels = base.y
     elif getattr(base, "targets", None) is not None:
-        labels = torch.as_tensor(base.targets)
+        labels = torch.as_tensor(base.targets)  # type: ignore[attr-defined]
     else:
-        labels = torch.stack([torch.as_tensor(ds[i][1]) for i in range(len(ds))])
+        labels = torch.stack([torch.as_tensor(ds[i][1]) for i in range(dataset_len(ds))])
         indices = None
     if indices is not None:
         labels = labels[torch.as_tensor(indices, dtype=torch.long)]
@@ -436,19 +444,19 @@ def build_datasets(spec: Any, spec_dir: Path | str | None) -> DatasetBundle:
         train = _torchvision(data, spec_dir)
     else:
         raise _unknown_dataset(name)
-    if len(train) == 0:
+    if dataset_len(train) == 0:
         raise spec_issue("data.dataset", f"{name} has no training samples")
     x = _first_sample(train, name)
     num_classes = _label_count(train)
     if not explicit:
         train, val = _split(train, data.val_fraction, spec.seed)
-    elif val is not None and len(val):
+    elif val is not None and dataset_len(val):
         num_classes = max(num_classes, _label_count(val))
     info = DatasetInfo(
         input_shape=tuple(int(d) for d in x.shape),
         num_classes=num_classes,
-        num_train=len(train),
-        num_val=len(val) if val is not None else 0,
+        num_train=dataset_len(train),
+        num_val=dataset_len(val) if val is not None else 0,
         name=name,
     )
     return DatasetBundle(train=train, val=val, info=info)

@@ -294,48 +294,8 @@ def build_model(
     import torch
 
     name: str = model_spec.name
-    kwargs: dict[str, Any] = dict(model_spec.kwargs)
     shape = tuple(int(d) for d in input_shape) if input_shape is not None else None
-    classes = num_classes or None
-    builder: Callable[..., Any]
-    if name == "mlp":
-        builder = build_mlp
-        if "in_features" not in kwargs:
-            if shape is None:
-                raise spec_issue(
-                    "model.kwargs", "mlp needs in_features (features of one flattened sample): set kwargs.in_features"
-                )
-            kwargs["in_features"] = math.prod(shape)
-        if classes and "num_classes" not in kwargs:
-            kwargs["num_classes"] = classes
-    elif name == "cnn":
-        builder = build_cnn
-        if "in_channels" not in kwargs and shape is not None:
-            if len(shape) != 3:
-                raise spec_issue(
-                    "model.name",
-                    f"cnn needs image samples of shape (C, H, W) but the dataset gives {list(shape)}: use mlp, or an image dataset",
-                )
-            kwargs["in_channels"] = shape[0]
-        if classes and "num_classes" not in kwargs:
-            kwargs["num_classes"] = classes
-    elif ":" in name:
-        builder = resolve_factory(name, spec_dir, "model.name")
-    else:
-        bare = _torchvision_bare(name)
-        if bare is None or bare not in _torchvision_names():
-            raise _unknown_model(name)
-        from torchvision import models
-
-        builder = models.get_model_builder(bare)
-        params = _parameters(builder)
-        kwargs.setdefault("weights", None)
-        if "weights_backbone" in params:
-            kwargs.setdefault("weights_backbone", None)
-        classifier = bare in models.list_models(module=models)
-        if classifier and classes and kwargs["weights"] is None and "num_classes" not in kwargs:
-            kwargs["num_classes"] = classes
-
+    builder, kwargs = _builder_and_kwargs(name, dict(model_spec.kwargs), spec_dir, shape, num_classes or None)
     try:
         inspect.signature(builder).bind(**kwargs)
     except TypeError as exc:
@@ -349,6 +309,62 @@ def build_model(
     if not isinstance(model, torch.nn.Module):
         raise spec_issue("model.name", f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _builder_and_kwargs(
+    name: str,
+    kwargs: dict[str, Any],
+    spec_dir: Path | str | None,
+    shape: tuple[int, ...] | None,
+    classes: int | None,
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The builder ``name`` refers to, and its kwargs with the dataset's hints filled in."""
+    if name == "mlp":
+        if "in_features" not in kwargs:
+            if shape is None:
+                raise spec_issue(
+                    "model.kwargs", "mlp needs in_features (features of one flattened sample): set kwargs.in_features"
+                )
+            kwargs["in_features"] = math.prod(shape)
+        return build_mlp, _with_classes(kwargs, classes)
+    if name == "cnn":
+        if "in_channels" not in kwargs and shape is not None:
+            if len(shape) != 3:
+                raise spec_issue(
+                    "model.name",
+                    f"cnn needs image samples of shape (C, H, W) but the dataset gives {list(shape)}: "
+                    "use mlp, or an image dataset",
+                )
+            kwargs["in_channels"] = shape[0]
+        return build_cnn, _with_classes(kwargs, classes)
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "model.name"), kwargs
+    return _torchvision_builder(name, kwargs, classes)
+
+
+def _with_classes(kwargs: dict[str, Any], classes: int | None) -> dict[str, Any]:
+    if classes and "num_classes" not in kwargs:
+        kwargs["num_classes"] = classes
+    return kwargs
+
+
+def _torchvision_builder(
+    name: str, kwargs: dict[str, Any], classes: int | None
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """A torchvision builder with ``weights=None`` (nothing downloaded) unless the kwargs say otherwise."""
+    bare = _torchvision_bare(name)
+    if bare is None or bare not in _torchvision_names():
+        raise _unknown_model(name)
+    from torchvision import models
+
+    builder = models.get_model_builder(bare)
+    kwargs.setdefault("weights", None)
+    if "weights_backbone" in _parameters(builder):
+        kwargs.setdefault("weights_backbone", None)
+    classifier = bare in models.list_models(module=models)
+    if classifier and kwargs["weights"] is None:
+        _with_classes(kwargs, classes)
+    return builder, kwargs
 
 
 def _parameters(fn: Callable[..., Any]) -> set[str]:

@@ -56,7 +56,8 @@ def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, wor
     """
     if num_samples < 0 or global_batch < 1 or world_size < 1:
         raise ValueError(
-            f"need num_samples >= 0, global_batch >= 1, world_size >= 1; got {num_samples}, {global_batch}, {world_size}"
+            "need num_samples >= 0, global_batch >= 1, world_size >= 1; "
+            f"got {num_samples}, {global_batch}, {world_size}"
         )
     sizes = [global_batch] * (num_samples // global_batch)
     rest = num_samples % global_batch
