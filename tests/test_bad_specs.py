@@ -23,7 +23,6 @@ CASES: dict[str, tuple[int | None, str, tuple[str, ...]]] = {
     "batch_size_zero.toml": (6, "data.batch_size", ("got 0", "expected a value >= 1")),
     "negative_lr.toml": (9, "optim.lr", ("got -0.1", "expected a value > 0")),
     "mode_typo.toml": (8, "parallel.mode", ('got "dpp"', '"none", "dp" or "ddp"', 'did you mean "dp"?')),
-    "mode_none_two_ids.toml": (9, "devices.ids", ('mode = "none"', "[0, 1]")),
     "ddp_batch_indivisible.toml": (6, "data.batch_size", ("batch_size = 10", "world size 4")),
     "nccl_on_cpu.toml": (11, "parallel.backend", ("nccl", "cpu", "gloo")),
     "sync_batchnorm_cpu.toml": (11, "parallel.sync_batchnorm", ("sync_batchnorm needs CUDA",)),

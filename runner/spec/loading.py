@@ -15,11 +15,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from runner.errors import SpecError, SpecIssue
 from runner.spec.dump import spec_sha256
 from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
-from runner.spec.overrides import ORIGIN, apply_override, parse_key
+from runner.spec.overrides import ORIGIN, apply_override, apply_unset, parse_key
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.schema import ExperimentSpec
 
@@ -35,6 +40,9 @@ class LoadedSpec:
         data: The merged raw dict after ``extends`` and ``--set``, paths resolved.
         sha256: Hex SHA-256 of :func:`runner.spec.dump.dump_spec` of ``spec`` (ignores comments and layout).
         overrides: The ``--set`` texts applied, in order.
+        unset: The keys ``--unset`` removed (before the ``--set`` texts were applied).
+        sources: Every file read, ``(absolute path, text)``: the spec file first, then each file it
+            extends; a run logs them all, so its spec is self-contained.
     """
 
     spec: ExperimentSpec
@@ -43,19 +51,32 @@ class LoadedSpec:
     data: dict[str, Any]
     sha256: str
     overrides: tuple[str, ...] = ()
+    unset: tuple[str, ...] = ()
+    sources: tuple[tuple[Path, str], ...] = ()
+
+    def command_line(self) -> list[str]:
+        """The ``--unset`` and ``--set`` arguments that made this spec from its file, in the order applied."""
+        out: list[str] = []
+        for key in self.unset:
+            out += ["--unset", key]
+        for override in self.overrides:
+            out += ["--set", override]
+        return out
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
+def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[str] = ()) -> LoadedSpec:
     """Read, compose, override and validate a spec file.
 
     ``extends = "base.toml"`` (or a list) at the top level deep-merges the named files
     (relative to the extending file) under this one: tables merge key by key, other
-    values are replaced. ``overrides`` (``"optim.lr=0.05"``) are applied last; each value
-    is read as a TOML value, and text that is not valid TOML is taken as a string.
+    values are replaced. ``unset`` keys are then removed (their defaults apply), and
+    ``overrides`` (``"optim.lr=0.05"``) are applied last; each value is read as a TOML
+    value, and text that is not valid TOML is taken as a string.
 
     Args:
         path: The spec file.
         overrides: ``dotted.key=value`` strings from ``--set``, applied in order.
+        unset: Dotted keys from ``--unset``; a key the schema does not know is an issue (did-you-mean).
 
     Returns:
         The validated spec with its path, source text, merged dict and hash.
@@ -73,12 +94,45 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
     if not tree.data:
         message = f"spec is empty: a spec needs at least {', '.join(_required_keys())}"
         raise SpecError(SpecIssue(shown, None, "", message))
+    for key in unset:
+        apply_unset(tree, key, issues)
     for override in overrides:
         apply_override(tree, override, issues)
     spec = _validate(tree.data, lambda loc: _origin_of(tree.provenance, loc, shown), issues)
     if issues or spec is None:
         raise SpecError(issues)
-    return LoadedSpec(spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides))
+    return LoadedSpec(
+        spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides), tuple(unset), tuple(tree.sources)
+    )
+
+
+def load_resolved_text(text: str, path: Path, shown: str) -> LoadedSpec:
+    """Validate a resolved spec stored with a run (``spec/resolved.toml``) as if it were the file ``path``.
+
+    A resolved spec has every default written out, paths already absolute and no ``extends``, so
+    it stands alone; ``path`` (the spec file the run was started from) only sets the folder that
+    factory imports (``pkg.module:factory``) are taken from.
+
+    Args:
+        text: The TOML text.
+        path: Absolute path of the run's original spec file (it need not exist any more).
+        shown: What messages call the text, e.g. ``run 3f2a...: spec/resolved.toml``.
+
+    Returns:
+        The validated spec; ``source_text`` and ``sources`` are the resolved text itself.
+
+    Raises:
+        SpecError: The text is not TOML or does not validate (e.g. written by another version).
+    """
+    issues: list[SpecIssue] = []
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(SpecIssue(Path(shown), None, "", f"invalid TOML: {exc}")) from None
+    spec = _validate(data, lambda loc: Origin(Path(shown), None), issues)
+    if spec is None:
+        raise SpecError(issues)
+    return LoadedSpec(spec, path, text, data, spec_sha256(spec), sources=((path, text),))
 
 
 def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
@@ -134,10 +188,10 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
     Returns:
         The 1-based line, or ``None`` when the key is not written in the file itself (a default,
-        or a value from an ``extends`` base) or ``--set`` replaced it.
+        or a value from an ``extends`` base) or ``--set`` / ``--unset`` replaced it.
     """
     loc = tuple(key.split("."))
-    overridden = (parse_key(o.partition("=")[0]) for o in loaded.overrides)
+    overridden = (parse_key(o.partition("=")[0]) for o in (*loaded.overrides, *loaded.unset))
     if not key or any(o is not None and loc[: len(o)] == o for o in overridden):
         return None
     return _line_in(locate_keys(loaded.source_text), key)

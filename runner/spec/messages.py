@@ -65,7 +65,7 @@ def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
     clean: list[str | int] = []
     union_at: Loc | None = None
     for part in loc:
-        ann = _unwrap_optional(ann)
+        ann = unwrap_optional(ann)
         if get_origin(ann) in (Union, types.UnionType):
             union_at, ann = tuple(clean), None  # this part is pydantic's tag of a union member
             continue
@@ -79,10 +79,11 @@ def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
             ann = get_args(ann)[0]
         else:
             ann = None
-    return tuple(clean), union_at, _unwrap_optional(ann)
+    return tuple(clean), union_at, unwrap_optional(ann)
 
 
-def _unwrap_optional(ann: Any) -> Any:
+def unwrap_optional(ann: Any) -> Any:
+    """``X`` for ``X | None``; any other annotation unchanged."""
     if get_origin(ann) in (Union, types.UnionType):
         args = [a for a in get_args(ann) if a is not type(None)]
         if len(args) == 1:
@@ -94,7 +95,7 @@ def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = 
     """Dotted keys of other tables that have a field called ``key``."""
     found = []
     for name, field in model.model_fields.items():
-        ann = _unwrap_optional(field.annotation)
+        ann = unwrap_optional(field.annotation)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             found += _elsewhere(key, ann, (*prefix, name))
         elif name == key and prefix:

@@ -106,7 +106,15 @@ class DataSpec(_Table):
         ge=0.0,
         lt=1.0,
         description=(
-            "Fraction of the training set held out for validation (seeded, stable split); 0 disables. Default: 0.2."
+            "Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables. Default: 0.2."
+        ),
+    )
+    split_seed: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
+            "`seed` score on the same validation samples. Default: 0."
         ),
     )
     shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
@@ -143,8 +151,8 @@ class DevicesSpec(_Table):
         default="all",
         description=(
             "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
-            "or `all`. mode = none takes one id (with `all`, the first visible GPU). Ignored when the run "
-            "is on CPU. Default: all."
+            "or `all`. mode = none runs on the first of them (a note says so). Inactive when the run is on "
+            "CPU. Default: all."
         ),
     )
 
@@ -152,7 +160,11 @@ class DevicesSpec(_Table):
 
 
 class ParallelSpec(_Table):
-    """``[parallel]``: how the model is replicated. Options apply only to their mode."""
+    """``[parallel]``: how the model is replicated. Options of another mode are inactive, not errors.
+
+    Changing ``mode`` alone switches a spec between none, dp and ddp (docs/design.md §10): dp's and
+    ddp's options stay in the file, are shown as inactive by ``runner plan`` and are not logged.
+    """
 
     mode: ParallelMode = Field(
         default="none",
@@ -298,9 +310,19 @@ class TrackingSpec(_Table):
     experiment: str | None = Field(
         default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
     )
-    run_name: str | None = Field(default=None, description="MLflow run name. Default: MLflow's generated name.")
+    run_name: str | None = Field(
+        default=None,
+        description=(
+            "MLflow run name. Default: the spec's name, mode and devices, and the values the command line "
+            "changed, e.g. `digits-mlp ddp-2 lr=0.05`."
+        ),
+    )
     log_model: bool = Field(
-        default=False, description="Log the trained model with mlflow.pytorch at the end. Default: false."
+        default=False,
+        description=(
+            "Log the trained model with mlflow.pytorch.log_model at the end (a LoggedModel with an input example, "
+            "a signature and the input normalisation inside). Default: false."
+        ),
     )
     system_metrics: bool = Field(
         default=False, description="Record MLflow system metrics (CPU, memory, GPU). Default: false."
