@@ -13,12 +13,15 @@ and ``y`` an int64 scalar tensor. Sources:
 * ``imagefolder``: ``root/train/<class>/*`` and, if present, ``root/val/<class>/*`` (else
   ``val_fraction`` of train); images are read as RGB.
 * ``synthetic``: ``num_samples`` standard-normal tensors of ``input_shape``, labelled by a
-  fixed random linear teacher (argmax of ``x.flatten() @ W``), seeded by ``spec.seed``.
+  fixed random linear teacher (argmax of ``x.flatten() @ W``), seeded by ``data.split_seed``.
 * ``pkg.module:factory``: ``factory(**data.kwargs)`` returns a Dataset (split here) or a
   ``(train, val)`` tuple.
 
-The validation split is a permutation from ``torch.Generator().manual_seed(spec.seed)``:
-the same seed and size always give the same split.
+The validation split is a permutation from ``torch.Generator().manual_seed(data.split_seed)``,
+apart from ``seed`` (docs/design.md §11): the same split seed and size always give the same split,
+and runs that differ in ``seed`` score on the same validation samples. Its fingerprint
+(:attr:`DatasetInfo.val_split_sha256`) is the SHA-256 of the sorted validation indices, or of
+the sorted validation file list when the dataset brings its own validation files.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch.utils.data import Dataset, Subset
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
 from runner.training.models import resolve_factory, spec_issue
+from runner.training.splits import data_settings, file_list, part_digest, sha256_of_members, split_indices
 
 BUILTIN_DATASETS = ("sklearn.digits", "synthetic", "imagefolder")
 _NOT_DATASETS = {"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"}
@@ -52,6 +56,14 @@ class DatasetInfo:
         num_train: Training samples.
         num_val: Validation samples (0 without validation).
         name: ``data.dataset``.
+        val_split_sha256: Hex SHA-256 of the sorted validation indices (``"3,17,..."``), or of the
+            sorted validation file paths (one a line); ``None`` without validation data or when
+            the validation set is a factory's own, with neither.
+        train_digest: Short digest of the training set (the dataset's settings and its members).
+        val_digest: The same for the validation set (``None`` without one).
+        normalization: ``(mean, std)`` the samples were normalised with (``x = (raw - mean) / std``),
+            or ``None``: a logged model puts it in front of the network.
+        source: Where the samples come from (``sklearn.datasets.load_digits``, a folder, a factory).
     """
 
     input_shape: tuple[int, ...]
@@ -59,6 +71,11 @@ class DatasetInfo:
     num_train: int
     num_val: int
     name: str
+    val_split_sha256: str | None = None
+    train_digest: str = ""
+    val_digest: str | None = None
+    normalization: tuple[float, float] | None = None
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,41 +153,14 @@ def dataset_len(ds: Dataset) -> int:
     return len(cast(Sized, ds))
 
 
-def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Split ``range(num_samples)`` into sorted train and validation indices.
-
-    ``floor(num_samples * val_fraction)`` samples (at least one when ``val_fraction > 0``) are
-    the first entries of ``torch.randperm(num_samples)`` under ``torch.Generator().manual_seed(seed)``.
-
-    Args:
-        num_samples: Samples to split.
-        val_fraction: Fraction held out, in ``[0, 1)``.
-        seed: Seed of the permutation (``spec.seed``).
-
-    Returns:
-        ``(train_indices, val_indices)``, each sorted; ``val_indices`` is empty for fraction 0.
-
-    Raises:
-        SpecError: (``data.val_fraction``) if no training sample would be left.
-    """
-    n_val = int(num_samples * val_fraction)
-    if val_fraction > 0 and n_val == 0:
-        n_val = 1
-    if num_samples - n_val < 1:
-        raise spec_issue(
-            "data.val_fraction", f"val_fraction = {val_fraction} leaves no training sample out of {num_samples}"
-        )
-    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
-
-
-def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None, list[int], list[int]]:
+    """``(train, val, train indices, val indices)``; ``val`` is ``None`` for fraction 0."""
     train_idx, val_idx = split_indices(dataset_len(ds), val_fraction, seed)
     if not val_idx:
-        return ds, None
+        return ds, None, train_idx, val_idx
     if isinstance(ds, TensorPairDataset):
-        return ds.subset(train_idx), ds.subset(val_idx)
-    return Subset(ds, train_idx), Subset(ds, val_idx)
+        return ds.subset(train_idx), ds.subset(val_idx), train_idx, val_idx
+    return Subset(ds, train_idx), Subset(ds, val_idx), train_idx, val_idx
 
 
 def _check_kwargs(dataset: str, kwargs: dict[str, Any], allowed: Sequence[str]) -> None:
@@ -198,7 +188,8 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
     return x
 
 
-def _digits(data: Any) -> TensorPairDataset:
+def _digits(data: Any) -> tuple[TensorPairDataset, tuple[float, float] | None]:
+    """The digits as ``(N, 1, 8, 8)`` pixels in [0, 1], resized, normalised; with the ``(mean, std)`` used."""
     from sklearn.datasets import load_digits
 
     _check_kwargs("sklearn.digits", data.kwargs, ["normalize"])
@@ -209,10 +200,13 @@ def _digits(data: Any) -> TensorPairDataset:
     x = torch.as_tensor(bunch.images, dtype=torch.float32).div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8), [0, 1]
     y = torch.as_tensor(bunch.target, dtype=torch.long)
     x = _shape_images(x, data.dataset, data.image_size, None)
+    stats = None
     if normalize:
-        x = (x - x.mean()) / x.std()
+        mean, std = x.mean(), x.std()
+        x = (x - mean) / std
+        stats = (float(mean), float(std))
     x = _shape_images(x, data.dataset, None, data.num_channels)
-    return TensorPairDataset(x.contiguous(), y)
+    return TensorPairDataset(x.contiguous(), y), stats
 
 
 def _synthetic(data: Any, seed: int) -> TensorPairDataset:
@@ -429,34 +423,62 @@ def build_datasets(spec: Any, spec_dir: Path | str | None) -> DatasetBundle:
     """
     data = spec.data
     name = data.dataset
-    val: Dataset | None = None
-    explicit = False
-    if name == "sklearn.digits":
-        train: Dataset = _digits(data)
-    elif name == "synthetic":
-        train = _synthetic(data, spec.seed)
-    elif name == "imagefolder":
-        train, val = _imagefolder(data, spec_dir)
-        explicit = val is not None
-    elif ":" in name:
-        train, val, explicit = _factory(data, spec_dir)
-    elif name.startswith("torchvision."):
-        train = _torchvision(data, spec_dir)
-    else:
-        raise _unknown_dataset(name)
+    train, val, explicit, stats = _source(data, spec_dir)
     if dataset_len(train) == 0:
         raise spec_issue("data.dataset", f"{name} has no training samples")
     x = _first_sample(train, name)
     num_classes = _label_count(train)
+    train_members: Sequence[int] | Sequence[str] | None
+    val_members: Sequence[int] | Sequence[str] | None
     if not explicit:
-        train, val = _split(train, data.val_fraction, spec.seed)
-    elif val is not None and dataset_len(val):
-        num_classes = max(num_classes, _label_count(val))
+        train, val, train_members, val_members = _split(train, data.val_fraction, data.split_seed)
+    else:
+        train_members, val_members = file_list(train), file_list(val) if val is not None else None
+        if val is not None and dataset_len(val):
+            num_classes = max(num_classes, _label_count(val))
+    num_val = dataset_len(val) if val is not None else 0
+    settings = data_settings(data)
     info = DatasetInfo(
         input_shape=tuple(int(d) for d in x.shape),
         num_classes=num_classes,
         num_train=dataset_len(train),
-        num_val=dataset_len(val) if val is not None else 0,
+        num_val=num_val,
         name=name,
+        val_split_sha256=sha256_of_members(val_members) if num_val and val_members is not None else None,
+        train_digest=part_digest(settings, "train", train_members, dataset_len(train)),
+        val_digest=part_digest(settings, "val", val_members, num_val) if num_val else None,
+        normalization=stats,
+        source=_source_text(data, spec_dir),
     )
     return DatasetBundle(train=train, val=val, info=info)
+
+
+def _source(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool, tuple[float, float] | None]:
+    """``(train, val or None, whether val is the source's own, normalisation)`` of ``[data]``.
+
+    Raises:
+        SpecError: An unknown dataset or one that does not build (see :func:`build_datasets`).
+    """
+    name = data.dataset
+    if name == "sklearn.digits":
+        digits, stats = _digits(data)
+        return digits, None, False, stats
+    if name == "synthetic":
+        return _synthetic(data, data.split_seed), None, False, None
+    if name == "imagefolder":
+        train, val = _imagefolder(data, spec_dir)
+        return train, val, val is not None, None
+    if ":" in name:
+        return (*_factory(data, spec_dir), None)
+    if name.startswith("torchvision."):
+        return _torchvision(data, spec_dir), None, False, None
+    raise _unknown_dataset(name)
+
+
+def _source_text(data: Any, spec_dir: Path | str | None) -> str:
+    """Where the samples are read from, for the run's dataset inputs."""
+    if data.dataset == "sklearn.digits":
+        return "sklearn.datasets.load_digits"
+    if data.root is not None and (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")):
+        return str(_root(data, spec_dir))
+    return str(data.dataset)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec, TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
-    from runner.training.data import DatasetBundle
+    from runner.training.data import DatasetBundle, DatasetInfo
     from runner.training.seeding import SeedInfo
 
 
@@ -93,6 +93,7 @@ class TrainingParts:
         loaders: This rank's DataLoaders.
         total_steps: Optimizer steps of the run (:func:`count_total_steps`).
         train_set: The training dataset (its first sample is the model's example input).
+        data: What the data is: sizes, split fingerprint, digests, normalisation (for the run's records).
     """
 
     model: nn.Module
@@ -106,6 +107,7 @@ class TrainingParts:
     loaders: Loaders
     total_steps: int
     train_set: Dataset
+    data: DatasetInfo | None = None
 
     def example_input(self) -> torch.Tensor:
         """One training input with a batch dimension, ``(1, *input_shape)``, for a model signature."""
@@ -167,6 +169,7 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         loaders=loaders,
         total_steps=total_steps,
         train_set=bundle.train,
+        data=bundle.info,
     )
 
 
