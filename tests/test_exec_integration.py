@@ -210,7 +210,10 @@ def test_interrupt_message_says_how_to_resume(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     here = f"sqlite:///{tmp_path}/mlflow.db"  # the tests run in tmp_path: ./mlflow.db is the default store
     assert resume_command("abc", here) == "runner resume abc"
-    assert resume_command("abc", "sqlite:////elsewhere/m.db") == "runner resume abc --tracking-uri sqlite:////elsewhere/m.db"
+    assert (
+        resume_command("abc", "sqlite:////elsewhere/m.db")
+        == "runner resume abc --tracking-uri sqlite:////elsewhere/m.db"
+    )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/m.db")
     assert resume_command("abc", "sqlite:////elsewhere/m.db") == "runner resume abc"
 
