@@ -2,7 +2,9 @@
 
 A side is a run id (its stored resolved spec and the provenance tags it recorded) or a spec file
 (loaded with every default, with the git state of its repository and this machine's environment
-now). Only differences are printed; a section without any says ``same``.
+now). Spec keys are compared as runs log them (the keys that apply); a key that applies on one
+side only (another mode's option) is left out, the mode itself shows. Only differences are
+printed; a section without any says ``same``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
 
 ABSENT = "(absent)"
 _ENV_TAGS = {
@@ -33,15 +36,23 @@ class Side:
 
     Attributes:
         label: ``run <id> (<name>)`` or ``spec <path>``.
-        spec: The flattened spec (dotted key -> value), every default that applies included.
+        spec: The keys of the spec that apply (dotted key -> value), as a run logs them as params.
+        inactive: The keys that do not apply to it (another mode's options, ...).
         git: ``commit`` and ``dirty`` of the code (``?`` when unknown).
         environment: torch and CUDA versions, devices, world size, accelerator, host.
     """
 
     label: str
     spec: dict[str, Any]
+    inactive: frozenset[str] = frozenset()
     git: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
+
+
+def _spec_keys(spec: ExperimentSpec) -> tuple[dict[str, Any], frozenset[str]]:
+    from runner.spec.active import active_params, inactive_keys
+
+    return active_params(spec), frozenset(inactive_keys(spec))
 
 
 def side_of(arg: str, tracking_uri: str | None = None) -> Side:
@@ -62,13 +73,11 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
 
         raise UsageError(f"{arg}: spec file not found (give a spec file or a run id)")
     stored = read_stored_run(store_uri(tracking_uri), arg)
-    from runner.spec.dump import flatten_spec
-
     tags = stored.tags
     git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
     environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}
     label = f"run {stored.run_id}" + (f" ({stored.run_name})" if stored.run_name else "")
-    return Side(label, flatten_spec(stored.loaded().spec), git, environment)
+    return Side(label, *_spec_keys(stored.loaded().spec), git, environment)
 
 
 def _spec_side(loaded: LoadedSpec) -> Side:
@@ -79,7 +88,6 @@ def _spec_side(loaded: LoadedSpec) -> Side:
 
     from runner.errors import DeviceError
     from runner.plan import make_plan
-    from runner.spec.dump import flatten_spec
     from runner.tracking.gitinfo import git_info
 
     info = git_info(loaded.path)
@@ -98,7 +106,7 @@ def _spec_side(loaded: LoadedSpec) -> Side:
         environment["devices"] = f"cannot run here ({exc.message})"
     environment["host"] = socket.gethostname()
     words = " ".join(loaded.command_line())
-    return Side(f"spec {loaded.path}" + (f" {words}" if words else ""), flatten_spec(loaded.spec), git, environment)
+    return Side(f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec), git, environment)
 
 
 def diff_sides(a: Side, b: Side) -> dict[str, Any]:
@@ -108,20 +116,26 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
         ``{"a": label, "b": label, "spec": {key: [a, b]}, "git": {...}, "environment": {...}}``; each
         section holds only the entries that differ (a key missing on one side is ``"(absent)"``).
     """
+    inert = {
+        k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
+    }
     return {
         "a": a.label,
         "b": b.label,
-        "spec": _differing(a.spec, b.spec),
+        "spec": _differing(a.spec, b.spec, skip=inert),
         "git": _differing(a.git, b.git),
         "environment": _differing(a.environment, b.environment, unknown="?"),
     }
 
 
-def _differing(a: dict[str, Any], b: dict[str, Any], unknown: str | None = None) -> dict[str, list[Any]]:
+def _differing(
+    a: dict[str, Any], b: dict[str, Any], unknown: str | None = None, skip: set[str] | None = None
+) -> dict[str, list[Any]]:
+    """Keys whose values differ; ``skip``: keys that apply on one side only (another mode's options)."""
     out: dict[str, list[Any]] = {}
     for key in [*a, *(k for k in b if k not in a)]:
         left, right = a.get(key, ABSENT), b.get(key, ABSENT)
-        if left != right and unknown not in (left, right):
+        if left != right and unknown not in (left, right) and key not in (skip or set()):
             out[key] = [left, right]
     return out
 
