@@ -98,6 +98,13 @@ def test_seeds_share_the_validation_split_and_the_runs_say_so(write_spec, store:
     assert client.get_run(first).data.tags["runner.overrides"] == "--set seed=0"
 
 
+def test_exec_prints_and_records_what_runs_instead_of_a_value_that_cannot_apply(write_spec, store: str, capsys) -> None:
+    run_id = exec_ok(store, str(write_spec()), "--set", "devices.ids=[0, 1]", "--set", "train.epochs=1")
+    note = "devices.ids = [0, 1] is ignored: the run is on cpu"
+    assert f"runner: note: {note}" in capsys.readouterr().err
+    assert MlflowClient(store).get_run(run_id).data.tags["runner.notes"] == note
+
+
 def test_the_logged_model_is_a_logged_model_with_the_normalisation_inside(tmp_path: Path, store: str) -> None:
     spec = tmp_path / "digits.toml"
     base = REPO / "experiments" / "digits_mlp.toml"
@@ -239,6 +246,12 @@ def test_reproduce_repeats_the_metric_history_and_warns_when_the_code_moved(
     assert copy.data.params == first.data.params
     assert histories(store, copy.info.run_id) == histories(store, original)
     assert all(histories(store, original)[k] for k in KEYS)
+    capsys.readouterr()
+    assert main(["diff", original, copy.info.run_id, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    commits = [first.data.tags["mlflow.source.git.commit"], copy.data.tags["mlflow.source.git.commit"]]
+    assert result["git"] == {"commit": commits} and commits[0] != commits[1]
+    assert result["commits"] == [f"{c[:12]} clean" for c in commits] and result["spec"] == {}
 
 
 def test_diff_names_the_keys_commits_and_environment_that_differ(write_spec, store: str, capsys) -> None:
@@ -249,12 +262,13 @@ def test_diff_names_the_keys_commits_and_environment_that_differ(write_spec, sto
     assert main(["diff", a, b, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["spec"] == {"parallel.mode": ["none", "ddp"], "optim.lr": [0.1, 0.05]}
-    assert result["git"] == {} and result["environment"] == {}
+    assert result["git"] == {} and result["environment"] == {} and result["commits"] == ["no git commit"] * 2
     assert result["a"].startswith(f"run {a} (t none-1 epochs=1)")
     assert main(["diff", a, spec]) == 0
     text = capsys.readouterr().out
     assert text.splitlines()[:2] == [f"A: run {a} (t none-1 epochs=1)", f"B: spec {spec}"]
     assert "spec: 1 difference(s)" in text and "train.epochs  1  2" in text
+    assert "commits: A no git commit, B no git commit (same)" in text
     assert "git: same" in text and "environment: same" in text
     assert main(["diff", a, "nope.toml"]) == 2
     assert "nope.toml: spec file not found" in capsys.readouterr().err

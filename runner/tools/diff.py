@@ -113,8 +113,9 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
     """The differences of two sides.
 
     Returns:
-        ``{"a": label, "b": label, "spec": {key: [a, b]}, "git": {...}, "environment": {...}}``; each
-        section holds only the entries that differ (a key missing on one side is ``"(absent)"``).
+        ``{"a": label, "b": label, "spec": {key: [a, b]}, "commits": [a, b], "git": {...},
+        "environment": {...}}``: ``commits`` names both sides' code (``1a2b3c4d5e6f dirty``); the
+        other sections hold only the entries that differ (a key missing on one side is ``"(absent)"``).
     """
     inert = {
         k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
@@ -123,6 +124,7 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
         "a": a.label,
         "b": b.label,
         "spec": _differing(a.spec, b.spec, skip=inert),
+        "commits": [_git_text(a.git), _git_text(b.git)],
         "git": _differing(a.git, b.git),
         "environment": _differing(a.environment, b.environment, unknown="?"),
     }
@@ -143,6 +145,8 @@ def _differing(
 def format_diff(result: dict[str, Any]) -> str:
     """The differences as text: the two sides, then spec keys, git and environment, each as a table."""
     lines = [f"A: {result['a']}", f"B: {result['b']}"]
+    same = "same" if not result["git"] else "differ"
+    lines.append(f"commits: A {result['commits'][0]}, B {result['commits'][1]} ({same})")
     for title in ("spec", "git", "environment"):
         rows = result[title]
         if not rows:
@@ -154,6 +158,15 @@ def format_diff(result: dict[str, Any]) -> str:
         left = max(len(pair[0]) for pair in shown.values())
         lines += [f"  {k:<{width}}  {pair[0]:<{left}}  {pair[1]}" for k, pair in shown.items()]
     return "\n".join(lines)
+
+
+def _git_text(git: dict[str, str]) -> str:
+    """``1a2b3c4d5e6f dirty``, ``1a2b3c4d5e6f clean`` or ``no git commit``."""
+    commit = git.get("commit", "?")
+    if commit == "?":
+        return "no git commit"
+    state = {"true": " dirty", "false": " clean"}.get(git.get("dirty", "?"), "")
+    return f"{commit[:12]}{state}"
 
 
 def _text(value: Any) -> str:

@@ -140,7 +140,8 @@ def start_run(
     Args:
         loaded: A ``runner.spec.loading.LoadedSpec`` (``spec``, ``path``, ``source_text``, ``sha256``).
         plan_description: JSON-able description of the device plan (``DevicePlan.describe()``).
-        run_name: Display name. Default: ``spec.tracking.run_name``, else MLflow's generated name.
+        run_name: Display name (the driver passes the plan's, :func:`runner.plan.run_name_of`). Default:
+            ``spec.tracking.run_name``, else MLflow's generated name.
         extra_tags: Further tags; they override every other tag.
         uri: Tracking URI. Default: :func:`runner.tracking.uri.resolve_tracking_uri` of the spec.
         nested: Allow a fluent MLflow run to be active and record it as this run's parent.
