@@ -21,6 +21,12 @@ REPO = Path(__file__).parents[1]
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite store for the module (creating a store's tables takes seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('records')}/mlflow.db"
+
+
 @pytest.fixture
 def experiments(tmp_path: Path) -> Path:
     """A copy of the shipped experiments (digits_mlp_ddp.toml extends base/digits.toml)."""
@@ -41,7 +47,8 @@ def started(loaded, store: str) -> str:
     return start_run(loaded, plan.describe(), run_name=plan.run_name, uri=store).run_id
 
 
-def test_a_run_logs_the_files_it_extends_and_the_logged_spec_loads_on_its_own(experiments, store, tmp_path) -> None:
+def test_a_run_logs_the_files_it_extends_and_the_logged_spec_loads_on_its_own(experiments, shared, tmp_path) -> None:
+    store = shared
     loaded = load_spec(experiments / "digits_mlp_ddp.toml", ['parallel.mode="none"', "optim.lr=0.05"])
     run_id = started(loaded, store)
     client = MlflowClient(store)
@@ -55,7 +62,8 @@ def test_a_run_logs_the_files_it_extends_and_the_logged_spec_loads_on_its_own(ex
     assert "runner.notes" not in run.data.tags  # nothing runs instead of what was asked
 
 
-def test_params_leave_out_inactive_keys_and_stored_spec_round_trips(experiments, store) -> None:
+def test_params_leave_out_inactive_keys_and_stored_spec_round_trips(experiments, shared) -> None:
+    store = shared
     loaded = load_spec(experiments / "digits_mlp_ddp.toml", ['parallel.mode="none"'])
     run_id = started(loaded, store)
     params = MlflowClient(store).get_run(run_id).data.params
@@ -66,7 +74,8 @@ def test_params_leave_out_inactive_keys_and_stored_spec_round_trips(experiments,
     assert stored.loaded().spec == loaded.spec and stored.loaded().sha256 == loaded.sha256
 
 
-def test_the_notes_of_the_plan_are_tagged(write_spec, store) -> None:
+def test_the_notes_of_the_plan_are_tagged(write_spec, shared) -> None:
+    store = shared
     loaded = load_spec(write_spec(), ["devices.ids=[0, 1]"])
     run = MlflowClient(store).get_run(started(loaded, store))
     assert run.data.tags["runner.notes"] == "devices.ids = [0, 1] is ignored: the run is on cpu"
@@ -91,7 +100,8 @@ def test_artifact_names_of_sources_outside_the_spec_folder_and_of_clashing_names
     assert texts["spec/source-plan.json"] == alone.read_text() and texts["spec/plan.json"] == "{}"
 
 
-def test_reading_a_run_that_is_not_there_names_the_run_and_the_store(store, tmp_path) -> None:
+def test_reading_a_run_that_is_not_there_names_the_run_and_the_store(shared, tmp_path) -> None:
+    store = shared
     missing = f"sqlite:///{tmp_path}/none/mlflow.db"
     with pytest.raises(UsageError, match=rf"no run abc at {missing}: there is no tracking store there"):
         read_stored_run(missing, "abc")
