@@ -27,6 +27,8 @@ from runner.strategies.single import SingleDevice
 from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders
 from runner.training.loop import LoopParts, TrainState, fit
+from runner.training.losses import build_loss
+from runner.training.metrics import build_metric_plan
 from runner.training.setup import count_total_steps
 
 STEPS_PER_EPOCH = 5
@@ -93,7 +95,8 @@ def make_parts(
 ) -> LoopParts:
     """Everything ``fit`` needs, built by hand: the loop builds nothing itself."""
     strategy = strategy or SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
-    loaders = build_loaders(spec, build_datasets(spec, None), strategy.rank, strategy.world_size)
+    bundle = build_datasets(spec, None)
+    loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     torch.manual_seed(spec.seed)
     model = strategy.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)))
     return LoopParts(
@@ -102,7 +105,8 @@ def make_parts(
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         scheduler=None,
         scheduler_interval="epoch",
-        loss_fn=nn.CrossEntropyLoss(reduction="sum"),  # summed: the loop divides by the global batch
+        loss=build_loss(spec.loss, None),  # summed: the loop divides by the global batch
+        metrics=build_metric_plan(spec, bundle.info, None),  # without [metrics]: accuracy
         loaders=loaders,
         tracker=tracker,
         total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),  # computed once, by the setup

@@ -128,6 +128,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     plan = make_plan(loaded)
     spec = loaded.spec
     check_model_name(spec.model.name, loaded.path.parent)
+    _check_objectives(loaded)
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
     if uri is not None:
@@ -162,6 +163,16 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         workers=sorted(workers, key=lambda w: w.rank),
         rank=plan.launcher.rank if plan.launch == "external" else 0,
     )
+
+
+def _check_objectives(loaded: LoadedSpec) -> None:
+    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
+    from runner.training.losses import check_objectives
+
+    try:
+        check_objectives(loaded.spec, loaded.path.parent)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
