@@ -309,6 +309,8 @@ def _spec_error_of_child(exc: BaseException) -> SpecError | None:
 def _describe_failure(exc: BaseException) -> str:
     """A readable message for a failed job; for DDP, the first failing rank's error."""
     failures = getattr(exc, "failures", None)
+    if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
+        return str(exc)
     if not failures:
         return f"{type(exc).__name__}: {exc}"
     rank, failure = min(failures.items())
@@ -320,7 +322,7 @@ def _describe_failure(exc: BaseException) -> str:
             message = inner.get("message", "")
             trace = inner.get("extraInfo", {}).get("py_callstack", "")
             if trace:
-                message = trace.strip().splitlines()[-1]
+                message = trace.strip().splitlines()[-1].removeprefix("runner.errors.TrainingError: ")
         elif isinstance(inner, str):
             message = inner
     if not message:

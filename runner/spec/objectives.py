@@ -4,7 +4,7 @@ Names are checked when the spec is validated, without torch: a built-in loss or 
 (with a did-you-mean when misspelled) or the form of a ``pkg.module:attr`` path, and every
 logged metric name against the characters MLflow accepts in a metric key. Whether a path
 imports is checked before the run is created (:mod:`runner.training.losses`,
-:mod:`runner.training.metrics`). The semantics are in docs/design.md §3 and §10.
+:mod:`runner.training.metrics`). The semantics are in docs/design.md §3 and §13.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _check_name(name: str, builtins: tuple[str, ...], what: str, path_form: str)
 
 
 class LossSpec(BaseModel):
-    """``[loss]``: the loss the optimizer minimises (docs/design.md §3, §10)."""
+    """``[loss]``: the loss the optimizer minimises (docs/design.md §3, §13)."""
 
     model_config = _CONFIG
 
@@ -148,7 +148,7 @@ MetricEntry = Annotated[str | dict[str, Any], AfterValidator(_check_entry)]
 
 
 class MetricsSpec(BaseModel):
-    """``[metrics]``: torchmetrics metrics computed on the training and validation batches (docs/design.md §10)."""
+    """``[metrics]``: torchmetrics metrics computed on the training and validation batches (docs/design.md §13)."""
 
     model_config = _CONFIG
 

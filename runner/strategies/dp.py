@@ -5,7 +5,7 @@ along ``parallel.dim``; a batch smaller than the number of devices (e.g. the
 last batch of an epoch) runs on fewer replicas, the first devices only. With
 ``data.drop_last = true`` such a batch never reaches the model.
 
-The output contract (docs/design.md §10): forward returns tensors, or dicts, lists and
+The output contract (docs/design.md §13): forward returns tensors, or dicts, lists and
 (named) tuples of them, which DataParallel gathers on the output device, where the
 loss then runs. A dataclass output (a Hugging Face ``ModelOutput`` too) becomes a dict
 of its fields before gathering, because DataParallel rebuilds dataclasses wrongly

@@ -1,6 +1,6 @@
 """The model's side of a step: move a batch to the devices, call forward, pick the prediction and the loss it returned.
 
-The contract (docs/design.md §10, README "Bring your own model"):
+The contract (docs/design.md §13, README "Bring your own model"):
 
 * a batch is an ``(x, y)`` pair or a dict of tensors (``data.target`` names the target key);
   every tensor is moved to the strategy's input device, the target also to its output device;

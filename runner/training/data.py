@@ -1,7 +1,7 @@
 """Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.training.loaders`).
 
 A sample is an ``(x, y)`` pair (``x`` a tensor of ``DatasetInfo.input_shape``, ``y`` the target)
-or a dict of tensors (``data.target`` names the target key; docs/design.md §10). Sources
+or a dict of tensors (``data.target`` names the target key; docs/design.md §13). Sources
 (:mod:`runner.training.sources`):
 
 * ``sklearn.digits``: the 1797 8x8 UCI digits shipped with scikit-learn, in memory. Pixels

@@ -317,7 +317,7 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
 
     Every validation sample is counted exactly once across ranks (the eval sampler never
     pads): ``val/loss`` is ``sum(loss) / count`` of reduced sums, and the ``val/`` metrics are
-    computed by torchmetrics from states gathered over ranks (docs/design.md §10).
+    computed by torchmetrics from states gathered over ranks (docs/design.md §13).
 
     Returns:
         ``{"val/loss": float, "val/<metric>": float, ...}``.

@@ -9,7 +9,7 @@ Built-in names (torchmetrics classes, arguments passed through, defaults in brac
 the data unless the entry sets them. ``"pkg.module:Factory"`` is called with the entry's other
 keys and must return a ``torchmetrics.Metric`` whose ``update`` takes ``(prediction, target)``.
 
-Distributed (docs/design.md §10): ``compute()`` gathers every rank's states with torchmetrics'
+Distributed (docs/design.md §13): ``compute()`` gathers every rank's states with torchmetrics'
 own sync (sums added, ``cat`` lists gathered without padding), and the eval sampler gives each
 validation sample to exactly one rank, so every validation sample counts once. Train metrics
 skip torchmetrics' argument checks, which would synchronise a CUDA device on every step.

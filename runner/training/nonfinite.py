@@ -4,7 +4,7 @@ Every step the guard records on the device whether a micro-batch loss or the ste
 norm was not finite, and the first such step (no host-device synchronisation: a few tiny
 kernels). The flag rides in the loop's running sums (their middle entry), which are reduced
 over ranks and read anyway at every ``train/loss`` log, every checkpoint and every epoch end,
-so the ranks agree on it without an extra collective (docs/design.md §11). There:
+so the ranks agree on it without an extra collective (docs/design.md §14). There:
 
 * ``stop`` (the default) raises :class:`~runner.errors.TrainingError` naming the first bad
   step, before anything non-finite is logged or checkpointed (exit 1, the run FAILED);
