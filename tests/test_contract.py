@@ -402,3 +402,40 @@ def test_dataparallel_outputs_dataclasses_as_dicts_and_weighs_replica_losses() -
     wrapper._chunk_sizes = [3, 1]
     assert float(wrapper.gather([torch.tensor(1.0), torch.tensor(4.0)], CPU)) == pytest.approx(1.75)
     assert _chunk_size((torch.zeros(3, 2),), {}, 0) == 3 and _chunk_size((), {"x": torch.zeros(2, 5)}, 1) == 5
+
+
+# --------------------------------------------------------------------------- data: dict samples, diabetes
+
+
+def test_diabetes_is_a_real_offline_regression_set() -> None:
+    from runner.training.data import build_datasets
+
+    bundle = build_datasets(spec(data={"dataset": "sklearn.diabetes", "val_fraction": 0.2}), None)
+    info = bundle.info
+    assert (info.input_shape, info.target_shape, info.num_classes) == ((10,), (), 0)
+    assert (info.num_train, info.num_val) == (354, 88)
+    x, y = bundle.train[0]
+    assert x.dtype == y.dtype == torch.float32 and 25 <= float(y) <= 346
+    with pytest.raises(SpecError, match=r"data.kwargs: sklearn.diabetes does not take \['scale'\]"):
+        build_datasets(spec(data={"dataset": "sklearn.diabetes", "kwargs": {"scale": True}}), None)
+
+
+def test_dict_samples_need_the_target_key_their_loss_or_metrics_use(tmp_path) -> None:
+    from runner.training.batches import check_target
+    from runner.training.data import build_datasets
+
+    (tmp_path / "dict_data.py").write_text(
+        "import torch\n\ndef make(n=12):\n"
+        "    return [{'x': torch.randn(3), 'labels': torch.tensor(i % 2)} for i in range(n)]\n"
+    )
+    good = spec(data={"dataset": "dict_data:make", "target": "labels"})
+    info = build_datasets(good, tmp_path).info
+    assert (info.keys, info.input_shape, info.num_classes) == (("x", "labels"), (3,), 2)
+    with pytest.raises(SpecError, match=r"data.target: dict_data:make yields dicts with keys \['x', 'labels'\], none"):
+        build_datasets(spec(data={"dataset": "dict_data:make", "target": "label"}), tmp_path)
+    missing = spec(data={"dataset": "dict_data:make"})
+    with pytest.raises(SpecError, match=r"data.target: .*set data.target to its key"):
+        check_target(build_datasets(missing, tmp_path).info, missing, needs=True)
+    check_target(build_datasets(missing, tmp_path).info, missing, needs=False)  # a model-computed loss, no metrics
+    with pytest.raises(SpecError, match=r"data.target: synthetic yields \(x, y\) pairs"):
+        build_datasets(spec(data={"target": "labels"}), None)
