@@ -132,6 +132,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     plan = make_plan(loaded, tracking_uri=options.tracking_uri)
     spec = loaded.spec
     check_model_name(spec.model.name, loaded.path.parent)
+    _check_objectives(loaded)
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     if owner:
         for note in plan.notes:  # before training: what runs instead of what cannot apply (docs/design.md §10)
@@ -169,6 +170,16 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         workers=sorted(workers, key=lambda w: w.rank),
         rank=plan.launcher.rank if plan.launch == "external" else 0,
     )
+
+
+def _check_objectives(loaded: LoadedSpec) -> None:
+    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
+    from runner.training.losses import check_objectives
+
+    try:
+        check_objectives(loaded.spec, loaded.path.parent)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
@@ -315,6 +326,8 @@ def _spec_error_of_child(exc: BaseException) -> SpecError | None:
 def _describe_failure(exc: BaseException) -> str:
     """A readable message for a failed job; for DDP, the first failing rank's error."""
     failures = getattr(exc, "failures", None)
+    if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
+        return str(exc)
     if not failures:
         return f"{type(exc).__name__}: {exc}"
     rank, failure = min(failures.items())
@@ -326,7 +339,7 @@ def _describe_failure(exc: BaseException) -> str:
             message = inner.get("message", "")
             trace = inner.get("extraInfo", {}).get("py_callstack", "")
             if trace:
-                message = trace.strip().splitlines()[-1]
+                message = trace.strip().splitlines()[-1].removeprefix("runner.errors.TrainingError: ")
         elif isinstance(inner, str):
             message = inner
     if not message:

@@ -198,7 +198,10 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
 
 def _line_in(lines: dict[Loc, int], key: str) -> int | None:
-    loc = tuple(key.split("."))
+    loc: Loc = ()
+    for part in key.split("."):  # "metrics.val[1]" -> ("metrics", "val", 1)
+        name, *indices = part.split("[")
+        loc = (*loc, name, *(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit()))
     return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
 from runner.spec.locate import Loc, format_key
+from runner.spec.objectives import MOVED
 from runner.spec.rules import CrossFieldError
 from runner.spec.schema import ExperimentSpec
 from runner.spec.suggest import did_you_mean, suggest
@@ -83,7 +84,9 @@ def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
 
 
 def unwrap_optional(ann: Any) -> Any:
-    """``X`` for ``X | None``; any other annotation unchanged."""
+    """``X`` for ``X | None`` (and for ``Annotated[X, ...]``); any other annotation unchanged."""
+    if get_origin(ann) is Annotated:  # a type with its own validator, e.g. a [metrics] entry
+        ann = get_args(ann)[0]
     if get_origin(ann) in (Union, types.UnionType):
         args = [a for a in get_args(ann) if a is not type(None)]
         if len(args) == 1:
@@ -127,7 +130,7 @@ def _unknown_key(loc: Loc) -> str:
     """``got unknown key "x"; expected a key of [t]: a, b (did you mean "a"?)``, or the table that has it."""
     parent = annotation_at(loc[:-1])
     known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
-    hint = did_you_mean(loc[-1], known)
+    hint = MOVED.get(tuple(loc)) or did_you_mean(loc[-1], known)
     where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
     if not hint and (other := _elsewhere(str(loc[-1]))):
         hint = suggest(other, render=str)

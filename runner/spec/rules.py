@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
         OptimSpec,
         ParallelSpec,
         SweepParam,
-        TrainSpec,
     )
 
 DP_ONLY = ("output_device", "dim")
@@ -185,16 +184,6 @@ def check_optim(optim: OptimSpec) -> None:
     clash = sorted({"lr", "momentum", "weight_decay"} & set(optim.kwargs))
     if clash:
         raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
-
-
-def check_train(train: TrainSpec) -> None:
-    """Rules inside ``[train]``.
-
-    Raises:
-        ValueError: label smoothing with a loss other than cross entropy.
-    """
-    if train.label_smoothing and train.loss != "cross_entropy":
-        raise ValueError(f'label_smoothing applies to loss = "cross_entropy", not {train.loss!r}')
 
 
 def check_sweep_param(param: SweepParam) -> None:

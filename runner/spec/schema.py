@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner.spec import rules
+from runner.spec.objectives import LossSpec, MetricsSpec
 
 ParallelMode = Literal["none", "dp", "ddp"]
 Accelerator = Literal["auto", "cuda", "cpu"]
@@ -49,6 +50,9 @@ class ModelSpec(_Table):
         default_factory=dict,
         description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`. Default: none.",
     )
+    output: str | int | None = Field(
+        default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
+    )
 
 
 class DataSpec(_Table):
@@ -57,9 +61,9 @@ class DataSpec(_Table):
     dataset: str = Field(
         min_length=1,
         description=(
-            "Dataset: `sklearn.digits` (UCI handwritten digits shipped with scikit-learn), "
-            "`torchvision.<Name>` (e.g. `torchvision.MNIST`, read from `root`), `imagefolder` "
-            "(`root`/train and `root`/val), `synthetic` (seeded random tensors) or `pkg.module:factory`."
+            "Dataset: `sklearn.digits` or `sklearn.diabetes` (shipped with scikit-learn), `torchvision.<Name>` (e.g. "
+            "`torchvision.MNIST`, read from `root`), `imagefolder` (`root`/train and `root`/val), `synthetic` "
+            "(seeded random tensors) or `pkg.module:factory` (samples `(x, y)` or dicts of tensors)."
         ),
     )
     root: str | None = Field(
@@ -79,6 +83,7 @@ class DataSpec(_Table):
         default_factory=dict,
         description="Extra keyword arguments for the dataset builder or factory. Default: none.",
     )
+    target: str | None = Field(default=None, min_length=1, description='Dict samples: the target key, e.g. "labels".')
     image_size: int | None = Field(
         default=None,
         ge=1,
@@ -281,11 +286,9 @@ class TrainSpec(_Table):
     clip_grad_norm: float | None = Field(
         default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
     )
-    loss: Literal["cross_entropy", "mse", "nll"] = Field(
-        default="cross_entropy", description="Loss, mean-reduced. Default: cross_entropy."
-    )
-    label_smoothing: float = Field(
-        default=0.0, ge=0, lt=1, description="cross_entropy only: label smoothing. Default: 0."
+    on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
+        default="stop",
+        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`. Default: stop.",
     )
     log_every_n_steps: int = Field(default=10, ge=1, description="Log train/loss every N optimizer steps. Default: 10.")
     eval_every_n_epochs: int = Field(
@@ -295,8 +298,6 @@ class TrainSpec(_Table):
         default="auto",
         description="Progress display: a bar on a terminal, plain lines otherwise (auto). Default: auto.",
     )
-
-    rule = rules.check_train
 
 
 class TrackingSpec(_Table):
@@ -411,6 +412,8 @@ class ExperimentSpec(_Table):
     )
     optim: OptimSpec = Field(description="The optimizer.")
     scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
+    loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
+    metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ def log_model(
     uri: str | None,
     run_id: str,
     model: torch.nn.Module,
-    example: torch.Tensor,
+    example: torch.Tensor | dict[str, torch.Tensor],
     *,
     step: int = 0,
     normalization: tuple[float, float] | None = None,
@@ -81,8 +81,9 @@ def log_model(
         uri: Tracking URI of the run.
         run_id: The run.
         model: The unwrapped ``nn.Module``; moved to CPU and put in eval mode.
-        example: One input before normalisation, shape ``(1, *input_shape)``: the input example,
-            and with the model's output on it, the signature.
+        example: One input before normalisation, shape ``(1, *input_shape)``, or a dict of such tensors for
+            a model that takes dict batches (``forward(**batch)``): the input example, and with the
+            model's output on it (tensor inputs only), the signature.
         step: The run's last optimizer step: the metrics logged there are linked to the model.
         normalization: ``(mean, std)`` the training data was normalised with; put inside the model.
 
@@ -99,12 +100,18 @@ def log_model(
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
-    x = example.detach().cpu()
-    channels = int(x.shape[1]) if x.dim() >= 3 else 1
-    served = with_normalization(model.to("cpu").eval(), normalization, channels).eval()
-    with torch.no_grad():
-        y = served(x)
-    signature = infer_signature(x.numpy(), y.detach().numpy())
+    if isinstance(example, dict):
+        served = model.to("cpu").eval()
+        shown: Any = {k: v.detach().cpu().numpy() for k, v in example.items()}
+        signature = infer_signature(shown)
+    else:
+        x = example.detach().cpu()
+        channels = int(x.shape[1]) if x.dim() >= 3 else 1
+        served = with_normalization(model.to("cpu").eval(), normalization, channels).eval()
+        with torch.no_grad():
+            y = served(x)
+        shown = x.numpy()
+        signature = infer_signature(shown, y.detach().numpy())
     logged = client.create_logged_model(
         run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, params=dict(run.data.params)
     )
@@ -115,7 +122,7 @@ def log_model(
             model_id=logged.model_id,
             run_id=run_id,
             step=step,
-            input_example=x.numpy(),
+            input_example=shown,
             signature=signature,
             serialization_format="pickle",
         )
