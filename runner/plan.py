@@ -2,7 +2,8 @@
 
 Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
 two can never disagree. The launcher's environment is read here, once, through
-:class:`runner.launch.environment.LauncherEnvironment`.
+:class:`runner.launch.environment.LauncherEnvironment`; inside a Slurm job step the layout of
+its tasks is decided here too (docs/design.md §13).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.launch.environment import LauncherEnvironment
+from runner.launch.environment import LauncherEnvironment, SlurmLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
@@ -20,6 +21,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 Launch = Literal["in-process", "elastic", "external"]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The c10d rendezvous of a ddp job that runner's elastic launcher joins.
+
+    Attributes:
+        endpoint: ``host:port`` (``None``: a free port on localhost, for one node).
+        run_id: The rendezvous id every node shares (``parallel.rdzv_id``, or the Slurm job id).
+        nnodes: Nodes of the job.
+        node_rank: This node's rank; node 0 hosts the rendezvous store.
+    """
+
+    endpoint: str | None
+    run_id: str
+    nnodes: int
+    node_rank: int
 
 
 @dataclass(frozen=True)
@@ -33,7 +51,10 @@ class Plan:
         experiment: MLflow experiment name.
         launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
             ``"external"`` (already a worker of torchrun or a scheduler).
-        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``).
+        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
+            for a per-device Slurm task, the worker its Slurm variables make it.
+        rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``).
+        slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
     """
 
     loaded: LoadedSpec
@@ -42,6 +63,15 @@ class Plan:
     experiment: str
     launch: Launch
     launcher: LauncherEnvironment
+    rendezvous: Rendezvous | None = None
+    slurm: SlurmLayout | None = None
+
+    @property
+    def owns_run(self) -> bool:
+        """Whether this process creates and ends the run: rank 0 of a launched job, else node 0's launcher."""
+        if self.launch == "external":
+            return self.launcher.is_main
+        return self.rendezvous is None or self.rendezvous.node_rank == 0
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
@@ -59,16 +89,19 @@ class Plan:
             "tracking_uri": self.tracking_uri,
             "experiment": self.experiment,
         }
-        if par.mode == "ddp":
+        if self.rendezvous is not None:
+            rdzv = self.rendezvous
             out["rendezvous"] = {
                 "backend": "c10d",
-                "endpoint": par.rdzv_endpoint or "localhost:<free port>",
-                "id": par.rdzv_id,
-                "nnodes": par.nnodes,
-                "node_rank": par.node_rank,
+                "endpoint": rdzv.endpoint or "localhost:<free port>",
+                "id": rdzv.run_id,
+                "nnodes": rdzv.nnodes,
+                "node_rank": rdzv.node_rank,
                 "nproc_per_node": self.devices.nproc_per_node,
                 "max_restarts": par.max_restarts,
             }
+        if self.slurm is not None:
+            out["slurm"] = self.slurm.describe()
         return out
 
 
@@ -109,12 +142,27 @@ def format_plan(info: dict[str, Any]) -> str:
             f"  rendezvous     c10d at {r['endpoint']} "
             f"(id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
         )
+    if "slurm" in info:
+        lines.append(f"  slurm          {_slurm_line(info['slurm'])}")
     tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
     lines.append(f"  tracking       {tracking}")
     if dev.get("env"):
         lines.append("  environment    " + " ".join(f"{k}={v}" for k, v in dev["env"].items()))
     lines += [f"  note           {note}" for note in dev.get("notes", [])]
     return "\n".join(lines)
+
+
+_SLURM_LAYOUTS = {
+    "per-device": "one task per device: this task is rank {procid} of {ntasks}",
+    "per-node": "one task per node: this task launches node {nodeid}'s workers ({nnodes} node(s))",
+    "batch": "the batch script itself (not started by srun): one launcher on this node",
+}
+
+
+def _slurm_line(slurm: dict[str, Any]) -> str:
+    requeued = f", requeued {slurm['restart_count']}x: resumes its run" if slurm["restart_count"] else ""
+    text = _SLURM_LAYOUTS[slurm["layout"]].format(**slurm)
+    return f"job {slurm['job_id']}, {text} (SLURM_NTASKS={slurm['ntasks']}, SLURM_NNODES={slurm['nnodes']}){requeued}"
 
 
 def launched_externally(env: Mapping[str, str]) -> bool:
@@ -136,8 +184,11 @@ def make_plan(loaded: LoadedSpec, *, env: Mapping[str, str] | None = None, inven
     Raises:
         DeviceError: The spec asks for devices this machine does not have; placed at the
             spec file's line of the key it is about.
-        UsageError: Started by torchrun with a world size that differs from the spec's, or with
-            launcher variables that are not integers.
+        UsageError: Started by torchrun with a world size that differs from the spec's, a Slurm
+            step whose tasks fit neither layout (the message names both numbers), or launcher
+            variables that are not integers.
+        SpecError: ``parallel.nnodes > 1`` without ``parallel.rdzv_endpoint`` outside a Slurm
+            step (which derives the endpoint), at the line of ``parallel.nnodes``.
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices
@@ -156,9 +207,71 @@ def make_plan(loaded: LoadedSpec, *, env: Mapping[str, str] | None = None, inven
         devices = resolve_devices(spec, env, inventory)
     except DeviceError as exc:
         raise exc.located(loaded.path, key_line(loaded, exc.key)) from None
+    slurm = None
+    if launcher.slurm is not None and not launcher.external:
+        slurm, launcher = _slurm_layout(loaded, launcher, devices, env)
     launch = _launch_method(loaded, launcher, devices)
+    rendezvous = _rendezvous(loaded, slurm) if launch == "elastic" else None
     uri = resolve_tracking_uri(spec) if spec.tracking.enabled else None
-    return Plan(loaded, devices, uri, spec.tracking.experiment or spec.name, launch, launcher)
+    experiment = spec.tracking.experiment or spec.name
+    return Plan(loaded, devices, uri, experiment, launch, launcher, rendezvous, slurm)
+
+
+def _slurm_layout(
+    loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan, env: Mapping[str, str]
+) -> tuple[SlurmLayout, LauncherEnvironment]:
+    """The layout of this Slurm step and, for one task per device, this task as the worker it is.
+
+    Raises:
+        UsageError: The step's tasks fit neither layout, a node has more tasks than GPUs, or the
+            node list cannot be read.
+    """
+    from runner.errors import UsageError
+
+    assert launcher.slurm is not None
+    par = loaded.spec.parallel
+    try:
+        layout = launcher.slurm.layout(
+            world_size=devices.world_size, nproc_per_node=devices.nproc_per_node, nnodes=par.nnodes
+        )
+        if layout.kind != "per-device":
+            return layout, launcher
+        worker = launcher.as_slurm_worker(layout, env)
+    except ValueError as exc:
+        raise UsageError(f"{loaded.path}: {exc}") from None
+    local = launcher.slurm.local_tasks
+    if devices.accelerator == "cuda" and local > devices.nproc_per_node:
+        raise UsageError(
+            f"{loaded.path}: Slurm started {local} tasks on this node but the spec uses {devices.nproc_per_node} "
+            f"GPU(s) per node: give each task one GPU (srun --ntasks-per-node={devices.nproc_per_node})"
+        )
+    return layout, worker
+
+
+def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None) -> Rendezvous:
+    """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's.
+
+    Raises:
+        SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line.
+        UsageError: The Slurm node list cannot be read.
+    """
+    from runner.errors import SpecError, SpecIssue, UsageError
+    from runner.spec.loading import key_line
+
+    par = loaded.spec.parallel
+    if slurm is not None and slurm.kind == "per-node":
+        try:
+            endpoint = par.rdzv_endpoint or (slurm.rendezvous_endpoint() if slurm.nnodes > 1 else None)
+        except ValueError as exc:
+            raise UsageError(f"{loaded.path}: {exc}") from None
+        return Rendezvous(endpoint, f"slurm-{slurm.job.job_id}", slurm.nnodes, slurm.node_rank)
+    if par.nnodes > 1 and not par.rdzv_endpoint:
+        message = (
+            f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node '
+            "(inside a Slurm job step it comes from the node list)"
+        )
+        raise SpecError(SpecIssue(loaded.path, key_line(loaded, "parallel.nnodes"), "parallel.nnodes", message))
+    return Rendezvous(par.rdzv_endpoint, par.rdzv_id, par.nnodes, par.node_rank)
 
 
 def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:

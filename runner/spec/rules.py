@@ -156,6 +156,9 @@ def check_devices(devices: DevicesSpec) -> None:
 def check_parallel(par: ParallelSpec) -> None:
     """Rules inside ``[parallel]``: options of other modes, node rank, rendezvous endpoint.
 
+    ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`): inside a
+    Slurm job step the endpoint comes from the node list.
+
     Raises:
         ValueError: The first problem found.
     """
@@ -167,8 +170,6 @@ def check_parallel(par: ParallelSpec) -> None:
         raise ValueError(f'mode = "{par.mode}" does not take {parts}: remove them or change mode')
     if par.node_rank >= par.nnodes:
         raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
-    if par.nnodes > 1 and not par.rdzv_endpoint:
-        raise ValueError(f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
     if par.rdzv_endpoint is not None:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -244,8 +245,8 @@ def check_experiment(spec: ExperimentSpec) -> None:
         CrossFieldError: Every problem found, each at its own key.
     """
     problems = _device_problems(spec) + _layout_problems(spec)
-    if spec.sweep is not None and spec.sweep.method == "random" and spec.sweep.num_trials is None:
-        problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
+    if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
+        problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:
         raise CrossFieldError(problems)
 

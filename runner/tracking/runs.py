@@ -319,6 +319,32 @@ def latest_run_id(uri: str, experiment: str) -> str | None:
     return None
 
 
+def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
+    """Id of the newest run of ``experiment`` whose tag ``key`` equals ``value`` (e.g. a Slurm job's run), or ``None``.
+
+    Raises:
+        TrackingError: The store cannot be searched.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return None
+        escaped = value.replace("'", "\\'")
+        runs = client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.`{key}` = '{escaped}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+    except Exception as exc:
+        what = f"could not search the runs of {experiment!r} at {uri}"
+        raise TrackingError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    return str(runs[0].info.run_id) if runs else None
+
+
 def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
     """Mark a stopped run RUNNING again so a resumed job continues it (params are not logged again).
 
