@@ -9,8 +9,10 @@ are imported inside functions, never when this module is imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +264,8 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
         if error:
             client.log_batch(run_id, tags=[RunTag("runner.error", _error_tag(error))], synchronous=True)
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
-        client.set_terminated(run_id, status)
+        with contextlib.redirect_stdout(sys.stderr):  # MLflow prints "View run ... at: URL" for a server
+            client.set_terminated(run_id, status)
     except Exception as exc:
         raise TrackingError(
             f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}"
