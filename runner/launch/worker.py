@@ -88,7 +88,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         return result
     finally:
         stop.uninstall()
-        gc.collect()  # free DDP's reducer and its pending work before the process group goes
+        if strategy.mode == "ddp":
+            gc.collect()  # free DDP's reducer and its pending work before the process group goes
         strategy.teardown()
 
 

@@ -50,6 +50,7 @@ def run_sweep(
     storage: str | None = None,
     study: str | None = None,
     log: Callable[[str], None] | None = None,
+    processes: bool = False,
 ) -> SweepReport:
     """Run a sweep's trials (those no worker has run) as child runs of its parent MLflow run.
 
@@ -71,6 +72,8 @@ def run_sweep(
         study: Study name (``--study``). Default: ``[sweep] study``, else one derived from the
             trial spec and the definition.
         log: Receives one progress line per trial. Default: standard error.
+        processes: Run trials in warm worker processes even where they could run in this one
+            (CPU, ``jobs = 1``): a trial that crashes its process cannot take the sweep down.
 
     Returns:
         The :class:`SweepReport` of every trial of the study.
@@ -122,7 +125,8 @@ def run_sweep(
     )
     progress = Progress(say, definition.trials, definition.metric, done)
     setup = TrialSetup(base.path, base.overrides, environ)
-    _run_to_the_end(report, opened, store, lambda: _run_trials(opened, store, setup, base, plans, jobs, progress))
+    run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
+    _run_to_the_end(report, opened, store, run)
     report.trials = opened.results(since=started)
     _finish(report, opened, store)
     return report
@@ -177,10 +181,11 @@ def _run_trials(
     plans: Sequence[Plan],
     jobs: int,
     progress: Progress,
+    processes: bool = False,
 ) -> None:
     """Run trials until none waits: in this process (CPU, one at a time), else in warm worker processes."""
     cuda = any(plan.devices.accelerator == "cuda" for plan in plans)
-    if jobs == 1 and not cuda:
+    if jobs == 1 and not cuda and not processes:
         work(study, store, setup, progress)
         return
     with tempfile.TemporaryDirectory(prefix="runner-sweep-") as tmp:

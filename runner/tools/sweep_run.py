@@ -67,6 +67,7 @@ def work(
     Raises:
         Interrupted: SIGINT/SIGTERM; the trial that was running is enqueued again.
     """
+    warm_up()
     study.fail_stale()
     done = 0
     while max_trials is None or done < max_trials:
@@ -78,6 +79,14 @@ def work(
         report(run_trial(study, store, setup, trial))
         done += 1
     return done
+
+
+def warm_up() -> None:
+    """Import what every trial runs (torch, MLflow, the training code) once, before the first trial starts."""
+    import runner.launch.driver
+    import runner.launch.worker
+    import runner.tracking.mlflow_tracker
+    import runner.training.setup  # noqa: F401
 
 
 def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: optuna.Trial) -> TrialResult:

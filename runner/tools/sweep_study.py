@@ -35,6 +35,7 @@ ATTR_DEFINITION = "runner.definition"
 ATTR_SPEC_SHA = "runner.spec_sha256"
 ATTR_PARENT = "runner.parent_run_id"
 ATTR_READY = "runner.ready"
+ATTR_RESULT = "runner.result"  # on a trial: its run, status, error, metric
 
 
 class SweepStudy:
@@ -225,15 +226,7 @@ class SweepStudy:
         from optuna.storages import RetryHeartbeatStaleTrialCallback
         from optuna.trial import TrialState
 
-        attrs = {
-            "runner.status": result.status,
-            "runner.run_id": result.run_id,
-            "runner.error": (result.error or "")[:2000] or None,
-            "runner.metric": result.metric_value,
-            "runner.pruned_epoch": result.pruned_epoch,
-        }
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
+        trial.set_user_attr(ATTR_RESULT, _recorded(result))  # one write: each is a database transaction
         value = result.metric_value
         if result.status == "FINISHED" and result.pruned:
             self.study.tell(trial, state=TrialState.PRUNED)
@@ -248,9 +241,8 @@ class SweepStudy:
         """Fail trial ``number`` whose worker process died (it is not run again)."""
         from optuna.trial import TrialState
 
-        trial_id = self.trial_id(number)
-        for key, value in {"runner.status": "FAILED", "runner.error": error[:2000]}.items():
-            self.storage.set_trial_user_attr(trial_id, key, value)
+        dead = TrialResult(number, {}, None, "FAILED", None, error)
+        self.storage.set_trial_user_attr(self.trial_id(number), ATTR_RESULT, _recorded(dead))
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
     def fail_stale(self) -> None:
@@ -294,28 +286,39 @@ def index_of(frozen: FrozenTrial) -> int:
     return int(frozen.system_attrs.get("failed_trial", frozen.number))
 
 
+def _recorded(result: TrialResult) -> dict[str, Any]:
+    """What a worker records on a finished trial (user attr ``runner.result``) besides Optuna's state and value."""
+    return {
+        "status": result.status,
+        "run_id": result.run_id,
+        "error": (result.error or "")[:2000] or None,
+        "metric": result.metric_value,
+        "pruned_epoch": result.pruned_epoch,
+    }
+
+
 def _result(definition: SweepDefinition, frozen: FrozenTrial, since: float | None) -> TrialResult:
     """A :class:`TrialResult` from a trial's state and what the worker recorded on it."""
-    attrs = frozen.user_attrs
+    attrs = frozen.user_attrs.get(ATTR_RESULT) or {}
     values = _recorded_values(definition, frozen)
     state = frozen.state.name
     done = frozen.datetime_complete
     reused = since is not None and done is not None and done.timestamp() < since
     if state in ("WAITING", "RUNNING"):
         return TrialResult(index_of(frozen), values, None, state)
-    metric = attrs.get("runner.metric")
+    metric = attrs.get("metric")
     if state == "COMPLETE" and frozen.value is not None:
         metric = float(frozen.value)
     return TrialResult(
         index=index_of(frozen),
         values=values,
-        run_id=attrs.get("runner.run_id"),
-        status=str(attrs.get("runner.status") or "FAILED"),
+        run_id=attrs.get("run_id"),
+        status=str(attrs.get("status") or "FAILED"),
         metric_value=None if metric is None else float(metric),
-        error=attrs.get("runner.error"),
+        error=attrs.get("error"),
         reused=reused,
         pruned=state == "PRUNED",
-        pruned_epoch=attrs.get("runner.pruned_epoch"),
+        pruned_epoch=attrs.get("pruned_epoch"),
     )
 
 
