@@ -136,12 +136,11 @@ def postgres() -> Iterator[Postgres]:
     server += ["-k", str(folder), "-c", "fsync=off"]
     with open(log, "wb") as out:
         proc = subprocess.Popen([*as_user, *server], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    ready = lambda: (
-        subprocess.run(  # noqa: E731
-            [str(bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)], check=False
-        ).returncode
-        == 0
-    )
+    isready = [str(bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)]
+
+    def ready() -> bool:
+        return subprocess.run(isready, check=False).returncode == 0
+
     try:
         try:
             _wait(ready, proc, log, "postgres")
