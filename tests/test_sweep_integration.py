@@ -60,11 +60,13 @@ import os
 import torch.nn as nn
 
 
-def make(hidden=16, explode=False, stop=False):
+def make(hidden=16, explode=False, stop=False, die=False):
     with open(os.environ.get("RUNNER_TEST_PIDS", os.devnull), "a") as fh:
         fh.write(f"{os.getpid()}\\n")
     if explode:
         raise RuntimeError("exploded on purpose")
+    if die:
+        os._exit(9)  # the process is gone at once, as after the kernel's OOM killer
     if stop and os.path.exists(os.environ.get("RUNNER_TEST_STOP", "")):
         raise KeyboardInterrupt  # as if Ctrl-C arrived while this trial builds
     return nn.Sequential(nn.Flatten(), nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 3))
@@ -269,3 +271,39 @@ def test_jobs_run_trials_in_warm_workers_with_the_same_results(
     assert by_index[1].data.tags["sweep.optim.lr"] == "0.01"
     assert by_index[1].info.run_name == "model.kwargs.explode=false optim.lr=0.01"
     assert client.get_run(apart.parent_run_id).info.status == "FAILED"
+
+
+def test_a_worker_process_that_dies_fails_its_trial_and_another_takes_over(flaky_spec: Path, store: str) -> None:
+    flags = CommandLine(grid=["model.kwargs.die=true,false", "optim.lr=0.1"])  # trial 0 kills its process
+    report = run_sweep(flaky_spec, [], cli=flags, processes=True)
+    assert [t.status for t in report.trials] == ["FAILED", "FINISHED"]
+    assert "the sweep worker process exited with status 9" in (report.trials[0].error or "")
+    client = MlflowClient(store)
+    children = {int(c.data.tags["runner.sweep.trial"]): c for c in _children(client, report.parent_run_id)}
+    assert [children[i].info.status for i in range(2)] == ["FAILED", "FINISHED"]  # none is left RUNNING
+    assert client.get_run(report.parent_run_id).info.status == "FAILED"
+
+
+def test_a_trial_whose_worker_stopped_beating_is_run_again(tmp_path: Path, monkeypatch) -> None:
+    import time
+
+    import runner.tools.sweep_storage as storage_module
+    from runner.tools.sweep_define import build_definition
+    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_study import SweepStudy
+
+    monkeypatch.setattr(storage_module, "GRACE_S", 1)
+    definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study, founded = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    assert founded and study.parent_run_id == "p" and study.counts() == {"WAITING": 2}
+    taken = study.next_trial()  # its worker dies now: no heartbeat follows
+    assert taken is not None and study.values_of(taken).values == {"seed": 0}
+    deadline = time.monotonic() + 30
+    while study.counts().get("RUNNING") and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling, until the heartbeat is older than the grace period
+        study.fail_stale()
+    assert study.counts() == {"FAIL": 1, "WAITING": 2}
+    again = [study.next_trial(), study.next_trial()]
+    assert {study.values_of(t).index for t in again if t is not None} == {0, 1}  # number 0 kept its number
+    assert study.next_trial() is None

@@ -114,6 +114,7 @@ def run_sweep(
         definition,
         found=lambda s: store.create_parent(base, base.overrides, definition, name, redact(url)),
         spec_sha256=trial_base.sha256,
+        unfound=store.delete,
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     report = SweepReport(definition, [], opened.parent_run_id, store.uri, store.experiment, notes, name, redact(url))

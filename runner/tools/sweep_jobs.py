@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from runner.tools.sweep_study import SweepStudy
 
 TERMINATE_GRACE_S = 30.0  # how long stopped worker processes get to end their runs KILLED
+RESTARTS = 3  # processes started in place of one that died, per worker (a crash at start-up stops there)
 _FAILED_TAIL_CHARS = 2000
 _POLL_S = 0.2
 
@@ -129,6 +130,8 @@ def worker_main(config: WorkerConfig, messages: Any) -> None:
         print(f"runner: sweep worker {me} failed: {text}", file=sys.stderr, flush=True)
         messages.put(("error", me, text))
         code = 1
+    messages.close()
+    messages.join_thread()  # the queue's feeder thread delivers what was put before the process ends
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # the results are in the study; skip the teardown of torch's and MLflow's threads
@@ -136,6 +139,9 @@ def worker_main(config: WorkerConfig, messages: Any) -> None:
 
 class WorkerPool:
     """Run :class:`WorkerConfig` processes until the study has no WAITING trial; stop them all on a signal.
+
+    A process that dies (a crash, the kernel's OOM killer) fails the trial it ran and is replaced,
+    up to :data:`RESTARTS` times per worker, while trials wait.
 
     Args:
         study: The sweep's study (one-trial workers are started again while trials wait).
@@ -154,6 +160,7 @@ class WorkerPool:
         self._messages: Any = self._context.Queue()
         self._running: dict[BaseProcess, WorkerConfig] = {}
         self._current: dict[int, int | None] = {}  # worker index -> the Optuna trial it runs
+        self._restarts: dict[int, int] = {}  # worker index -> processes started after one died
 
     def run(self, configs: Sequence[WorkerConfig]) -> list[str]:
         """Start one process per config (again while trials wait, for one-trial workers); return worker errors.
@@ -204,10 +211,15 @@ class WorkerPool:
         self._drain(errors, timeout=0)
         config = self._running.pop(proc)
         number, code = self._current.pop(config.index, None), proc.exitcode
-        if number is not None and code not in (0, 130):
+        died = code not in (0, 130)
+        if number is not None and died:
             tail = _tail(config.log)
             self.on_dead(number, f"the sweep worker process exited with status {code}\n{tail}".strip())
-        if code == 0 and config.max_trials is not None and self.study.counts().get("WAITING", 0):
+        again = code == 0 and config.max_trials is not None
+        if died and self._restarts.get(config.index, 0) < RESTARTS:  # a replacement takes over the queue
+            self._restarts[config.index] = self._restarts.get(config.index, 0) + 1
+            again = True
+        if again and self.study.counts().get("WAITING", 0):
             self._start(config)
 
 

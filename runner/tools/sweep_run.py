@@ -73,6 +73,9 @@ def work(
     while max_trials is None or done < max_trials:
         trial = study.next_trial()
         if trial is None:
+            study.fail_stale()  # a trial whose worker died is enqueued again: take it over
+            trial = study.next_trial()
+        if trial is None:
             break
         if on_start is not None:
             on_start(trial.number)

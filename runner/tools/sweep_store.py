@@ -111,6 +111,12 @@ class SweepStore:
             what="the sweep's parent run",
         )
 
+    def delete(self, run_id: str) -> None:
+        """Delete a parent run whose study could not be set up (no trial ever pointed at it)."""
+        from runner.tracking.runs import delete_run
+
+        delete_run(self.uri, run_id)
+
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""
         record = parents.find_run(self.uri, run_id)

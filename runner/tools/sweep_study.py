@@ -77,6 +77,7 @@ class SweepStudy:
         *,
         found: Callable[[SweepStudy], str],
         spec_sha256: str,
+        unfound: Callable[[str], None] | None = None,
     ) -> tuple[SweepStudy, bool]:
         """Create the study and its trials, or join it when another worker already did.
 
@@ -88,6 +89,8 @@ class SweepStudy:
             found: Called once by the worker that creates the study; creates the MLflow parent
                 run and returns its id.
             spec_sha256: Hash of the trial spec, recorded by the founder.
+            unfound: Called with the parent run's id when setting the study up fails after
+                ``found``; removes that run, so that nothing half-written is left.
 
         Returns:
             ``(study, founded)``: ``founded`` is True for the worker that created it.
@@ -114,19 +117,34 @@ class SweepStudy:
             raise StorageError(f"cannot create study {name!r} in {redact(url)}: {type(exc).__name__}: {exc}") from exc
         made = cls(study, storage, url, definition)
         try:
-            made._found(found, spec_sha256)
+            made._found(found, spec_sha256, unfound)
         except BaseException:
             with contextlib.suppress(Exception):
                 optuna.delete_study(study_name=name, storage=storage)  # nothing half-written is left
             raise
         return made, True
 
-    def _found(self, found: Callable[[SweepStudy], str], spec_sha256: str) -> None:
+    def _found(
+        self, found: Callable[[SweepStudy], str], spec_sha256: str, unfound: Callable[[str], None] | None
+    ) -> None:
         """Record the definition, create the parent run, enqueue the trials, then mark the study ready."""
         study = self.study
         study.set_user_attr(ATTR_DEFINITION, self.definition.to_json())
         study.set_user_attr(ATTR_SPEC_SHA, spec_sha256)
-        study.set_user_attr(ATTR_PARENT, found(self))
+        parent = found(self)
+        try:
+            study.set_user_attr(ATTR_PARENT, parent)
+            self._enqueue()
+            study.set_user_attr(ATTR_READY, True)
+        except BaseException:
+            if unfound is not None:
+                with contextlib.suppress(Exception):
+                    unfound(parent)
+            raise
+
+    def _enqueue(self) -> None:
+        """The sweep's trials, WAITING: the grid's points in order, or empty slots the sampler fills."""
+        study = self.study
         if self.definition.method == "grid":
             space = self.definition.search_space()
             keys = list(space)
@@ -136,7 +154,6 @@ class SweepStudy:
         else:
             for _ in range(self.definition.trials):
                 study.enqueue_trial({})
-        study.set_user_attr(ATTR_READY, True)
 
     def _wait_until_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Wait for the founder; then check the study searches what this worker would search.
