@@ -53,7 +53,8 @@ class Plan:
             ``"external"`` (already a worker of torchrun or a scheduler).
         launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
             for a per-device Slurm task, the worker its Slurm variables make it.
-        rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``).
+        rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``;
+            under torchrun, the spec's settings, which torchrun's own replace).
         slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
     """
 
@@ -211,7 +212,7 @@ def make_plan(loaded: LoadedSpec, *, env: Mapping[str, str] | None = None, inven
     if launcher.slurm is not None and not launcher.external:
         slurm, launcher = _slurm_layout(loaded, launcher, devices, env)
     launch = _launch_method(loaded, launcher, devices)
-    rendezvous = _rendezvous(loaded, slurm) if launch == "elastic" else None
+    rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.mode == "ddp" else None
     uri = resolve_tracking_uri(spec) if spec.tracking.enabled else None
     experiment = spec.tracking.experiment or spec.name
     return Plan(loaded, devices, uri, experiment, launch, launcher, rendezvous, slurm)
@@ -248,8 +249,10 @@ def _slurm_layout(
     return layout, worker
 
 
-def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None) -> Rendezvous:
+def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) -> Rendezvous:
     """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's.
+
+    ``launching`` is False under torchrun, whose own rendezvous the workers already joined.
 
     Raises:
         SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line.
@@ -259,13 +262,14 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None) -> Rendezvous:
     from runner.spec.loading import key_line
 
     par = loaded.spec.parallel
-    if slurm is not None and slurm.kind == "per-node":
+    if slurm is not None and slurm.kind != "batch":
         try:
-            endpoint = par.rdzv_endpoint or (slurm.rendezvous_endpoint() if slurm.nnodes > 1 else None)
+            derived = slurm.rendezvous_endpoint() if slurm.nnodes > 1 or slurm.kind == "per-device" else None
         except ValueError as exc:
             raise UsageError(f"{loaded.path}: {exc}") from None
+        endpoint = par.rdzv_endpoint if slurm.kind == "per-node" and par.rdzv_endpoint else derived
         return Rendezvous(endpoint, f"slurm-{slurm.job.job_id}", slurm.nnodes, slurm.node_rank)
-    if par.nnodes > 1 and not par.rdzv_endpoint:
+    if launching and par.nnodes > 1 and not par.rdzv_endpoint:
         message = (
             f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node '
             "(inside a Slurm job step it comes from the node list)"

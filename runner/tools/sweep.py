@@ -103,6 +103,36 @@ def run_sweep(
     plans = [plan for _, plan in prepare_trials(base.path, base.overrides, trials_to_check(definition), environ)]
     store = SweepStore.for_spec(base.spec)
     store.check()
+    opened, report = _open_study(base, definition, store, storage, study, lines)
+    started = time.time()
+    done = sum(r.status not in ("WAITING", "RUNNING") for r in opened.results())
+    say(
+        f"sweep {report.parent_run_id}: study {report.study!r} in {report.storage}, {definition.trials} trials "
+        f"({done} done), {definition.method}, pruner {definition.pruner}, {definition.metric} ({definition.goal})"
+    )
+    progress = Progress(say, definition.trials, definition.metric, done)
+    setup = TrialSetup(base.path, base.overrides, environ)
+    run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
+    _run_to_the_end(report, opened, store, run)
+    report.trials = opened.results(since=started)
+    _finish(report, opened, store)
+    return report
+
+
+def _open_study(
+    base: LoadedSpec,
+    definition: SweepDefinition,
+    store: SweepStore,
+    storage: str | None,
+    study: str | None,
+    lines: dict[tuple, int],
+) -> tuple[SweepStudy, SweepReport]:
+    """Found or join the sweep's study (and its parent run); an empty report of it.
+
+    Raises:
+        UsageError, SpecError, TrackingError: See :func:`_open_storage`; a study of that name
+            that searches another sweep.
+    """
     url, rdb = _open_storage(base, storage, store.uri, lines)
     trial_base = without_sweep(base)
     named = study or (base.spec.sweep.study if base.spec.sweep is not None else None)
@@ -117,20 +147,8 @@ def run_sweep(
         unfound=store.delete,
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
-    report = SweepReport(definition, [], opened.parent_run_id, store.uri, store.experiment, notes, name, redact(url))
-    started = time.time()
-    done = sum(r.status not in ("WAITING", "RUNNING") for r in opened.results())
-    say(
-        f"sweep {report.parent_run_id}: study {name!r} in {redact(url)}, {definition.trials} trials "
-        f"({done} done), {definition.method}, pruner {definition.pruner}, {definition.metric} ({definition.goal})"
-    )
-    progress = Progress(say, definition.trials, definition.metric, done)
-    setup = TrialSetup(base.path, base.overrides, environ)
-    run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
-    _run_to_the_end(report, opened, store, run)
-    report.trials = opened.results(since=started)
-    _finish(report, opened, store)
-    return report
+    parent = opened.parent_run_id
+    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, redact(url))
 
 
 def _open_storage(
