@@ -125,29 +125,36 @@ def _tracking_uri_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sweep(sub: _Commands) -> None:
-    """``runner sweep FILE``: many trials as child runs of one MLflow run."""
-    p = sub.add_parser("sweep", help="run many trials of one spec (grid or random), as child runs of one MLflow run")
+    """``runner sweep FILE``: many trials searched by Optuna, as child runs of one MLflow run, over many workers."""
+    p = sub.add_parser(
+        "sweep", help="search many trials of one spec with Optuna (grid, random, tpe), as child runs of one MLflow run"
+    )
     _spec_args(p)
     p.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="KEY=V1,V2,...",
-        help="grid over dotted KEY with TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)",
+        help="try dotted KEY at these TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)",
     )
     p.add_argument(
         "--random",
         action="append",
         default=[],
         metavar="KEY=LOW:HIGH[:log|:int]",
-        help="sample dotted KEY uniformly (or log-uniformly / integers) from a range (repeatable)",
+        help="sample dotted KEY from a range, uniformly, log-uniformly or as integers (repeatable)",
     )
-    p.add_argument("--num-trials", type=int, metavar="N", help="trial budget (required for random sampling)")
-    p.add_argument("--seed", type=int, metavar="S", help="seed of random sampling (default: sweep.seed or 0)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials run at a time (default 1)")
+    p.add_argument("--method", choices=["grid", "random", "tpe"], help="Optuna sampler (default: sweep.method or grid)")
+    p.add_argument(
+        "--trials", "--num-trials", dest="trials", type=int, metavar="N", help="trials in total over all workers"
+    )
+    p.add_argument("--seed", type=int, metavar="S", help="seed of the sampler (default: sweep.seed or 0)")
+    p.add_argument("--pruner", choices=["none", "median", "hyperband"], help="stop poor trials early (default: none)")
+    p.add_argument("--storage", metavar="URL", help="Optuna storage shared by all workers (default: sqlite optuna.db)")
+    p.add_argument("--study", metavar="NAME", help="Optuna study name (default: from the spec and the sweep)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials this worker runs at a time (default 1)")
     p.add_argument("--metric", metavar="NAME", help="metric that ranks trials (default: sweep.metric or val/accuracy)")
     p.add_argument("--mode", choices=["max", "min"], help="whether larger or smaller is better (default: max)")
-    p.add_argument("--resume", metavar="PARENT_RUN_ID", help="continue a sweep: skip trials that already finished")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_sweep)
 
@@ -234,7 +241,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Print the plan first (the resolved spec with ``--spec``); exit 2 with a working fix when it cannot run here."""
     from runner.devices.inventory import probe_inventory
-    from runner.plan import format_plan, plan_or_problem
+    from runner.plan_report import format_plan, plan_or_problem
     from runner.spec.dump import dump_spec
 
     loaded = _load(args)
@@ -251,13 +258,20 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sweep_trials(loaded: LoadedSpec) -> list[str]:
-    """The run names of a spec's sweep trials, as ``runner sweep`` would run them."""
+    """The run names of a spec's sweep trials, as ``runner sweep`` would run them.
+
+    A grid's trials are known before the sweep starts; random and tpe trials are sampled as the
+    study goes, so they are listed by their budget and the space they are drawn from.
+    """
     from runner.spec.locate import locate_keys
     from runner.spec.naming import trial_run_name
-    from runner.tools.sweep_space import build_definition, expand
+    from runner.tools.sweep_define import build_definition
 
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
-    return [trial_run_name(trial.values) for trial in expand(definition)]
+    if definition.method == "grid":
+        return [trial_run_name(point) for point in definition.grid_points()]
+    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key, _ in definition.params)
+    return [f"{definition.trials} trials sampled by {definition.method} from {space}"]
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -318,20 +332,19 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from runner.tools.sweep import run_sweep
+    from runner.tools.sweep import CommandLine, run_sweep
 
-    report = run_sweep(
-        args.file,
-        _overrides(args),
+    flags = CommandLine(
         grid=args.grid,
         random=args.random,
-        num_trials=args.num_trials,
+        method=args.method,
+        trials=args.trials,
         seed=args.seed,
-        jobs=args.jobs,
         metric=args.metric,
         goal=args.mode,
-        resume=args.resume,
+        pruner=args.pruner,
     )
+    report = run_sweep(args.file, _overrides(args), cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
     return _print_report(report, args.json, f"{report.failed} of {len(report.trials)} trials failed")
 
 

@@ -11,8 +11,8 @@ from runner.cli import main
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
-from runner.plan import make_plan, plan_or_problem
-from runner.spec import rules
+from runner.plan import make_plan
+from runner.plan_report import plan_or_problem
 from runner.spec.active import active_params, inactive_keys, set_inactive_keys
 from runner.spec.dump import dump_spec
 from runner.spec.loading import load_spec, spec_from_dict
@@ -86,9 +86,7 @@ def test_ddp_options_are_inactive_under_none_shown_by_plan_and_not_logged(capsys
     assert [k for k in params if k.startswith("parallel.")] == ["parallel.mode"]
     assert main(["plan", str(DDP_SPEC), "--set", 'parallel.mode="none"']) == 0
     out = capsys.readouterr().out
-    assert (
-        'inactive       parallel.nproc_per_node, parallel.timeout_s: ddp only (mode = "none")' in out
-    )
+    assert 'inactive       parallel.nproc_per_node, parallel.timeout_s: ddp only (mode = "none")' in out
     assert "world size     1 (1 node(s) x 1 process(es))" in out
 
 

@@ -7,7 +7,12 @@ The driver is the process that launches (docs/design.md, "run ownership"):
   (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
   with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
 * started by ``torchrun`` or a scheduler (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set):
-  this process is a worker and launches nothing; rank 0 owns the run.
+  this process is a worker and launches nothing; rank 0 owns the run;
+* a task of a Slurm job step (docs/design.md §15): one task per device is a worker (its
+  torchrun variables are set from Slurm's), one task per node is its node's elastic launcher
+  (rendezvous on the first host of the node list); either way the job has one run, tagged
+  ``runner.slurm.job_id``, and a requeued job (``SLURM_RESTART_COUNT > 0``) resumes it from
+  its last checkpoint.
 
 Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``finally``.
 """
@@ -19,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,6 +53,10 @@ class ExecOptions:
             run becomes its child); without it that is an error.
         tracking_uri: The store to use instead of the spec's (``runner resume`` and ``reproduce``
             use the store the run was found in).
+        environ: The environment the plan is made against (default ``os.environ``); a sweep
+            passes its own without Slurm's variables, so that a trial is never a Slurm job's run.
+        epoch_end: Called on every rank after each epoch as ``epoch_end(epoch, metrics)``; True
+            stops training after that epoch (a sweep's pruner). Must be picklable for ddp.
     """
 
     run_name: str | None = None
@@ -57,6 +67,8 @@ class ExecOptions:
     sync_timing: bool = False
     nested: bool = False
     tracking_uri: str | None = None
+    environ: Mapping[str, str] | None = None
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
 
 
 @dataclass
@@ -129,19 +141,21 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     from runner.training.checkpoint import default_checkpoint_dir
     from runner.training.models import check_model_name
 
-    plan = make_plan(loaded, tracking_uri=options.tracking_uri)
+    plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)
     spec = loaded.spec
     check_model_name(spec.model.name, loaded.path.parent)
     _check_objectives(loaded)
-    owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
+    owner = plan.owns_run
     if owner:
         for note in plan.notes:  # before training: what runs instead of what cannot apply (docs/design.md §10)
             print(f"runner: note: {note}", file=sys.stderr, flush=True)
     uri = plan.tracking_uri
     if uri is not None:
         check_reachable(uri)
-    resume = prepare_resume(plan, options) if options.resume is not None else None
+    resume = prepare_resume(plan, options) if options.resume is not None else _requeued_run(plan, owner)
     apply_device_env(plan.devices)
+    if plan.slurm is not None and plan.slurm.kind == "per-device":
+        os.environ.update(plan.slurm.worker_env(os.environ))  # this task is now the worker torchrun would start
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
@@ -153,8 +167,9 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         run_id=run_id if owner else None,
         tracking_uri=uri,
         checkpoint_dir=str(checkpoint_dir),
-        resume=resume is not None,
+        resume=resume is not None or _requeued(plan),
         sync_timing=options.sync_timing,
+        epoch_end=options.epoch_end,
     )
     workers = _run_to_the_end(plan, args, run_id)
     result = workers[0]
@@ -200,6 +215,8 @@ def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint
     if plan.launch == "external" and plan.launcher.run_id:
         return plan.launcher.run_id
     tags = dict(options.tags)
+    if plan.slurm is not None:
+        tags[SLURM_JOB_TAG] = plan.slurm.job.job_id
     if options.parent_run_id:
         tags["mlflow.parentRunId"] = options.parent_run_id
     handle = tracking.start_run(
@@ -211,6 +228,35 @@ def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint
         nested=options.nested,
     )
     return handle.run_id
+
+
+SLURM_JOB_TAG = "runner.slurm.job_id"
+
+
+def _requeued(plan: Plan) -> bool:
+    """Whether this is a Slurm job that Slurm requeued: every rank then resumes from the run's checkpoint."""
+    return plan.slurm is not None and plan.slurm.job.restart_count > 0
+
+
+def _requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
+    """On the run's owner of a requeued Slurm job: the job's run to continue (tag ``runner.slurm.job_id``).
+
+    Returns:
+        The run found, or ``None`` (not requeued, tracking off, another rank's run, or the job's
+        first attempt ended before it created one).
+    """
+    from runner.launch.resume import ResumePoint
+    from runner.tracking.runs import find_run_by_tag
+
+    if not (owner and _requeued(plan) and plan.tracking_uri is not None):
+        return None
+    assert plan.slurm is not None
+    job = plan.slurm.job
+    run_id = find_run_by_tag(plan.tracking_uri, plan.experiment, SLURM_JOB_TAG, job.job_id)
+    if run_id is None:
+        return None
+    note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
+    return ResumePoint(run_id, plan.tracking_uri, {}, [note])
 
 
 def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[WorkerResult]:
@@ -277,16 +323,16 @@ def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    par = plan.loaded.spec.parallel
-    endpoint = par.rdzv_endpoint or "localhost:0"
+    par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
+    assert rdzv is not None  # the plan has one for every elastic launch
     config = LaunchConfig(
-        min_nodes=par.nnodes,
-        max_nodes=par.nnodes,
+        min_nodes=rdzv.nnodes,
+        max_nodes=rdzv.nnodes,
         nproc_per_node=plan.devices.nproc_per_node,
-        run_id=par.rdzv_id,
+        run_id=rdzv.run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": par.node_rank == 0} if par.nnodes > 1 else {},
+        rdzv_endpoint=rdzv.endpoint or "localhost:0",
+        rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
         max_restarts=par.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

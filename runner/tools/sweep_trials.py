@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
-from runner.tools.sweep_space import Trial
+from runner.tools.sweep_space import SweepDefinition, Trial, toml_value
 from runner.tracking.values import param_value, safe_key
 
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+
+SCHEDULER_PREFIXES = ("SLURM_",)
 
 
 def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
@@ -37,13 +40,56 @@ def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
     return dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
 
 
-def prepare_trials(path: Path, overrides: Sequence[str], trials: Sequence[Trial]) -> list[tuple[LoadedSpec, Plan]]:
+def trial_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment trials are planned against: this one without a scheduler's variables.
+
+    A sweep worker inside a Slurm job (one task of a job array, say) runs its trials on its
+    own devices: a trial is never the Slurm job's one run (docs/design.md §15-§16).
+    """
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if not k.startswith(SCHEDULER_PREFIXES)}
+
+
+def trials_to_check(definition: SweepDefinition) -> list[Trial]:
+    """The trials validated before the first one starts.
+
+    Grid: every point. Random and tpe: each swept key at each of its values, or at both ends of
+    its range, with the other keys at their first value or lower end (index ``-1``: not a
+    trial of the study). A combination that only fails together is reported when it is drawn.
+    """
+    if definition.method == "grid":
+        return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
+    options = {key: _candidates(p.values, p.low, p.high, p.distribution) for key, p in definition.params}
+    first = {key: values[0] for key, values in options.items()}
+    checks, seen = [], set()
+    for key, values in options.items():
+        for value in values:
+            point = {**first, key: value}
+            marker = json.dumps(point, sort_keys=True, default=str)
+            if marker not in seen:
+                seen.add(marker)
+                checks.append(Trial(-1, point))
+    return checks
+
+
+def _candidates(values: list[Any] | None, low: float | None, high: float | None, distribution: str) -> list[Any]:
+    if values is not None:
+        return list(values)
+    if distribution == "int_uniform":
+        return [math.ceil(low or 0), math.floor(high or 0)]
+    return [float(low or 0), float(high or 0)]
+
+
+def prepare_trials(
+    path: Path, overrides: Sequence[str], trials: Sequence[Trial], environ: Mapping[str, str] | None = None
+) -> list[tuple[LoadedSpec, Plan]]:
     """Load, validate and plan every trial before any runs; collect every problem.
 
     Args:
         path: The spec file.
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
         trials: The trials.
+        environ: The environment to plan against (default: :func:`trial_environ`).
 
     Returns:
         ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
@@ -57,7 +103,8 @@ def prepare_trials(path: Path, overrides: Sequence[str], trials: Sequence[Trial]
     from runner.plan import make_plan
     from runner.spec.loading import load_spec
 
-    inventory = probe_inventory(os.environ)
+    env = trial_environ() if environ is None else dict(environ)
+    inventory = probe_inventory(env)
     issues: list[SpecIssue] = []
     device_errors: list[str] = []
     checked: dict[tuple[str, Path], SpecError | None] = {}
@@ -73,9 +120,9 @@ def prepare_trials(path: Path, overrides: Sequence[str], trials: Sequence[Trial]
             issues += [_in_trial(issue, trial) for issue in model_error.issues]
             continue
         try:
-            out.append((loaded, make_plan(loaded, inventory=inventory)))
-        except (DeviceError, UsageError) as exc:
-            device_errors.append(f"{trial.label()}: {exc}")
+            out.append((loaded, make_plan(loaded, env=env, inventory=inventory)))
+        except (DeviceError, UsageError, SpecError) as exc:
+            device_errors.append(f"{_label(trial)}: {exc}")
     if issues:
         raise SpecError(issues)
     if device_errors:
@@ -97,13 +144,23 @@ def _model_error(loaded: LoadedSpec, checked: dict[tuple[str, Path], SpecError |
     return checked[key]
 
 
-def trial_tags(trial: Trial) -> tuple[tuple[str, str], ...]:
-    """MLflow tags of a trial's child run: index, values (JSON) and ``sweep.<key>`` per swept key."""
+def trial_tags(trial: Trial, study: str | None = None, number: int | None = None) -> tuple[tuple[str, str], ...]:
+    """MLflow tags of a trial's child run: index, values (JSON), ``sweep.<key>`` per swept key, the study and attempt.
+
+    Args:
+        trial: The trial.
+        study: The Optuna study name (tag ``runner.sweep.study``).
+        number: The Optuna trial number of this attempt (tag ``runner.sweep.optuna_trial``).
+    """
     tags = [
         ("runner.sweep", "trial"),
         ("runner.sweep.trial", str(trial.index)),
         ("runner.sweep.values", json.dumps(trial.values, default=str)),
     ]
+    if study is not None:
+        tags.append(("runner.sweep.study", study))
+    if number is not None:
+        tags.append(("runner.sweep.optuna_trial", str(number)))
     tags += [(safe_key(f"sweep.{k}"), param_value(v)) for k, v in trial.values.items()]
     return tuple(tags)
 
@@ -114,5 +171,11 @@ def trial_metric(metrics: Mapping[str, float], name: str) -> float | None:
     return None if value is None else float(value)
 
 
+def _label(trial: Trial) -> str:
+    if trial.index >= 0:
+        return trial.label()
+    return "values (" + ", ".join(f"{k}={toml_value(v)}" for k, v in trial.values.items()) + ")"
+
+
 def _in_trial(issue: SpecIssue, trial: Trial) -> SpecIssue:
-    return dataclasses.replace(issue, message=f"{issue.message} [sweep {trial.label()}]")
+    return dataclasses.replace(issue, message=f"{issue.message} [sweep {_label(trial)}]")
