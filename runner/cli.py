@@ -61,9 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
+    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors and check-jsonschema)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     p.add_argument("--markdown", action="store_true", help="print a Markdown reference of every key instead")
+    p.add_argument(
+        "--write",
+        nargs="?",
+        const=".",
+        metavar="DIR",
+        help="write runner.schema.json and .taplo.toml into DIR (default .) and refresh README.md's key reference",
+    )
     p.set_defaults(func=_schema)
 
     _add_exec(sub)
@@ -204,8 +211,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from runner.spec.reference import json_schema, markdown_reference
+    from runner.spec.editor_schema import json_schema, write_editor_files
+    from runner.spec.reference import markdown_reference
 
+    if args.write is not None:
+        for path in write_editor_files(args.write):
+            print(f"wrote {path}")
+        return EXIT_OK
     text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
