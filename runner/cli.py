@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check specs: keys, types, ranges, cross-field rules (no torch import)")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "--dependents-in",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also check the specs under DIR whose extends chain reaches a FILE; a FILE they extend is "
+        "checked through them (repeatable; the pre-commit hook passes its spec folder)",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
@@ -182,8 +190,16 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
 def _validate(args: argparse.Namespace) -> int:
     from runner.spec.loading import load_spec
 
+    files: list[Any] = list(args.files)
+    if args.dependents_in:
+        from runner.spec.dependents import plan_validation
+
+        plan = plan_validation(args.files, args.dependents_in)
+        for base, users in plan.bases.items():
+            print(f"base  {base}: checked through {len(users)} spec(s) that extend it")
+        files = list(plan.files)
     status = EXIT_OK
-    for path in args.files:  # every file is checked, so one run reports all bad files
+    for path in files:  # every file is checked, so one run reports all bad files
         try:
             load_spec(path)
             print(f"ok    {path}")
