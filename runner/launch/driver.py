@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -67,9 +68,10 @@ class ExecResult:
         experiment: MLflow experiment name.
         checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
-        notes: Messages for the user (resume, skipped checkpoints).
+        notes: Messages for the user (devices, resume, skipped checkpoints).
         workers: Every rank's result on this node, by rank.
         rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
+        notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
     """
 
     run_id: str | None
@@ -82,6 +84,7 @@ class ExecResult:
     notes: list[str] = field(default_factory=list)
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0
+    notes_shown: bool = False
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -91,7 +94,7 @@ class ExecResult:
         """
         if self.rank != 0:
             return ""
-        lines = [f"note: {note}" for note in self.notes]
+        lines = [] if self.notes_shown else [f"note: {note}" for note in self.notes]
         lines.append(f"status: {self.status}")
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
@@ -134,6 +137,9 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         check_reachable(uri)
     resume = prepare_resume(plan, options) if options.resume is not None else None
     apply_device_env(plan.devices)
+    rank = plan.launcher.rank if plan.launch == "external" else 0
+    if rank == 0:  # before training, where the user looks first; workers print their own notes
+        show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
@@ -160,8 +166,15 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         history=result.history,
         notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
-        rank=plan.launcher.rank if plan.launch == "external" else 0,
+        rank=rank,
+        notes_shown=True,
     )
+
+
+def show_notes(notes: list[str]) -> None:
+    """Print each note as ``runner: note: ...`` on standard error (standard output stays for reports and JSON)."""
+    for note in notes:
+        print(f"runner: note: {note}", file=sys.stderr, flush=True)
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:

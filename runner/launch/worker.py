@@ -115,9 +115,10 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             settings = setup.describe_settings(seed_info)
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
-        for note in notes:
-            if is_log_rank:
-                print(f"runner: {note}", flush=True)
+        if is_log_rank:
+            from runner.launch.driver import show_notes
+
+            show_notes(notes)
         logged_run = run_id if is_log_rank else None
         if logged_run is not None and spec.tracking.system_metrics:
             monitor = start_system_metrics(uri, logged_run, resumed=restored.resumed_from is not None)
