@@ -148,6 +148,12 @@ def _add_bench(sub: _Commands) -> None:
         "--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)"
     )
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
+    p.add_argument(
+        "--repeats",
+        default="2:5",
+        metavar="MIN:MAX",
+        help="repeats per configuration: at least MIN, more while its figures are noisy, at most MAX (default 2:5)",
+    )
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_bench)
@@ -289,6 +295,7 @@ def _bench(args: argparse.Namespace) -> int:
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
+        repeats=_repeats(args.repeats),
         out_dir=args.out,
     )
     return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
@@ -301,6 +308,15 @@ def _print_report(report: _Report, as_json: bool, failure: str) -> int:
         print(f"runner: {failure}", file=sys.stderr)
         return TrainingError.exit_code
     return EXIT_OK
+
+
+def _repeats(text: str) -> tuple[int, int]:
+    """``"2:5"`` -> ``(2, 5)``; ``"3"`` -> ``(3, 3)``."""
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
 def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:
