@@ -150,9 +150,9 @@ def _add_bench(sub: _Commands) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
     p.add_argument(
         "--repeats",
-        default="2:5",
+        default="2:4",
         metavar="MIN:MAX",
-        help="repeats per configuration: at least MIN, more while its figures are noisy, at most MAX (default 2:5)",
+        help="repeats per configuration: at least MIN, more while its figures are noisy, at most MAX (default 2:4)",
     )
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -464,3 +464,9 @@ def test_repeats_stop_once_steady_or_at_the_budget(monkeypatch) -> None:
     loud = Pool([[0.01, 0.01, 0.01, 0.05]] * 4)
     rows, history, _ = bench.repeats(config, report, loud, "1/1")
     assert len(rows) == 4 == loud.calls and history == [(1, {"train/loss": 1.0})]
+
+
+@pytest.mark.parametrize("value", ["0:3", "4:2", "two", "2:x"])
+def test_cli_refuses_bad_repeats(write_spec, capsys, value: str) -> None:
+    assert main(["bench", str(write_spec()), "--repeats", value]) == 2
+    assert "--repeats" in capsys.readouterr().err

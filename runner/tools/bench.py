@@ -38,7 +38,7 @@ from runner.errors import DeviceError, Interrupted, SpecError, UsageError
 from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import reason
-from runner.tools.bench_pool import Probe, Reply, WarmPool
+from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
 from runner.tools.bench_repeats import Config, measure_config
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, write_json
 from runner.tools.bench_runs import Parent, record_child, record_parent, start_parent
@@ -131,7 +131,7 @@ def run_bench(
     nprocs: Sequence[int] = (1, 2),
     steps: int = 20,
     warmup: int = 3,
-    repeats: tuple[int, int] = (2, 5),
+    repeats: tuple[int, int] = (2, 4),
     out_dir: str | Path | None = None,
 ) -> BenchReport:
     """Measure the spec at ``path`` under every configuration and record one parent MLflow run.
@@ -176,13 +176,15 @@ def run_bench(
     try:
         pool.start()  # the workers import torch while this process opens the parent run
         if runnable:
-            pool.submit(0, Probe(base))  # worker 0 builds the data and model (and keeps them warm)
+            for rank in range(pool.size):  # every worker builds the data and model once: warm for the repeats
+                pool.submit(rank, Probe(base))
         report = _report(base, configs, runnable, steps, warmup, repeats)
         out = Path(out_dir if out_dir is not None else DEFAULT_OUT_DIR).resolve()
         out.mkdir(parents=True, exist_ok=True)
         parent = start_parent(base, report, [c.result.config for c in configs])
         try:
-            _probed(base, report, runnable, pool.collect(0) if runnable else probe_model_and_data(base))
+            answers = [pool.collect(rank) for rank in range(pool.size)] if runnable else [probe_model_and_data(base)]
+            _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
         except BaseException:
             if parent is not None:  # a model or dataset that does not build: a bad spec, no stray run
                 from runner.tracking.runs import delete_run
@@ -284,14 +286,19 @@ def _measure_all(
         measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
     not_comparable = comparability(report.batch_statistics, report.dropout)
     finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
+    report.json_path = str(out / "bench.json")
+    report.png_path = str(out / "bench.png")
+    drawn = pool.size > 0
+    if drawn:  # a worker draws the chart (matplotlib) while this process records the runs
+        pool.submit(0, Chart(report, Path(report.png_path)))
     if parent is not None:
         for row in report.configs:
             if row.status == "ok" and row.run_id:
                 record_child(parent.uri, row, report.warmup, report.steps)
-    report.json_path = str(out / "bench.json")
-    report.png_path = str(out / "bench.png")
-    write_chart(report, Path(report.png_path))
     write_json(report, Path(report.json_path))
+    chart = pool.collect(0) if drawn else None
+    if not isinstance(chart, Path):  # no worker, or it could not draw: draw here (and raise what fails)
+        write_chart(report, Path(report.png_path))
     if parent is not None:
         record_parent(report, parent)
 

@@ -33,9 +33,11 @@ from runner.tools.bench_measure import reason
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
+    from pathlib import Path
 
     from runner.devices.resolve import DevicePlan
     from runner.spec.loading import LoadedSpec
+    from runner.tools.bench_report import BenchReport
     from runner.training.setup import WorkerResult
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -67,6 +69,14 @@ class Probe:
     """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench.probe_model_and_data`)."""
 
     loaded: LoadedSpec
+
+
+@dataclass(frozen=True)
+class Chart:
+    """Draw ``bench.png`` (:func:`runner.tools.bench_chart.write_chart`) once measuring is over."""
+
+    report: BenchReport
+    path: Path
 
 
 @dataclass
@@ -161,7 +171,7 @@ class WarmPool:
         first_bad = next((r for r in replies if r is not None and r.status != "ok"), None)
         return [r if r is not None else (first_bad or Reply("failed", "no reply")) for r in replies]
 
-    def submit(self, rank: int, message: Probe) -> None:
+    def submit(self, rank: int, message: Probe | Chart) -> None:
         """Send ``message`` to worker ``rank`` without waiting; :meth:`collect` fetches the answer."""
         self.start()
         slot = self._procs[rank]
@@ -245,7 +255,22 @@ def serve(conn: Connection) -> None:
         if job is None:
             return
         torch.set_num_threads(threads)
-        conn.send(_probe(job) if isinstance(job, Probe) else run_job(job))
+        if isinstance(job, Probe):
+            conn.send(_probe(job))
+        elif isinstance(job, Chart):
+            conn.send(_chart(job))
+        else:
+            conn.send(run_job(job))
+
+
+def _chart(job: Chart) -> Any:
+    """The chart's path, or the exception drawing it raised."""
+    from runner.tools.bench_chart import write_chart
+
+    try:
+        return write_chart(job.report, job.path)
+    except Exception as exc:
+        return exc
 
 
 def _probe(job: Probe) -> Any:
