@@ -29,7 +29,7 @@ def test_spec_notes_print_before_training_and_not_again_in_the_summary(
     seen_before_training: list[str] = []
 
     def fake_training(plan, args, run_id):
-        seen_before_training.append(capsys.readouterr().err)
+        seen_before_training.append(capsys.readouterr().out)
         worker = SimpleNamespace(rank=0, metrics={"val/loss": 0.5}, history=[], notes=[])
         return [worker]
 
@@ -38,3 +38,15 @@ def test_spec_notes_print_before_training_and_not_again_in_the_summary(
     assert seen_before_training == ["runner: note: devices.ids = [0] is ignored: the run is on cpu\n"]
     assert result.notes == ["devices.ids = [0] is ignored: the run is on cpu"]
     assert "note" not in result.summary() and result.summary().startswith("status: FINISHED")
+
+
+def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
+    write_spec, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    text = write_spec().read_text().replace('accelerator = "cpu"', 'accelerator = "cpu"\nids = [0]')
+    path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
+    worker = SimpleNamespace(rank=0, metrics={}, history=[], notes=[])
+    monkeypatch.setattr(driver, "_run_to_the_end", lambda plan, args, run_id: [worker])
+    result = driver.exec_experiment(load_spec(path), driver.ExecOptions(parent_run_id="p" * 32))
+    assert capsys.readouterr().out == ""  # standard output stays the tool's (--json)
+    assert "note: devices.ids = [0] is ignored: the run is on cpu" in result.summary()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -138,7 +137,8 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     resume = prepare_resume(plan, options) if options.resume is not None else None
     apply_device_env(plan.devices)
     rank = plan.launcher.rank if plan.launch == "external" else 0
-    if rank == 0:  # before training, where the user looks first; workers print their own notes
+    shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
+    if shown:  # before training, where the user looks first; workers print their own notes
         show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
@@ -167,14 +167,14 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
         rank=rank,
-        notes_shown=True,
+        notes_shown=shown,
     )
 
 
 def show_notes(notes: list[str]) -> None:
-    """Print each note as ``runner: note: ...`` on standard error (standard output stays for reports and JSON)."""
+    """Print each note as ``runner: note: ...`` on standard output, where the run's summary follows."""
     for note in notes:
-        print(f"runner: note: {note}", file=sys.stderr, flush=True)
+        print(f"runner: note: {note}", flush=True)
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
