@@ -39,7 +39,7 @@ from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
-from runner.tools.bench_repeats import Config, measure_config
+from runner.tools.bench_repeats import Config, measure_config, open_child
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, write_json
 from runner.tools.bench_runs import Parent, record_child, record_parent, start_parent
 
@@ -183,12 +183,17 @@ def run_bench(
         out.mkdir(parents=True, exist_ok=True)
         parent = start_parent(base, report, [c.result.config for c in configs])
         try:
+            for config in runnable:
+                open_child(config, parent, report.name)
             answers = [pool.collect(rank) for rank in range(pool.size)] if runnable else [probe_model_and_data(base)]
             _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
         except BaseException:
             if parent is not None:  # a model or dataset that does not build: a bad spec, no stray run
                 from runner.tracking.runs import delete_run
 
+                for config in runnable:
+                    if config.child_run_id is not None:
+                        delete_run(parent.uri, config.child_run_id)
                 delete_run(parent.uri, parent.run_id)
             raise
         _run_under_parent(runnable, report, parent, out, pool)
@@ -283,7 +288,16 @@ def _measure_all(
 ) -> None:
     """Measure every runnable configuration, compare them with ``none``, write and record the results."""
     for i, config in enumerate(runnable, 1):
-        measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
+        try:
+            measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
+        except (Interrupted, KeyboardInterrupt):
+            if parent is not None:  # the child runs not measured yet end with the bench
+                from runner.tracking.runs import end_run
+
+                for later in runnable[i:]:
+                    if later.child_run_id is not None:
+                        end_run(parent.uri, later.child_run_id, "KILLED")
+            raise
     not_comparable = comparability(report.batch_statistics, report.dropout)
     finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
     report.json_path = str(out / "bench.json")

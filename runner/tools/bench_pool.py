@@ -20,6 +20,7 @@ timeout: the pool ends them at once and starts fresh processes for later configu
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -247,6 +248,8 @@ def serve(conn: Connection) -> None:
     import runner.training.data  # noqa: F401
 
     threads = torch.get_num_threads()
+    gc.collect()
+    gc.freeze()  # the imported modules are permanent: each repeat's gc.collect() then only scans its own objects
     while True:
         try:
             job = conn.recv()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Config:
-    """A configuration to measure: its result row and, when it can run, its spec."""
+    """A configuration to measure: its result row and, when it can run, its spec, plan and child MLflow run."""
 
     result: ConfigResult
     loaded: LoadedSpec | None = None
@@ -29,6 +29,7 @@ class Config:
     world_size: int = 1
     batch_sizes: list[int] = field(default_factory=list)
     plan: Plan | None = None
+    child_run_id: str | None = None
 
 
 class _Trained(NamedTuple):
@@ -39,13 +40,17 @@ class _Trained(NamedTuple):
     history: list[tuple[int, dict[str, float]]]
 
 
+def open_child(config: Config, parent: Parent | None, name: str) -> None:
+    """Create the configuration's child run (before measuring starts, while the workers warm up)."""
+    if config.loaded is not None and config.plan is not None:
+        config.child_run_id = start_child(parent, config.loaded, config.plan.describe(), config.result, name)
+
+
 def measure_config(config: Config, report: BenchReport, parent: Parent | None, pool: WarmPool, which: str) -> None:
-    """Repeat one configuration until its figures are steady (or the repeats run out); record its child run."""
+    """Repeat one configuration until its figures are steady (or the repeats run out); finish its child run."""
     from runner.tracking.runs import delete_run, end_run
 
-    result = config.result
-    assert config.loaded is not None and config.plan is not None  # runnable
-    child = start_child(parent, config.loaded, config.plan.describe(), result, report.name)
+    result, child = config.result, config.child_run_id
     uri = parent.uri if parent is not None else ""
     try:
         rows, history, bad = repeats(config, report, pool, which)
