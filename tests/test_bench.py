@@ -454,7 +454,9 @@ def test_repeats_stop_once_steady_or_at_the_budget(monkeypatch) -> None:
             self.calls += 1
             return [Reply("ok", result=worker(self.runs[self.calls - 1]))]
 
-    config = bench.Config(ConfigResult("none", "none", 1), SimpleNamespace(), plan=SimpleNamespace(devices=None))
+    config = bench.Config(
+        ConfigResult("none", "none", 1), SimpleNamespace(), plan=SimpleNamespace(devices=SimpleNamespace(selected=[]))
+    )
     config.batch_sizes = [64]
     monkeypatch.setattr(bench, "_jobs", lambda config: [])
     report = BenchReport("/x.toml", "n", "cpu", 64, 4, 1, False, [], min_repeats=2, max_repeats=4)

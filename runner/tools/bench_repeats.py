@@ -99,9 +99,9 @@ def repeats(
         history = history or workers[0].history
         row = ConfigResult(result.config, result.mode, result.n)
         trained = _Trained(None, workers, workers[0].history)
-        summarize(
-            row, trained, config.batch_sizes, warmup=report.warmup, steps=report.steps, cuda_peaks=replies[0].cuda_peaks
-        )
+        # the pool sees the widest configuration's GPUs; this one uses the first of them
+        peaks = replies[0].cuda_peaks[: len(config.plan.devices.selected)] if config.plan else []
+        summarize(row, trained, config.batch_sizes, warmup=report.warmup, steps=report.steps, cuda_peaks=peaks)
         rows.append(row)
         rates, times = [r.samples_per_s or 0.0 for r in rows], [t for r in rows for t in r.step_times_s]
         if len(rows) >= report.min_repeats and steady(spread(rates), tail(times)):
