@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check specs: keys, types, ranges, cross-field rules (no torch import)")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "--dependents-in",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also check the specs under DIR whose extends chain reaches a FILE; a FILE they extend is "
+        "checked through them (repeatable; the pre-commit hook passes its spec folder)",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
@@ -63,9 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", action="store_true", help="also print the resolved spec (TOML, every default)")
     p.set_defaults(func=_plan)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
+    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors and check-jsonschema)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     p.add_argument("--markdown", action="store_true", help="print a Markdown reference of every key instead")
+    p.add_argument(
+        "--write",
+        nargs="?",
+        const=".",
+        metavar="DIR",
+        help="write runner.schema.json and .taplo.toml into DIR (default .) and refresh README.md's key reference",
+    )
     p.set_defaults(func=_schema)
 
     _add_exec(sub)
@@ -173,6 +188,12 @@ def _add_bench(sub: _Commands) -> None:
         "--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)"
     )
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
+    p.add_argument(
+        "--repeats",
+        default="2:4",
+        metavar="MIN:MAX",
+        help="repeats per configuration: at least MIN, more while its figures are noisy, at most MAX (default 2:4)",
+    )
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_bench)
@@ -226,8 +247,16 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
 def _validate(args: argparse.Namespace) -> int:
     from runner.spec.loading import load_spec
 
+    files: list[Any] = list(args.files)
+    if args.dependents_in:
+        from runner.spec.dependents import plan_validation
+
+        plan = plan_validation(args.files, args.dependents_in)
+        for base, users in plan.bases.items():
+            print(f"base  {base}: checked through {len(users)} spec(s) that extend it")
+        files = list(plan.files)
     status = EXIT_OK
-    for path in args.files:  # every file is checked, so one run reports all bad files
+    for path in files:  # every file is checked, so one run reports all bad files
         try:
             load_spec(path)
             print(f"ok    {path}")
@@ -275,8 +304,13 @@ def _sweep_trials(loaded: LoadedSpec) -> list[str]:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from runner.spec.reference import json_schema, markdown_reference
+    from runner.spec.editor_schema import json_schema, write_editor_files
+    from runner.spec.reference import markdown_reference
 
+    if args.write is not None:
+        for path in write_editor_files(args.write):
+            print(f"wrote {path}")
+        return EXIT_OK
     text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
@@ -358,6 +392,7 @@ def _bench(args: argparse.Namespace) -> int:
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
+        repeats=_repeats(args.repeats),
         out_dir=args.out,
     )
     return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
@@ -370,6 +405,15 @@ def _print_report(report: _Report, as_json: bool, failure: str) -> int:
         print(f"runner: {failure}", file=sys.stderr)
         return TrainingError.exit_code
     return EXIT_OK
+
+
+def _repeats(text: str) -> tuple[int, int]:
+    """``"2:5"`` -> ``(2, 5)``; ``"3"`` -> ``(3, 3)``."""
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
 def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:

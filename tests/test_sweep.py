@@ -222,7 +222,7 @@ def test_grid_is_the_cartesian_product_in_key_order_capped_by_trials() -> None:
     assert trials[4].label() == "trial 4 (optim.lr=0.01, seed=1)"
     capped = expand(build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"], trials=4))
     assert [t.values for t in capped] == [t.values for t in trials[:4]]
-    assert Trial(4, trials[4].values).run_name() == "optim.lr=0.01 seed=1"
+    assert Trial(4, trials[4].values).run_name() == "lr=0.01 seed=1"  # named by its values, keys shortened
     with pytest.raises(UsageError, match="only 2 point"):
         build_definition(None, grid=["seed=0,1"], trials=10)
 

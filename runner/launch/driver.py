@@ -83,9 +83,10 @@ class ExecResult:
         experiment: MLflow experiment name.
         checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
-        notes: Messages for the user (resume, skipped checkpoints).
+        notes: Messages for the user (devices, resume, skipped checkpoints).
         workers: Every rank's result on this node, by rank.
         rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
+        notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
     """
 
     run_id: str | None
@@ -98,6 +99,7 @@ class ExecResult:
     notes: list[str] = field(default_factory=list)
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0
+    notes_shown: bool = False
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -107,7 +109,7 @@ class ExecResult:
         """
         if self.rank != 0:
             return ""
-        lines = [f"note: {note}" for note in self.notes]
+        lines = [] if self.notes_shown else [f"note: {note}" for note in self.notes]
         lines.append(f"status: {self.status}")
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
@@ -146,9 +148,6 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     check_model_name(spec.model.name, loaded.path.parent)
     _check_objectives(loaded)
     owner = plan.owns_run
-    if owner:
-        for note in plan.notes:  # before training: what runs instead of what cannot apply (docs/design.md §10)
-            print(f"runner: note: {note}", file=sys.stderr, flush=True)
     uri = plan.tracking_uri
     if uri is not None:
         check_reachable(uri)
@@ -156,6 +155,10 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     apply_device_env(plan.devices)
     if plan.slurm is not None and plan.slurm.kind == "per-device":
         os.environ.update(plan.slurm.worker_env(os.environ))  # this task is now the worker torchrun would start
+    rank = plan.launcher.rank if plan.launch == "external" else 0
+    shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
+    if shown:  # before training, where the user looks first; workers print their own notes
+        show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
@@ -183,7 +186,8 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         history=result.history,
         notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
-        rank=plan.launcher.rank if plan.launch == "external" else 0,
+        rank=rank,
+        notes_shown=shown,
     )
 
 
@@ -195,6 +199,15 @@ def _check_objectives(loaded: LoadedSpec) -> None:
         check_objectives(loaded.spec, loaded.path.parent)
     except SpecError as exc:
         raise relocate_issues(exc, loaded) from None
+
+
+def show_notes(notes: list[str]) -> None:
+    """Print each note as ``runner: note: ...`` on standard error, before training (docs/design.md §10).
+
+    Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
+    """
+    for note in notes:
+        print(f"runner: note: {note}", file=sys.stderr, flush=True)
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:

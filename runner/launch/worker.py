@@ -121,9 +121,10 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             settings = setup.describe_settings(seed_info)
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
-        for note in notes:
-            if is_log_rank:
-                print(f"runner: {note}", flush=True)
+        if is_log_rank:
+            from runner.launch.driver import show_notes
+
+            show_notes(notes)
         logged_run = run_id if is_log_rank else None
         if logged_run is not None and restored.resumed_from is None and parts.data is not None:
             _record_data(uri, logged_run, parts.data)

@@ -194,7 +194,7 @@ def fit(
                 state.global_step += 1
                 state.batch_in_epoch += 1
                 tally.epoch_samples += global_size
-                progress.update(1)
+                progress.update(1, samples=global_size)
                 if state.global_step % train_spec.log_every_n_steps == 0:
                     tally.window = _log_window(parts, state, tally, report)
                 if every_n_steps and state.global_step % every_n_steps == 0:
@@ -313,7 +313,8 @@ def end_epoch(
         or not epoch_done
         or state.epoch + 1 == train_spec.epochs
     ):
-        metrics.update(evaluate(parts))
+        with report.progress.phase("validating"):
+            metrics.update(evaluate(parts))
     report.log(metrics, state.global_step)
     report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
     if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:
