@@ -192,7 +192,7 @@ def test_the_interrupt_message_is_runner_resume_and_works_as_printed(write_spec,
         [sys.executable, "-m", *shlex.split(printed)], cwd=tmp_path, env=_env(), capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from step-" in resumed.stdout
+    assert "resuming from step-" in resumed.stderr  # a note, before training
     assert len(runs(store)) == 2  # the same run continued
     again = MlflowClient(store).get_run(stopped.info.run_id)
     assert again.info.status == "FINISHED" and again.data.params["optim.lr"] == "0.05"

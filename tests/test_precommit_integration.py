@@ -96,14 +96,15 @@ def test_good_specs_commit_and_a_bad_one_blocks_the_commit(project) -> None:
 def test_editing_a_base_re_validates_the_specs_that_extend_it(project) -> None:
     work, env = project
     child = work / "experiments" / "child.toml"
-    child.write_text(CHILD.replace("epochs = 2", "epochs = 2\nlabel_smoothing = 0.1"), encoding="utf-8")
+    child.write_text(CHILD + "\n[optim]\nmomentum = 0.9\n", encoding="utf-8")
     assert _commit(work, env, "specs").returncode == 0
-    # Only the base changes, and it is a valid spec alone; the spec on top of it no longer is.
+    # Only the base changes, and it is a valid spec alone; the spec on top of it no longer is
+    # (momentum is sgd's: the child's momentum no longer applies once the base switches to adam).
     base = work / "experiments" / "base" / "common.toml"
-    base.write_text(BASE + '\n[train]\nloss = "nll"\n', encoding="utf-8")
+    base.write_text(BASE.replace("lr = 0.1", 'name = "adam"\nlr = 0.1'), encoding="utf-8")
     assert _run([sys.executable, "-m", "runner", "validate", str(base)], work, env).returncode == 0
-    broken = _commit(work, env, "base switches the loss")
+    broken = _commit(work, env, "base switches the optimizer")
     assert broken.returncode != 0
     output = broken.stdout + broken.stderr
     assert "base  experiments/base/common.toml: checked through 1 spec(s) that extend it" in output
-    assert "error experiments/child.toml" in output and "train.label_smoothing" in output
+    assert "error experiments/child.toml" in output and "optim.momentum" in output

@@ -184,7 +184,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: st
 
     resumed = _runner(tmp_path, str(spec), "--resume", "last")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from step-" in resumed.stdout
+    assert "resuming from step-" in resumed.stderr  # a note, before training
     runs = _runs(store)
     assert len(runs) == 2, "resume must continue the same run, not start a new one"
     again = MlflowClient(store).get_run(stopped.info.run_id)
@@ -210,8 +210,8 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, stor
     before = _histories(store, run.info.run_id)
     resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert resumed.returncode == 0, resumed.stderr
-    assert "step-00000015.pt" in resumed.stdout and "truncated" in resumed.stdout
-    assert "resuming from step-00000010.pt" in resumed.stdout
+    assert "step-00000015.pt" in resumed.stderr and "truncated" in resumed.stderr
+    assert "resuming from step-00000010.pt" in resumed.stderr
     after = _histories(store, run.info.run_id)
     assert after == before  # epoch 3 recomputed to the same values, no step logged twice
     assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
