@@ -14,7 +14,9 @@ and is reported at that key: ``FILE:LINE: data.batch_size: batch_size = 10 is no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from runner.spec.wording import show
 
@@ -204,6 +206,8 @@ def check_sweep_param(param: SweepParam) -> None:
     Raises:
         ValueError: The first problem found.
     """
+    if param.values is not None and _has_non_finite(param.values):
+        raise ValueError(f"values {show(param.values)} holds inf or nan: list finite numbers")
     has_range = param.low is not None or param.high is not None
     if (param.values is None) == (not has_range):
         raise ValueError("give either values = [...] or low and high, not both and not neither")
@@ -243,7 +247,7 @@ def check_experiment(spec: ExperimentSpec) -> None:
     Raises:
         CrossFieldError: Every problem found, each at its own key.
     """
-    problems = _device_problems(spec) + _layout_problems(spec)
+    problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
     if spec.sweep is not None and spec.sweep.method == "random" and spec.sweep.num_trials is None:
         problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
     if problems:
@@ -282,3 +286,37 @@ def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
     if world is not None and (problem := batch_split_problem(spec.data.batch_size, world, spec.train.grad_accum_steps)):
         problems.append(("data.batch_size", problem))
     return problems
+
+
+def _non_finite_problems(spec: ExperimentSpec) -> list[Problem]:
+    """``inf`` or ``nan`` inside kwargs (typed keys and sweep values reject them on their own)."""
+    free: list[tuple[str, Any]] = [
+        ("model.kwargs", spec.model.kwargs),
+        ("data.kwargs", spec.data.kwargs),
+        ("optim.kwargs", spec.optim.kwargs),
+    ]
+    if spec.scheduler is not None:
+        free.append(("scheduler.kwargs", spec.scheduler.kwargs))
+    return [(key, not_finite(value)) for prefix, tree in free for key, value in _non_finite(prefix, tree)]
+
+
+def not_finite(value: Any) -> str:
+    """The message for a value that is or holds ``inf`` or ``nan``."""
+    return f"got {show(value)}; expected finite numbers (inf and nan are not accepted in a spec)"
+
+
+def _non_finite(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every value under ``key`` that is or holds a non-finite float."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _non_finite(f"{key}.{k}", v)
+    elif _has_non_finite(value):
+        yield key, value
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, dict)):
+        return any(_has_non_finite(v) for v in (value.values() if isinstance(value, dict) else value))
+    return False

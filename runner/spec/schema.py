@@ -4,7 +4,8 @@ Rules between keys live in :mod:`runner.spec.rules` (each table names its ``rule
 the machine (visible GPUs, CUDA) are checked by :mod:`runner.devices.resolve`, so ``runner validate``
 answers the same on a laptop and on a GPU node. Conventions (docs/design.md): counts are strict
 integers (``2.0`` is rejected); hyperparameters are floats (``lr = 1`` is stored as ``1.0``);
-booleans are strict (``1`` is not ``true``); every table forbids unknown keys and is frozen;
+booleans are strict (``1`` is not ``true``); every number is finite (``inf`` and ``nan`` are rejected,
+also inside ``kwargs`` and sweep values); every table forbids unknown keys and is frozen;
 ``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all devices and processes.
 """
 
@@ -22,9 +23,9 @@ Accelerator = Literal["auto", "cuda", "cpu"]
 
 
 class _Table(BaseModel):
-    """Base of every spec table: strict, unknown keys forbidden, frozen; ``rule`` runs once its keys are valid."""
+    """Base of every spec table: strict, finite, unknown keys forbidden, frozen; ``rule`` runs once its keys are valid."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
     rule: ClassVar[Callable[[Any], None] | None] = None
 
     @model_validator(mode="after")
