@@ -23,7 +23,7 @@ Accelerator = Literal["auto", "cuda", "cpu"]
 
 
 class _Table(BaseModel):
-    """Base of every spec table: strict, finite, unknown keys forbidden, frozen; ``rule`` runs once its keys are valid."""
+    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
     rule: ClassVar[Callable[[Any], None] | None] = None
