@@ -118,16 +118,16 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
     from runner.devices.env import apply_device_env
+    from runner.launch.prebuild import check_parts
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
     from runner.tracking.uri import check_reachable
     from runner.training.checkpoint import default_checkpoint_dir
-    from runner.training.models import check_model_name
 
     plan = make_plan(loaded)
     spec = loaded.spec
-    check_model_name(spec.model.name, loaded.path.parent)
+    check_parts(loaded, plan.devices.world_size)
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
     if uri is not None:

@@ -27,7 +27,7 @@ from runner.tools.sweep_jobs import Progress, Subprocesses, device_pool, sigterm
 from runner.tools.sweep_report import SweepReport, first_line
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, build_definition, expand
 from runner.tools.sweep_store import SweepParent, SweepStore
-from runner.tools.sweep_trials import prepare_trials, trial_metric, trial_tags, without_sweep
+from runner.tools.sweep_trials import prepare_trials, swept_in_file, trial_metric, trial_tags, without_sweep
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -100,7 +100,7 @@ def run_sweep(
         base, previous, grid=grid, random=random, num_trials=num_trials, seed=seed, metric=metric, goal=goal
     )
     trials = expand(definition)
-    prepared = prepare_trials(base.path, overrides, trials)
+    prepared = prepare_trials(base.path, overrides, trials, swept_in_file(base, grid, random))
     store.check()
     done, parent_id = _open_parent(store, base, overrides, trials, definition=definition, previous=previous)
     earlier = f", {len(done)} finished earlier" if previous is not None else ""

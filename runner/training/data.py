@@ -460,3 +460,32 @@ def build_datasets(spec: Any, spec_dir: Path | str | None) -> DatasetBundle:
         name=name,
     )
     return DatasetBundle(train=train, val=val, info=info)
+
+
+def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
+    """The class or factory that builds ``data.dataset`` from files, found without calling it.
+
+    Args:
+        name: ``data.dataset``.
+        spec_dir: Folder of the spec file (factory imports are relative to it).
+
+    Returns:
+        A ``torchvision.datasets`` class, a ``pkg.module:factory`` callable, ``ImageFolder`` for
+        ``imagefolder``, or ``None`` for the in-memory built-ins.
+
+    Raises:
+        SpecError: (``data.dataset``) the name is unknown, with a did-you-mean, or the factory cannot be imported.
+    """
+    if name in ("sklearn.digits", "synthetic"):
+        return None
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "data.dataset")
+    import torchvision.datasets as tvd
+
+    if name == "imagefolder":
+        return tvd.ImageFolder
+    cls_name = name.removeprefix("torchvision.")
+    cls = getattr(tvd, cls_name, None) if name.startswith("torchvision.") else None
+    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+        raise _unknown_dataset(name)
+    return cls
