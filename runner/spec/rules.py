@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from runner.spec.wording import show
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         OptimSpec,
         ParallelSpec,
         SweepParam,
+        TrackingSpec,
         TrainSpec,
     )
 
@@ -80,6 +82,31 @@ def sync_batchnorm_needs_cuda(why: str) -> str:
 def fp16_needs_cuda(why: str) -> str:
     """``amp = "fp16"`` on CPU (its GradScaler is CUDA-only)."""
     return f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'
+
+
+BARE_TRACKING_URIS = ("databricks", "databricks-uc", "uc")
+
+
+def file_store_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be the tracking store: a file store (``file:``, a plain folder), or ``None``.
+
+    MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``; runner records runs in a database or on a tracking server only.
+
+    Args:
+        uri: A tracking URI as written (``file:./mlruns``, ``./mlruns``, ``sqlite:///mlflow.db``, ...).
+
+    Returns:
+        The message, ending in the fix (a sqlite URI), or ``None`` when ``uri`` is not a file store.
+    """
+    text = uri.strip()
+    scheme = urlsplit(text).scheme
+    if text in BARE_TRACKING_URIS or (len(scheme) > 1 and scheme != "file"):
+        return None
+    return (
+        f"{show(text)} is a file store, which MLflow 3 no longer opens: use a database, "
+        'e.g. "sqlite:///mlflow.db" (`mlflow migrate-filestore` moves existing runs into one), or a tracking server'
+    )
 
 
 def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
@@ -188,6 +215,16 @@ def check_optim(optim: OptimSpec) -> None:
     clash = sorted({"lr", "momentum", "weight_decay"} & set(optim.kwargs))
     if clash:
         raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
+
+
+def check_tracking(tracking: TrackingSpec) -> None:
+    """Rules inside ``[tracking]``: the store is a database or a server, not a file store.
+
+    Raises:
+        ValueError: ``uri`` names a file store.
+    """
+    if tracking.uri and tracking.uri.strip() and (problem := file_store_problem(tracking.uri)):
+        raise ValueError(f"uri = {problem}")
 
 
 def check_train(train: TrainSpec) -> None:

@@ -294,7 +294,11 @@ class TrackingSpec(_Table):
     enabled: bool = Field(default=True, description="Record the run in MLflow. Default: true.")
     uri: str | None = Field(
         default=None,
-        description="Tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory.",
+        description=(
+            "Tracking URI: a database (`sqlite:///runs.db`, `postgresql://...`) or a server (`http://host:5000`); "
+            "file stores are not accepted. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working "
+            "directory."
+        ),
     )
     experiment: str | None = Field(
         default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
@@ -311,6 +315,8 @@ class TrackingSpec(_Table):
         gt=0,
         description="Send buffered metrics at least this often (seconds), off the training thread. Default: 5.",
     )
+
+    rule = rules.check_tracking
 
 
 class CheckpointSpec(_Table):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from runner.errors import TrackingError
+from runner.spec.rules import file_store_problem
 
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
@@ -64,10 +65,21 @@ def resolve_tracking_uri(
 
     Returns:
         An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
+
+    Raises:
+        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
+            is rejected when the spec is validated, :func:`runner.spec.rules.file_store_problem`).
     """
     env = os.environ if env is None else env
     base = Path.cwd() if cwd is None else Path(cwd)
-    raw = (spec.tracking.uri or "").strip() or env.get("MLFLOW_TRACKING_URI", "").strip()
+    raw = (spec.tracking.uri or "").strip()
+    if not raw:
+        raw = env.get("MLFLOW_TRACKING_URI", "").strip()
+        problem = file_store_problem(raw) if raw else None
+        if problem is not None:
+            raise TrackingError(
+                f"MLFLOW_TRACKING_URI={raw}: {problem} (set the variable to one, or unset it to log to ./mlflow.db)"
+            )
     if not raw:
         return f"sqlite:///{(base / 'mlflow.db').resolve()}"
     return _absolute_uri(raw, base)
