@@ -122,7 +122,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
-    from runner.tracking.uri import check_reachable
+    from runner.tracking.store import open_store
     from runner.training.checkpoint import default_checkpoint_dir
 
     plan = make_plan(loaded)
@@ -131,7 +131,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
     if uri is not None:
-        check_reachable(uri)
+        open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
     resume = prepare_resume(plan, options) if options.resume is not None else None
     apply_device_env(plan.devices)
     run_id = _open_run(plan, options, owner, resume)

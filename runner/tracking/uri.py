@@ -102,6 +102,12 @@ def _local_store_path(uri: str) -> tuple[str, Path] | None:
     return None
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, or ``None`` for other stores (and in-memory sqlite)."""
+    local = _local_store_path(uri)
+    return local[1] if local is not None and local[0] == "sqlite" else None
+
+
 def _http_auth() -> tuple[dict[str, str], tuple[str, str] | None, bool | str]:
     """Headers, basic auth and TLS verification from MLflow's standard environment variables."""
     headers: dict[str, str] = {}
