@@ -141,3 +141,24 @@ def test_describe_and_bind() -> None:
         check_call(f, (1,), {"b": 1}, "k")
     with pytest.raises(SpecError, match="unexpected keyword argument 'c'"):
         check_call(f, (1,), {"c": 1}, "k")
+
+
+def test_an_unusable_checkpoint_dir_exits_2_before_the_run(write_spec, tmp_path: Path, capsys) -> None:
+    path = write_spec('[checkpoint]\ndir = "/proc/runner-x"\n')
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{_line(path, 'dir = ')}: checkpoint.dir: " in err and "/proc" in err and "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_file_in_the_way_of_checkpoint_dir_is_named_and_nothing_is_left_behind(write_spec, tmp_path: Path) -> None:
+    from runner.launch.prebuild import check_checkpoint_folder
+
+    (tmp_path / "taken").write_text("a file")
+    path = write_spec('[checkpoint]\ndir = "taken/ckpt"\n')
+    with pytest.raises(SpecError, match=r"checkpoint.dir: dir = .* is a file, not a folder"):
+        check_checkpoint_folder(load_spec(path), None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    check_checkpoint_folder(load_spec(path, ('checkpoint.dir="fine/ckpt"',)), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # the probe folder is gone, nothing was created
+    check_checkpoint_folder(load_spec(path, ("checkpoint.enabled=false",)), None)  # no checkpoints: not checked

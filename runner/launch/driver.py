@@ -118,7 +118,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
     from runner.devices.env import apply_device_env
-    from runner.launch.prebuild import check_parts
+    from runner.launch.prebuild import check_checkpoint_folder, check_parts
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
@@ -128,6 +128,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     plan = make_plan(loaded)
     spec = loaded.spec
     check_parts(loaded, plan.devices.world_size)
+    check_checkpoint_folder(loaded, plan.tracking_uri)
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     uri = plan.tracking_uri
     if uri is not None:

@@ -61,6 +61,33 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> None:
         raise relocate_issues(exc, loaded) from None
 
 
+def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
+    """Check that the run's checkpoints can be written, before the run exists (``checkpoint.dir`` or its default).
+
+    Args:
+        loaded: The validated spec.
+        tracking_uri: The run's store: the default folder is ``checkpoints/`` beside a sqlite store.
+
+    Raises:
+        SpecError: (``checkpoint.dir``) the folder cannot be created or written, at ``FILE:LINE``.
+    """
+    from runner.spec.paths import folder_problem
+    from runner.training.checkpoint import default_checkpoint_dir
+
+    settings = loaded.spec.checkpoint
+    if not settings.enabled:
+        return
+    folder = default_checkpoint_dir(tracking_uri, settings.dir, "run").parent
+    problem = folder_problem(folder)
+    if problem is None:
+        return
+    if settings.dir:
+        message = f"dir = {show(settings.dir)} cannot hold checkpoints: {problem}; choose a writable folder"
+    else:
+        message = f"the default checkpoint folder {folder} cannot be written: {problem}; set checkpoint.dir"
+    raise relocate_issues(SpecError(SpecIssue(None, None, "checkpoint.dir", message)), loaded)
+
+
 def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
     from runner.training.loaders import build_loaders
     from runner.training.models import check_model_name
