@@ -14,17 +14,20 @@ Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.failures import JobContext
     from runner.launch.resume import ResumePoint
     from runner.launch.worker import WorkerArgs, WorkerResult
     from runner.plan import Plan
@@ -206,12 +209,14 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             one ends FAILED), so no stray run is left.
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
+    from runner.launch.failures import JobContext, oom_kill_count
     from runner.tracking import runs as tracking
 
     loaded = plan.loaded
     status, error = "FAILED", None
+    oom_before, hangs = oom_kill_count(), dict[int, dict[str, Any]]()
     try:
-        workers = _launch(plan, args)
+        workers = _launch(plan, args, hangs)
         status = "FINISHED"
         return workers
     except (Interrupted, KeyboardInterrupt) as exc:
@@ -227,7 +232,7 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             # made for it is removed so that no stray run is left behind.
             status = "DELETE"
             raise relocate_issues(bad_spec, loaded) from None
-        error = _describe_failure(exc)
+        error = _describe_failure(exc, JobContext(loaded.spec.parallel.timeout_s, oom_before, hangs))
         raise TrainingError(error) from None
     finally:
         owned, uri = args.run_id, plan.tracking_uri
@@ -238,8 +243,12 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
                 tracking.end_run(uri, owned, "FAILED" if status == "DELETE" else status, error)
 
 
-def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
-    """Run the workers; return their results, the logging rank's first."""
+def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | None = None) -> list[WorkerResult]:
+    """Run the workers; return their results, the logging rank's first.
+
+    ``hangs`` receives the reports of ranks that hung after a stop signal (elastic launch only).
+    """
+    from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
     from runner.launch.worker import run_worker
 
     if plan.launch != "elastic":
@@ -265,9 +274,16 @@ def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
         start_method="spawn",
     )
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
-        # The launcher keeps per-attempt error files here; removed when the job ends.
+        # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        results = elastic_launch(config, run_worker)(args)
+        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
+        quiet = quiet_launcher_logs()
+        try:
+            results = elastic_launch(config, run_worker)(launched)
+        finally:
+            restore_launcher_logs(quiet)
+            if hangs is not None:
+                hangs.update(read_hang_reports(Path(log_dir)))
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
@@ -296,23 +312,8 @@ def _spec_error_of_child(exc: BaseException) -> SpecError | None:
     return None
 
 
-def _describe_failure(exc: BaseException) -> str:
-    """A readable message for a failed job; for DDP, the first failing rank's error."""
-    failures = getattr(exc, "failures", None)
-    if not failures:
-        return f"{type(exc).__name__}: {exc}"
-    rank, failure = min(failures.items())
-    message = ""
-    data = getattr(failure, "error_file_data", None) or {}
-    if isinstance(data, dict):
-        inner = data.get("message", {})
-        if isinstance(inner, dict):
-            message = inner.get("message", "")
-            trace = inner.get("extraInfo", {}).get("py_callstack", "")
-            if trace:
-                message = trace.strip().splitlines()[-1]
-        elif isinstance(inner, str):
-            message = inner
-    if not message:
-        message = getattr(failure, "message", "") or f"exit code {failure.exitcode}"
-    return f"rank {rank} failed: {message}"
+def _describe_failure(exc: BaseException, context: JobContext) -> str:
+    """A readable message for a failed job: the root rank's error, or the signal or exit code that ended it."""
+    from runner.launch.failures import describe_failure
+
+    return describe_failure(exc, context)

@@ -44,6 +44,9 @@ class WorkerArgs:
         checkpoint_dir: Folder of this run's checkpoints.
         resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
         sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
+        launcher_pid: The process that started this worker (the driver, for the elastic launcher):
+            the worker dies with it; ``None``: whatever process is the parent when the worker starts.
+        report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
     """
 
     loaded: LoadedSpec
@@ -53,6 +56,8 @@ class WorkerArgs:
     checkpoint_dir: str
     resume: bool = False
     sync_timing: bool = False
+    launcher_pid: int | None = None
+    report_dir: str | None = None
 
 
 @record
@@ -71,18 +76,26 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         Exception: Anything the training code raises; the driver marks the run FAILED.
     """
     from runner.launch.environment import LauncherEnvironment
+    from runner.launch.watch import HangWatch, die_with_parent
     from runner.strategies.registry import make_strategy
 
     env = LauncherEnvironment.detect()  # the one read of the launcher's variables in a worker
+    if env.external:  # a process of its own, started by the elastic launcher, torchrun or a scheduler
+        die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env)
     stop = _StopFlag()
+    watch = HangWatch(env.rank, args.report_dir) if env.external else None
     try:
         strategy.setup()
         stop.install()
+        if watch is not None:
+            watch.start()
         result = _train(args, strategy, env, stop)
         strategy.barrier()  # every rank is done with collectives before any destroys the group
         return result
     finally:
+        if watch is not None:
+            watch.stop()
         stop.uninstall()
         gc.collect()  # free DDP's reducer and its pending work before the process group goes
         strategy.teardown()
