@@ -171,21 +171,26 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
     """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
 
+    The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.owner`).
+
     Returns:
         The run id, or ``None`` when tracking is off or another process owns the run.
     """
+    from runner.launch.owner import Owner
     from runner.tracking import runs as tracking
+    from runner.tracking.lookup import set_run_tags
 
     if resume is not None:
         if owner:
             spec_change = json.dumps(resume.changes) if resume.changes else None
             tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
+            set_run_tags(resume.uri, resume.run_id, Owner.this_process().tags())  # docs/design.md §12
         return resume.run_id
     if not owner or plan.tracking_uri is None:
         return None
     if plan.launch == "external" and plan.launcher.run_id:
         return plan.launcher.run_id
-    tags = dict(options.tags)
+    tags = {**dict(options.tags), **Owner.this_process().tags()}
     if options.parent_run_id:
         tags["mlflow.parentRunId"] = options.parent_run_id
     handle = tracking.start_run(

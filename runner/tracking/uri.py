@@ -70,9 +70,21 @@ def resolve_tracking_uri(
         TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
             is rejected when the spec is validated, :func:`runner.spec.rules.file_store_problem`).
     """
+    return resolve_uri(spec.tracking.uri, env, cwd)
+
+
+def resolve_uri(
+    given: str | None, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
+) -> str:
+    """The absolute tracking URI for ``given`` (a spec's ``tracking.uri`` or ``--tracking-uri``), as
+    :func:`resolve_tracking_uri` finds it: ``given``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+
+    Raises:
+        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store.
+    """
     env = os.environ if env is None else env
     base = Path.cwd() if cwd is None else Path(cwd)
-    raw = (spec.tracking.uri or "").strip()
+    raw = (given or "").strip()
     if not raw:
         raw = env.get("MLFLOW_TRACKING_URI", "").strip()
         problem = file_store_problem(raw) if raw else None
