@@ -27,6 +27,7 @@ from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.ending import Spooled
     from runner.launch.failures import JobContext
     from runner.launch.resume import ResumePoint
     from runner.launch.worker import WorkerArgs, WorkerResult
@@ -73,6 +74,8 @@ class ExecResult:
         notes: Messages for the user (resume, skipped checkpoints).
         workers: Every rank's result on this node, by rank.
         rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
+        spooled: Metric values (and whether the final status) that could not reach the tracking
+            store and wait in the run's spool file (docs/design.md §12).
     """
 
     run_id: str | None
@@ -85,6 +88,7 @@ class ExecResult:
     notes: list[str] = field(default_factory=list)
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0
+    spooled: Spooled | None = None
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -95,7 +99,7 @@ class ExecResult:
         if self.rank != 0:
             return ""
         lines = [f"note: {note}" for note in self.notes]
-        lines.append(f"status: {self.status}")
+        lines.append(f"status: {self.status}" + (self.spooled.describe(self.run_id) if self.spooled else ""))
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
         lines += [f"  {key:<22} {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
@@ -121,10 +125,12 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
     from runner.devices.env import apply_device_env
+    from runner.launch.ending import Spooled
     from runner.launch.prebuild import check_checkpoint_folder, check_parts
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
+    from runner.tracking.lookup import set_run_tags
     from runner.tracking.store import open_store
     from runner.training.checkpoint import default_checkpoint_dir
 
@@ -152,9 +158,12 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         resume=resume is not None,
         sync_timing=options.sync_timing,
     )
+    if run_id is not None and owner and uri is not None:  # where the run's checkpoints and spool are
+        set_run_tags(uri, run_id, {"runner.checkpoint_dir": str(checkpoint_dir)})
     workers = _run_to_the_end(plan, args, run_id)
     result = workers[0]
     return ExecResult(
+        spooled=Spooled.of(checkpoint_dir) if run_id is not None and owner else None,
         run_id=run_id,
         status="FINISHED",
         metrics=result.metrics,
@@ -214,6 +223,7 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             one ends FAILED), so no stray run is left.
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
+    from runner.launch.ending import end_run_or_spool
     from runner.launch.failures import JobContext, oom_kill_count
     from runner.tracking import runs as tracking
 
@@ -245,7 +255,7 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             if status == "DELETE" and not args.resume:
                 tracking.delete_run(uri, owned)
             else:
-                tracking.end_run(uri, owned, "FAILED" if status == "DELETE" else status, error)
+                end_run_or_spool(uri, owned, "FAILED" if status == "DELETE" else status, error, args.checkpoint_dir)
 
 
 def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | None = None) -> list[WorkerResult]:

@@ -5,7 +5,9 @@ The driver records itself on the run it creates or reopens (docs/design.md §12)
 epoch, as ``psutil.Process.create_time`` gives it, so a pid reused by another process is told
 apart). A run that is RUNNING while its owner is gone was left behind by a driver killed hard (or a
 machine that stopped): :func:`settle` marks it KILLED. On another host the owner cannot be checked;
-that is said, and nothing is changed.
+that is said, and nothing is changed. When no live process uses it, what the run's spool kept while
+the tracking store was away (tag ``runner.checkpoint_dir`` says where) is sent first, and a final
+status kept there is applied instead of KILLED.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.tracking.spool import Sent
 
 Liveness = Literal["alive", "gone", "unknown"]
 TAGS = ("runner.owner.host", "runner.owner.pid", "runner.owner.start_time")
@@ -87,6 +92,7 @@ class Settled:
         liveness: The owner's liveness (``unknown`` without an owner).
         marked_killed: Whether :func:`settle` ended the run.
         spec_path: The spec the run was started from (tag ``runner.spec.path``), or ``""``.
+        sent: What :func:`settle` sent from the run's spool, or ``None``.
     """
 
     run_id: str
@@ -95,9 +101,18 @@ class Settled:
     liveness: Liveness
     marked_killed: bool = False
     spec_path: str = ""
+    sent: Sent | None = None
 
     def line(self) -> str:
         """What ``runner status`` prints about the run."""
+        return self._state() + (self._sent() if self.sent is not None else "")
+
+    def _sent(self) -> str:
+        assert self.sent is not None
+        ended = f", and its final status {self.sent.ended}" if self.sent.ended else ""
+        return f"; sent the {self.sent.metrics} metric values its spool kept{ended}"
+
+    def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
         if self.marked_killed:
             return (
@@ -134,14 +149,29 @@ def settle(uri: str, run_id: str) -> Settled:
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
     spec_path = info.tags.get("runner.spec.path", "")
+    sent = None
+    if info.status != "RUNNING" or (owner is not None and liveness == "gone"):  # no live process uses the spool
+        sent = _send_spool(uri, run_id, info.tags)
+        if sent is not None and sent.ended:
+            return Settled(run_id, sent.ended, owner, liveness, spec_path=spec_path, sent=sent)
     if info.status != "RUNNING" or liveness != "gone" or owner is None:
-        return Settled(run_id, info.status, owner, liveness, spec_path=spec_path)
+        return Settled(run_id, info.status, owner, liveness, spec_path=spec_path, sent=sent)
     error = (
         f"the run's owner ({owner.describe()}) is gone and never ended the run (it was killed hard, or its "
         "machine stopped); marked KILLED by runner"
     )
     tracking.end_run(uri, run_id, "KILLED", error)
-    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, spec_path=spec_path)
+    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, spec_path=spec_path, sent=sent)
+
+
+def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
+    """Send what the run's spool kept (its folder is tag ``runner.checkpoint_dir``), or ``None`` without one."""
+    from runner.tracking.spool import send_spool, spool_path
+
+    folder = tags.get("runner.checkpoint_dir")
+    if not folder or not spool_path(folder).is_file():
+        return None
+    return send_spool(uri, run_id, spool_path(folder))
 
 
 def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:

@@ -8,8 +8,8 @@
   gone, a lock, I/O) cannot, and the launcher would wait 30 s before it kills it. The watch learns
   of the signal through ``signal.set_wakeup_fd`` (which the interpreter writes to even while the main
   thread is blocked in C code) and, when the main thread's Python stack then does not move for
-  :data:`HANG_GRACE_S` seconds (writing a checkpoint does not count), reports the place it is stuck
-  at and ends the process with SIGKILL.
+  ``parallel.hang_grace_s`` seconds (writing a checkpoint does not count), reports the place it is
+  stuck at and ends the process with SIGKILL.
 
 Neither is used when the worker runs in the driver's own process (``none``, ``dp``): there the user's
 second Ctrl-C stops a stuck step (docs/design.md §12).
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-HANG_GRACE_S = 10.0  # seconds without progress after a stop signal before a rank counts as hung
+HANG_GRACE_S = 10.0  # the default of parallel.hang_grace_s
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SAMPLE_S = 0.25
 _BUSY_FILES = ("runner/training/checkpoint.py",)  # a rank writing its checkpoint is not hung

@@ -84,7 +84,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env)
     stop = _StopFlag()
-    watch = HangWatch(env.rank, args.report_dir) if env.external else None
+    grace_s = args.loaded.spec.parallel.hang_grace_s
+    watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
     try:
         strategy.setup()
         stop.install()
@@ -107,6 +108,7 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
     Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
     released when it returns, before the process group is destroyed.
     """
+    from runner.tracking.spool import spool_path
     from runner.tracking.system import start_system_metrics
     from runner.tracking.trackers import make_tracker, skip_logged_steps
     from runner.training import setup
@@ -118,7 +120,16 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
     folder, is_log_rank = Path(checkpoint_dir), strategy.rank == log_rank
     parts = setup.build_parts(spec, args.loaded.path.parent, strategy)
     restored = setup.restore(parts, strategy, folder, resume=args.resume, restarted=env.restarted)
-    tracker = make_tracker(uri, run_id, is_logger=is_log_rank, flush_every_s=spec.tracking.flush_every_s)
+    if is_log_rank and uri is not None and run_id is not None and (args.resume or env.restarted):
+        restored.notes += _adopt_spool(uri, run_id, folder, restored.metrics_recorded)
+    tracker = make_tracker(
+        uri,
+        run_id,
+        is_logger=is_log_rank,
+        flush_every_s=spec.tracking.flush_every_s,
+        spool=spool_path(folder),
+        first_seq=restored.metrics_recorded,
+    )
     monitor = None
     try:
         if restored.resumed_from is not None:
@@ -146,6 +157,20 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         if monitor is not None:
             monitor.finish()
         tracker.close()
+
+
+def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
+    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest.
+
+    Values recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent.
+    """
+    from runner.tracking.spool import send_spool, spool_path
+
+    path = spool_path(folder)
+    if not path.is_file():
+        return []
+    sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
+    return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
 
 
 def _log_outputs(args: WorkerArgs, run_id: str, tracker: Tracker, parts: TrainingParts, folder: Path) -> None:

@@ -43,6 +43,7 @@ DDP_ONLY = (
     "rdzv_id",
     "max_restarts",
     "timeout_s",
+    "hang_grace_s",
     "find_unused_parameters",
     "static_graph",
     "gradient_as_bucket_view",

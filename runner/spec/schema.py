@@ -193,6 +193,14 @@ class ParallelSpec(_Table):
         gt=0,
         description="ddp only: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
     )
+    hang_grace_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "ddp only: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
+            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait. Default: 10."
+        ),
+    )
     find_unused_parameters: bool = Field(
         default=False, description="ddp only: allow parameters that get no gradient in a step. Default: false."
     )
