@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
     _spec_args(p)
+    _unset_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--spec", action="store_true", help="also print the resolved spec (TOML, every default)")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_schema)
 
     _add_exec(sub)
+    _add_stored_run_commands(sub)
     _add_status(sub)
     _add_sweep(sub)
     _add_bench(sub)
@@ -79,7 +82,7 @@ def _add_status(sub: _Commands) -> None:
         "status", help="show RUNNING runs and their owner; mark KILLED those whose owner died without ending them"
     )
     p.add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run of the store)")
-    p.add_argument("--tracking-uri", metavar="URI", help="the store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    _tracking_uri_arg(p)
     p.set_defaults(func=_status)
 
 
@@ -87,7 +90,8 @@ def _add_exec(sub: _Commands) -> None:
     """``runner exec FILE``: train and record one run."""
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
     _spec_args(p)
-    p.add_argument("--run-name", metavar="NAME", help="MLflow run name")
+    _unset_arg(p)
+    p.add_argument("--run-name", metavar="NAME", help="MLflow run name (default: spec name, mode, changed values)")
     p.add_argument(
         "--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint ('last': newest run)"
     )
@@ -100,6 +104,35 @@ def _add_exec(sub: _Commands) -> None:
     )
     p.add_argument("--parent-run-id", metavar="RUN_ID", help=argparse.SUPPRESS)
     p.set_defaults(func=_exec)
+
+
+def _add_stored_run_commands(sub: _Commands) -> None:
+    """``runner resume RUN_ID``, ``runner reproduce RUN_ID``, ``runner diff A B``: from MLflow back to a run."""
+    p = sub.add_parser("resume", help="continue a KILLED or FAILED run with the spec stored in it (no spec file)")
+    p.add_argument("run_id", metavar="RUN_ID")
+    _tracking_uri_arg(p)
+    p.set_defaults(func=_resume)
+
+    p = sub.add_parser("reproduce", help="start a new run from the resolved spec stored in a run")
+    p.add_argument("run_id", metavar="RUN_ID")
+    _tracking_uri_arg(p)
+    p.add_argument("--run-name", metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')")
+    p.set_defaults(func=_reproduce)
+
+    p = sub.add_parser("diff", help="compare two runs or spec files: spec keys, git commits, environment")
+    p.add_argument("a", metavar="A", help="a run id or a spec file")
+    p.add_argument("b", metavar="B", help="a run id or a spec file")
+    _tracking_uri_arg(p)
+    p.add_argument("--json", action="store_true", help="print the differences as JSON")
+    p.set_defaults(func=_diff)
+
+
+def _tracking_uri_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="the MLflow store holding the run (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+    )
 
 
 def _add_sweep(sub: _Commands) -> None:
@@ -167,6 +200,17 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _unset_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--unset",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="remove dotted KEY from the spec so its default applies, e.g. --unset devices.ids (repeatable; "
+        "applied before --set)",
+    )
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     out = list(args.overrides)
     for flag, key in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("nproc_per_node", "nproc_per_node")):
@@ -180,7 +224,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def _load(args: argparse.Namespace) -> LoadedSpec:
     from runner.spec.loading import load_spec
 
-    return load_spec(args.file, _overrides(args))
+    return load_spec(args.file, _overrides(args), getattr(args, "unset", ()))
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -199,19 +243,32 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from runner.plan import format_plan, make_plan
+    """Print the plan first (the resolved spec with ``--spec``); exit 2 with a working fix when it cannot run here."""
+    from runner.devices.inventory import probe_inventory
+    from runner.plan import format_plan, plan_or_problem
     from runner.spec.dump import dump_spec
 
     loaded = _load(args)
-    plan = make_plan(loaded)
-    info = plan.describe()
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return EXIT_OK
-    print(f"# resolved spec ({loaded.path})")
-    print(dump_spec(loaded.spec))
-    print(format_plan(info))
+    info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=args.file)
+    if loaded.spec.sweep is not None:
+        info["trials"] = _sweep_trials(loaded)
+    print(json.dumps(info, indent=2) if args.json else format_plan(info))
+    if args.spec:
+        print(f"\n# resolved spec ({loaded.path})")
+        print(dump_spec(loaded.spec), end="")
+    if problem is not None:
+        raise problem  # after the plan: what is missing, and the command that runs here
     return EXIT_OK
+
+
+def _sweep_trials(loaded: LoadedSpec) -> list[str]:
+    """The run names of a spec's sweep trials, as ``runner sweep`` would run them."""
+    from runner.spec.locate import locate_keys
+    from runner.spec.naming import trial_run_name
+    from runner.tools.sweep_space import build_definition, expand
+
+    definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
+    return [trial_run_name(trial.values) for trial in expand(definition)]
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -249,6 +306,33 @@ def _status(args: argparse.Namespace) -> int:
 
     for line in status_lines(args.tracking_uri, args.run_id):
         print(line)
+    return EXIT_OK
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from runner.launch.resume import resume_run
+
+    return _print_summary(resume_run(args.run_id, args.tracking_uri).summary())
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from runner.launch.reproduce import reproduce_run
+
+    return _print_summary(reproduce_run(args.run_id, args.tracking_uri, run_name=args.run_name).summary())
+
+
+def _print_summary(summary: str) -> int:
+    if summary:
+        print(summary)
+    return EXIT_OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from runner.tools.diff import diff_sides, format_diff, side_of
+
+    uri = args.tracking_uri
+    result = diff_sides(side_of(args.a, uri), side_of(args.b, uri))
+    print(json.dumps(result, indent=2) if args.json else format_diff(result))
     return EXIT_OK
 
 

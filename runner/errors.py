@@ -128,19 +128,22 @@ class Interrupted(RunnerError):
     exit_code = 130
     heading = "interrupted"
 
-    def __init__(self, signum: int = 2, run_id: str | None = None, spec: str | None = None):
+    def __init__(self, signum: int = 2, run_id: str | None = None, spec: str | None = None, command: str | None = None):
         self.signum = signum
         self.run_id = run_id
         self.spec = spec
+        self.command = command
         super().__init__(f"interrupted by signal {signum}")
 
     def hint(self) -> str:
-        """What to tell the user: the run that was stopped and how to continue it."""
-        if self.run_id and self.spec:
-            return (
-                f"run {self.run_id} is KILLED; a checkpoint was written. Continue it with: "
-                f"runner exec {self.spec} --resume {self.run_id}"
-            )
+        """What to tell the user: the run that was stopped and the command that continues it.
+
+        The command is ``command`` when given (``runner resume RUN_ID``, as the driver words it), else
+        ``runner resume RUN_ID``: the run's stored spec is continued, with its ``--set`` values.
+        """
+        if self.run_id:
+            command = self.command or f"runner resume {self.run_id}"
+            return f"run {self.run_id} is KILLED; a checkpoint was written. Continue it with: {command}"
         return "stopped"
 
     def format_message(self) -> str:

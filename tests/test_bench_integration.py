@@ -80,6 +80,7 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
     assert set(by_config) == {"none", "ddp-1", "ddp-2"}
     for name, run in by_config.items():
         assert run.info.status == "FINISHED" and run.info.run_id == rows[name]["run_id"]
+        assert run.info.run_name.startswith(f"{name} bench ")  # the configuration first: the runs table cuts names
         assert run.data.params["train.max_steps"] == "7" and run.data.params["bench.mode"] == rows[name]["mode"]
         assert run.data.metrics["bench/samples_per_s"] == pytest.approx(rows[name]["samples_per_s"])
         assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 7

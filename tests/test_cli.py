@@ -73,7 +73,10 @@ def test_plan_shows_overrides_and_multi_node_flags(capsys) -> None:
 def test_plan_human_output_has_the_batch_split(capsys) -> None:
     assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml")]) == 0
     out = capsys.readouterr().out
-    assert "global batch   64 = 32 + 32 per device" in out and "[optim]" in out
+    assert "global batch   64 = 32 + 32 per device" in out and "[optim]" not in out  # the plan alone
+    assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml"), "--spec"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("global batch   64 = 32 + 32 per device") < out.index("[optim]")  # the plan first
 
 
 def test_schema_is_json_schema_with_documented_fields(capsys) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -245,6 +246,43 @@ def test_dp_warns_about_batchnorm_and_explains_ungatherable_output():
     wrapped = strategy.wrap(Recorder(bad_output=True))
     with pytest.raises(TrainingError, match=r"output\['aux'\] is a str"):
         wrapped(torch.randn(4, 6, device=strategy.device))
+
+
+class LossOutput(nn.Module):
+    """forward(x, y) returns a dataclass with the batch's mean loss, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return _Out(nn.functional.mse_loss(logits, y), logits)
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("batch", [10, 3])
+def test_dp_gathers_dataclass_outputs_as_dicts_and_weighs_the_replica_losses(batch):
+    spec = make_spec("dp", batch=batch)
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, os.environ, probe_inventory()), LauncherEnvironment.detect()
+    )
+    torch.manual_seed(0)
+    model = LossOutput()
+    x, y = _data(batch)
+    reference = model.to("cuda:0")(x.to("cuda:0"), y.to("cuda:0"))
+    wrapped = strategy.wrap(model)
+    out = wrapped(x.to(strategy.device), y.to(strategy.device))
+    assert isinstance(out, dict) and set(out) == {"loss", "logits"} and out["loss"].dim() == 0
+    assert out["loss"].device == strategy.output_device
+    torch.testing.assert_close(out["loss"], reference.loss.to(strategy.output_device), rtol=1e-5, atol=1e-6)
+    assert out["logits"].shape == (batch, 4)
 
 
 # --------------------------------------------------------------------------- ddp (nccl)

@@ -12,8 +12,9 @@ from PIL import Image
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
-from runner.training.data import build_datasets, split_indices
+from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders
+from runner.training.splits import split_indices
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -78,9 +79,13 @@ def test_synthetic_is_deterministic_and_learnable_shape():
     assert a.info.num_train == 160 and a.info.num_val == 40
     assert len(set(a.train.y.tolist())) > 1 and int(a.train.y.max()) < 5
     c = build_datasets(
+        make_spec(dataset="synthetic", num_samples=200, input_shape=[3, 4, 4], num_classes=5, split_seed=4), None
+    )
+    assert not torch.equal(a.train.x[:10], c.train.x[:10])  # the samples follow data.split_seed
+    same = build_datasets(
         make_spec(dataset="synthetic", num_samples=200, input_shape=[3, 4, 4], num_classes=5, seed=4), None
     )
-    assert not torch.equal(a.train.x[:10], c.train.x[:10])
+    assert torch.equal(a.train.x, same.train.x) and torch.equal(a.val.y, same.val.y)  # not seed
     resized = build_datasets(
         make_spec(dataset="synthetic", num_samples=20, input_shape=[1, 4, 4], image_size=8, num_channels=3), None
     )
@@ -107,8 +112,9 @@ def test_split_is_stable_disjoint_and_seeded():
 def test_digits_split_is_stable_across_builds(digits):
     again = build_datasets(make_spec(dataset="sklearn.digits"), None)
     assert torch.equal(again.val.x, digits.val.x) and torch.equal(again.train.y, digits.train.y)
-    other = build_datasets(make_spec(dataset="sklearn.digits", seed=1), None)
+    other = build_datasets(make_spec(dataset="sklearn.digits", split_seed=1), None)
     assert not torch.equal(other.val.y, digits.val.y)
+    assert other.info.val_split_sha256 != digits.info.val_split_sha256
 
 
 def write_images(folder: Path, classes: dict[str, int], size: tuple[int, int] = (10, 12)) -> None:

@@ -201,11 +201,21 @@ def test_kwargs_that_do_not_build_under_ddp_exit_2_and_leave_no_run(write_spec, 
     assert _runs(store, "tests")[1] == []
 
 
-def test_interrupt_message_says_how_to_resume() -> None:
+def test_interrupt_message_says_how_to_resume(tmp_path, monkeypatch) -> None:
     from runner.errors import Interrupted
+    from runner.launch.resume import resume_command
 
     hint = Interrupted(15, run_id="abc", spec="exp.toml").hint()
-    assert "runner exec exp.toml --resume abc" in hint
+    assert hint.endswith("Continue it with: runner resume abc")  # the spec and its --set values are in the run
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    here = f"sqlite:///{tmp_path}/mlflow.db"  # the tests run in tmp_path: ./mlflow.db is the default store
+    assert resume_command("abc", here) == "runner resume abc"
+    assert (
+        resume_command("abc", "sqlite:////elsewhere/m.db")
+        == "runner resume abc --tracking-uri sqlite:////elsewhere/m.db"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/m.db")
+    assert resume_command("abc", "sqlite:////elsewhere/m.db") == "runner resume abc"
 
 
 def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) -> None:

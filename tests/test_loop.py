@@ -7,6 +7,7 @@ of 16: five optimizer steps per epoch (16, 16, 16, 16, 8), fifteen in three epoc
 from __future__ import annotations
 
 import copy
+import math
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,8 +18,9 @@ from torch import nn
 
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
-from runner.errors import Interrupted
+from runner.errors import Interrupted, TrainingError
 from runner.launch.environment import LauncherEnvironment
+from runner.spec.objectives import MetricsSpec
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.base import Strategy
 from runner.strategies.ddp import DDPStrategy
@@ -27,6 +29,8 @@ from runner.strategies.single import SingleDevice
 from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders
 from runner.training.loop import LoopParts, TrainState, fit
+from runner.training.losses import build_loss
+from runner.training.metrics import build_metric_plan
 from runner.training.setup import count_total_steps
 
 STEPS_PER_EPOCH = 5
@@ -93,7 +97,8 @@ def make_parts(
 ) -> LoopParts:
     """Everything ``fit`` needs, built by hand: the loop builds nothing itself."""
     strategy = strategy or SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
-    loaders = build_loaders(spec, build_datasets(spec, None), strategy.rank, strategy.world_size)
+    bundle = build_datasets(spec, None)
+    loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     torch.manual_seed(spec.seed)
     model = strategy.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)))
     return LoopParts(
@@ -102,7 +107,8 @@ def make_parts(
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         scheduler=None,
         scheduler_interval="epoch",
-        loss_fn=nn.CrossEntropyLoss(reduction="sum"),  # summed: the loop divides by the global batch
+        loss=build_loss(spec.loss, None),  # summed: the loop divides by the global batch
+        metrics=build_metric_plan(spec, bundle.info, None),  # without [metrics]: accuracy
         loaders=loaders,
         tracker=tracker,
         total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),  # computed once, by the setup
@@ -270,3 +276,83 @@ def test_under_ddp_a_stop_request_in_an_epochs_last_step_stops_before_its_evalua
         fit(parts, spec.train)
     assert saves.calls == [(5, 0, 5, "signal")]  # settled at the end of the epoch's steps
     assert tracker.steps_of("train/epoch_loss") == []
+
+
+# --------------------------------------------------------------------------- [metrics] and train.on_nonfinite
+
+
+def test_train_metrics_resumed_mid_epoch_log_what_an_uninterrupted_fit_does() -> None:
+    """Train metric states go into the checkpoint's state, so a resumed epoch's train/<metric> covers all of it."""
+    spec = make_spec().model_copy(
+        update={"metrics": MetricsSpec(train=["accuracy", "f1", "auroc"], val=["accuracy", "f1"])}
+    )
+    full = RecordingTracker()
+    fit(make_parts(spec, full), spec.train)
+    assert {"train/f1", "train/auroc", "train/step_auroc", "val/f1"} <= {k for _, m in full.calls for k in m}
+
+    saved: dict[str, Any] = {}
+    before = RecordingTracker()
+    parts = request_stop_in_step(make_parts(spec, before), 7)
+
+    def on_checkpoint(state: TrainState, reason: str) -> None:
+        saved.update(state=copy.deepcopy(state), model=copy.deepcopy(parts.model.state_dict()))
+        saved["optimizer"] = copy.deepcopy(parts.optimizer.state_dict())
+
+    parts.on_checkpoint = on_checkpoint
+    with pytest.raises(Interrupted):
+        fit(parts, spec.train)
+    assert set(saved["state"].metric_states["epoch"]) == {"accuracy", "f1", "auroc"}
+    after = RecordingTracker()
+    resumed = make_parts(spec, after)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(saved["optimizer"])
+    fit(resumed, spec.train, state=saved["state"])
+    assert without_timing(before.calls + after.calls) == without_timing(full.calls)
+
+
+def poison_forward(parts: LoopParts, at_call: int) -> LoopParts:
+    """Make the model's training forward pass return NaN from its ``at_call``-th call on (a diverging run)."""
+    calls = [0]
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if module.training:
+            calls[0] += 1
+            if calls[0] >= at_call:
+                return out * float("nan")
+        return out
+
+    parts.model.register_forward_hook(hook)
+    return parts
+
+
+def test_a_non_finite_loss_stops_the_fit_naming_the_step_and_saves_nothing_after_it() -> None:
+    spec = make_spec()
+    saves, tracker = Saves(), RecordingTracker()
+    parts = poison_forward(make_parts(spec, tracker, on_checkpoint=saves), at_call=3)
+    with pytest.raises(TrainingError, match=r'on_nonfinite = "stop": the loss was not finite at step 3 .*optim.lr'):
+        fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
+    assert saves.calls == []  # the first checkpoint (step 4) would hold NaN weights: never written
+    assert tracker.steps_of("train/loss") == [2]  # the log of step 4 found the flag: nothing non-finite logged
+
+
+def test_warn_goes_on_logging_but_never_checkpoints_non_finite_weights(capsys) -> None:
+    spec = make_spec(on_nonfinite="warn")
+    saves, tracker = Saves(), RecordingTracker()
+    parts = poison_forward(make_parts(spec, tracker, on_checkpoint=saves), at_call=6)  # step 6, in epoch 1
+    result = fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
+    assert result.state.global_step == 15
+    assert [c[0] for c in saves.calls] == [4, 5]  # steps 8, 10, 12, 15 hold NaN weights: not written
+    assert math.isnan(tracker.values_of("train/loss")[-1])
+    err = capsys.readouterr().err
+    assert err.count("the loss was not finite at step 6") == 1 and "no checkpoint at step 8" in err
+
+
+def test_ignore_checks_nothing() -> None:
+    spec = make_spec(on_nonfinite="ignore")
+    saves = Saves()
+    fit(
+        poison_forward(make_parts(spec, RecordingTracker(), on_checkpoint=saves), 6),
+        spec.train,
+        checkpoint_spec=spec.checkpoint,
+    )
+    assert [c[0] for c in saves.calls] == [4, 5, 8, 10, 12, 15]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -41,51 +40,54 @@ def test_liveness_tells_alive_gone_reused_and_other_host() -> None:
     assert Owner.from_tags({"runner.owner.pid": "x"}) is None
 
 
-def test_a_running_run_whose_owner_died_is_marked_killed(store: str) -> None:
+def test_a_running_run_whose_owner_died_is_marked_killed(ready_store: str) -> None:
     me = Owner.this_process()
-    orphan = _run_owned_by(store, Owner(me.host, _dead_pid(), me.start_time))
-    alive = _run_owned_by(store, me)
-    remote = _run_owned_by(store, Owner("elsewhere.example", 1, 0.0))
-    settled = settle(store, orphan)
+    orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
+    alive = _run_owned_by(ready_store, me)
+    remote = _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0))
+    settled = settle(ready_store, orphan)
     assert settled.marked_killed and settled.status == "KILLED"
     assert "runner exec exp.toml --resume " + orphan in settled.line()
-    run = MlflowClient(store).get_run(orphan)
+    run = MlflowClient(ready_store).get_run(orphan)
     assert run.info.status == "KILLED" and "is gone and never ended the run" in run.data.tags["runner.error"]
-    assert settle(store, alive).status == "RUNNING" and MlflowClient(store).get_run(alive).info.status == "RUNNING"
-    far = settle(store, remote)
+    assert (
+        settle(ready_store, alive).status == "RUNNING"
+        and MlflowClient(ready_store).get_run(alive).info.status == "RUNNING"
+    )
+    far = settle(ready_store, remote)
     assert far.status == "RUNNING" and "this host cannot tell whether it is alive" in far.line()
 
 
-def test_runner_status_lists_running_runs_and_ends_orphans(store: str, capsys) -> None:
+def test_runner_status_lists_running_runs_and_ends_orphans(ready_store: str, capsys) -> None:
     me = Owner.this_process()
-    orphan = _run_owned_by(store, Owner(me.host, _dead_pid(), me.start_time))
-    alive = _run_owned_by(store, me)
-    assert main(["status", "--tracking-uri", store]) == 0
+    orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
+    alive = _run_owned_by(ready_store, me)
+    assert main(["status", "--tracking-uri", ready_store]) == 0
     out = capsys.readouterr().out
     assert f"{orphan}  KILLED   its owner (pid" in out and f"{alive}  RUNNING  pid {me.pid}" in out
     assert "owner alive  [owned]" in out
-    assert main(["status", "--tracking-uri", store, orphan]) == 0
+    assert main(["status", "--tracking-uri", ready_store, orphan]) == 0
     assert f"{orphan}  KILLED" in capsys.readouterr().out
-    assert main(["status", "--tracking-uri", store, "0" * 32]) == 2
+    assert main(["status", "--tracking-uri", ready_store, "0" * 32]) == 2
     assert "no such run" in capsys.readouterr().err
 
 
-def test_status_on_an_empty_store_says_so(tmp_path: Path, capsys) -> None:
-    assert main(["status", "--tracking-uri", f"sqlite:///{tmp_path}/empty.db"]) == 0
+def test_status_on_an_empty_store_says_so(ready_store: str, capsys) -> None:
+    assert main(["status", "--tracking-uri", ready_store]) == 0
     assert "no RUNNING run at" in capsys.readouterr().out
 
 
-def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(store: str) -> None:
+def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_store: str) -> None:
     me = Owner.this_process()
-    alive = _run_owned_by(store, me)
+    alive = _run_owned_by(ready_store, me)
     with pytest.raises(UsageError, match=rf"still RUNNING in pid {me.pid} on host .*kill -TERM {me.pid}"):
-        claim_run(store, alive)
-    orphan = _run_owned_by(store, Owner(me.host, _dead_pid(), me.start_time))
-    (note,) = claim_run(store, orphan)
+        claim_run(ready_store, alive)
+    orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
+    (note,) = claim_run(ready_store, orphan)
     assert "which is gone: marked KILLED" in note
-    assert MlflowClient(store).get_run(orphan).info.status == "KILLED"
-    assert claim_run(store, _run_owned_by(store, me, status="KILLED")) == []
-    (note,) = claim_run(store, _run_owned_by(store, Owner("elsewhere.example", 1, 0.0)))
+    assert MlflowClient(ready_store).get_run(orphan).info.status == "KILLED"
+    assert claim_run(ready_store, _run_owned_by(ready_store, me, status="KILLED")) == []
+    (note,) = claim_run(ready_store, _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0)))
     assert "cannot tell whether it is alive: continuing" in note
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import tomli_w
 
+from runner.cli import main
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
@@ -129,6 +131,26 @@ def test_batch_with_a_machine_world_size_is_checked_by_devices_only():
     error = device_error(spec, gpus(4))
     assert (error.key, error.message) == ("data.batch_size", rules.batch_split_problem(10, 4, 1))
     assert resolve_devices(spec, {}, gpus(2)).per_device_batch == [5, 5]
+
+
+def test_accumulation_is_static_also_when_the_world_size_is_the_machines(capsys, tmp_path):
+    data = raw("ddp", batch=10, train={"grad_accum_steps": 4})  # ids = "all": the world size is the GPU count
+    assert rules.static_world_size(spec_from_dict(raw("ddp", batch=12, train={"grad_accum_steps": 4}))) is None
+    assert issues(data) == [("data.batch_size", rules.batch_split_problem(10, 1, 4))]
+    assert rules.batch_split_problem(10, 1, 4) == (
+        "batch_size = 10 is not divisible by grad_accum_steps 4: use a multiple of 4, e.g. 8"
+    )
+    path = tmp_path / "accum.toml"
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
+    assert main(["validate", str(path)]) == 2  # runner validate reports it, without the machine
+    assert f"{path}:" in capsys.readouterr().err
+
+
+def test_devices_then_check_the_machines_world_size_only_once():
+    spec = spec_from_dict(raw("ddp", batch=12, train={"grad_accum_steps": 4}))  # 12 divides by 4
+    error = device_error(spec, gpus(2))
+    assert (error.key, error.message) == ("data.batch_size", rules.batch_split_problem(12, 2, 4))
+    assert resolve_devices(spec, {}, gpus(3)).per_device_batch == [1, 1, 1]
 
 
 def test_accumulation_under_one_process_is_static():

@@ -29,8 +29,8 @@ class Switch:
 
 
 @pytest.fixture
-def run(store: str) -> str:
-    client = MlflowClient(store)
+def run(ready_store: str) -> str:
+    client = MlflowClient(ready_store)
     return str(client.create_run(client.create_experiment("spool")).info.run_id)
 
 
@@ -53,14 +53,14 @@ def _wait(condition, timeout_s: float = 20.0) -> None:
 
 
 def test_values_wait_in_the_spool_while_the_store_is_away_and_are_sent_once_when_it_returns(
-    store: str, run: str, tmp_path: Path
+    ready_store: str, run: str, tmp_path: Path
 ) -> None:
     path = tmp_path / "ck" / spool.SPOOL_NAME
-    tracker, switch = _tracker(store, run, path)
+    tracker, switch = _tracker(ready_store, run, path)
     for step in range(5):
         tracker.log_metrics({"m": float(step)}, step=step)
     tracker.flush()
-    assert _steps(store, run) == [0, 1, 2, 3, 4] and not path.exists()
+    assert _steps(ready_store, run) == [0, 1, 2, 3, 4] and not path.exists()
     switch.down = True
     for step in range(5, 12):
         tracker.log_metrics({"m": float(step)}, step=step)
@@ -73,30 +73,30 @@ def test_values_wait_in_the_spool_while_the_store_is_away_and_are_sent_once_when
     tracker.flush()  # the store is known to be away: no wait at all
     assert time.monotonic() - t0 < 0.5
     switch.down = False
-    _wait(lambda: _steps(store, run) == list(range(12)))
+    _wait(lambda: _steps(ready_store, run) == list(range(12)))
     _wait(lambda: not path.exists())  # everything in it was sent
     tracker.log_metrics({"m": 12.0}, step=12)
     tracker.close()
-    assert _steps(store, run) == list(range(13)) and tracker.unsent() == 0
+    assert _steps(ready_store, run) == list(range(13)) and tracker.unsent() == 0
 
 
-def test_memory_is_bounded_while_the_store_is_away(store: str, run: str, tmp_path: Path) -> None:
+def test_memory_is_bounded_while_the_store_is_away(ready_store: str, run: str, tmp_path: Path) -> None:
     path = tmp_path / spool.SPOOL_NAME
-    tracker, switch = _tracker(store, run, path, max_batch=10, max_memory=20)
+    tracker, switch = _tracker(ready_store, run, path, max_batch=10, max_memory=20)
     switch.down = True
     for step in range(95):
         tracker.log_metrics({"m": float(step)}, step=step)
     assert len(tracker._queue) < 20 and len(spool.read(path)[0].items) >= 75
     switch.down = False
     tracker.close()
-    assert _steps(store, run) == list(range(95))
+    assert _steps(ready_store, run) == list(range(95))
 
 
 def test_close_while_the_store_is_away_leaves_values_and_tags_in_the_spool(
-    store: str, run: str, tmp_path: Path
+    ready_store: str, run: str, tmp_path: Path
 ) -> None:
     path = tmp_path / spool.SPOOL_NAME
-    tracker, switch = _tracker(store, run, path, first_seq=100)
+    tracker, switch = _tracker(ready_store, run, path, first_seq=100)
     tracker.log_metrics({"m": 0.0}, step=0)
     tracker.flush()
     switch.down = True
@@ -111,27 +111,29 @@ def test_close_while_the_store_is_away_leaves_values_and_tags_in_the_spool(
     assert kept.tags == {"phase": "late"}
 
 
-def test_send_spool_sends_only_what_the_run_lacks_and_applies_the_end(store: str, run: str, tmp_path: Path) -> None:
+def test_send_spool_sends_only_what_the_run_lacks_and_applies_the_end(
+    ready_store: str, run: str, tmp_path: Path
+) -> None:
     path = tmp_path / spool.SPOOL_NAME
-    MlflowClient(store).log_metric(run, "m", 0.0, step=0)
+    MlflowClient(ready_store).log_metric(run, "m", 0.0, step=0)
     items = [spool.Item(s, "m", float(s), 1000 + s, s) for s in range(4)]
     spool.append(path, items, tags={"t": "1"})
     end_run_or_spool(f"sqlite:///{tmp_path}/no/such/folder/m.db", run, "FINISHED", None, str(tmp_path))
     kept = Spooled.of(tmp_path)
     assert kept is not None and (kept.metrics, kept.status) == (4, "FINISHED")
     assert "4 metric values and the status FINISHED could only be spooled" in kept.describe(run)
-    sent = spool.send_spool(store, run, path)
+    sent = spool.send_spool(ready_store, run, path)
     assert (sent.metrics, sent.skipped, sent.ended) == (3, 1, "FINISHED")  # step 0 was already in the run
-    assert _steps(store, run) == [0, 1, 2, 3] and not path.exists()
-    got = MlflowClient(store).get_run(run)
+    assert _steps(ready_store, run) == [0, 1, 2, 3] and not path.exists()
+    got = MlflowClient(ready_store).get_run(run)
     assert got.info.status == "FINISHED" and got.data.tags["t"] == "1"
 
 
-def test_a_resume_sends_what_came_before_its_checkpoint_only(store: str, run: str, tmp_path: Path) -> None:
+def test_a_resume_sends_what_came_before_its_checkpoint_only(ready_store: str, run: str, tmp_path: Path) -> None:
     path = tmp_path / spool.SPOOL_NAME
     spool.append(path, [spool.Item(s, "m", float(s), 1000 + s, s) for s in range(6)])
-    sent = spool.send_spool(store, run, path, before_seq=4, apply_end=False)
-    assert (sent.metrics, sent.skipped) == (4, 2) and _steps(store, run) == [0, 1, 2, 3]
+    sent = spool.send_spool(ready_store, run, path, before_seq=4, apply_end=False)
+    assert (sent.metrics, sent.skipped) == (4, 2) and _steps(ready_store, run) == [0, 1, 2, 3]
 
 
 def test_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
@@ -142,9 +144,9 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
     assert [i.seq for i in spool.read(path)[0].items] == [0]
 
 
-def test_values_the_store_rejects_are_reported_not_spooled(store: str, tmp_path: Path) -> None:
+def test_values_the_store_rejects_are_reported_not_spooled(ready_store: str, tmp_path: Path) -> None:
     path = tmp_path / spool.SPOOL_NAME
-    tracker = MlflowTracker(store, "0" * 32, flush_every_s=3600, spool=path)
+    tracker = MlflowTracker(ready_store, "0" * 32, flush_every_s=3600, spool=path)
     tracker.log_metrics({"m": 1.0}, step=0)
     with pytest.raises(TrackingError, match="1 items were not recorded"):
         tracker.flush()

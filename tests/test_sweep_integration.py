@@ -92,7 +92,7 @@ def test_grid_sweep_gives_one_parent_with_nested_children_and_the_best_trial(wri
         tags, params = child.data.tags, child.data.params
         index = int(tags["runner.sweep.trial"])
         lr, seed = expected[index]
-        assert child.info.run_name == f"trial-{index}"
+        assert child.info.run_name == f"lr={lr} seed={seed}"  # named by its values
         assert (params["optim.lr"], params["seed"]) == (str(lr), str(seed))
         assert (tags["sweep.optim.lr"], tags["sweep.seed"]) == (str(lr), str(seed))
         assert json.loads(tags["runner.sweep.values"]) == {"optim.lr": lr, "seed": seed}
@@ -182,6 +182,7 @@ def test_jobs_run_trials_as_subprocesses_with_the_same_results(flaky_spec: Path,
     by_index = {int(c.data.tags["runner.sweep.trial"]): c for c in children}
     assert [by_index[i].info.status for i in range(3)] == ["FINISHED", "FINISHED", "FAILED"]
     assert [by_index[i].info.run_id for i in range(3)] == [t.run_id for t in apart.trials]
-    assert by_index[1].data.tags["sweep.optim.lr"] == "0.01" and by_index[1].info.run_name == "trial-1"
+    assert by_index[1].data.tags["sweep.optim.lr"] == "0.01"
+    assert by_index[1].info.run_name == "explode=false lr=0.01"  # a subprocess trial is named by its values too
     assert not [k for k in by_index[0].data.params if k.startswith("sweep.")]
     assert client.get_run(apart.parent_run_id).info.status == "FAILED"

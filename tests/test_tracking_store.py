@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -43,39 +44,39 @@ def _break(path: Path, sql: str) -> None:
         ("DELETE FROM alembic_version", "no schema version"),
     ],
 )
-def test_a_half_migrated_store_is_refused_with_the_fix_and_left_alone(tmp_path: Path, sql: str, found: str) -> None:
-    uri = f"sqlite:///{tmp_path}/m.db"
-    open_store(uri)
-    _break(tmp_path / "m.db", sql)
-    store_module._opened.clear()
-    before = _digest(tmp_path / "m.db")
+def test_a_half_migrated_store_is_refused_with_the_fix_and_left_alone(
+    ready_store: str, tmp_path: Path, sql: str, found: str
+) -> None:
+    uri, path = ready_store, Path(ready_store[len("sqlite:///") :])
+    _break(path, sql)
+    before = _digest(path)
     with pytest.raises(TrackingError) as info:
         open_store(uri)
     text = str(info.value)
     assert "half-migrated" in text and found in text
-    assert f"mv {tmp_path}/m.db {tmp_path}/m.db.broken" in text and "holds no run" in text
-    assert _digest(tmp_path / "m.db") == before  # never made worse
+    assert f"mv {path} {path}.broken" in text and "holds no run" in text
+    assert _digest(path) == before  # never made worse
 
 
-def test_a_half_migrated_store_with_runs_says_so(tmp_path: Path) -> None:
+def test_a_half_migrated_store_with_runs_says_so(ready_store: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/m.db"
-    open_store(uri)
+    uri = ready_store
     client = MlflowClient(uri)
     client.create_run(client.create_experiment("x"))
-    _break(tmp_path / "m.db", "CREATE TABLE _alembic_tmp_runs (x INTEGER)")
-    store_module._opened.clear()
+    _break(Path(uri[len("sqlite:///") :]), "CREATE TABLE _alembic_tmp_runs (x INTEGER)")
     with pytest.raises(TrackingError, match=r"it holds 1 run\(s\): restore it from a backup"):
         open_store(uri)
 
 
-def test_exec_on_a_half_migrated_store_exits_2_without_a_traceback(write_spec, store: str, capsys) -> None:
+def test_exec_on_a_half_migrated_store_exits_2_without_a_traceback(
+    write_spec, store: str, _created_store: Path, capsys
+) -> None:
     from runner.cli import main
 
-    open_store(store)
-    _break(Path(store[len("sqlite:///") :]), "CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
-    store_module._opened.clear()
+    path = Path(store[len("sqlite:///") :])
+    shutil.copyfile(_created_store, path)
+    _break(path, "CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
     assert main(["exec", str(write_spec())]) == 2
     err = capsys.readouterr().err
     assert "half-migrated" in err and "Traceback" not in err

@@ -77,7 +77,7 @@ def test_tiny_clip_norm_slows_learning(write_spec) -> None:
 
 def test_label_smoothing_raises_the_loss_floor(write_spec) -> None:
     plain = _series(_run(write_spec), "train/loss")
-    smooth = _series(_run(write_spec, "train.label_smoothing=0.2"), "train/loss")
+    smooth = _series(_run(write_spec, "loss.kwargs={label_smoothing=0.2}"), "train/loss")
     assert smooth[0][1] != plain[0][1]
 
 

@@ -259,9 +259,9 @@ def _check_cpu_run(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inve
     par = spec.parallel
     if par.mode == "dp":
         raise DeviceError(rules.dp_needs_cuda(why), key="parallel.mode")
-    if par.backend == "nccl":
+    if par.mode == "ddp" and par.backend == "nccl":  # inactive under none (docs/design.md §10)
         raise DeviceError(rules.nccl_needs_cuda(why), key="parallel.backend")
-    if par.sync_batchnorm:
+    if par.mode == "ddp" and par.sync_batchnorm:
         raise DeviceError(rules.sync_batchnorm_needs_cuda(why), key="parallel.sync_batchnorm")
     if spec.train.amp == "fp16":
         raise DeviceError(rules.fp16_needs_cuda(why), key="train.amp")
@@ -295,7 +295,10 @@ def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Invent
             key="devices.ids",
         )
     if mode == "none" and len(ids) > 1:
-        notes.append(f"mode = none uses only device {ids[0]} of {len(ids)} visible")
+        if dev.ids == "all":
+            notes.append(f"mode = none uses only device {ids[0]} of {len(ids)} visible")
+        else:  # what runs instead of a value that cannot apply (docs/design.md §10)
+            notes.append(f'devices.ids = {show(dev.ids)}: mode = "none" runs on one device, the first: {ids[0]}')
         ids = ids[:1]
     if mode == "dp" and len(ids) == 1:
         notes.append("dp with one device runs unwrapped (no DataParallel)")
@@ -347,7 +350,8 @@ def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: l
 
     Raises:
         DeviceError: The batch does not divide by ``world x grad_accum_steps``, for a world size
-            only this machine fixes (the schema checks a world size the spec fixes).
+            only this machine fixes (the schema checks a world size the spec fixes, and always
+            ``grad_accum_steps``, so a spec is never reported twice).
     """
     batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
     if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):

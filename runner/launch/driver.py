@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class ExecOptions:
         sync_timing: Exact per-step timing on CUDA (``runner bench``).
         nested: Allow starting while an MLflow fluent run is active in this process (the new
             run becomes its child); without it that is an error.
+        tracking_uri: The store to use instead of the spec's (``runner resume`` and ``reproduce``
+            use the store the run was found in).
     """
 
     run_name: str | None = None
@@ -57,6 +60,7 @@ class ExecOptions:
     tags: tuple[tuple[str, str], ...] = ()
     sync_timing: bool = False
     nested: bool = False
+    tracking_uri: str | None = None
 
 
 @dataclass
@@ -134,11 +138,15 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     from runner.tracking.store import open_store
     from runner.training.checkpoint import default_checkpoint_dir
 
-    plan = make_plan(loaded)
+    plan = make_plan(loaded, tracking_uri=options.tracking_uri)
     spec = loaded.spec
+    _check_objectives(loaded)
     check_parts(loaded, plan.devices.world_size)
     check_checkpoint_folder(loaded, plan.tracking_uri)
     owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
+    if owner:
+        for note in plan.notes:  # before training: what runs instead of what cannot apply (docs/design.md §10)
+            print(f"runner: note: {note}", file=sys.stderr, flush=True)
     uri = plan.tracking_uri
     if uri is not None:
         open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
@@ -177,6 +185,16 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     )
 
 
+def _check_objectives(loaded: LoadedSpec) -> None:
+    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
+    from runner.training.losses import check_objectives
+
+    try:
+        check_objectives(loaded.spec, loaded.path.parent)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None
+
+
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
     """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
 
@@ -205,8 +223,9 @@ def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint
     handle = tracking.start_run(
         plan.loaded,
         plan.describe(),
-        run_name=options.run_name or plan.loaded.spec.tracking.run_name,
+        run_name=options.run_name or plan.run_name,
         extra_tags=tags,
+        uri=plan.tracking_uri,
         nested=options.nested,
     )
     return handle.run_id
@@ -236,11 +255,11 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
         return workers
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
-        raise Interrupted(getattr(exc, "signum", 2), run_id=run_id, spec=str(loaded.path)) from None
+        raise _interrupted(getattr(exc, "signum", 2), plan, run_id) from None
     except Exception as exc:
         if _is_signal(exc):
             status = "KILLED"
-            raise Interrupted(getattr(exc, "sigval", 15), run_id=run_id, spec=str(loaded.path)) from None
+            raise _interrupted(getattr(exc, "sigval", 15), plan, run_id) from None
         bad_spec = exc if isinstance(exc, SpecError) else _spec_error_of_child(exc)
         if bad_spec is not None:
             # A kwarg or name that only fails when built: still a bad spec (exit 2), and the run
@@ -256,6 +275,15 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
                 tracking.delete_run(uri, owned)
             else:
                 end_run_or_spool(uri, owned, "FAILED" if status == "DELETE" else status, error, args.checkpoint_dir)
+
+
+def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
+    """The interruption, with the command that continues the run (``runner resume RUN_ID``)."""
+    from runner.launch.resume import resume_command
+
+    uri = plan.tracking_uri
+    command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
+    return Interrupted(int(signum), run_id=run_id, spec=str(plan.loaded.path), command=command)
 
 
 def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | None = None) -> list[WorkerResult]:

@@ -51,6 +51,10 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
         E.g. ``rank 1 was killed by signal 9 (SIGKILL, exit code -9); ...``, ``rank 1 hung: ...``,
         ``rank 0 failed: RuntimeError: ...``.
     """
+    from runner.errors import TrainingError
+
+    if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
+        return str(exc)
     failures: dict[int, Any] = getattr(exc, "failures", None) or {}
     if not failures:
         return f"{type(exc).__name__}: {exc}"
@@ -70,7 +74,7 @@ def python_error(failure: Any) -> str:
     if isinstance(inner, dict):
         trace = inner.get("extraInfo", {}).get("py_callstack", "")
         if trace.strip():
-            return str(trace.strip().splitlines()[-1])
+            return str(trace.strip().splitlines()[-1]).removeprefix("runner.errors.TrainingError: ")
         return str(inner.get("message", ""))
     text = str(inner)
     return "" if text == "<NONE>" else text

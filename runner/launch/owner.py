@@ -188,9 +188,9 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
     """
     from runner.tracking.lookup import running_runs
     from runner.tracking.store import open_store
-    from runner.tracking.uri import resolve_uri
+    from runner.tracking.stored import store_uri
 
-    uri = resolve_uri(tracking_uri)
+    uri = store_uri(tracking_uri)
     open_store(uri)
     if run_id is not None:
         return [settle(uri, run_id).line()]

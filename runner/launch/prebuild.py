@@ -4,10 +4,10 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
 ``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. The driver calls
 :func:`check_parts` before it creates or reopens the run. What is built, and what only checked:
 
-* dataset: ``sklearn.digits`` and small ``synthetic`` sets are built (they live in memory and take
-  milliseconds); torchvision datasets, ``imagefolder`` and ``pkg.module:factory`` datasets, which may
-  read a whole dataset from disk, are only checked: the name resolves and ``data.kwargs`` bind to the
-  class or factory signature with the annotated types;
+* dataset: ``sklearn.digits``, ``sklearn.diabetes`` and small ``synthetic`` sets are built (they
+  live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
+  ``pkg.module:factory`` datasets, which may read a whole dataset from disk, are only checked: the
+  name resolves and ``data.kwargs`` bind to the class or factory signature with the annotated types;
 * model: built on the ``meta`` device (parameters without storage, so the size of the model costs
   nothing) with the dataset's shape and classes when the dataset was built, else its kwargs are checked
   by signature and type; an error on ``meta`` is confirmed by a build on CPU before it is reported;
@@ -15,7 +15,8 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
 * scheduler: built over that optimizer, its kwargs type-checked against the annotations of the
   ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
   :data:`DRY_RUN_STEPS` calls), so a value that only fails when the schedule is computed is found;
-* loss: built; the training loaders: built on the built dataset (no batch is read).
+* the training loaders: built on the built dataset (no batch is read). The loss and the metrics
+  are checked by :func:`runner.training.losses.check_objectives`, which the driver calls first.
 
 torch is imported inside the functions.
 """
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DRY_RUN_STEPS = 1000
 SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic dataset is built here
-BUILT_IN_MEMORY = ("sklearn.digits", "synthetic")
 
 
 def check_parts(loaded: LoadedSpec, world_size: int) -> None:
@@ -91,7 +91,6 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
 def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
     from runner.training.loaders import build_loaders
     from runner.training.models import check_model_name
-    from runner.training.optim import build_loss
 
     check_model_name(spec.model.name, spec_dir)
     bundle = _dataset(spec, spec_dir)
@@ -100,7 +99,6 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
         steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
     _unless_unbuildable_here(_model, spec, spec_dir, bundle)
     _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
-    build_loss(spec.train)
 
 
 def _unless_unbuildable_here(step: Callable[..., None], *args: Any) -> None:
@@ -116,15 +114,16 @@ def _unless_unbuildable_here(step: Callable[..., None], *args: Any) -> None:
 
 def _dataset(spec: ExperimentSpec, spec_dir: Path) -> DatasetBundle | None:
     """The built dataset when it is cheap to build, else ``None`` after checking its name and kwargs."""
-    from runner.training.data import build_datasets, dataset_source
+    from runner.training.data import build_datasets
+    from runner.training.sources import IN_MEMORY, dataset_source
 
     data = spec.data
     size = data.num_samples
     for dim in data.input_shape:
         size *= dim
-    if data.dataset == "sklearn.digits" or (data.dataset == "synthetic" and size <= SMALL_SYNTHETIC):
+    if data.dataset in IN_MEMORY and (data.dataset != "synthetic" or size <= SMALL_SYNTHETIC):
         return build_datasets(spec, spec_dir)
-    if data.dataset in BUILT_IN_MEMORY:
+    if data.dataset in IN_MEMORY:
         return None
     source = dataset_source(data.dataset, spec_dir)
     if source is not None:

@@ -1,11 +1,15 @@
-"""Resume: find the run ``--resume`` names and refuse a spec that differs from its checkpoint's.
+"""Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file.
 
-A resumed run continues the same MLflow run from its newest usable checkpoint. The spec may
-differ from the run's only in keys named by ``--allow-spec-change``; each change is recorded.
+A resumed run continues the same MLflow run from its newest usable checkpoint. ``runner resume``
+needs only the run id: the spec is the resolved one stored with the run (``spec/resolved.toml``),
+so the ``--set`` values it started with come along, and it is what an interrupted run prints.
+With ``exec --resume`` the spec may differ from the run's only in keys named by
+``--allow-spec-change``; each change is recorded.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,9 +17,56 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import SpecError, SpecIssue, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runner.launch.driver import ExecOptions
+    from runner.launch.driver import ExecOptions, ExecResult
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+
+RESUMABLE = ("KILLED", "FAILED", "RUNNING")  # RUNNING: its driver died without ending it
+
+
+def resume_command(run_id: str, uri: str) -> str:
+    """The command that continues ``run_id``, as printed when a run is interrupted.
+
+    ``runner resume RUN_ID``, with ``--tracking-uri URI`` only when ``runner resume`` run from
+    here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say), so it works as printed.
+    """
+    from runner.tracking.uri import default_tracking_uri
+
+    words = ["runner", "resume", run_id]
+    if uri != default_tracking_uri():
+        words += ["--tracking-uri", uri]
+    return shlex.join(words)
+
+
+def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
+    """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``).
+
+    Args:
+        run_id: The run to continue.
+        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+
+    Returns:
+        The :class:`~runner.launch.driver.ExecResult` of the continued run.
+
+    Raises:
+        UsageError: No such run, a run without runner's stored spec, a FINISHED run, or no checkpoint
+            (exit 2; each message names the run and the store).
+        TrackingError: The store cannot be reached.
+        TrainingError, Interrupted: As :func:`runner.launch.driver.exec_experiment`.
+    """
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.tracking.stored import read_stored_run, store_uri
+
+    uri = store_uri(tracking_uri)
+    stored = read_stored_run(uri, run_id)
+    if stored.status == "FINISHED":
+        raise UsageError(
+            f"run {run_id} at {uri} already FINISHED: there is nothing to resume; "
+            f"`runner reproduce {run_id}` starts a new run from its spec"
+        )
+    if stored.status not in RESUMABLE:
+        raise UsageError(f"run {run_id} at {uri} is {stored.status}: only a KILLED or FAILED run can be resumed")
+    return exec_experiment(stored.loaded(), ExecOptions(resume=run_id, tracking_uri=uri))
 
 
 @dataclass(frozen=True)

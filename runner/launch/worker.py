@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
+    from runner.training.data import DatasetInfo
     from runner.training.setup import TrainingParts, WorkerResult
 
 
@@ -143,6 +144,8 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             if is_log_rank:
                 print(f"runner: {note}", flush=True)
         logged_run = run_id if is_log_rank else None
+        if logged_run is not None and restored.resumed_from is None and parts.data is not None:
+            _record_data(uri, logged_run, parts.data)
         if logged_run is not None and spec.tracking.system_metrics:
             monitor = start_system_metrics(uri, logged_run, resumed=restored.resumed_from is not None)
         checkpointer = setup.Checkpointer(
@@ -151,7 +154,7 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         loop = setup.loop_parts(parts, strategy, tracker, checkpointer, stop.is_set, sync_timing=args.sync_timing)
         fitted = setup.train(loop, spec, restored.state)
         if logged_run is not None:
-            _log_outputs(args, logged_run, tracker, parts, folder)
+            _log_outputs(args, logged_run, tracker, parts, folder, fitted.state.global_step)
         return setup.finish(fitted, strategy, restored.resumed_from, notes)
     finally:
         if monitor is not None:
@@ -173,7 +176,25 @@ def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str
     return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
 
 
-def _log_outputs(args: WorkerArgs, run_id: str, tracker: Tracker, parts: TrainingParts, folder: Path) -> None:
+def _record_data(uri: str | None, run_id: str, info: DatasetInfo) -> None:
+    """On the logging rank of a new run: the data as dataset inputs and the split fingerprint tag."""
+    from runner.tracking.datasets import DatasetRecord, record_data
+
+    if uri is None:
+        return
+    parts = [("train", "training", info.num_train, info.train_digest)]
+    if info.num_val and info.val_digest is not None:
+        parts.append(("val", "validation", info.num_val, info.val_digest))
+    records = [
+        DatasetRecord(f"{info.name} {part}", digest, context, count, info.source, info.input_shape)
+        for part, context, count, digest in parts
+    ]
+    record_data(uri, run_id, records, info.val_split_sha256)
+
+
+def _log_outputs(
+    args: WorkerArgs, run_id: str, tracker: Tracker, parts: TrainingParts, folder: Path, step: int
+) -> None:
     """On the logging rank: upload the last checkpoint and the trained model to the run, as the spec asks."""
     from runner.tracking.models import log_model
     from runner.training.checkpoint import list_checkpoints
@@ -184,8 +205,12 @@ def _log_outputs(args: WorkerArgs, run_id: str, tracker: Tracker, parts: Trainin
         if saved:
             tracker.log_artifact(str(saved[-1]), "checkpoints")
     if spec.tracking.log_model:
-        tracker.flush()
-        log_model(args.tracking_uri, run_id, parts.raw_model, parts.example_input())
+        tracker.flush()  # the metrics of the last step are linked to the model: they must be in MLflow
+        stats = parts.data.normalization if parts.data is not None else None
+        example = parts.example_input()
+        if stats is not None:  # the model takes samples before normalisation; it normalises them itself
+            example = example * stats[1] + stats[0]
+        log_model(args.tracking_uri, run_id, parts.raw_model, example, step=step, normalization=stats)
 
 
 def _agree_on_run(strategy: Strategy, local_run_id: str | None, local_dir: str) -> tuple[str | None, int, str]:

@@ -9,14 +9,16 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from runner.spec.active import inactive_keys, is_inactive
 from runner.spec.schema import ExperimentSpec
 
 
 def dump_spec(spec: ExperimentSpec) -> str:
-    """Write a spec as TOML with every default made explicit; it re-loads to an equal spec.
+    """Write a spec as TOML with every default that applies made explicit; it re-loads to an equal spec.
 
-    ``None`` values and empty tables are left out. A default is written unless writing it
-    would change how the table validates (e.g. ddp-only options under ``mode = "none"``).
+    ``None`` values and empty tables are left out. A default is written unless its key is
+    inactive (:func:`runner.spec.active.inactive_keys`: e.g. ddp's options under ``mode = "none"``)
+    or writing it would change how the table validates. Inactive keys the spec sets are kept.
 
     Args:
         spec: A validated spec.
@@ -24,7 +26,7 @@ def dump_spec(spec: ExperimentSpec) -> str:
     Returns:
         TOML text, keys in schema order.
     """
-    return tomli_w.dumps(_plain_table(spec))
+    return tomli_w.dumps(_plain_table(spec, inactive_keys(spec)))
 
 
 def spec_sha256(spec: ExperimentSpec) -> str:
@@ -54,22 +56,24 @@ def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
         else:
             flat[prefix] = _jsonable(value)
 
-    walk("", _plain_table(spec))
+    walk("", _plain_table(spec, inactive_keys(spec)))
     return flat
 
 
-def _plain_table(model: BaseModel) -> dict[str, Any]:
-    """Plain dict of ``model``: set fields, plus every default that validates alongside them."""
+def _plain_table(model: BaseModel, inactive: dict[str, str], prefix: str = "") -> dict[str, Any]:
+    """Plain dict of ``model``: set fields, plus every default that applies and validates alongside them."""
     cls = type(model)
     values = {}
     for name in cls.model_fields:
-        value = _plain(getattr(model, name))
+        value = _plain(getattr(model, name), inactive, f"{prefix}{name}.")
         if value is None or (value == {} and not cls.model_fields[name].is_required()):
             continue
         values[name] = value
     chosen = {n: v for n, v in values.items() if n in model.model_fields_set}
     for name, value in values.items():
-        if name not in chosen and _validates(cls, {**chosen, name: value}):
+        if name in chosen or is_inactive(prefix + name, inactive):
+            continue
+        if _validates(cls, {**chosen, name: value}):
             chosen[name] = value
     result = {n: v for n, v in values.items() if n in chosen}
     if _validates(cls, result, expect=model):
@@ -77,13 +81,13 @@ def _plain_table(model: BaseModel) -> dict[str, Any]:
     return {n: v for n, v in values.items() if n in model.model_fields_set}
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, inactive: dict[str, str], prefix: str) -> Any:
     if isinstance(value, BaseModel):
-        return _plain_table(value)
+        return _plain_table(value, inactive, prefix)
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items() if v is not None}
+        return {str(k): _plain(v, inactive, f"{prefix}{k}.") for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, inactive, prefix) for v in value]
     return value
 
 

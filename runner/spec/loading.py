@@ -15,11 +15,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from runner.errors import SpecError, SpecIssue
 from runner.spec.dump import spec_sha256
 from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
-from runner.spec.overrides import ORIGIN, apply_override, parse_key
+from runner.spec.overrides import ORIGIN, apply_override, apply_unset, parse_key
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.schema import ExperimentSpec
 
@@ -35,6 +40,9 @@ class LoadedSpec:
         data: The merged raw dict after ``extends`` and ``--set``, paths resolved.
         sha256: Hex SHA-256 of :func:`runner.spec.dump.dump_spec` of ``spec`` (ignores comments and layout).
         overrides: The ``--set`` texts applied, in order.
+        unset: The keys ``--unset`` removed (before the ``--set`` texts were applied).
+        sources: Every file read, ``(absolute path, text)``: the spec file first, then each file it
+            extends; a run logs them all, so its spec is self-contained.
     """
 
     spec: ExperimentSpec
@@ -43,19 +51,32 @@ class LoadedSpec:
     data: dict[str, Any]
     sha256: str
     overrides: tuple[str, ...] = ()
+    unset: tuple[str, ...] = ()
+    sources: tuple[tuple[Path, str], ...] = ()
+
+    def command_line(self) -> list[str]:
+        """The ``--unset`` and ``--set`` arguments that made this spec from its file, in the order applied."""
+        out: list[str] = []
+        for key in self.unset:
+            out += ["--unset", key]
+        for override in self.overrides:
+            out += ["--set", override]
+        return out
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
+def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[str] = ()) -> LoadedSpec:
     """Read, compose, override and validate a spec file.
 
     ``extends = "base.toml"`` (or a list) at the top level deep-merges the named files
     (relative to the extending file) under this one: tables merge key by key, other
-    values are replaced. ``overrides`` (``"optim.lr=0.05"``) are applied last; each value
-    is read as a TOML value, and text that is not valid TOML is taken as a string.
+    values are replaced. ``unset`` keys are then removed (their defaults apply), and
+    ``overrides`` (``"optim.lr=0.05"``) are applied last; each value is read as a TOML
+    value, and text that is not valid TOML is taken as a string.
 
     Args:
         path: The spec file.
         overrides: ``dotted.key=value`` strings from ``--set``, applied in order.
+        unset: Dotted keys from ``--unset``; a key the schema does not know is an issue (did-you-mean).
 
     Returns:
         The validated spec with its path, source text, merged dict and hash.
@@ -73,12 +94,45 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
     if not tree.data:
         message = f"spec is empty: a spec needs at least {', '.join(_required_keys())}"
         raise SpecError(SpecIssue(shown, None, "", message))
+    for key in unset:
+        apply_unset(tree, key, issues)
     for override in overrides:
         apply_override(tree, override, issues)
     spec = _validate(tree.data, lambda loc: _origin_of(tree.provenance, loc, shown), issues)
     if issues or spec is None:
         raise SpecError(issues)
-    return LoadedSpec(spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides))
+    return LoadedSpec(
+        spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides), tuple(unset), tuple(tree.sources)
+    )
+
+
+def load_resolved_text(text: str, path: Path, shown: str) -> LoadedSpec:
+    """Validate a resolved spec stored with a run (``spec/resolved.toml``) as if it were the file ``path``.
+
+    A resolved spec has every default written out, paths already absolute and no ``extends``, so
+    it stands alone; ``path`` (the spec file the run was started from) only sets the folder that
+    factory imports (``pkg.module:factory``) are taken from.
+
+    Args:
+        text: The TOML text.
+        path: Absolute path of the run's original spec file (it need not exist any more).
+        shown: What messages call the text, e.g. ``run 3f2a...: spec/resolved.toml``.
+
+    Returns:
+        The validated spec; ``source_text`` and ``sources`` are the resolved text itself.
+
+    Raises:
+        SpecError: The text is not TOML or does not validate (e.g. written by another version).
+    """
+    issues: list[SpecIssue] = []
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(SpecIssue(Path(shown), None, "", f"invalid TOML: {exc}")) from None
+    spec = _validate(data, lambda loc: Origin(Path(shown), None), issues)
+    if spec is None:
+        raise SpecError(issues)
+    return LoadedSpec(spec, path, text, data, spec_sha256(spec), sources=((path, text),))
 
 
 def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
@@ -122,8 +176,7 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
         if issue.file is None and issue.origin is None and issue.key:
             override = _override_of(loaded, issue.key)
             if override is not None:
-                message = f"{issue.message} (from --set {override})"
-                moved.append(SpecIssue(loaded.path, None, issue.key, message))
+                moved.append(SpecIssue(loaded.path, None, issue.key, f"{issue.message} (from {override})"))
             else:
                 moved.append(SpecIssue(loaded.path, _line_in(lines, issue.key), issue.key, issue.message))
         else:
@@ -132,12 +185,13 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
 
 
 def _override_of(loaded: LoadedSpec, key: str) -> str | None:
-    """The ``--set`` text that replaced dotted ``key`` or a table above it, or ``None``."""
+    """The ``--set KEY=VALUE`` (or ``--unset KEY``) that replaced dotted ``key`` or a table above it, or ``None``."""
     loc = tuple(key.split("."))
-    for text in reversed(loaded.overrides):
-        o = parse_key(text.partition("=")[0])
+    flags = [f"--unset {k}" for k in loaded.unset] + [f"--set {text}" for text in loaded.overrides]
+    for flag in reversed(flags):
+        o = parse_key(flag.split(" ", 1)[1].partition("=")[0])
         if o is not None and loc[: len(o)] == o:
-            return text
+            return flag
     return None
 
 
@@ -150,7 +204,7 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
     Returns:
         The 1-based line, or ``None`` when the key is not written in the file itself (a default,
-        or a value from an ``extends`` base) or ``--set`` replaced it.
+        or a value from an ``extends`` base) or ``--set`` / ``--unset`` replaced it.
     """
     if not key or _override_of(loaded, key) is not None:
         return None
@@ -158,7 +212,10 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
 
 def _line_in(lines: dict[Loc, int], key: str) -> int | None:
-    loc = tuple(key.split("."))
+    loc: Loc = ()
+    for part in key.split("."):  # "metrics.val[1]" -> ("metrics", "val", 1)
+        name, *indices = part.split("[")
+        loc = (*loc, name, *(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit()))
     return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
 
 

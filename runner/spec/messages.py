@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
 from runner.spec.locate import Loc, format_key
+from runner.spec.objectives import MOVED
 from runner.spec.rules import CrossFieldError
 from runner.spec.schema import ExperimentSpec
 from runner.spec.suggest import did_you_mean, suggest
@@ -65,7 +66,7 @@ def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
     clean: list[str | int] = []
     union_at: Loc | None = None
     for part in loc:
-        ann = _unwrap_optional(ann)
+        ann = unwrap_optional(ann)
         if get_origin(ann) in (Union, types.UnionType):
             union_at, ann = tuple(clean), None  # this part is pydantic's tag of a union member
             continue
@@ -79,10 +80,13 @@ def _walk(loc: Loc) -> tuple[Loc, Loc | None, Any]:
             ann = get_args(ann)[0]
         else:
             ann = None
-    return tuple(clean), union_at, _unwrap_optional(ann)
+    return tuple(clean), union_at, unwrap_optional(ann)
 
 
-def _unwrap_optional(ann: Any) -> Any:
+def unwrap_optional(ann: Any) -> Any:
+    """``X`` for ``X | None`` (and for ``Annotated[X, ...]``); any other annotation unchanged."""
+    if get_origin(ann) is Annotated:  # a type with its own validator, e.g. a [metrics] entry
+        ann = get_args(ann)[0]
     if get_origin(ann) in (Union, types.UnionType):
         args = [a for a in get_args(ann) if a is not type(None)]
         if len(args) == 1:
@@ -94,7 +98,7 @@ def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = 
     """Dotted keys of other tables that have a field called ``key``."""
     found = []
     for name, field in model.model_fields.items():
-        ann = _unwrap_optional(field.annotation)
+        ann = unwrap_optional(field.annotation)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             found += _elsewhere(key, ann, (*prefix, name))
         elif name == key and prefix:
@@ -126,7 +130,7 @@ def _unknown_key(loc: Loc) -> str:
     """``got unknown key "x"; expected a key of [t]: a, b (did you mean "a"?)``, or the table that has it."""
     parent = annotation_at(loc[:-1])
     known = list(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
-    hint = did_you_mean(loc[-1], known)
+    hint = MOVED.get(tuple(loc)) or did_you_mean(loc[-1], known)
     where = f"a key of [{format_key(loc[:-1])}]" if loc[:-1] else "a top-level key"
     if not hint and (other := _elsewhere(str(loc[-1]))):
         hint = suggest(other, render=str)

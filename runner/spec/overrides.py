@@ -1,8 +1,10 @@
-"""Apply ``--set dotted.key=value`` overrides to a spec dict read from its files.
+"""Apply ``--set dotted.key=value`` and ``--unset dotted.key`` to a spec dict read from its files.
 
 Each value is read as a TOML value (``0.05``, ``[0, 1]``, ``{ a = 1 }``); text that is not
 TOML, or any scalar given for a string key, is taken as a string. The override becomes the
 origin of its key, so validation messages say ``--set: optim.lr: ... (from --set optim.lr=x)``.
+``--unset`` removes a key written in the file (or a file it extends), so its default applies;
+unsetting comes before setting.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import re
 from typing import Any
 
+from pydantic import BaseModel
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -18,11 +22,14 @@ except ModuleNotFoundError:  # Python 3.10
 
 from runner.errors import SpecIssue
 from runner.spec.locate import Loc, format_key
-from runner.spec.messages import annotation_at
+from runner.spec.messages import annotation_at, unwrap_optional
 from runner.spec.reading import PATH_KEYS, Origin, Provenance, SpecTree, forget
-from runner.spec.wording import show
+from runner.spec.schema import ExperimentSpec
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import show, with_hint
 
 ORIGIN = "--set"
+UNSET = "--unset"
 
 
 def apply_override(tree: SpecTree, override: str, issues: list[SpecIssue]) -> None:
@@ -100,3 +107,62 @@ def _override_value(loc: Loc, text: str) -> Any:
     if annotation_at(loc) is str and not isinstance(value, (str, list, dict)):
         return text
     return value
+
+
+def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> None:
+    """Remove dotted ``key_text`` from ``tree`` so that its default applies; an unknown key becomes an issue.
+
+    A key the schema knows but the files do not set is already at its default: nothing changes.
+
+    Args:
+        tree: The spec read from its files (changed in place).
+        key_text: The text given to ``--unset``, e.g. ``parallel.backend``.
+        issues: Problems found are appended here (located at ``--unset``), with a did-you-mean.
+    """
+    loc = parse_key(key_text)
+    if loc is None:
+        message = f"{show(key_text)}: expected a dotted key, e.g. --unset devices.ids"
+        issues.append(SpecIssue(None, None, "", message, UNSET))
+        return
+    parent = _find_table(tree.data, loc[:-1])
+    if parent is not None and loc[-1] in parent:
+        del parent[loc[-1]]
+        forget(tree.provenance, loc)
+        return
+    if annotation_at(loc) is None:
+        known = sorted(set(schema_keys()) | set(_tree_keys(tree.data)))
+        hint = did_you_mean(format_key(loc), known, render=str)
+        message = with_hint("unknown key: neither the schema nor the spec has it", hint)
+        issues.append(SpecIssue(None, None, format_key(loc), message, UNSET))
+
+
+def _find_table(data: dict[str, Any], loc: Loc) -> dict[str, Any] | None:
+    node: Any = data
+    for part in loc:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _tree_keys(data: dict[str, Any], prefix: Loc = ()) -> list[str]:
+    out = []
+    for key, value in data.items():
+        loc = (*prefix, key)
+        out.append(format_key(loc))
+        if isinstance(value, dict):
+            out += _tree_keys(value, loc)
+    return out
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the spec schema, tables included (``parallel``, ``parallel.mode``, ...)."""
+    out: list[str] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            out.append(prefix + name)
+            ann = unwrap_optional(field.annotation)
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(ExperimentSpec, "")
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,14 @@ class SpecTree:
         data: The merged dict; relative paths already resolved.
         provenance: Where each key of ``data`` was written.
         text: The text of the top file (not of the files it extends).
+        sources: Every file read, ``(absolute path, text)``: the top file first, then the files it
+            extends, each once (what a run logs so that its spec is self-contained).
     """
 
     data: dict[str, Any]
     provenance: Provenance
     text: str
+    sources: list[tuple[Path, str]] = field(default_factory=list)
 
 
 def read_tree(path: Path, shown: Path, issues: list[SpecIssue]) -> SpecTree | None:
@@ -87,7 +90,7 @@ def _read_tree(
         return None
     raw, text, lines = read
     chain = (*chain, (Path(os.path.realpath(path)), shown))
-    tree = SpecTree({}, {}, text)
+    tree = SpecTree({}, {}, text, [(Path(os.path.normpath(path)), text)])
     ok = True
     for base in _extends_of(raw, lines, shown, issues):
         sub = _read_base(path, shown, base, chain, issues)
@@ -95,6 +98,7 @@ def _read_tree(
             ok = False
             continue
         merge(tree.data, tree.provenance, sub.data, sub.provenance, ())
+        tree.sources += [s for s in sub.sources if all(s[0] != known for known, _ in tree.sources)]
     _resolve_paths(raw, path.parent)
     own = {loc: Origin(shown, line) for loc, line in lines.items() if loc[:1] != ("extends",)}
     merge(tree.data, tree.provenance, raw, own, ())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -76,6 +76,8 @@ def _table(title: str, rows: list[tuple[str, FieldInfo]]) -> list[str]:
 
 
 def _type(annotation: Any) -> str:
+    if get_origin(annotation) is list and get_origin(get_args(annotation)[0]) is Annotated:
+        annotation = list[get_args(get_args(annotation)[0])[0]]  # type: ignore[misc]  # an entry with its own check
     text = getattr(annotation, "__name__", None) if getattr(annotation, "__args__", None) is None else None
     text = text or str(annotation).replace("typing.", "").replace("runner.spec.schema.", "")
     return f"`{_cell(text)}`"

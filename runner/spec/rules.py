@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
         ParallelSpec,
         SweepParam,
         TrackingSpec,
-        TrainSpec,
     )
 
 DP_ONLY = ("output_device", "dim")
@@ -184,25 +183,24 @@ def check_devices(devices: DevicesSpec) -> None:
 
 
 def check_parallel(par: ParallelSpec) -> None:
-    """Rules inside ``[parallel]``: options of other modes, node rank, rendezvous endpoint.
+    """Rules inside ``[parallel]``: the rendezvous endpoint's form; node rank and nodes under ddp.
+
+    Options of another mode are inactive, not errors (docs/design.md §10): ``--set parallel.mode``
+    alone switches a spec between none, dp and ddp. Rules between ddp options apply under ddp only.
 
     Raises:
         ValueError: The first problem found.
     """
-    wrong = [k for k in DP_ONLY if k in par.model_fields_set and par.mode != "dp"]
-    wrong += [k for k in DDP_ONLY if k in par.model_fields_set and par.mode != "ddp"]
-    if wrong:
-        owner = {k: "dp" for k in DP_ONLY} | {k: "ddp" for k in DDP_ONLY}
-        parts = ", ".join(f'{k} (mode = "{owner[k]}")' for k in wrong)
-        raise ValueError(f'mode = "{par.mode}" does not take {parts}: remove them or change mode')
-    if par.node_rank >= par.nnodes:
-        raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
-    if par.nnodes > 1 and not par.rdzv_endpoint:
-        raise ValueError(f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
     if par.rdzv_endpoint is not None:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f'rdzv_endpoint {par.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
+    if par.mode != "ddp":
+        return
+    if par.node_rank >= par.nnodes:
+        raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
+    if par.nnodes > 1 and not par.rdzv_endpoint:
+        raise ValueError(f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
 
 
 def check_optim(optim: OptimSpec) -> None:
@@ -226,16 +224,6 @@ def check_tracking(tracking: TrackingSpec) -> None:
     """
     if tracking.uri and tracking.uri.strip() and (problem := file_store_problem(tracking.uri)):
         raise ValueError(f"uri = {problem}")
-
-
-def check_train(train: TrainSpec) -> None:
-    """Rules inside ``[train]``.
-
-    Raises:
-        ValueError: label smoothing with a loss other than cross entropy.
-    """
-    if train.label_smoothing and train.loss != "cross_entropy":
-        raise ValueError(f'label_smoothing applies to loss = "cross_entropy", not {train.loss!r}')
 
 
 def check_sweep_param(param: SweepParam) -> None:
@@ -298,9 +286,10 @@ def _device_problems(spec: ExperimentSpec) -> list[Problem]:
     problems: list[Problem] = []
     if on_cpu and par.mode == "dp":
         problems.append(("parallel.mode", dp_needs_cuda(ON_CPU)))
-    if on_cpu and par.backend == "nccl":
+    ddp = par.mode == "ddp"  # backend and sync_batchnorm are inactive under other modes
+    if on_cpu and ddp and par.backend == "nccl":
         problems.append(("parallel.backend", nccl_needs_cuda(ON_CPU)))
-    if on_cpu and par.sync_batchnorm:
+    if on_cpu and ddp and par.sync_batchnorm:
         problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(ON_CPU)))
     if on_cpu and spec.train.amp == "fp16":
         problems.append(("train.amp", fp16_needs_cuda(ON_CPU)))
@@ -308,20 +297,24 @@ def _device_problems(spec: ExperimentSpec) -> list[Problem]:
 
 
 def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
-    """Device ids, processes and the batch split, where the spec alone fixes them."""
+    """Device ids, processes and the batch split, where the spec alone fixes them.
+
+    ``mode = "none"`` with several ids is not a problem: it runs on the first one, and device
+    resolution says so in a note (docs/design.md §10). A batch that does not divide by
+    ``grad_accum_steps`` is refused here even when the world size waits for the machine: that
+    part of the split is known without it (device resolution then checks only the world size).
+    """
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []
-    if par.mode == "none" and ids is not None and len(ids) > 1:
-        message = f'mode = "none" runs on one device but ids = {ids}: use one id, or mode = "dp" / "ddp"'
-        problems.append(("devices.ids", message))
     if par.mode == "dp" and par.output_device is not None and ids is not None and par.output_device not in ids:
         problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
     nproc = par.nproc_per_node if par.mode == "ddp" and dev.accelerator == "cuda" else None
     if nproc is not None and ids is not None and nproc != len(ids):
         problems.append(("parallel.nproc_per_node", nproc_mismatch(nproc, ids, len(ids))))
     world = static_world_size(spec)
-    if world is not None and (problem := batch_split_problem(spec.data.batch_size, world, spec.train.grad_accum_steps)):
+    known = world if world is not None else 1  # the machine's world size is checked by device resolution
+    if problem := batch_split_problem(spec.data.batch_size, known, spec.train.grad_accum_steps):
         problems.append(("data.batch_size", problem))
     return problems
 
@@ -332,9 +325,12 @@ def _non_finite_problems(spec: ExperimentSpec) -> list[Problem]:
         ("model.kwargs", spec.model.kwargs),
         ("data.kwargs", spec.data.kwargs),
         ("optim.kwargs", spec.optim.kwargs),
+        ("loss.kwargs", spec.loss.kwargs),
     ]
     if spec.scheduler is not None:
         free.append(("scheduler.kwargs", spec.scheduler.kwargs))
+    if spec.metrics is not None:
+        free += [("metrics.train", spec.metrics.train), ("metrics.val", spec.metrics.val)]
     return [(key, not_finite(value)) for prefix, tree in free for key, value in _non_finite(prefix, tree)]
 
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner.spec import rules
+from runner.spec.objectives import LossSpec, MetricsSpec
 
 ParallelMode = Literal["none", "dp", "ddp"]
 Accelerator = Literal["auto", "cuda", "cpu"]
@@ -50,6 +51,9 @@ class ModelSpec(_Table):
         default_factory=dict,
         description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`. Default: none.",
     )
+    output: str | int | None = Field(
+        default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
+    )
 
 
 class DataSpec(_Table):
@@ -58,9 +62,9 @@ class DataSpec(_Table):
     dataset: str = Field(
         min_length=1,
         description=(
-            "Dataset: `sklearn.digits` (UCI handwritten digits shipped with scikit-learn), "
-            "`torchvision.<Name>` (e.g. `torchvision.MNIST`, read from `root`), `imagefolder` "
-            "(`root`/train and `root`/val), `synthetic` (seeded random tensors) or `pkg.module:factory`."
+            "Dataset: `sklearn.digits` or `sklearn.diabetes` (shipped with scikit-learn), `torchvision.<Name>` (e.g. "
+            "`torchvision.MNIST`, read from `root`), `imagefolder` (`root`/train and `root`/val), `synthetic` "
+            "(seeded random tensors) or `pkg.module:factory` (samples `(x, y)` or dicts of tensors)."
         ),
     )
     root: str | None = Field(
@@ -80,6 +84,7 @@ class DataSpec(_Table):
         default_factory=dict,
         description="Extra keyword arguments for the dataset builder or factory. Default: none.",
     )
+    target: str | None = Field(default=None, min_length=1, description='Dict samples: the target key, e.g. "labels".')
     image_size: int | None = Field(
         default=None,
         ge=1,
@@ -107,7 +112,15 @@ class DataSpec(_Table):
         ge=0.0,
         lt=1.0,
         description=(
-            "Fraction of the training set held out for validation (seeded, stable split); 0 disables. Default: 0.2."
+            "Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables. Default: 0.2."
+        ),
+    )
+    split_seed: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
+            "`seed` score on the same validation samples. Default: 0."
         ),
     )
     shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
@@ -144,8 +157,8 @@ class DevicesSpec(_Table):
         default="all",
         description=(
             "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
-            "or `all`. mode = none takes one id (with `all`, the first visible GPU). Ignored when the run "
-            "is on CPU. Default: all."
+            "or `all`. mode = none runs on the first of them (a note says so). Inactive when the run is on "
+            "CPU. Default: all."
         ),
     )
 
@@ -153,7 +166,11 @@ class DevicesSpec(_Table):
 
 
 class ParallelSpec(_Table):
-    """``[parallel]``: how the model is replicated. Options apply only to their mode."""
+    """``[parallel]``: how the model is replicated. Options of another mode are inactive, not errors.
+
+    Changing ``mode`` alone switches a spec between none, dp and ddp (docs/design.md §10): dp's and
+    ddp's options stay in the file, are shown as inactive by ``runner plan`` and are not logged.
+    """
 
     mode: ParallelMode = Field(
         default="none",
@@ -278,11 +295,9 @@ class TrainSpec(_Table):
     clip_grad_norm: float | None = Field(
         default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
     )
-    loss: Literal["cross_entropy", "mse", "nll"] = Field(
-        default="cross_entropy", description="Loss, mean-reduced. Default: cross_entropy."
-    )
-    label_smoothing: float = Field(
-        default=0.0, ge=0, lt=1, description="cross_entropy only: label smoothing. Default: 0."
+    on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
+        default="stop",
+        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`. Default: stop.",
     )
     log_every_n_steps: int = Field(default=10, ge=1, description="Log train/loss every N optimizer steps. Default: 10.")
     eval_every_n_epochs: int = Field(
@@ -292,8 +307,6 @@ class TrainSpec(_Table):
         default="auto",
         description="Progress display: a bar on a terminal, plain lines otherwise (auto). Default: auto.",
     )
-
-    rule = rules.check_train
 
 
 class TrackingSpec(_Table):
@@ -311,9 +324,19 @@ class TrackingSpec(_Table):
     experiment: str | None = Field(
         default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
     )
-    run_name: str | None = Field(default=None, description="MLflow run name. Default: MLflow's generated name.")
+    run_name: str | None = Field(
+        default=None,
+        description=(
+            "MLflow run name. Default: the spec's name, mode and devices, and the values the command line "
+            "changed, e.g. `digits-mlp ddp-2 lr=0.05`."
+        ),
+    )
     log_model: bool = Field(
-        default=False, description="Log the trained model with mlflow.pytorch at the end. Default: false."
+        default=False,
+        description=(
+            "Log the trained model with mlflow.pytorch.log_model at the end (a LoggedModel with an input example, "
+            "a signature and the input normalisation inside). Default: false."
+        ),
     )
     system_metrics: bool = Field(
         default=False, description="Record MLflow system metrics (CPU, memory, GPU). Default: false."
@@ -404,6 +427,8 @@ class ExperimentSpec(_Table):
     )
     optim: OptimSpec = Field(description="The optimizer.")
     scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
+    loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
+    metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")

@@ -4,12 +4,23 @@ DataParallel and small batches: the micro-batch is split with ``torch.chunk``
 along ``parallel.dim``; a batch smaller than the number of devices (e.g. the
 last batch of an epoch) runs on fewer replicas, the first devices only. With
 ``data.drop_last = true`` such a batch never reaches the model.
+
+The output contract (docs/design.md §13): forward returns tensors, or dicts, lists and
+(named) tuples of them, which DataParallel gathers on the output device, where the
+loss then runs. A dataclass output (a Hugging Face ``ModelOutput`` too) becomes a dict
+of its fields before gathering, because DataParallel rebuilds dataclasses wrongly
+(``gather`` calls ``type(out)(map(...))``; pytorch/pytorch#41327). A model-computed
+loss (a scalar, or the scalar ``loss`` entry of a dict) comes back from each replica as
+the mean of its chunk; they are combined into one scalar, each weighted by its chunk's
+samples, so the loss is the mean over the whole micro-batch, as without DataParallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,12 +65,60 @@ def check_gatherable(output: Any, path: str = "output") -> None:
     )
 
 
+def as_gatherable(output: Any) -> Any:
+    """A dataclass output as a dict of its fields (shallow); anything else as it is."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    return output
+
+
+def combine_replica_losses(losses: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The mean loss of a micro-batch from its replicas' mean losses: ``sum(n_i * loss_i) / sum(n_i)``.
+
+    Args:
+        losses: One scalar per replica, the mean over that replica's chunk.
+        sizes: Samples of each replica's chunk.
+        device: Where the combined loss goes (the output device); gradients flow back to the replicas.
+    """
+    total = sum(loss.to(device) * n for loss, n in zip(losses, sizes, strict=True))
+    return torch.as_tensor(total, device=device) / sum(sizes)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
 class _GatherCheckedDataParallel(DataParallel):
-    """DataParallel that explains an output it cannot gather instead of failing deep inside ``gather``."""
+    """DataParallel with runner's output contract (module docstring): dataclasses, replica losses, clear errors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunk_sizes: list[int] = []  # samples per replica of the call in progress (set by scatter)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int | torch.device]) -> Any:
+        scattered, scattered_kwargs = super().scatter(inputs, kwargs, device_ids)
+        self._chunk_sizes = [_chunk_size(i, k, self.dim) for i, k in zip(scattered, scattered_kwargs, strict=False)]
+        return scattered, scattered_kwargs
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        outputs = [as_gatherable(o) for o in outputs]
         check_gatherable(outputs[0])
+        sizes = self._chunk_sizes if len(self._chunk_sizes) == len(outputs) else [1] * len(outputs)
+        device = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
+        if all(_is_scalar(o) for o in outputs):
+            return combine_replica_losses(outputs, sizes, device)
+        if all(isinstance(o, dict) and _is_scalar(o.get("loss")) for o in outputs):
+            rest = super().gather([{k: v for k, v in o.items() if k != "loss"} for o in outputs], output_device)
+            return {"loss": combine_replica_losses([o["loss"] for o in outputs], sizes, device), **rest}
         return super().gather(outputs, output_device)
+
+
+def _chunk_size(inputs: Any, kwargs: Any, dim: int) -> int:
+    """Samples of one replica's chunk: the size along ``dim`` of its first tensor argument."""
+    for value in [*inputs, *(kwargs or {}).values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > dim:
+            return int(value.shape[dim])
+    return 1
 
 
 def _count_batchnorm(module: nn.Module) -> int:

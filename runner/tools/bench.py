@@ -237,7 +237,7 @@ def _measure_all(runnable: Sequence[_Config], report: BenchReport, parent: _Pare
                 ("runner.bench.mode", result.mode),
                 ("runner.bench.nproc", str(result.n)),
             ),
-            run_name=f"bench-{report.name}-{result.config}",
+            run_name=f"{result.config} bench {report.name}",  # the configuration first: the runs table cuts names
             sync_timing=True,
         )
         assert config.loaded is not None  # runnable

@@ -2,7 +2,8 @@
 
 One parent MLflow run per sweep (tag ``runner.sweep = "parent"``; params: the sweep
 definition) and one child run per trial (``mlflow.parentRunId``, so the MLflow UI nests
-them; tags ``runner.sweep.trial``, ``runner.sweep.values`` and ``sweep.<key>``). A trial
+them), named by its values (``lr=0.1 seed=0``, :func:`runner.spec.naming.trial_run_name`); tags
+``runner.sweep.trial``, ``runner.sweep.values`` and ``sweep.<key>``). A trial
 is the base spec plus ``--set key=value`` overrides, minus its ``[sweep]`` table: a plain
 experiment, run by :func:`runner.launch.driver.exec_experiment`.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, UsageError
+from runner.spec.naming import trial_run_name
 from runner.tools.sweep_jobs import Progress, Subprocesses, device_pool, sigterm_interrupts
 from runner.tools.sweep_report import SweepReport, first_line
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, build_definition, expand
@@ -256,7 +258,7 @@ def _run_here(loaded: LoadedSpec, trial: Trial, parent_id: str, metric: str) -> 
     """Run one trial in this process; a failure becomes a FAILED result."""
     from runner.launch.driver import ExecOptions, exec_experiment
 
-    options = ExecOptions(run_name=f"trial-{trial.index}", parent_run_id=parent_id, tags=trial_tags(trial))
+    options = ExecOptions(run_name=trial_run_name(trial.values), parent_run_id=parent_id, tags=trial_tags(trial))
     try:
         out = exec_experiment(loaded, options)
     except (Interrupted, KeyboardInterrupt):

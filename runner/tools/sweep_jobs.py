@@ -19,6 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted
+from runner.spec.naming import trial_run_name
 from runner.tools.sweep_report import first_line
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 from runner.tools.sweep_trials import trial_metric, trial_tags
@@ -125,7 +126,7 @@ class Subprocesses:
             "path": str(self.path),
             "overrides": sets,
             "parent_run_id": self.parent_id,
-            "run_name": f"trial-{trial.index}",
+            "run_name": trial_run_name(trial.values),
             "tags": trial_tags(trial),
             "result": str(folder / f"trial-{trial.index}.result.json"),
         }

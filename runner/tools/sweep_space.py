@@ -102,7 +102,7 @@ class Trial:
     """One point of a sweep.
 
     Attributes:
-        index: 0-based position in the sweep; also the MLflow run name ``trial-<index>``.
+        index: 0-based position in the sweep (tag ``runner.sweep.trial``).
         values: Dotted key -> value, in the definition's key order.
     """
 
@@ -124,7 +124,7 @@ class TrialResult:
     """Outcome of one trial.
 
     Attributes:
-        index: Trial number (0-based), as in the run name ``trial-<index>``.
+        index: Trial number (0-based), as in the tag ``runner.sweep.trial``.
         values: Dotted key -> value of this trial.
         run_id: Its child MLflow run, or ``None`` when it failed before the run existed.
         status: ``FINISHED``, ``FAILED`` or ``KILLED``.

@@ -13,15 +13,15 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError
 from runner.tracking.gitinfo import git_info
+from runner.tracking.spec_record import spec_artifacts, spec_params
 from runner.tracking.store import open_store
 from runner.tracking.tags import git_artifacts, run_tags
 from runner.tracking.uri import resolve_tracking_uri
-from runner.tracking.values import PARAMS_PER_BATCH, max_param_chars, param_value, safe_key, shorten
+from runner.tracking.values import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -56,31 +56,11 @@ class RunHandle:
     artifact_uri: str = ""
 
 
-def _spec_codec() -> tuple[Callable[[ExperimentSpec], dict[str, Any]], Callable[[ExperimentSpec], str]]:
-    """``(flatten_spec, dump_spec)`` from :mod:`runner.spec.dump` (imported lazily)."""
-    from runner.spec.dump import dump_spec, flatten_spec
+def _spec_codec() -> tuple[Callable[[ExperimentSpec], dict[str, str]], Callable[[ExperimentSpec], str]]:
+    """``(spec_params, dump_spec)``: a run's params and its resolved spec (imported lazily)."""
+    from runner.spec.dump import dump_spec
 
-    return flatten_spec, dump_spec
-
-
-def spec_params(spec: ExperimentSpec) -> dict[str, str]:
-    """Return the MLflow params of a spec: dotted keys to strings within MLflow's limits.
-
-    Keys come from ``runner.spec.loading.flatten_spec`` (``None`` values are left out);
-    characters MLflow rejects in keys become ``_``; values longer than MLflow's limit
-    (``MAX_PARAM_VAL_LENGTH``, 6000) are shortened with a marker pointing at the
-    ``spec/resolved.toml`` artifact, which holds the full spec.
-
-    Args:
-        spec: An ``ExperimentSpec``.
-    """
-    flatten_spec, _ = _spec_codec()
-    limit = max_param_chars()
-    return {
-        safe_key(key): shorten(param_value(value), limit, "artifact spec/resolved.toml")
-        for key, value in flatten_spec(spec).items()
-        if value is not None
-    }
+    return spec_params, dump_spec
 
 
 def _check_fluent_run(nested: bool) -> str | None:
@@ -136,18 +116,6 @@ def mark_failed_quietly(client: MlflowClient, run_id: str) -> None:
         log.debug("could not mark run %s FAILED", run_id, exc_info=True)
 
 
-def _spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> dict[str, str]:
-    """``spec/<file name>`` (the file's own text), ``spec/resolved.toml`` and ``spec/plan.json``."""
-    source_name = Path(loaded.path).name
-    if source_name in ("resolved.toml", "plan.json"):
-        source_name = f"source-{source_name}"
-    return {
-        f"spec/{source_name}": loaded.source_text,
-        "spec/resolved.toml": resolved_toml,
-        "spec/plan.json": plan_json,
-    }
-
-
 def start_run(
     loaded: LoadedSpec,
     plan_description: Mapping[str, Any],
@@ -161,9 +129,11 @@ def start_run(
 
     Creates the experiment (``spec.tracking.experiment``, else ``spec.name``) when
     missing, then one run with an explicit id (MLflow's fluent active run is neither used
-    nor changed). Logs the flattened spec as params (batches of 100); tags from
+    nor changed). Logs the keys of the spec that apply as params (batches of 100;
+    :func:`runner.tracking.spec_record.spec_params`); tags from
     :func:`runner.tracking.tags.run_tags`; artifacts ``spec/<spec file name>`` (the file's
-    own text), ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked
+    own text) and every file it extends (:func:`runner.tracking.spec_record.spec_artifacts`),
+    ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked
     files differ from HEAD and ``git/untracked.txt`` when untracked files exist, in the git
     repository that contains the spec file. If logging fails after the run was created,
     the run is marked FAILED before the error is raised.
@@ -171,7 +141,8 @@ def start_run(
     Args:
         loaded: A ``runner.spec.loading.LoadedSpec`` (``spec``, ``path``, ``source_text``, ``sha256``).
         plan_description: JSON-able description of the device plan (``DevicePlan.describe()``).
-        run_name: Display name. Default: ``spec.tracking.run_name``, else MLflow's generated name.
+        run_name: Display name (the driver passes the plan's, :func:`runner.plan.run_name_of`). Default:
+            ``spec.tracking.run_name``, else MLflow's generated name.
         extra_tags: Further tags; they override every other tag.
         uri: Tracking URI. Default: :func:`runner.tracking.uri.resolve_tracking_uri` of the spec.
         nested: Allow a fluent MLflow run to be active and record it as this run's parent.
@@ -192,10 +163,10 @@ def start_run(
     parent_run_id = _check_fluent_run(nested)
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
-    _, dump_spec = _spec_codec()
-    params = [Param(k, v) for k, v in spec_params(spec).items()]
+    params_of, dump_spec = _spec_codec()
+    params = [Param(k, v) for k, v in params_of(spec).items()]
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
-    texts = _spec_artifacts(loaded, dump_spec(spec), plan_json)
+    texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
     info = git_info(loaded.path)
     texts.update(git_artifacts(info))
     tags = run_tags(loaded, plan_description, info, extra_tags, parent_run_id)

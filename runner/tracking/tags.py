@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.tracking.gitinfo import git_diff
+from runner.tracking.spec_record import OVERRIDES_TAG, overrides_text
 from runner.tracking.values import max_tag_chars, param_value, shorten
+
+NOTES_TAG = "runner.notes"
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -83,6 +86,15 @@ def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     return tags
 
 
+def _notes(plan_description: Mapping[str, Any]) -> list[str]:
+    """The plan's notes (what runs instead of a value that cannot apply, ids ignored on CPU, ...)."""
+    notes = plan_description.get("notes")
+    if notes is None:
+        nested = plan_description.get("devices")
+        notes = nested.get("notes") if isinstance(nested, Mapping) else None
+    return [str(n) for n in notes or ()]
+
+
 def run_tags(
     loaded: LoadedSpec,
     plan_description: Mapping[str, Any],
@@ -92,10 +104,13 @@ def run_tags(
 ) -> dict[str, str]:
     """Build the tags of a new run: provenance, environment, spec tags, then ``extra_tags``.
 
+    Besides provenance, ``runner.overrides`` holds the command line's ``--set`` / ``--unset``
+    arguments (when there are any) and ``runner.notes`` the plan's notes, one a line.
+
     Args:
         loaded: A ``LoadedSpec``.
-        plan_description: ``DevicePlan.describe()``; ``devices[*].name`` (or ``names``),
-            ``world_size``, ``accelerator`` and ``mode`` are read when present.
+        plan_description: ``Plan.describe()`` or ``DevicePlan.describe()``; ``devices[*].name`` (or
+            ``names``), ``world_size``, ``accelerator``, ``mode`` and ``notes`` are read when present.
         info: :class:`runner.tracking.gitinfo.GitInfo` of the repository holding the spec, or ``None``.
         extra_tags: Tags that override all others.
         parent_run_id: Set ``mlflow.parentRunId`` (nested runs).
@@ -121,6 +136,11 @@ def run_tags(
     if info is not None:
         tags.update(_git_tags(info))
     tags.update(_device_tags(plan_description))
+    if loaded.overrides or loaded.unset:
+        tags[OVERRIDES_TAG] = overrides_text(loaded)
+    notes = _notes(plan_description)
+    if notes:
+        tags[NOTES_TAG] = "\n".join(notes)
     if spec.description:
         tags["mlflow.note.content"] = spec.description
     if parent_run_id:

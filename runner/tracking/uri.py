@@ -70,18 +70,26 @@ def resolve_tracking_uri(
         TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
             is rejected when the spec is validated, :func:`runner.spec.rules.file_store_problem`).
     """
-    return resolve_uri(spec.tracking.uri, env, cwd)
+    return _resolve(spec.tracking.uri, env, cwd)
 
 
-def resolve_uri(
-    given: str | None, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
-) -> str:
-    """The absolute tracking URI for ``given`` (a spec's ``tracking.uri`` or ``--tracking-uri``), as
-    :func:`resolve_tracking_uri` finds it: ``given``, else ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+def default_tracking_uri(env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> str:
+    """The tracking URI of a spec without ``tracking.uri``: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+
+    It is where ``runner resume``, ``reproduce``, ``diff`` and ``status`` look for a run id without
+    ``--tracking-uri``.
+
+    Args:
+        env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
+        cwd: Folder relative paths are taken from. Default: the current directory.
 
     Raises:
         TrackingError: ``MLFLOW_TRACKING_URI`` names a file store.
     """
+    return _resolve(None, env, cwd)
+
+
+def _resolve(given: str | None, env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None) -> str:
     env = os.environ if env is None else env
     base = Path.cwd() if cwd is None else Path(cwd)
     raw = (given or "").strip()
@@ -95,6 +103,20 @@ def resolve_uri(
     if not raw:
         return f"sqlite:///{(base / 'mlflow.db').resolve()}"
     return _absolute_uri(raw, base)
+
+
+def absolute_uri(uri: str, cwd: str | os.PathLike[str] | None = None) -> str:
+    """``uri`` with a relative sqlite path, ``file:`` URI or plain path resolved against ``cwd`` (default: here)."""
+    return _absolute_uri(uri.strip(), Path.cwd() if cwd is None else Path(cwd))
+
+
+def local_store_missing(uri: str) -> bool:
+    """Whether ``uri`` names a local store (sqlite file or file store) that does not exist yet.
+
+    Reading a run from such a store would only create an empty one; callers say "no such run" instead.
+    """
+    local = _local_store_path(uri)
+    return local is not None and not local[1].exists()
 
 
 def _local_store_path(uri: str) -> tuple[str, Path] | None:

@@ -245,6 +245,7 @@ def build_payload(
             "batch_in_epoch": state.batch_in_epoch,
             "epoch_sums": state.epoch_sums,
             "window_sums": state.window_sums,
+            "metric_states": state.metric_states,
         },
         "rng": rng_states,
         "spec": spec_flat,

@@ -1,4 +1,4 @@
-"""Per-rank DataLoaders: micro-batches in ``EpochSampler`` order, the validation split across ranks."""
+"""Per-rank DataLoaders: micro-batches in ``EpochSampler`` order, the validation split across ranks; batch checks."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from runner.training.models import spec_issue
-from runner.training.sampling import EpochSampler, EvalSampler, global_batch_sizes
+from runner.training.sampling import EpochSampler, EvalSampler, global_batch_sizes, micro_batch_sizes
 from runner.training.seeding import loader_generator, worker_init_fn
 
 if TYPE_CHECKING:
@@ -103,3 +104,58 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
 def _size(dataset: Dataset) -> int:
     """``len(dataset)``: runner's datasets are map-style and sized (``Dataset`` does not declare ``__len__``)."""
     return len(cast(Sized, dataset))
+
+
+def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> list[tuple[int, int, str]]:
+    """Where a training batch of one sample would reach the model, from the batch arithmetic alone.
+
+    Args:
+        loaders: The step layout (``global_batch_sizes``, ``micro_batch``).
+        world_size: Processes.
+        replicas: DataParallel replicas (1 without dp); a micro-batch is cut as ``torch.chunk`` cuts it.
+
+    Returns:
+        ``(global batch size, rank, "micro-batch" | "DataParallel chunk")`` for each such case.
+    """
+    found = []
+    for size in sorted(set(loaders.global_batch_sizes)):
+        for rank in range(world_size):
+            for micro in micro_batch_sizes(size, world_size, rank, loaders.micro_batch):
+                chunk = math.ceil(micro / replicas)
+                chunks = [min(chunk, micro - start) for start in range(0, micro, chunk)]
+                if micro == 1:
+                    found.append((size, rank, "micro-batch"))
+                elif 1 in chunks:
+                    found.append((size, rank, "DataParallel chunk"))
+    return found
+
+
+def check_batchnorm_batches(
+    model: nn.Module, spec: ExperimentSpec, loaders: Loaders, world_size: int, replicas: int
+) -> None:
+    """Refuse, before training, a model with BatchNorm layers that would meet a training batch of one sample.
+
+    PyTorch's batch norm cannot normalise one value per channel in training mode ("Expected more
+    than 1 value per channel when training"), which would end the run at the last batch of an epoch.
+
+    Raises:
+        SpecError: (``data.batch_size``) naming the batch size, world size and rank, and the fix.
+    """
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    cases = one_sample_batches(loaders, world_size, replicas) if norms else []
+    if not cases:
+        return
+    size, rank, where = cases[0]
+    data, accum = spec.data, spec.train.grad_accum_steps
+    layout = [f"world size {world_size} (rank {rank})" if world_size > 1 else ""]
+    layout += [
+        f"{replicas} DataParallel replicas" if replicas > 1 else "",
+        f"grad_accum_steps {accum}" if accum > 1 else "",
+    ]
+    raise spec_issue(
+        "data.batch_size",
+        f"the model has BatchNorm layers ({norms[0]!r}), which cannot train on one sample, but batch_size = "
+        f"{data.batch_size} over {_size(loaders.train.dataset)} training samples leaves a final batch of {size} "
+        f"samples and, with {', '.join(p for p in layout if p) or 'one device'}, a {where} of 1 sample: "
+        "set data.drop_last = true (that batch is skipped), or choose another batch_size",
+    )

@@ -6,12 +6,14 @@ clip -> step -> schedule -> log. It never asks which parallel mode it runs under
 the stop decision, the :class:`runner.strategies.precision.Precision` supplies autocast and
 gradient scaling, and it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
 
-Loss normalisation (docs/design.md §2-§3): every micro-batch loss is computed with
-``reduction="sum"`` and divided by ``G / world_size`` where ``G`` is the number of samples
-in the whole optimizer step across all ranks and micro-batches. DDP averages gradients over
-ranks, so the gradient is exactly that of the mean loss over the global batch, also for
-uneven final batches and with gradient accumulation. This is what makes ``none`` and
-``ddp`` runs of one spec agree step by step.
+Loss normalisation (docs/design.md §2-§3): every micro-batch loss is the sum of its per-sample
+losses (:mod:`runner.training.losses`: a mean-returning loss is multiplied by the micro-batch's
+samples) and is divided by ``G / world_size`` where ``G`` is the number of samples in the whole
+optimizer step across all ranks and micro-batches. DDP averages gradients over ranks, so the
+gradient is exactly that of the mean loss over the global batch, also for uneven final batches
+and with gradient accumulation. This is what makes ``none`` and ``ddp`` runs of one spec agree
+step by step. Batches and forward: :mod:`~runner.training.batches`; metrics:
+:mod:`~runner.training.metrics`; ``train.on_nonfinite``: :mod:`~runner.training.nonfinite`.
 
 Stopping: after every optimizer step the loop asks
 :meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop. A request
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +38,12 @@ import torch
 from torch import nn
 
 from runner.errors import Interrupted
+from runner.training.batches import BatchIO
+from runner.training.metrics import MetricPlan, MetricSet
+from runner.training.nonfinite import NonFiniteGuard, grad_norm
 from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
-from runner.training.sums import RunningSums, correct_count
+from runner.training.sums import RunningSums, Tally
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -48,8 +53,7 @@ if TYPE_CHECKING:
     from runner.strategies.precision import Precision
     from runner.tracking.trackers import Tracker
     from runner.training.loaders import Loaders
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+    from runner.training.losses import Loss
 
 
 @dataclass
@@ -60,9 +64,10 @@ class TrainState:
         epoch: Index of the epoch in progress (0-based).
         global_step: Optimizer steps taken so far, over all epochs.
         batch_in_epoch: Global batches of ``epoch`` already consumed.
-        epoch_sums: Rank-reduced ``[loss sum, correct, samples]`` of the batches of ``epoch``
-            consumed so far, so that epoch metrics of a resumed epoch cover the whole epoch.
+        epoch_sums: Rank-reduced ``[loss sum, non-finite steps, samples]`` of the batches of
+            ``epoch`` consumed so far, so that epoch metrics of a resumed epoch cover the whole epoch.
         window_sums: The same for the steps since the last ``train/loss`` log.
+        metric_states: Rank-reduced train metric states, ``{"window": ..., "epoch": ...}`` (:meth:`MetricSet.state`).
     """
 
     epoch: int = 0
@@ -70,6 +75,7 @@ class TrainState:
     batch_in_epoch: int = 0
     epoch_sums: list[float] | None = None
     window_sums: list[float] | None = None
+    metric_states: dict[str, Any] | None = None
 
 
 @dataclass
@@ -101,12 +107,13 @@ class LoopParts:
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
         scheduler: Optional LR scheduler; ``scheduler_interval`` says when it steps.
         scheduler_interval: ``"step"`` (after every optimizer step) or ``"epoch"``.
-        loss_fn: Per-sample loss with ``reduction="sum"``: ``(logits (B, C), target (B,)) -> scalar``.
+        loss: The summed loss of a micro-batch, ``loss(out, batch, io) -> scalar`` (:mod:`runner.training.losses`).
         loaders: The :class:`runner.training.loaders.Loaders` of this rank.
         tracker: Where rank 0 sends metrics (a ``NullTracker`` on other ranks).
         total_steps: Optimizer steps of the whole run: ``min(steps_per_epoch * epochs, max_steps)``.
         precision: Autocast and gradient scaling (:class:`runner.strategies.precision.Precision`).
-        classification: Whether accuracy is computed (targets are class indices).
+        io: How batches reach the model and where the prediction is in its output.
+        metrics: The train and validation metrics (:class:`~runner.training.metrics.MetricPlan`).
         on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).
         should_stop: Returns True when a stop signal arrived on this rank.
         sync_timing: Synchronise the device at the end of every step so that step times are
@@ -118,12 +125,13 @@ class LoopParts:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler | None
     scheduler_interval: str
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    loss: Loss
     loaders: Loaders
     tracker: Tracker
     total_steps: int
     precision: Precision
-    classification: bool = True
+    io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
+    metrics: MetricPlan = field(default_factory=MetricPlan)
     on_checkpoint: Callable[[TrainState, str], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
     sync_timing: bool = False
@@ -151,6 +159,8 @@ def fit(
     Raises:
         Interrupted: A stop signal arrived (the module docstring says at which step it takes
             effect); ``on_checkpoint`` ran with reason ``"signal"`` first.
+        TrainingError: A non-finite loss or gradient norm under ``train.on_nonfinite = "stop"``,
+            or a model output that does not fit the spec (``model.output``, ``loss.name``).
         RuntimeError: Whatever the model, optimizer or a collective raises.
     """
     state = state or TrainState()
@@ -158,7 +168,8 @@ def fit(
     progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)
     report = _Report(FitResult(state=state), parts.tracker, progress)
     held = strategy.rank == 0  # running sums restored from a checkpoint are held by rank 0 only
-    tally = _Tally(RunningSums(strategy.output_device, state.window_sums if held else None))
+    guard = NonFiniteGuard(train_spec.on_nonfinite, strategy.output_device, state.global_step, parts.precision.scaling)
+    tally = Tally.start(parts.metrics.train, guard, state.window_sums, state.metric_states, held=held)
     resumed_epoch_sums = state.epoch_sums if held else None
     every_n_steps = checkpoint_spec.every_n_steps if checkpoint_spec is not None else None
     try:
@@ -170,7 +181,7 @@ def fit(
             while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
                 global_size = loaders.global_batch_sizes[state.batch_in_epoch]
                 step_start = time.perf_counter()
-                waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally.sums())
+                waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
                 report.result.step_times_s.append(time.perf_counter() - step_start)
                 report.result.data_wait_s.append(waited)
                 state.global_step += 1
@@ -178,7 +189,7 @@ def fit(
                 tally.epoch_samples += global_size
                 progress.update(1)
                 if state.global_step % train_spec.log_every_n_steps == 0:
-                    tally.window = _log_window(parts, state, tally.window, report)
+                    tally.window = _log_window(parts, state, tally, report)
                 if every_n_steps and state.global_step % every_n_steps == 0:
                     _checkpoint(parts, state, "step", tally)
                 _stop_if_asked(parts, state, tally, settle=False)
@@ -199,10 +210,10 @@ def fit(
 
 def train_step(
     parts: LoopParts,
-    batches: Iterator[Batch],
+    batches: Iterator[Any],
     global_size: int,
     clip_grad_norm: float | None,
-    sums: Sequence[RunningSums],
+    tally: Tally,
 ) -> float:
     """Take one optimizer step: this rank's micro-batches of one global batch, then clip, step, schedule.
 
@@ -212,15 +223,15 @@ def train_step(
 
     Args:
         parts: See :class:`LoopParts`.
-        batches: This epoch's iterator over ``(x (B, ...), y (B,))`` micro-batches.
+        batches: This epoch's iterator over collated micro-batches (``(x, y)`` or dicts).
         global_size: Samples of this optimizer step over all ranks and micro-batches.
         clip_grad_norm: Largest global L2 norm of the gradients, or ``None`` for no clipping.
-        sums: Running sums that get each micro-batch's loss sum, correct count and samples.
+        tally: Gets each micro-batch's loss sum, samples and predictions; its guard flags non-finite steps.
 
     Returns:
         Seconds spent waiting for the DataLoader.
     """
-    strategy, model = parts.strategy, parts.model
+    strategy, model, io = parts.strategy, parts.model, parts.io
     share = rank_batch_size(global_size, strategy.world_size, strategy.rank)
     denom = global_size / strategy.world_size
     waited = 0.0
@@ -228,24 +239,24 @@ def train_step(
     consumed = 0
     while consumed < share:
         fetch_start = time.perf_counter()
-        x, y = next(batches)
+        raw = next(batches)
         waited += time.perf_counter() - fetch_start
-        n = int(y.shape[0])
-        x = x.to(strategy.device, non_blocking=True)
-        y = y.to(strategy.output_device, non_blocking=True)
-        with contextlib.nullcontext() if consumed + n >= share else strategy.no_sync(model):
+        batch = io.prepare(raw, strategy.device, strategy.output_device)
+        with contextlib.nullcontext() if consumed + batch.size >= share else strategy.no_sync(model):
             with parts.precision.autocast():
-                out = model(x)
-                loss_sum = parts.loss_fn(out, y)
+                out = io.forward(model, batch)
+                loss_sum = parts.loss(out, batch, io)
             parts.precision.backward(loss_sum / denom)
-        correct = correct_count(out, y) if parts.classification else None
-        for running in sums:
-            running.add(loss_sum.detach(), correct, n)
-        consumed += n
+        tally.add(loss_sum.detach(), batch, out, io)
+        consumed += batch.size
+    norm = None
     if clip_grad_norm is not None:
         parts.precision.unscale_(parts.optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    elif tally.guard.check_grads:
+        norm = grad_norm(model.parameters())
     parts.precision.step(parts.optimizer)
+    tally.end_step(norm)
     if parts.scheduler is not None and parts.scheduler_interval == "step":
         parts.scheduler.step()
     if parts.sync_timing and strategy.device.type == "cuda":
@@ -254,30 +265,39 @@ def train_step(
 
 
 def end_epoch(
-    parts: LoopParts, train_spec: TrainSpec, state: TrainState, tally: _Tally, report: _Report, *, epoch_time_s: float
+    parts: LoopParts,
+    train_spec: TrainSpec,
+    state: TrainState,
+    tally: Tally,
+    report: _Report,
+    *,
+    epoch_time_s: float,
 ) -> bool:
     """Log the epoch's metrics (evaluating when due) and step a per-epoch scheduler.
 
-    Logged at ``state.global_step``: ``train/epoch_loss``, ``train/accuracy`` (classification),
-    ``epoch``, ``epoch_time_s`` (seconds of this run's steps of the epoch), ``samples_per_s``
-    (global samples per second) and ``val/loss``, ``val/accuracy`` when evaluated: every
-    ``eval_every_n_epochs`` epochs, after the last epoch, and when ``max_steps`` ends the run
-    mid-epoch.
+    Logged at ``state.global_step``: ``train/epoch_loss``, ``train/<metric>`` (``train/accuracy``
+    when classifying without ``[metrics]``), ``epoch``, ``epoch_time_s`` (seconds of this run's
+    steps of the epoch), ``samples_per_s`` (global samples per second) and ``val/loss``,
+    ``val/<metric>`` when evaluated: every ``eval_every_n_epochs`` epochs, after the last epoch,
+    and when ``max_steps`` ends the run mid-epoch.
 
     Returns:
         Whether the epoch is complete (False when ``max_steps`` ended it early).
+
+    Raises:
+        TrainingError: A non-finite step under ``train.on_nonfinite = "stop"``.
     """
     epoch_done = state.batch_in_epoch >= parts.loaders.steps_per_epoch
-    assert tally.epoch is not None  # set by _Tally.start_epoch
-    loss_mean, acc = tally.epoch.reduce(parts.strategy)
+    assert tally.epoch is not None  # set by Tally.start_epoch
+    loss_mean, bad = tally.epoch.reduce(parts.strategy)
+    tally.guard.check(bad, parts.strategy, f"the end of epoch {state.epoch}")
     metrics = {
         "train/epoch_loss": loss_mean,
         "epoch": float(state.epoch),
         "epoch_time_s": epoch_time_s,
         "samples_per_s": tally.epoch_samples / epoch_time_s if epoch_time_s > 0 else 0.0,
     }
-    if acc is not None:
-        metrics["train/accuracy"] = acc
+    metrics.update(tally.epoch_metrics.compute())
     if parts.loaders.val is not None and (
         (state.epoch + 1) % train_spec.eval_every_n_epochs == 0
         or not epoch_done
@@ -296,45 +316,29 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
     """Evaluate on this rank's validation shard and reduce over ranks.
 
     Every validation sample is counted exactly once across ranks (the eval sampler never
-    pads), and the means are computed once from reduced sums: ``sum(loss) / count``.
+    pads): ``val/loss`` is ``sum(loss) / count`` of reduced sums, and the ``val/`` metrics are
+    computed by torchmetrics from states gathered over ranks (docs/design.md §13).
 
     Returns:
-        ``{"val/loss": float, "val/accuracy": float}`` (accuracy only for classification).
+        ``{"val/loss": float, "val/<metric>": float, ...}``.
     """
-    strategy = parts.strategy
+    strategy, io = parts.strategy, parts.io
     module = strategy.eval_module(parts.model)
     module.eval()
     sums = RunningSums(strategy.output_device)
+    metrics = MetricSet(parts.metrics.val, "val/", strategy.output_device)
     assert parts.loaders.val is not None
-    for batch_x, batch_y in parts.loaders.val:
-        x = batch_x.to(strategy.device, non_blocking=True)
-        y = batch_y.to(strategy.output_device, non_blocking=True)
+    for raw in parts.loaders.val:
+        batch = io.prepare(raw, strategy.device, strategy.output_device)
         with parts.precision.autocast():
-            out = module(x)
-            loss_sum = parts.loss_fn(out, y)
-        sums.add(loss_sum, correct_count(out, y) if parts.classification else None, int(y.shape[0]))
+            out = io.forward(module, batch)
+            loss_sum = parts.loss(out, batch, io)
+        sums.add(loss_sum, batch.size)
+        if metrics:
+            metrics.update(io.prediction(out), batch.target)
     parts.model.train()
-    loss_mean, acc = sums.reduce(strategy)
-    metrics = {"val/loss": loss_mean}
-    if acc is not None:
-        metrics["val/accuracy"] = acc
-    return metrics
-
-
-@dataclass
-class _Tally:
-    """The loop's running sums: since the last ``train/loss`` log (across epochs) and of the epoch in progress."""
-
-    window: RunningSums
-    epoch: RunningSums | None = None  # None between epochs
-    epoch_samples: int = 0  # global samples of this run's steps of the epoch
-
-    def start_epoch(self, sums: RunningSums) -> None:
-        self.epoch = sums
-        self.epoch_samples = 0
-
-    def sums(self) -> tuple[RunningSums, ...]:
-        return (self.window,) if self.epoch is None else (self.window, self.epoch)
+    loss_mean, _ = sums.reduce(strategy)
+    return {"val/loss": loss_mean, **metrics.compute()}
 
 
 class _Report:
@@ -351,7 +355,7 @@ class _Report:
         self.tracker.log_metrics(metrics, step=step)  # a NullTracker except on the logging rank
 
 
-def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[Batch]:
+def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[Any]:
     """Position the sampler at ``state`` (epoch, batches already consumed) and return the batch iterator."""
     parts.loaders.train_sampler.set_epoch(state.epoch)
     parts.loaders.train_sampler.set_start_batch(state.batch_in_epoch)
@@ -359,28 +363,37 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[Batch]:
     return iter(parts.loaders.train)
 
 
-def _log_window(parts: LoopParts, state: TrainState, window: RunningSums, report: _Report) -> RunningSums:
-    """Log ``train/loss``, ``lr`` and ``train/step_accuracy`` of the steps since the last log; return fresh sums."""
-    loss_mean, acc = window.reduce(parts.strategy)
+def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> RunningSums:
+    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log; return fresh sums."""
+    loss_mean, bad = tally.window.reduce(parts.strategy)
+    tally.guard.check(bad, parts.strategy, f"the train/loss log of step {state.global_step}")
     metrics = {"train/loss": loss_mean, "lr": parts.optimizer.param_groups[0]["lr"]}
-    if acc is not None:
-        metrics["train/step_accuracy"] = acc
+    metrics.update(tally.window_metrics.compute())
     report.log(metrics, state.global_step)
     report.progress.show(epoch=state.epoch, loss=loss_mean)
     return RunningSums(parts.strategy.output_device)
 
 
-def _stop_if_asked(parts: LoopParts, state: TrainState, tally: _Tally, *, settle: bool) -> None:
+def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle: bool) -> None:
     """When the strategy's stop decision says so: checkpoint with reason ``"signal"``, then raise ``Interrupted``."""
     if parts.strategy.reduce_stop_decision(parts.should_stop(), settle=settle):
         _checkpoint(parts, state, "signal", tally)
         raise Interrupted()
 
 
-def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: _Tally) -> None:
-    """Record the running sums in ``state`` (collectives on every rank), then save."""
+def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) -> None:
+    """Record the running sums and metric states in ``state`` (collectives on every rank), then save.
+
+    Nothing non-finite is saved: a non-finite step since the last check stops the run first
+    (``stop``), and weights that are not finite are never written (``stop`` and ``warn``).
+    """
     if parts.on_checkpoint is None:
         return
-    state.epoch_sums = tally.epoch.reduced_sums(parts.strategy) if tally.epoch is not None else None
-    state.window_sums = tally.window.reduced_sums(parts.strategy)
+    strategy = parts.strategy
+    state.epoch_sums = tally.epoch.reduced_sums(strategy) if tally.epoch is not None else None
+    state.window_sums = tally.window.reduced_sums(strategy)
+    tally.guard.check(state.window_sums[1], strategy, f"the {reason} checkpoint of step {state.global_step}")
+    if not tally.guard.weights_finite(parts.model.parameters(), strategy, state.global_step):
+        return
+    state.metric_states = tally.metric_states()
     parts.on_checkpoint(state, reason)

@@ -1,13 +1,11 @@
-"""Build the optimizer, LR scheduler and loss named by a spec (mixed precision: :mod:`runner.strategies.precision`)."""
+"""Build the optimizer and LR scheduler named by a spec (losses: :mod:`runner.training.losses`; amp: ``precision``)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from runner.errors import SpecError, SpecIssue
 
@@ -77,42 +75,6 @@ def scheduler_interval(scheduler_spec: Any) -> str:
     if scheduler_spec is None:
         return "epoch"
     return "step" if scheduler_spec.name == "onecycle" else scheduler_spec.interval
-
-
-def build_loss(train_spec: Any) -> tuple[Callable[[Any, torch.Tensor], torch.Tensor], bool]:
-    """Return ``(loss_fn, is_classification)``.
-
-    ``loss_fn(output, target)`` sums the per-sample losses (``reduction="sum"``); the loop
-    divides by the global sample count of the step. ``output`` may be a tensor ``(B, C)``, a
-    tuple/list whose first element is the logits, or a dict with ``"logits"`` or ``"out"``.
-    """
-    if train_spec.loss == "cross_entropy":
-        crit: nn.Module = nn.CrossEntropyLoss(reduction="sum", label_smoothing=train_spec.label_smoothing)
-    elif train_spec.loss == "nll":
-        crit = nn.NLLLoss(reduction="sum")
-    else:
-        crit = nn.MSELoss(reduction="sum")
-    classification = train_spec.loss != "mse"
-
-    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = primary_output(output)
-        if not classification:
-            return crit(logits.float(), target.to(logits.dtype).reshape(logits.shape)).float()
-        return crit(logits.float(), target)
-
-    return loss_fn, classification
-
-
-def primary_output(output: Any) -> torch.Tensor:
-    """The tensor a loss is computed on: the output itself, its first item, or ``logits``/``out`` of a dict."""
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    if isinstance(output, dict):
-        for key in ("logits", "out"):
-            if key in output:
-                return output[key]
-        return next(iter(output.values()))
-    return output
 
 
 def _construct(cls: Any, key: str, first: Any, **kwargs: Any) -> Any:

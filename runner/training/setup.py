@@ -24,15 +24,19 @@ import torch
 from torch import nn
 
 from runner.spec.dump import flatten_spec
+from runner.spec.objectives import CLASSIFICATION_LOSSES
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.precision import Precision
 from runner.strategies.state_dicts import load_state_dict_flexible, unwrapped_state_dict
 from runner.training import checkpoint as ckpt
+from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
-from runner.training.loaders import Loaders, build_loaders
+from runner.training.loaders import Loaders, build_loaders, check_batchnorm_batches
 from runner.training.loop import FitResult, LoopParts, TrainState, fit
+from runner.training.losses import Loss, build_loss
+from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
-from runner.training.optim import build_loss, build_optimizer, build_scheduler, scheduler_interval
+from runner.training.optim import build_optimizer, build_scheduler, scheduler_interval
 from runner.training.seeding import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec, TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
-    from runner.training.data import DatasetBundle
+    from runner.training.data import DatasetBundle, DatasetInfo
     from runner.training.seeding import SeedInfo
 
 
@@ -88,11 +92,14 @@ class TrainingParts:
         scheduler: The LR scheduler, or ``None``.
         scheduler_interval: When it steps: ``"step"`` or ``"epoch"``.
         precision: Autocast and gradient scaling of ``train.amp``.
-        loss_fn: Summed loss ``(output, target (B,)) -> scalar``.
-        classification: Whether accuracy is computed.
+        loss: The summed loss of a micro-batch (:mod:`runner.training.losses`).
+        io: How batches reach the model and where its prediction is (:class:`~runner.training.batches.BatchIO`).
+        metrics: The train and validation metrics of ``[metrics]``.
+        classification: A classification loss (cross_entropy, nll): accuracy unless ``[metrics]`` says otherwise.
         loaders: This rank's DataLoaders.
         total_steps: Optimizer steps of the run (:func:`count_total_steps`).
         train_set: The training dataset (its first sample is the model's example input).
+        data: What the data is: sizes, split fingerprint, digests, normalisation (for the run's records).
     """
 
     model: nn.Module
@@ -101,15 +108,23 @@ class TrainingParts:
     scheduler: LRScheduler | None
     scheduler_interval: str
     precision: Precision
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    loss: Loss
+    io: BatchIO
+    metrics: MetricPlan
     classification: bool
     loaders: Loaders
     total_steps: int
     train_set: Dataset
+    data: DatasetInfo | None = None
 
-    def example_input(self) -> torch.Tensor:
-        """One training input with a batch dimension, ``(1, *input_shape)``, for a model signature."""
-        return self.train_set[0][0].unsqueeze(0)
+    def example_input(self) -> Any:
+        """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""
+        sample = self.train_set[0]
+        if isinstance(sample, dict):
+            return {
+                k: v.unsqueeze(0) for k, v in sample.items() if isinstance(v, torch.Tensor) and k != self.io.target_key
+            }
+        return sample[0].unsqueeze(0)
 
 
 @dataclass
@@ -147,16 +162,21 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         The :class:`TrainingParts`.
 
     Raises:
-        SpecError: A dataset, model, optimizer or scheduler named in the spec does not build.
+        SpecError: A dataset, model, optimizer, scheduler, loss or metric named in the spec does not
+            build, dict samples without the ``data.target`` their loss or metrics need, or a model
+            with BatchNorm layers that a 1-sample training batch would reach (``data.batch_size``).
     """
     bundle = build_datasets(spec, spec_dir)
+    loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
+    check_target(bundle.info, spec, needs=loss.needs_target or bool(metrics.train or metrics.val))
     model = _setup_model(spec, spec_dir, bundle)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
+    replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
+    check_batchnorm_batches(model, spec, loaders, strategy.world_size, replicas)
     wrapped = strategy.wrap(model)
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
     optimizer, scheduler = _setup_optimizer(spec, raw_model, total_steps)
-    loss_fn, classification = build_loss(spec.train)
     return TrainingParts(
         model=wrapped,
         raw_model=raw_model,
@@ -164,11 +184,14 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         scheduler=scheduler,
         scheduler_interval=scheduler_interval(spec.scheduler),
         precision=Precision(spec.train.amp, strategy.device),
-        loss_fn=loss_fn,
-        classification=classification,
+        loss=loss,
+        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model"),
+        metrics=metrics,
+        classification=spec.loss.name in CLASSIFICATION_LOSSES,
         loaders=loaders,
         total_steps=total_steps,
         train_set=bundle.train,
+        data=bundle.info,
     )
 
 
@@ -304,12 +327,13 @@ def loop_parts(
         optimizer=parts.optimizer,
         scheduler=parts.scheduler,
         scheduler_interval=parts.scheduler_interval,
-        loss_fn=parts.loss_fn,
+        loss=parts.loss,
         loaders=parts.loaders,
         tracker=tracker,
         total_steps=parts.total_steps,
         precision=parts.precision,
-        classification=parts.classification,
+        io=parts.io,
+        metrics=parts.metrics,
         on_checkpoint=on_checkpoint,
         should_stop=should_stop,
         sync_timing=sync_timing,

@@ -1,0 +1,1 @@
+"""Examples of a user's own code for runner specs (see README "Bring your own model")."""

@@ -1,0 +1,173 @@
+"""``runner diff A B``: what differs between two runs or spec files: spec keys, git commits, environment.
+
+A side is a run id (its stored resolved spec and the provenance tags it recorded) or a spec file
+(loaded with every default, with the git state of its repository and this machine's environment
+now). Spec keys are compared as runs log them (the keys that apply); a key that applies on one
+side only (another mode's option) is left out, the mode itself shows. Only differences are
+printed; a section without any says ``same``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.spec.wording import show
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
+
+ABSENT = "(absent)"
+_ENV_TAGS = {
+    "torch": "runner.torch_version",
+    "cuda": "runner.cuda_version",
+    "devices": "runner.devices",
+    "world size": "runner.world_size",
+    "accelerator": "runner.accelerator",
+    "host": "runner.hostname",
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a diff.
+
+    Attributes:
+        label: ``run <id> (<name>)`` or ``spec <path>``.
+        spec: The keys of the spec that apply (dotted key -> value), as a run logs them as params.
+        inactive: The keys that do not apply to it (another mode's options, ...).
+        git: ``commit`` and ``dirty`` of the code (``?`` when unknown).
+        environment: torch and CUDA versions, devices, world size, accelerator, host.
+    """
+
+    label: str
+    spec: dict[str, Any]
+    inactive: frozenset[str] = frozenset()
+    git: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def _spec_keys(spec: ExperimentSpec) -> tuple[dict[str, Any], frozenset[str]]:
+    from runner.spec.active import active_params, inactive_keys
+
+    return active_params(spec), frozenset(inactive_keys(spec))
+
+
+def side_of(arg: str, tracking_uri: str | None = None) -> Side:
+    """A spec file when ``arg`` names an existing file, else a run id looked up at the store.
+
+    Raises:
+        UsageError: Neither an existing file nor a run of the store (the message names the store).
+        SpecError: The spec file (or a run's stored spec) does not validate.
+    """
+    from runner.spec.loading import load_spec
+    from runner.tracking.stored import read_stored_run, store_uri
+
+    path = Path(arg)
+    if path.is_file():
+        return _spec_side(load_spec(path))
+    if path.suffix == ".toml":
+        from runner.errors import UsageError
+
+        raise UsageError(f"{arg}: spec file not found (give a spec file or a run id)")
+    stored = read_stored_run(store_uri(tracking_uri), arg)
+    tags = stored.tags
+    git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
+    environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}
+    label = f"run {stored.run_id}" + (f" ({stored.run_name})" if stored.run_name else "")
+    return Side(label, *_spec_keys(stored.loaded().spec), git, environment)
+
+
+def _spec_side(loaded: LoadedSpec) -> Side:
+    """A spec file now: its flattened spec, its repository's git state, this machine's environment."""
+    import socket
+
+    import torch
+
+    from runner.errors import DeviceError
+    from runner.plan import make_plan
+    from runner.tracking.gitinfo import git_info
+
+    info = git_info(loaded.path)
+    git = {
+        "commit": (info.commit or "?") if info else "?",
+        "dirty": ("true" if info.dirty else "false") if info else "?",
+    }
+    environment = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda or "none")}
+    try:
+        devices = make_plan(loaded).devices
+        environment.update(
+            devices=", ".join(devices.names) or "cpu",
+            **{"world size": str(devices.world_size), "accelerator": devices.accelerator},
+        )
+    except DeviceError as exc:
+        environment["devices"] = f"cannot run here ({exc.message})"
+    environment["host"] = socket.gethostname()
+    words = " ".join(loaded.command_line())
+    return Side(f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec), git, environment)
+
+
+def diff_sides(a: Side, b: Side) -> dict[str, Any]:
+    """The differences of two sides.
+
+    Returns:
+        ``{"a": label, "b": label, "spec": {key: [a, b]}, "commits": [a, b], "git": {...},
+        "environment": {...}}``: ``commits`` names both sides' code (``1a2b3c4d5e6f dirty``); the
+        other sections hold only the entries that differ (a key missing on one side is ``"(absent)"``).
+    """
+    inert = {
+        k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
+    }
+    return {
+        "a": a.label,
+        "b": b.label,
+        "spec": _differing(a.spec, b.spec, skip=inert),
+        "commits": [_git_text(a.git), _git_text(b.git)],
+        "git": _differing(a.git, b.git),
+        "environment": _differing(a.environment, b.environment, unknown="?"),
+    }
+
+
+def _differing(
+    a: dict[str, Any], b: dict[str, Any], unknown: str | None = None, skip: set[str] | None = None
+) -> dict[str, list[Any]]:
+    """Keys whose values differ; ``skip``: keys that apply on one side only (another mode's options)."""
+    out: dict[str, list[Any]] = {}
+    for key in [*a, *(k for k in b if k not in a)]:
+        left, right = a.get(key, ABSENT), b.get(key, ABSENT)
+        if left != right and unknown not in (left, right) and key not in (skip or set()):
+            out[key] = [left, right]
+    return out
+
+
+def format_diff(result: dict[str, Any]) -> str:
+    """The differences as text: the two sides, then spec keys, git and environment, each as a table."""
+    lines = [f"A: {result['a']}", f"B: {result['b']}"]
+    same = "same" if not result["git"] else "differ"
+    lines.append(f"commits: A {result['commits'][0]}, B {result['commits'][1]} ({same})")
+    for title in ("spec", "git", "environment"):
+        rows = result[title]
+        if not rows:
+            lines.append(f"{title}: same")
+            continue
+        lines.append(f"{title}: {len(rows)} difference(s)")
+        width = max(len(k) for k in rows)
+        shown = {k: [_text(v) for v in pair] for k, pair in rows.items()}
+        left = max(len(pair[0]) for pair in shown.values())
+        lines += [f"  {k:<{width}}  {pair[0]:<{left}}  {pair[1]}" for k, pair in shown.items()]
+    return "\n".join(lines)
+
+
+def _git_text(git: dict[str, str]) -> str:
+    """``1a2b3c4d5e6f dirty``, ``1a2b3c4d5e6f clean`` or ``no git commit``."""
+    commit = git.get("commit", "?")
+    if commit == "?":
+        return "no git commit"
+    state = {"true": " dirty", "false": " clean"}.get(git.get("dirty", "?"), "")
+    return f"{commit[:12]}{state}"
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else show(value)

@@ -1,0 +1,156 @@
+"""A run read back from MLflow: its status, tags and the resolved spec runner stored with it.
+
+``runner resume``, ``runner reproduce`` and ``runner diff`` start from a run id alone: the spec a
+run trained with is its artifact ``spec/resolved.toml`` (every default written out, paths absolute),
+and ``spec/plan.json`` names the spec file it came from. mlflow is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.errors import UsageError
+from runner.tracking.spec_record import PLAN, RESOLVED
+from runner.tracking.uri import absolute_uri, check_reachable, default_tracking_uri, local_store_missing
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """What runner recorded about one run.
+
+    Attributes:
+        run_id: The MLflow run id.
+        uri: The tracking URI it was read from.
+        status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
+        run_name: Its display name.
+        experiment_id: Its MLflow experiment.
+        tags: Every tag of the run (git commit and dirty state, torch version, devices, ...).
+        resolved_text: The artifact ``spec/resolved.toml``.
+        spec_path: The spec file the run was started from (absolute; it may be gone).
+        plan: The artifact ``spec/plan.json`` (empty when missing).
+    """
+
+    run_id: str
+    uri: str
+    status: str
+    run_name: str
+    experiment_id: str
+    tags: dict[str, str]
+    resolved_text: str
+    spec_path: Path
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def loaded(self) -> LoadedSpec:
+        """The stored spec, validated; factory imports are taken from the original spec's folder.
+
+        Raises:
+            SpecError: The stored text no longer validates (e.g. written by another version of runner).
+        """
+        from runner.spec.loading import load_resolved_text
+
+        return load_resolved_text(self.resolved_text, self.spec_path, f"run {self.run_id}: {RESOLVED}")
+
+
+def store_uri(given: str | None) -> str:
+    """The store to read a run id from: ``--tracking-uri`` (made absolute), else :func:`default_tracking_uri`."""
+    return absolute_uri(given) if given else default_tracking_uri()
+
+
+def read_stored_run(uri: str, run_id: str) -> StoredRun:
+    """Read run ``run_id`` and the spec runner stored with it.
+
+    Args:
+        uri: Absolute tracking URI.
+        run_id: The run.
+
+    Returns:
+        The :class:`StoredRun`.
+
+    Raises:
+        TrackingError: The store cannot be reached.
+        UsageError: No such run at ``uri`` (or a deleted one), or a run without ``spec/resolved.toml``
+            (not started by ``runner exec``); the message names the run and the store.
+    """
+    from mlflow.tracking import MlflowClient
+
+    where = f"at {uri}"
+    if local_store_missing(uri):
+        raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {_store_hint()}")
+    check_reachable(uri)
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+    except Exception:
+        run = None
+    if run is None or run.info.lifecycle_stage == "deleted":
+        raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {_store_hint()}")
+    texts = _download_texts(client, run_id, (RESOLVED, PLAN))
+    if RESOLVED not in texts:
+        raise UsageError(
+            f"run {run_id} {where} has no spec stored by runner (artifact {RESOLVED}): "
+            "it was not started by `runner exec`, so there is nothing to continue or repeat"
+        )
+    plan = _json_object(texts.get(PLAN, ""))
+    spec_path = Path(str(plan.get("spec") or run.data.tags.get("runner.spec.path") or "spec.toml"))
+    return StoredRun(
+        run_id=run_id,
+        uri=uri,
+        status=str(run.info.status),
+        run_name=str(run.info.run_name or ""),
+        experiment_id=str(run.info.experiment_id),
+        tags=dict(run.data.tags),
+        resolved_text=texts[RESOLVED],
+        spec_path=spec_path if spec_path.is_absolute() else Path.cwd() / spec_path,
+        plan=plan,
+    )
+
+
+def _store_hint() -> str:
+    return "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
+
+
+def _download_texts(client: Any, run_id: str, paths: tuple[str, ...]) -> dict[str, str]:
+    """The artifacts of ``paths`` that exist, as text."""
+    out: dict[str, str] = {}
+    quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # a few small texts: no progress bars
+    with tempfile.TemporaryDirectory(prefix="runner-stored-") as tmp, _environment(quiet):
+        for path in paths:
+            try:
+                local = client.download_artifacts(run_id, path, tmp)
+                out[path] = Path(local).read_text(encoding="utf-8")
+            except Exception:
+                continue
+    return out
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration, then put the previous values back."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,194 @@
+"""The model's side of a step: move a batch to the devices, call forward, pick the prediction and the loss it returned.
+
+The contract (docs/design.md §13, README "Bring your own model"):
+
+* a batch is an ``(x, y)`` pair or a dict of tensors (``data.target`` names the target key);
+  every tensor is moved to the strategy's input device, the target also to its output device;
+* forward is called as ``model(x)`` or ``model(**inputs)`` (a dict batch without its target key),
+  and with ``loss.name = "model"`` as ``model(x, y)`` or ``model(**batch)`` (the target included);
+* forward returns a tensor (the prediction), or a dict, dataclass, named tuple, tuple or list out
+  of which ``model.output`` picks the prediction (a key, attribute or index); with
+  ``loss.name = "model"`` it returns the loss (a scalar tensor) or an object with a ``loss`` entry
+  (a key or attribute, as Hugging Face models do).
+
+A mistake that only shows when forward has run raises :class:`~runner.errors.TrainingError`
+naming the spec key that fixes it (exit 1, the run FAILED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from runner.errors import TrainingError
+from runner.training.models import spec_issue
+
+if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
+    from runner.training.data import DatasetInfo
+
+
+@dataclass
+class Batch:
+    """One micro-batch on its devices.
+
+    Attributes:
+        inputs: What forward gets: a tensor ``x (B, ...)`` (a tuple ``(x, y)`` with a model-computed
+            loss), or a dict of keyword arguments.
+        target: The target ``(B, ...)`` on the output device, or ``None`` (a dict batch without
+            ``data.target``).
+        size: Samples ``B`` (the length of the first dimension).
+    """
+
+    inputs: Any
+    target: torch.Tensor | None
+    size: int
+
+
+def describe(value: Any) -> str:
+    """What forward returned, in words: ``a dict with keys ['loss', 'logits']``, ``a tensor of shape [8, 3]``."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {[str(k) for k in value]}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"a dataclass {type(value).__name__} with fields {[f.name for f in dataclasses.fields(value)]}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+class BatchIO:
+    """How batches reach the model and what is taken out of its output (the contract in the module docstring).
+
+    Args:
+        target_key: ``data.target``, or ``None`` for ``(x, y)`` batches.
+        output: ``model.output``: key, attribute or index of the prediction; ``None``: the output itself.
+        model_loss: ``loss.name == "model"``: forward also gets the target and returns the loss.
+    """
+
+    def __init__(self, target_key: str | None, output: str | int | None, model_loss: bool) -> None:
+        self.target_key = target_key
+        self.output = output
+        self.model_loss = model_loss
+
+    def prepare(self, batch: Any, device: torch.device, output_device: torch.device) -> Batch:
+        """Move a collated batch to the devices: inputs to ``device``, the target to ``output_device``."""
+        if isinstance(batch, Mapping):
+            moved = {k: _to(v, device) for k, v in batch.items()}
+            target = moved.get(self.target_key) if self.target_key is not None else None
+            target = target.to(output_device, non_blocking=True) if isinstance(target, torch.Tensor) else None
+            inputs = moved if self.model_loss else {k: v for k, v in moved.items() if k != self.target_key}
+            return Batch(inputs, target, _length(target if target is not None else moved))
+        x, y = batch
+        x_in = _to(x, device)
+        pair = (x_in, y.to(device, non_blocking=True)) if self.model_loss else x_in
+        return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
+
+    def forward(self, model: nn.Module, batch: Batch) -> Any:
+        """Call the model on the batch as the contract says; returns what forward returned."""
+        if isinstance(batch.inputs, dict):
+            return model(**batch.inputs)
+        if self.model_loss:
+            return model(*batch.inputs)
+        return model(batch.inputs)
+
+    def prediction(self, out: Any) -> torch.Tensor:
+        """The prediction in ``out`` (``model.output`` picks it out of a container).
+
+        Raises:
+            TrainingError: ``out`` is not a tensor and ``model.output`` is unset, or names no entry
+                of ``out``, or the entry is not a tensor; the message says what forward returned.
+        """
+        if self.output is None:
+            if isinstance(out, torch.Tensor) and not (self.model_loss and out.dim() == 0):
+                return out
+            example = '"logits"' if isinstance(out, Mapping) or dataclasses.is_dataclass(out) else "0"
+            raise TrainingError(
+                f"model.output: forward returned {describe(out)}; set model.output to the entry that holds the "
+                f"prediction, e.g. model.output = {example} (runner computes the loss and metrics on it)"
+            )
+        found = _entry(out, self.output)
+        if found is _MISSING:
+            raise TrainingError(
+                f"model.output: forward returned {describe(out)}, which has no entry {self.output!r}: "
+                "set model.output to one of its keys, attributes or indices"
+            )
+        if not isinstance(found, torch.Tensor):
+            raise TrainingError(
+                f"model.output: entry {self.output!r} of forward's output is {describe(found)}, not a tensor: "
+                "point model.output at the prediction"
+            )
+        return found
+
+    def loss_of(self, out: Any) -> torch.Tensor:
+        """The loss a model computed (``loss.name = "model"``): ``out`` itself or its ``loss`` entry, a scalar.
+
+        Raises:
+            TrainingError: Forward returned no loss, or one that is not a scalar tensor.
+        """
+        loss = out if isinstance(out, torch.Tensor) else _entry(out, "loss")
+        if loss is _MISSING or not isinstance(loss, torch.Tensor):
+            raise TrainingError(
+                f'loss.name: with loss.name = "model" forward must return the loss (a scalar tensor) or an object '
+                f"with a loss entry (a key or attribute), but it returned {describe(out)}: compute the loss in "
+                'forward from the targets it is given, or choose a loss by name (e.g. loss.name = "cross_entropy")'
+            )
+        if loss.numel() != 1:
+            raise TrainingError(
+                f'loss.name: with loss.name = "model" the loss must be a scalar (the mean over the batch), '
+                f"but forward returned a loss of shape {list(loss.shape)}"
+            )
+        return loss.reshape(())
+
+
+_MISSING = object()
+
+
+def check_target(info: DatasetInfo, spec: ExperimentSpec, *, needs: bool) -> None:
+    """Dict samples need ``data.target`` when the loss (computed by runner) or the metrics need the target.
+
+    Raises:
+        SpecError: (``data.target``) naming the keys of the samples.
+    """
+    if info.keys and spec.data.target is None and needs:
+        raise spec_issue(
+            "data.target",
+            f"{info.name} yields dicts with keys {list(info.keys)}, and loss.name = {spec.loss.name!r} or the "
+            'metrics need the target: set data.target to its key, e.g. data.target = "labels"',
+        )
+
+
+def _entry(out: Any, key: str | int) -> Any:
+    """``out[key]`` of a mapping or sequence, or ``getattr(out, key)``; ``_MISSING`` when there is none."""
+    if isinstance(out, Mapping):
+        return out.get(key, _MISSING) if isinstance(key, str) else _MISSING
+    if isinstance(key, int):
+        if isinstance(out, (tuple, list)) and -len(out) <= key < len(out):
+            return out[key]
+        return _MISSING
+    return getattr(out, key, _MISSING) if not isinstance(out, torch.Tensor) else _MISSING
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _length(value: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else 1
+    if isinstance(value, Mapping):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                return _length(item)
+    raise TrainingError("data.dataset: a dict batch holds no tensor, so its number of samples is unknown")

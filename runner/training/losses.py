@@ -1,0 +1,162 @@
+"""Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each summed over samples.
+
+Every loss here returns the SUM of the per-sample losses of one micro-batch; the loop divides
+by the samples of the whole optimizer step (docs/design.md §3), so ``none``, ``dp`` and ``ddp``
+give the gradient of the same global mean:
+
+* built-in losses run with ``reduction="sum"``; an elementwise loss (``mse``, ``l1``,
+  ``smooth_l1``, ``bce_with_logits``) is divided by the values per sample, so one sample counts
+  as the mean of its values, as with torch's ``reduction="mean"``;
+* a model-computed loss (``loss.name = "model"``) and a custom function return the MEAN over
+  their micro-batch; runner multiplies it by the micro-batch's sample count, so a micro-batch
+  weighs what its samples do. This is exact when the mean is a plain mean over samples.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from runner.errors import TrainingError
+from runner.training.models import resolve_factory, spec_issue
+
+if TYPE_CHECKING:
+    from runner.spec.objectives import LossSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.training.batches import Batch, BatchIO
+
+PER_SAMPLE: dict[str, type[nn.Module]] = {"cross_entropy": nn.CrossEntropyLoss, "nll": nn.NLLLoss}
+ELEMENTWISE: dict[str, type[nn.Module]] = {
+    "mse": nn.MSELoss,
+    "l1": nn.L1Loss,
+    "smooth_l1": nn.SmoothL1Loss,
+    "bce_with_logits": nn.BCEWithLogitsLoss,
+}
+_TENSOR_KWARGS = ("weight", "pos_weight")  # TOML lists that torch wants as tensors
+
+
+class Loss:
+    """A loss as the loop calls it: ``loss(out, batch, io)`` is the sum over the micro-batch's samples.
+
+    Args:
+        name: ``loss.name``.
+    """
+
+    needs_target = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+        """Sum of the per-sample losses of ``batch``: a float32 scalar on the output device."""
+        raise NotImplementedError
+
+
+class BuiltinLoss(Loss):
+    """A torch.nn loss with ``reduction="sum"`` on the prediction ``model.output`` selects."""
+
+    def __init__(self, name: str, criterion: nn.Module) -> None:
+        super().__init__(name)
+        self.criterion = criterion
+        self.elementwise = name in ELEMENTWISE
+
+    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+        pred = io.prediction(out).float()
+        target = batch.target
+        assert target is not None  # build_loss refuses dict batches without data.target
+        if not self.elementwise:
+            return self.criterion(pred, target)
+        if pred.numel() != target.numel():
+            raise TrainingError(
+                f"loss.name: {self.name} compares the prediction with the target value by value, but forward gave "
+                f"{list(pred.shape)} for a target of {list(target.shape)}: make the model return as many values as "
+                "the target (for the built-in mlp: model.kwargs.num_classes = 1 for one regression target)"
+            )
+        total = self.criterion(pred, target.to(pred.dtype).reshape(pred.shape))
+        per_sample = pred.numel() // max(1, batch.size)
+        return total / per_sample if per_sample > 1 else total
+
+
+class ModelLoss(Loss):
+    """``loss.name = "model"``: forward returned the mean loss of its batch; weighted by the batch's samples."""
+
+    needs_target = False
+
+    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+        return io.loss_of(out).float() * batch.size
+
+
+class FunctionLoss(Loss):
+    """``loss.name = "pkg.module:function"``: ``function(prediction, target, **kwargs)`` returns the batch mean."""
+
+    def __init__(self, name: str, function: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        super().__init__(name)
+        self.function = function
+        self.kwargs = kwargs
+
+    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+        value = self.function(io.prediction(out), batch.target, **self.kwargs)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TrainingError(
+                f"loss.name: {self.name!r} returned {got}; a loss function must return the mean loss over the "
+                "samples it got, a scalar tensor (e.g. reduce with .mean())"
+            )
+        return value.float().reshape(()) * batch.size
+
+
+def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
+    """Build the loss of ``[loss]``.
+
+    Args:
+        loss_spec: The ``[loss]`` table.
+        spec_dir: Spec folder, for ``pkg.module:function`` names.
+
+    Returns:
+        The :class:`Loss`.
+
+    Raises:
+        SpecError: A function that cannot be imported (``loss.name``), or kwargs the loss does not take
+            (``loss.kwargs``, with its signature).
+    """
+    name = loss_spec.name
+    if name == "model":
+        return ModelLoss(name)
+    kwargs = {
+        k: torch.as_tensor(v, dtype=torch.float32) if k in _TENSOR_KWARGS else v for k, v in loss_spec.kwargs.items()
+    }
+    if name in PER_SAMPLE or name in ELEMENTWISE:
+        cls = PER_SAMPLE.get(name) or ELEMENTWISE[name]
+        try:
+            return BuiltinLoss(name, cls(reduction="sum", **kwargs))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise spec_issue("loss.kwargs", f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {exc}") from None
+    function = resolve_factory(name, spec_dir, "loss.name")
+    try:
+        inspect.signature(function).bind(None, None, **kwargs)
+    except TypeError as exc:
+        raise spec_issue(
+            "loss.kwargs",
+            f"{name!r} cannot be called as function(prediction, target, **loss.kwargs): {exc}; "
+            f"signature: {getattr(function, '__name__', 'function')}{inspect.signature(function)}",
+        ) from None
+    except ValueError:  # no signature (a builtin or C function): the call will tell
+        pass
+    return FunctionLoss(name, function, kwargs)
+
+
+def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
+    """Check before the MLflow run exists that ``[loss]`` builds and every ``[metrics]`` factory imports.
+
+    Raises:
+        SpecError: As :func:`build_loss` and :func:`runner.training.metrics.check_metric_names`.
+    """
+    from runner.training.metrics import check_metric_names
+
+    build_loss(spec.loss, spec_dir)
+    check_metric_names(spec, spec_dir)

@@ -1,0 +1,378 @@
+"""Dataset sources: turn each ``data.dataset`` name into datasets (split and info: :mod:`runner.training.data`).
+
+Sources: ``sklearn.digits`` and ``sklearn.diabetes`` (shipped with scikit-learn, in memory),
+``synthetic``, ``torchvision.<Name>``, ``imagefolder`` and ``pkg.module:factory``;
+:mod:`runner.training.data` describes what each yields.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
+from runner.training.models import resolve_factory, spec_issue
+
+BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
+IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
+_NOT_DATASETS = {"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"}
+
+
+class TensorPairDataset(Dataset):
+    """In-memory dataset of ``x[i], y[i]`` with batched fetching (``__getitems__``).
+
+    Args:
+        x: Samples, shape ``(N, *input_shape)``, float32.
+        y: Targets, shape ``(N, ...)``: int64 class indices, or float32 regression targets.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        if len(x) != len(y):
+            raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+        self.x = x
+        self.y = y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return list(zip(self.x[idx].unbind(0), self.y[idx].unbind(0), strict=False))
+
+    def subset(self, indices: Sequence[int]) -> TensorPairDataset:
+        """Return the samples at ``indices`` as a new in-memory dataset."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        return TensorPairDataset(self.x[idx], self.y[idx])
+
+
+class ImageTransform:
+    """PIL image -> float32 tensor in [0, 1], optionally resized and channel-repeated.
+
+    Args:
+        image_size: Resize to ``image_size x image_size`` (bilinear, antialiased), or ``None``.
+        num_channels: Repeat a 1-channel image to this many channels, or ``None``.
+    """
+
+    def __init__(self, image_size: int | None, num_channels: int | None):
+        self.image_size = image_size
+        self.num_channels = num_channels
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as TF
+
+        x = TF.to_dtype(TF.to_image(image), torch.float32, scale=True)
+        if self.image_size is not None:
+            x = TF.resize(x, [self.image_size, self.image_size], antialias=True)
+        x = x.as_subclass(torch.Tensor)
+        if self.num_channels is not None and x.shape[0] != self.num_channels:
+            if x.shape[0] != 1:
+                raise ValueError(f"cannot turn {x.shape[0]}-channel images into {self.num_channels} channels")
+            x = x.expand(self.num_channels, *x.shape[1:]).contiguous()
+        return x
+
+
+def to_long(y: Any) -> torch.Tensor:
+    """Return label ``y`` as an int64 scalar tensor."""
+    return torch.as_tensor(y, dtype=torch.long)
+
+
+def _check_kwargs(dataset: str, kwargs: dict[str, Any], allowed: Sequence[str]) -> None:
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        choices = ", ".join(allowed) or "none"
+        raise spec_issue("data.kwargs", f"{dataset} does not take {unknown} (accepted: {choices})")
+
+
+def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_channels: int | None) -> torch.Tensor:
+    """Resize ``(N, C, H, W)`` tensors once (bilinear) and repeat a single channel ``num_channels`` times."""
+    if (image_size is not None or num_channels is not None) and x.dim() != 4:
+        raise spec_issue(
+            "data.image_size" if image_size is not None else "data.num_channels",
+            f"{dataset} samples have shape {list(x.shape[1:])}, not images (C, H, W): remove the option",
+        )
+    if image_size is not None and tuple(x.shape[2:]) != (image_size, image_size):
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    if num_channels is not None and x.shape[1] != num_channels:
+        if x.shape[1] != 1:
+            raise spec_issue(
+                "data.num_channels", f"can only repeat 1-channel images, but {dataset} has {x.shape[1]} channels"
+            )
+        x = x.expand(-1, num_channels, -1, -1)
+    return x
+
+
+def _digits(data: Any) -> tuple[TensorPairDataset, tuple[float, float] | None]:
+    """The digits as ``(N, 1, 8, 8)`` pixels in [0, 1], resized, normalised; with the ``(mean, std)`` used."""
+    from sklearn.datasets import load_digits
+
+    _check_kwargs("sklearn.digits", data.kwargs, ["normalize"])
+    normalize = data.kwargs.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise spec_issue("data.kwargs", f"normalize must be true or false, got {normalize!r}")
+    bunch = load_digits()
+    x = torch.as_tensor(bunch.images, dtype=torch.float32).div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8), [0, 1]
+    y = torch.as_tensor(bunch.target, dtype=torch.long)
+    x = _shape_images(x, data.dataset, data.image_size, None)
+    stats = None
+    if normalize:
+        mean, std = x.mean(), x.std()
+        x = (x - mean) / std
+        stats = (float(mean), float(std))
+    x = _shape_images(x, data.dataset, None, data.num_channels)
+    return TensorPairDataset(x.contiguous(), y), stats
+
+
+def _diabetes(data: Any) -> TensorPairDataset:
+    from sklearn.datasets import load_diabetes
+
+    _check_kwargs("sklearn.diabetes", data.kwargs, ["standardize"])
+    standardize = data.kwargs.get("standardize", True)
+    if not isinstance(standardize, bool):
+        raise spec_issue("data.kwargs", f"standardize must be true or false, got {standardize!r}")
+    bunch = load_diabetes(scaled=False)  # raw units: age in years, sex 1/2, BMI, blood pressure, six serum values
+    x = torch.as_tensor(bunch.data, dtype=torch.float32)  # (442, 10)
+    if standardize:
+        x = (x - x.mean(dim=0)) / x.std(dim=0)
+    y = torch.as_tensor(bunch.target, dtype=torch.float32)  # (442,): disease progression after one year, 25..346
+    return TensorPairDataset(x.contiguous(), y)
+
+
+def _synthetic(data: Any, seed: int) -> TensorPairDataset:
+    _check_kwargs("synthetic", data.kwargs, [])
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(data.input_shape)
+    x = torch.randn(data.num_samples, *shape, generator=g)
+    teacher = torch.randn(math.prod(shape), data.num_classes, generator=g)
+    y = (x.flatten(1) @ teacher).argmax(dim=1)
+    x = _shape_images(x, data.dataset, data.image_size, data.num_channels)
+    return TensorPairDataset(x.contiguous(), y)
+
+
+def _root(data: Any, spec_dir: Path | str | None) -> Path:
+    root = Path(data.root).expanduser()
+    if not root.is_absolute() and spec_dir is not None:
+        root = Path(spec_dir) / root
+    return root.resolve()
+
+
+def torchvision_dataset_names() -> list[str]:
+    """Return ``torchvision.<Name>`` for every dataset class in ``torchvision.datasets``."""
+    import torchvision.datasets as tvd
+
+    return [
+        f"torchvision.{n}" for n in tvd.__all__ if n not in _NOT_DATASETS and inspect.isclass(getattr(tvd, n, None))
+    ]
+
+
+def _unknown_dataset(name: str) -> Exception:
+    choices = list(BUILTIN_DATASETS) + torchvision_dataset_names()
+    hint = did_you_mean(name, choices, n=3)  # ignoring case, suggesting the real spelling
+    if name.lower().startswith("torchvision.") or not hint:  # compare class names, not the shared prefix
+        bare = {c.removeprefix("torchvision."): c for c in choices if c.startswith("torchvision.")}
+        hint = did_you_mean(name.lower().removeprefix("torchvision."), bare, n=3)
+    return spec_issue(
+        "data.dataset",
+        with_hint(f"unknown dataset {name!r}", hint) + f'; use {", ".join(BUILTIN_DATASETS)}, "torchvision.<Name>" '
+        '(a class of torchvision.datasets, e.g. torchvision.MNIST) or "pkg.module:factory"',
+    )
+
+
+def _expected_path(cls: type, root: Path) -> Path:
+    if isinstance(getattr(cls, "raw_folder", None), property):  # MNIST family
+        return root / cls.__name__ / "raw"
+    base = getattr(cls, "base_folder", None)
+    return root / base if isinstance(base, str) else root
+
+
+def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
+    import torchvision.datasets as tvd
+
+    cls_name = data.dataset[len("torchvision.") :]
+    cls: Any = getattr(tvd, cls_name, None)
+    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+        raise _unknown_dataset(data.dataset)
+    root = _root(data, spec_dir)
+    kwargs = dict(data.kwargs)
+    params = inspect.signature(cls).parameters
+    if "train" in params:
+        kwargs.setdefault("train", True)
+    elif "split" in params:
+        kwargs.setdefault("split", "train")
+    if "download" in params:
+        kwargs["download"] = data.download
+    transform = ImageTransform(data.image_size, data.num_channels)
+    try:
+        dataset_class: Any = cls  # a VisionDataset subclass: takes root, transform, target_transform
+        return dataset_class(str(root), transform=transform, target_transform=to_long, **kwargs)
+    except TypeError as exc:
+        raise spec_issue(
+            "data.kwargs",
+            f"{data.dataset} rejected kwargs {data.kwargs}: {exc}; signature: {cls_name}{inspect.signature(cls)}",
+        ) from None
+    except (RuntimeError, OSError) as exc:
+        expected = _expected_path(cls, root)
+        if data.download:
+            raise spec_issue(
+                "data.root",
+                f"{data.dataset} could not be downloaded into {root}: {exc}; "
+                f"copy the files to {expected} and set download = false",
+            ) from None
+        raise spec_issue(
+            "data.root",
+            f"{data.dataset} files not found under {root} (expected {expected}; {exc}): set data.download = true once "
+            f"to fetch them, or copy the files to {expected}",
+        ) from None
+
+
+def _imagefolder(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None]:
+    from torchvision.datasets import ImageFolder
+
+    root = _root(data, spec_dir)
+    train_dir, val_dir = root / "train", root / "val"
+    if not train_dir.is_dir():
+        raise spec_issue(
+            "data.root",
+            f"imagefolder expects {train_dir}/<class>/<image> (and optionally {val_dir}/<class>/<image>), "
+            f"but {train_dir} is not a folder: point data.root at the folder that holds train/",
+        )
+    transform = ImageTransform(data.image_size, data.num_channels)
+
+    def load(folder: Path) -> ImageFolder:
+        try:
+            return ImageFolder(str(folder), transform=transform, target_transform=to_long, **data.kwargs)
+        except TypeError as exc:
+            raise spec_issue("data.kwargs", f"imagefolder rejected kwargs {data.kwargs}: {exc}") from None
+        except (FileNotFoundError, OSError) as exc:
+            raise spec_issue("data.root", f"imagefolder cannot read {folder}: {exc}") from None
+
+    train = load(train_dir)
+    if not val_dir.is_dir():
+        return train, None
+    val = load(val_dir)
+    if val.class_to_idx != train.class_to_idx:
+        raise spec_issue(
+            "data.root",
+            f"{val_dir} has classes {sorted(val.class_to_idx)} but {train_dir} has "
+            f"{sorted(train.class_to_idx)}: use the same class folders",
+        )
+    return train, val
+
+
+def _factory(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
+    factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
+    try:
+        result = factory(**data.kwargs)
+    except TypeError as exc:
+        raise spec_issue(
+            "data.kwargs", f"{data.dataset!r} rejected kwargs {data.kwargs}: {exc}; signature: {_sig(factory)}"
+        ) from None
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        train, val = result
+        if not _is_dataset(train) or not (val is None or _is_dataset(val)):
+            raise spec_issue("data.dataset", f"{data.dataset!r} returned a pair that is not (Dataset, Dataset | None)")
+        return train, val, True
+    if not _is_dataset(result):
+        raise spec_issue(
+            "data.dataset",
+            f"{data.dataset!r} returned a {type(result).__name__}, not a Dataset or a (train, val) tuple",
+        )
+    return result, None, False
+
+
+def _sig(fn: Any) -> str:
+    try:
+        return f"{getattr(fn, '__name__', 'factory')}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _is_dataset(obj: Any) -> bool:
+    if isinstance(obj, Dataset):
+        return True
+    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict))
+
+
+def load_source(
+    data: Any, spec_dir: Path | str | None
+) -> tuple[Dataset, Dataset | None, bool, tuple[float, float] | None]:
+    """Build the datasets ``data.dataset`` names.
+
+    Args:
+        data: The ``[data]`` table (``data.split_seed`` seeds the synthetic teacher).
+        spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
+
+    Returns:
+        ``(train, val, explicit, normalization)``: ``val`` is the source's own validation set when
+        ``explicit`` (imagefolder's ``val/``, a factory's ``(train, val)``), else ``None`` (split
+        from train); ``normalization`` is the ``(mean, std)`` the inputs were normalised with, or ``None``.
+
+    Raises:
+        SpecError: See :func:`runner.training.data.build_datasets`.
+    """
+    name = data.dataset
+    if name == "sklearn.digits":
+        digits, stats = _digits(data)
+        return digits, None, False, stats
+    if name == "sklearn.diabetes":
+        return _diabetes(data), None, False, None
+    if name == "synthetic":
+        return _synthetic(data, data.split_seed), None, False, None
+    if name == "imagefolder":
+        train, val = _imagefolder(data, spec_dir)
+        return train, val, val is not None, None
+    if ":" in name:
+        return (*_factory(data, spec_dir), None)
+    if name.startswith("torchvision."):
+        return _torchvision(data, spec_dir), None, False, None
+    raise _unknown_dataset(name)
+
+
+def source_text(data: Any, spec_dir: Path | str | None) -> str:
+    """Where the samples are read from, for the run's dataset inputs."""
+    if data.dataset == "sklearn.digits":
+        return "sklearn.datasets.load_digits"
+    if data.dataset == "sklearn.diabetes":
+        return "sklearn.datasets.load_diabetes"
+    if data.root is not None and (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")):
+        return str(_root(data, spec_dir))
+    return str(data.dataset)
+
+
+def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
+    """The class or factory that builds ``data.dataset`` from files, found without calling it.
+
+    Args:
+        name: ``data.dataset``.
+        spec_dir: Folder of the spec file (factory imports are relative to it).
+
+    Returns:
+        A ``torchvision.datasets`` class, a ``pkg.module:factory`` callable, ``ImageFolder`` for
+        ``imagefolder``, or ``None`` for the in-memory built-ins (:data:`IN_MEMORY`).
+
+    Raises:
+        SpecError: (``data.dataset``) the name is unknown, with a did-you-mean, or the factory cannot be imported.
+    """
+    if name in IN_MEMORY:
+        return None
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "data.dataset")
+    import torchvision.datasets as tvd
+
+    if name == "imagefolder":
+        return tvd.ImageFolder
+    cls_name = name.removeprefix("torchvision.")
+    cls = getattr(tvd, cls_name, None) if name.startswith("torchvision.") else None
+    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+        raise _unknown_dataset(name)
+    return cls
