@@ -91,9 +91,9 @@ def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_s
     assert "cannot tell whether it is alive: continuing" in note
 
 
-def test_a_new_run_records_its_owner(write_spec, store: str) -> None:
-    assert main(["exec", str(write_spec()), "--set", "train.epochs=1"]) == 0
-    client = MlflowClient(store)
+def test_a_new_run_records_its_owner(write_spec, ready_store: str) -> None:
+    assert main(["exec", str(write_spec()), "--set", "train.epochs=1", "--set", f'tracking.uri="{ready_store}"']) == 0
+    client = MlflowClient(ready_store)
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     owner = Owner.from_tags(run.data.tags)
     assert owner is not None and owner.pid == Owner.this_process().pid

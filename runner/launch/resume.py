@@ -139,10 +139,12 @@ def claim_run(uri: str, run_id: str) -> list[str]:
 
     settled = settle(uri, run_id)
     owner = settled.owner
+    sent = settled.sent
+    notes = [f"sent {sent.metrics} metric values its spool kept from before"] if sent and sent.metrics else []
     if settled.status != "RUNNING" and not settled.marked_killed:
-        return []
+        return notes
     if settled.marked_killed and owner is not None:
-        return [f"run {run_id} was left RUNNING by {owner.describe()}, which is gone: marked KILLED"]
+        return [*notes, f"run {run_id} was left RUNNING by {owner.describe()}, which is gone: marked KILLED"]
     if owner is not None and settled.liveness == "alive":
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.start_time))
         raise UsageError(

@@ -68,7 +68,8 @@ class Tracker(Protocol):
         """
 
     def flush(self) -> None:
-        """Block until everything recorded before this call has been sent.
+        """Block until everything recorded before this call has been sent (by a tracker with a spool:
+        sent, or written to the spool while the store does not answer).
 
         Raises:
             TrackingError: Something recorded since the last flush could not be sent (the
