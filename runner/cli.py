@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check specs: keys, types, ranges, cross-field rules (no torch import)")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "--dependents-in",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also check the specs under DIR whose extends chain reaches a FILE; a FILE they extend is "
+        "checked through them (repeatable; the pre-commit hook passes its spec folder)",
+    )
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
@@ -63,9 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", action="store_true", help="also print the resolved spec (TOML, every default)")
     p.set_defaults(func=_plan)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors)")
+    p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors and check-jsonschema)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
     p.add_argument("--markdown", action="store_true", help="print a Markdown reference of every key instead")
+    p.add_argument(
+        "--write",
+        nargs="?",
+        const=".",
+        metavar="DIR",
+        help="write runner.schema.json and .taplo.toml into DIR (default .) and refresh README.md's key reference",
+    )
     p.set_defaults(func=_schema)
 
     _add_exec(sub)
@@ -136,29 +151,36 @@ def _tracking_uri_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sweep(sub: _Commands) -> None:
-    """``runner sweep FILE``: many trials as child runs of one MLflow run."""
-    p = sub.add_parser("sweep", help="run many trials of one spec (grid or random), as child runs of one MLflow run")
+    """``runner sweep FILE``: many trials searched by Optuna, as child runs of one MLflow run, over many workers."""
+    p = sub.add_parser(
+        "sweep", help="search many trials of one spec with Optuna (grid, random, tpe), as child runs of one MLflow run"
+    )
     _spec_args(p)
     p.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="KEY=V1,V2,...",
-        help="grid over dotted KEY with TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)",
+        help="try dotted KEY at these TOML values, e.g. --grid optim.lr=0.1,0.01 (repeatable)",
     )
     p.add_argument(
         "--random",
         action="append",
         default=[],
         metavar="KEY=LOW:HIGH[:log|:int]",
-        help="sample dotted KEY uniformly (or log-uniformly / integers) from a range (repeatable)",
+        help="sample dotted KEY from a range, uniformly, log-uniformly or as integers (repeatable)",
     )
-    p.add_argument("--num-trials", type=int, metavar="N", help="trial budget (required for random sampling)")
-    p.add_argument("--seed", type=int, metavar="S", help="seed of random sampling (default: sweep.seed or 0)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials run at a time (default 1)")
+    p.add_argument("--method", choices=["grid", "random", "tpe"], help="Optuna sampler (default: sweep.method or grid)")
+    p.add_argument(
+        "--trials", "--num-trials", dest="trials", type=int, metavar="N", help="trials in total over all workers"
+    )
+    p.add_argument("--seed", type=int, metavar="S", help="seed of the sampler (default: sweep.seed or 0)")
+    p.add_argument("--pruner", choices=["none", "median", "hyperband"], help="stop poor trials early (default: none)")
+    p.add_argument("--storage", metavar="URL", help="Optuna storage shared by all workers (default: sqlite optuna.db)")
+    p.add_argument("--study", metavar="NAME", help="Optuna study name (default: from the spec and the sweep)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials this worker runs at a time (default 1)")
     p.add_argument("--metric", metavar="NAME", help="metric that ranks trials (default: sweep.metric or val/accuracy)")
     p.add_argument("--mode", choices=["max", "min"], help="whether larger or smaller is better (default: max)")
-    p.add_argument("--resume", metavar="PARENT_RUN_ID", help="continue a sweep: skip trials that already finished")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_sweep)
 
@@ -177,6 +199,12 @@ def _add_bench(sub: _Commands) -> None:
         "--steps", type=int, default=20, metavar="N", help="timed optimizer steps per configuration (default 20)"
     )
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up steps first (default 3)")
+    p.add_argument(
+        "--repeats",
+        default="2:4",
+        metavar="MIN:MAX",
+        help="repeats per configuration: at least MIN, more while its figures are noisy, at most MAX (default 2:4)",
+    )
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_bench)
@@ -230,8 +258,16 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
 def _validate(args: argparse.Namespace) -> int:
     from runner.spec.loading import load_spec
 
+    files: list[Any] = list(args.files)
+    if args.dependents_in:
+        from runner.spec.dependents import plan_validation
+
+        plan = plan_validation(args.files, args.dependents_in)
+        for base, users in plan.bases.items():
+            print(f"base  {base}: checked through {len(users)} spec(s) that extend it")
+        files = list(plan.files)
     status = EXIT_OK
-    for path in args.files:  # every file is checked, so one run reports all bad files
+    for path in files:  # every file is checked, so one run reports all bad files
         try:
             load_spec(path)
             print(f"ok    {path}")
@@ -245,7 +281,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Print the plan first (the resolved spec with ``--spec``); exit 2 with a working fix when it cannot run here."""
     from runner.devices.inventory import probe_inventory
-    from runner.plan import format_plan, plan_or_problem
+    from runner.plan_report import format_plan, plan_or_problem
     from runner.spec.dump import dump_spec
 
     loaded = _load(args)
@@ -262,18 +298,30 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sweep_trials(loaded: LoadedSpec) -> list[str]:
-    """The run names of a spec's sweep trials, as ``runner sweep`` would run them."""
+    """The run names of a spec's sweep trials, as ``runner sweep`` would run them.
+
+    A grid's trials are known before the sweep starts; random and tpe trials are sampled as the
+    study goes, so they are listed by their budget and the space they are drawn from.
+    """
     from runner.spec.locate import locate_keys
     from runner.spec.naming import trial_run_name
-    from runner.tools.sweep_space import build_definition, expand
+    from runner.tools.sweep_define import build_definition
 
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
-    return [trial_run_name(trial.values) for trial in expand(definition)]
+    if definition.method == "grid":
+        return [trial_run_name(point) for point in definition.grid_points()]
+    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key, _ in definition.params)
+    return [f"{definition.trials} trials sampled by {definition.method} from {space}"]
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from runner.spec.reference import json_schema, markdown_reference
+    from runner.spec.editor_schema import json_schema, write_editor_files
+    from runner.spec.reference import markdown_reference
 
+    if args.write is not None:
+        for path in write_editor_files(args.write):
+            print(f"wrote {path}")
+        return EXIT_OK
     text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
@@ -337,20 +385,19 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from runner.tools.sweep import run_sweep
+    from runner.tools.sweep import CommandLine, run_sweep
 
-    report = run_sweep(
-        args.file,
-        _overrides(args),
+    flags = CommandLine(
         grid=args.grid,
         random=args.random,
-        num_trials=args.num_trials,
+        method=args.method,
+        trials=args.trials,
         seed=args.seed,
-        jobs=args.jobs,
         metric=args.metric,
         goal=args.mode,
-        resume=args.resume,
+        pruner=args.pruner,
     )
+    report = run_sweep(args.file, _overrides(args), cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
     return _print_report(report, args.json, f"{report.failed} of {len(report.trials)} trials failed")
 
 
@@ -364,6 +411,7 @@ def _bench(args: argparse.Namespace) -> int:
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
+        repeats=_repeats(args.repeats),
         out_dir=args.out,
     )
     return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
@@ -376,6 +424,15 @@ def _print_report(report: _Report, as_json: bool, failure: str) -> int:
         print(f"runner: {failure}", file=sys.stderr)
         return TrainingError.exit_code
     return EXIT_OK
+
+
+def _repeats(text: str) -> tuple[int, int]:
+    """``"2:5"`` -> ``(2, 5)``; ``"3"`` -> ``(3, 3)``."""
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
 def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:

@@ -2,27 +2,44 @@
 
 Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
 two can never disagree. The launcher's environment is read here, once, through
-:class:`runner.launch.environment.LauncherEnvironment`.
+:class:`runner.launch.environment.LauncherEnvironment`; inside a Slurm job step the layout of
+its tasks is decided here too (docs/design.md §15). What ``runner plan`` prints is
+:mod:`runner.plan_report`.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.launch.environment import LauncherEnvironment
+from runner.launch.environment import LauncherEnvironment, SlurmLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
     from runner.devices.resolve import DevicePlan
-    from runner.errors import DeviceError
     from runner.spec.loading import LoadedSpec
 
 Launch = Literal["in-process", "elastic", "external"]
 RUN_ID_PLACEHOLDER = "<run id>"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The c10d rendezvous of a ddp job that runner's elastic launcher joins.
+
+    Attributes:
+        endpoint: ``host:port`` (``None``: a free port on localhost, for one node).
+        run_id: The rendezvous id every node shares (``parallel.rdzv_id``, or the Slurm job id).
+        nnodes: Nodes of the job.
+        node_rank: This node's rank; node 0 hosts the rendezvous store.
+    """
+
+    endpoint: str | None
+    run_id: str
+    nnodes: int
+    node_rank: int
 
 
 @dataclass(frozen=True)
@@ -36,9 +53,13 @@ class Plan:
         experiment: MLflow experiment name.
         launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
             ``"external"`` (already a worker of torchrun or a scheduler).
-        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``).
+        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
+            for a per-device Slurm task, the worker its Slurm variables make it.
         run_name: The MLflow run name: ``tracking.run_name``, else the default of
             :func:`runner.spec.naming.default_run_name` (``digits-mlp ddp-2 lr=0.05``).
+        rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``;
+            under torchrun, the spec's settings, which torchrun's own replace).
+        slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
     """
 
     loaded: LoadedSpec
@@ -48,6 +69,15 @@ class Plan:
     launch: Launch
     launcher: LauncherEnvironment
     run_name: str = ""
+    rendezvous: Rendezvous | None = None
+    slurm: SlurmLayout | None = None
+
+    @property
+    def owns_run(self) -> bool:
+        """Whether this process creates and ends the run: rank 0 of a launched job, else node 0's launcher."""
+        if self.launch == "external":
+            return self.launcher.is_main
+        return self.rendezvous is None or self.rendezvous.node_rank == 0
 
     @property
     def notes(self) -> list[str]:
@@ -56,7 +86,7 @@ class Plan:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
-        out = _spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name)
+        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name)
         spec = self.loaded.spec
         par = spec.parallel
         out.update(
@@ -67,20 +97,23 @@ class Plan:
                 "notes": self.notes,
             }
         )
-        if par.mode == "ddp":
+        if self.rendezvous is not None:
+            rdzv = self.rendezvous
             out["rendezvous"] = {
                 "backend": "c10d",
-                "endpoint": par.rdzv_endpoint or "localhost:<free port>",
-                "id": par.rdzv_id,
-                "nnodes": par.nnodes,
-                "node_rank": par.node_rank,
+                "endpoint": rdzv.endpoint or "localhost:<free port>",
+                "id": rdzv.run_id,
+                "nnodes": rdzv.nnodes,
+                "node_rank": rdzv.node_rank,
                 "nproc_per_node": self.devices.nproc_per_node,
                 "max_restarts": par.max_restarts,
             }
+        if self.slurm is not None:
+            out["slurm"] = self.slurm.describe()
         return out
 
 
-def _spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str) -> dict[str, Any]:
+def spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str) -> dict[str, Any]:
     """What the spec alone says: name, mode, batch, tracking, checkpoint folder, inactive keys."""
     from runner.spec.active import set_inactive_keys
     from runner.training.checkpoint import default_checkpoint_dir
@@ -102,87 +135,6 @@ def _spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: 
         "inactive": set_inactive_keys(spec),
         "overrides": loaded.command_line(),
     }
-
-
-_LAUNCH_TEXT = {
-    "in-process": "one process",
-    "elastic": "elastic launcher (torchrun machinery)",
-    "external": "already a worker (torchrun / scheduler)",
-}
-
-
-def format_plan(info: dict[str, Any]) -> str:
-    """Human-readable summary of :meth:`Plan.describe` (or :func:`describe_unrunnable`) for ``runner plan``.
-
-    Args:
-        info: What :meth:`Plan.describe` returned, with ``trials`` (a sweep's trial names) when given.
-
-    Returns:
-        One line per fact: run name, mode, devices with their names, world size, batch split,
-        tracking, checkpoint folder, inactive keys, notes, trials; for a spec this machine cannot
-        run, what is missing and the command that runs instead.
-    """
-    lines = [f"plan for {info['spec']}", _row("run name", info.get("run_name") or "(set when the run starts)")]
-    dev = info.get("devices")
-    launch = info.get("launch")
-    lines.append(_row("mode", f"{info['mode']} ({_LAUNCH_TEXT.get(launch, launch)})" if launch else info["mode"]))
-    lines += _device_lines(info, dev) if dev else [_row("devices", info.get("asked", "?"))]
-    if dev:
-        split = " + ".join(str(b) for b in dev["per_device_batch"])
-        accum = f" x {info['grad_accum_steps']} micro-steps" if info["grad_accum_steps"] > 1 else ""
-        lines.append(_row("global batch", f"{info['global_batch_size']} = {split} per device{accum}"))
-    else:
-        lines.append(_row("global batch", str(info["global_batch_size"])))
-    if "rendezvous" in info:
-        r = info["rendezvous"]
-        where = f"c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
-        lines.append(_row("rendezvous", where))
-    tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
-    lines.append(_row("tracking", tracking))
-    lines.append(_row("checkpoints", info.get("checkpoint_dir") or "off"))
-    if dev and dev.get("env"):
-        lines.append(_row("environment", " ".join(f"{k}={v}" for k, v in dev["env"].items())))
-    lines += [_row("inactive", text) for text in _inactive_lines(info.get("inactive") or {})]
-    lines += [_row("note", note) for note in info.get("notes", [])]
-    lines += _trial_lines(info.get("trials"))
-    if info.get("missing"):
-        lines.append(_row("cannot run", info["missing"]))
-        lines.append(_row("try", info["try"] or "no change of mode or accelerator runs this spec here"))
-    return "\n".join(lines)
-
-
-def _row(label: str, value: str) -> str:
-    return f"  {label:<14} {value}"
-
-
-def _device_lines(info: dict[str, Any], dev: dict[str, Any]) -> list[str]:
-    """Accelerator, one line per device (id -> CUDA_VISIBLE_DEVICES entry -> cuda:i, name), world size."""
-    lines = [_row("accelerator", dev["accelerator"] + (f", backend {dev['backend']}" if dev.get("backend") else ""))]
-    for d in dev.get("devices", []):
-        uuid = f", {d['uuid']}" if d.get("uuid") else ""
-        lines.append(
-            _row("device", f"id {d['id']} -> visible {d['entry']} -> cuda:{d['cuda_index']} {d['name']}{uuid}")
-        )
-    if not dev.get("devices"):
-        lines.append(
-            _row("device", "cpu" + (f" ({dev['nproc_per_node']} processes)" if dev["nproc_per_node"] > 1 else ""))
-        )
-    world = f"{info['world_size']} ({dev['nnodes']} node(s) x {dev['nproc_per_node']} process(es))"
-    return [*lines, _row("world size", world)]
-
-
-def _inactive_lines(inactive: dict[str, str]) -> list[str]:
-    """``parallel.backend, parallel.timeout_s: ddp only (mode = "none")``: inactive keys grouped by reason."""
-    by_reason: dict[str, list[str]] = {}
-    for key, why in inactive.items():
-        by_reason.setdefault(why, []).append(key)
-    return [f"{', '.join(keys)}: {why}" for why, keys in by_reason.items()]
-
-
-def _trial_lines(trials: list[str] | None) -> list[str]:
-    if trials is None:
-        return []
-    return [_row("trials", f"{len(trials)} (runner sweep)"), *(_row("", f"{i}: {t}") for i, t in enumerate(trials))]
 
 
 def launched_externally(env: Mapping[str, str]) -> bool:
@@ -212,8 +164,11 @@ def make_plan(
     Raises:
         DeviceError: The spec asks for devices this machine does not have; placed at the
             spec file's line of the key it is about.
-        UsageError: Started by torchrun with a world size that differs from the spec's, or with
-            launcher variables that are not integers.
+        UsageError: Started by torchrun with a world size that differs from the spec's, a Slurm
+            step whose tasks fit neither layout (the message names both numbers), or launcher
+            variables that are not integers.
+        SpecError: ``parallel.nnodes > 1`` without ``parallel.rdzv_endpoint`` outside a Slurm
+            step (which derives the endpoint), at the line of ``parallel.nnodes``.
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices
@@ -231,12 +186,17 @@ def make_plan(
         devices = resolve_devices(spec, env, inventory)
     except DeviceError as exc:
         raise exc.located(loaded.path, key_line(loaded, exc.key)) from None
+    slurm = None
+    if launcher.slurm is not None and not launcher.external:
+        slurm, launcher = _slurm_layout(loaded, launcher, devices, env)
     launch = _launch_method(loaded, launcher, devices)
-    uri = _tracking_uri(loaded, tracking_uri)
-    return Plan(loaded, devices, uri, _experiment(loaded), launch, launcher, run_name_of(loaded, devices))
+    rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.mode == "ddp" else None
+    uri = tracking_uri_of(loaded, tracking_uri)
+    name = run_name_of(loaded, devices)
+    return Plan(loaded, devices, uri, experiment_of(loaded), launch, launcher, name, rendezvous, slurm)
 
 
-def _tracking_uri(loaded: LoadedSpec, given: str | None) -> str | None:
+def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
     from runner.tracking.uri import resolve_tracking_uri
 
     if not loaded.spec.tracking.enabled:
@@ -244,7 +204,7 @@ def _tracking_uri(loaded: LoadedSpec, given: str | None) -> str | None:
     return given if given is not None else resolve_tracking_uri(loaded.spec)
 
 
-def _experiment(loaded: LoadedSpec) -> str:
+def experiment_of(loaded: LoadedSpec) -> str:
     return loaded.spec.tracking.experiment or loaded.spec.name
 
 
@@ -278,101 +238,6 @@ def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
     return static_world_size(spec) or "?"
 
 
-# ----------------------------------------------------------------------------- a spec this machine cannot run
-
-
-def describe_unrunnable(
-    loaded: LoadedSpec, error: DeviceError, fix: list[str] | None, shown: str | None = None
-) -> dict[str, Any]:
-    """What ``runner plan`` shows for a spec this machine cannot run: the spec's facts, what is missing, a fix.
-
-    Args:
-        loaded: The spec.
-        error: Why it cannot run here (from :func:`make_plan`).
-        fix: Extra command-line arguments that make it run here (:func:`find_fix`), or ``None``.
-        shown: The spec file as the user named it (for the command to try). Default: its absolute path.
-
-    Returns:
-        A dict like :meth:`Plan.describe`, with ``devices = None``, ``asked`` (the devices the spec
-        asks for), ``missing`` (the error) and ``try`` (the whole command with the fix, or ``None``).
-    """
-    spec = loaded.spec
-    info = _spec_facts(loaded, _tracking_uri(loaded, None), _experiment(loaded), run_name_of(loaded, None))
-    ids = spec.devices.ids
-    shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
-    launch: Launch = "elastic" if spec.parallel.mode == "ddp" else "in-process"
-    info.update(devices=None, asked=f"accelerator {spec.devices.accelerator}, {shown_ids}", launch=launch, notes=[])
-    info["missing"] = str(error)
-    command = ["runner", "plan", shown or str(loaded.path), *loaded.command_line()]
-    info["try"] = shlex.join([*command, *fix]) if fix else None
-    return info
-
-
-def plan_or_problem(
-    loaded: LoadedSpec, *, env: Mapping[str, str], inventory: Inventory, shown: str | None = None
-) -> tuple[dict[str, Any], DeviceError | None]:
-    """What ``runner plan`` prints, and why this machine cannot run the spec (``None`` when it can).
-
-    Returns:
-        ``(Plan.describe(), None)``, or ``(describe_unrunnable(...), error)`` where ``error`` says
-        what is missing and, on its last line, the command that runs here (found by :func:`find_fix`).
-
-    Raises:
-        UsageError: As :func:`make_plan` (launcher variables).
-    """
-    from runner.errors import DeviceError as _DeviceError
-
-    try:
-        return make_plan(loaded, env=env, inventory=inventory).describe(), None
-    except _DeviceError as exc:
-        info = describe_unrunnable(loaded, exc, find_fix(loaded, exc, env=env, inventory=inventory), shown)
-        message = exc.message + (f"\nthis runs here: {info['try']}" if info["try"] else "")
-        return info, _DeviceError(message, exc.key, exc.file, exc.line)
-
-
-def find_fix(
-    loaded: LoadedSpec, error: DeviceError, *, env: Mapping[str, str], inventory: Inventory
-) -> list[str] | None:
-    """The first ``--set`` arguments that make ``loaded`` run on this machine, tried for real, or ``None``.
-
-    Candidates: a change of the key the error names (``backend = "gloo"``, ``ids = "all"``, ...),
-    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ddp first). Each
-    is loaded with the spec's own ``--set``/``--unset`` and resolved against ``inventory``: a
-    suggestion is printed only when the spec then validates and its devices resolve.
-
-    Returns:
-        E.g. ``["--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu"]``.
-    """
-    from runner.devices.resolve import resolve_devices
-    from runner.errors import DeviceError as _DeviceError
-    from runner.errors import SpecError
-    from runner.spec.loading import load_spec
-
-    for candidate in _fix_candidates(loaded, error, inventory):
-        try:
-            changed = load_spec(loaded.path, [*loaded.overrides, *candidate], loaded.unset)
-            resolve_devices(changed.spec, env, inventory)
-        except (SpecError, _DeviceError):
-            continue
-        return [word for item in candidate for word in ("--set", item)]
-    return None
-
-
-def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory) -> list[list[str]]:
-    spec = loaded.spec
-    own = {
-        "parallel.backend": [["parallel.backend=gloo"]],
-        "parallel.sync_batchnorm": [["parallel.sync_batchnorm=false"]],
-        "train.amp": [["train.amp=bf16"], ["train.amp=no"]],
-        "devices.ids": [["devices.ids=all"]],
-        "parallel.nproc_per_node": [[f"parallel.nproc_per_node={len(inventory.gpus)}"]] if inventory.gpus else [],
-    }.get(error.key, [])
-    mode = spec.parallel.mode
-    others = ["ddp", "none"] if mode == "dp" else [m for m in ("none", "ddp") if m != mode]
-    cpu = "devices.accelerator=cpu"
-    return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]
-
-
 def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:
     """How the workers are made; a job started by torchrun must agree with the spec on ``WORLD_SIZE``.
 
@@ -396,3 +261,63 @@ def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: D
             f"{devices.world_size} (parallel.nnodes x nproc_per_node): make them agree"
         )
     return "external"
+
+
+def _slurm_layout(
+    loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan, env: Mapping[str, str]
+) -> tuple[SlurmLayout, LauncherEnvironment]:
+    """The layout of this Slurm step and, for one task per device, this task as the worker it is.
+
+    Raises:
+        UsageError: The step's tasks fit neither layout, a node has more tasks than GPUs, or the
+            node list cannot be read.
+    """
+    from runner.errors import UsageError
+
+    assert launcher.slurm is not None
+    par = loaded.spec.parallel
+    try:
+        layout = launcher.slurm.layout(
+            world_size=devices.world_size, nproc_per_node=devices.nproc_per_node, nnodes=par.nnodes
+        )
+        if layout.kind != "per-device":
+            return layout, launcher
+        worker = launcher.as_slurm_worker(layout, env)
+    except ValueError as exc:
+        raise UsageError(f"{loaded.path}: {exc}") from None
+    local = launcher.slurm.local_tasks
+    if devices.accelerator == "cuda" and local > devices.nproc_per_node:
+        raise UsageError(
+            f"{loaded.path}: Slurm started {local} tasks on this node but the spec uses {devices.nproc_per_node} "
+            f"GPU(s) per node: give each task one GPU (srun --ntasks-per-node={devices.nproc_per_node})"
+        )
+    return layout, worker
+
+
+def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) -> Rendezvous:
+    """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's.
+
+    ``launching`` is False under torchrun, whose own rendezvous the workers already joined.
+
+    Raises:
+        SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line.
+        UsageError: The Slurm node list cannot be read.
+    """
+    from runner.errors import SpecError, SpecIssue, UsageError
+    from runner.spec.loading import key_line
+
+    par = loaded.spec.parallel
+    if slurm is not None and slurm.kind != "batch":
+        try:
+            derived = slurm.rendezvous_endpoint() if slurm.nnodes > 1 or slurm.kind == "per-device" else None
+        except ValueError as exc:
+            raise UsageError(f"{loaded.path}: {exc}") from None
+        endpoint = par.rdzv_endpoint if slurm.kind == "per-node" and par.rdzv_endpoint else derived
+        return Rendezvous(endpoint, f"slurm-{slurm.job.job_id}", slurm.nnodes, slurm.node_rank)
+    if launching and par.nnodes > 1 and not par.rdzv_endpoint:
+        message = (
+            f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node '
+            "(inside a Slurm job step it comes from the node list)"
+        )
+        raise SpecError(SpecIssue(loaded.path, key_line(loaded, "parallel.nnodes"), "parallel.nnodes", message))
+    return Rendezvous(par.rdzv_endpoint, par.rdzv_id, par.nnodes, par.node_rank)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_ENV_PREFIXES = ("MLFLOW_", "MASTER_", "TORCHELASTIC_", "RUNNER_")
+_ENV_PREFIXES = ("MLFLOW_", "MASTER_", "TORCHELASTIC_", "RUNNER_", "SLURM_")
 _ENV_KEYS = (
     "RANK",
     "WORLD_SIZE",

@@ -361,3 +361,114 @@ def test_superlinear_efficiency_is_flagged_as_noise() -> None:
 
     assert "efficiency above 100%" in row(13.18)[-1]
     assert row(0.9)[-1] == ""
+
+
+# ----------------------------------------------------------------------------- repeats and noise
+
+
+def _repeat_row(rate: float, times: list[float]) -> ConfigResult:
+    row = ConfigResult("none", "none", 1, samples_per_s=rate, timed_steps=len(times), timed_samples=64 * len(times))
+    row.step_times_s, row.data_wait_s = list(times), [t / 10 for t in times]
+    row.peak_memory_bytes, row.devices, row.final_loss = [100 << 20], ["cpu"], 0.5
+    row.train_losses = {1: 1.0}
+    return row
+
+
+def test_spread_tail_and_steadiness() -> None:
+    from runner.tools.bench_figures import noise, spread, steady, tail
+
+    assert spread([100.0]) is None and spread([90.0, 100.0, 110.0]) == pytest.approx(0.2)
+    assert tail([1.0] * 9 + [3.0]) == pytest.approx(1.2)
+    assert noise(0.2, 2.2) == ["repeats differ by 20% (limit 10%)", "p90 is 2.2x p50 (limit 1.5x)"]
+    assert steady(0.05, 1.1) and not steady(None, 1.1) and not steady(0.05, 1.6) and not steady(0.2, 1.0)
+
+
+def test_combine_takes_the_median_rate_and_pools_the_step_times() -> None:
+    from runner.tools.bench_measure import combine
+
+    repeats = [
+        _repeat_row(1000.0, [0.01] * 4),
+        _repeat_row(1200.0, [0.01, 0.01, 0.01, 0.05]),
+        _repeat_row(900.0, [0.02] * 4),
+    ]
+    repeats[1].peak_memory_bytes = [300 << 20]
+    row = ConfigResult("none", "none", 1)
+    combine(row, repeats)
+    assert row.repeats == 3 and row.repeat_samples_per_s == [1000.0, 1200.0, 900.0]
+    assert row.samples_per_s == 1000.0 and row.spread == pytest.approx(0.3)
+    assert row.step_time_median_s == pytest.approx(0.01) and row.step_time_p90_s == pytest.approx(0.02)
+    assert row.data_wait_fraction == pytest.approx(0.1) and row.peak_memory_bytes == [300 << 20]
+    assert row.steady is False and row.noise == ["repeats differ by 30% (limit 10%)", "p90 is 2.0x p50 (limit 1.5x)"]
+    assert row.final_loss == 0.5 and row.timed_steps == 4
+
+
+def test_ddp1_far_below_none_and_noisy_rows_are_flagged_in_table_chart_and_json(tmp_path: Path) -> None:
+    none = ConfigResult("none", "none", 1, samples_per_s=1000.0, step_time_median_s=0.0010, repeats=2, steady=True)
+    ddp1 = ConfigResult("ddp-1", "ddp", 1, samples_per_s=500.0, step_time_median_s=0.0020, repeats=2, steady=True)
+    ddp2 = ConfigResult("ddp-2", "ddp", 2, samples_per_s=1200.0, repeats=5, steady=False)
+    ddp2.noise = ["p90 is 2.2x p50 (limit 1.5x)"]
+    ddp2.repeat_samples_per_s = [900.0, 1200.0, 1500.0]
+    long_reason = "needs CUDA GPUs but none is usable " * 8
+    dp = ConfigResult("dp-2", "dp", 2, status="skipped", reason=long_reason.strip())
+    finish_comparisons([none, ddp1, ddp2, dp])
+    assert ddp1.noise == [
+        "ddp-1 at 50% of none: DDP's fixed cost per step (about 1 ms here) outweighs a step this small, "
+        "or other load slowed it"
+    ]
+    report = BenchReport("/x.toml", "n", "cpu", 64, 20, 3, False, [none, ddp1, ddp2, dp], min_repeats=2, max_repeats=5)
+    table = report.table()
+    assert "noisy after 5 repeats: p90 is 2.2x p50" in table and "ddp-1 at 50% of none" in table
+    assert long_reason.strip() in table, "reasons are never shortened"
+    data = report.to_json()
+    rows = {c["config"]: c for c in data["configurations"]}
+    assert rows["dp-2"]["reason"] == long_reason.strip()
+    assert rows["ddp-2"]["steady"] is False and rows["ddp-2"]["repeat_samples_per_s"] == [900.0, 1200.0, 1500.0]
+    assert "step_times_s" not in rows["none"] and "spread" in data["definitions"]
+
+    from runner.tools.bench_chart import error_bars
+
+    assert error_bars(ddp2) == (300.0, 300.0) and error_bars(dp) == (0.0, 0.0)
+    path = write_chart(report, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_repeats_stop_once_steady_or_at_the_budget(monkeypatch) -> None:
+    from runner.tools import bench_repeats as bench
+    from runner.tools.bench_pool import Reply
+
+    def worker(times: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=0,
+            step_times_s=[9.0, *times],
+            data_wait_s=[0.0] * (len(times) + 1),
+            peak_memory_bytes=1,
+            device="cpu",
+            history=[(1, {"train/loss": 1.0})],
+        )
+
+    class Pool:
+        def __init__(self, runs: list[list[float]]) -> None:
+            self.runs, self.calls = runs, 0
+
+        def run(self, jobs):
+            self.calls += 1
+            return [Reply("ok", result=worker(self.runs[self.calls - 1]))]
+
+    config = bench.Config(
+        ConfigResult("none", "none", 1), SimpleNamespace(), plan=SimpleNamespace(devices=SimpleNamespace(selected=[]))
+    )
+    config.batch_sizes = [64]
+    monkeypatch.setattr(bench, "_jobs", lambda config: [])
+    report = BenchReport("/x.toml", "n", "cpu", 64, 4, 1, False, [], min_repeats=2, max_repeats=4)
+    quiet = Pool([[0.01] * 4] * 4)
+    rows, _, bad = bench.repeats(config, report, quiet, "1/1")
+    assert bad is None and len(rows) == 2 == quiet.calls
+    loud = Pool([[0.01, 0.01, 0.01, 0.05]] * 4)
+    rows, history, _ = bench.repeats(config, report, loud, "1/1")
+    assert len(rows) == 4 == loud.calls and history == [(1, {"train/loss": 1.0})]
+
+
+@pytest.mark.parametrize("value", ["0:3", "4:2", "two", "2:x"])
+def test_cli_refuses_bad_repeats(write_spec, capsys, value: str) -> None:
+    assert main(["bench", str(write_spec()), "--repeats", value]) == 2
+    assert "--repeats" in capsys.readouterr().err

@@ -136,3 +136,14 @@ def test_a_configuration_that_fails_is_reported_and_fails_the_parent(
     parent = client.get_run(report["parent_run_id"])
     assert parent.info.status == "FAILED"
     assert "ddp-1" in parent.data.tags["runner.error"]
+
+
+def test_a_model_that_does_not_build_exits_2_and_leaves_no_run(write_spec, store: str, capsys) -> None:
+    spec = write_spec("", name="bogus.toml")
+    status = main(["bench", str(spec), "--set", "model.kwargs={bogus=1}", "--modes", "none,ddp", "--nproc", "1,2"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "model.kwargs" in err and "Traceback" not in err
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("tests")
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == []

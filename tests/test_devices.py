@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,50 @@ from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
 
 UUIDS = [f"GPU-{i}aaa1111-2222-3333-4444-55556666777{i}" for i in range(4)]
-SMI = "\n".join(f"{i}, NVIDIA A100-SXM4-80GB, {UUIDS[i]}, 81920" for i in range(4)) + "\n"
+
+
+class FakeNvml:
+    """A stand-in for the ``pynvml`` module over ``(name, uuid, MiB, PCI bus id)`` devices, in NVML's order."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, devices: list[tuple[str, str, int | None, str]], fail: str | None = None) -> None:
+        self.devices = devices
+        self.fail = fail
+        self.shut_down = False
+
+    def nvmlInit(self) -> None:
+        if self.fail:
+            raise self.NVMLError(self.fail)
+
+    def nvmlShutdown(self) -> None:
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> tuple[str, str, int | None, str]:
+        return self.devices[i]
+
+    def nvmlDeviceGetName(self, handle) -> bytes:
+        return handle[0].encode()  # older pynvml releases return bytes
+
+    def nvmlDeviceGetUUID(self, handle) -> str:
+        return handle[1]
+
+    def nvmlDeviceGetMemoryInfo(self, handle) -> types.SimpleNamespace:
+        if handle[2] is None:
+            raise self.NVMLError("Not Supported")
+        return types.SimpleNamespace(total=handle[2] * 2**20)
+
+    def nvmlDeviceGetPciInfo(self, handle) -> types.SimpleNamespace:
+        return types.SimpleNamespace(busId=handle[3])
+
+
+def four_a100s() -> FakeNvml:
+    """Four A100s (80 GiB), enumerated by NVML in PCI bus order."""
+    return FakeNvml([("NVIDIA A100-SXM4-80GB", UUIDS[i], 81920, f"00000000:{16 * (i + 1):02X}:00.0") for i in range(4)])
 
 
 def make_spec(mode: str = "none", accelerator: str = "auto", ids="all", batch: int = 8, **sections) -> ExperimentSpec:
@@ -68,7 +112,7 @@ def fake_inventory(n: int, entries: list[str] | None = None, cuda: bool = True) 
 )
 def test_probe_maps_inherited_visible_devices(visible, expect_entries, expect_physical):
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    inv = probe_inventory(env, run_smi=lambda: SMI)
+    inv = probe_inventory(env, nvml=four_a100s())
     assert [g.visible_entry for g in inv.gpus] == expect_entries
     assert [g.physical_index for g in inv.gpus] == expect_physical
     assert [g.index for g in inv.gpus] == list(range(len(expect_entries)))
@@ -80,20 +124,33 @@ def test_probe_maps_inherited_visible_devices(visible, expect_entries, expect_ph
 
 
 def test_probe_notes_ignored_entries_and_duplicates():
-    assert any("'7'" in n for n in probe_inventory({"CUDA_VISIBLE_DEVICES": "1,7"}, run_smi=lambda: SMI).notes)
-    assert any("twice" in n for n in probe_inventory({"CUDA_VISIBLE_DEVICES": "1,1"}, run_smi=lambda: SMI).notes)
-    ambiguous = probe_inventory({"CUDA_VISIBLE_DEVICES": "GPU-"}, run_smi=lambda: SMI)
+    assert any("'7'" in n for n in probe_inventory({"CUDA_VISIBLE_DEVICES": "1,7"}, nvml=four_a100s()).notes)
+    assert any("twice" in n for n in probe_inventory({"CUDA_VISIBLE_DEVICES": "1,1"}, nvml=four_a100s()).notes)
+    ambiguous = probe_inventory({"CUDA_VISIBLE_DEVICES": "GPU-"}, nvml=four_a100s())
     assert ambiguous.gpus == [] and any("several" in n for n in ambiguous.notes)
 
 
-def test_probe_without_nvidia_smi_reports_no_gpu():
-    inv = probe_inventory({"CUDA_VISIBLE_DEVICES": "0"}, run_smi=lambda: None)
-    assert inv.gpus == [] and not inv.cuda_available and "nvidia-smi" in inv.source
+def test_probe_without_nvml_reports_no_gpu():
+    inv = probe_inventory({"CUDA_VISIBLE_DEVICES": "0"}, nvml=FakeNvml([], fail="Driver Not Loaded"))
+    assert inv.gpus == [] and not inv.cuda_available and "NVML" in inv.source and "Driver Not Loaded" in inv.source
+
+
+def test_probe_lists_gpus_in_pci_bus_order_and_shuts_nvml_down():
+    nvml = FakeNvml([("B", UUIDS[1], 1024, "00000000:B1:00.0"), ("A", UUIDS[0], None, "00000000:3B:00.0")])
+    inv = probe_inventory({}, nvml=nvml)
+    assert [(g.name, g.physical_index, g.uuid) for g in inv.gpus] == [("A", 0, UUIDS[0]), ("B", 1, UUIDS[1])]
+    assert inv.gpus[0].total_memory_bytes is None and inv.gpus[1].total_memory_bytes == 2**30
+    assert nvml.shut_down and inv.source == "NVML (2 GPU(s) on the machine)"
+
+
+def test_inventory_reads_no_nvidia_smi_output():
+    text = (Path(__file__).parents[1] / "runner" / "devices" / "inventory.py").read_text()
+    assert "nvidia-smi --query" not in text and "subprocess" not in text
 
 
 def test_probe_with_units_and_order_note():
-    text = "0, Tesla T4, GPU-abc, 15360 MiB\n"
-    inv = probe_inventory({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, run_smi=lambda: text)
+    nvml = FakeNvml([("Tesla T4", "GPU-abc", 15360, "00000000:00:04.0")])
+    inv = probe_inventory({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, nvml=nvml)
     assert inv.gpus[0].total_memory_bytes == 15360 * 2**20
     assert any("FASTEST_FIRST" in n for n in inv.notes)
 
@@ -102,13 +159,13 @@ def test_probe_does_not_initialise_cuda_or_touch_env(monkeypatch):
     import torch
 
     env = {"CUDA_VISIBLE_DEVICES": "1"}
-    probe_inventory(env, run_smi=lambda: SMI)
+    probe_inventory(env, nvml=four_a100s())
     assert env == {"CUDA_VISIBLE_DEVICES": "1"}
     assert not torch.cuda.is_initialized()
 
 
 def test_probe_real_machine_runs():
-    inv = probe_inventory()  # nvidia-smi or not: must not raise
+    inv = probe_inventory()  # NVML or not: must not raise
     assert isinstance(inv, Inventory)
 
 
@@ -206,7 +263,7 @@ def test_uuid_entries_stay_uuids():
 
 def test_uuid_entries_end_to_end_from_probe():
     env = {"CUDA_VISIBLE_DEVICES": f"{UUIDS[2]},{UUIDS[0]}"}
-    inv = probe_inventory(env, run_smi=lambda: SMI)
+    inv = probe_inventory(env, nvml=four_a100s())
     plan = resolve_devices(make_spec(ids=[1]), env, inv)
     assert plan.selected == [UUIDS[0]] and plan.uuids == [UUIDS[0]] and plan.physical_indices == [0]
     described = plan.describe()

@@ -171,7 +171,7 @@ VARIANTS = {
         '[scheduler]\nname = "step"\nkwargs = { step_size = 2, gamma = 0.5 }\n[train]\nclip_grad_norm = 1\n'
     ),
     "sweep": (
-        '[sweep]\nmethod = "random"\nnum_trials = 3\n'
+        '[sweep]\nmethod = "random"\ntrials = 3\n'
         '[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\ndistribution = "log_uniform"\n'
     ),
     "kwargs-tags": '[tags]\nteam = "vision"\n[tracking]\nuri = "sqlite:///x.db"\n',

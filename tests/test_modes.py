@@ -11,7 +11,8 @@ from runner.cli import main
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
-from runner.plan import make_plan, plan_or_problem
+from runner.plan import make_plan
+from runner.plan_report import plan_or_problem
 from runner.spec.active import active_params, inactive_keys, set_inactive_keys
 from runner.spec.dump import dump_spec
 from runner.spec.loading import load_spec, spec_from_dict

@@ -1,7 +1,8 @@
-"""Sweep definitions, trial expansion, trial validation and the report, without training anything."""
+"""Sweep definitions, the Optuna search space, trial validation, the storage and the report, without training anything."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -14,19 +15,32 @@ from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep import run_sweep
+from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
+from runner.tools.sweep_define import build_definition as _build
 from runner.tools.sweep_jobs import device_pool, pick_device
 from runner.tools.sweep_report import SweepReport
 from runner.tools.sweep_space import (
     SweepDefinition,
     Trial,
     TrialResult,
-    build_definition,
-    expand,
-    parse_grid,
-    parse_random,
+    decode_choice,
+    encode_choices,
+    study_name,
     toml_value,
 )
-from runner.tools.sweep_trials import prepare_trials, trial_tags, without_sweep
+from runner.tools.sweep_storage import default_storage_url, make_sampler, redact
+from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
+
+
+def build_definition(sweep=None, *, spec_file=None, key_lines=None, **flags) -> SweepDefinition:
+    """The definition from a ``[sweep]`` table and command-line flags given as keywords."""
+    return _build(sweep, CommandLine(**flags), spec_file=spec_file, key_lines=key_lines)
+
+
+def expand(definition: SweepDefinition) -> list[Trial]:
+    """The grid's trials, numbered as the study numbers them."""
+    return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
+
 
 SWEEP_TABLE = """
 [sweep]
@@ -134,16 +148,20 @@ def test_command_line_adds_to_and_replaces_the_spec_params() -> None:
     d = build_definition(spec, grid=["optim.lr=0.5,0.05", "optim.momentum=0.0,0.9"])
     assert [k for k, _ in d.params] == ["optim.lr", "seed", "optim.momentum"]  # replaced key keeps its place
     assert dict(d.params)["optim.lr"].values == [0.5, 0.05]
-    assert (d.method, d.metric, d.goal, d.seed, d.num_trials) == ("grid", "val/loss", "min", 0, None)
-    d = build_definition(spec, grid=["seed=1,2"], num_trials=3, seed=7, metric="val/accuracy", goal="max")
-    assert (d.num_trials, d.seed, d.metric, d.goal) == (3, 7, "val/accuracy", "max")
+    assert (d.method, d.metric, d.goal, d.seed, d.trials) == ("grid", "val/loss", "min", 0, 4)  # the grid size
+    d = build_definition(spec, grid=["seed=1,2"], trials=1, seed=7, metric="val/accuracy", goal="max")
+    assert (d.trials, d.seed, d.metric, d.goal) == (1, 7, "val/accuracy", "max")
+    d = build_definition(spec, method="tpe", pruner="median", trials=5)
+    assert (d.method, d.pruner, d.trials) == ("tpe", "median", 5)
 
 
 def test_random_flag_makes_the_sweep_random_and_needs_a_budget() -> None:
-    with pytest.raises(UsageError, match="--num-trials"):
+    with pytest.raises(UsageError, match="--trials"):
         build_definition(None, random=["optim.lr=1e-4:1e-1:log"])
-    d = build_definition(None, random=["optim.lr=1e-4:1e-1:log"], grid=["seed=0,1"], num_trials=4)
+    d = build_definition(None, random=["optim.lr=1e-4:1e-1:log"], grid=["seed=0,1"], trials=4)
     assert d.method == "random"
+    tpe = build_definition(SweepSpec(method="tpe"), random=["optim.lr=1e-4:1e-1:log"], trials=4)
+    assert tpe.method == "tpe"  # a range turns a grid into random search, never tpe into random
 
 
 @pytest.mark.parametrize(
@@ -153,7 +171,8 @@ def test_random_flag_makes_the_sweep_random_and_needs_a_budget() -> None:
         ({"grid": ["optim.lr=0.1", "optim.lr=0.2"]}, "swept twice"),
         ({"grid": ["tracking.experiment=a,b"]}, "cannot sweep tracking.experiment"),
         ({"grid": ["sweep.seed=1,2"]}, "cannot sweep sweep.seed"),
-        ({"grid": ["seed=1,2"], "num_trials": 0}, "at least 1"),
+        ({"grid": ["seed=1,2"], "trials": 0}, "at least 1"),
+        ({"grid": ["seed=1,2"], "trials": 3}, "--trials 3: the grid has only 2 point"),
         ({"grid": ["seed=1,2"], "seed": -1}, ">= 0"),
     ],
 )
@@ -174,19 +193,18 @@ def test_a_range_in_a_grid_sweep_is_a_spec_error_with_its_line(write_spec) -> No
     assert path.read_text().splitlines()[issue.line - 1].startswith('[sweep.params."optim.lr"]')
     assert 'method = "random"' in issue.message
     # the same range is fine for random search
-    random_def = build_definition(loaded.spec.sweep, num_trials=2, random=["optim.momentum=0:0.5"])
+    random_def = build_definition(loaded.spec.sweep, trials=2, random=["optim.momentum=0:0.5"])
     assert random_def.method == "random"
 
 
 def test_definition_json_round_trip() -> None:
     d = build_definition(
-        None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=3
+        None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], trials=5, seed=3
     )
     back = SweepDefinition.from_json(d.to_json())
-    assert back == d and back.same_trials(d)
-    assert not back.same_trials(
-        build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], num_trials=5, seed=4)
-    )
+    assert back == d and back.digest() == d.digest()
+    other = build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], trials=5, seed=4)
+    assert other.digest() != d.digest()
     assert d.describe("optim.lr") == "log_uniform(0.001, 0.1)" and d.describe("seed") == "[0, 1]"
     with pytest.raises(ValueError):
         SweepDefinition.from_json({"method": "grid"})
@@ -195,49 +213,95 @@ def test_definition_json_round_trip() -> None:
 # --------------------------------------------------------------------------- expansion
 
 
-def test_grid_is_the_cartesian_product_in_key_order_capped_by_num_trials() -> None:
+def test_grid_is_the_cartesian_product_in_key_order_capped_by_trials() -> None:
     d = build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"])
     trials = expand(d)
     assert [t.index for t in trials] == list(range(6))
     assert [tuple(t.values.values()) for t in trials] == [(0.1, 0), (0.1, 1), (0.1, 2), (0.01, 0), (0.01, 1), (0.01, 2)]
     assert trials[4].overrides() == ["optim.lr=0.01", "seed=1"]
     assert trials[4].label() == "trial 4 (optim.lr=0.01, seed=1)"
-    capped = expand(build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"], num_trials=4))
+    capped = expand(build_definition(None, grid=["optim.lr=0.1,0.01", "seed=0,1,2"], trials=4))
     assert [t.values for t in capped] == [t.values for t in trials[:4]]
-    assert len(expand(build_definition(None, grid=["seed=0,1"], num_trials=10))) == 2
+    assert Trial(4, trials[4].values).run_name() == "lr=0.01 seed=1"  # named by its values, keys shortened
+    with pytest.raises(UsageError, match="only 2 point"):
+        build_definition(None, grid=["seed=0,1"], trials=10)
 
 
-def test_random_sampling_is_seeded_and_respects_bounds() -> None:
-    def draw(seed: int, n: int = 200) -> list[Trial]:
-        return expand(
-            build_definition(
-                None,
-                grid=["optim.name=adam,sgd"],
-                random=["optim.lr=1e-5:1e-1:log", "optim.momentum=0.1:0.9", "seed=3:7:int"],
-                num_trials=n,
-                seed=seed,
-            )
+def _draws(definition: SweepDefinition, numbers: range) -> list[dict]:
+    """The values Optuna's sampler gives trials ``numbers`` of ``definition`` (each seeded by its number)."""
+    import optuna
+
+    study = optuna.create_study(sampler=make_sampler(definition))
+    out = []
+    for number in numbers:
+        trial = study.ask()
+        study.sampler = make_sampler(definition, number)
+        out.append(definition.suggest(trial))
+        study.tell(trial, 0.0)
+    return out
+
+
+def test_random_sampling_is_seeded_per_trial_and_respects_bounds() -> None:
+    def draw(seed: int, n: int = 200) -> list[dict]:
+        d = build_definition(
+            None,
+            grid=["optim.name=adam,sgd"],
+            random=["optim.lr=1e-5:1e-1:log", "optim.momentum=0.1:0.9", "seed=3:7:int"],
+            trials=n,
+            seed=seed,
         )
+        return _draws(d, range(n))
 
     first, again, other = draw(0), draw(0), draw(1)
-    assert [t.values for t in first] == [t.values for t in again]
-    assert [t.values for t in first] != [t.values for t in other]
-    lrs = [t.values["optim.lr"] for t in first]
+    assert first == again and first != other
+    lrs = [t["optim.lr"] for t in first]
     assert all(1e-5 <= lr <= 1e-1 for lr in lrs)
     # log-uniform: about as many draws below the geometric middle (1e-3) as above, and every decade is hit
     below = sum(lr < 1e-3 for lr in lrs)
     assert 70 < below < 130
     assert {math.floor(math.log10(lr)) for lr in lrs} == {-5, -4, -3, -2}
-    assert all(0.1 <= t.values["optim.momentum"] <= 0.9 for t in first)
-    seeds = [t.values["seed"] for t in first]
+    assert all(0.1 <= t["optim.momentum"] <= 0.9 for t in first)
+    seeds = [t["seed"] for t in first]
     assert all(isinstance(s, int) for s in seeds) and set(seeds) == {3, 4, 5, 6, 7}
-    assert {t.values["optim.name"] for t in first} == {"adam", "sgd"}
-    assert len(first) == 200 and list(first[0].values) == ["optim.name", "optim.lr", "optim.momentum", "seed"]
+    assert {t["optim.name"] for t in first} == {"adam", "sgd"}
+    assert len(first) == 200 and list(first[0]) == ["optim.name", "optim.lr", "optim.momentum", "seed"]
+    d = build_definition(None, random=["optim.lr=1e-5:1e-1:log"], trials=3)
+    assert _draws(d, range(5, 6)) == _draws(d, range(5, 6))  # a trial draws the same values in any worker
+
+
+def test_list_values_travel_through_optuna_as_toml_text() -> None:
+    values = [[16], [32, 32]]
+    assert encode_choices(values) == ["[16]", "[32, 32]"] and encode_choices([0.1, "a", None]) == [0.1, "a", None]
+    assert [decode_choice(values, c) for c in encode_choices(values)] == values
+    d = build_definition(None, grid=["model.kwargs.hidden=[16],[32,32]"], method="random", trials=8)
+    assert {json.dumps(v["model.kwargs.hidden"]) for v in _draws(d, range(8))} == {"[16]", "[32, 32]"}
 
 
 def test_int_range_without_an_integer_is_an_error() -> None:
     with pytest.raises(UsageError, match="no integer"):
-        expand(build_definition(None, random=["seed=0.2:0.8:int"], num_trials=1))
+        build_definition(None, random=["seed=0.2:0.8:int"], trials=1)
+
+
+def test_a_study_name_follows_the_trial_spec_and_the_definition() -> None:
+    d = build_definition(None, grid=["seed=0,1"])
+    assert study_name("digits", "a" * 64, d) == study_name("digits", "a" * 64, d)
+    assert study_name("digits", "a" * 64, d).startswith("digits-") and len(study_name("digits", "a" * 64, d)) == 19
+    assert study_name("digits", "b" * 64, d) != study_name("digits", "a" * 64, d)
+    assert study_name("digits", "a" * 64, build_definition(None, grid=["seed=0,2"])) != study_name(
+        "digits", "a" * 64, d
+    )
+
+
+def test_trials_checked_up_front() -> None:
+    grid = build_definition(None, grid=["seed=0,1", "optim.lr=0.1,0.2"])
+    assert [t.index for t in trials_to_check(grid)] == [0, 1, 2, 3]
+    rnd = build_definition(
+        None, random=["optim.lr=1e-4:1e-1:log", "seed=1:3:int"], grid=["optim.name=sgd,adam"], trials=9
+    )
+    checks = [t.values for t in trials_to_check(rnd)]
+    assert {"optim.lr": 1e-4, "seed": 1, "optim.name": "sgd"} in checks
+    assert {"optim.lr": 0.1, "seed": 1, "optim.name": "sgd"} in checks
+    assert {"optim.lr": 1e-4, "seed": 3, "optim.name": "adam"} not in checks and len(checks) == 4
 
 
 # --------------------------------------------------------------------------- trial specs
@@ -305,9 +369,10 @@ def test_an_unknown_model_of_a_sweep_table_names_its_line(write_spec, capsys) ->
 def test_run_sweep_with_a_bad_value_fails_before_any_run(write_spec, store: str, tmp_path, capsys) -> None:
     path = write_spec()
     with pytest.raises(SpecError) as info:
-        run_sweep(path, [], grid=["optim.lr=0.1,-1"])
+        run_sweep(path, [], cli=CommandLine(grid=["optim.lr=0.1,-1"]))
     assert info.value.issues[0].key == "optim.lr" and "trial 1 (optim.lr=-1)" in str(info.value)
     assert not (tmp_path / "mlflow.db").exists()  # the store was not even opened: no parent, no child
+    assert not (tmp_path / "optuna.db").exists()  # nor the study's
     assert main(["sweep", str(path), "--grid", "optim.lr=0.1,-1"]) == 2
     assert "trial 1 (optim.lr=-1)" in capsys.readouterr().err
 
@@ -316,7 +381,10 @@ def test_run_sweep_with_a_bad_value_fails_before_any_run(write_spec, store: str,
     ("args", "fragment"),
     [
         (["--random", "optim.lr=0.1:0.01"], "low < high"),
-        (["--random", "optim.lr=1e-3:1e-1"], "--num-trials"),
+        (["--random", "optim.lr=1e-3:1e-1"], "--trials"),
+        (["--grid", "seed=0,1", "--trials", "3"], "--trials 3: the grid has only 2 point(s)"),
+        (["--grid", "seed=0,1", "--method", "tpx"], "invalid choice: 'tpx'"),
+        (["--grid", "seed=0,1", "--pruner", "mediun"], "invalid choice: 'mediun'"),
         (["--grid", "optim.lr=0.1", "--jobs", "0"], "--jobs 0"),
     ],
 )
@@ -325,10 +393,68 @@ def test_cli_usage_errors_exit_2(write_spec, args: list[str], fragment: str, cap
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("table", "key", "fragments"),
+    [
+        ('method = "tpx"\ntrials = 2', "sweep.method", ('got "tpx"', 'did you mean "tpe"?')),
+        ('pruner = "mediun"', "sweep.pruner", ('got "mediun"', 'did you mean "median"?')),
+        ('method = "tpe"', "sweep.trials", ('method = "tpe" needs a trial budget',)),
+    ],
+)
+def test_an_unknown_sampler_or_pruner_is_located_with_a_suggestion(write_spec, table, key, fragments, capsys) -> None:
+    path = write_spec(f"[sweep]\n{table}\n[sweep.params.seed]\nvalues = [0, 1]\n")
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    (line,) = [n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith(table.split()[0])]
+    assert f"{path}:{line}: {key}: " in err or f"{path}:{line - 1}: {key}: " in err, err
+    assert all(f in err for f in fragments), err
+
+
+def test_a_grid_with_more_trials_than_points_is_located(write_spec, capsys) -> None:
+    path = write_spec("[sweep]\ntrials = 5\n[sweep.params.seed]\nvalues = [0, 1]\n")
+    assert main(["sweep", str(path)]) == 2
+    line = path.read_text().splitlines().index("trials = 5") + 1
+    assert f"{path}:{line}: sweep.trials: trials = 5 but the grid has 2 point(s)" in capsys.readouterr().err
+
+
+def test_a_storage_that_cannot_be_opened_is_located_and_leaves_nothing(write_spec, tmp_path, capsys) -> None:
+    bad = f"sqlite:///{tmp_path}/no/such/folder/optuna.db"
+    path = write_spec(f'[sweep]\nstorage = "{bad}"\n[sweep.params.seed]\nvalues = [0, 1]\n')
+    assert main(["sweep", str(path)]) == 2
+    line = path.read_text().splitlines().index(f'storage = "{bad}"') + 1
+    err = capsys.readouterr().err
+    assert f"{path}:{line}: sweep.storage: cannot open Optuna storage" in err and "Traceback" not in err
+    assert main(["sweep", str(write_spec(name="b.toml")), "--grid", "seed=0,1", "--storage", "nosuchdb://x"]) == 2
+    assert "--storage nosuchdb://x: cannot open Optuna storage" in capsys.readouterr().err
+    assert not list(tmp_path.glob("mlflow.db*")) or _no_runs(tmp_path)
+
+
+def _no_runs(folder) -> bool:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    return all(not client.search_runs([e.experiment_id]) for e in client.search_experiments())
+
+
+def test_default_storage_sits_next_to_the_mlflow_store(tmp_path) -> None:
+    assert default_storage_url("sqlite:////data/runs/mlflow.db") == "sqlite:////data/runs/optuna.db"
+    assert default_storage_url("file:///data/mlruns") == "sqlite:////data/optuna.db"
+    assert default_storage_url("http://mlflow:5000", cwd=tmp_path) == f"sqlite:///{tmp_path}/optuna.db"
+    assert redact("postgresql+psycopg://me:secret@db:5432/optuna") == "postgresql+psycopg://me:***@db:5432/optuna"
+
+
+def test_trials_are_planned_without_the_slurm_job_they_run_in(monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = trial_environ()
+    assert "SLURM_JOB_ID" not in env and "SLURM_NTASKS" not in env and env["OMP_NUM_THREADS"] == "3"
+
+
 def test_sweeps_need_tracking(write_spec) -> None:
     path = write_spec()
     with pytest.raises(UsageError, match=r"tracking\.enabled"):
-        run_sweep(path, ["tracking.enabled=false"], grid=["seed=0,1"])
+        run_sweep(path, ["tracking.enabled=false"], cli=CommandLine(grid=["seed=0,1"]))
 
 
 def test_trial_tags() -> None:

@@ -1,24 +1,23 @@
-"""List the GPUs visible when runner starts (nvidia-smi and CUDA_VISIBLE_DEVICES), without initialising CUDA.
+"""List the GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA.
 
 Numbering: ``index`` counts the GPUs visible when runner starts (the user's view,
 honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
 ``CUDA_VISIBLE_DEVICES`` item that selects a device as inherited (an integer or a
-``GPU-``/``MIG-`` UUID); ``physical_index`` is nvidia-smi's index (PCI bus order,
-which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
+``GPU-``/``MIG-`` UUID); ``physical_index`` is the machine's index in PCI bus order
+(nvidia-smi's index on Linux), which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 ORDER_VAR = "CUDA_DEVICE_ORDER"
 DEFAULT_ORDER = "PCI_BUS_ID"
-NVIDIA_SMI_QUERY = ("--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits")
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class GpuInfo:
         total_memory_bytes: Device memory in bytes, or ``None`` when unknown.
         entry: The ``CUDA_VISIBLE_DEVICES`` item that selects this device, as
             inherited (``"3"`` or ``"GPU-5a1c..."``); ``None`` means ``str(index)``.
-        physical_index: nvidia-smi's index (PCI bus order), or ``None`` when unknown.
+        physical_index: Index in PCI bus order (nvidia-smi's index), or ``None`` when unknown.
     """
 
     index: int
@@ -63,7 +62,7 @@ class Inventory:
         gpus: Visible GPUs in visible order; ``gpus[i].index == i``.
         cuda_available: Whether torch is built with CUDA and at least one GPU is visible.
         inherited_visible: ``CUDA_VISIBLE_DEVICES`` as inherited (``None`` when unset).
-        source: How the GPUs were found, e.g. ``"nvidia-smi"`` or why none were.
+        source: How the GPUs were found, e.g. ``"NVML (2 GPU(s) on the machine)"``, or why none were.
         notes: Things worth telling the user (ignored entries, device order).
     """
 
@@ -74,38 +73,66 @@ class Inventory:
     notes: list[str] = field(default_factory=list)
 
 
-SmiRunner = Callable[[], str | None]
+GpuRow = tuple[int, str, str | None, int | None]  # PCI-order index, name, uuid, total memory in bytes
 
 
-def _run_nvidia_smi() -> str | None:
-    """Return nvidia-smi's CSV output, or ``None`` when it is missing or fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
+def read_nvml(nvml: Any = None) -> list[GpuRow] | str:
+    """List the machine's GPUs through NVML (``nvidia-ml-py``, imported as ``pynvml``), in PCI bus order.
+
+    NVML is NVIDIA's management library, the one nvidia-smi and MLflow's GPU system metrics use;
+    it does not initialise CUDA. Devices are sorted by PCI bus id (NVML's own enumeration order is
+    not guaranteed), which is the order CUDA uses under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+
+    Args:
+        nvml: The ``pynvml`` module, or a stand-in with the same functions (tests).
+
+    Returns:
+        One ``(index, name, uuid, total memory bytes)`` row per GPU, or why none could be read
+        (the library is not installed, no NVIDIA driver, an NVML error).
+    """
+    if nvml is None:
+        try:
+            import pynvml
+        except ImportError:
+            return "NVML unavailable (install nvidia-ml-py): no GPU reported"
+        nvml = pynvml
     try:
-        proc = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
+        nvml.nvmlInit()
+    except Exception as exc:  # pynvml.NVMLError and its subclasses: no driver, no library, ...
+        return f"NVML unavailable ({_text(exc) or type(exc).__name__}): no GPU reported"
+    try:
+        found = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            bus = _text(nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            found.append((bus, _text(nvml.nvmlDeviceGetName(handle)), uuid, _memory(nvml, handle)))
+    except Exception as exc:
+        return f"NVML failed while listing GPUs ({_text(exc) or type(exc).__name__}): no GPU reported"
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+    found.sort(key=lambda row: row[0])
+    return [
+        (index, name, uuid if uuid.startswith(("GPU-", "MIG-")) else None, mem)
+        for index, (_, name, uuid, mem) in enumerate(found)
+    ]
+
+
+def _memory(nvml: Any, handle: Any) -> int | None:
+    try:
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # NVMLError_NotSupported on some devices
         return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
-def _parse_smi(text: str) -> list[tuple[int, str, str | None, int | None]]:
-    """Parse ``index, name, uuid, memory.total [MiB]`` rows."""
-    rows = []
-    for line in text.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 4 or not parts[0].isdigit():
-            continue
-        index, name, uuid, mem = int(parts[0]), ",".join(parts[1:-2]), parts[-2], parts[-1]
-        mem_bytes = int(float(mem.split()[0]) * 2**20) if mem and mem[0].isdigit() else None
-        rows.append((index, name, uuid if uuid.startswith(("GPU-", "MIG-")) else None, mem_bytes))
-    return rows
+def _text(value: Any) -> str:
+    """NVML strings are ``bytes`` in older ``pynvml`` releases and ``str`` in newer ones."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _map_visible(
-    value: str | None, rows: list[tuple[int, str, str | None, int | None]]
-) -> tuple[list[GpuInfo], list[str]]:
-    """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to nvidia-smi rows.
+def _map_visible(value: str | None, rows: list[GpuRow]) -> tuple[list[GpuInfo], list[str]]:
+    """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to the machine's GPUs (PCI bus order).
 
     CUDA's rules (mirrored by ``torch.cuda._parse_visible_devices``): unset means
     all; an item that matches no device ends the list (so ``""`` and ``-1`` mean
@@ -116,7 +143,7 @@ def _map_visible(
         return [GpuInfo(pos, name, uuid, mem, str(idx), idx) for pos, (idx, name, uuid, mem) in enumerate(rows)], []
     notes: list[str] = []
     by_index = {r[0]: r for r in rows}
-    chosen: list[tuple[str, tuple[int, str, str | None, int | None] | None]] = []
+    chosen: list[tuple[str, GpuRow | None]] = []
     for raw in value.split(","):
         item = raw.strip()
         if item.startswith("MIG-"):
@@ -161,28 +188,26 @@ def _torch_has_cuda() -> bool:
     return bool(torch.version.cuda) and torch.backends.cuda.is_built()
 
 
-def probe_inventory(env: Mapping[str, str] = os.environ, run_smi: SmiRunner = _run_nvidia_smi) -> Inventory:
+def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> Inventory:
     """List the GPUs visible to runner without initialising CUDA in this process.
 
-    Reads ``nvidia-smi --query-gpu=index,name,uuid,memory.total`` and applies an
-    inherited ``CUDA_VISIBLE_DEVICES`` (integer or ``GPU-`` UUID items, comma
-    separated; empty or ``-1`` means none). Without nvidia-smi no GPU is reported.
-    The environment is only read: :func:`runner.devices.resolve.resolve_devices` puts
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless the user chose an order) into the plan's
-    ``env`` so that CUDA's numbering matches nvidia-smi's.
+    Reads the machine's GPUs through NVML (:func:`read_nvml`, PCI bus order) and applies an
+    inherited ``CUDA_VISIBLE_DEVICES`` (integer or ``GPU-`` UUID items, comma separated; empty or
+    ``-1`` means none). Without NVML no GPU is reported. The environment is only read:
+    :func:`runner.devices.resolve.resolve_devices` puts ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless
+    the user chose an order) into the plan's ``env`` so that CUDA's numbering matches this one.
 
     Args:
         env: Environment to read ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` from.
-        run_smi: Returns nvidia-smi's CSV output or ``None``; replaceable in tests.
+        nvml: The ``pynvml`` module or a stand-in (tests); default: ``import pynvml``.
 
     Returns:
         The inventory; ``gpus`` is empty on a machine without (visible) NVIDIA GPUs.
     """
     inherited = env.get(VISIBLE_VAR)
-    text = run_smi()
-    if text is None:
-        return Inventory([], False, inherited, "nvidia-smi not found or failed: no GPU reported", [])
-    rows = _parse_smi(text)
+    rows = read_nvml(nvml)
+    if isinstance(rows, str):
+        return Inventory([], False, inherited, rows, [])
     gpus, notes = _map_visible(inherited, rows)
     order = env.get(ORDER_VAR)
     if (
@@ -191,10 +216,10 @@ def probe_inventory(env: Mapping[str, str] = os.environ, run_smi: SmiRunner = _r
         and any(not g.visible_entry.startswith(("GPU-", "MIG-")) for g in gpus)
     ):
         notes.append(
-            f"{ORDER_VAR}={order}: CUDA numbers GPUs differently from nvidia-smi, so the names shown may not "
+            f"{ORDER_VAR}={order}: CUDA numbers GPUs differently from the PCI bus order, so the names shown may not "
             f"match the devices used; unset it or set {ORDER_VAR}={DEFAULT_ORDER}"
         )
     cuda_ok = bool(gpus) and _torch_has_cuda()
     if gpus and not cuda_ok:
         notes.append("GPUs are visible but the installed torch is built without CUDA")
-    return Inventory(gpus, cuda_ok, inherited, f"nvidia-smi ({len(rows)} GPU(s) on the machine)", notes)
+    return Inventory(gpus, cuda_ok, inherited, f"NVML ({len(rows)} GPU(s) on the machine)", notes)

@@ -3,7 +3,7 @@
 Three steps, kept apart so the middle one is pure and testable without a GPU:
 
 1. :func:`runner.devices.inventory.probe_inventory` lists the GPUs
-   visible when runner starts, through ``nvidia-smi`` and an inherited
+   visible when runner starts, through NVML and an inherited
    ``CUDA_VISIBLE_DEVICES``, without initialising CUDA in this process.
 2. :func:`resolve_devices` turns spec + environment + inventory into a
    :class:`DevicePlan` (accelerator, chosen devices, world size, backend,
@@ -19,8 +19,8 @@ the same function of :mod:`runner.spec.rules`, and never check it twice for one 
 Numbering: ``devices.ids`` index the GPUs visible when runner starts (the
 user's view, honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
 ``CUDA_VISIBLE_DEVICES`` item that selects a device as inherited (an integer
-or a ``GPU-``/``MIG-`` UUID); ``physical_index`` is nvidia-smi's index (PCI bus
-order, which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
+or a ``GPU-``/``MIG-`` UUID); ``physical_index`` is the index in PCI bus order
+(nvidia-smi's index), which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class DevicePlan:
         output_index: dp only: position of ``parallel.output_device`` within the chosen ids.
         env: Variables to set in this process and its children.
         notes: Warnings worth showing, e.g. ``"dp with one device runs unwrapped"``.
-        physical_indices: nvidia-smi indices of the chosen GPUs (``None`` when unknown).
+        physical_indices: PCI-order (nvidia-smi) indices of the chosen GPUs (``None`` when unknown).
         total_memory_bytes: Memory of the chosen GPUs in bytes (``None`` when unknown).
     """
 

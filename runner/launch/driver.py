@@ -7,7 +7,12 @@ The driver is the process that launches (docs/design.md, "run ownership"):
   (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
   with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
 * started by ``torchrun`` or a scheduler (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set):
-  this process is a worker and launches nothing; rank 0 owns the run.
+  this process is a worker and launches nothing; rank 0 owns the run;
+* a task of a Slurm job step (docs/design.md §15): one task per device is a worker (its
+  torchrun variables are set from Slurm's), one task per node is its node's elastic launcher
+  (rendezvous on the first host of the node list); either way the job has one run, tagged
+  ``runner.slurm.job_id``, and a requeued job (``SLURM_RESTART_COUNT > 0``) resumes it from
+  its last checkpoint.
 
 Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``finally``.
 """
@@ -20,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +57,10 @@ class ExecOptions:
             run becomes its child); without it that is an error.
         tracking_uri: The store to use instead of the spec's (``runner resume`` and ``reproduce``
             use the store the run was found in).
+        environ: The environment the plan is made against (default ``os.environ``); a sweep
+            passes its own without Slurm's variables, so that a trial is never a Slurm job's run.
+        epoch_end: Called on every rank after each epoch as ``epoch_end(epoch, metrics)``; True
+            stops training after that epoch (a sweep's pruner). Must be picklable for ddp.
     """
 
     run_name: str | None = None
@@ -61,6 +71,8 @@ class ExecOptions:
     sync_timing: bool = False
     nested: bool = False
     tracking_uri: str | None = None
+    environ: Mapping[str, str] | None = None
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
 
 
 @dataclass
@@ -75,9 +87,10 @@ class ExecResult:
         experiment: MLflow experiment name.
         checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
-        notes: Messages for the user (resume, skipped checkpoints).
+        notes: Messages for the user (devices, resume, skipped checkpoints).
         workers: Every rank's result on this node, by rank.
         rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
+        notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
         spooled: Metric values (and whether the final status) that could not reach the tracking
             store and wait in the run's spool file (docs/design.md §12).
     """
@@ -92,6 +105,7 @@ class ExecResult:
     notes: list[str] = field(default_factory=list)
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0
+    notes_shown: bool = False
     spooled: Spooled | None = None
 
     def summary(self) -> str:
@@ -102,7 +116,7 @@ class ExecResult:
         """
         if self.rank != 0:
             return ""
-        lines = [f"note: {note}" for note in self.notes]
+        lines = [] if self.notes_shown else [f"note: {note}" for note in self.notes]
         lines.append(f"status: {self.status}" + (self.spooled.describe(self.run_id) if self.spooled else ""))
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
@@ -138,20 +152,23 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     from runner.tracking.store import open_store
     from runner.training.checkpoint import default_checkpoint_dir
 
-    plan = make_plan(loaded, tracking_uri=options.tracking_uri)
+    plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)
     spec = loaded.spec
     _check_objectives(loaded)
     check_parts(loaded, plan.devices.world_size)
     check_checkpoint_folder(loaded, plan.tracking_uri)
-    owner = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
-    if owner:
-        for note in plan.notes:  # before training: what runs instead of what cannot apply (docs/design.md §10)
-            print(f"runner: note: {note}", file=sys.stderr, flush=True)
+    owner = plan.owns_run
     uri = plan.tracking_uri
     if uri is not None:
         open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
-    resume = prepare_resume(plan, options) if options.resume is not None else None
+    resume = prepare_resume(plan, options) if options.resume is not None else _requeued_run(plan, owner)
     apply_device_env(plan.devices)
+    if plan.slurm is not None and plan.slurm.kind == "per-device":
+        os.environ.update(plan.slurm.worker_env(os.environ))  # this task is now the worker torchrun would start
+    rank = plan.launcher.rank if plan.launch == "external" else 0
+    shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
+    if shown:  # before training, where the user looks first; workers print their own notes
+        show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
@@ -163,8 +180,9 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         run_id=run_id if owner else None,
         tracking_uri=uri,
         checkpoint_dir=str(checkpoint_dir),
-        resume=resume is not None,
+        resume=resume is not None or _requeued(plan),
         sync_timing=options.sync_timing,
+        epoch_end=options.epoch_end,
     )
     if run_id is not None and owner and uri is not None:  # where the run's checkpoints and spool are
         set_run_tags(uri, run_id, {"runner.checkpoint_dir": str(checkpoint_dir)})
@@ -181,7 +199,8 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         history=result.history,
         notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
-        rank=plan.launcher.rank if plan.launch == "external" else 0,
+        rank=rank,
+        notes_shown=shown,
     )
 
 
@@ -193,6 +212,15 @@ def _check_objectives(loaded: LoadedSpec) -> None:
         check_objectives(loaded.spec, loaded.path.parent)
     except SpecError as exc:
         raise relocate_issues(exc, loaded) from None
+
+
+def show_notes(notes: list[str]) -> None:
+    """Print each note as ``runner: note: ...`` on standard error, before training (docs/design.md §10).
+
+    Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
+    """
+    for note in notes:
+        print(f"runner: note: {note}", file=sys.stderr, flush=True)
 
 
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
@@ -218,6 +246,8 @@ def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint
     if plan.launch == "external" and plan.launcher.run_id:
         return plan.launcher.run_id
     tags = {**dict(options.tags), **Owner.this_process().tags()}
+    if plan.slurm is not None:
+        tags[SLURM_JOB_TAG] = plan.slurm.job.job_id
     if options.parent_run_id:
         tags["mlflow.parentRunId"] = options.parent_run_id
     handle = tracking.start_run(
@@ -229,6 +259,35 @@ def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint
         nested=options.nested,
     )
     return handle.run_id
+
+
+SLURM_JOB_TAG = "runner.slurm.job_id"
+
+
+def _requeued(plan: Plan) -> bool:
+    """Whether this is a Slurm job that Slurm requeued: every rank then resumes from the run's checkpoint."""
+    return plan.slurm is not None and plan.slurm.job.restart_count > 0
+
+
+def _requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
+    """On the run's owner of a requeued Slurm job: the job's run to continue (tag ``runner.slurm.job_id``).
+
+    Returns:
+        The run found, or ``None`` (not requeued, tracking off, another rank's run, or the job's
+        first attempt ended before it created one).
+    """
+    from runner.launch.resume import ResumePoint, claim_run
+    from runner.tracking.runs import find_run_by_tag
+
+    if not (owner and _requeued(plan) and plan.tracking_uri is not None):
+        return None
+    assert plan.slurm is not None
+    job = plan.slurm.job
+    run_id = find_run_by_tag(plan.tracking_uri, plan.experiment, SLURM_JOB_TAG, job.job_id)
+    if run_id is None:
+        return None
+    note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
+    return ResumePoint(run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id)])
 
 
 def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[WorkerResult]:
@@ -302,16 +361,16 @@ def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | Non
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    par = plan.loaded.spec.parallel
-    endpoint = par.rdzv_endpoint or "localhost:0"
+    par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
+    assert rdzv is not None  # the plan has one for every elastic launch
     config = LaunchConfig(
-        min_nodes=par.nnodes,
-        max_nodes=par.nnodes,
+        min_nodes=rdzv.nnodes,
+        max_nodes=rdzv.nnodes,
         nproc_per_node=plan.devices.nproc_per_node,
-        run_id=par.rdzv_id,
+        run_id=rdzv.run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": par.node_rank == 0} if par.nnodes > 1 else {},
+        rdzv_endpoint=rdzv.endpoint or "localhost:0",
+        rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
         max_restarts=par.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

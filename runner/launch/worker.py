@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -45,6 +46,8 @@ class WorkerArgs:
         checkpoint_dir: Folder of this run's checkpoints.
         resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
         sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
+        epoch_end: Decides on the logging rank after each epoch whether to stop there (a sweep's
+            pruner); every rank follows its answer. ``None``: train to the end.
         launcher_pid: The process that started this worker (the driver, for the elastic launcher):
             the worker dies with it; ``None``: whatever process is the parent when the worker starts.
         report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
@@ -57,6 +60,7 @@ class WorkerArgs:
     checkpoint_dir: str
     resume: bool = False
     sync_timing: bool = False
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     launcher_pid: int | None = None
     report_dir: str | None = None
 
@@ -99,7 +103,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         if watch is not None:
             watch.stop()
         stop.uninstall()
-        gc.collect()  # free DDP's reducer and its pending work before the process group goes
+        if strategy.mode == "ddp":
+            gc.collect()  # free DDP's reducer and its pending work before the process group goes
         strategy.teardown()
 
 
@@ -140,9 +145,10 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             settings = setup.describe_settings(seed_info)
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
-        for note in notes:
-            if is_log_rank:
-                print(f"runner: {note}", flush=True)
+        if is_log_rank:
+            from runner.launch.driver import show_notes
+
+            show_notes(notes)
         logged_run = run_id if is_log_rank else None
         if logged_run is not None and restored.resumed_from is None and parts.data is not None:
             _record_data(uri, logged_run, parts.data)
@@ -151,7 +157,10 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         checkpointer = setup.Checkpointer(
             parts, strategy, folder, args.loaded, run_id=run_id, writer=is_log_rank, tracker=tracker
         )
-        loop = setup.loop_parts(parts, strategy, tracker, checkpointer, stop.is_set, sync_timing=args.sync_timing)
+        epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
+        loop = setup.loop_parts(
+            parts, strategy, tracker, checkpointer, stop.is_set, sync_timing=args.sync_timing, epoch_end=epoch_end
+        )
         fitted = setup.train(loop, spec, restored.state)
         if logged_run is not None:
             _log_outputs(args, logged_run, tracker, parts, folder, fitted.state.global_step)
@@ -211,6 +220,20 @@ def _log_outputs(
         if stats is not None:  # the model takes samples before normalisation; it normalises them itself
             example = example * stats[1] + stats[0]
         log_model(args.tracking_uri, run_id, parts.raw_model, example, step=step, normalization=stats)
+
+
+def _agreed_epoch_end(
+    decide: Callable[[int, dict[str, float]], bool] | None, strategy: Strategy, is_log_rank: bool
+) -> Callable[[int, dict[str, float]], bool] | None:
+    """The loop's ``epoch_end``: the logging rank asks ``decide``, every rank gets its answer (one gather per epoch)."""
+    if decide is None:
+        return None
+
+    def epoch_end(epoch: int, metrics: dict[str, float]) -> bool:
+        answer = bool(decide(epoch, metrics)) if is_log_rank else None
+        return any(strategy.all_gather_object(answer))
+
+    return epoch_end
 
 
 def _agree_on_run(strategy: Strategy, local_run_id: str | None, local_dir: str) -> tuple[str | None, int, str]:

@@ -5,6 +5,8 @@ between keys); :mod:`~runner.spec.reading` (files -> dict and key origins),
 :mod:`~runner.spec.overrides` (``--set``), :mod:`~runner.spec.loading` (validation into located
 issues), :mod:`~runner.spec.messages` with :mod:`~runner.spec.wording` and
 :mod:`~runner.spec.suggest` (how problems are worded), :mod:`~runner.spec.dump` (TOML, flat keys,
-hash), :mod:`~runner.spec.locate` (key lines) and :mod:`~runner.spec.reference` (JSON Schema,
-Markdown reference). Imports neither torch nor mlflow, so ``runner validate`` answers on any laptop.
+hash), :mod:`~runner.spec.locate` (key lines), :mod:`~runner.spec.dependents` (which specs extend
+a file), :mod:`~runner.spec.editor_schema` (the JSON Schema for editors, ``.taplo.toml``) and
+:mod:`~runner.spec.reference` (Markdown reference). Imports neither torch nor mlflow, so
+``runner validate`` answers on any laptop.
 """

@@ -188,6 +188,9 @@ def check_parallel(par: ParallelSpec) -> None:
     Options of another mode are inactive, not errors (docs/design.md §10): ``--set parallel.mode``
     alone switches a spec between none, dp and ddp. Rules between ddp options apply under ddp only.
 
+    ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`): inside a
+    Slurm job step the endpoint comes from the node list.
+
     Raises:
         ValueError: The first problem found.
     """
@@ -199,8 +202,6 @@ def check_parallel(par: ParallelSpec) -> None:
         return
     if par.node_rank >= par.nnodes:
         raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
-    if par.nnodes > 1 and not par.rdzv_endpoint:
-        raise ValueError(f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node')
 
 
 def check_optim(optim: OptimSpec) -> None:
@@ -274,8 +275,8 @@ def check_experiment(spec: ExperimentSpec) -> None:
         CrossFieldError: Every problem found, each at its own key.
     """
     problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
-    if spec.sweep is not None and spec.sweep.method == "random" and spec.sweep.num_trials is None:
-        problems.append(("sweep.num_trials", 'method = "random" needs a trial budget: set num_trials'))
+    if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
+        problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:
         raise CrossFieldError(problems)
 

@@ -15,11 +15,14 @@ The bench overrides ``train.max_steps = warmup + steps`` (``train.epochs`` large
 it, evaluation only once at the end), ``checkpoint.enabled = false``, ``train.progress = "off"``
 and ``train.log_every_n_steps = 1``. Multi-node settings are dropped: the bench runs on one machine.
 
-Each configuration runs in a fresh process (:mod:`runner.tools.bench_measure`). A configuration
-that cannot run here (dp without two GPUs, more ddp processes than GPUs, a batch that does not
-divide) is listed as skipped with the reason; a configuration that fails while training is listed
-as failed and the parent run ends FAILED.
-Figures are defined in :mod:`runner.tools.bench_figures`.
+Every repeat of every configuration runs in warm worker processes started once, at the
+beginning (:mod:`runner.tools.bench_pool`), while this process plans, probes the model and opens
+the MLflow runs. A configuration is repeated until its figures are steady or ``max_repeats`` is
+spent (:mod:`runner.tools.bench_figures`); its child run records the first repeat's metrics, as
+``runner exec`` would, and the figures over all repeats. A configuration that cannot run here (dp
+without two GPUs, more ddp processes than GPUs, a batch that does not divide) is listed as
+skipped with the reason; a configuration that fails while training is listed as failed and the
+parent run ends FAILED.
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, Interrupted, SpecError, UsageError
 from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
-from runner.tools.bench_measure import measure, reason
+from runner.tools.bench_measure import reason
+from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
+from runner.tools.bench_repeats import Config, measure_config, open_child
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, write_json
+from runner.tools.bench_runs import Parent, record_child, record_parent, start_parent
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -54,24 +59,6 @@ _DDP_KEYS = (
     "sync_batchnorm",
 )
 _MULTI_NODE_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
-
-
-@dataclasses.dataclass
-class _Config:
-    """A configuration to measure: its result row and, when it can run, its spec."""
-
-    result: ConfigResult
-    loaded: LoadedSpec | None = None
-    accelerator: str = "cpu"
-    world_size: int = 1
-    batch_sizes: list[int] = dataclasses.field(default_factory=list)
-
-
-class _Parent(NamedTuple):
-    """The bench's parent run."""
-
-    uri: str
-    run_id: str
 
 
 def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[str, int]]:
@@ -144,6 +131,7 @@ def run_bench(
     nprocs: Sequence[int] = (1, 2),
     steps: int = 20,
     warmup: int = 3,
+    repeats: tuple[int, int] = (2, 4),
     out_dir: str | Path | None = None,
 ) -> BenchReport:
     """Measure the spec at ``path`` under every configuration and record one parent MLflow run.
@@ -153,8 +141,10 @@ def run_bench(
         overrides: ``--set`` overrides, applied to every configuration.
         modes: Parallel modes to compare (``none``, ``dp``, ``ddp``).
         nprocs: dp device counts and ddp process counts (see :func:`configurations`).
-        steps: Timed optimizer steps per configuration (>= 1).
-        warmup: Untimed optimizer steps first (>= 0).
+        steps: Timed optimizer steps per repeat (>= 1).
+        warmup: Untimed optimizer steps first in each repeat (>= 0).
+        repeats: ``(min, max)`` repeats per configuration: at least ``min``, more while the
+            figures are not steady, at most ``max``.
         out_dir: Folder for ``bench.json`` and ``bench.png`` (default ``./bench-results``).
 
     Returns:
@@ -172,35 +162,111 @@ def run_bench(
 
     if steps < 1 or warmup < 0:
         raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
+    if not 1 <= repeats[0] <= repeats[1]:
+        raise UsageError(f"--repeats MIN:MAX needs 1 <= MIN <= MAX, got {repeats[0]}:{repeats[1]}")
     pairs = configurations(modes, nprocs)
     if launched_externally(os.environ):
         raise UsageError(
             "runner bench starts its own workers: run it directly, not under torchrun or a scheduler's launcher"
         )
     base = load_spec(path, overrides)
-    num_train, batch_statistics, dropout = probe_model_and_data(base)
-    configs = [_prepare(base, mode, n, steps, warmup, num_train=num_train) for mode, n in pairs]
+    configs = [_prepare(base, mode, n, steps, warmup) for mode, n in pairs]
     runnable = [c for c in configs if c.loaded is not None]
+    pool = _pool_for(runnable)
+    try:
+        pool.start()  # the workers import torch while this process opens the parent run
+        if runnable:
+            for rank in range(pool.size):  # every worker builds the data and model once: warm for the repeats
+                pool.submit(rank, Probe(base))
+        report = _report(base, configs, runnable, steps, warmup, repeats)
+        out = Path(out_dir if out_dir is not None else DEFAULT_OUT_DIR).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        parent = start_parent(base, report, [c.result.config for c in configs])
+        try:
+            for config in runnable:
+                open_child(config, parent, report.name)
+            answers = [pool.collect(rank) for rank in range(pool.size)] if runnable else [probe_model_and_data(base)]
+            _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
+        except BaseException:
+            if parent is not None:  # a model or dataset that does not build: a bad spec, no stray run
+                from runner.tracking.runs import delete_run
+
+                for config in runnable:
+                    if config.child_run_id is not None:
+                        delete_run(parent.uri, config.child_run_id)
+                delete_run(parent.uri, parent.run_id)
+            raise
+        _run_under_parent(runnable, report, parent, out, pool)
+    finally:
+        pool.close()
+    return report
+
+
+def _pool_for(runnable: Sequence[Config]) -> WarmPool:
+    """Warm processes for the widest runnable configuration, seeing its devices."""
+    widest = max(runnable, key=lambda c: (c.world_size, len(c.plan.devices.selected) if c.plan else 0), default=None)
+    if widest is None or widest.plan is None:
+        return WarmPool(0)
+    return WarmPool(widest.world_size, widest.plan.devices.env)
+
+
+def _report(
+    base: LoadedSpec,
+    configs: list[Config],
+    runnable: list[Config],
+    steps: int,
+    warmup: int,
+    repeats: tuple[int, int],
+) -> BenchReport:
+    """The report before anything is measured (what the model holds is filled in by :func:`_probed`)."""
     spec = base.spec
-    report = BenchReport(
+    return BenchReport(
         spec=str(base.path),
         name=spec.name,
         accelerator=runnable[0].accelerator if runnable else "cpu",
         global_batch_size=spec.data.batch_size,
         steps=steps,
         warmup=warmup,
-        batch_statistics=batch_statistics,
-        dropout=dropout,
+        batch_statistics=False,
+        min_repeats=repeats[0],
+        max_repeats=repeats[1],
         configs=[c.result for c in configs],
         loss_tolerance=LOSS_TOLERANCE,
         experiment=spec.tracking.experiment or spec.name,
     )
-    out = Path(out_dir if out_dir is not None else DEFAULT_OUT_DIR).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    parent = _start_parent(base, report, [c.result.config for c in configs])
+
+
+def _probed(base: LoadedSpec, report: BenchReport, runnable: Sequence[Config], probe: Any) -> None:
+    """Take the probe's answer: the model's layers into the report, the batch sizes into each configuration.
+
+    Raises:
+        SpecError: The dataset or the model cannot be built (the probe's own error).
+        TrainingError: The probing process died.
+    """
+    from runner.errors import TrainingError
+    from runner.spec.loading import relocate_issues
+    from runner.training.sampling import global_batch_sizes
+
+    if isinstance(probe, SpecError):
+        raise relocate_issues(probe, base)
+    if isinstance(probe, BaseException):
+        raise probe
+    if isinstance(probe, Reply):
+        raise TrainingError(probe.reason)
+    num_train, report.batch_statistics, report.dropout = probe
+    for c in runnable:
+        assert c.loaded is not None
+        data = c.loaded.spec.data
+        c.batch_sizes = global_batch_sizes(num_train, data.batch_size, data.drop_last, c.world_size)
+
+
+def _run_under_parent(
+    runnable: Sequence[Config], report: BenchReport, parent: Parent | None, out: Path, pool: WarmPool
+) -> None:
+    """Measure everything inside the parent run, and end the parent with how that went."""
     status, error = "FAILED", None
     try:
-        _measure_all(runnable, report, parent, out)
+        _measure_all(runnable, report, parent, out, pool)
         failures = [c for c in report.configs if c.status == "failed"]
         status = "FAILED" if failures else "FINISHED"
         error = "\n".join(f"{c.config}: {c.reason}" for c in failures) or None
@@ -215,52 +281,50 @@ def run_bench(
             from runner.tracking.runs import end_run
 
             end_run(parent.uri, parent.run_id, status, error)
-    return report
 
 
-def _measure_all(runnable: Sequence[_Config], report: BenchReport, parent: _Parent | None, out: Path) -> None:
+def _measure_all(
+    runnable: Sequence[Config], report: BenchReport, parent: Parent | None, out: Path, pool: WarmPool
+) -> None:
     """Measure every runnable configuration, compare them with ``none``, write and record the results."""
-    from runner.launch.driver import ExecOptions
-
-    warmup, steps = report.warmup, report.steps
     for i, config in enumerate(runnable, 1):
-        result = config.result
-        print(
-            f"runner bench: {result.config} ({i}/{len(runnable)}): {warmup} + {steps} steps",
-            file=sys.stderr,
-            flush=True,
-        )
-        options = ExecOptions(
-            parent_run_id=parent.run_id if parent else None,
-            tags=(
-                ("runner.bench.config", result.config),
-                ("runner.bench.mode", result.mode),
-                ("runner.bench.nproc", str(result.n)),
-            ),
-            run_name=f"{result.config} bench {report.name}",  # the configuration first: the runs table cuts names
-            sync_timing=True,
-        )
-        assert config.loaded is not None  # runnable
-        measure(config.loaded, result, batch_sizes=config.batch_sizes, options=options, warmup=warmup, steps=steps)
+        try:
+            measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
+        except (Interrupted, KeyboardInterrupt):
+            if parent is not None:  # the child runs not measured yet end with the bench
+                from runner.tracking.runs import end_run
+
+                for later in runnable[i:]:
+                    if later.child_run_id is not None:
+                        end_run(parent.uri, later.child_run_id, "KILLED")
+            raise
     not_comparable = comparability(report.batch_statistics, report.dropout)
     finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
+    report.json_path = str(out / "bench.json")
+    report.png_path = str(out / "bench.png")
+    drawn = pool.size > 0
+    if drawn:  # a worker draws the chart (matplotlib) while this process records the runs
+        pool.submit(0, Chart(report, Path(report.png_path)))
     if parent is not None:
         for row in report.configs:
             if row.status == "ok" and row.run_id:
-                _record_child(parent.uri, row, warmup, steps)
-    report.json_path = str(out / "bench.json")
-    report.png_path = str(out / "bench.png")
-    write_chart(report, Path(report.png_path))
+                record_child(parent.uri, row, report.warmup, report.steps)
     write_json(report, Path(report.json_path))
+    chart = pool.collect(0) if drawn else None
+    if not isinstance(chart, Path):  # no worker, or it could not draw: draw here (and raise what fails)
+        write_chart(report, Path(report.png_path))
     if parent is not None:
-        _record_parent(report, parent)
+        record_parent(report, parent)
 
 
 # ----------------------------------------------------------------------------- preparing
 
 
-def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, num_train: int) -> _Config:
-    """Build and plan one configuration; a spec or device problem makes it a skipped row."""
+def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, num_train: int | None = None) -> Config:
+    """Validate and plan one configuration; a spec or device problem makes it a skipped row.
+
+    With ``num_train`` (training samples) the batch sizes of an epoch are filled in too.
+    """
     from runner.plan import make_plan
     from runner.spec.dump import spec_sha256
     from runner.spec.loading import spec_from_dict
@@ -274,11 +338,12 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, nu
         plan = make_plan(loaded)
     except (SpecError, DeviceError, UsageError) as exc:
         result.status, result.reason = "skipped", reason(exc)
-        return _Config(result)
-    config = _Config(result, loaded, plan.devices.accelerator, plan.devices.world_size)
-    config.batch_sizes = global_batch_sizes(
-        num_train, spec.data.batch_size, spec.data.drop_last, plan.devices.world_size
-    )
+        return Config(result)
+    config = Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
+    if num_train is not None:
+        config.batch_sizes = global_batch_sizes(
+            num_train, spec.data.batch_size, spec.data.drop_last, plan.devices.world_size
+        )
     return config
 
 
@@ -307,76 +372,6 @@ def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
     batch_statistics = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules)
     dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules)
     return bundle.info.num_train, batch_statistics, dropout
-
-
-# ----------------------------------------------------------------------------- tracking
-
-
-def _start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -> _Parent | None:
-    """Create the parent run (``None`` when tracking is off)."""
-    from runner.tracking.runs import start_run
-    from runner.tracking.uri import check_reachable, resolve_tracking_uri
-
-    if not base.spec.tracking.enabled:
-        return None
-    uri = resolve_tracking_uri(base.spec)
-    check_reachable(uri)
-    description = {
-        "mode": "bench",
-        "bench": {"configurations": config_ids, "steps": report.steps, "warmup": report.warmup},
-        "global_batch_size": report.global_batch_size,
-    }
-    handle = start_run(
-        base,
-        description,
-        run_name=f"bench-{report.name}",
-        extra_tags={"runner.bench": "parent", "runner.bench.configs": ",".join(config_ids)},
-        uri=uri,
-    )
-    report.parent_run_id, report.tracking_uri = handle.run_id, uri
-    return _Parent(uri, handle.run_id)
-
-
-def _record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> None:
-    """Log the bench params and figures on a finished child run."""
-    from runner.tracking.parents import record_summary
-
-    params = {
-        "bench.mode": result.mode,
-        "bench.nproc": str(result.n),
-        "bench.steps": str(steps),
-        "bench.warmup": str(warmup),
-    }
-    if result.run_id is not None:
-        record_summary(uri, result.run_id, metrics=_figures(result, ""), params=params)
-
-
-def _record_parent(report: BenchReport, parent: _Parent) -> None:
-    """Log per-configuration figures and params, ``bench/bench.json`` and ``bench/bench.png`` on the parent run."""
-    from runner.tracking.parents import record_summary
-
-    metrics = {k: v for c in report.configs if c.status == "ok" for k, v in _figures(c, f"{c.config}/").items()}
-    params = {
-        "bench.steps": str(report.steps),
-        "bench.warmup": str(report.warmup),
-        "bench.configurations": ",".join(c.config for c in report.configs),
-    }
-    files = [f for f in (report.json_path, report.png_path) if f]
-    record_summary(parent.uri, parent.run_id, metrics=metrics, params=params, files=files, files_dir="bench")
-
-
-def _figures(result: ConfigResult, prefix: str) -> dict[str, float]:
-    """The metrics of one configuration: ``bench/<prefix><figure>``, figures that exist only."""
-    values = {
-        "samples_per_s": result.samples_per_s,
-        "step_time_median_s": result.step_time_median_s,
-        "step_time_p90_s": result.step_time_p90_s,
-        "data_wait_fraction": result.data_wait_fraction,
-        "scaling_efficiency": result.scaling_efficiency,
-        "final_loss": result.final_loss,
-        "peak_memory_max_bytes": float(max(result.peak_memory_bytes)) if result.peak_memory_bytes else None,
-    }
-    return {f"bench/{prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
 
 __all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "run_bench"]

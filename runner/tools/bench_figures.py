@@ -19,6 +19,20 @@ Definitions used everywhere (table, JSON, chart, README):
   amplified float rounding (n processes sum gradients in another order than one).
   BatchNorm normalises over each device's share of the batch and dropout draws per-rank
   masks, so for such models the losses are reported but not compared.
+
+Noise (docs: README "Measure before you choose"). A configuration is repeated, each repeat a
+whole training of ``warmup + steps`` steps in the same warm process(es), until its figures are
+steady or the repeat budget is spent:
+
+* **spread** = (largest - smallest) / median of the repeats' samples/s; steady when at most
+  :data:`SPREAD_LIMIT` (over at least two repeats);
+* **tail** = step p90 / step p50 over the timed steps of all repeats; steady when at most
+  :data:`TAIL_LIMIT` (a longer tail means stalls: other load, a noisy collective);
+* across configurations, ``ddp-1`` (one process, nothing to all-reduce with) far below ``none``
+  (efficiency under :data:`DDP1_FLOOR`) and any efficiency above :data:`SUPERLINEAR` are flagged.
+
+Reported samples/s is the median over the repeats (its error bar spans the smallest and the
+largest), step p50 / p90 and data wait are over the timed steps of all repeats.
 """
 
 from __future__ import annotations
@@ -29,6 +43,10 @@ from collections.abc import Sequence
 
 LOSS_TOLERANCE = 1e-4
 NOT_COMPARABLE = "not comparable: batch-statistics layers"
+SPREAD_LIMIT = 0.10  # repeats' samples/s may differ by 10 % of their median
+TAIL_LIMIT = 1.5  # step p90 may be 1.5x the step p50
+DDP1_FLOOR = 0.8  # ddp-1 below 80 % of none: DDP's fixed cost per step dominates, or load
+SUPERLINEAR = 1.1  # efficiency above this is almost always measurement noise, not real speed-up
 
 
 def comparability(batch_statistics: bool, dropout: bool = False) -> str:
@@ -130,3 +148,40 @@ def loss_check(
     if last_step is not None:
         text += f"; curves agree through step {agreed_through or 0} of {last_step}"
     return text
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """``(max - min) / median`` of ``values``; ``None`` for fewer than two values or a zero median."""
+    if len(values) < 2:
+        return None
+    mid = median(values)
+    return (max(values) - min(values)) / mid if mid > 0 else None
+
+
+def tail(step_times_s: Sequence[float]) -> float | None:
+    """Step p90 / step p50; ``None`` without steps or with a zero median."""
+    p50 = median(step_times_s)
+    return percentile(step_times_s, 90) / p50 if step_times_s and p50 > 0 else None
+
+
+def noise(spread_value: float | None, tail_value: float | None) -> list[str]:
+    """Why a configuration's figures are not steady (empty when they are).
+
+    Args:
+        spread_value: From :func:`spread` (``None``: one repeat, not yet known).
+        tail_value: From :func:`tail`.
+
+    Returns:
+        Short reasons, e.g. ``["repeats differ by 23% (limit 10%)", "p90 is 2.2x p50 (limit 1.5x)"]``.
+    """
+    out = []
+    if spread_value is not None and spread_value > SPREAD_LIMIT:
+        out.append(f"repeats differ by {spread_value:.0%} (limit {SPREAD_LIMIT:.0%})")
+    if tail_value is not None and tail_value > TAIL_LIMIT:
+        out.append(f"p90 is {tail_value:.1f}x p50 (limit {TAIL_LIMIT:g}x)")
+    return out
+
+
+def steady(spread_value: float | None, tail_value: float | None) -> bool:
+    """Whether another repeat is unneeded: the spread is known and both figures are within their limits."""
+    return spread_value is not None and not noise(spread_value, tail_value)

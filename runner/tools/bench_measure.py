@@ -1,79 +1,36 @@
-"""Measuring one ``runner bench`` configuration: train it in a fresh process, then turn its step times into figures.
+"""Turning a configuration's step times into figures: one repeat (:func:`summarize`), then all (:func:`combine`).
 
-Each configuration runs in a fresh process (``spawn``), so ``CUDA_VISIBLE_DEVICES`` is narrowed
-before CUDA starts, as ``runner exec`` does, and memory peaks are those of that configuration alone.
+The repeats themselves run in warm processes (:mod:`runner.tools.bench_pool`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
-from runner.tools.bench_figures import median, percentile, throughput
+from runner.tools.bench_figures import median, noise, percentile, spread, steady, tail, throughput
 from runner.tools.bench_report import ConfigResult
 
 if TYPE_CHECKING:
-    from runner.launch.driver import ExecOptions, ExecResult
-    from runner.spec.loading import LoadedSpec
+    from runner.training.setup import WorkerResult
 
 
-@dataclass
-class Outcome:
-    """What the configuration process sends back.
+class Ran(Protocol):
+    """What one training of a configuration left: every rank's result and the logging rank's history."""
 
-    Attributes:
-        status: ``ok``, ``skipped`` (cannot run here), ``failed`` or ``interrupted``.
-        reason: Why it was skipped or how it failed.
-        result: What ``exec_experiment`` returned (``ok`` only).
-        cuda_peaks: ``torch.cuda.max_memory_allocated`` of every CUDA device of that process, bytes.
-    """
+    @property
+    def run_id(self) -> str | None: ...
 
-    status: str
-    reason: str = ""
-    result: ExecResult | None = None
-    cuda_peaks: list[int] = field(default_factory=list)
+    @property
+    def workers(self) -> Sequence[WorkerResult]: ...
 
-
-def measure(
-    loaded: LoadedSpec,
-    result: ConfigResult,
-    *,
-    batch_sizes: Sequence[int],
-    options: ExecOptions,
-    warmup: int,
-    steps: int,
-) -> None:
-    """Run one configuration in a fresh process and fill its result row.
-
-    Args:
-        loaded: The configuration's spec.
-        result: Its row; filled in place (figures, or status and reason).
-        batch_sizes: Global samples of each optimizer step of an epoch.
-        options: How ``exec_experiment`` runs it (child run, tags, synchronised timing).
-        warmup: Steps left out of the timing.
-        steps: Steps timed.
-
-    Raises:
-        Interrupted: SIGINT arrived while it ran.
-    """
-    outcome = _in_fresh_process(loaded, options)
-    if outcome.status == "interrupted":
-        raise Interrupted()
-    if outcome.status != "ok" or outcome.result is None:
-        result.status, result.reason = outcome.status, outcome.reason
-        return
-    summarize(result, outcome.result, batch_sizes, warmup=warmup, steps=steps, cuda_peaks=outcome.cuda_peaks)
+    @property
+    def history(self) -> list[tuple[int, dict[str, float]]]: ...
 
 
 def summarize(
     result: ConfigResult,
-    exec_result: ExecResult,
+    exec_result: Ran,
     batch_sizes: Sequence[int],
     *,
     warmup: int,
@@ -84,7 +41,7 @@ def summarize(
 
     Args:
         result: The row to fill.
-        exec_result: What ``exec_experiment`` returned; ``workers`` holds every rank.
+        exec_result: One training: ``workers`` holds every rank (an ``ExecResult`` has this shape).
         batch_sizes: Global samples of each optimizer step of an epoch (cycled over epochs).
         warmup: Steps to leave out of the timing.
         steps: Steps to time.
@@ -99,6 +56,8 @@ def summarize(
     samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
     result.run_id = exec_result.run_id
     result.timed_steps = len(times)
+    result.step_times_s = list(times)
+    result.data_wait_s = waits
     result.timed_samples = samples
     result.samples_per_s = throughput(samples, times)
     result.step_time_median_s = median(times)
@@ -131,46 +90,36 @@ def reason(exc: BaseException) -> str:
     return " ".join(text.split()) if text else type(exc).__name__
 
 
-def _in_fresh_process(loaded: LoadedSpec, options: ExecOptions) -> Outcome:
-    """Run :func:`_child` in a new ``spawn`` process; a child that dies becomes a failed outcome."""
-    import multiprocessing
+def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
+    """Fill ``result`` from its repeats (each filled by :func:`summarize`): figures over all of them.
 
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        return pool.submit(_child, loaded, options).result()
-    except BrokenProcessPool as exc:
-        return Outcome("failed", f"the benchmark process died: {exc}")
-    except KeyboardInterrupt:
-        raise Interrupted() from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    samples/s is the median of the repeats' samples/s; step p50 / p90 and data wait are over the
+    timed steps of all repeats; peak memory is the largest per rank; run id, devices, steps and
+    losses are the first repeat's (every repeat trains the same steps from the same seed).
 
-
-def _child(loaded: LoadedSpec, options: ExecOptions) -> Outcome:
-    """Body of the configuration process: ``exec_experiment`` and the CUDA peaks of this process.
-
-    Standard output is pointed at standard error first, so that the report (or ``--json``) is
-    all that ``runner bench`` writes to standard output.
+    Args:
+        result: The configuration's row.
+        repeats: At least one summarized repeat, in order.
     """
-    sys.stdout.flush()
-    os.dup2(2, 1)
-    from runner.errors import RunnerError
-    from runner.launch.driver import exec_experiment
-
-    try:
-        result = exec_experiment(loaded, options)
-    except (SpecError, DeviceError, UsageError) as exc:
-        return Outcome("skipped", reason(exc))
-    except (Interrupted, KeyboardInterrupt):
-        return Outcome("interrupted", "interrupted")
-    except TrainingError as exc:
-        return Outcome("failed", reason(exc))
-    except RunnerError as exc:
-        return Outcome("failed", f"{type(exc).__name__}: {reason(exc)}")
-    except Exception as exc:
-        return Outcome("failed", f"{type(exc).__name__}: {reason(exc)}")
-    peaks: list[int] = []
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        peaks = [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
-    return Outcome("ok", result=result, cuda_peaks=peaks)
+    first = repeats[0]
+    times = [t for r in repeats for t in r.step_times_s]
+    waits = [w for r in repeats for w in r.data_wait_s]
+    rates = [r.samples_per_s or 0.0 for r in repeats]
+    for name in ("run_id", "devices", "timed_steps", "timed_samples", "peak_memory_kind", "final_loss"):
+        setattr(result, name, getattr(first, name))
+    result.train_losses = dict(first.train_losses)
+    result.step_times_s, result.data_wait_s = times, waits
+    result.repeats = len(repeats)
+    result.repeat_samples_per_s = rates
+    result.samples_per_s = median(rates)
+    result.step_time_median_s = median(times)
+    result.step_time_p90_s = percentile(times, 90)
+    total = sum(times)
+    result.data_wait_fraction = sum(waits) / total if total > 0 else None
+    width = max(len(r.peak_memory_bytes) for r in repeats)
+    result.peak_memory_bytes = [
+        max(r.peak_memory_bytes[i] for r in repeats if i < len(r.peak_memory_bytes)) for i in range(width)
+    ]
+    result.spread, result.tail = spread(rates), tail(times)
+    result.steady = steady(result.spread, result.tail)
+    result.noise = noise(result.spread, result.tail)

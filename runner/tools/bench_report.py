@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from runner.tools.bench_figures import (
+    DDP1_FLOOR,
     LOSS_TOLERANCE,
+    SPREAD_LIMIT,
+    SUPERLINEAR,
+    TAIL_LIMIT,
     agrees_through,
     comparability,
     loss_check,
@@ -36,12 +40,19 @@ class ConfigResult:
         reason: Why it was skipped or how it failed.
         run_id: The child MLflow run.
         devices: Device of every rank (ddp) or the devices used (none, dp), e.g. ``["cuda:0", "cuda:1"]``.
-        timed_steps: Optimizer steps timed (after warm-up).
+        timed_steps: Optimizer steps timed (after warm-up) in one repeat.
         timed_samples: Samples in those steps (all ranks together).
-        samples_per_s: See the module docstring.
-        step_time_median_s: Median timed step time, seconds.
-        step_time_p90_s: 90th percentile timed step time, seconds.
-        data_wait_fraction: 0..1.
+        samples_per_s: Median over the repeats (see :mod:`runner.tools.bench_figures`).
+        step_time_median_s: Median timed step time over all repeats, seconds.
+        step_time_p90_s: 90th percentile timed step time over all repeats, seconds.
+        data_wait_fraction: 0..1, over all repeats.
+        repeats: Repeats measured (each a whole training of warm-up + timed steps).
+        repeat_samples_per_s: samples/s of each repeat, in order (the chart's error bar spans them).
+        spread: (largest - smallest) / median of ``repeat_samples_per_s``; ``None`` with one repeat.
+        tail: step p90 / step p50.
+        steady: Whether spread and tail are within their limits; ``False`` means the repeats ran
+            out first and the figures are noisy.
+        noise: Why the figures are not to be trusted as they are (empty when they are).
         peak_memory_bytes: Per CUDA device (allocator peak) or per process on CPU (peak RSS).
         peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
         scaling_efficiency: See the module docstring.
@@ -49,6 +60,8 @@ class ConfigResult:
         loss_check: ``ok``, ``baseline`` (none itself), ``differs: ...``, ``not comparable: ...`` or ``no baseline``.
         loss_agrees_through_step: Last step up to which the loss curve agrees with none's.
         train_losses: ``{step: train/loss}`` (not in the JSON).
+        step_times_s: Timed step times of the slowest rank, all repeats (not in the JSON).
+        data_wait_s: The DataLoader waits of those steps (not in the JSON).
     """
 
     config: str
@@ -70,7 +83,18 @@ class ConfigResult:
     final_loss: float | None = None
     loss_check: str = ""
     loss_agrees_through_step: int | None = None
+    repeats: int = 0
+    repeat_samples_per_s: list[float] = field(default_factory=list)
+    spread: float | None = None
+    tail: float | None = None
+    steady: bool | None = None
+    noise: list[str] = field(default_factory=list)
     train_losses: dict[int, float] = field(default_factory=dict, repr=False)
+    step_times_s: list[float] = field(default_factory=list, repr=False)
+    data_wait_s: list[float] = field(default_factory=list, repr=False)
+
+
+_NOT_IN_JSON = ("train_losses", "step_times_s", "data_wait_s")
 
 
 def config_id(mode: str, n: int) -> str:
@@ -93,6 +117,7 @@ def finish_comparisons(
         if c.status != "ok":
             continue
         c.scaling_efficiency = scaling_efficiency(c.samples_per_s or 0.0, base.samples_per_s if base else None, c.n)
+        c.noise += _cross_config_noise(c, base)
         if c is base:
             c.loss_check = not_comparable or "baseline"
             continue
@@ -111,6 +136,25 @@ def finish_comparisons(
         )
 
 
+def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]:
+    """Flags that need ``none``: ddp-1 far below it, efficiency above 100 %."""
+    eff = c.scaling_efficiency
+    if base is None or eff is None or c is base:
+        return []
+    if c.mode == "ddp" and c.n == 1 and eff < DDP1_FLOOR:
+        extra = (c.step_time_median_s or 0.0) - (base.step_time_median_s or 0.0)
+        return [
+            f"ddp-1 at {eff:.0%} of none: DDP's fixed cost per step (about {extra * 1e3:.2g} ms here) "
+            "outweighs a step this small, or other load slowed it"
+        ]
+    if eff > SUPERLINEAR:
+        return [SUPERLINEAR_WARNING]
+    return []
+
+
+SUPERLINEAR_WARNING = "efficiency above 100%: the baseline was likely slowed by other load; rerun on a quiet machine"
+
+
 @dataclass
 class BenchReport:
     """Result of ``runner bench``: every configuration side by side.
@@ -120,8 +164,10 @@ class BenchReport:
         name: The spec's ``name``.
         accelerator: ``cuda`` or ``cpu`` (of the configurations that ran; ``cpu`` when none did).
         global_batch_size: ``data.batch_size`` (samples per optimizer step).
-        steps: Timed optimizer steps per configuration.
-        warmup: Untimed optimizer steps run first.
+        steps: Timed optimizer steps per repeat.
+        warmup: Untimed optimizer steps run first in each repeat.
+        min_repeats: Repeats every configuration gets.
+        max_repeats: Repeats at most, while its figures are not steady.
         batch_statistics: The model has batch-statistics layers (``_BatchNorm``): losses are not compared.
         dropout: The model has active dropout layers: losses are not compared.
         loss_tolerance: Relative tolerance of the loss comparison.
@@ -142,6 +188,8 @@ class BenchReport:
     batch_statistics: bool
     configs: list[ConfigResult]
     dropout: bool = False
+    min_repeats: int = 1
+    max_repeats: int = 1
     loss_tolerance: float = LOSS_TOLERANCE
     parent_run_id: str | None = None
     tracking_uri: str | None = None
@@ -165,9 +213,13 @@ class BenchReport:
                 "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process"
             ),
             "loss_check": f"train/loss after the last step vs none, relative tolerance {self.loss_tolerance:g}",
+            "samples_per_s_of_repeats": "samples_per_s is their median",
+            "spread": f"(max - min) / median of the repeats' samples_per_s; steady at most {SPREAD_LIMIT:g}",
+            "tail": f"step p90 / step p50 over all repeats; steady at most {TAIL_LIMIT:g}",
+            "noise": f"why not steady, plus ddp-1 below {DDP1_FLOOR:g} x none and efficiency above {SUPERLINEAR:g}",
         }
         out["configurations"] = [
-            _clean({k: v for k, v in asdict(c).items() if k != "train_losses"}) for c in self.configs
+            _clean({k: v for k, v in asdict(c).items() if k not in _NOT_IN_JSON}) for c in self.configs
         ]
         return _clean(out)
 
@@ -176,12 +228,14 @@ class BenchReport:
         head = (
             f"runner bench: {self.name} ({_shown(self.spec)})\n"
             f"{self.accelerator}, global batch {self.global_batch_size}, "
-            f"{self.steps} timed steps after {self.warmup} warm-up"
+            f"{self.steps} timed steps after {self.warmup} warm-up, {self.min_repeats}-{self.max_repeats} repeats"
         )
         cols = [
             "config",
             "devices",
             "samples/s",
+            "repeats",
+            "spread",
             "step p50 ms",
             "step p90 ms",
             "data wait",
@@ -192,7 +246,7 @@ class BenchReport:
         ]
         rows = [cols] + [_row(c) for c in self.configs]
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]
-        right = {2, 3, 4, 5, 6, 7, 8}
+        right = {2, 3, 4, 5, 6, 7, 8, 9, 10}
         lines = []
         for r in rows:
             cells = [r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i]) for i in range(len(cols) - 1)]
@@ -205,6 +259,10 @@ class BenchReport:
                 else "peak mem = peak RSS per process"
             ),
         ]
+        foot.append(
+            f"samples/s = median of the repeats; spread = (max - min) / median of them (steady <= {SPREAD_LIMIT:.0%}); "
+            f"a p90 above {TAIL_LIMIT:g}x the p50 means stalls; noisy rows say why"
+        )
         why = comparability(self.batch_statistics, self.dropout)
         if why:
             foot.append(f"final losses {why} (BatchNorm normalises per device, dropout draws per-rank masks)")
@@ -230,28 +288,39 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-SUPERLINEAR = 1.1  # efficiency above this is almost always measurement noise, not real speed-up
+def note_of(c: ConfigResult) -> str:
+    """The note of a measured row (table and chart): loss check, noise, cross-configuration flags."""
+    parts = [] if c.loss_check in ("ok", "baseline", "") else [c.loss_check]
+    repeat_noise = [n for n in c.noise if n.startswith(_REPEAT_NOISE)]
+    if repeat_noise:
+        head = f"noisy after {c.repeats} repeats" if c.steady is False else "noisy"
+        parts.append(f"{head}: {'; '.join(repeat_noise)}")
+    parts += [n for n in c.noise if not n.startswith(_REPEAT_NOISE) and n != SUPERLINEAR_WARNING]
+    if c.scaling_efficiency is not None and c.scaling_efficiency > SUPERLINEAR and c.mode != "none":
+        parts.append(SUPERLINEAR_WARNING)
+    return "; ".join(parts)
+
+
+_REPEAT_NOISE = ("repeats differ", "p90 is")  # the wording of runner.tools.bench_figures.noise
 
 
 def _row(c: ConfigResult) -> list[str]:
     if c.status != "ok":
-        return [c.config, "-", "-", "-", "-", "-", "-", "-", "-", f"{c.status}: {_one_line(c.reason)}"]
-    note = "" if c.loss_check in ("ok", "baseline") else c.loss_check
-    if c.scaling_efficiency is not None and c.scaling_efficiency > SUPERLINEAR and c.mode != "none":
-        warning = "efficiency above 100%: the baseline was likely slowed by other load; rerun on a quiet machine"
-        note = f"{note}; {warning}" if note else warning
+        return [c.config, *["-"] * 10, f"{c.status}: {_one_line(c.reason)}"]
     mem = "/".join(f"{b / MIB:.0f}" for b in c.peak_memory_bytes) or "-"
     return [
         c.config,
         _devices(c.devices),
         _num(c.samples_per_s, "{:.1f}"),
+        str(c.repeats or "-"),
+        _num(c.spread, "{:.0f}%", 100),
         _num(c.step_time_median_s, "{:.2f}", 1e3),
         _num(c.step_time_p90_s, "{:.2f}", 1e3),
         _num(c.data_wait_fraction, "{:.1f}%", 100),
         mem,
         _num(c.scaling_efficiency, "{:.0f}%", 100),
         _num(c.final_loss, "{:.6f}"),
-        note,
+        note_of(c),
     ]
 
 
@@ -269,9 +338,9 @@ def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
     return fmt.format(value * scale)
 
 
-def _one_line(text: str, limit: int = 160) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+def _one_line(text: str) -> str:
+    """``text`` on one line, whole: a reason is never shortened."""
+    return " ".join(text.split())
 
 
 def _clean(value: Any) -> Any:

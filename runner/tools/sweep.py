@@ -1,319 +1,327 @@
-"""``runner sweep``: validate every trial of a sweep, run them as child runs of one MLflow run, rank them.
+"""``runner sweep``: trials of one spec searched by Optuna, as child runs of one MLflow run, over any number of workers.
 
-One parent MLflow run per sweep (tag ``runner.sweep = "parent"``; params: the sweep
-definition) and one child run per trial (``mlflow.parentRunId``, so the MLflow UI nests
-them), named by its values (``lr=0.1 seed=0``, :func:`runner.spec.naming.trial_run_name`); tags
-``runner.sweep.trial``, ``runner.sweep.values`` and ``sweep.<key>``). A trial
-is the base spec plus ``--set key=value`` overrides, minus its ``[sweep]`` table: a plain
-experiment, run by :func:`runner.launch.driver.exec_experiment`.
+One Optuna study per sweep, in an RDB storage (default: sqlite ``optuna.db`` next to the
+MLflow store; ``[sweep] storage`` or ``--storage`` for a database shared by several machines),
+and one parent MLflow run (tag ``runner.sweep = "parent"``) with one child run per trial
+(``mlflow.parentRunId``; tags ``runner.sweep.trial``, ``runner.sweep.values``, ``sweep.<key>``).
+Every ``runner sweep`` started with the same spec and flags, in another shell, on another machine
+or as a task of a Slurm job array, joins the same study and parent run and pulls the next
+trial; run again after a stop, it continues where the sweep stopped (docs/design.md §16).
 
-Trials run one after another in this process. They run as subprocesses
-(``python -m runner.tools.sweep``) when ``jobs > 1``, and also when they use CUDA: CUDA keeps
-the device view of the first trial in a process, and every trial must free its GPU memory.
+A trial is the base spec plus ``--set key=value`` overrides, minus its ``[sweep]`` table: a
+plain experiment, run by :func:`runner.launch.driver.exec_experiment` in this process (CPU,
+``jobs = 1``) or in warm worker processes that run trial after trial (``jobs > 1``, or CUDA,
+whose device view a process keeps).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
+import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrackingError, UsageError
-from runner.spec.naming import trial_run_name
-from runner.tools.sweep_jobs import Progress, Subprocesses, device_pool, sigterm_interrupts
-from runner.tools.sweep_report import SweepReport, first_line
-from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, build_definition, expand
-from runner.tools.sweep_store import SweepParent, SweepStore
-from runner.tools.sweep_trials import prepare_trials, swept_in_file, trial_metric, trial_tags, without_sweep
+from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UsageError
+from runner.tools.sweep_define import CommandLine, build_definition
+from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_pool, sigterm_interrupts, swept_devices
+from runner.tools.sweep_report import SweepReport, first_line, write_plots
+from runner.tools.sweep_run import TrialSetup, work
+from runner.tools.sweep_space import SweepDefinition, study_name
+from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage, redact
+from runner.tools.sweep_store import SweepStore
+from runner.tools.sweep_study import SweepStudy
+from runner.tools.sweep_trials import prepare_trials, swept_in_file, trial_environ, trials_to_check, without_sweep
 
 if TYPE_CHECKING:
+    from optuna.storages import RDBStorage
+
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
-
-_Todo = Sequence[tuple[Trial, "LoadedSpec", "Plan"]]
 
 
 def run_sweep(
     path: str | Path,
     overrides: Sequence[str] = (),
     *,
-    grid: Sequence[str] = (),
-    random: Sequence[str] = (),
-    num_trials: int | None = None,
-    seed: int | None = None,
+    cli: CommandLine | None = None,
     jobs: int = 1,
-    metric: str | None = None,
-    goal: str | None = None,
-    resume: str | None = None,
+    storage: str | None = None,
+    study: str | None = None,
     log: Callable[[str], None] | None = None,
+    processes: bool = False,
 ) -> SweepReport:
-    """Run every trial of a sweep as a child run of one parent MLflow run.
+    """Run a sweep's trials (those no worker has run) as child runs of its parent MLflow run.
 
-    Every trial spec is loaded and validated (schema, devices, model name) before the
-    parent run is created, so a bad value fails the sweep at once. A trial that fails while
-    training is recorded as FAILED and the sweep goes on.
+    Every trial spec (every grid point; for random and tpe, every value and range end) is
+    loaded and validated, the devices resolved, before the study or the parent run exists,
+    so a bad value fails the sweep at once. A trial that fails while training is recorded as
+    FAILED and the sweep goes on. The worker that finds no trial left and none running in
+    other workers ends the parent run, with the best trial and Optuna's plots.
 
     Args:
         path: The spec file; its ``[sweep]`` table (if any) is the default definition.
         overrides: ``--set`` strings applied to every trial before the trial's own values.
-        grid: ``--grid KEY=V1,V2`` entries. random: ``--random KEY=LOW:HIGH[:log|:int]`` entries.
-        num_trials: Trial budget (random: required; grid: cap). Default: the spec's.
-        seed: Seed of random sampling. Default: the spec's (0).
-        jobs: Trials running at once (>= 1); more than one runs them as subprocesses and
-            spreads single-GPU trials over the spec's devices.
-        metric: Metric that ranks trials. Default: the spec's (``val/accuracy``).
-        goal: ``"max"`` or ``"min"``. Default: the spec's (``max``).
-        resume: Parent run id of an earlier sweep: trials with a FINISHED child run are not
-            run again. Without definition flags (``grid``, ``random``, ``num_trials``, ``seed``)
-            and ``overrides``, the recorded ones are used.
+        cli: The sweep's command-line flags (``--grid``, ``--random``, ``--method``, ``--trials``, ...);
+            ``None``: the spec's ``[sweep]`` alone.
+        jobs: Trials running at once in this worker (>= 1); more than one runs them in warm
+            worker processes and spreads single-GPU trials over the spec's devices.
+        storage: Optuna storage URL (``--storage``). Default: ``[sweep] storage``, else sqlite
+            next to the MLflow store.
+        study: Study name (``--study``). Default: ``[sweep] study``, else one derived from the
+            trial spec and the definition.
         log: Receives one progress line per trial. Default: standard error.
+        processes: Run trials in warm worker processes even where they could run in this one
+            (CPU, ``jobs = 1``): a trial that crashes its process cannot take the sweep down.
 
     Returns:
-        The :class:`SweepReport`; the parent run is FINISHED when every trial finished, else FAILED.
+        The :class:`SweepReport` of every trial of the study.
 
     Raises:
-        SpecError: The spec, the sweep definition or a trial is invalid (every problem,
-            each naming its trial); no run is created.
-        UsageError: Bad command-line entries, tracking disabled, or an unusable ``resume``.
+        SpecError: The spec, the sweep definition, a trial or ``[sweep] storage`` is invalid
+            (every problem, each naming its trial or line); no run is created.
+        UsageError: Bad command-line entries, tracking disabled, ``--storage`` that cannot be
+            opened, or a study of that name searching another sweep.
         DeviceError: A trial asks for devices this machine does not have.
         TrackingError: The tracking store cannot be used.
-        Interrupted: Stopped by SIGINT/SIGTERM; the parent run is KILLED.
+        Interrupted: Stopped by SIGINT/SIGTERM; the running trials are enqueued again and, when
+            no other worker runs trials, the parent run is KILLED.
     """
     from runner.spec.loading import load_spec
+    from runner.spec.locate import locate_keys
 
     say = log or _stderr
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: give at least 1")
-    overrides = list(overrides)
-    base = load_spec(path, overrides)
+    base = load_spec(path, list(overrides))
     if not base.spec.tracking.enabled:
         raise UsageError(f"{base.path}: a sweep records its trials in MLflow; set tracking.enabled = true")
+    lines = locate_keys(base.source_text)
+    definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
+    environ = trial_environ()
+    in_file = swept_in_file(base, (cli or CommandLine()).grid, (cli or CommandLine()).random)
+    checks = trials_to_check(definition)
+    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file)]
     store = SweepStore.for_spec(base.spec)
-    notes: list[str] = []
-    previous = store.sweep_parent(resume) if resume is not None else None
-    if previous is not None:
-        base, overrides = _resumed_base(base, path, overrides, previous, notes)
-    definition = _definition(
-        base, previous, grid=grid, random=random, num_trials=num_trials, seed=seed, metric=metric, goal=goal
-    )
-    trials = expand(definition)
-    prepared = prepare_trials(base.path, overrides, trials, swept_in_file(base, grid, random))
     store.check()
-    done, parent_id = _open_parent(store, base, overrides, trials, definition=definition, previous=previous)
-    earlier = f", {len(done)} finished earlier" if previous is not None else ""
-    d = definition
-    say(f"sweep {parent_id}: {len(trials)} trials{earlier}, {d.method}, {d.metric} ({d.goal})")
-    report = SweepReport(definition, [], parent_id, store.uri, store.experiment, notes)
-    todo = [(t, loaded, plan) for t, (loaded, plan) in zip(trials, prepared, strict=False) if t.index not in done]
-    progress = Progress(say, len(trials), definition.metric, len(done))
-    _run_all(report, store, trials, todo, done, how=(base, overrides, jobs), progress=progress)
-    _finish(report, store)
+    opened, report = _open_study(base, definition, store, storage, study, lines)
+    started = time.time()
+    done = sum(r.status not in ("WAITING", "RUNNING") for r in opened.results())
+    say(
+        f"sweep {report.parent_run_id}: study {report.study!r} in {report.storage}, {definition.trials} trials "
+        f"({done} done), {definition.method}, pruner {definition.pruner}, {definition.metric} ({definition.goal})"
+    )
+    progress = Progress(say, definition.trials, definition.metric, done)
+    setup = TrialSetup(base.path, base.overrides, environ)
+    run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
+    _run_to_the_end(report, opened, store, run)
+    report.trials = opened.results(since=started)
+    _finish(report, opened, store)
     return report
 
 
-def _resumed_base(
-    base: LoadedSpec, path: str | Path, overrides: list[str], previous: SweepParent, notes: list[str]
-) -> tuple[LoadedSpec, list[str]]:
-    """The base spec of a resumed sweep: with its recorded ``--set`` flags when none are given.
+def _open_study(
+    base: LoadedSpec,
+    definition: SweepDefinition,
+    store: SweepStore,
+    storage: str | None,
+    study: str | None,
+    lines: dict[tuple, int],
+) -> tuple[SweepStudy, SweepReport]:
+    """Found or join the sweep's study (and its parent run); an empty report of it.
 
     Raises:
-        UsageError: Other ``--set`` flags than the recorded ones.
+        UsageError, SpecError, TrackingError: See :func:`_open_storage`; a study of that name
+            that searches another sweep.
     """
+    url, rdb = _open_storage(base, storage, store.uri, lines)
+    trial_base = without_sweep(base)
+    named = study or (base.spec.sweep.study if base.spec.sweep is not None else None)
+    name = named or study_name(base.spec.name, trial_base.sha256, definition)
+    opened, founded = SweepStudy.open(
+        rdb,
+        url,
+        name,
+        definition,
+        found=lambda s: store.create_parent(base, base.overrides, definition, name, redact(url)),
+        spec_sha256=trial_base.sha256,
+        unfound=store.delete,
+    )
+    notes = [] if founded else _joined(opened, store, trial_base.sha256)
+    parent = opened.parent_run_id
+    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, redact(url))
+
+
+def _open_storage(
+    base: LoadedSpec, given: str | None, tracking_uri: str, lines: dict[tuple, int]
+) -> tuple[str, RDBStorage]:
+    """Open the study's storage, saying where a URL that cannot be opened came from.
+
+    Raises:
+        UsageError: ``--storage`` cannot be opened.
+        SpecError: ``[sweep] storage`` cannot be opened, at its line.
+        TrackingError: The default storage next to the MLflow store cannot be opened.
+    """
+    from_spec = base.spec.sweep.storage if base.spec.sweep is not None else None
+    url = _absolute(given or from_spec or default_storage_url(tracking_uri, base.path.parent))
+    try:
+        return url, open_storage(url)
+    except StorageError as exc:
+        if given:
+            raise UsageError(f"--storage {redact(given)}: {exc}") from None
+        if from_spec:
+            issue = SpecIssue(base.path, lines.get(("sweep", "storage")), "sweep.storage", f"{exc} (fix the URL)")
+            raise SpecError(issue) from None
+        raise TrackingError(str(exc)) from None
+
+
+def _absolute(url: str) -> str:
+    """A relative sqlite path resolved against the current folder, so every worker process opens the same file."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url[len(prefix) :].startswith(("/", ":memory:")):
+        rest, sep, query = url[len(prefix) :].partition("?")
+        return f"{prefix}{Path(rest).resolve()}{sep}{query}"
+    return url
+
+
+def _joined(opened: SweepStudy, store: SweepStore, spec_sha256: str) -> list[str]:
+    """Join a study another worker created: reopen its parent run; note a trial spec that changed."""
+    store.reopen(opened.parent_run_id)
+    notes = [f"continued study {opened.name!r}: trials that ran before, here or in other workers, are not run again"]
+    if opened.spec_sha256 not in (None, spec_sha256):  # pragma: no cover - the default name includes the hash
+        notes.append("the trial spec differs from the study's first worker's")
+    return notes
+
+
+def _run_trials(
+    study: SweepStudy,
+    store: SweepStore,
+    setup: TrialSetup,
+    base: LoadedSpec,
+    plans: Sequence[Plan],
+    jobs: int,
+    progress: Progress,
+    processes: bool = False,
+) -> None:
+    """Run trials until none waits: in this process (CPU, one at a time), else in warm worker processes."""
+    cuda = any(plan.devices.accelerator == "cuda" for plan in plans)
+    if jobs == 1 and not cuda and not processes:
+        work(study, store, setup, progress)
+        return
+    with tempfile.TemporaryDirectory(prefix="runner-sweep-") as tmp:
+        configs = _worker_configs(study, store, setup, base, plans, jobs, Path(tmp))
+
+        def dead(number: int, error: str) -> None:
+            study.fail_dead(number, error)
+            run_id = store.trial_run(study.parent_run_id, number)
+            if run_id is not None:
+                from runner.tracking.runs import end_run
+
+                end_run(store.uri, run_id, "FAILED", error)
+
+        for error in WorkerPool(study, progress, dead).run(configs):
+            print(f"runner: {first_line(error)}", file=sys.stderr, flush=True)
+
+
+def _worker_configs(
+    study: SweepStudy,
+    store: SweepStore,
+    setup: TrialSetup,
+    base: LoadedSpec,
+    plans: Sequence[Plan],
+    jobs: int,
+    folder: Path,
+) -> list[WorkerConfig]:
+    """One config per warm worker: its GPU (when single-GPU trials are spread), its device view and log."""
+    import dataclasses
+    import os
+
+    definition = study.definition
+    pool = device_pool(base.spec, plans, definition) if jobs > 1 else None
+    one_each = swept_devices(definition)
+    configs = []
+    for k in range(jobs):
+        extra: tuple[str, ...] = () if pool is None else (f"devices.ids=[{pool[k % len(pool)]}]",)
+        env = {} if one_each else _device_env(setup, extra, plans)
+        if plans and plans[0].devices.accelerator == "cpu" and jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+        configs.append(
+            WorkerConfig(
+                index=k,
+                url=study.url,
+                study=study.name,
+                definition=definition.to_json(),
+                tracking_uri=store.uri,
+                experiment=store.experiment,
+                setup=dataclasses.replace(setup, extra=extra),
+                env=env,
+                log=str(folder / f"worker-{k}.log") if jobs > 1 else None,
+                max_trials=1 if one_each else None,
+            )
+        )
+    return configs
+
+
+def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]) -> dict[str, str]:
+    """The device view a warm worker keeps for all its trials (``CUDA_VISIBLE_DEVICES`` of its GPU or the spec's)."""
+    if not extra:
+        return dict(plans[0].devices.env) if plans else {}
+    from runner.plan import make_plan
     from runner.spec.loading import load_spec
 
-    if not overrides and previous.overrides:
-        overrides = list(previous.overrides)
-        base = load_spec(path, overrides)
-    elif overrides != previous.overrides:
-        raise UsageError(
-            f"--resume {previous.run_id}: the sweep ran with --set {previous.overrides}, now {overrides}; "
-            "repeat the original --set flags (or none, to reuse them)"
-        )
-    if previous.spec_sha256 and previous.spec_sha256 != base.sha256:
-        notes.append("the spec changed since the sweep started: earlier trials ran with the old spec")
-    return base, overrides
+    loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *extra]))
+    return dict(make_plan(loaded, env=setup.environ).devices.env)
 
 
-def _open_parent(
-    store: SweepStore,
-    base: LoadedSpec,
-    overrides: Sequence[str],
-    trials: Sequence[Trial],
-    *,
-    definition: SweepDefinition,
-    previous: SweepParent | None,
-) -> tuple[dict[int, TrialResult], str]:
-    """``(trials finished earlier, parent run id)``: the reopened parent on resume, else a new one."""
-    if previous is None:
-        return {}, store.create_parent(base, overrides, definition, trials)
-    done = store.finished_trials(previous.run_id, trials, definition.metric)
-    store.reopen(previous.run_id)
-    return done, previous.run_id
-
-
-def _run_all(
-    report: SweepReport,
-    store: SweepStore,
-    trials: Sequence[Trial],
-    todo: _Todo,
-    done: dict[int, TrialResult],
-    *,
-    how: tuple[LoadedSpec, Sequence[str], int],
-    progress: Progress,
-) -> None:
-    """Run the trials not ``done`` and fill ``report.trials``; on interrupt or error, end the parent first.
-
-    Args:
-        how: ``(base spec, --set overrides, jobs)``.
+def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, run: Callable[[], None]) -> None:
+    """Run the trials; on a signal or an error, end the parent run first when no other worker runs trials.
 
     Raises:
-        Interrupted: SIGINT/SIGTERM; the parent run is KILLED.
+        Interrupted: SIGINT/SIGTERM (the running trials were enqueued again).
     """
-    results: dict[int, TrialResult] = dict(done)
-    parent_id = report.parent_run_id
-    started_ms = int(time.time() * 1000)
-    base, overrides, jobs = how
     try:
         with sigterm_interrupts():
-            for result in _run_trials(
-                todo, base, overrides, parent_id=parent_id, definition=report.definition, jobs=jobs, progress=progress
-            ):
-                results[result.index] = result
-        report.trials = [results[t.index] for t in trials]
-        store.fill_run_ids(parent_id, report.trials, started_ms)
+            run()
     except (Interrupted, KeyboardInterrupt) as exc:
-        report.trials = [results[t.index] for t in trials if t.index in results]
-        store.end_quietly(parent_id, "KILLED", "the sweep was interrupted", report)
+        report.trials = study.results()
+        if not study.counts().get("RUNNING", 0):
+            store.end_quietly(report.parent_run_id, "KILLED", "the sweep was interrupted", report)
         raise Interrupted(getattr(exc, "signum", 2)) from None
     except BaseException:
-        report.trials = [results[t.index] for t in trials if t.index in results]
-        store.end_quietly(parent_id, "FAILED", traceback.format_exc(), report)
+        import traceback
+
+        report.trials = study.results()
+        if not study.counts().get("RUNNING", 0):
+            store.end_quietly(report.parent_run_id, "FAILED", traceback.format_exc(), report)
         raise
 
 
-def _finish(report: SweepReport, store: SweepStore) -> None:
-    """Note a metric nobody logged, then end the parent FINISHED, or FAILED when a trial did not finish."""
+def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
+    """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish."""
     metric = report.definition.metric
     if report.best is None and any(t.status == "FINISHED" for t in report.trials):
         report.notes.append(
             f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
+    pending = study.pending()
+    if pending:
+        report.notes.append(
+            f"{pending} trial(s) still waiting or running in other workers: the worker that ends the last one "
+            "ends the parent run (run `runner sweep` again to help, or after a worker died)"
+        )
+        return
     failures = [f"{t.index}: {first_line(t.error or t.status)}" for t in report.trials if t.status != "FINISHED"]
     total = len(report.trials)
     error = f"{len(failures)} of {total} trials did not finish: " + "; ".join(failures) if failures else None
-    store.end(report.parent_run_id, "FAILED" if failures else "FINISHED", error, report)
-
-
-def _definition(base: LoadedSpec, previous: SweepParent | None, **cli: Any) -> SweepDefinition:
-    """The definition from the spec and the command line; on resume, the recorded one.
-
-    Raises:
-        UsageError, SpecError: See :func:`runner.tools.sweep_space.build_definition`; on resume,
-            definition flags that would change the recorded trials.
-    """
-    from runner.spec.locate import locate_keys
-
-    flags = bool(cli["grid"] or cli["random"] or cli["num_trials"] is not None or cli["seed"] is not None)
-    if previous is not None and not flags:
-        recorded = previous.definition
-        return dataclasses.replace(recorded, metric=cli["metric"] or recorded.metric, goal=cli["goal"] or recorded.goal)
-    definition = build_definition(base.spec.sweep, spec_file=base.path, key_lines=locate_keys(base.source_text), **cli)
-    if previous is not None and not definition.same_trials(previous.definition):
-        raise UsageError(
-            f"--resume {previous.run_id}: the sweep definition differs from the recorded one "
-            f"({json.dumps(previous.definition.to_json())}); repeat the original flags, or give none to reuse them"
-        )
-    return definition
-
-
-def _run_trials(
-    todo: _Todo,
-    base: LoadedSpec,
-    overrides: Sequence[str],
-    *,
-    parent_id: str,
-    definition: SweepDefinition,
-    jobs: int,
-    progress: Progress,
-) -> Iterator[TrialResult]:
-    """Yield each trial's result as it ends: in this process, or as subprocesses (jobs > 1, or CUDA)."""
-    cuda = any(plan.devices.accelerator == "cuda" for _, _, plan in todo)
-    if jobs == 1 and not cuda:
-        for trial, loaded, _ in todo:
-            yield progress(_run_here(loaded, trial, parent_id, definition.metric))
-        return
-    pool = device_pool(base.spec, [p for _, _, p in todo], definition) if jobs > 1 else None
-    children = Subprocesses(
-        base.path, overrides, parent_id=parent_id, metric=definition.metric, jobs=jobs, pool=pool, progress=progress
-    )
-    yield from children.run([(t, p) for t, _, p in todo])
-
-
-def _run_here(loaded: LoadedSpec, trial: Trial, parent_id: str, metric: str) -> TrialResult:
-    """Run one trial in this process; a failure becomes a FAILED result."""
-    from runner.launch.driver import ExecOptions, exec_experiment
-
-    options = ExecOptions(run_name=trial_run_name(trial.values), parent_run_id=parent_id, tags=trial_tags(trial))
-    try:
-        out = exec_experiment(loaded, options)
-    except (Interrupted, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        return TrialResult(trial.index, trial.values, None, "FAILED", None, f"{type(exc).__name__}: {exc}")
-    return TrialResult(trial.index, trial.values, out.run_id, "FINISHED", trial_metric(out.metrics, metric))
+    with tempfile.TemporaryDirectory(prefix="runner-sweep-plots-") as tmp:
+        plots, notes = write_plots(study.frozen_trials(), report.definition.goal, Path(tmp))
+        report.notes += notes
+        store.end(report.parent_run_id, "FAILED" if failures else "FINISHED", error, report, plots)
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _trial_main(argv: Sequence[str]) -> int:
-    """Entry of a trial subprocess: ``python -m runner.tools.sweep JOB.json``.
-
-    Loads the trial spec exactly as the in-process path does (base spec, ``--set``
-    overrides, ``[sweep]`` removed), runs it as a child run with the trial's tags, and writes
-    ``{"status", "run_id", "metrics", "error"}`` to the job's ``result`` file.
-
-    Returns:
-        0 finished, 1 training failed, 2 bad spec/devices/tracking, 130 interrupted.
-    """
-    from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.spec.loading import load_spec
-
-    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result: dict[str, Any] = {"status": "FAILED", "run_id": None, "metrics": {}, "error": None}
-    code = 1
-    try:
-        loaded = without_sweep(load_spec(job["path"], job["overrides"]))
-        options = ExecOptions(
-            run_name=job["run_name"], parent_run_id=job["parent_run_id"], tags=tuple(tuple(t) for t in job["tags"])
-        )
-        out = exec_experiment(loaded, options)
-        result.update(status="FINISHED", run_id=out.run_id, metrics=out.metrics)
-        code = 0
-    except (Interrupted, KeyboardInterrupt):
-        result.update(status="KILLED", error="interrupted")
-        code = 130
-    except (SpecError, UsageError, DeviceError, TrackingError) as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        code = 2
-    except RunnerError as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    if result["error"]:
-        print(f"runner: trial failed: {result['error']}", file=sys.stderr)
-    target = Path(job["result"])
-    partial = target.with_suffix(".partial")
-    partial.write_text(json.dumps(result, default=str), encoding="utf-8")
-    partial.replace(target)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(_trial_main(sys.argv[1:]))
+__all__ = ["CommandLine", "SweepDefinition", "run_sweep"]

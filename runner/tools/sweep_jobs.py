@@ -1,41 +1,49 @@
-"""Running a sweep's trials as processes: ``jobs`` at a time, spread over GPUs, stopped together on SIGINT/SIGTERM."""
+"""Warm worker processes of a sweep: ``jobs`` processes pulling trial after trial, spread over GPUs, stopped together.
+
+A worker process is started once (``spawn``), sets its device view (``CUDA_VISIBLE_DEVICES``
+before CUDA initialises) and runs :func:`runner.tools.sweep_run.work` against the study, so
+the interpreter start-up and the torch and MLflow imports are paid once per process, not
+once per trial (docs/design.md §16). Trials whose device view differs from trial to trial
+(``devices`` swept) get one process each.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import json
+import multiprocessing
 import os
+import queue as queue_module
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-from collections import deque
+import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted
-from runner.spec.naming import trial_run_name
 from runner.tools.sweep_report import first_line
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
-from runner.tools.sweep_trials import trial_metric, trial_tags
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from runner.plan import Plan
     from runner.spec.schema import ExperimentSpec
+    from runner.tools.sweep_run import TrialSetup
+    from runner.tools.sweep_study import SweepStudy
 
-TERMINATE_GRACE_S = 30.0  # how long stopped trial processes get to end their runs KILLED
+TERMINATE_GRACE_S = 30.0  # how long stopped worker processes get to end their runs KILLED
+RESTARTS = 3  # processes started in place of one that died, per worker (a crash at start-up stops there)
 _FAILED_TAIL_CHARS = 2000
-_POLL_S = 0.1
+_POLL_S = 0.2
 
 
 def device_pool(spec: ExperimentSpec, plans: Sequence[Plan], definition: SweepDefinition) -> list[int] | None:
     """GPU ids to spread concurrent single-GPU trials over, or ``None`` to leave devices alone."""
-    if not plans or any(k == "devices.ids" or k.startswith("devices.ids.") for k, _ in definition.params):
+    if not plans or swept_devices(definition):
         return None
     if any(
         p.devices.accelerator != "cuda" or len(p.devices.requested_ids) != 1 or p.devices.world_size != 1 for p in plans
@@ -45,121 +53,180 @@ def device_pool(spec: ExperimentSpec, plans: Sequence[Plan], definition: SweepDe
     return list(ids) if isinstance(ids, list) else list(range(len(plans[0].devices.visible)))
 
 
+def swept_devices(definition: SweepDefinition) -> bool:
+    """Whether trials differ in their devices (then every trial needs a process of its own)."""
+    return any(k == "devices" or k.startswith("devices.") for k, _ in definition.params)
+
+
 def pick_device(load: dict[int, int], pool: Sequence[int]) -> int:
     """The device of ``pool`` running the fewest trials (first in ``pool`` on ties)."""
     return min(pool, key=lambda k: (load.get(k, 0), list(pool).index(k)))
 
 
-@dataclass
-class _Running:
-    """A trial process and the GPU it was given (``None``: the spec's own devices)."""
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a warm worker process needs (picklable: it crosses the ``spawn`` boundary).
 
-    trial: Trial
-    device: int | None
+    Attributes:
+        index: Worker number, 0-based (names its log file).
+        url: The study's storage URL.
+        study: The study name.
+        definition: The sweep definition (JSON form).
+        tracking_uri: The MLflow store.
+        experiment: The MLflow experiment.
+        setup: The trials' base spec, environment and this worker's extra ``--set`` (its GPU).
+        env: Variables set in the process before anything else runs (device view, CPU threads).
+        log: File that takes the process's output (several workers at once), or ``None``.
+        max_trials: Trials before the process exits (1 when the device view changes per trial).
+    """
+
+    index: int
+    url: str
+    study: str
+    definition: dict[str, Any]
+    tracking_uri: str
+    experiment: str
+    setup: TrialSetup
+    env: dict[str, str] = field(default_factory=dict)
+    log: str | None = None
+    max_trials: int | None = None
 
 
-class Subprocesses:
-    """Run trials as ``python -m runner.tools.sweep JOB.json`` processes, ``jobs`` at a time.
+def worker_main(config: WorkerConfig, messages: Any) -> None:
+    """Entry of a warm worker process: join the study and run trials until none is left.
+
+    Sends ``(kind, worker index, payload)`` on ``messages``: ``"start"`` with the Optuna trial
+    number, ``"result"`` with the :class:`TrialResult` JSON, ``"error"`` with a traceback.
+    Exits 0 when the queue is empty, 130 when interrupted, 1 on an error outside a trial.
+    """
+    os.environ.update(config.env)
+    if config.log is not None:
+        log = os.open(config.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    from runner.tools.sweep_run import work
+    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_store import SweepStore
+    from runner.tools.sweep_study import SweepStudy
+
+    code, me = 0, config.index
+    try:
+        with sigterm_interrupts():
+            storage = open_storage(config.url)
+            study = SweepStudy.join(storage, config.url, config.study, SweepDefinition.from_json(config.definition))
+            store = SweepStore(config.tracking_uri, config.experiment)
+            work(
+                study,
+                store,
+                config.setup,
+                lambda r: messages.put(("result", me, r.to_json())),
+                config.max_trials,
+                on_start=lambda number: messages.put(("start", me, number)),
+            )
+    except (Interrupted, KeyboardInterrupt):
+        code = 130
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        print(f"runner: sweep worker {me} failed: {text}", file=sys.stderr, flush=True)
+        messages.put(("error", me, text))
+        code = 1
+    messages.close()
+    messages.join_thread()  # the queue's feeder thread delivers what was put before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the results are in the study; skip the teardown of torch's and MLflow's threads
+
+
+class WorkerPool:
+    """Run :class:`WorkerConfig` processes until the study has no WAITING trial; stop them all on a signal.
+
+    A process that dies (a crash, the kernel's OOM killer) fails the trial it ran and is replaced,
+    up to :data:`RESTARTS` times per worker, while trials wait.
 
     Args:
-        path: The spec file.
-        overrides: Base ``--set`` strings; each trial's own values are applied after them.
-        parent_id: The sweep's parent run.
-        metric: The metric that ranks trials.
-        jobs: Processes running at once; with more than one, each process's output goes to a log.
-        pool: GPU ids to spread single-GPU trials over (see :func:`device_pool`), or ``None``.
-        progress: Called with each result as it arrives; returns it.
+        study: The sweep's study (one-trial workers are started again while trials wait).
+        progress: Called with each result as it arrives.
+        on_dead: Called as ``on_dead(Optuna trial number, error)`` for a trial whose process died.
     """
 
     def __init__(
         self,
-        path: Path,
-        overrides: Sequence[str],
-        *,
-        parent_id: str,
-        metric: str,
-        jobs: int,
-        pool: list[int] | None,
-        progress: Callable[[TrialResult], TrialResult],
-    ):
-        self.path, self.overrides, self.parent_id, self.metric = path, list(overrides), parent_id, metric
-        self.jobs, self.pool, self.progress = jobs, pool, progress
-        self._load: dict[int, int] = {}
+        study: SweepStudy,
+        progress: Callable[[TrialResult], object],
+        on_dead: Callable[[int, str], None],
+    ) -> None:
+        self.study, self.progress, self.on_dead = study, progress, on_dead
+        self._context = multiprocessing.get_context("spawn")
+        self._messages: Any = self._context.Queue()
+        self._running: dict[BaseProcess, WorkerConfig] = {}
+        self._current: dict[int, int | None] = {}  # worker index -> the Optuna trial it runs
+        self._restarts: dict[int, int] = {}  # worker index -> processes started after one died
 
-    def run(self, todo: Sequence[tuple[Trial, Plan]]) -> Iterator[TrialResult]:
-        """Yield each trial's result as its process ends; stop every process when interrupted."""
-        queue = deque(todo)
-        running: dict[subprocess.Popen[bytes], _Running] = {}
-        with tempfile.TemporaryDirectory(prefix="runner-sweep-") as tmp:
-            folder = Path(tmp)
+    def run(self, configs: Sequence[WorkerConfig]) -> list[str]:
+        """Start one process per config (again while trials wait, for one-trial workers); return worker errors.
+
+        Raises:
+            Interrupted, KeyboardInterrupt: Stopped by a signal; every process got SIGTERM first.
+        """
+        errors: list[str] = []
+        try:
+            for config in configs:
+                self._start(config)
+            while self._running:
+                self._drain(errors, timeout=_POLL_S)
+                for proc in [p for p in self._running if not p.is_alive()]:
+                    self._ended(proc, errors)
+        except BaseException:  # also KeyboardInterrupt: never leave worker processes behind
+            _stop(list(self._running))
+            self._drain(errors, timeout=0)
+            raise
+        return errors
+
+    def _start(self, config: WorkerConfig) -> None:
+        name = f"runner-sweep-worker-{config.index}"
+        proc = self._context.Process(target=worker_main, args=(config, self._messages), name=name)
+        proc.start()
+        self._running[proc] = config
+        self._current[config.index] = None
+
+    def _drain(self, errors: list[str], timeout: float) -> None:
+        """Handle the messages that arrived (waiting up to ``timeout`` for the first)."""
+        while True:
             try:
-                while queue or running:
-                    while queue and len(running) < self.jobs:
-                        trial, plan = queue.popleft()
-                        device = self._take_device()
-                        running[self._start(folder, trial, plan, device)] = _Running(trial, device)
-                    finished = [p for p in running if p.poll() is not None]
-                    if not finished:
-                        time.sleep(_POLL_S)
-                    for proc in finished:
-                        done = running.pop(proc)
-                        if done.device is not None:
-                            self._load[done.device] -= 1
-                        yield self.progress(self._collect(folder, done.trial, proc))
-            except BaseException:  # also GeneratorExit: never leave trial processes behind
-                _stop(list(running))
-                raise
+                kind, worker, payload = self._messages.get(timeout=timeout) if timeout else self._messages.get_nowait()
+            except (queue_module.Empty, EOFError, OSError):
+                return
+            timeout = 0
+            if kind == "start":
+                self._current[worker] = int(payload)
+            elif kind == "result":
+                self._current[worker] = None
+                self.progress(TrialResult(**payload))
+            else:
+                errors.append(str(payload))
 
-    def _take_device(self) -> int | None:
-        """The least loaded GPU of the pool, counted as busy; ``None`` without a pool."""
-        if not self.pool:
-            return None
-        device = pick_device(self._load, self.pool)
-        self._load[device] = self._load.get(device, 0) + 1
-        return device
+    def _ended(self, proc: BaseProcess, errors: list[str]) -> None:
+        """A process exited: fail the trial it left RUNNING; start the next one-trial process while trials wait."""
+        proc.join()
+        self._drain(errors, timeout=0)
+        config = self._running.pop(proc)
+        number, code = self._current.pop(config.index, None), proc.exitcode
+        died = code not in (0, 130)
+        if number is not None and died:
+            tail = _tail(config.log)
+            self.on_dead(number, f"the sweep worker process exited with status {code}\n{tail}".strip())
+        again = code == 0 and config.max_trials is not None
+        if died and self._restarts.get(config.index, 0) < RESTARTS:  # a replacement takes over the queue
+            self._restarts[config.index] = self._restarts.get(config.index, 0) + 1
+            again = True
+        if again and self.study.counts().get("WAITING", 0):
+            self._start(config)
 
-    def _start(self, folder: Path, trial: Trial, plan: Plan, device: int | None) -> subprocess.Popen[bytes]:
-        """Write the trial's job file and start its process."""
-        sets = [*self.overrides, *trial.overrides()] + ([f"devices.ids=[{device}]"] if device is not None else [])
-        job = folder / f"trial-{trial.index}.json"
-        spec = {
-            "path": str(self.path),
-            "overrides": sets,
-            "parent_run_id": self.parent_id,
-            "run_name": trial_run_name(trial.values),
-            "tags": trial_tags(trial),
-            "result": str(folder / f"trial-{trial.index}.result.json"),
-        }
-        job.write_text(json.dumps(spec), encoding="utf-8")
-        env = dict(os.environ)
-        if plan.devices.accelerator == "cpu" and self.jobs > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
-        quiet = self.jobs > 1  # concurrent trials would interleave their output: keep it in a log
-        with contextlib.ExitStack() as stack:
-            out = stack.enter_context(open(folder / f"trial-{trial.index}.log", "wb")) if quiet else None
-            return subprocess.Popen(
-                [sys.executable, "-m", "runner.tools.sweep", str(job)],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT if quiet else None,
-            )
 
-    def _collect(self, folder: Path, trial: Trial, proc: subprocess.Popen[bytes]) -> TrialResult:
-        """The trial's result file, or a FAILED/KILLED result with the tail of its log when it wrote none."""
-        result_file = folder / f"trial-{trial.index}.result.json"
-        if result_file.is_file():
-            data = json.loads(result_file.read_text(encoding="utf-8"))
-            value = trial_metric(data.get("metrics") or {}, self.metric) if data["status"] == "FINISHED" else None
-            return TrialResult(trial.index, trial.values, data.get("run_id"), data["status"], value, data.get("error"))
-        code = proc.returncode
-        status = "KILLED" if code in (130, -signal.SIGINT, -signal.SIGTERM) else "FAILED"
-        log_file = folder / f"trial-{trial.index}.log"
-        tail = (
-            log_file.read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:] if log_file.is_file() else ""
-        )
-        return TrialResult(
-            trial.index, trial.values, None, status, None, f"trial process exited with status {code}\n{tail}".strip()
-        )
+def _tail(log: str | None) -> str:
+    if log is None or not Path(log).is_file():
+        return ""
+    return Path(log).read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:]
 
 
 @contextlib.contextmanager
@@ -183,18 +250,20 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Ask running trial processes to stop (their runs end KILLED), then kill what remains."""
+def _stop(procs: Sequence[BaseProcess]) -> None:
+    """Ask worker processes to stop (their trials' runs end KILLED and are enqueued again), then kill what remains."""
+    import time
+
     for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
             proc.kill()
-            proc.wait()
+            proc.join()
 
 
 class Progress:
@@ -204,7 +273,7 @@ class Progress:
         say: Receives each line.
         total: Trials in the sweep.
         metric: The metric shown.
-        done: Trials already finished (earlier runs of a resumed sweep).
+        done: Trials already finished (earlier runs of a resumed sweep, other workers).
     """
 
     def __init__(self, say: Callable[[str], None], total: int, metric: str, done: int = 0):
@@ -214,8 +283,7 @@ class Progress:
         self.done += 1
         value = "" if result.metric_value is None else f" {self.metric}={result.metric_value:.6g}"
         detail = f": {first_line(result.error)}" if result.error else ""
-        index = result.index
-        self.say(
-            f"[sweep {self.done}/{self.total}] {Trial(index, result.values).label()}: {result.status}{value}{detail}"
-        )
+        pruned = f" (pruned after epoch {result.pruned_epoch})" if result.pruned else ""
+        label = Trial(result.index, result.values).label()
+        self.say(f"[sweep {self.done}/{self.total}] {label}: {result.status}{pruned}{value}{detail}")
         return result

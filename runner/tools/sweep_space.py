@@ -1,60 +1,64 @@
-"""What a sweep is, without running it: definition (``[sweep]`` + ``--grid``/``--random``), trials, results, report."""
+"""What a sweep searches, without running it: the definition, its Optuna search space, the trials and their results.
+
+The definition (built by :mod:`runner.tools.sweep_define`) says which Optuna sampler and pruner
+search which keys, how many trials there are in total and which metric ranks them
+(docs/design.md §16). :meth:`SweepDefinition.suggest` turns an Optuna trial into the values of
+one :class:`Trial`; nothing here opens a study.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from runner.errors import SpecError, SpecIssue, UsageError
-from runner.spec.schema import SweepParam, SweepSpec
+from runner.spec.naming import trial_run_name
+from runner.spec.schema import SweepParam
+
+if TYPE_CHECKING:
+    import optuna
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-# Swept keys may not change where or how a trial is recorded: every trial must be a
-# child of the parent run, in the parent's store and experiment.
-FORBIDDEN_PREFIXES = ("sweep", "tracking")
-_RANDOM_KINDS = {
-    "": "uniform",
-    "uniform": "uniform",
-    "log": "log_uniform",
-    "log_uniform": "log_uniform",
-    "int": "int_uniform",
-    "int_uniform": "int_uniform",
-}
+_PRIMITIVE = (str, int, float, bool, type(None))
 
 
 @dataclass(frozen=True)
 class SweepDefinition:
-    """What a sweep tries, after the spec's ``[sweep]`` and the command line are merged.
+    """What a sweep searches, after the spec's ``[sweep]`` and the command line are merged.
 
     Attributes:
-        method: ``"grid"`` (cartesian product, first ``num_trials``) or ``"random"``.
+        method: Optuna sampler: ``"grid"``, ``"random"`` or ``"tpe"``.
         params: Swept dotted keys in a stable order (spec order, then command line), each
             with explicit values or a range.
-        num_trials: Trial budget (required for random; a cap for grid), or ``None``.
-        seed: Seed of random sampling.
-        metric: Metric that ranks trials, e.g. ``val/accuracy``.
+        trials: Trials in total over every worker (grid: at most the grid size).
+        seed: Seed of the sampler.
+        metric: Metric that ranks trials, e.g. ``val/accuracy``; also the one the pruner watches.
         goal: ``"max"`` or ``"min"``.
+        pruner: ``"none"``, ``"median"`` or ``"hyperband"``.
+        pruner_startup_trials: median: trials that finish before any is pruned.
+        pruner_warmup_epochs: Epochs every trial trains before it may be pruned.
     """
 
     method: str
     params: tuple[tuple[str, SweepParam], ...]
-    num_trials: int | None
-    seed: int
-    metric: str
-    goal: str
+    trials: int
+    seed: int = 0
+    metric: str = "val/accuracy"
+    goal: str = "max"
+    pruner: str = "none"
+    pruner_startup_trials: int = 5
+    pruner_warmup_epochs: int = 0
 
     def describe(self, key: str) -> str:
         """Return the definition of one swept key, e.g. ``[0.1, 0.01]`` or ``log_uniform(1e-05, 0.01)``."""
@@ -65,14 +69,9 @@ class SweepDefinition:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form; :meth:`from_json` reads it back."""
-        return {
-            "method": self.method,
-            "num_trials": self.num_trials,
-            "seed": self.seed,
-            "metric": self.metric,
-            "goal": self.goal,
-            "params": {k: p.model_dump(exclude_none=True, exclude_defaults=True) for k, p in self.params},
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "params"}
+        out["params"] = {k: p.model_dump(exclude_none=True, exclude_defaults=True) for k, p in self.params}
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SweepDefinition:
@@ -83,18 +82,43 @@ class SweepDefinition:
         """
         try:
             params = tuple((k, SweepParam.model_validate(v)) for k, v in data["params"].items())
-            return cls(data["method"], params, data["num_trials"], data["seed"], data["metric"], data["goal"])
+            names = {f.name for f in dataclasses.fields(cls)} - {"params"}
+            return cls(params=params, **{k: v for k, v in data.items() if k in names})
         except (KeyError, TypeError, AttributeError, ValidationError) as exc:
             raise ValueError(f"not a sweep definition: {exc}") from None
 
-    def same_trials(self, other: SweepDefinition) -> bool:
-        """Whether both definitions expand to the same trials (metric and goal may differ)."""
-        return (self.method, self.params, self.num_trials, self.seed) == (
-            other.method,
-            other.params,
-            other.num_trials,
-            other.seed,
-        )
+    def digest(self) -> str:
+        """Hex SHA-256 of :meth:`to_json`: two definitions search the same trials iff their digests match."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True, default=str).encode()).hexdigest()
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        """The first :attr:`trials` points of the grid: the cartesian product in key order, the last key fastest."""
+        keys = [k for k, _ in self.params]
+        product = itertools.product(*(p.values or [] for _, p in self.params))
+        return [dict(zip(keys, point, strict=True)) for point in itertools.islice(product, self.trials)]
+
+    def search_space(self) -> dict[str, list[Any]]:
+        """Optuna's view of the grid: dotted key -> the choices as Optuna stores them (see :func:`encode_choices`)."""
+        return {k: encode_choices(p.values or []) for k, p in self.params}
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """The values of one trial, asked of Optuna key by key (fixed for a grid point, sampled otherwise).
+
+        Values become Optuna distributions: explicit values a categorical one (lists and tables
+        as their TOML text), ``uniform`` and ``log_uniform`` ranges a float one, ``int_uniform``
+        an int one over ``[ceil(low), floor(high)]``.
+        """
+        values: dict[str, Any] = {}
+        for key, param in self.params:
+            if param.values is not None:
+                choices = encode_choices(param.values)
+                values[key] = decode_choice(param.values, trial.suggest_categorical(key, choices))
+            elif param.distribution == "int_uniform":
+                values[key] = trial.suggest_int(key, math.ceil(param.low or 0), math.floor(param.high or 0))
+            else:
+                log = param.distribution == "log_uniform"
+                values[key] = trial.suggest_float(key, float(param.low or 0), float(param.high or 0), log=log)
+        return values
 
 
 @dataclass(frozen=True)
@@ -102,7 +126,7 @@ class Trial:
     """One point of a sweep.
 
     Attributes:
-        index: 0-based position in the sweep (tag ``runner.sweep.trial``).
+        index: The trial's number in the study (0-based; a trial run again keeps the number it had).
         values: Dotted key -> value, in the definition's key order.
     """
 
@@ -112,6 +136,10 @@ class Trial:
     def overrides(self) -> list[str]:
         """The ``--set`` strings that make the base spec this trial, e.g. ``["optim.lr=0.1"]``."""
         return [f"{key}={toml_value(value)}" for key, value in self.values.items()]
+
+    def run_name(self) -> str:
+        """The MLflow run name: the values, e.g. ``lr=0.1 seed=0`` (:func:`runner.spec.naming.trial_run_name`)."""
+        return trial_run_name(self.values)
 
     def label(self) -> str:
         """Short text for messages: ``trial 3 (optim.lr=0.01, seed=2)``."""
@@ -124,13 +152,16 @@ class TrialResult:
     """Outcome of one trial.
 
     Attributes:
-        index: Trial number (0-based), as in the tag ``runner.sweep.trial``.
+        index: Trial number in the study (0-based).
         values: Dotted key -> value of this trial.
         run_id: Its child MLflow run, or ``None`` when it failed before the run existed.
-        status: ``FINISHED``, ``FAILED`` or ``KILLED``.
+        status: The run's status: ``FINISHED``, ``FAILED`` or ``KILLED`` (``RUNNING``/``WAITING``
+            for trials not done yet).
         metric_value: Last value of the sweep's metric, or ``None`` (failed, or not logged).
         error: What went wrong, for trials that did not finish.
-        reused: Taken from an earlier run of this sweep (``--resume``), not run again.
+        reused: Finished before this ``runner sweep`` started (an earlier or another worker's run).
+        pruned: Stopped early by the pruner (its run is FINISHED, tagged ``runner.sweep.pruned``).
+        pruned_epoch: The epoch after which it was pruned.
     """
 
     index: int
@@ -140,10 +171,30 @@ class TrialResult:
     metric_value: float | None = None
     error: str | None = None
     reused: bool = False
+    pruned: bool = False
+    pruned_epoch: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""
         return dataclasses.asdict(self)
+
+
+def encode_choices(values: Sequence[Any]) -> list[Any]:
+    """The choices Optuna stores for explicit values: the values, or all as TOML text when one is a list or table.
+
+    Optuna's categorical distribution (and its RDB storage) holds ``None``, bool, int, float
+    and str only.
+    """
+    if all(isinstance(v, _PRIMITIVE) for v in values):
+        return list(values)
+    return [toml_value(v) for v in values]
+
+
+def decode_choice(values: Sequence[Any], choice: Any) -> Any:
+    """The value a choice of :func:`encode_choices` stands for."""
+    if all(isinstance(v, _PRIMITIVE) for v in values):
+        return choice
+    return tomllib.loads(f"v = {choice}")["v"]
 
 
 def toml_value(value: Any) -> str:
@@ -174,192 +225,11 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"{value!r} ({type(value).__name__}) has no TOML form")
 
 
-def parse_grid(entry: str) -> tuple[str, SweepParam]:
-    """Read ``--grid KEY=V1,V2,...``; values are TOML values (bare words are strings).
+def study_name(spec_name: str, trial_spec_sha256: str, definition: SweepDefinition) -> str:
+    """The default Optuna study name: ``<spec name>-<12 hex>`` from the trial spec and the definition.
 
-    ``optim.lr=0.1,0.01`` -> floats, ``model.kwargs.hidden=[16],[32,32]`` -> lists,
-    ``optim.name=adam,sgd`` -> strings.
-
-    Raises:
-        UsageError: No ``=``, an empty key, or no values.
+    Every worker started with the same spec, ``--set`` flags and sweep flags computes the same
+    name, so they join one study; a changed spec or definition starts another.
     """
-    key, text = _split(entry, "--grid", "KEY=V1,V2,...", "optim.lr=0.1,0.01")
-    try:
-        values = tomllib.loads(f"v = [{text}]")["v"]
-    except tomllib.TOMLDecodeError:
-        values = [_scalar(part.strip()) for part in text.split(",") if part.strip()]
-    if not values:
-        raise UsageError(f"--grid {entry}: no values after '=' (expected e.g. --grid {key}=0.1,0.01)")
-    return key, _param(f"--grid {entry}", values=values)
-
-
-def parse_random(entry: str) -> tuple[str, SweepParam]:
-    """Read ``--random KEY=LOW:HIGH[:log|:int]`` (uniform floats unless ``log`` or ``int``).
-
-    Raises:
-        UsageError: Malformed entry, bounds that are not numbers, ``LOW >= HIGH``, or
-            ``log`` with ``LOW <= 0``.
-    """
-    key, text = _split(entry, "--random", "KEY=LOW:HIGH[:log|:int]", "optim.lr=1e-4:1e-1:log")
-    parts = text.split(":")
-    kind = parts[2].strip().lower() if len(parts) == 3 else ""
-    if len(parts) not in (2, 3) or kind not in _RANDOM_KINDS:
-        raise UsageError(f"--random {entry}: expected KEY=LOW:HIGH, KEY=LOW:HIGH:log or KEY=LOW:HIGH:int")
-    try:
-        low, high = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise UsageError(f"--random {entry}: LOW and HIGH must be numbers, got {parts[0]!r} and {parts[1]!r}") from None
-    return key, _param(f"--random {entry}", low=low, high=high, distribution=_RANDOM_KINDS[kind])
-
-
-def build_definition(
-    sweep: SweepSpec | None,
-    *,
-    grid: Sequence[str] = (),
-    random: Sequence[str] = (),
-    num_trials: int | None = None,
-    seed: int | None = None,
-    metric: str | None = None,
-    goal: str | None = None,
-    spec_file: Path | None = None,
-    key_lines: Mapping[tuple, int] | None = None,
-) -> SweepDefinition:
-    """Merge the spec's ``[sweep]`` table with the command line.
-
-    Command-line entries add keys or replace the spec's entry for the same key (keeping
-    its position). Any ``--random`` entry makes the sweep random; explicit values are
-    then drawn uniformly. Command-line ``num_trials``, ``seed``, ``metric``, ``goal``
-    win over the spec's.
-
-    Args:
-        sweep: The spec's ``[sweep]`` table, or ``None``.
-        grid: ``--grid`` entries. random: ``--random`` entries.
-        num_trials, seed, metric, goal: Command-line values, or ``None`` for the spec's.
-        spec_file: The spec file, for error locations.
-        key_lines: :func:`runner.spec.locate.locate_keys` of that file, for line numbers.
-
-    Raises:
-        UsageError: A malformed or repeated command-line entry, nothing to sweep, random
-            sampling without a trial budget, a bad ``num_trials``, or a forbidden key.
-        SpecError: A range in the spec's ``[sweep.params]`` while the method is grid.
-    """
-    base = sweep or SweepSpec()
-    params = _merge_params(base, grid, random)
-    method = "random" if random else base.method
-    trials = num_trials if num_trials is not None else base.num_trials
-    if trials is not None and trials < 1:
-        raise UsageError(f"--num-trials {trials}: give at least 1")
-    if method == "random" and trials is None:
-        raise UsageError("random sampling needs a trial budget: pass --num-trials N (or set sweep.num_trials)")
-    if method == "grid":
-        _check_no_ranges(params, spec_file, key_lines or {})
-    if seed is not None and seed < 0:
-        raise UsageError(f"--seed {seed}: give a seed >= 0")
-    return SweepDefinition(
-        method=method,
-        params=tuple(params.items()),
-        num_trials=trials,
-        seed=base.seed if seed is None else seed,
-        metric=metric or base.metric,
-        goal=goal or base.goal,
-    )
-
-
-def _merge_params(base: SweepSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, SweepParam]:
-    """The spec's ``[sweep.params]`` with the command-line entries added or replacing (same position).
-
-    Raises:
-        UsageError: A malformed or repeated entry, nothing to sweep, or a forbidden key.
-    """
-    params: dict[str, SweepParam] = dict(base.params)
-    given: set[str] = set()
-    for flag, entries, parse in (("--grid", grid, parse_grid), ("--random", random, parse_random)):
-        for entry in entries:
-            key, param = parse(entry)
-            if key in given:
-                raise UsageError(f"{flag} {entry}: {key} is swept twice on the command line; give it once")
-            given.add(key)
-            params[key] = param
-    if not params:
-        raise UsageError(
-            "nothing to sweep: add [sweep.params] to the spec, or --grid KEY=V1,V2 / --random KEY=LOW:HIGH"
-        )
-    for key in params:
-        if key.split(".", 1)[0] in FORBIDDEN_PREFIXES:
-            raise UsageError(f"cannot sweep {key}: every trial is recorded in the sweep's own store and experiment")
-    return params
-
-
-def _check_no_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, key_lines: Mapping[tuple, int]) -> None:
-    """A grid needs explicit values: one located issue per key given as a range.
-
-    Raises:
-        SpecError: Some key has ``low``/``high`` instead of ``values``.
-    """
-    ranges = [k for k, p in params.items() if p.values is None]
-    if not ranges:
-        return
-    hint = 'a range (low/high) cannot be gridded: set sweep.method = "random" with num_trials, or list values = [...]'
-    raise SpecError(
-        [SpecIssue(spec_file, key_lines.get(("sweep", "params", key)), f'sweep.params."{key}"', hint) for key in ranges]
-    )
-
-
-def expand(definition: SweepDefinition) -> list[Trial]:
-    """List the trials of a definition; the same definition always gives the same trials.
-
-    Grid: the cartesian product in key order (the last key varies fastest), cut to
-    ``num_trials``. Random: ``num_trials`` draws from ``random.Random(seed)``, key by key;
-    ``uniform`` in [low, high], ``log_uniform`` uniform in log space, ``int_uniform``
-    integers in [ceil(low), floor(high)], explicit values uniformly.
-
-    Raises:
-        UsageError: An ``int_uniform`` range that holds no integer.
-    """
-    keys = [k for k, _ in definition.params]
-    if definition.method == "grid":
-        grid = itertools.product(*(p.values or [] for _, p in definition.params))  # a grid has no ranges
-        points = itertools.islice(grid, definition.num_trials)
-        return [Trial(i, dict(zip(keys, point, strict=False))) for i, point in enumerate(points)]
-    rng = random.Random(definition.seed)
-    trials = []
-    for i in range(definition.num_trials or 0):
-        trials.append(Trial(i, {key: _draw(rng, key, param) for key, param in definition.params}))
-    return trials
-
-
-def _draw(rng: random.Random, key: str, param: SweepParam) -> Any:
-    if param.values is not None:
-        return rng.choice(param.values)
-    low, high = float(param.low), float(param.high)  # type: ignore[arg-type]
-    if param.distribution == "log_uniform":
-        return min(high, max(low, math.exp(rng.uniform(math.log(low), math.log(high)))))
-    if param.distribution == "int_uniform":
-        first, last = math.ceil(low), math.floor(high)
-        if first > last:
-            raise UsageError(f"{key}: int_uniform range [{low}, {high}] holds no integer")
-        return rng.randint(first, last)
-    return rng.uniform(low, high)
-
-
-def _split(entry: str, flag: str, form: str, example: str) -> tuple[str, str]:
-    key, eq, text = entry.partition("=")
-    key = key.strip()
-    if not eq or not key:
-        raise UsageError(f"{flag} {entry}: expected {form}, e.g. {flag} {example}")
-    return key, text.strip()
-
-
-def _scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _param(where: str, **fields: Any) -> SweepParam:
-    try:
-        return SweepParam(**fields)
-    except ValidationError as exc:
-        reasons = "; ".join(str(e.get("msg", e)).removeprefix("Value error, ") for e in exc.errors(include_url=False))
-        raise UsageError(f"{where}: {reasons}") from None
+    digest = hashlib.sha256(f"{trial_spec_sha256}\n{definition.digest()}".encode()).hexdigest()
+    return f"{spec_name}-{digest[:12]}"

@@ -1,4 +1,4 @@
-"""What a sweep records: its parent run, the trials' child runs, resume records and the best trial.
+"""What a sweep records in MLflow: its parent run, the trials' child runs, the best trial and Optuna's plots.
 
 The MLflow calls are :mod:`runner.tracking.parents` and :mod:`runner.tracking.runs`; this
 module decides only the sweep's names, tags, params and texts.
@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import TrackingError, UsageError
 from runner.tools.sweep_report import SweepReport
-from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
+from runner.tools.sweep_space import SweepDefinition
 from runner.tracking import parents
 from runner.tracking.tags import source_tags
 from runner.tracking.values import max_param_chars, max_tag_chars, safe_key
@@ -22,17 +21,8 @@ from runner.tracking.values import max_param_chars, max_tag_chars, safe_key
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
-    from runner.tracking.parents import RunRecord
 
-
-@dataclass(frozen=True)
-class SweepParent:
-    """A sweep's parent run as recorded."""
-
-    run_id: str
-    definition: SweepDefinition
-    overrides: list[str]
-    spec_sha256: str | None
+PRUNED_TAG = "runner.sweep.pruned"
 
 
 class SweepStore:
@@ -67,12 +57,22 @@ class SweepStore:
         return parents.experiment_id(self.uri, self.experiment)
 
     def create_parent(
-        self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, trials: Sequence[Trial]
+        self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, study: str, storage: str
     ) -> str:
-        """Create the parent run: definition as params (and tag), ``sweep.json`` and the spec file as artifacts."""
+        """Create the parent run: the definition as params (and tag), the study, ``sweep.json`` and the spec file.
+
+        Args:
+            base: The base spec.
+            overrides: Its ``--set`` strings.
+            definition: What the sweep searches.
+            study: The Optuna study name (tag ``runner.sweep.study``).
+            storage: The storage URL without password (tag ``runner.sweep.storage``).
+        """
         recorded = json.dumps(definition.to_json(), default=str)
         tags = {
             "runner.sweep": "parent",
+            "runner.sweep.study": study,
+            "runner.sweep.storage": storage,
             "runner.sweep.overrides": json.dumps(list(overrides)),
             "runner.spec.path": str(base.path),
             "runner.spec.sha256": base.sha256,
@@ -85,15 +85,17 @@ class SweepStore:
             "sweep.seed": str(definition.seed),
             "sweep.metric": definition.metric,
             "sweep.goal": definition.goal,
-            "sweep.num_trials": str(len(trials)),
+            "sweep.trials": str(definition.trials),
+            "sweep.pruner": definition.pruner,
         }
         limit = max_param_chars()
         params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k, _ in definition.params})
         sweep_json = {
             "spec": str(base.path),
             "overrides": list(overrides),
+            "study": study,
+            "storage": storage,
             "definition": definition.to_json(),
-            "trials": [{"index": t.index, "values": t.values, "overrides": t.overrides()} for t in trials],
         }
         texts = {
             "sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n",
@@ -109,93 +111,44 @@ class SweepStore:
             what="the sweep's parent run",
         )
 
-    def sweep_parent(self, run_id: str) -> SweepParent:
-        """Read an earlier sweep's parent run (``--resume``).
+    def delete(self, run_id: str) -> None:
+        """Delete a parent run whose study could not be set up (no trial ever pointed at it)."""
+        from runner.tracking.runs import delete_run
 
-        Raises:
-            UsageError: No such run, not a sweep's parent, another experiment's, or its
-                recorded definition cannot be read.
-        """
-        run = parents.find_run(self.uri, run_id)
-        if run is None:
-            raise UsageError(
-                f"--resume {run_id}: no such run at {self.uri} (copy the parent run id from the sweep's output)"
-            )
-        tags = run.tags
-        if tags.get("runner.sweep") != "parent":
-            raise UsageError(
-                f'--resume {run_id}: not the parent run of a sweep (tag runner.tools.sweep = "parent" missing)'
-            )
-        if run.experiment_id != self.experiment_id():
-            raise UsageError(
-                f"--resume {run_id}: the sweep belongs to another MLflow experiment than {self.experiment!r}"
-            )
-        try:
-            if "runner.sweep.definition" in tags:
-                recorded = json.loads(tags["runner.sweep.definition"])
-            else:  # too long for a tag: read the artifact
-                recorded = json.loads(parents.read_text_artifact(self.uri, run_id, "sweep.json"))["definition"]
-            definition = SweepDefinition.from_json(recorded)
-        except (TrackingError, ValueError, KeyError) as exc:
-            raise UsageError(f"--resume {run_id}: cannot read the sweep's recorded definition: {exc}") from None
-        return SweepParent(
-            run_id, definition, json.loads(tags.get("runner.sweep.overrides", "[]")), tags.get("runner.spec.sha256")
-        )
-
-    def children(self, parent_id: str) -> list[RunRecord]:
-        """Every child run of ``parent_id``, oldest first."""
-        return parents.child_runs(self.uri, self.experiment_id(), parent_id)
-
-    def finished_trials(self, parent_id: str, trials: Sequence[Trial], metric: str) -> dict[int, TrialResult]:
-        """Trials with a FINISHED child run of the same index and values."""
-        found: dict[int, TrialResult] = {}
-        by_index = {t.index: t for t in trials}
-        for run in self.children(parent_id):
-            index = _trial_index(run)
-            trial = None if index is None else by_index.get(index)
-            if trial is None or run.status != "FINISHED" or _values(run) != trial.values:
-                continue
-            found[trial.index] = TrialResult(
-                trial.index, trial.values, run.run_id, "FINISHED", run.metrics.get(metric), reused=True
-            )
-        return found
-
-    def fill_run_ids(self, parent_id: str, results: Sequence[TrialResult], since_ms: int) -> None:
-        """Fill in the run of trials that failed without reporting it (children started since ``since_ms``).
-
-        A child that a dead trial process left RUNNING is ended FAILED.
-        """
-        from runner.tracking.runs import end_run
-
-        missing = {r.index: r for r in results if r.run_id is None}
-        if not missing:
-            return
-        for run in self.children(parent_id):
-            index = _trial_index(run)
-            result = None if index is None else missing.get(index)
-            if result is None or run.start_time_ms < since_ms or _values(run) != result.values:
-                continue
-            result.run_id = run.run_id  # the newest matching child wins (oldest first)
-            if run.status == "RUNNING":
-                end_run(self.uri, run.run_id, "FAILED", result.error or "the trial process died")
+        delete_run(self.uri, run_id)
 
     def reopen(self, run_id: str) -> None:
-        """Mark the parent RUNNING again for a resumed sweep."""
-        parents.mark_running(self.uri, run_id)
+        """Mark the parent RUNNING again when a worker joins a stopped sweep."""
+        record = parents.find_run(self.uri, run_id)
+        if record is not None and record.status != "RUNNING":
+            parents.mark_running(self.uri, run_id)
 
-    def end(self, run_id: str, status: str, error: str | None, report: SweepReport) -> None:
-        """Record the best trial and the report on the parent run, then end it with ``status``."""
+    def trial_run(self, parent_id: str, number: int) -> str | None:
+        """The child run of Optuna trial ``number`` (for a trial whose training raised), or ``None``."""
+        runs = parents.child_runs(
+            self.uri, self.experiment_id(), parent_id, tags={"runner.sweep.optuna_trial": str(number)}
+        )
+        return runs[-1].run_id if runs else None
+
+    def mark_pruned(self, run_id: str, epoch: int) -> None:
+        """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
+        parents.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
+
+    def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
+        """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
         from runner.tracking.runs import end_run
 
         best = report.best if report.trials else None
         metrics: dict[str, float] = {}
-        tags = {"runner.sweep.failed": str(report.failed)}
+        tags = {"runner.sweep.failed": str(report.failed), "runner.sweep.pruned_trials": str(report.pruned)}
         if best is not None and best.metric_value is not None:
             metrics[safe_key(f"best/{report.definition.metric}")] = float(best.metric_value)
             tags["runner.sweep.best_run_id"] = best.run_id or ""
             tags["runner.sweep.best_trial"] = str(best.index)
         texts = {"sweep_report.json": json.dumps(report.to_json(), indent=2, default=str) + "\n"}
-        parents.record_summary(self.uri, run_id, metrics=metrics, tags=tags, texts=texts)
+        parents.record_summary(
+            self.uri, run_id, metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots"
+        )
         end_run(self.uri, run_id, status, error)
 
     def end_quietly(self, run_id: str, status: str, error: str | None, report: SweepReport) -> None:
@@ -204,19 +157,3 @@ class SweepStore:
             self.end(run_id, status, error, report)
         except Exception as exc:
             print(f"runner: could not end sweep run {run_id} with status {status}: {exc}", file=sys.stderr, flush=True)
-
-
-def _values(run: RunRecord) -> object:
-    """The trial values recorded on a child run (``None`` when unreadable)."""
-    try:
-        return json.loads(run.tags.get("runner.sweep.values", "null"))
-    except ValueError:
-        return None
-
-
-def _trial_index(run: RunRecord) -> int | None:
-    """The trial index recorded on a child run (``None`` when missing or unreadable)."""
-    try:
-        return int(run.tags["runner.sweep.trial"])
-    except (KeyError, ValueError):
-        return None

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
-from runner.tools.sweep_space import Trial
+from runner.tools.sweep_space import SweepDefinition, Trial, toml_value
 from runner.tracking.values import param_value, safe_key
 
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+
+SCHEDULER_PREFIXES = ("SLURM_",)
 
 
 def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
@@ -37,8 +40,52 @@ def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
     return dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
 
 
+def trial_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment trials are planned against: this one without a scheduler's variables.
+
+    A sweep worker inside a Slurm job (one task of a job array, say) runs its trials on its
+    own devices: a trial is never the Slurm job's one run (docs/design.md §15-§16).
+    """
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if not k.startswith(SCHEDULER_PREFIXES)}
+
+
+def trials_to_check(definition: SweepDefinition) -> list[Trial]:
+    """The trials validated before the first one starts.
+
+    Grid: every point. Random and tpe: each swept key at each of its values, or at both ends of
+    its range, with the other keys at their first value or lower end (index ``-1``: not a
+    trial of the study). A combination that only fails together is reported when it is drawn.
+    """
+    if definition.method == "grid":
+        return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
+    options = {key: _candidates(p.values, p.low, p.high, p.distribution) for key, p in definition.params}
+    first = {key: values[0] for key, values in options.items()}
+    checks, seen = [], set()
+    for key, values in options.items():
+        for value in values:
+            point = {**first, key: value}
+            marker = json.dumps(point, sort_keys=True, default=str)
+            if marker not in seen:
+                seen.add(marker)
+                checks.append(Trial(-1, point))
+    return checks
+
+
+def _candidates(values: list[Any] | None, low: float | None, high: float | None, distribution: str) -> list[Any]:
+    if values is not None:
+        return list(values)
+    if distribution == "int_uniform":
+        return [math.ceil(low or 0), math.floor(high or 0)]
+    return [float(low or 0), float(high or 0)]
+
+
 def prepare_trials(
-    path: Path, overrides: Sequence[str], trials: Sequence[Trial], in_file: Mapping[str, int | None] | None = None
+    path: Path,
+    overrides: Sequence[str],
+    trials: Sequence[Trial],
+    environ: Mapping[str, str] | None = None,
+    in_file: Mapping[str, int | None] | None = None,
 ) -> list[tuple[LoadedSpec, Plan]]:
     """Load, validate and plan every trial before any runs; collect every problem.
 
@@ -46,6 +93,7 @@ def prepare_trials(
         path: The spec file.
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
         trials: The trials.
+        environ: The environment to plan against (default: :func:`trial_environ`).
         in_file: Swept keys whose values come from the spec's ``[sweep.params]`` (see
             :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
 
@@ -61,7 +109,8 @@ def prepare_trials(
     from runner.plan import make_plan
     from runner.spec.loading import load_spec, relocate_issues
 
-    inventory = probe_inventory(os.environ)
+    env = trial_environ() if environ is None else dict(environ)
+    inventory = probe_inventory(env)
     issues: list[SpecIssue] = []
     device_errors: list[str] = []
     checked: dict[tuple[str, Path], SpecError | None] = {}
@@ -78,9 +127,9 @@ def prepare_trials(
             issues += [_in_trial(issue, trial, path, in_file or {}) for issue in located.issues]
             continue
         try:
-            out.append((loaded, make_plan(loaded, inventory=inventory)))
-        except (DeviceError, UsageError) as exc:
-            device_errors.append(f"{trial.label()}: {exc}")
+            out.append((loaded, make_plan(loaded, env=env, inventory=inventory)))
+        except (DeviceError, UsageError, SpecError) as exc:
+            device_errors.append(f"{_label(trial)}: {exc}")
     if issues:
         raise SpecError(issues)
     if device_errors:
@@ -102,13 +151,23 @@ def _model_error(loaded: LoadedSpec, checked: dict[tuple[str, Path], SpecError |
     return checked[key]
 
 
-def trial_tags(trial: Trial) -> tuple[tuple[str, str], ...]:
-    """MLflow tags of a trial's child run: index, values (JSON) and ``sweep.<key>`` per swept key."""
+def trial_tags(trial: Trial, study: str | None = None, number: int | None = None) -> tuple[tuple[str, str], ...]:
+    """MLflow tags of a trial's child run: index, values (JSON), ``sweep.<key>`` per swept key, the study and attempt.
+
+    Args:
+        trial: The trial.
+        study: The Optuna study name (tag ``runner.sweep.study``).
+        number: The Optuna trial number of this attempt (tag ``runner.sweep.optuna_trial``).
+    """
     tags = [
         ("runner.sweep", "trial"),
         ("runner.sweep.trial", str(trial.index)),
         ("runner.sweep.values", json.dumps(trial.values, default=str)),
     ]
+    if study is not None:
+        tags.append(("runner.sweep.study", study))
+    if number is not None:
+        tags.append(("runner.sweep.optuna_trial", str(number)))
     tags += [(safe_key(f"sweep.{k}"), param_value(v)) for k, v in trial.values.items()]
     return tuple(tags)
 
@@ -117,6 +176,12 @@ def trial_metric(metrics: Mapping[str, float], name: str) -> float | None:
     """The value of the sweep's metric among a trial's final metrics, or ``None`` when it was not logged."""
     value = metrics.get(name)
     return None if value is None else float(value)
+
+
+def _label(trial: Trial) -> str:
+    if trial.index >= 0:
+        return trial.label()
+    return "values (" + ", ".join(f"{k}={toml_value(v)}" for k, v in trial.values.items()) + ")"
 
 
 def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, int | None]:
@@ -137,7 +202,7 @@ def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) 
 
 def _in_trial(issue: SpecIssue, trial: Trial, path: Path, in_file: Mapping[str, int | None]) -> SpecIssue:
     """The issue, naming the trial; a value from the spec's ``[sweep.params]`` is placed at its line there."""
-    label = f"[sweep {trial.label()}]"
+    label = f"[sweep {_label(trial)}]"
     swept = next((k for k in in_file if issue.key == k or issue.key.startswith((k + ".", k + "["))), None)
     if swept is not None and swept in trial.values:
         message = issue.message.split(" (from --set ", 1)[0]

@@ -1,4 +1,4 @@
-"""Parent runs that group child runs (a sweep's trials, a bench's configurations): create, read, summarise.
+"""Parent runs that group child runs (a sweep's trials, a bench's configurations): create, read, find, summarise.
 
 A child run points at its parent with the tag ``mlflow.parentRunId``, which the MLflow UI
 nests. The functions here know nothing of sweeps or benches: the tools give them names,
@@ -171,8 +171,16 @@ def find_run(uri: str, run_id: str) -> RunRecord | None:
         raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
-def child_runs(uri: str, experiment_id: str, parent_run_id: str) -> list[RunRecord]:
+def child_runs(
+    uri: str, experiment_id: str, parent_run_id: str, tags: Mapping[str, str] | None = None
+) -> list[RunRecord]:
     """Every run of ``experiment_id`` whose ``mlflow.parentRunId`` is ``parent_run_id``, oldest first.
+
+    Args:
+        uri: Tracking URI.
+        experiment_id: The experiment searched.
+        parent_run_id: The parent run.
+        tags: Only children with these tag values (e.g. a sweep's ``runner.sweep.optuna_trial``).
 
     Raises:
         TrackingError: MLflow rejects a request.
@@ -180,11 +188,13 @@ def child_runs(uri: str, experiment_id: str, parent_run_id: str) -> list[RunReco
     client = _client(uri)
     runs: list[RunRecord] = []
     token = None
+    conditions = [f"tags.{PARENT_TAG} = '{parent_run_id}'"]
+    conditions += [f"tags.`{key}` = '{value}'" for key, value in (tags or {}).items()]
     try:
         while True:
             page = client.search_runs(
                 [experiment_id],
-                filter_string=f"tags.{PARENT_TAG} = '{parent_run_id}'",
+                filter_string=" and ".join(conditions),
                 order_by=["attributes.start_time ASC"],
                 page_token=token,
             )

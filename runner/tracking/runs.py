@@ -9,8 +9,10 @@ are imported inside functions, never when this module is imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,7 +236,8 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
         if error:
             client.log_batch(run_id, tags=[RunTag("runner.error", _error_tag(error))], synchronous=True)
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
-        client.set_terminated(run_id, status)
+        with contextlib.redirect_stdout(sys.stderr):  # MLflow prints "View run ... at: URL" for a server
+            client.set_terminated(run_id, status)
     except Exception as exc:
         raise TrackingError(
             f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}"
@@ -289,6 +292,32 @@ def latest_run_id(uri: str, experiment: str) -> str | None:
         if "mlflow.parentRunId" not in run.data.tags and run.data.tags.get("runner.sweep") != "parent":
             return str(run.info.run_id)
     return None
+
+
+def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
+    """Id of the newest run of ``experiment`` whose tag ``key`` equals ``value`` (e.g. a Slurm job's run), or ``None``.
+
+    Raises:
+        TrackingError: The store cannot be searched.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return None
+        escaped = value.replace("'", "\\'")
+        runs = client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.`{key}` = '{escaped}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+    except Exception as exc:
+        what = f"could not search the runs of {experiment!r} at {uri}"
+        raise TrackingError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    return str(runs[0].info.run_id) if runs else None
 
 
 def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """The tracking store: which URI a run logs to, and whether that store can be used before training starts.
 
-Neither mlflow nor torch is imported here; the HTTP check uses ``requests`` (an MLflow
-dependency), imported inside the function that needs it.
+Importing this module imports neither mlflow nor torch; the HTTP check imports MLflow's REST
+client helpers inside the function that needs them.
 """
 
 from __future__ import annotations
@@ -142,24 +142,6 @@ def sqlite_path(uri: str) -> Path | None:
     return local[1] if local is not None and local[0] == "sqlite" else None
 
 
-def _http_auth() -> tuple[dict[str, str], tuple[str, str] | None, bool | str]:
-    """Headers, basic auth and TLS verification from MLflow's standard environment variables."""
-    headers: dict[str, str] = {}
-    auth = None
-    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    elif user and password:
-        auth = (user, password)
-    verify: bool | str = True
-    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true"):
-        verify = False
-    elif os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):
-        verify = os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"]
-    return headers, auth, verify
-
-
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, before any training, when the tracking store cannot be used.
 
@@ -208,33 +190,51 @@ def _check_sqlite(uri: str, path: Path) -> None:
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
-    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`."""
-    import requests
+    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`.
 
-    headers, auth, verify = _http_auth()
-    base = uri.rstrip("/")
+    The requests go through MLflow's own client (``mlflow.utils.rest_utils.http_request`` with the
+    host credentials of ``mlflow.utils.credentials.get_default_host_creds``), so they carry what
+    every MLflow request carries: token or basic auth from the environment or
+    ``~/.mlflow/credentials``, ``MLFLOW_TRACKING_AUTH`` plugins, AWS SigV4, client certificates,
+    the server certificate or ``MLFLOW_TRACKING_INSECURE_TLS``, and the request-header plugins.
+    Nothing is retried: a server that does not answer fails the check at once.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
 
-    def get(endpoint: str) -> int:
+    creds = get_default_host_creds(uri.rstrip("/"))
+
+    def get(endpoint: str, params: dict[str, int] | None = None) -> int:
         try:
-            resp = requests.get(
-                base + endpoint, headers=headers, auth=auth, verify=verify, timeout=timeout_s, allow_redirects=True
+            response = http_request(
+                creds,
+                endpoint,
+                "GET",
+                max_retries=0,
+                backoff_factor=0,
+                backoff_jitter=0,
+                timeout=timeout_s,
+                raise_on_status=False,
+                params=params,
             )
-        except requests.exceptions.RequestException as exc:
+        except MlflowException as exc:
             raise TrackingError(
-                f"cannot reach the MLflow tracking server at {uri} ({type(exc).__name__}: {exc}); {_SERVER_HINT}"
+                f"cannot reach the MLflow tracking server at {uri} ({exc.message}); {_SERVER_HINT}"
             ) from exc
-        return resp.status_code
+        return int(response.status_code)
 
     health = get("/health")
     if health == 200:
         return
-    api = get("/api/2.0/mlflow/experiments/search?max_results=1")
+    api = get("/api/2.0/mlflow/experiments/search", {"max_results": 1})
     if api == 200:
         return
     if api in (401, 403):
         raise TrackingError(
             f"the MLflow tracking server at {uri} rejected the request (HTTP {api}): set MLFLOW_TRACKING_TOKEN, "
-            "or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+            "or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or ~/.mlflow/credentials), or the auth "
+            "plugin of MLFLOW_TRACKING_AUTH"
         )
     raise TrackingError(
         f"{uri} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does not look like "

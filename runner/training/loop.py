@@ -88,6 +88,8 @@ class FitResult:
         history: ``(step, metrics)`` pairs in logging order (kept for tests and bench).
         step_times_s: Wall time of each optimizer step of this run, in seconds (data included).
         data_wait_s: Of each step's time, seconds spent waiting for the DataLoader.
+        stopped_after_epoch: The epoch after which ``LoopParts.epoch_end`` stopped training
+            (e.g. a sweep's pruner), or ``None`` when it ran to the end.
     """
 
     state: TrainState
@@ -95,6 +97,7 @@ class FitResult:
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     data_wait_s: list[float] = field(default_factory=list)
+    stopped_after_epoch: int | None = None
 
 
 @dataclass
@@ -118,6 +121,9 @@ class LoopParts:
         should_stop: Returns True when a stop signal arrived on this rank.
         sync_timing: Synchronise the device at the end of every step so that step times are
             exact on CUDA (``runner bench``); costs a little throughput, so off by default.
+        epoch_end: Called on every rank after each complete epoch (its metrics logged, its
+            checkpoint written) as ``epoch_end(epoch, metrics)``; returning True ends training
+            there, normally. Every rank must return the same answer.
     """
 
     model: nn.Module
@@ -135,6 +141,7 @@ class LoopParts:
     on_checkpoint: Callable[[TrainState, str], None] | None = None
     should_stop: Callable[[], bool] = lambda: False
     sync_timing: bool = False
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
 
 
 def fit(
@@ -187,7 +194,7 @@ def fit(
                 state.global_step += 1
                 state.batch_in_epoch += 1
                 tally.epoch_samples += global_size
-                progress.update(1)
+                progress.update(1, samples=global_size)
                 if state.global_step % train_spec.log_every_n_steps == 0:
                     tally.window = _log_window(parts, state, tally, report)
                 if every_n_steps and state.global_step % every_n_steps == 0:
@@ -203,6 +210,9 @@ def fit(
             if checkpoint_spec is not None and state.epoch % checkpoint_spec.every_n_epochs == 0:
                 _checkpoint(parts, state, "epoch", tally)
             _stop_if_asked(parts, state, tally, settle=True)
+            if parts.epoch_end is not None and parts.epoch_end(state.epoch - 1, report.result.history[-1][1]):
+                report.result.stopped_after_epoch = state.epoch - 1
+                break
     finally:
         progress.close()
     return report.result
@@ -303,7 +313,8 @@ def end_epoch(
         or not epoch_done
         or state.epoch + 1 == train_spec.epochs
     ):
-        metrics.update(evaluate(parts))
+        with report.progress.phase("validating"):
+            metrics.update(evaluate(parts))
     report.log(metrics, state.global_step)
     report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
     if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:

@@ -67,6 +67,7 @@ class WorkerResult:
         peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
             the process's peak resident set size.
         device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
+        stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
     """
 
     rank: int
@@ -79,6 +80,7 @@ class WorkerResult:
     data_wait_s: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     device: str = "cpu"
+    stopped_after_epoch: int | None = None
 
 
 @dataclass
@@ -319,6 +321,7 @@ def loop_parts(
     should_stop: Callable[[], bool],
     *,
     sync_timing: bool = False,
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None,
 ) -> LoopParts:
     """Assemble the loop's :class:`~runner.training.loop.LoopParts` from the built parts."""
     return LoopParts(
@@ -337,6 +340,7 @@ def loop_parts(
         on_checkpoint=on_checkpoint,
         should_stop=should_stop,
         sync_timing=sync_timing,
+        epoch_end=epoch_end,
     )
 
 
@@ -373,6 +377,7 @@ def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, note
         data_wait_s=fitted.data_wait_s,
         peak_memory_bytes=peak_memory_bytes(strategy.device),
         device=str(strategy.device),
+        stopped_after_epoch=fitted.stopped_after_epoch,
     )
 
 

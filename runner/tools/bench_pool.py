@@ -1,0 +1,353 @@
+"""Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration.
+
+A fresh interpreter per measurement spends seconds importing torch and building the launcher
+before a step of a fraction of a millisecond is timed. The pool starts ``n`` processes
+(``spawn``) at the beginning of the bench, while the bench process plans and opens its MLflow
+runs; each one imports torch and runner's training code once. A repeat of a configuration is
+one :func:`runner.launch.worker.run_worker` call on processes ``0 .. world_size - 1``: for
+``ddp`` they set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+(a fresh port per repeat) the way torch's elastic launcher does, and build a new process group.
+
+Before each repeat a worker restores torch's default thread count (ddp caps it), resets the CUDA
+allocator peaks and its peak resident set size (``/proc/self/clear_refs``), so the memory figures
+are those of that repeat. ``CUDA_VISIBLE_DEVICES`` is fixed for the pool's lifetime, to the
+devices of the widest configuration; every configuration uses a prefix ``0 .. n-1`` of them.
+
+When one rank of a repeat fails, the others may wait in a collective until the process group's
+timeout: the pool ends them at once and starts fresh processes for later configurations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, cast
+
+from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
+from runner.tools.bench_measure import reason
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+    from pathlib import Path
+
+    from runner.devices.resolve import DevicePlan
+    from runner.spec.loading import LoadedSpec
+    from runner.tools.bench_report import BenchReport
+    from runner.training.setup import WorkerResult
+
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One repeat of one configuration on one rank (picklable).
+
+    Attributes:
+        loaded: The configuration's spec.
+        plan: Its device plan.
+        rank: This process's rank, ``0 .. world_size - 1``.
+        world_size: Processes of the repeat (1 for none and dp).
+        master_port: Rendezvous port on 127.0.0.1 (ddp only).
+        ddp: Whether to set the launcher's variables.
+    """
+
+    loaded: LoadedSpec
+    plan: DevicePlan
+    rank: int = 0
+    world_size: int = 1
+    master_port: int = 0
+    ddp: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench.probe_model_and_data`)."""
+
+    loaded: LoadedSpec
+
+
+@dataclass(frozen=True)
+class Chart:
+    """Draw ``bench.png`` (:func:`runner.tools.bench_chart.write_chart`) once measuring is over."""
+
+    report: BenchReport
+    path: Path
+
+
+@dataclass
+class Reply:
+    """What a rank sends back for one repeat.
+
+    Attributes:
+        status: ``ok``, ``skipped`` (cannot run here), ``failed`` or ``interrupted``.
+        reason: Why it was skipped or how it failed.
+        result: The rank's :class:`~runner.training.setup.WorkerResult` (``ok`` only).
+        cuda_peaks: ``torch.cuda.max_memory_allocated`` of every CUDA device of the process, bytes.
+    """
+
+    status: str
+    reason: str = ""
+    result: WorkerResult | None = None
+    cuda_peaks: list[int] = field(default_factory=list)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WarmPool:
+    """Up to ``size`` warm worker processes; see the module docstring.
+
+    Args:
+        size: Processes to keep (the largest world size of the bench).
+        env: Variables set for the workers on top of this process's environment
+            (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER`` of the widest configuration).
+    """
+
+    def __init__(self, size: int, env: Mapping[str, str] | None = None) -> None:
+        self.size = size
+        self.env = dict(env or {})
+        self._procs: list[tuple[SpawnProcess, Connection] | None] = [None] * size
+
+    def start(self) -> None:
+        """Start every missing worker; returns at once (they import torch in the background)."""
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)  # a spawned child copies the environment when it starts
+        try:
+            for i, slot in enumerate(self._procs):
+                if slot is None or not slot[0].is_alive():
+                    ours, theirs = ctx.Pipe()
+                    proc = ctx.Process(target=serve, args=(theirs,), name=f"runner-bench-{i}", daemon=False)
+                    proc.start()
+                    theirs.close()
+                    self._procs[i] = (proc, ours)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def run(self, jobs: Sequence[Job]) -> list[Reply]:
+        """Run ``jobs[r]`` on worker ``r``, for every rank at once; return the replies by rank.
+
+        A rank that fails, is skipped or dies ends the repeat: the ranks still running are
+        stopped (and replaced by fresh processes for the next call).
+
+        Raises:
+            Interrupted: SIGINT arrived while waiting.
+        """
+        self.start()
+        pending: dict[Connection, int] = {}
+        for rank, job in enumerate(jobs):
+            slot = self._procs[rank]
+            assert slot is not None  # started above
+            slot[1].send(job)
+            pending[slot[1]] = rank
+        replies: list[Reply | None] = [None] * len(jobs)
+        try:
+            while pending:
+                for ready in wait(list(pending)):
+                    conn = cast(Connection, ready)
+                    rank = pending.pop(conn)
+                    reply = replies[rank] = self._receive(rank, conn)
+                    if reply.status != "ok":
+                        self._stop(sorted(pending.values()))
+                        pending.clear()
+        except KeyboardInterrupt:
+            self.close()
+            raise Interrupted() from None
+        first_bad = next((r for r in replies if r is not None and r.status != "ok"), None)
+        return [r if r is not None else (first_bad or Reply("failed", "no reply")) for r in replies]
+
+    def submit(self, rank: int, message: Probe | Chart) -> None:
+        """Send ``message`` to worker ``rank`` without waiting; :meth:`collect` fetches the answer."""
+        self.start()
+        slot = self._procs[rank]
+        assert slot is not None  # started above
+        slot[1].send(message)
+
+    def collect(self, rank: int) -> Any:
+        """The answer of worker ``rank`` to what :meth:`submit` sent (a failed :class:`Reply` if it died).
+
+        Raises:
+            Interrupted: SIGINT arrived while waiting.
+        """
+        slot = self._procs[rank]
+        assert slot is not None
+        try:
+            return self._receive(rank, slot[1])
+        except KeyboardInterrupt:
+            self.close()
+            raise Interrupted() from None
+
+    def _receive(self, rank: int, conn: Connection) -> Any:
+        try:
+            reply = conn.recv()
+        except (EOFError, OSError):
+            slot = self._procs[rank]
+            proc = slot[0] if slot else None
+            if proc is not None:
+                proc.join(timeout=5)
+            self._procs[rank] = None
+            code = proc.exitcode if proc is not None else None
+            return Reply("failed", f"the benchmark process of rank {rank} died (exit code {code})")
+        return reply
+
+    def _stop(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            slot = self._procs[rank]
+            if slot is not None:
+                slot[0].kill()
+                slot[0].join(timeout=10)
+                slot[1].close()
+                self._procs[rank] = None
+
+    def close(self) -> None:
+        """Ask every worker to exit, then end those that do not within a few seconds."""
+        for slot in self._procs:
+            if slot is not None:
+                with contextlib.suppress(OSError):
+                    slot[1].send(None)
+        for i, slot in enumerate(self._procs):
+            if slot is not None:
+                slot[0].join(timeout=5)
+                if slot[0].is_alive():
+                    slot[0].kill()
+                    slot[0].join(timeout=5)
+                slot[1].close()
+                self._procs[i] = None
+
+
+# ----------------------------------------------------------------------------- inside a worker
+
+
+def serve(conn: Connection) -> None:
+    """Body of a warm worker: import the training code, then run :class:`Job` s until told to stop.
+
+    Standard output is pointed at standard error first, so that the report (or ``--json``) is
+    all that ``runner bench`` writes to standard output.
+    """
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    import torch
+
+    import runner.launch.worker  # warm: torch, strategies, training, loaders
+    import runner.training.data  # noqa: F401
+
+    threads = torch.get_num_threads()
+    gc.collect()
+    gc.freeze()  # the imported modules are permanent: each repeat's gc.collect() then only scans its own objects
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if job is None:
+            return
+        torch.set_num_threads(threads)
+        if isinstance(job, Probe):
+            conn.send(_probe(job))
+        elif isinstance(job, Chart):
+            conn.send(_chart(job))
+        else:
+            conn.send(run_job(job))
+
+
+def _chart(job: Chart) -> Any:
+    """The chart's path, or the exception drawing it raised."""
+    from runner.tools.bench_chart import write_chart
+
+    try:
+        return write_chart(job.report, job.path)
+    except Exception as exc:
+        return exc
+
+
+def _probe(job: Probe) -> Any:
+    """``(training samples, batch statistics, dropout)``, or the exception that building raised."""
+    from runner.tools.bench import probe_model_and_data
+
+    try:
+        return probe_model_and_data(job.loaded)
+    except Exception as exc:
+        return exc
+
+
+def run_job(job: Job) -> Reply:
+    """Train one repeat of a configuration in this process (:func:`runner.launch.worker.run_worker`).
+
+    No MLflow run is touched: the bench process records the configuration's child run from
+    the reply. Failures become replies instead of exceptions.
+    """
+    import tempfile
+
+    from runner.errors import RunnerError
+    from runner.launch.worker import WorkerArgs, run_worker
+
+    _set_launch_env(job)
+    _reset_peaks()
+    try:
+        with tempfile.TemporaryDirectory(prefix="runner-bench-") as folder:
+            args = WorkerArgs(job.loaded, job.plan, None, None, folder, resume=False, sync_timing=True)
+            result = run_worker(args)
+    except (SpecError, DeviceError, UsageError) as exc:
+        return Reply("skipped", reason(exc))
+    except (Interrupted, KeyboardInterrupt):
+        return Reply("interrupted", "interrupted")
+    except TrainingError as exc:
+        return Reply("failed", reason(exc))
+    except (RunnerError, Exception) as exc:
+        return Reply("failed", f"{type(exc).__name__}: {reason(exc)}")
+    finally:
+        for key in _LAUNCH_VARS:
+            os.environ.pop(key, None)
+    if result is None:
+        return Reply("failed", "the worker exited without a result")
+    return Reply("ok", result=result, cuda_peaks=_cuda_peaks())
+
+
+def _set_launch_env(job: Job) -> None:
+    for key in _LAUNCH_VARS:
+        os.environ.pop(key, None)
+    if job.ddp:
+        os.environ.update(
+            RANK=str(job.rank),
+            LOCAL_RANK=str(job.rank),
+            WORLD_SIZE=str(job.world_size),
+            LOCAL_WORLD_SIZE=str(job.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(job.master_port),
+        )
+
+
+def _reset_peaks() -> None:
+    """Start this repeat's memory peaks afresh: CUDA allocator peaks and the peak RSS (``VmHWM``)."""
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(i)
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")  # Linux: reset the peak resident set size to the current one (proc(5))
+    except OSError:
+        pass
+
+
+def _cuda_peaks() -> list[int]:
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return []
+    return [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]

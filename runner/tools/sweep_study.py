@@ -1,0 +1,349 @@
+"""The sweep's Optuna study: who founds it, and the queue of trials every worker pulls from.
+
+One study per sweep, in an Optuna RDB storage (docs/design.md §16). The first worker to
+create it (Optuna's study names are unique in a storage, so exactly one succeeds) records the
+definition, creates the MLflow parent run and enqueues the sweep's trials as WAITING trials:
+the grid's points with their values, or empty slots the sampler fills when a trial starts.
+Every worker then pulls the next WAITING trial; the storage moves a trial from WAITING to
+RUNNING for one caller only, so no trial runs twice and the sweep has exactly ``trials``
+trials whatever the number of workers. A trial interrupted by a signal, or whose worker died
+(its heartbeat stopped), is put back as a new WAITING copy that keeps the number it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from runner.errors import UsageError
+from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
+from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler, redact
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.storages import RDBStorage
+    from optuna.trial import FrozenTrial
+
+READY_TIMEOUT_S = 120.0  # how long a joining worker waits for the founder to enqueue the trials
+
+ATTR_DEFINITION = "runner.definition"
+ATTR_SPEC_SHA = "runner.spec_sha256"
+ATTR_PARENT = "runner.parent_run_id"
+ATTR_READY = "runner.ready"
+ATTR_RESULT = "runner.result"  # on a trial: its run, status, error, metric
+
+
+class SweepStudy:
+    """The sweep's study in its storage, and the trials in it.
+
+    Args:
+        study: The Optuna study.
+        storage: Its storage.
+        url: The storage URL.
+        definition: What the sweep searches.
+    """
+
+    def __init__(self, study: optuna.Study, storage: RDBStorage, url: str, definition: SweepDefinition):
+        self.study, self.storage, self.url, self.definition = study, storage, url, definition
+        self.study_id = storage.get_study_id_from_name(study.study_name)
+
+    @property
+    def name(self) -> str:
+        """The study name."""
+        return str(self.study.study_name)
+
+    @classmethod
+    def join(cls, storage: RDBStorage, url: str, name: str, definition: SweepDefinition) -> SweepStudy:
+        """The existing study ``name`` (a warm worker's view of the study its ``runner sweep`` opened)."""
+        import optuna
+
+        study = optuna.load_study(
+            study_name=name, storage=storage, sampler=make_sampler(definition), pruner=make_pruner(definition)
+        )
+        return cls(study, storage, url, definition)
+
+    @classmethod
+    def open(
+        cls,
+        storage: RDBStorage,
+        url: str,
+        name: str,
+        definition: SweepDefinition,
+        *,
+        found: Callable[[SweepStudy], str],
+        spec_sha256: str,
+        unfound: Callable[[str], None] | None = None,
+    ) -> tuple[SweepStudy, bool]:
+        """Create the study and its trials, or join it when another worker already did.
+
+        Args:
+            storage: The opened storage.
+            url: Its URL.
+            name: The study name.
+            definition: What the sweep searches; a joined study must have the same.
+            found: Called once by the worker that creates the study; creates the MLflow parent
+                run and returns its id.
+            spec_sha256: Hash of the trial spec, recorded by the founder.
+            unfound: Called with the parent run's id when setting the study up fails after
+                ``found``; removes that run, so that nothing half-written is left.
+
+        Returns:
+            ``(study, founded)``: ``founded`` is True for the worker that created it.
+
+        Raises:
+            UsageError: The study exists with another definition, or its founder never finished
+                setting it up.
+            StorageError: The storage refuses a request.
+        """
+        import optuna
+
+        sampler, pruner = make_sampler(definition), make_pruner(definition)
+        direction: Literal["maximize", "minimize"] = "maximize" if definition.goal == "max" else "minimize"
+        try:
+            study = optuna.create_study(
+                storage=storage, study_name=name, sampler=sampler, pruner=pruner, direction=direction
+            )
+        except optuna.exceptions.DuplicatedStudyError:
+            loaded = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+            joined = cls(loaded, storage, url, definition)
+            joined._wait_until_ready()
+            return joined, False
+        except Exception as exc:
+            raise StorageError(f"cannot create study {name!r} in {redact(url)}: {type(exc).__name__}: {exc}") from exc
+        made = cls(study, storage, url, definition)
+        try:
+            made._found(found, spec_sha256, unfound)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                optuna.delete_study(study_name=name, storage=storage)  # nothing half-written is left
+            raise
+        return made, True
+
+    def _found(
+        self, found: Callable[[SweepStudy], str], spec_sha256: str, unfound: Callable[[str], None] | None
+    ) -> None:
+        """Record the definition, create the parent run, enqueue the trials, then mark the study ready."""
+        study = self.study
+        study.set_user_attr(ATTR_DEFINITION, self.definition.to_json())
+        study.set_user_attr(ATTR_SPEC_SHA, spec_sha256)
+        parent = found(self)
+        try:
+            study.set_user_attr(ATTR_PARENT, parent)
+            self._enqueue()
+            study.set_user_attr(ATTR_READY, True)
+        except BaseException:
+            if unfound is not None:
+                with contextlib.suppress(Exception):
+                    unfound(parent)
+            raise
+
+    def _enqueue(self) -> None:
+        """The sweep's trials, WAITING: the grid's points in order, or empty slots the sampler fills."""
+        study = self.study
+        if self.definition.method == "grid":
+            space = self.definition.search_space()
+            keys = list(space)
+            params = dict(self.definition.params)
+            for point in self.definition.grid_points():
+                study.enqueue_trial({k: space[k][(params[k].values or []).index(point[k])] for k in keys})
+        else:
+            for _ in range(self.definition.trials):
+                study.enqueue_trial({})
+
+    def _wait_until_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait for the founder; then check the study searches what this worker would search.
+
+        Raises:
+            UsageError: Another definition, or no founder finished within ``timeout_s``.
+        """
+        deadline, pause = time.monotonic() + timeout_s, 0.05
+        while not self.storage.get_study_user_attrs(self.study_id).get(ATTR_READY):
+            if time.monotonic() > deadline:
+                raise UsageError(
+                    f"study {self.name!r} in {redact(self.url)} was created but never set up (its first worker "
+                    f"died?): delete it with `optuna delete-study --study-name {self.name} --storage URL`"
+                )
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        recorded = self.storage.get_study_user_attrs(self.study_id).get(ATTR_DEFINITION)
+        if recorded is not None and SweepDefinition.from_json(recorded).digest() != self.definition.digest():
+            raise UsageError(
+                f"study {self.name!r} in {redact(self.url)} searches another sweep ({json.dumps(recorded)}); "
+                "give the same [sweep] and flags as its first worker, or another --study name"
+            )
+
+    @property
+    def parent_run_id(self) -> str:
+        """The MLflow parent run of the sweep."""
+        return str(self.storage.get_study_user_attrs(self.study_id)[ATTR_PARENT])
+
+    @property
+    def spec_sha256(self) -> str | None:
+        """Hash of the trial spec the study was created with."""
+        value = self.storage.get_study_user_attrs(self.study_id).get(ATTR_SPEC_SHA)
+        return None if value is None else str(value)
+
+    def next_trial(self) -> optuna.Trial | None:
+        """Take the next WAITING trial for this worker, or ``None`` when none is left.
+
+        The storage sets a trial RUNNING for one caller only, so two workers never get the same.
+        """
+        import optuna
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        # Listed through the study (not the raw storage): Optuna's cache of the study then knows the trials.
+        for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            trial_id = self.trial_id(frozen.number)
+            try:
+                if self.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
+                    self.storage.record_heartbeat(trial_id)
+                    return optuna.Trial(self.study, trial_id)
+            except UpdateFinishedTrialError:
+                continue
+        return None
+
+    def trial_id(self, number: int) -> int:
+        """The storage's id of trial ``number`` of this study."""
+        return int(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
+
+    @contextlib.contextmanager
+    def heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
+        """Record the trial's heartbeat every :data:`HEARTBEAT_S` seconds while the block runs."""
+        stop, trial_id = threading.Event(), self.trial_id(trial.number)
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(Exception):
+                    self.storage.record_heartbeat(trial_id)
+
+        thread = threading.Thread(target=beat, name="runner-sweep-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+    def values_of(self, trial: optuna.Trial) -> Trial:
+        """The trial's values, asked of Optuna (fixed for a grid point or a trial run again), recorded on it."""
+        self.study.sampler = make_sampler(self.definition, trial.number)  # the sampler Optuna's suggest_* ask
+        values = self.definition.suggest(trial)
+        frozen = self.storage.get_trial(self.trial_id(trial.number))
+        trial.set_user_attr("runner.values", json.dumps(values, default=str))
+        return Trial(index_of(frozen), values)
+
+    def tell(self, trial: optuna.Trial, result: TrialResult) -> None:
+        """Record a finished trial: COMPLETE with its metric, PRUNED, or FAIL (a KILLED one is enqueued again)."""
+        from optuna.storages import RetryHeartbeatStaleTrialCallback
+        from optuna.trial import TrialState
+
+        trial.set_user_attr(ATTR_RESULT, _recorded(result))  # one write: each is a database transaction
+        value = result.metric_value
+        if result.status == "FINISHED" and result.pruned:
+            self.study.tell(trial, state=TrialState.PRUNED)
+        elif result.status == "FINISHED" and value is not None and math.isfinite(value):
+            self.study.tell(trial, value)
+        else:
+            frozen = self.study.tell(trial, state=TrialState.FAIL)
+            if result.status == "KILLED":
+                RetryHeartbeatStaleTrialCallback()(self.study, frozen)
+
+    def fail_dead(self, number: int, error: str) -> None:
+        """Fail trial ``number`` whose worker process died (it is not run again)."""
+        from optuna.trial import TrialState
+
+        dead = TrialResult(number, {}, None, "FAILED", None, error)
+        self.storage.set_trial_user_attr(self.trial_id(number), ATTR_RESULT, _recorded(dead))
+        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+
+    def fail_stale(self) -> None:
+        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again."""
+        from optuna.storages import fail_stale_trials
+
+        fail_stale_trials(self.study)
+
+    def counts(self) -> dict[str, int]:
+        """Trials by Optuna state name (``WAITING``, ``RUNNING``, ``COMPLETE``, ``PRUNED``, ``FAIL``)."""
+        out: dict[str, int] = {}
+        for frozen in self.storage.get_all_trials(self.study_id, deepcopy=False):
+            out[frozen.state.name] = out.get(frozen.state.name, 0) + 1
+        return out
+
+    def pending(self) -> int:
+        """Trials not done yet: WAITING or RUNNING (in any worker)."""
+        counts = self.counts()
+        return counts.get("WAITING", 0) + counts.get("RUNNING", 0)
+
+    def results(self, since: float | None = None) -> list[TrialResult]:
+        """One result per trial number, from its latest attempt, in number order.
+
+        Args:
+            since: Time (seconds since the epoch) this worker started; trials that ended before are ``reused``.
+        """
+        latest: dict[int, FrozenTrial] = {}
+        for frozen in self.storage.get_all_trials(self.study_id, deepcopy=False):
+            index = index_of(frozen)
+            if index not in latest or frozen.number > latest[index].number:
+                latest[index] = frozen
+        return [_result(self.definition, latest[i], since) for i in sorted(latest)]
+
+    def frozen_trials(self) -> list[FrozenTrial]:
+        """Every trial of the study (for Optuna's plots)."""
+        return list(self.storage.get_all_trials(self.study_id, deepcopy=False))
+
+
+def index_of(frozen: FrozenTrial) -> int:
+    """The trial's number; a trial run again keeps the number of the first attempt (``failed_trial``)."""
+    return int(frozen.system_attrs.get("failed_trial", frozen.number))
+
+
+def _recorded(result: TrialResult) -> dict[str, Any]:
+    """What a worker records on a finished trial (user attr ``runner.result``) besides Optuna's state and value."""
+    return {
+        "status": result.status,
+        "run_id": result.run_id,
+        "error": (result.error or "")[:2000] or None,
+        "metric": result.metric_value,
+        "pruned_epoch": result.pruned_epoch,
+    }
+
+
+def _result(definition: SweepDefinition, frozen: FrozenTrial, since: float | None) -> TrialResult:
+    """A :class:`TrialResult` from a trial's state and what the worker recorded on it."""
+    attrs = frozen.user_attrs.get(ATTR_RESULT) or {}
+    values = _recorded_values(definition, frozen)
+    state = frozen.state.name
+    done = frozen.datetime_complete
+    reused = since is not None and done is not None and done.timestamp() < since
+    if state in ("WAITING", "RUNNING"):
+        return TrialResult(index_of(frozen), values, None, state)
+    metric = attrs.get("metric")
+    if state == "COMPLETE" and frozen.value is not None:
+        metric = float(frozen.value)
+    return TrialResult(
+        index=index_of(frozen),
+        values=values,
+        run_id=attrs.get("run_id"),
+        status=str(attrs.get("status") or "FAILED"),
+        metric_value=None if metric is None else float(metric),
+        error=attrs.get("error"),
+        reused=reused,
+        pruned=state == "PRUNED",
+        pruned_epoch=attrs.get("pruned_epoch"),
+    )
+
+
+def _recorded_values(definition: SweepDefinition, frozen: FrozenTrial) -> dict[str, Any]:
+    """The values a worker recorded on the trial, else those Optuna holds (a grid point not run yet)."""
+    text = frozen.user_attrs.get("runner.values")
+    if text:
+        return dict(json.loads(text))
+    given = {**frozen.system_attrs.get("fixed_params", {}), **frozen.params}
+    params = dict(definition.params)
+    return {k: decode_choice(params[k].values or [], v) if k in params else v for k, v in given.items()}

@@ -1,0 +1,52 @@
+"""Notes about the spec reach the user before training, once; the shipped main spec has none on a CPU machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from runner.devices.inventory import Inventory
+from runner.launch import driver
+from runner.plan import make_plan
+from runner.spec.loading import load_spec
+
+REPO = Path(__file__).parents[1]
+NO_GPU = Inventory([], False, None, "no GPU", [])
+
+
+def test_the_main_spec_has_no_note_on_a_cpu_machine() -> None:
+    plan = make_plan(load_spec(REPO / "experiments" / "digits_mlp.toml"), env={}, inventory=NO_GPU)
+    assert plan.devices.accelerator == "cpu" and plan.devices.notes == []
+
+
+def test_spec_notes_print_before_training_and_not_again_in_the_summary(
+    write_spec, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    text = write_spec().read_text().replace('accelerator = "cpu"', 'accelerator = "cpu"\nids = [0]')
+    path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
+    seen_before_training: list[str] = []
+
+    def fake_training(plan, args, run_id):
+        seen_before_training.append(capsys.readouterr().err)
+        worker = SimpleNamespace(rank=0, metrics={"val/loss": 0.5}, history=[], notes=[])
+        return [worker]
+
+    monkeypatch.setattr(driver, "_run_to_the_end", fake_training)
+    result = driver.exec_experiment(load_spec(path))
+    assert seen_before_training == ["runner: note: devices.ids = [0] is ignored: the run is on cpu\n"]
+    assert result.notes == ["devices.ids = [0] is ignored: the run is on cpu"]
+    assert "note" not in result.summary() and result.summary().startswith("status: FINISHED")
+
+
+def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
+    write_spec, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    text = write_spec().read_text().replace('accelerator = "cpu"', 'accelerator = "cpu"\nids = [0]')
+    path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
+    worker = SimpleNamespace(rank=0, metrics={}, history=[], notes=[])
+    monkeypatch.setattr(driver, "_run_to_the_end", lambda plan, args, run_id: [worker])
+    result = driver.exec_experiment(load_spec(path), driver.ExecOptions(parent_run_id="p" * 32))
+    assert capsys.readouterr().err == ""  # the trial prints no note: its tool reports
+    assert "note: devices.ids = [0] is ignored: the run is on cpu" in result.summary()
