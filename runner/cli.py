@@ -85,9 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_exec(sub)
     _add_stored_run_commands(sub)
+    _add_status(sub)
     _add_sweep(sub)
     _add_bench(sub)
     return parser
+
+
+def _add_status(sub: _Commands) -> None:
+    """``runner status [RUN_ID]``: runs still RUNNING, whether their owner lives; orphaned runs end KILLED."""
+    p = sub.add_parser(
+        "status", help="show RUNNING runs and their owner; mark KILLED those whose owner died without ending them"
+    )
+    p.add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run of the store)")
+    _tracking_uri_arg(p)
+    p.set_defaults(func=_status)
 
 
 def _add_exec(sub: _Commands) -> None:
@@ -335,6 +346,14 @@ def _exec(args: argparse.Namespace) -> int:
     summary = exec_experiment(loaded, options).summary()
     if summary:
         print(summary)
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from runner.launch.owner import status_lines
+
+    for line in status_lines(args.tracking_uri, args.run_id):
+        print(line)
     return EXIT_OK
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,24 @@ def git_identity(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("HOME", str(tmp_path))
+
+
+@pytest.fixture(scope="session")
+def _created_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow sqlite store whose schema MLflow created once for the whole session."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("created-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments(max_results=1)
+    return path
+
+
+@pytest.fixture
+def ready_store(tmp_path: Path, _created_store: Path) -> str:
+    """A fresh sqlite tracking URI whose store already exists (a copy of the session's): no migration per test."""
+    target = tmp_path / "ready.db"
+    shutil.copyfile(_created_store, target)
+    return f"sqlite:///{target}"
 
 
 @pytest.fixture

@@ -94,3 +94,54 @@ def test_default_dir_sits_next_to_sqlite_store(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     assert ckpt.default_checkpoint_dir(uri, None, "abc") == (tmp_path / "store" / "checkpoints" / "abc").resolve()
     assert ckpt.default_checkpoint_dir(uri, str(tmp_path / "ck"), "abc") == tmp_path / "ck" / "abc"
+
+
+class _RunsCode:
+    """A pickled object whose loading would run a shell command (what a hostile checkpoint carries)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoints_are_read_with_weights_only(tmp_path: Path) -> None:
+    path = ckpt.save_checkpoint(tmp_path, _payload(3), keep_last=1)
+    raw = torch.load(path, weights_only=True)  # what runner does: tensors and plain values only
+    assert raw["format"] == ckpt.FORMAT_VERSION and raw["tracking"] == {"metrics_recorded": 0}
+
+
+def test_a_checkpoint_carrying_a_pickled_payload_is_refused_not_executed(tmp_path: Path) -> None:
+    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=5)
+    marker = tmp_path / "executed"
+    hostile = _payload(2, 2.0)
+    hostile["spec"] = {"optim.lr": _RunsCode(marker)}
+    torch.save(hostile, tmp_path / "step-00000002.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"refused: it carries pickled objects \(posix.system\)"):
+        ckpt.read_checkpoint(tmp_path / "step-00000002.pt")
+    found = ckpt.load_latest(tmp_path)
+    assert found is not None and found.path.name == "step-00000001.pt"
+    assert "refused" in found.skipped[0][1]
+    assert not marker.exists()
+
+
+def test_an_old_format_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
+    old = _payload(4)
+    old["format"] = 1
+    torch.save(old, tmp_path / "step-00000004.pt")
+    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint") as info:
+        ckpt.load_latest(tmp_path)
+    assert "written in checkpoint format 1" in str(info.value) and f"reads format {ckpt.FORMAT_VERSION}" in str(
+        info.value
+    )
+
+
+def test_a_payload_that_weights_only_would_refuse_is_not_saved(tmp_path: Path) -> None:
+    payload = _payload(5)
+    payload["scheduler"] = {"lr_lambdas": [lambda epoch: 1.0]}
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"checkpoint\['scheduler'\]\['lr_lambdas'\]\[0\] is a builtins.function"
+    ):
+        ckpt.save_checkpoint(tmp_path, payload, keep_last=1)
+    assert ckpt.list_checkpoints(tmp_path) == []

@@ -42,6 +42,9 @@ SCHEMA_CANNOT_FLAG = {
     "extends_cycle_a.toml": "the cycle is in the files extends names",
     "extends_cycle_b.toml": "the cycle is in the files extends names",
     "extends_missing.toml": "the missing base is another file",
+    "infinite_lr.toml": "JSON has no inf or nan, so a schema cannot ask for a finite number",
+    "nan_in_kwargs.toml": "JSON has no inf or nan, so a schema cannot ask for a finite number",
+    "inf_in_sweep.toml": "JSON has no inf or nan, so a schema cannot ask for a finite number",
 }
 CHECK_JSONSCHEMA = Path(sys.executable).with_name("check-jsonschema")
 

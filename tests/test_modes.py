@@ -95,8 +95,10 @@ def test_params_are_the_keys_that_apply_the_same_way_in_every_mode() -> None:
     for m in ("none", "ddp"):
         keys[m] = set(spec_params(load_spec(DDP_SPEC, mode(m)).spec))
     assert keys["ddp"] - keys["none"] == {"parallel.backend", "parallel.nproc_per_node", "parallel.timeout_s"} | {
-        f"parallel.{k}" for k in ("nnodes", "node_rank", "rdzv_id", "max_restarts", "find_unused_parameters")
-    } | {f"parallel.{k}" for k in ("static_graph", "gradient_as_bucket_view", "sync_batchnorm")}
+        "parallel.hang_grace_s"
+    } | {f"parallel.{k}" for k in ("nnodes", "node_rank", "rdzv_id", "max_restarts", "find_unused_parameters")} | {
+        f"parallel.{k}" for k in ("static_graph", "gradient_as_bucket_view", "sync_batchnorm")
+    }
     assert keys["none"] <= keys["ddp"]
     digits = set(spec_params(load_spec(REPO / "experiments" / "digits_mlp.toml").spec))
     assert not {"data.num_samples", "data.input_shape", "data.num_classes", "data.download"} & digits  # synthetic's

@@ -347,6 +347,25 @@ def test_unknown_keys_and_models_are_caught_before_running(write_spec) -> None:
     assert info.value.issues[0].key == "optim.lrr" and "trial 0 (" in str(info.value)
 
 
+def test_a_bad_value_from_the_sweep_table_is_blamed_on_its_line_not_on_set(write_spec, capsys) -> None:
+    path = write_spec('[sweep]\nmethod = "grid"\n\n[sweep.params."optim.lr"]\nvalues = [0.1, -1.0]\n')
+    line = path.read_text().splitlines().index('[sweep.params."optim.lr"]') + 1
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{line}: optim.lr: got -1.0; expected a value > 0.0" in err
+    assert "--set" not in err and "trial 1 (optim.lr=-1.0)" in err
+    # the same value given on the command line is still blamed on the command line
+    assert main(["sweep", str(path), "--grid", "optim.lr=0.1,-2.0"]) == 2
+    assert "--set: optim.lr: got -2.0" in capsys.readouterr().err
+
+
+def test_an_unknown_model_of_a_sweep_table_names_its_line(write_spec, capsys) -> None:
+    path = write_spec('[sweep.params."model.name"]\nvalues = ["mlp", "mlpp"]\n')
+    line = path.read_text().splitlines().index('[sweep.params."model.name"]') + 1
+    assert main(["sweep", str(path)]) == 2
+    assert f"{path}:{line}: model.name: unknown model 'mlpp'" in capsys.readouterr().err
+
+
 def test_run_sweep_with_a_bad_value_fails_before_any_run(write_spec, store: str, tmp_path, capsys) -> None:
     path = write_spec()
     with pytest.raises(SpecError) as info:

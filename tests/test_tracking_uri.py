@@ -109,3 +109,35 @@ def test_check_reachable_rejects_a_server_that_is_not_mlflow():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --------------------------------------------------------------------------- file stores
+
+
+@pytest.mark.parametrize("uri", ["file:./mlruns", "file:///abs/mlruns", "./mlruns", "/abs/mlruns", "mlruns"])
+def test_a_file_store_in_the_spec_is_a_spec_error_at_its_line(write_spec, uri):
+    from runner.errors import SpecError
+    from runner.spec.loading import load_spec
+
+    path = write_spec()
+    path.write_text(path.read_text().replace('uri = "sqlite:', f'uri = "{uri}"\n# was "sqlite:'))
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("uri = "))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    (issue,) = info.value.issues
+    assert (issue.file, issue.line, issue.key) == (path, line, "tracking.uri")
+    assert "is a file store" in issue.message and '"sqlite:///mlflow.db"' in issue.message
+
+
+def test_a_file_store_in_the_environment_names_the_variable(write_spec, monkeypatch, capsys):
+    from runner.cli import main
+
+    path = write_spec()
+    path.write_text(path.read_text().replace('uri = "sqlite:', '# uri = "sqlite:'))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:./mlruns")
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "MLFLOW_TRACKING_URI=file:./mlruns: " in err and "sqlite:///mlflow.db" in err and "Traceback" not in err
+    assert main(["plan", str(path)]) == 2
+    for fine in ("sqlite:///x.db", "http://127.0.0.1:5000", "databricks", "postgresql://u@h/db"):
+        assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": fine})

@@ -19,6 +19,7 @@ Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,12 +27,15 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.ending import Spooled
+    from runner.launch.failures import JobContext
     from runner.launch.resume import ResumePoint
     from runner.launch.worker import WorkerArgs, WorkerResult
     from runner.plan import Plan
@@ -87,6 +91,8 @@ class ExecResult:
         workers: Every rank's result on this node, by rank.
         rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
         notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
+        spooled: Metric values (and whether the final status) that could not reach the tracking
+            store and wait in the run's spool file (docs/design.md §12).
     """
 
     run_id: str | None
@@ -100,6 +106,7 @@ class ExecResult:
     workers: list[WorkerResult] = field(default_factory=list)
     rank: int = 0
     notes_shown: bool = False
+    spooled: Spooled | None = None
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -110,7 +117,7 @@ class ExecResult:
         if self.rank != 0:
             return ""
         lines = [] if self.notes_shown else [f"note: {note}" for note in self.notes]
-        lines.append(f"status: {self.status}")
+        lines.append(f"status: {self.status}" + (self.spooled.describe(self.run_id) if self.spooled else ""))
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
         lines += [f"  {key:<22} {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
@@ -136,21 +143,24 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
     from runner.devices.env import apply_device_env
+    from runner.launch.ending import Spooled
+    from runner.launch.prebuild import check_checkpoint_folder, check_parts
     from runner.launch.resume import prepare_resume
     from runner.launch.worker import WorkerArgs
     from runner.plan import make_plan
-    from runner.tracking.uri import check_reachable
+    from runner.tracking.lookup import set_run_tags
+    from runner.tracking.store import open_store
     from runner.training.checkpoint import default_checkpoint_dir
-    from runner.training.models import check_model_name
 
     plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)
     spec = loaded.spec
-    check_model_name(spec.model.name, loaded.path.parent)
     _check_objectives(loaded)
+    check_parts(loaded, plan.devices.world_size)
+    check_checkpoint_folder(loaded, plan.tracking_uri)
     owner = plan.owns_run
     uri = plan.tracking_uri
     if uri is not None:
-        check_reachable(uri)
+        open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
     resume = prepare_resume(plan, options) if options.resume is not None else _requeued_run(plan, owner)
     apply_device_env(plan.devices)
     if plan.slurm is not None and plan.slurm.kind == "per-device":
@@ -174,9 +184,12 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         sync_timing=options.sync_timing,
         epoch_end=options.epoch_end,
     )
+    if run_id is not None and owner and uri is not None:  # where the run's checkpoints and spool are
+        set_run_tags(uri, run_id, {"runner.checkpoint_dir": str(checkpoint_dir)})
     workers = _run_to_the_end(plan, args, run_id)
     result = workers[0]
     return ExecResult(
+        spooled=Spooled.of(checkpoint_dir) if run_id is not None and owner else None,
         run_id=run_id,
         status="FINISHED",
         metrics=result.metrics,
@@ -213,21 +226,26 @@ def show_notes(notes: list[str]) -> None:
 def _open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
     """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
 
+    The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.owner`).
+
     Returns:
         The run id, or ``None`` when tracking is off or another process owns the run.
     """
+    from runner.launch.owner import Owner
     from runner.tracking import runs as tracking
+    from runner.tracking.lookup import set_run_tags
 
     if resume is not None:
         if owner:
             spec_change = json.dumps(resume.changes) if resume.changes else None
             tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
+            set_run_tags(resume.uri, resume.run_id, Owner.this_process().tags())  # docs/design.md §12
         return resume.run_id
     if not owner or plan.tracking_uri is None:
         return None
     if plan.launch == "external" and plan.launcher.run_id:
         return plan.launcher.run_id
-    tags = dict(options.tags)
+    tags = {**dict(options.tags), **Owner.this_process().tags()}
     if plan.slurm is not None:
         tags[SLURM_JOB_TAG] = plan.slurm.job.job_id
     if options.parent_run_id:
@@ -258,7 +276,7 @@ def _requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
         The run found, or ``None`` (not requeued, tracking off, another rank's run, or the job's
         first attempt ended before it created one).
     """
-    from runner.launch.resume import ResumePoint
+    from runner.launch.resume import ResumePoint, claim_run
     from runner.tracking.runs import find_run_by_tag
 
     if not (owner and _requeued(plan) and plan.tracking_uri is not None):
@@ -269,7 +287,7 @@ def _requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
     if run_id is None:
         return None
     note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
-    return ResumePoint(run_id, plan.tracking_uri, {}, [note])
+    return ResumePoint(run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id)])
 
 
 def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[WorkerResult]:
@@ -283,12 +301,15 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             one ends FAILED), so no stray run is left.
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
+    from runner.launch.ending import end_run_or_spool
+    from runner.launch.failures import JobContext, oom_kill_count
     from runner.tracking import runs as tracking
 
     loaded = plan.loaded
     status, error = "FAILED", None
+    oom_before, hangs = oom_kill_count(), dict[int, dict[str, Any]]()
     try:
-        workers = _launch(plan, args)
+        workers = _launch(plan, args, hangs)
         status = "FINISHED"
         return workers
     except (Interrupted, KeyboardInterrupt) as exc:
@@ -304,7 +325,7 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             # made for it is removed so that no stray run is left behind.
             status = "DELETE"
             raise relocate_issues(bad_spec, loaded) from None
-        error = _describe_failure(exc)
+        error = _describe_failure(exc, JobContext(loaded.spec.parallel.timeout_s, oom_before, hangs))
         raise TrainingError(error) from None
     finally:
         owned, uri = args.run_id, plan.tracking_uri
@@ -312,7 +333,7 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             if status == "DELETE" and not args.resume:
                 tracking.delete_run(uri, owned)
             else:
-                tracking.end_run(uri, owned, "FAILED" if status == "DELETE" else status, error)
+                end_run_or_spool(uri, owned, "FAILED" if status == "DELETE" else status, error, args.checkpoint_dir)
 
 
 def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
@@ -324,8 +345,12 @@ def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
     return Interrupted(int(signum), run_id=run_id, spec=str(plan.loaded.path), command=command)
 
 
-def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
-    """Run the workers; return their results, the logging rank's first."""
+def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | None = None) -> list[WorkerResult]:
+    """Run the workers; return their results, the logging rank's first.
+
+    ``hangs`` receives the reports of ranks that hung after a stop signal (elastic launch only).
+    """
+    from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
     from runner.launch.worker import run_worker
 
     if plan.launch != "elastic":
@@ -351,9 +376,16 @@ def _launch(plan: Plan, args: WorkerArgs) -> list[WorkerResult]:
         start_method="spawn",
     )
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
-        # The launcher keeps per-attempt error files here; removed when the job ends.
+        # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        results = elastic_launch(config, run_worker)(args)
+        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
+        quiet = quiet_launcher_logs()
+        try:
+            results = elastic_launch(config, run_worker)(launched)
+        finally:
+            restore_launcher_logs(quiet)
+            if hangs is not None:
+                hangs.update(read_hang_reports(Path(log_dir)))
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
@@ -382,25 +414,8 @@ def _spec_error_of_child(exc: BaseException) -> SpecError | None:
     return None
 
 
-def _describe_failure(exc: BaseException) -> str:
-    """A readable message for a failed job; for DDP, the first failing rank's error."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
-        return str(exc)
-    if not failures:
-        return f"{type(exc).__name__}: {exc}"
-    rank, failure = min(failures.items())
-    message = ""
-    data = getattr(failure, "error_file_data", None) or {}
-    if isinstance(data, dict):
-        inner = data.get("message", {})
-        if isinstance(inner, dict):
-            message = inner.get("message", "")
-            trace = inner.get("extraInfo", {}).get("py_callstack", "")
-            if trace:
-                message = trace.strip().splitlines()[-1].removeprefix("runner.errors.TrainingError: ")
-        elif isinstance(inner, str):
-            message = inner
-    if not message:
-        message = getattr(failure, "message", "") or f"exit code {failure.exitcode}"
-    return f"rank {rank} failed: {message}"
+def _describe_failure(exc: BaseException, context: JobContext) -> str:
+    """A readable message for a failed job: the root rank's error, or the signal or exit code that ended it."""
+    from runner.launch.failures import describe_failure
+
+    return describe_failure(exc, context)

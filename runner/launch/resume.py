@@ -97,7 +97,8 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         The run and the changes allowed.
 
     Raises:
-        UsageError: Tracking is off, the run does not exist, or it already FINISHED with this spec.
+        UsageError: Tracking is off, the run does not exist, it already FINISHED with this spec, or
+            a live process on this host still owns it.
         SpecError: The spec differs from the run's in keys not allowed to change.
     """
     from runner.tracking import runs as tracking
@@ -107,14 +108,52 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
     run_id = _resolve_resume(uri, plan.experiment, options.resume)
+    owns = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
+    claimed = claim_run(uri, run_id) if owns else []
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
     changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
+    notes = claimed + notes
     if complete and tracking.run_status(uri, run_id) == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
             f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
         )
     return ResumePoint(run_id, uri, changes, notes)
+
+
+def claim_run(uri: str, run_id: str) -> list[str]:
+    """Make sure no live process owns ``run_id`` before it is continued (docs/design.md §12).
+
+    A RUNNING run whose owner is gone is marked KILLED first; one whose owner is on another host
+    cannot be checked from here, which the returned note says.
+
+    Returns:
+        Notes for the user.
+
+    Raises:
+        UsageError: The run is RUNNING and its owner, on this host, is alive.
+    """
+    import time
+
+    from runner.launch.owner import settle
+
+    settled = settle(uri, run_id)
+    owner = settled.owner
+    sent = settled.sent
+    notes = [f"sent {sent.metrics} metric values its spool kept from before"] if sent and sent.metrics else []
+    if settled.status != "RUNNING" and not settled.marked_killed:
+        return notes
+    if settled.marked_killed and owner is not None:
+        return [*notes, f"run {run_id} was left RUNNING by {owner.describe()}, which is gone: marked KILLED"]
+    if owner is not None and settled.liveness == "alive":
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.start_time))
+        raise UsageError(
+            f"--resume {run_id}: the run is still RUNNING in {owner.describe()} (started {started}); a second "
+            f"process would write the same checkpoints and metrics: stop it first (kill -TERM {owner.pid}), "
+            "or wait for it to end"
+        )
+    who = owner.describe() if owner is not None else "a process that recorded no owner"
+    return [f"run {run_id} is RUNNING, owned by {who}; this host cannot tell whether it is alive: continuing"]
 
 
 def _resolve_resume(uri: str, experiment: str, resume: str) -> str:

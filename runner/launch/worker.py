@@ -48,6 +48,9 @@ class WorkerArgs:
         sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
         epoch_end: Decides on the logging rank after each epoch whether to stop there (a sweep's
             pruner); every rank follows its answer. ``None``: train to the end.
+        launcher_pid: The process that started this worker (the driver, for the elastic launcher):
+            the worker dies with it; ``None``: whatever process is the parent when the worker starts.
+        report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
     """
 
     loaded: LoadedSpec
@@ -58,6 +61,8 @@ class WorkerArgs:
     resume: bool = False
     sync_timing: bool = False
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    launcher_pid: int | None = None
+    report_dir: str | None = None
 
 
 @record
@@ -76,18 +81,27 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         Exception: Anything the training code raises; the driver marks the run FAILED.
     """
     from runner.launch.environment import LauncherEnvironment
+    from runner.launch.watch import HangWatch, die_with_parent
     from runner.strategies.registry import make_strategy
 
     env = LauncherEnvironment.detect()  # the one read of the launcher's variables in a worker
+    if env.external:  # a process of its own, started by the elastic launcher, torchrun or a scheduler
+        die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env)
     stop = _StopFlag()
+    grace_s = args.loaded.spec.parallel.hang_grace_s
+    watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
     try:
         strategy.setup()
         stop.install()
+        if watch is not None:
+            watch.start()
         result = _train(args, strategy, env, stop)
         strategy.barrier()  # every rank is done with collectives before any destroys the group
         return result
     finally:
+        if watch is not None:
+            watch.stop()
         stop.uninstall()
         if strategy.mode == "ddp":
             gc.collect()  # free DDP's reducer and its pending work before the process group goes
@@ -100,6 +114,7 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
     Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
     released when it returns, before the process group is destroyed.
     """
+    from runner.tracking.spool import spool_path
     from runner.tracking.system import start_system_metrics
     from runner.tracking.trackers import make_tracker, skip_logged_steps
     from runner.training import setup
@@ -111,7 +126,16 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
     folder, is_log_rank = Path(checkpoint_dir), strategy.rank == log_rank
     parts = setup.build_parts(spec, args.loaded.path.parent, strategy)
     restored = setup.restore(parts, strategy, folder, resume=args.resume, restarted=env.restarted)
-    tracker = make_tracker(uri, run_id, is_logger=is_log_rank, flush_every_s=spec.tracking.flush_every_s)
+    if is_log_rank and uri is not None and run_id is not None and (args.resume or env.restarted):
+        restored.notes += _adopt_spool(uri, run_id, folder, restored.metrics_recorded)
+    tracker = make_tracker(
+        uri,
+        run_id,
+        is_logger=is_log_rank,
+        flush_every_s=spec.tracking.flush_every_s,
+        spool=spool_path(folder),
+        first_seq=restored.metrics_recorded,
+    )
     monitor = None
     try:
         if restored.resumed_from is not None:
@@ -145,6 +169,20 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         if monitor is not None:
             monitor.finish()
         tracker.close()
+
+
+def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
+    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest.
+
+    Values recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent.
+    """
+    from runner.tracking.spool import send_spool, spool_path
+
+    path = spool_path(folder)
+    if not path.is_file():
+        return []
+    sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
+    return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
 
 
 def _record_data(uri: str | None, run_id: str, info: DatasetInfo) -> None:

@@ -160,7 +160,8 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
 
     Builders only know the dotted key (``optim.kwargs``); this finds where that key is written
     in the spec file so the message reads ``FILE:LINE: optim.kwargs: ...`` like every other
-    spec error. Keys written in an ``extends`` base keep the file name without a line.
+    spec error. Keys written in an ``extends`` base keep the file name without a line, and so
+    does a key that ``--set`` replaced, whose message names that ``--set``.
 
     Args:
         error: Raised by a builder; issues without a file are placed.
@@ -173,10 +174,25 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
     moved = []
     for issue in error.issues:
         if issue.file is None and issue.origin is None and issue.key:
-            moved.append(SpecIssue(loaded.path, _line_in(lines, issue.key), issue.key, issue.message))
+            override = _override_of(loaded, issue.key)
+            if override is not None:
+                moved.append(SpecIssue(loaded.path, None, issue.key, f"{issue.message} (from {override})"))
+            else:
+                moved.append(SpecIssue(loaded.path, _line_in(lines, issue.key), issue.key, issue.message))
         else:
             moved.append(issue)
     return SpecError(moved)
+
+
+def _override_of(loaded: LoadedSpec, key: str) -> str | None:
+    """The ``--set KEY=VALUE`` (or ``--unset KEY``) that replaced dotted ``key`` or a table above it, or ``None``."""
+    loc = tuple(key.split("."))
+    flags = [f"--unset {k}" for k in loaded.unset] + [f"--set {text}" for text in loaded.overrides]
+    for flag in reversed(flags):
+        o = parse_key(flag.split(" ", 1)[1].partition("=")[0])
+        if o is not None and loc[: len(o)] == o:
+            return flag
+    return None
 
 
 def key_line(loaded: LoadedSpec, key: str) -> int | None:
@@ -190,9 +206,7 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
         The 1-based line, or ``None`` when the key is not written in the file itself (a default,
         or a value from an ``extends`` base) or ``--set`` / ``--unset`` replaced it.
     """
-    loc = tuple(key.split("."))
-    overridden = (parse_key(o.partition("=")[0]) for o in (*loaded.overrides, *loaded.unset))
-    if not key or any(o is not None and loc[: len(o)] == o for o in overridden):
+    if not key or _override_of(loaded, key) is not None:
         return None
     return _line_in(locate_keys(loaded.source_text), key)
 

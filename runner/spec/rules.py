@@ -14,7 +14,10 @@ and is reported at that key: ``FILE:LINE: data.batch_size: batch_size = 10 is no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from runner.spec.wording import show
 
@@ -26,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         OptimSpec,
         ParallelSpec,
         SweepParam,
+        TrackingSpec,
     )
 
 DP_ONLY = ("output_device", "dim")
@@ -38,6 +42,7 @@ DDP_ONLY = (
     "rdzv_id",
     "max_restarts",
     "timeout_s",
+    "hang_grace_s",
     "find_unused_parameters",
     "static_graph",
     "gradient_as_bucket_view",
@@ -77,6 +82,31 @@ def sync_batchnorm_needs_cuda(why: str) -> str:
 def fp16_needs_cuda(why: str) -> str:
     """``amp = "fp16"`` on CPU (its GradScaler is CUDA-only)."""
     return f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'
+
+
+BARE_TRACKING_URIS = ("databricks", "databricks-uc", "uc")
+
+
+def file_store_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be the tracking store: a file store (``file:``, a plain folder), or ``None``.
+
+    MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``; runner records runs in a database or on a tracking server only.
+
+    Args:
+        uri: A tracking URI as written (``file:./mlruns``, ``./mlruns``, ``sqlite:///mlflow.db``, ...).
+
+    Returns:
+        The message, ending in the fix (a sqlite URI), or ``None`` when ``uri`` is not a file store.
+    """
+    text = uri.strip()
+    scheme = urlsplit(text).scheme
+    if text in BARE_TRACKING_URIS or (len(scheme) > 1 and scheme != "file"):
+        return None
+    return (
+        f"{show(text)} is a file store, which MLflow 3 no longer opens: use a database, "
+        'e.g. "sqlite:///mlflow.db" (`mlflow migrate-filestore` moves existing runs into one), or a tracking server'
+    )
 
 
 def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
@@ -187,12 +217,24 @@ def check_optim(optim: OptimSpec) -> None:
         raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
 
 
+def check_tracking(tracking: TrackingSpec) -> None:
+    """Rules inside ``[tracking]``: the store is a database or a server, not a file store.
+
+    Raises:
+        ValueError: ``uri`` names a file store.
+    """
+    if tracking.uri and tracking.uri.strip() and (problem := file_store_problem(tracking.uri)):
+        raise ValueError(f"uri = {problem}")
+
+
 def check_sweep_param(param: SweepParam) -> None:
     """Rules of one ``[sweep.params."key"]``: values, or a range ``low < high``.
 
     Raises:
         ValueError: The first problem found.
     """
+    if param.values is not None and _has_non_finite(param.values):
+        raise ValueError(f"values {show(param.values)} holds inf or nan: list finite numbers")
     has_range = param.low is not None or param.high is not None
     if (param.values is None) == (not has_range):
         raise ValueError("give either values = [...] or low and high, not both and not neither")
@@ -232,7 +274,7 @@ def check_experiment(spec: ExperimentSpec) -> None:
     Raises:
         CrossFieldError: Every problem found, each at its own key.
     """
-    problems = _device_problems(spec) + _layout_problems(spec)
+    problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
     if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
         problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:
@@ -276,3 +318,40 @@ def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
     if problem := batch_split_problem(spec.data.batch_size, known, spec.train.grad_accum_steps):
         problems.append(("data.batch_size", problem))
     return problems
+
+
+def _non_finite_problems(spec: ExperimentSpec) -> list[Problem]:
+    """``inf`` or ``nan`` inside kwargs (typed keys and sweep values reject them on their own)."""
+    free: list[tuple[str, Any]] = [
+        ("model.kwargs", spec.model.kwargs),
+        ("data.kwargs", spec.data.kwargs),
+        ("optim.kwargs", spec.optim.kwargs),
+        ("loss.kwargs", spec.loss.kwargs),
+    ]
+    if spec.scheduler is not None:
+        free.append(("scheduler.kwargs", spec.scheduler.kwargs))
+    if spec.metrics is not None:
+        free += [("metrics.train", spec.metrics.train), ("metrics.val", spec.metrics.val)]
+    return [(key, not_finite(value)) for prefix, tree in free for key, value in _non_finite(prefix, tree)]
+
+
+def not_finite(value: Any) -> str:
+    """The message for a value that is or holds ``inf`` or ``nan``."""
+    return f"got {show(value)}; expected finite numbers (inf and nan are not accepted in a spec)"
+
+
+def _non_finite(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of every value under ``key`` that is or holds a non-finite float."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _non_finite(f"{key}.{k}", v)
+    elif _has_non_finite(value):
+        yield key, value
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, dict)):
+        return any(_has_non_finite(v) for v in (value.values() if isinstance(value, dict) else value))
+    return False

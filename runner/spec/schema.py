@@ -4,7 +4,8 @@ Rules between keys live in :mod:`runner.spec.rules` (each table names its ``rule
 the machine (visible GPUs, CUDA) are checked by :mod:`runner.devices.resolve`, so ``runner validate``
 answers the same on a laptop and on a GPU node. Conventions (docs/design.md): counts are strict
 integers (``2.0`` is rejected); hyperparameters are floats (``lr = 1`` is stored as ``1.0``);
-booleans are strict (``1`` is not ``true``); every table forbids unknown keys and is frozen;
+booleans are strict (``1`` is not ``true``); every number is finite (``inf`` and ``nan`` are rejected,
+also inside ``kwargs`` and sweep values); every table forbids unknown keys and is frozen;
 ``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all devices and processes.
 """
 
@@ -23,9 +24,9 @@ Accelerator = Literal["auto", "cuda", "cpu"]
 
 
 class _Table(BaseModel):
-    """Base of every spec table: strict, unknown keys forbidden, frozen; ``rule`` runs once its keys are valid."""
+    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
     rule: ClassVar[Callable[[Any], None] | None] = None
 
     @model_validator(mode="after")
@@ -209,6 +210,14 @@ class ParallelSpec(_Table):
         gt=0,
         description="ddp only: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
     )
+    hang_grace_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "ddp only: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
+            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait. Default: 10."
+        ),
+    )
     find_unused_parameters: bool = Field(
         default=False, description="ddp only: allow parameters that get no gradient in a step. Default: false."
     )
@@ -306,7 +315,11 @@ class TrackingSpec(_Table):
     enabled: bool = Field(default=True, description="Record the run in MLflow. Default: true.")
     uri: str | None = Field(
         default=None,
-        description="Tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory.",
+        description=(
+            "Tracking URI: a database (`sqlite:///runs.db`, `postgresql://...`) or a server (`http://host:5000`); "
+            "file stores are not accepted. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working "
+            "directory."
+        ),
     )
     experiment: str | None = Field(
         default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
@@ -333,6 +346,8 @@ class TrackingSpec(_Table):
         gt=0,
         description="Send buffered metrics at least this often (seconds), off the training thread. Default: 5.",
     )
+
+    rule = rules.check_tracking
 
 
 class CheckpointSpec(_Table):

@@ -32,7 +32,7 @@ from runner.tools.sweep_space import SweepDefinition, study_name
 from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage, redact
 from runner.tools.sweep_store import SweepStore
 from runner.tools.sweep_study import SweepStudy
-from runner.tools.sweep_trials import prepare_trials, trial_environ, trials_to_check, without_sweep
+from runner.tools.sweep_trials import prepare_trials, swept_in_file, trial_environ, trials_to_check, without_sweep
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -100,7 +100,9 @@ def run_sweep(
     lines = locate_keys(base.source_text)
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
-    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, trials_to_check(definition), environ)]
+    in_file = swept_in_file(base, (cli or CommandLine()).grid, (cli or CommandLine()).random)
+    checks = trials_to_check(definition)
+    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file)]
     store = SweepStore.for_spec(base.spec)
     store.check()
     opened, report = _open_study(base, definition, store, storage, study, lines)

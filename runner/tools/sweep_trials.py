@@ -81,7 +81,11 @@ def _candidates(values: list[Any] | None, low: float | None, high: float | None,
 
 
 def prepare_trials(
-    path: Path, overrides: Sequence[str], trials: Sequence[Trial], environ: Mapping[str, str] | None = None
+    path: Path,
+    overrides: Sequence[str],
+    trials: Sequence[Trial],
+    environ: Mapping[str, str] | None = None,
+    in_file: Mapping[str, int | None] | None = None,
 ) -> list[tuple[LoadedSpec, Plan]]:
     """Load, validate and plan every trial before any runs; collect every problem.
 
@@ -90,6 +94,8 @@ def prepare_trials(
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
         trials: The trials.
         environ: The environment to plan against (default: :func:`trial_environ`).
+        in_file: Swept keys whose values come from the spec's ``[sweep.params]`` (see
+            :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
 
     Returns:
         ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
@@ -101,7 +107,7 @@ def prepare_trials(
     """
     from runner.devices.inventory import probe_inventory
     from runner.plan import make_plan
-    from runner.spec.loading import load_spec
+    from runner.spec.loading import load_spec, relocate_issues
 
     env = trial_environ() if environ is None else dict(environ)
     inventory = probe_inventory(env)
@@ -113,11 +119,12 @@ def prepare_trials(
         try:
             loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()]))
         except SpecError as exc:
-            issues += [_in_trial(issue, trial) for issue in exc.issues]
+            issues += [_in_trial(issue, trial, path, in_file or {}) for issue in exc.issues]
             continue
         model_error = _model_error(loaded, checked)
         if model_error is not None:
-            issues += [_in_trial(issue, trial) for issue in model_error.issues]
+            located = relocate_issues(model_error, loaded)  # at model.name's line in the spec file
+            issues += [_in_trial(issue, trial, path, in_file or {}) for issue in located.issues]
             continue
         try:
             out.append((loaded, make_plan(loaded, env=env, inventory=inventory)))
@@ -177,5 +184,27 @@ def _label(trial: Trial) -> str:
     return "values (" + ", ".join(f"{k}={toml_value(v)}" for k, v in trial.values.items()) + ")"
 
 
-def _in_trial(issue: SpecIssue, trial: Trial) -> SpecIssue:
-    return dataclasses.replace(issue, message=f"{issue.message} [sweep {_label(trial)}]")
+def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, int | None]:
+    """Keys of the spec's ``[sweep.params]`` that the command line does not replace, with their line in the file.
+
+    Args:
+        base: The spec (with its ``[sweep]`` table).
+        grid, random: The ``--grid`` and ``--random`` entries (``KEY=...``).
+    """
+    from runner.spec.locate import locate_keys
+
+    if base.spec.sweep is None:
+        return {}
+    given = {entry.partition("=")[0].strip() for entry in (*grid, *random)}
+    lines = locate_keys(base.source_text)
+    return {key: lines.get(("sweep", "params", key)) for key in base.spec.sweep.params if key not in given}
+
+
+def _in_trial(issue: SpecIssue, trial: Trial, path: Path, in_file: Mapping[str, int | None]) -> SpecIssue:
+    """The issue, naming the trial; a value from the spec's ``[sweep.params]`` is placed at its line there."""
+    label = f"[sweep {_label(trial)}]"
+    swept = next((k for k in in_file if issue.key == k or issue.key.startswith((k + ".", k + "["))), None)
+    if swept is not None and swept in trial.values:
+        message = issue.message.split(" (from --set ", 1)[0]
+        return SpecIssue(path, in_file[swept], issue.key, f'{message} (a value of sweep.params."{swept}") {label}')
+    return dataclasses.replace(issue, message=f"{issue.message} {label}")

@@ -65,6 +65,9 @@ def _record(run: Run) -> RunRecord:
 def _client(uri: str) -> MlflowClient:
     from mlflow.tracking import MlflowClient
 
+    from runner.tracking.store import open_store
+
+    open_store(uri)  # the first use of a new sqlite store creates it, under its lock
     return MlflowClient(tracking_uri=uri)
 
 

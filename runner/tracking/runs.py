@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import TrackingError
 from runner.tracking.gitinfo import git_info
 from runner.tracking.spec_record import spec_artifacts, spec_params
+from runner.tracking.store import open_store
 from runner.tracking.tags import git_artifacts, run_tags
-from runner.tracking.uri import check_reachable, resolve_tracking_uri
+from runner.tracking.uri import resolve_tracking_uri
 from runner.tracking.values import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def start_run(
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
     parent_run_id = _check_fluent_run(nested)
-    check_reachable(uri)
+    open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
     params_of, dump_spec = _spec_codec()
     params = [Param(k, v) for k, v in params_of(spec).items()]

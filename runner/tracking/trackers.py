@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runner.tracking.mlflow_tracker import MlflowTracker
@@ -67,7 +68,8 @@ class Tracker(Protocol):
         """
 
     def flush(self) -> None:
-        """Block until everything recorded before this call has been sent.
+        """Block until everything recorded before this call has been sent (by a tracker with a spool:
+        sent, or written to the spool while the store does not answer).
 
         Raises:
             TrackingError: Something recorded since the last flush could not be sent (the
@@ -147,8 +149,21 @@ class SkipLoggedSteps:
         """Forward to the inner tracker."""
         self.inner.close()
 
+    def recorded(self) -> int:
+        """The inner tracker's count of metric values recorded by the run (0 when it keeps none)."""
+        count = getattr(self.inner, "recorded", None)
+        return int(count()) if callable(count) else 0
 
-def make_tracker(uri: str | None, run_id: str | None, *, is_logger: bool, flush_every_s: float) -> Tracker:
+
+def make_tracker(
+    uri: str | None,
+    run_id: str | None,
+    *,
+    is_logger: bool,
+    flush_every_s: float,
+    spool: Path | None = None,
+    first_seq: int = 0,
+) -> Tracker:
     """The tracker of one rank: an ``MlflowTracker`` on the logging rank of a tracked run, else a :class:`NullTracker`.
 
     Args:
@@ -156,9 +171,11 @@ def make_tracker(uri: str | None, run_id: str | None, *, is_logger: bool, flush_
         run_id: The run, or ``None`` when tracking is off.
         is_logger: Whether this rank logs (rank 0 of the job).
         flush_every_s: Longest time, in seconds, a metric waits in the buffer.
+        spool: The run's spool file, where values wait while the store does not answer.
+        first_seq: Metric values the run recorded before this job (from the checkpoint it resumes).
     """
     if is_logger and run_id is not None and uri is not None:
-        return MlflowTracker(uri, run_id, flush_every_s=flush_every_s)
+        return MlflowTracker(uri, run_id, flush_every_s=flush_every_s, spool=spool, first_seq=first_seq)
     return NullTracker()
 
 

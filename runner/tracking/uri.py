@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from runner.errors import TrackingError
+from runner.spec.rules import file_store_problem
 
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
@@ -64,6 +65,10 @@ def resolve_tracking_uri(
 
     Returns:
         An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
+
+    Raises:
+        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
+            is rejected when the spec is validated, :func:`runner.spec.rules.file_store_problem`).
     """
     return _resolve(spec.tracking.uri, env, cwd)
 
@@ -71,11 +76,15 @@ def resolve_tracking_uri(
 def default_tracking_uri(env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> str:
     """The tracking URI of a spec without ``tracking.uri``: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
 
-    It is where ``runner resume``, ``reproduce`` and ``diff`` look for a run id without ``--tracking-uri``.
+    It is where ``runner resume``, ``reproduce``, ``diff`` and ``status`` look for a run id without
+    ``--tracking-uri``.
 
     Args:
         env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
         cwd: Folder relative paths are taken from. Default: the current directory.
+
+    Raises:
+        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store.
     """
     return _resolve(None, env, cwd)
 
@@ -83,7 +92,14 @@ def default_tracking_uri(env: Mapping[str, str] | None = None, cwd: str | os.Pat
 def _resolve(given: str | None, env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None) -> str:
     env = os.environ if env is None else env
     base = Path.cwd() if cwd is None else Path(cwd)
-    raw = (given or "").strip() or env.get("MLFLOW_TRACKING_URI", "").strip()
+    raw = (given or "").strip()
+    if not raw:
+        raw = env.get("MLFLOW_TRACKING_URI", "").strip()
+        problem = file_store_problem(raw) if raw else None
+        if problem is not None:
+            raise TrackingError(
+                f"MLFLOW_TRACKING_URI={raw}: {problem} (set the variable to one, or unset it to log to ./mlflow.db)"
+            )
     if not raw:
         return f"sqlite:///{(base / 'mlflow.db').resolve()}"
     return _absolute_uri(raw, base)
@@ -118,6 +134,12 @@ def _local_store_path(uri: str) -> tuple[str, Path] | None:
     if uri not in _BARE_URIS and len(parts.scheme) <= 1:
         return "file", Path(uri).expanduser()
     return None
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, or ``None`` for other stores (and in-memory sqlite)."""
+    local = _local_store_path(uri)
+    return local[1] if local is not None and local[0] == "sqlite" else None
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:

@@ -8,12 +8,19 @@ the RNG states of every rank, plus the flattened spec and its SHA-256.
 Files are ``step-00000123.pt`` in the run's checkpoint folder. Each is written to a
 temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
 atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint.
+
+A checkpoint holds only tensors and plain values (numbers, strings, lists, dicts; RNG states as
+tensors) and is read with ``torch.load(weights_only=True)``, which rebuilds those and nothing else
+(PyTorch docs, ``torch.load``: "weights_only"). A file that carries any other pickled object is
+refused, not executed, so a checkpoint folder on a shared filesystem cannot run code on the nodes
+that resume from it. Files of another format version are refused with the reason.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import tempfile
 from dataclasses import dataclass
@@ -25,8 +32,10 @@ import torch
 
 from runner.errors import RunnerError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: read with weights_only=True, records the metrics logged before it
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_PLAIN = (bool, int, float, str, bytes, type(None))
 
 
 class CheckpointError(RunnerError):
@@ -89,8 +98,12 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
         The path written.
 
     Raises:
+        CheckpointError: ``payload`` holds something other than tensors and plain values.
         OSError: The folder is not writable or the disk is full (no partial file is left).
     """
+    problem = plain_problem(payload)
+    if problem is not None:
+        raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) would refuse: {problem}")
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{payload['state']['global_step']:08d}.pt"
     buffer = io.BytesIO()
@@ -119,18 +132,55 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
+    """The first value under ``obj`` that is neither a tensor nor a plain value, or ``None``.
+
+    Args:
+        obj: A payload (dicts, lists and tuples are walked).
+        where: Name of ``obj`` in the message.
+
+    Returns:
+        E.g. ``checkpoint["scheduler"]["lr_lambdas"][0] is a function``.
+    """
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return None
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            problem = plain_problem(key, f"{where} key") or plain_problem(value, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(obj, (list, tuple)):
+        return next((p for i, v in enumerate(obj) if (p := plain_problem(v, f"{where}[{i}]")) is not None), None)
+    return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint file.
+    """Load and check one checkpoint file with ``torch.load(weights_only=True)``.
 
     Raises:
-        CheckpointError: The file is truncated or damaged, or lacks the runner fields; the
+        CheckpointError: The file is truncated or damaged, carries pickled objects (refused, never
+            executed), was written in another format version, or lacks the runner fields; the
             message names the file.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        objects = sorted(set(_GLOBAL.findall(str(exc)))) or ["an object that is not a tensor or plain value"]
+        raise CheckpointError(
+            f"{path}: refused: it carries pickled objects ({', '.join(objects)}) that loading would execute; "
+            "runner checkpoints hold only tensors and plain values and are read with torch.load(weights_only=True)"
+        ) from None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, ...
         raise CheckpointError(f"{path}: damaged or truncated checkpoint ({type(exc).__name__}: {exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION or "model" not in payload:
+    version = payload.get("format") if isinstance(payload, dict) else None
+    if isinstance(version, int) and version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: written in checkpoint format {version} by another version of runner; this one reads format "
+            f"{FORMAT_VERSION} only, so it cannot continue from it (start the run again, or resume it with the "
+            "runner version that wrote it)"
+        )
+    if version != FORMAT_VERSION or "model" not in payload:
         raise CheckpointError(f"{path}: not a runner checkpoint (format {FORMAT_VERSION} expected)")
     return payload
 
@@ -167,6 +217,7 @@ def build_payload(
     spec_flat: dict[str, Any],
     spec_sha256: str,
     run_id: str | None,
+    metrics_recorded: int = 0,
 ) -> dict[str, Any]:
     """Assemble the dict that :func:`save_checkpoint` writes.
 
@@ -178,6 +229,9 @@ def build_payload(
         spec_flat: The flattened spec (dotted keys), to report what changed on resume.
         spec_sha256: SHA-256 of the resolved spec.
         run_id: The MLflow run the checkpoint belongs to.
+        metrics_recorded: Metric values the run had recorded when the checkpoint was taken (the
+            tracker's count, all of them sent or spooled): a resume from this checkpoint sends the
+            spooled ones before it and recomputes those after it.
     """
     return {
         "format": FORMAT_VERSION,
@@ -197,6 +251,7 @@ def build_payload(
         "spec": spec_flat,
         "spec_sha256": spec_sha256,
         "run_id": run_id,
+        "tracking": {"metrics_recorded": int(metrics_recorded)},
     }
 
 

@@ -64,6 +64,12 @@ def build_scheduler(scheduler_spec: Any, optimizer: torch.optim.Optimizer, total
     return _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
 
 
+def scheduler_class(scheduler_spec: Any) -> type:
+    """The ``torch.optim.lr_scheduler`` class of ``[scheduler]`` (e.g. ``StepLR`` for ``name = "step"``)."""
+    cls: type = _SCHEDULERS[scheduler_spec.name]
+    return cls
+
+
 def scheduler_interval(scheduler_spec: Any) -> str:
     """``"step"`` or ``"epoch"``: when the scheduler steps (``onecycle`` always per step)."""
     if scheduler_spec is None:

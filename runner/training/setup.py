@@ -137,11 +137,13 @@ class Restored:
         state: The loop state to start from (a fresh one without a checkpoint).
         resumed_from: The checkpoint file it came from, or ``None``.
         notes: What the user should know (damaged files skipped, RNG states not restored, ...).
+        metrics_recorded: Metric values the run had recorded when the checkpoint was taken.
     """
 
     state: TrainState
     resumed_from: str | None = None
     notes: list[str] = field(default_factory=list)
+    metrics_recorded: int = 0
 
 
 def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
@@ -247,7 +249,8 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     else:
         notes.append(f"world size changed ({len(rng)} -> {strategy.world_size}): RNG states not restored")
     notes += [f"skipped {reason}" for _, reason in found.skipped]
-    return Restored(TrainState(**payload["state"]), str(found.path), notes)
+    recorded = int(payload.get("tracking", {}).get("metrics_recorded", 0))
+    return Restored(TrainState(**payload["state"]), str(found.path), notes, recorded)
 
 
 class Checkpointer:
@@ -260,7 +263,8 @@ class Checkpointer:
         loaded: The loaded spec (``[checkpoint]`` settings, the flattened spec and its SHA-256 go in each file).
         run_id: The MLflow run the checkpoints belong to, or ``None``.
         writer: Whether this rank writes (the logging rank).
-        tracker: Flushed after each save: metrics up to a checkpoint reach MLflow before training goes on.
+        tracker: Flushed before each save: metrics up to a checkpoint are in MLflow (or its spool) before
+            the checkpoint says how many there are.
     """
 
     def __init__(
@@ -284,6 +288,9 @@ class Checkpointer:
         """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``."""
         rng_states = self.strategy.all_gather_object(capture_rng_state())
         if self.writer and self.settings.enabled:
+            # Metrics up to a checkpoint must be sent (or spooled) before it is written: a resume
+            # continues from the checkpoint and only logs again what comes after it.
+            self.tracker.flush()
             payload = ckpt.build_payload(
                 model_state=unwrapped_state_dict(self.parts.model),
                 optimizer=self.parts.optimizer,
@@ -294,12 +301,16 @@ class Checkpointer:
                 spec_flat=self.spec_flat,
                 spec_sha256=self.spec_sha256,
                 run_id=self.run_id,
+                metrics_recorded=_recorded(self.tracker),
             )
             ckpt.save_checkpoint(self.folder, payload, self.settings.keep_last)
-            # Metrics up to a checkpoint must be in MLflow before training goes on: a restart
-            # resumes from the checkpoint and only re-logs what comes after it.
-            self.tracker.flush()
         self.strategy.barrier()
+
+
+def _recorded(tracker: Tracker) -> int:
+    """The metric values the run's tracker has numbered (``MlflowTracker.recorded``); 0 for trackers that keep none."""
+    count = getattr(tracker, "recorded", None)
+    return int(count()) if callable(count) else 0
 
 
 def loop_parts(

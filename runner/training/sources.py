@@ -22,6 +22,7 @@ from runner.spec.wording import with_hint
 from runner.training.models import resolve_factory, spec_issue
 
 BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
+IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
 _NOT_DATASETS = {"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"}
 
 
@@ -346,3 +347,32 @@ def source_text(data: Any, spec_dir: Path | str | None) -> str:
     if data.root is not None and (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")):
         return str(_root(data, spec_dir))
     return str(data.dataset)
+
+
+def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
+    """The class or factory that builds ``data.dataset`` from files, found without calling it.
+
+    Args:
+        name: ``data.dataset``.
+        spec_dir: Folder of the spec file (factory imports are relative to it).
+
+    Returns:
+        A ``torchvision.datasets`` class, a ``pkg.module:factory`` callable, ``ImageFolder`` for
+        ``imagefolder``, or ``None`` for the in-memory built-ins (:data:`IN_MEMORY`).
+
+    Raises:
+        SpecError: (``data.dataset``) the name is unknown, with a did-you-mean, or the factory cannot be imported.
+    """
+    if name in IN_MEMORY:
+        return None
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "data.dataset")
+    import torchvision.datasets as tvd
+
+    if name == "imagefolder":
+        return tvd.ImageFolder
+    cls_name = name.removeprefix("torchvision.")
+    cls = getattr(tvd, cls_name, None) if name.startswith("torchvision.") else None
+    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+        raise _unknown_dataset(name)
+    return cls

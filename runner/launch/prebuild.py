@@ -1,0 +1,307 @@
+"""Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
+
+A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[train]`` must exit 2 with
+``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. The driver calls
+:func:`check_parts` before it creates or reopens the run. What is built, and what only checked:
+
+* dataset: ``sklearn.digits``, ``sklearn.diabetes`` and small ``synthetic`` sets are built (they
+  live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
+  ``pkg.module:factory`` datasets, which may read a whole dataset from disk, are only checked: the
+  name resolves and ``data.kwargs`` bind to the class or factory signature with the annotated types;
+* model: built on the ``meta`` device (parameters without storage, so the size of the model costs
+  nothing) with the dataset's shape and classes when the dataset was built, else its kwargs are checked
+  by signature and type; an error on ``meta`` is confirmed by a build on CPU before it is reported;
+* optimizer: built over one stand-in parameter with the spec's arguments;
+* scheduler: built over that optimizer, its kwargs type-checked against the annotations of the
+  ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
+  :data:`DRY_RUN_STEPS` calls), so a value that only fails when the schedule is computed is found;
+* the training loaders: built on the built dataset (no batch is read). The loss and the metrics
+  are checked by :func:`runner.training.losses.check_objectives`, which the driver calls first.
+
+torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+
+from runner.errors import SpecError, SpecIssue
+from runner.spec.loading import relocate_issues
+from runner.spec.wording import join_or, show
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.training.data import DatasetBundle
+
+DRY_RUN_STEPS = 1000
+SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic dataset is built here
+
+
+def check_parts(loaded: LoadedSpec, world_size: int) -> None:
+    """Build or check every part of ``loaded`` (see the module docstring) before any run exists.
+
+    Args:
+        loaded: The validated spec.
+        world_size: Processes of the job (for the training loaders' step layout).
+
+    Raises:
+        SpecError: A part that does not build or an argument of the wrong type, placed at
+            ``FILE:LINE`` of its key in the spec file.
+    """
+    try:
+        _check(loaded.spec, loaded.path.parent, world_size)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None
+
+
+def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
+    """Check that the run's checkpoints can be written, before the run exists (``checkpoint.dir`` or its default).
+
+    Args:
+        loaded: The validated spec.
+        tracking_uri: The run's store: the default folder is ``checkpoints/`` beside a sqlite store.
+
+    Raises:
+        SpecError: (``checkpoint.dir``) the folder cannot be created or written, at ``FILE:LINE``.
+    """
+    from runner.spec.paths import folder_problem
+    from runner.training.checkpoint import default_checkpoint_dir
+
+    settings = loaded.spec.checkpoint
+    if not settings.enabled:
+        return
+    folder = default_checkpoint_dir(tracking_uri, settings.dir, "run").parent
+    problem = folder_problem(folder)
+    if problem is None:
+        return
+    if settings.dir:
+        message = f"dir = {show(settings.dir)} cannot hold checkpoints: {problem}; choose a writable folder"
+    else:
+        message = f"the default checkpoint folder {folder} cannot be written: {problem}; set checkpoint.dir"
+    raise relocate_issues(SpecError(SpecIssue(None, None, "checkpoint.dir", message)), loaded)
+
+
+def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
+    from runner.training.loaders import build_loaders
+    from runner.training.models import check_model_name
+
+    check_model_name(spec.model.name, spec_dir)
+    bundle = _dataset(spec, spec_dir)
+    steps_per_epoch = None
+    if bundle is not None:
+        steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
+    _unless_unbuildable_here(_model, spec, spec_dir, bundle)
+    _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
+
+
+def _unless_unbuildable_here(step: Callable[..., None], *args: Any) -> None:
+    """Run one check; an error other than :class:`SpecError` means the part cannot be built on stand-ins
+    (e.g. a fused optimizer over a CPU parameter): the worker builds it for real and reports it there."""
+    try:
+        step(*args)
+    except SpecError:
+        raise
+    except Exception:  # not a verdict on the spec
+        return
+
+
+def _dataset(spec: ExperimentSpec, spec_dir: Path) -> DatasetBundle | None:
+    """The built dataset when it is cheap to build, else ``None`` after checking its name and kwargs."""
+    from runner.training.data import build_datasets
+    from runner.training.sources import IN_MEMORY, dataset_source
+
+    data = spec.data
+    size = data.num_samples
+    for dim in data.input_shape:
+        size *= dim
+    if data.dataset in IN_MEMORY and (data.dataset != "synthetic" or size <= SMALL_SYNTHETIC):
+        return build_datasets(spec, spec_dir)
+    if data.dataset in IN_MEMORY:
+        return None
+    source = dataset_source(data.dataset, spec_dir)
+    if source is not None:
+        args = () if ":" in data.dataset else (str(spec_dir),)  # torchvision classes take root first
+        check_call(source, args, data.kwargs, "data.kwargs")
+    return None
+
+
+def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -> None:
+    """Build the model on the meta device (confirming an error on CPU), or check its kwargs without the dataset."""
+    import torch
+
+    from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory
+
+    name = spec.model.name
+    if bundle is None:  # no shape or classes to build with: check the kwargs the user wrote
+        builtins: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
+        builder = builtins.get(name)
+        if ":" in name:
+            builder = resolve_factory(name, spec_dir, "model.name")
+        if builder is not None:
+            check_call(builder, (), spec.model.kwargs, "model.kwargs")
+        return
+    shape, classes = bundle.info.input_shape, bundle.info.num_classes
+    try:
+        with torch.device("meta"):
+            build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
+    except SpecError:
+        build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when it is real
+
+
+def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) -> None:
+    """Build the optimizer over a stand-in parameter, then the scheduler, and step it as the run would."""
+    import torch
+
+    from runner.training.optim import build_optimizer, build_scheduler, scheduler_class, scheduler_interval
+    from runner.training.setup import count_total_steps
+
+    optimizer = build_optimizer(spec.optim, [torch.nn.Parameter(torch.zeros(1))])
+    if spec.scheduler is None:
+        return
+    check_call(scheduler_class(spec.scheduler), (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
+    total = count_total_steps(steps_per_epoch, spec.train) if steps_per_epoch is not None else None
+    scheduler = build_scheduler(spec.scheduler, optimizer, total or spec.train.max_steps or 1, spec.train.epochs)
+    per_step = scheduler_interval(spec.scheduler) == "step"
+    calls = (total if per_step else spec.train.epochs) if total is not None else 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
+        try:
+            for _ in range(min(calls, DRY_RUN_STEPS)):
+                optimizer.step()
+                scheduler.step()
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
+            name = type(scheduler).__name__
+            raise SpecError(
+                SpecIssue(None, None, "scheduler.kwargs", f"{name} fails when stepped: {type(exc).__name__}: {exc}")
+            ) from None
+
+
+# ----------------------------------------------------------------------------- arguments by signature and type
+
+
+def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], key: str) -> None:
+    """Check that ``fn(*args, **kwargs)`` binds and that every kwarg has its annotated type, without calling it.
+
+    Only annotations made of ``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal``, unions and
+    sequences or mappings of these are checked; any other annotation accepts every value.
+
+    Args:
+        fn: A function or a class (its ``__init__`` is read).
+        args: Positional arguments the caller passes before the kwargs.
+        kwargs: The spec's kwargs.
+        key: Dotted key of the kwargs table, e.g. ``scheduler.kwargs``.
+
+    Raises:
+        SpecError: One issue per kwarg that does not bind or has the wrong type, at ``key.<name>``.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: the call decides
+        return
+    title = f"{getattr(fn, '__name__', 'factory')}{_plain(sig)}"
+    try:
+        sig.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise SpecError(SpecIssue(None, None, key, f"{exc}; signature: {title}")) from None
+    hints = _hints(fn)
+    issues = []
+    for name, value in kwargs.items():
+        expected = hints.get(name)
+        if expected is not None and not matches(value, expected):
+            message = f"got {show(value)}; expected {describe(expected)} (signature: {title})"
+            issues.append(SpecIssue(None, None, f"{key}.{name}", message))
+    if issues:
+        raise SpecError(issues)
+
+
+def _plain(sig: inspect.Signature) -> str:
+    """``(optimizer: Optimizer, step_size: int, gamma: float = 0.1)``: annotations as written, unquoted."""
+    parts = []
+    for name, p in sig.parameters.items():
+        if name == "self":
+            continue
+        text = {"VAR_POSITIONAL": f"*{name}", "VAR_KEYWORD": f"**{name}"}.get(p.kind.name, name)
+        if p.annotation is not p.empty:
+            ann = p.annotation
+            text += f": {ann if isinstance(ann, str) else getattr(ann, '__name__', ann)}"
+        if p.default is not p.empty:
+            text += f" = {p.default!r}"
+        parts.append(text)
+    return "(" + ", ".join(parts) + ")"
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Parameter annotations of ``fn`` (``__init__``'s for a class); unresolvable ones are left out."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # one name is missing (e.g. imported under TYPE_CHECKING): resolve them one by one
+        pass
+    namespace = {**vars(typing), "Iterable": Iterable, "Sequence": Sequence, "Mapping": Mapping}
+    namespace.update(getattr(target, "__globals__", {}))
+    hints = {}
+    for name, ann in getattr(target, "__annotations__", {}).items():
+        try:
+            hints[name] = eval(ann, namespace) if isinstance(ann, str) else ann  # an annotation, in its module's names
+        except Exception:
+            continue
+    return hints
+
+
+def matches(value: Any, expected: Any) -> bool:
+    """Whether a TOML value fits an annotation (unknown annotations accept everything).
+
+    Args:
+        value: A value read from TOML: bool, int, float, str, list, dict, date/time.
+        expected: A type annotation, e.g. ``int``, ``float | list[float]``, ``Literal["min", "max"]``.
+    """
+    origin, args = get_origin(expected), get_args(expected)
+    if expected is Any or expected is object:
+        return True
+    if expected is type(None) or expected is None:
+        return value is None
+    if origin in (Union, types.UnionType):
+        return any(matches(value, arg) for arg in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is str:
+        return isinstance(value, str)
+    container = origin or expected
+    if container in (list, tuple, Sequence, Iterable, typing.Sequence, typing.Iterable):
+        if not isinstance(value, list):
+            return False
+        inner = [a for a in args if a is not Ellipsis]
+        return all(any(matches(v, a) for a in inner) for v in value) if inner else True
+    if container in (dict, Mapping, typing.Mapping):
+        return isinstance(value, dict)
+    return True
+
+
+def describe(expected: Any) -> str:
+    """How an annotation is named in a message: ``a whole number``, ``a number or a list``, ..."""
+    origin, args = get_origin(expected), get_args(expected)
+    if origin in (Union, types.UnionType):
+        return join_or([describe(a) for a in args if a is not type(None)] + (["none"] if type(None) in args else []))
+    if origin is Literal:
+        return join_or([show(a) for a in args])
+    names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", dict: "a table"}
+    if expected in names:
+        return names[expected]
+    if (origin or expected) in (list, tuple, Sequence, Iterable, typing.Sequence, typing.Iterable):
+        plural = {bool: "true/false values", int: "whole numbers", float: "numbers", str: "strings"}
+        inner = [plural.get(a, describe(a)) for a in args if a is not Ellipsis]
+        return f"a list of {join_or(inner)}" if inner else "a list"
+    return getattr(expected, "__name__", str(expected))

@@ -1,0 +1,164 @@
+"""Parts are built (or their arguments checked) before the MLflow run exists: a bad value exits 2 and leaves no run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from runner.cli import main
+from runner.errors import SpecError
+from runner.launch.prebuild import check_call, check_parts, describe, matches
+from runner.spec.loading import load_spec
+
+
+def _issue(path: Path, overrides: tuple[str, ...] = ()):
+    with pytest.raises(SpecError) as info:
+        check_parts(load_spec(path, overrides), world_size=1)
+    (issue,) = info.value.issues
+    return issue
+
+
+def _line(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(text))
+
+
+def test_a_scheduler_kwarg_of_the_wrong_type_is_found_before_training(write_spec, tmp_path: Path, capsys) -> None:
+    path = write_spec('[scheduler]\nname = "step"\nkwargs = { step_size = "ten" }\n')
+    issue = _issue(path)
+    assert (issue.file, issue.line, issue.key) == (
+        path,
+        _line(path, "kwargs = { step_size"),
+        "scheduler.kwargs.step_size",
+    )
+    assert 'got "ten"; expected a whole number' in issue.message and "StepLR(optimizer: Optimizer, step_size: int" in (
+        issue.message
+    )
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{issue.line}: scheduler.kwargs.step_size" in err and "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()  # no run, not even a store
+
+
+def test_a_schedule_that_fails_only_when_stepped_is_found(write_spec) -> None:
+    path = write_spec('[scheduler]\nname = "onecycle"\nkwargs = { total_steps = 3 }\n')
+    issue = _issue(path)  # 5 steps per epoch x 2 epochs = 10 calls, 3 allowed
+    assert issue.key == "scheduler.kwargs" and "OneCycleLR fails when stepped" in issue.message
+    assert "Tried to step 4 times" in issue.message
+
+
+def test_a_scheduler_kwarg_given_with_set_is_blamed_on_set(write_spec) -> None:
+    path = write_spec('[scheduler]\nname = "step"\nkwargs = { step_size = 1 }\n')
+    issue = _issue(path, ("scheduler.kwargs.gamma=true",))
+    assert (issue.file, issue.line, issue.key) == (path, None, "scheduler.kwargs.gamma")
+    assert (
+        "got true; expected a number" in issue.message and "(from --set scheduler.kwargs.gamma=true)" in issue.message
+    )
+
+
+def test_optimizer_and_model_kwargs_are_built(write_spec) -> None:
+    path = write_spec()
+    issue = _issue(path, ("optim.kwargs={ nesterov = 1 }",))
+    assert issue.key == "optim.kwargs" and "nesterov" in issue.message
+    issue = _issue(path, ("model.kwargs={ hidden = [32], depth = 2 }",))
+    assert issue.key == "model.kwargs" and "depth" in issue.message
+
+
+def test_an_unknown_model_is_reported_with_file_and_line(write_spec, capsys) -> None:
+    path = write_spec()
+    path.write_text(path.read_text().replace('name = "mlp"', 'name = "mlpp"'))
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    line = _line(path, 'name = "mlpp"')
+    assert f"{path}:{line}: model.name: unknown model 'mlpp'" in err
+    assert 'did you mean "mlp"?' in err
+
+
+def test_a_dataset_factory_is_checked_by_signature_and_type_without_being_called(write_spec, tmp_path: Path) -> None:
+    (tmp_path / "slow_data.py").write_text(
+        "def build(num: int = 4, scale: float = 1.0):\n    raise SystemExit('the dataset factory was called')\n"
+    )
+    path = write_spec()
+    text = path.read_text().replace('dataset = "synthetic"', 'dataset = "slow_data:build"\nkwargs = { num = "4" }')
+    path.write_text(text)
+    issue = _issue(path)
+    assert (issue.key, issue.line) == ("data.kwargs.num", _line(path, "kwargs = { num"))
+    assert 'got "4"; expected a whole number (signature: build(num: int = 4, scale: float = 1.0))' in issue.message
+    path.write_text(text.replace('num = "4"', "size = 4"))
+    assert "unexpected keyword argument 'size'" in _issue(path).message
+    path.write_text(text.replace('num = "4"', "num = 4, scale = 2"))
+    check_parts(load_spec(path), world_size=1)  # right kwargs: nothing raised, nothing called
+
+
+def test_a_batch_that_leaves_no_step_is_found_before_the_run(write_spec) -> None:
+    path = write_spec()
+    issue = _issue(path, ("data.batch_size=128", "data.drop_last=true"))
+    assert issue.key == "data.batch_size" and "leaves no training step" in issue.message
+
+
+def test_a_good_spec_passes_and_builds_the_model_on_meta(write_spec, tmp_path: Path) -> None:
+    (tmp_path / "huge.py").write_text(
+        "import pathlib, torch\n\ndef build(**kw):\n"
+        "    m = torch.nn.Linear(8, 3)\n"
+        "    pathlib.Path('built-on').write_text(m.weight.device.type)\n"
+        "    return m\n"
+    )
+    path = write_spec()
+    path.write_text(path.read_text().replace('name = "mlp"\nkwargs = { hidden = [32] }', 'name = "huge:build"'))
+    check_parts(load_spec(path), world_size=1)
+    assert (tmp_path / "built-on").read_text() == "meta"
+
+
+@pytest.mark.parametrize(
+    ("value", "annotation", "ok"),
+    [
+        (1, int, True),
+        (True, int, False),
+        (1, float, True),
+        ("1", float, False),
+        ([1, 2], list[int], True),
+        ([1, "a"], list[int], False),
+        (0.5, float | list[float], True),
+        ([0.5], float | list[float], True),
+        (None, int | None, True),
+        ("cos", Literal["cos", "linear"], True),
+        ("sin", Literal["cos", "linear"], False),
+        (object(), Path, True),  # annotations it does not know accept everything
+    ],
+)
+def test_matches(value, annotation, ok: bool) -> None:
+    assert matches(value, annotation) is ok
+
+
+def test_describe_and_bind() -> None:
+    assert describe(int | None) == "a whole number or none"
+    assert describe(list[int]) == "a list of whole numbers"
+
+    def f(a: int, *, b: str = "x") -> None: ...
+
+    with pytest.raises(SpecError, match=r"got 1; expected a string \(signature: f\(a: int, b: str = 'x'\)\)"):
+        check_call(f, (1,), {"b": 1}, "k")
+    with pytest.raises(SpecError, match="unexpected keyword argument 'c'"):
+        check_call(f, (1,), {"c": 1}, "k")
+
+
+def test_an_unusable_checkpoint_dir_exits_2_before_the_run(write_spec, tmp_path: Path, capsys) -> None:
+    path = write_spec('[checkpoint]\ndir = "/proc/runner-x"\n')
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{_line(path, 'dir = ')}: checkpoint.dir: " in err and "/proc" in err and "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_file_in_the_way_of_checkpoint_dir_is_named_and_nothing_is_left_behind(write_spec, tmp_path: Path) -> None:
+    from runner.launch.prebuild import check_checkpoint_folder
+
+    (tmp_path / "taken").write_text("a file")
+    path = write_spec('[checkpoint]\ndir = "taken/ckpt"\n')
+    with pytest.raises(SpecError, match=r"checkpoint.dir: dir = .* is a file, not a folder"):
+        check_checkpoint_folder(load_spec(path), None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    check_checkpoint_folder(load_spec(path, ('checkpoint.dir="fine/ckpt"',)), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # the probe folder is gone, nothing was created
+    check_checkpoint_folder(load_spec(path, ("checkpoint.enabled=false",)), None)  # no checkpoints: not checked

@@ -1,0 +1,88 @@
+"""Tests of runner.tracking.store: the first open of a sqlite store under its lock, and half-migrated stores refused."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from runner.errors import TrackingError
+from runner.tracking import store as store_module
+from runner.tracking.store import open_store
+
+
+@pytest.fixture(autouse=True)
+def _forget_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "_opened", set())
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_first_open_creates_the_store_beside_its_lock(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/new.db"
+    open_store(uri)
+    assert (tmp_path / "new.db").is_file() and (tmp_path / "new.db.lock").exists()
+    assert MlflowClient(uri).search_experiments()[0].name == "Default"
+
+
+def _break(path: Path, sql: str) -> None:
+    with sqlite3.connect(path) as db:
+        db.execute(sql)
+
+
+@pytest.mark.parametrize(
+    ("sql", "found"),
+    [
+        ("CREATE TABLE _alembic_tmp_experiments (x INTEGER)", "temporary tables _alembic_tmp_experiments"),
+        ("DELETE FROM alembic_version", "no schema version"),
+    ],
+)
+def test_a_half_migrated_store_is_refused_with_the_fix_and_left_alone(
+    ready_store: str, tmp_path: Path, sql: str, found: str
+) -> None:
+    uri, path = ready_store, Path(ready_store[len("sqlite:///") :])
+    _break(path, sql)
+    before = _digest(path)
+    with pytest.raises(TrackingError) as info:
+        open_store(uri)
+    text = str(info.value)
+    assert "half-migrated" in text and found in text
+    assert f"mv {path} {path}.broken" in text and "holds no run" in text
+    assert _digest(path) == before  # never made worse
+
+
+def test_a_half_migrated_store_with_runs_says_so(ready_store: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = ready_store
+    client = MlflowClient(uri)
+    client.create_run(client.create_experiment("x"))
+    _break(Path(uri[len("sqlite:///") :]), "CREATE TABLE _alembic_tmp_runs (x INTEGER)")
+    with pytest.raises(TrackingError, match=r"it holds 1 run\(s\): restore it from a backup"):
+        open_store(uri)
+
+
+def test_exec_on_a_half_migrated_store_exits_2_without_a_traceback(
+    write_spec, store: str, _created_store: Path, capsys
+) -> None:
+    from runner.cli import main
+
+    path = Path(store[len("sqlite:///") :])
+    shutil.copyfile(_created_store, path)
+    _break(path, "CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
+    assert main(["exec", str(write_spec())]) == 2
+    err = capsys.readouterr().err
+    assert "half-migrated" in err and "Traceback" not in err
+
+
+def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "m.db").write_text("not a database" * 100)
+    with pytest.raises(TrackingError, match="not a readable sqlite database"):
+        open_store(f"sqlite:///{tmp_path}/m.db")
