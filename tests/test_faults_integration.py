@@ -333,7 +333,7 @@ def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_pat
 
     code, out, err = _finish(_runner(tmp_path, "exec", str(spec), "--resume", run_id, env=env))
     assert code == 0, out + err
-    assert "which is gone: marked KILLED" in out and "resuming from step-" in out
+    assert "which is gone: marked KILLED" in err and "resuming from step-" in err  # notes go to stderr
     total = epochs * STEPS_PER_EPOCH
     assert _steps(server.url, run_id, "train/loss") == list(range(1, total + 1))
     assert _steps(server.url, run_id, "lr") == list(range(1, total + 1))

@@ -97,17 +97,33 @@ def test_a_batch_that_leaves_no_step_is_found_before_the_run(write_spec) -> None
     assert issue.key == "data.batch_size" and "leaves no training step" in issue.message
 
 
-def test_a_good_spec_passes_and_builds_the_model_on_meta(write_spec, tmp_path: Path) -> None:
+def test_a_good_spec_passes_and_builds_a_builtin_model_on_meta(write_spec, monkeypatch) -> None:
+    import runner.training.models as models
+
+    devices: list[str] = []
+    real = models.build_mlp
+
+    def spy(*args, **kwargs):
+        module = real(*args, **kwargs)
+        devices.append(next(module.parameters()).device.type)
+        return module
+
+    monkeypatch.setattr(models, "build_mlp", spy)
+    check_parts(load_spec(write_spec()), world_size=1)
+    assert devices == ["meta"]
+
+
+def test_a_model_factory_is_checked_by_signature_and_type_without_being_called(write_spec, tmp_path: Path) -> None:
     (tmp_path / "huge.py").write_text(
-        "import pathlib, torch\n\ndef build(**kw):\n"
-        "    m = torch.nn.Linear(8, 3)\n"
-        "    pathlib.Path('built-on').write_text(m.weight.device.type)\n"
-        "    return m\n"
+        "def build(width: int = 8):\n    raise SystemExit('the model factory was called')\n"
     )
     path = write_spec()
-    path.write_text(path.read_text().replace('name = "mlp"\nkwargs = { hidden = [32] }', 'name = "huge:build"'))
-    check_parts(load_spec(path), world_size=1)
-    assert (tmp_path / "built-on").read_text() == "meta"
+    text = path.read_text().replace('name = "mlp"\nkwargs = { hidden = [32] }', 'name = "huge:build"')
+    path.write_text(text)
+    check_parts(load_spec(path), world_size=1)  # right kwargs: nothing raised, nothing called
+    path.write_text(text.replace('name = "huge:build"', 'name = "huge:build"\nkwargs = { width = "8" }'))
+    issue = _issue(path)
+    assert issue.key == "model.kwargs.width" and "expected a whole number" in issue.message
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,12 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
   live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
   ``pkg.module:factory`` datasets, which may read a whole dataset from disk, are only checked: the
   name resolves and ``data.kwargs`` bind to the class or factory signature with the annotated types;
-* model: built on the ``meta`` device (parameters without storage, so the size of the model costs
-  nothing) with the dataset's shape and classes when the dataset was built, else its kwargs are checked
-  by signature and type; an error on ``meta`` is confirmed by a build on CPU before it is reported;
+* model: a built-in or torchvision model is built on the ``meta`` device (parameters without storage,
+  so the size of the model costs nothing) with the dataset's shape and classes when the dataset was
+  built, else its kwargs are checked by signature and type; an error on ``meta`` is confirmed by a build
+  on CPU before it is reported. A ``pkg.module:factory`` model is user code: it is only checked by
+  signature and type, never called here, so a factory runs once per run (a sweep trial's warm worker
+  builds it once) and its side effects (a file written, weights read) happen only in the worker;
 * optimizer: built over one stand-in parameter with the spec's arguments;
 * scheduler: built over that optimizer, its kwargs type-checked against the annotations of the
   ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
@@ -139,11 +142,12 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory
 
     name = spec.model.name
+    if ":" in name:  # user code: checked, never called here (it may have side effects or load weights)
+        check_call(resolve_factory(name, spec_dir, "model.name"), (), spec.model.kwargs, "model.kwargs")
+        return
     if bundle is None:  # no shape or classes to build with: check the kwargs the user wrote
         builtins: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
         builder = builtins.get(name)
-        if ":" in name:
-            builder = resolve_factory(name, spec_dir, "model.name")
         if builder is not None:
             check_call(builder, (), spec.model.kwargs, "model.kwargs")
         return
