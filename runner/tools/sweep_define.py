@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
-from runner.spec.schema import SweepParam, SweepSpec
+from runner.spec.schema_sweep import SweepParam, SweepSpec
 from runner.tools.sweep_space import SweepDefinition
 
 try:
