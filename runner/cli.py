@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from runner import __version__
 from runner.errors import Interrupted, RunnerError, TrainingError, UsageError
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 EXIT_OK = 0
+_T = TypeVar("_T")
 _Commands = argparse._SubParsersAction  # what ``ArgumentParser.add_subparsers()`` returns
 
 
@@ -361,7 +362,7 @@ def _repeats(text: str) -> tuple[int, int]:
         raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
-def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:
+def _csv(text: str, kind: Callable[[str], _T]) -> list[_T]:
     try:
         return [kind(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError:
