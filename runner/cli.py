@@ -8,31 +8,20 @@ own ``exit_code``; :func:`main` maps them with one ``except``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, TypeVar
 
 from runner import __version__
-from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, UsageError
+from runner.errors import Interrupted, RunnerError, TrainingError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 EXIT_OK = 0
+_T = TypeVar("_T")
 _Commands = argparse._SubParsersAction  # what ``ArgumentParser.add_subparsers()`` returns
-
-
-class _Report(Protocol):
-    """What ``runner sweep`` and ``runner bench`` return: a table, its JSON, and how many parts failed."""
-
-    @property
-    def failed(self) -> int: ...
-
-    def table(self) -> str: ...
-
-    def to_json(self) -> dict[str, Any]: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -240,13 +229,10 @@ def _unset_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    out = list(args.overrides)
-    for flag, key in (("nnodes", "nnodes"), ("node_rank", "node_rank"), ("nproc_per_node", "nproc_per_node")):
-        if getattr(args, flag) is not None:
-            out.append(f"parallel.{key}={getattr(args, flag)}")
-    if args.rdzv_endpoint is not None:
-        out.append(f"parallel.rdzv_endpoint={json.dumps(args.rdzv_endpoint)}")
-    return out
+    from runner.spec.overrides import parallel_flags
+
+    ddp = {flag: getattr(args, flag) for flag in ("nnodes", "node_rank", "nproc_per_node", "rdzv_endpoint")}
+    return [*args.overrides, *parallel_flags(**ddp)]
 
 
 def _load(args: argparse.Namespace) -> LoadedSpec:
@@ -256,78 +242,29 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from runner.spec.loading import load_spec
+    from runner.spec.validate import validate_files
 
-    files: list[Any] = list(args.files)
-    if args.dependents_in:
-        from runner.spec.dependents import plan_validation
-
-        plan = plan_validation(args.files, args.dependents_in)
-        for base, users in plan.bases.items():
-            print(f"base  {base}: checked through {len(users)} spec(s) that extend it")
-        files = list(plan.files)
-    status = EXIT_OK
-    for path in files:  # every file is checked, so one run reports all bad files
-        try:
-            load_spec(path)
-            print(f"ok    {path}")
-        except SpecError as exc:
-            status = exc.exit_code
-            print(f"error {path}", file=sys.stdout)
-            print(_indent(str(exc)), file=sys.stderr)
-    return status
+    return validate_files(args.files, args.dependents_in)
 
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the plan first (the resolved spec with ``--spec``); exit 2 with a working fix when it cannot run here."""
-    from runner.devices.inventory import probe_inventory
-    from runner.plan_report import format_plan, plan_or_problem
-    from runner.spec.dump import dump_spec
+    from runner.plan_report import show_plan
 
     loaded = _load(args)
-    info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=args.file)
+    sweep_trials: Callable[[LoadedSpec], list[str]] | None = None
     if loaded.spec.sweep is not None:
-        info["trials"] = _sweep_trials(loaded)
-    print(json.dumps(info, indent=2) if args.json else format_plan(info))
-    if args.spec:
-        print(f"\n# resolved spec ({loaded.path})")
-        print(dump_spec(loaded.spec), end="")
-    if problem is not None:
-        raise problem  # after the plan: what is missing, and the command that runs here
+        from runner.tools.sweep_define import trial_names
+
+        sweep_trials = trial_names
+    show_plan(loaded, shown=args.file, as_json=args.json, with_spec=args.spec, sweep_trials=sweep_trials)
     return EXIT_OK
 
 
-def _sweep_trials(loaded: LoadedSpec) -> list[str]:
-    """The run names of a spec's sweep trials, as ``runner sweep`` would run them.
-
-    A grid's trials are known before the sweep starts; random and tpe trials are sampled as the
-    study goes, so they are listed by their budget and the space they are drawn from.
-    """
-    from runner.spec.locate import locate_keys
-    from runner.spec.naming import trial_run_name
-    from runner.tools.sweep_define import build_definition
-
-    definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
-    if definition.method == "grid":
-        return [trial_run_name(point) for point in definition.grid_points()]
-    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key, _ in definition.params)
-    return [f"{definition.trials} trials sampled by {definition.method} from {space}"]
-
-
 def _schema(args: argparse.Namespace) -> int:
-    from runner.spec.editor_schema import json_schema, write_editor_files
-    from runner.spec.reference import markdown_reference
+    from runner.spec.editor_schema import emit_schema
 
-    if args.write is not None:
-        for path in write_editor_files(args.write):
-            print(f"wrote {path}")
-        return EXIT_OK
-    text = markdown_reference() if args.markdown else json.dumps(json_schema(), indent=2)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    else:
-        print(text)
+    emit_schema(write=args.write, output=args.output, markdown=args.markdown)
     return EXIT_OK
 
 
@@ -343,10 +280,7 @@ def _exec(args: argparse.Namespace) -> int:
         allow_spec_change=tuple(args.allow_spec_change),
         parent_run_id=args.parent_run_id,
     )
-    summary = exec_experiment(loaded, options).summary()
-    if summary:
-        print(summary)
-    return EXIT_OK
+    return _print_summary(exec_experiment(loaded, options).summary())
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -376,15 +310,14 @@ def _print_summary(summary: str) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from runner.tools.diff import diff_sides, format_diff, side_of
+    from runner.tools.diff import show_diff
 
-    uri = args.tracking_uri
-    result = diff_sides(side_of(args.a, uri), side_of(args.b, uri))
-    print(json.dumps(result, indent=2) if args.json else format_diff(result))
+    show_diff(args.a, args.b, args.tracking_uri, as_json=args.json)
     return EXIT_OK
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from runner.tools.report import print_report
     from runner.tools.sweep import CommandLine, run_sweep
 
     flags = CommandLine(
@@ -398,11 +331,13 @@ def _sweep(args: argparse.Namespace) -> int:
         pruner=args.pruner,
     )
     report = run_sweep(args.file, _overrides(args), cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
-    return _print_report(report, args.json, f"{report.failed} of {len(report.trials)} trials failed")
+    failed = print_report(report, as_json=args.json, failure=f"{report.failed} of {len(report.trials)} trials failed")
+    return TrainingError.exit_code if failed else EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
     from runner.tools.bench import run_bench
+    from runner.tools.report import print_report
 
     report = run_bench(
         args.file,
@@ -414,16 +349,8 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=_repeats(args.repeats),
         out_dir=args.out,
     )
-    return _print_report(report, args.json, f"{report.failed} configuration(s) failed")
-
-
-def _print_report(report: _Report, as_json: bool, failure: str) -> int:
-    """Print a sweep/bench report as a table or JSON; exit 1 when some of it failed."""
-    print(json.dumps(report.to_json(), indent=2) if as_json else report.table())
-    if report.failed:
-        print(f"runner: {failure}", file=sys.stderr)
-        return TrainingError.exit_code
-    return EXIT_OK
+    failed = print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")
+    return TrainingError.exit_code if failed else EXIT_OK
 
 
 def _repeats(text: str) -> tuple[int, int]:
@@ -435,15 +362,11 @@ def _repeats(text: str) -> tuple[int, int]:
         raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
-def _csv(text: str, kind: Callable[[str], Any]) -> list[Any]:
+def _csv(text: str, kind: Callable[[str], _T]) -> list[_T]:
     try:
         return [kind(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"expected a comma-separated list, got {text!r}") from None
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -109,8 +109,14 @@ class Plan:
                 "max_restarts": par.max_restarts,
             }
         if self.slurm is not None:
-            out["slurm"] = self.slurm.describe()
+            out["slurm"] = slurm_facts(self.slurm)
         return out
+
+
+def slurm_facts(layout: SlurmLayout) -> dict[str, object]:
+    """JSON-able summary of a Slurm step for ``runner plan``: layout, job id, tasks, nodes, this task's place."""
+    fields = ("job_id", "ntasks", "nnodes", "procid", "nodeid", "nodelist", "restart_count")
+    return {"layout": layout.kind, **{name: getattr(layout.job, name) for name in fields}}
 
 
 def spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
@@ -200,3 +202,42 @@ def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory
     others = ["ddp", "none"] if mode == "dp" else [m for m in ("none", "ddp") if m != mode]
     cpu = "devices.accelerator=cpu"
     return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]
+
+
+def show_plan(
+    loaded: LoadedSpec,
+    *,
+    shown: str,
+    as_json: bool = False,
+    with_spec: bool = False,
+    sweep_trials: Callable[[LoadedSpec], list[str]] | None = None,
+) -> None:
+    """``runner plan``: print the plan (as JSON with ``as_json``, with the resolved spec with ``with_spec``).
+
+    The plan is printed first; a spec this machine cannot run then raises, with what is missing
+    and a working fix.
+
+    Args:
+        loaded: The spec.
+        shown: The spec file as the user named it (for the command to try).
+        as_json: Print :meth:`Plan.describe` as JSON instead of text.
+        with_spec: Also print the resolved spec as TOML, every default included.
+        sweep_trials: Names a spec's sweep trials (``runner.tools.sweep_define.trial_names``, passed in by
+            the command line: the core does not import the tools); used when the spec has ``[sweep]``.
+
+    Raises:
+        DeviceError: This machine cannot run the spec (after the plan is printed).
+        UsageError: As :func:`make_plan` (launcher variables).
+    """
+    from runner.devices.inventory import probe_inventory
+    from runner.spec.dump import dump_spec
+
+    info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
+    if loaded.spec.sweep is not None and sweep_trials is not None:
+        info["trials"] = sweep_trials(loaded)
+    print(json.dumps(info, indent=2) if as_json else format_plan(info))
+    if with_spec:
+        print(f"\n# resolved spec ({loaded.path})")
+        print(dump_spec(loaded.spec), end="")
+    if problem is not None:
+        raise problem  # after the plan: what is missing, and the command that runs here

@@ -11,7 +11,8 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
 from runner.spec import rules
 from runner.spec.loading import spec_from_dict
-from runner.spec.schema import DevicesSpec, ExperimentSpec
+from runner.spec.schema import ExperimentSpec
+from runner.spec.schema_parallel import DevicesSpec
 
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
 

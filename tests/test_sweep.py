@@ -13,7 +13,7 @@ from runner.cli import main
 from runner.errors import SpecError, UsageError
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
-from runner.spec.schema import SweepParam, SweepSpec
+from runner.spec.schema_sweep import SweepParam, SweepSpec
 from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
 from runner.tools.sweep_define import build_definition as _build

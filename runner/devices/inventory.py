@@ -76,7 +76,7 @@ class Inventory:
 GpuRow = tuple[int, str, str | None, int | None]  # PCI-order index, name, uuid, total memory in bytes
 
 
-def read_nvml(nvml: Any = None) -> list[GpuRow] | str:
+def read_nvml(nvml: Any = None) -> list[GpuRow] | str:  # Any: pynvml has no type stubs
     """List the machine's GPUs through NVML (``nvidia-ml-py``, imported as ``pynvml``), in PCI bus order.
 
     NVML is NVIDIA's management library, the one nvidia-smi and MLflow's GPU system metrics use;

@@ -36,7 +36,8 @@ from runner.spec import rules
 from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runner.spec.schema import DevicesSpec, ExperimentSpec, ParallelSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 Accelerator = Literal["cuda", "cpu"]
 

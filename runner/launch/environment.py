@@ -212,11 +212,6 @@ class SlurmLayout:
             "MASTER_PORT": env.get("MASTER_PORT") or port,
         }
 
-    def describe(self) -> dict[str, object]:
-        """JSON-able summary for ``runner plan``: layout, job id, tasks, nodes, this task's place."""
-        fields = ("job_id", "ntasks", "nnodes", "procid", "nodeid", "nodelist", "restart_count")
-        return {"layout": self.kind, **{name: getattr(self.job, name) for name in fields}}
-
 
 @dataclass(frozen=True)
 class LauncherEnvironment:

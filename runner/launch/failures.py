@@ -16,7 +16,10 @@ import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 COLLECTIVE_TIMEOUT = re.compile(
     r"Timed out waiting \d+ ?ms|collective operation timeout|Watchdog caught|DistBackendError.*timed? ?out", re.I
@@ -67,7 +70,7 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
     return f"rank {rank} {ended_by(int(failure.exitcode), context.oom_kills_before)}"
 
 
-def python_error(failure: Any) -> str:
+def python_error(failure: ProcessFailure) -> str:
     """The last line of the Python error a failed rank recorded (``Type: message``), or ``""`` when it left none."""
     data = getattr(failure, "error_file_data", None) or {}
     inner = data.get("message", {}) if isinstance(data, dict) else {}

@@ -172,6 +172,7 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
     check_call(scheduler_class(spec.scheduler), (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
     total = count_total_steps(steps_per_epoch, spec.train) if steps_per_epoch is not None else None
     scheduler = build_scheduler(spec.scheduler, optimizer, total or spec.train.max_steps or 1, spec.train.epochs)
+    assert scheduler is not None  # spec.scheduler is set
     per_step = scheduler_interval(spec.scheduler) == "step"
     calls = (total if per_step else spec.train.epochs) if total is not None else 2
     with warnings.catch_warnings():

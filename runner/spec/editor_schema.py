@@ -141,6 +141,29 @@ def write_editor_files(folder: str | Path) -> list[Path]:
     return written
 
 
+def emit_schema(*, write: str | None = None, output: str | None = None, markdown: bool = False) -> None:
+    """``runner schema``: print the spec's JSON Schema (or its Markdown key reference), or write the editor files.
+
+    Args:
+        write: Write ``runner.schema.json`` and ``.taplo.toml`` into this folder and refresh its README's key
+            reference (:func:`write_editor_files`), printing ``wrote PATH`` for each; the other arguments are ignored.
+        output: Write the text to this file instead of standard output.
+        markdown: The Markdown key reference (:func:`runner.spec.reference.markdown_reference`) instead of the schema.
+    """
+    from runner.spec.reference import markdown_reference
+
+    if write is not None:
+        for path in write_editor_files(write):
+            print(f"wrote {path}")
+        return
+    text = markdown_reference() if markdown else json.dumps(json_schema(), indent=2)
+    if output:
+        with open(output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+
+
 # ----------------------------------------------------------------------------- rules in JSON Schema
 
 

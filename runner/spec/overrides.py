@@ -9,6 +9,7 @@ unsetting comes before setting.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -30,6 +31,25 @@ from runner.spec.wording import show, with_hint
 
 ORIGIN = "--set"
 UNSET = "--unset"
+
+
+def parallel_flags(
+    *,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    nproc_per_node: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> list[str]:
+    """The ddp shorthand flags (``--nnodes``, ``--node-rank``, ...) as ``--set`` entries; unset flags give none.
+
+    Example: ``parallel_flags(nnodes=2, rdzv_endpoint="h:29400")`` ->
+    ``["parallel.nnodes=2", 'parallel.rdzv_endpoint="h:29400"']``.
+    """
+    counts = {"nnodes": nnodes, "node_rank": node_rank, "nproc_per_node": nproc_per_node}
+    out = [f"parallel.{key}={value}" for key, value in counts.items() if value is not None]
+    if rdzv_endpoint is not None:
+        out.append(f"parallel.rdzv_endpoint={json.dumps(rdzv_endpoint)}")
+    return out
 
 
 def apply_override(tree: SpecTree, override: str, issues: list[SpecIssue]) -> None:

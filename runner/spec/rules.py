@@ -22,15 +22,10 @@ from urllib.parse import urlsplit
 from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runner.spec.schema import (
-        DataSpec,
-        DevicesSpec,
-        ExperimentSpec,
-        OptimSpec,
-        ParallelSpec,
-        SweepParam,
-        TrackingSpec,
-    )
+    from runner.spec.schema import ExperimentSpec, OptimSpec, TrackingSpec
+    from runner.spec.schema_data import DataSpec
+    from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
+    from runner.spec.schema_sweep import SweepParam
 
 DP_ONLY = ("output_device", "dim")
 DDP_ONLY = (

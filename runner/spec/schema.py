@@ -1,4 +1,4 @@
-"""Pydantic models of an experiment spec: the tables, their keys, types, ranges, defaults and meanings.
+"""Pydantic models of an experiment spec: the root table and the loop's tables, their keys, types, ranges and meanings.
 
 Rules between keys live in :mod:`runner.spec.rules` (each table names its ``rule``); rules that need
 the machine (visible GPUs, CUDA) are checked by :mod:`runner.devices.resolve`, so ``runner validate``
@@ -7,235 +7,29 @@ integers (``2.0`` is rejected); hyperparameters are floats (``lr = 1`` is stored
 booleans are strict (``1`` is not ``true``); every number is finite (``inf`` and ``nan`` are rejected,
 also inside ``kwargs`` and sweep values); every table forbids unknown keys and is frozen;
 ``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all devices and processes.
+
+The root :class:`ExperimentSpec` and ``[optim]``, ``[scheduler]``, ``[train]``, ``[tracking]`` and
+``[checkpoint]`` are here; the other tables have a module each: :mod:`runner.spec.schema_data`
+(``[model]``, ``[data]``), :mod:`runner.spec.schema_parallel` (``[devices]``, ``[parallel]``),
+:mod:`runner.spec.schema_sweep` (``[sweep]``), :mod:`runner.spec.objectives` (``[loss]``,
+``[metrics]``); their base is :class:`runner.spec.table.SpecTable`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from runner.spec import rules
 from runner.spec.objectives import LossSpec, MetricsSpec
-
-ParallelMode = Literal["none", "dp", "ddp"]
-Accelerator = Literal["auto", "cuda", "cpu"]
-
-
-class _Table(BaseModel):
-    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
-    rule: ClassVar[Callable[[Any], None] | None] = None
-
-    @model_validator(mode="after")
-    def _check_rule(self) -> _Table:
-        rule = type(self).rule
-        if rule is not None:
-            rule(self)
-        return self
+from runner.spec.schema_data import DataSpec, ModelSpec
+from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
+from runner.spec.schema_sweep import SweepSpec
+from runner.spec.table import SpecTable
 
 
-class ModelSpec(_Table):
-    """``[model]``: which network to build."""
-
-    name: str = Field(
-        min_length=1,
-        description=(
-            "Model to build: a torchvision builder (`torchvision.resnet18`), a built-in "
-            "(`mlp`, `cnn`) or an import path `pkg.module:factory` returning an nn.Module."
-        ),
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`. Default: none.",
-    )
-    output: str | int | None = Field(
-        default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
-    )
-
-
-class DataSpec(_Table):
-    """``[data]``: dataset, split and loader settings. ``batch_size`` is global."""
-
-    dataset: str = Field(
-        min_length=1,
-        description=(
-            "Dataset: `sklearn.digits` or `sklearn.diabetes` (shipped with scikit-learn), `torchvision.<Name>` (e.g. "
-            "`torchvision.MNIST`, read from `root`), `imagefolder` (`root`/train and `root`/val), `synthetic` "
-            "(seeded random tensors) or `pkg.module:factory` (samples `(x, y)` or dicts of tensors)."
-        ),
-    )
-    root: str | None = Field(
-        default=None,
-        description=(
-            "Folder holding the data for torchvision and imagefolder datasets; "
-            "relative to the spec file. Default: none."
-        ),
-    )
-    download: bool = Field(
-        default=False,
-        description=(
-            "Let torchvision download missing files into `root`. Default: false (runs never touch the network)."
-        ),
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Extra keyword arguments for the dataset builder or factory. Default: none.",
-    )
-    target: str | None = Field(default=None, min_length=1, description='Dict samples: the target key, e.g. "labels".')
-    image_size: int | None = Field(
-        default=None,
-        ge=1,
-        description=(
-            "Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size."
-        ),
-    )
-    num_channels: int | None = Field(
-        default=None,
-        ge=1,
-        description="Repeat grayscale images to this many channels (3 for ImageNet-style models). Default: native.",
-    )
-    batch_size: int = Field(
-        ge=1,
-        description=(
-            "GLOBAL batch size: samples per optimizer step across all devices and processes. "
-            "dp scatters it; ddp loads batch_size / world_size per rank (must divide)."
-        ),
-    )
-    eval_batch_size: int | None = Field(
-        default=None, ge=1, description="Global batch size for evaluation. Default: `batch_size`."
-    )
-    val_fraction: float = Field(
-        default=0.2,
-        ge=0.0,
-        lt=1.0,
-        description=(
-            "Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables. Default: 0.2."
-        ),
-    )
-    split_seed: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
-            "`seed` score on the same validation samples. Default: 0."
-        ),
-    )
-    shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
-    drop_last: bool = Field(
-        default=False, description="Drop the last incomplete training batch of each epoch. Default: false."
-    )
-    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank. Default: 0.")
-    pin_memory: bool = Field(
-        default=False, description="Pin host memory for faster host-to-GPU copies. Default: false."
-    )
-    persistent_workers: bool = Field(
-        default=False,
-        description="Keep DataLoader workers alive between epochs (needs num_workers > 0). Default: false.",
-    )
-    num_samples: int = Field(default=1024, ge=1, description="`synthetic` only: number of samples. Default: 1024.")
-    input_shape: list[int] = Field(
-        default_factory=lambda: [64],
-        min_length=1,
-        description="`synthetic` only: shape of one sample, e.g. [3, 32, 32]. Default: [64].",
-    )
-    num_classes: int = Field(default=10, ge=2, description="`synthetic` only: number of classes. Default: 10.")
-
-    rule = rules.check_data
-
-
-class DevicesSpec(_Table):
-    """``[devices]``: which accelerator and which of the visible devices."""
-
-    accelerator: Accelerator = Field(
-        default="auto",
-        description="`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU). Default: auto.",
-    )
-    ids: list[int] | Literal["all"] = Field(
-        default="all",
-        description=(
-            "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
-            "or `all`. mode = none runs on the first of them (a note says so). Inactive when the run is on "
-            "CPU. Default: all."
-        ),
-    )
-
-    rule = rules.check_devices
-
-
-class ParallelSpec(_Table):
-    """``[parallel]``: how the model is replicated. Options of another mode are inactive, not errors.
-
-    Changing ``mode`` alone switches a spec between none, dp and ddp (docs/design.md §10): dp's and
-    ddp's options stay in the file, are shown as inactive by ``runner plan`` and are not logged.
-    """
-
-    mode: ParallelMode = Field(
-        default="none",
-        description=(
-            "`none` (one device), `dp` (torch.nn.DataParallel, one process) or "
-            "`ddp` (DistributedDataParallel, one process per device). Default: none."
-        ),
-    )
-    # --- dp
-    output_device: int | None = Field(
-        default=None, ge=0, description="dp only: device id (from devices.ids) that gathers outputs. Default: first id."
-    )
-    dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along. Default: 0.")
-    # --- ddp
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        default="auto", description="ddp only: process-group backend; auto = nccl on CUDA, gloo on CPU. Default: auto."
-    )
-    nproc_per_node: int | None = Field(
-        default=None,
-        ge=1,
-        description="ddp only: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
-    )
-    nnodes: int = Field(default=1, ge=1, description="ddp only: number of nodes. Default: 1.")
-    node_rank: int = Field(default=0, ge=0, description="ddp only: rank of this node, 0 .. nnodes-1. Default: 0.")
-    rdzv_endpoint: str | None = Field(
-        default=None,
-        description="ddp only: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
-    )
-    rdzv_id: str = Field(
-        default="runner",
-        min_length=1,
-        description="ddp only: rendezvous (job) id shared by all nodes. Default: runner.",
-    )
-    max_restarts: int = Field(default=0, ge=0, description="ddp only: elastic restarts of failed workers. Default: 0.")
-    timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="ddp only: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
-    )
-    hang_grace_s: float = Field(
-        default=10.0,
-        gt=0,
-        description=(
-            "ddp only: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
-            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait. Default: 10."
-        ),
-    )
-    find_unused_parameters: bool = Field(
-        default=False, description="ddp only: allow parameters that get no gradient in a step. Default: false."
-    )
-    static_graph: bool = Field(
-        default=False, description="ddp only: the set of used parameters never changes. Default: false."
-    )
-    gradient_as_bucket_view: bool = Field(
-        default=False,
-        description="ddp only: gradients are views into the all-reduce buckets (saves memory). Default: false.",
-    )
-    sync_batchnorm: bool = Field(
-        default=False, description="ddp only, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
-    )
-
-    rule = rules.check_parallel
-
-
-class OptimSpec(_Table):
+class OptimSpec(SpecTable):
     """``[optim]``: the optimizer (torch.optim)."""
 
     name: Literal["sgd", "adam", "adamw"] = Field(
@@ -255,7 +49,7 @@ class OptimSpec(_Table):
     rule = rules.check_optim
 
 
-class SchedulerSpec(_Table):
+class SchedulerSpec(SpecTable):
     """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
 
     name: Literal["step", "multistep", "exponential", "cosine", "onecycle", "linear"] = Field(
@@ -274,7 +68,7 @@ class SchedulerSpec(_Table):
     )
 
 
-class TrainSpec(_Table):
+class TrainSpec(SpecTable):
     """``[train]``: the loop."""
 
     epochs: int = Field(default=1, ge=1, description="Passes over the training set. Default: 1.")
@@ -309,7 +103,7 @@ class TrainSpec(_Table):
     )
 
 
-class TrackingSpec(_Table):
+class TrackingSpec(SpecTable):
     """``[tracking]``: MLflow."""
 
     enabled: bool = Field(default=True, description="Record the run in MLflow. Default: true.")
@@ -350,7 +144,7 @@ class TrackingSpec(_Table):
     rule = rules.check_tracking
 
 
-class CheckpointSpec(_Table):
+class CheckpointSpec(SpecTable):
     """``[checkpoint]``: periodic, atomic checkpoints for resume."""
 
     enabled: bool = Field(default=True, description="Write checkpoints. Default: true.")
@@ -371,66 +165,7 @@ class CheckpointSpec(_Table):
     )
 
 
-class SweepParam(_Table):
-    """One swept key in ``[sweep.params]``: explicit values or a numeric range."""
-
-    values: list[Any] | None = Field(default=None, min_length=1, description="Explicit values to try.")
-    low: float | None = Field(default=None, description="Lower bound of a sampled range (random and tpe).")
-    high: float | None = Field(default=None, description="Upper bound of a sampled range (random and tpe).")
-    distribution: Literal["uniform", "log_uniform", "int_uniform"] = Field(
-        default="uniform", description="How a range is sampled. Default: uniform."
-    )
-
-    rule = rules.check_sweep_param
-
-
-class SweepSpec(_Table):
-    """``[sweep]``: many trials of one spec, searched by Optuna (see ``runner sweep``, docs/design.md §16)."""
-
-    method: Literal["grid", "random", "tpe"] = Field(
-        default="grid",
-        description="Optuna sampler: grid (GridSampler, every combination), random (RandomSampler) or tpe "
-        "(TPESampler). Default: grid.",
-    )
-    trials: int | None = Field(
-        default=None,
-        ge=1,
-        description="Trials in total, over every worker (random and tpe: required; grid: at most the grid size). "
-        "Default: the grid size.",
-    )
-    seed: int = Field(default=0, ge=0, description="Seed of the sampler. Default: 0.")
-    metric: str = Field(default="val/accuracy", description="Metric that ranks trials. Default: val/accuracy.")
-    goal: Literal["max", "min"] = Field(
-        default="max", description="Whether a larger or smaller metric is better. Default: max."
-    )
-    pruner: Literal["none", "median", "hyperband"] = Field(
-        default="none",
-        description="Stop poor trials early on the per-epoch metric: none, median (MedianPruner) or hyperband "
-        "(HyperbandPruner). Default: none.",
-    )
-    pruner_startup_trials: int = Field(
-        default=5, ge=0, description="median only: trials that finish before any is pruned. Default: 5."
-    )
-    pruner_warmup_epochs: int = Field(
-        default=0, ge=0, description="Epochs every trial trains before it may be pruned. Default: 0."
-    )
-    storage: str | None = Field(
-        default=None,
-        description="Optuna storage URL of the study, shared by every worker, e.g. "
-        "`postgresql+psycopg://user@host/db`. Default: sqlite `optuna.db` next to the MLflow store.",
-    )
-    study: str | None = Field(
-        default=None,
-        description="Optuna study name; workers with the same name and storage share one sweep. "
-        "Default: the spec name and a hash of the trial spec and the sweep.",
-    )
-    params: dict[str, SweepParam] = Field(
-        default_factory=dict,
-        description='Dotted spec key -> values or range, e.g. `"optim.lr" = { values = [0.1, 0.01] }`.',
-    )
-
-
-class ExperimentSpec(_Table):
+class ExperimentSpec(SpecTable):
     """A whole experiment spec: the root of the TOML file."""
 
     name: str = Field(min_length=1, description="Experiment name; also the default MLflow experiment.")

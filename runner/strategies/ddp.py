@@ -21,7 +21,7 @@ from runner.strategies.state_dicts import key_list, unwrap
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.launch.environment import LauncherEnvironment
-    from runner.spec.schema import ParallelSpec
+    from runner.spec.schema_parallel import ParallelSpec
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
-    from runner.spec.schema import ParallelSpec
+    from runner.spec.schema_parallel import ParallelSpec
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:

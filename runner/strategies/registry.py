@@ -13,7 +13,7 @@ from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
-    from runner.spec.schema import ParallelSpec
+    from runner.spec.schema_parallel import ParallelSpec
 
 _Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment], Strategy]
 
@@ -28,7 +28,7 @@ def make_strategy(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnviron
     """Build the strategy for ``plan.mode``.
 
     Args:
-        parallel: The validated ``[parallel]`` table (:class:`~runner.spec.schema.ParallelSpec`).
+        parallel: The validated ``[parallel]`` table (:class:`~runner.spec.schema_parallel.ParallelSpec`).
         plan: From :func:`runner.devices.resolve.resolve_devices` (already applied to the environment).
         env: This process's place in its job, from :meth:`LauncherEnvironment.detect`; ``None``
             stands for a process that no launcher started (ddp's ``setup`` then refuses to run).

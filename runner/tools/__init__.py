@@ -1,1 +1,1 @@
-"""Tools built on the core: ``runner sweep`` and ``runner bench``. Nothing in the core imports them."""
+"""Tools built on the core: ``runner sweep``, ``runner bench`` and ``runner diff``. Nothing in the core imports them."""

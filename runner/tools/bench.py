@@ -236,8 +236,16 @@ def _report(
     )
 
 
-def _probed(base: LoadedSpec, report: BenchReport, runnable: Sequence[Config], probe: Any) -> None:
+def _probed(
+    base: LoadedSpec,
+    report: BenchReport,
+    runnable: Sequence[Config],
+    probe: tuple[int, bool, bool] | Reply | BaseException,
+) -> None:
     """Take the probe's answer: the model's layers into the report, the batch sizes into each configuration.
+
+    ``probe`` is :func:`probe_model_and_data`'s ``(training samples, batch statistics, dropout)``, a
+    worker's failed :class:`Reply`, or the error the probe raised.
 
     Raises:
         SpecError: The dataset or the model cannot be built (the probe's own error).

@@ -9,6 +9,7 @@ printed; a section without any says ``same``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,23 @@ def _differing(
         if left != right and unknown not in (left, right) and key not in (skip or set()):
             out[key] = [left, right]
     return out
+
+
+def show_diff(a: str, b: str, tracking_uri: str | None = None, *, as_json: bool = False) -> None:
+    """``runner diff A B``: print what differs between two runs or spec files, as text or JSON.
+
+    Args:
+        a: A run id or a spec file.
+        b: A run id or a spec file.
+        tracking_uri: The MLflow store holding the runs (default: as :func:`side_of`).
+        as_json: Print :func:`diff_sides` as JSON instead of :func:`format_diff`.
+
+    Raises:
+        UsageError: A side is neither an existing file nor a run of the store.
+        SpecError: A spec file (or a run's stored spec) does not validate.
+    """
+    result = diff_sides(side_of(a, tracking_uri), side_of(b, tracking_uri))
+    print(json.dumps(result, indent=2) if as_json else format_diff(result))
 
 
 def format_diff(result: dict[str, Any]) -> str:

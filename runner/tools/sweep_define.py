@@ -10,13 +10,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
-from runner.spec.schema import SweepParam, SweepSpec
+from runner.spec.schema_sweep import SweepParam, SweepSpec
 from runner.tools.sweep_space import SweepDefinition
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.spec.loading import LoadedSpec
 
 try:
     import tomllib
@@ -148,6 +151,26 @@ def build_definition(
         pruner_startup_trials=base.pruner_startup_trials,
         pruner_warmup_epochs=base.pruner_warmup_epochs,
     )
+
+
+def trial_names(loaded: LoadedSpec) -> list[str]:
+    """The run names of a spec's sweep trials, as ``runner sweep`` would run them (for ``runner plan``).
+
+    A grid's trials are known before the sweep starts; random and tpe trials are sampled as the
+    study goes, so they are listed by their budget and the space they are drawn from.
+
+    Raises:
+        UsageError: As :func:`build_definition`.
+        SpecError: As :func:`build_definition`.
+    """
+    from runner.spec.locate import locate_keys
+    from runner.spec.naming import trial_run_name
+
+    definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
+    if definition.method == "grid":
+        return [trial_run_name(point) for point in definition.grid_points()]
+    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key, _ in definition.params)
+    return [f"{definition.trials} trials sampled by {definition.method} from {space}"]
 
 
 def _merge_params(base: SweepSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, SweepParam]:

@@ -29,6 +29,7 @@ from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
 
     from runner.plan import Plan
     from runner.spec.schema import ExperimentSpec
@@ -39,6 +40,7 @@ TERMINATE_GRACE_S = 30.0  # how long stopped worker processes get to end their r
 RESTARTS = 3  # processes started in place of one that died, per worker (a crash at start-up stops there)
 _FAILED_TAIL_CHARS = 2000
 _POLL_S = 0.2
+Message = tuple[str, int, Any]  # (kind, worker index, payload): the payload's type depends on the kind
 
 
 def device_pool(spec: ExperimentSpec, plans: Sequence[Plan], definition: SweepDefinition) -> list[int] | None:
@@ -92,7 +94,7 @@ class WorkerConfig:
     max_trials: int | None = None
 
 
-def worker_main(config: WorkerConfig, messages: Any) -> None:
+def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
     """Entry of a warm worker process: join the study and run trials until none is left.
 
     Sends ``(kind, worker index, payload)`` on ``messages``: ``"start"`` with the Optuna trial
@@ -157,7 +159,7 @@ class WorkerPool:
     ) -> None:
         self.study, self.progress, self.on_dead = study, progress, on_dead
         self._context = multiprocessing.get_context("spawn")
-        self._messages: Any = self._context.Queue()
+        self._messages: Queue[Message] = self._context.Queue()
         self._running: dict[BaseProcess, WorkerConfig] = {}
         self._current: dict[int, int | None] = {}  # worker index -> the Optuna trial it runs
         self._restarts: dict[int, int] = {}  # worker index -> processes started after one died

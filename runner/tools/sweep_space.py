@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from runner.spec.naming import trial_run_name
-from runner.spec.schema import SweepParam
+from runner.spec.schema_sweep import SweepParam
 
 if TYPE_CHECKING:
     import optuna

@@ -26,6 +26,7 @@ from runner.tracking.uri import resolve_tracking_uri
 from runner.tracking.values import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
@@ -183,14 +184,7 @@ def start_run(
             f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
         ) from exc
     run_id = run.info.run_id
-    try:
-        for i in range(0, len(params), PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH], synchronous=True)
-        for artifact_file, text in texts.items():
-            client.log_text(run_id, text, artifact_file)
-    except Exception as exc:
-        mark_failed_quietly(client, run_id)
-        raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+    _record_spec(client, run_id, uri, params, texts)
     return RunHandle(
         uri=uri,
         run_id=run_id,
@@ -199,6 +193,22 @@ def start_run(
         run_name=run.info.run_name or "",
         artifact_uri=run.info.artifact_uri or "",
     )
+
+
+def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param], texts: Mapping[str, str]) -> None:
+    """Log a new run's params (batches of 100) and text artifacts; on a failure end it FAILED, then raise.
+
+    Raises:
+        TrackingError: MLflow rejects a request; the run is marked FAILED first.
+    """
+    try:
+        for i in range(0, len(params), PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH], synchronous=True)
+        for artifact_file, text in texts.items():
+            client.log_text(run_id, text, artifact_file)
+    except Exception as exc:
+        mark_failed_quietly(client, run_id)
+        raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def _error_tag(error: str) -> str:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from runner.errors import TrackingError
 from runner.tracking.values import METRICS_PER_BATCH
@@ -60,7 +60,12 @@ def spool_path(checkpoint_dir: str | os.PathLike[str]) -> Path:
     return Path(checkpoint_dir) / SPOOL_NAME
 
 
-def append(path: Path, items: Iterable[Item] = (), tags: Mapping[str, str] | None = None, end: Any = None) -> int:
+def append(
+    path: Path,
+    items: Iterable[Item] = (),
+    tags: Mapping[str, str] | None = None,
+    end: tuple[str, str | None] | None = None,
+) -> int:
     """Append records to the spool at ``path`` (created with its folder) and fsync it; returns the values written.
 
     Args:

@@ -21,6 +21,8 @@ from runner.tracking.spec_record import PLAN, RESOLVED
 from runner.tracking.uri import absolute_uri, check_reachable, default_tracking_uri, local_store_missing
 
 if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
     from runner.spec.loading import LoadedSpec
 
 
@@ -119,7 +121,7 @@ def _store_hint() -> str:
     return "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
 
 
-def _download_texts(client: Any, run_id: str, paths: tuple[str, ...]) -> dict[str, str]:
+def _download_texts(client: MlflowClient, run_id: str, paths: tuple[str, ...]) -> dict[str, str]:
     """The artifacts of ``paths`` that exist, as text."""
     out: dict[str, str] = {}
     quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # a few small texts: no progress bars

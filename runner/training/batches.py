@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
     from runner.training.data import DatasetInfo
 
+# What forward returns: a tensor, or a dict, dataclass or tuple holding the prediction (and a
+# model-computed loss); the user's model decides, :class:`BatchIO` finds the parts.
+ModelOutput = Any
+
 
 @dataclass
 class Batch:
@@ -90,7 +94,7 @@ class BatchIO:
         pair = (x_in, y.to(device, non_blocking=True)) if self.model_loss else x_in
         return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
 
-    def forward(self, model: nn.Module, batch: Batch) -> Any:
+    def forward(self, model: nn.Module, batch: Batch) -> ModelOutput:
         """Call the model on the batch as the contract says; returns what forward returned."""
         if isinstance(batch.inputs, dict):
             return model(**batch.inputs)
@@ -98,7 +102,7 @@ class BatchIO:
             return model(*batch.inputs)
         return model(batch.inputs)
 
-    def prediction(self, out: Any) -> torch.Tensor:
+    def prediction(self, out: ModelOutput) -> torch.Tensor:
         """The prediction in ``out`` (``model.output`` picks it out of a container).
 
         Raises:
@@ -126,7 +130,7 @@ class BatchIO:
             )
         return found
 
-    def loss_of(self, out: Any) -> torch.Tensor:
+    def loss_of(self, out: ModelOutput) -> torch.Tensor:
         """The loss a model computed (``loss.name = "model"``): ``out`` itself or its ``loss`` entry, a scalar.
 
         Raises:

@@ -25,12 +25,18 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
 
 from runner.errors import RunnerError
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from runner.strategies.precision import Precision
+    from runner.training.loop import TrainState
 
 FORMAT_VERSION = 2  # 2: read with weights_only=True, records the metrics logged before it
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
@@ -209,11 +215,11 @@ def load_latest(directory: Path) -> LoadedCheckpoint | None:
 def build_payload(
     *,
     model_state: dict[str, Any],
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    state: Any,
-    rng_states: list[Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None,
+    scaler: Precision | None,
+    state: TrainState,
+    rng_states: list[dict[str, Any]],
     spec_flat: dict[str, Any],
     spec_sha256: str,
     run_id: str | None,
@@ -223,7 +229,8 @@ def build_payload(
 
     Args:
         model_state: ``unwrapped_state_dict(model)``: keys without ``module.``.
-        optimizer, scheduler, scaler: Objects with ``state_dict()`` (scheduler/scaler may be ``None``).
+        optimizer, scheduler, scaler: Their ``state_dict()`` is saved (scheduler and scaler may be ``None``;
+            a :class:`~runner.strategies.precision.Precision` without scaling saves ``None``).
         state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
         rng_states: One RNG-state dict per rank, indexed by rank.
         spec_flat: The flattened spec (dotted keys), to report what changed on resume.

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -41,6 +41,9 @@ from torch.utils.data import Dataset, Subset
 from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset, load_source, source_text
 from runner.training.splits import data_settings, file_list, part_digest, sha256_of_members, split_indices
+
+if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
 
 
 @dataclass(frozen=True)
@@ -165,11 +168,11 @@ def _label_count(ds: Dataset, target: str | None) -> int:
     return int(labels.max()) + 1
 
 
-def build_datasets(spec: Any, spec_dir: Path | str | None) -> DatasetBundle:
+def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> DatasetBundle:
     """Build the train and validation datasets of ``spec.data``.
 
     Args:
-        spec: The :class:`~runner.spec.schema.ExperimentSpec`.
+        spec: The validated spec.
         spec_dir: Folder of the spec file: ``data.root`` and factory imports are relative to it.
 
     Returns:

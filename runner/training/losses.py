@@ -28,7 +28,7 @@ from runner.training.models import resolve_factory, spec_issue
 if TYPE_CHECKING:
     from runner.spec.objectives import LossSpec
     from runner.spec.schema import ExperimentSpec
-    from runner.training.batches import Batch, BatchIO
+    from runner.training.batches import Batch, BatchIO, ModelOutput
 
 PER_SAMPLE: dict[str, type[nn.Module]] = {"cross_entropy": nn.CrossEntropyLoss, "nll": nn.NLLLoss}
 ELEMENTWISE: dict[str, type[nn.Module]] = {
@@ -52,7 +52,7 @@ class Loss:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+    def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         """Sum of the per-sample losses of ``batch``: a float32 scalar on the output device."""
         raise NotImplementedError
 
@@ -65,7 +65,7 @@ class BuiltinLoss(Loss):
         self.criterion = criterion
         self.elementwise = name in ELEMENTWISE
 
-    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+    def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         pred = io.prediction(out).float()
         target = batch.target
         assert target is not None  # build_loss refuses dict batches without data.target
@@ -87,7 +87,7 @@ class ModelLoss(Loss):
 
     needs_target = False
 
-    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+    def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         return io.loss_of(out).float() * batch.size
 
 
@@ -99,7 +99,7 @@ class FunctionLoss(Loss):
         self.function = function
         self.kwargs = kwargs
 
-    def __call__(self, out: Any, batch: Batch, io: BatchIO) -> torch.Tensor:
+    def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         value = self.function(io.prediction(out), batch.target, **self.kwargs)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__

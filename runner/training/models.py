@@ -36,6 +36,8 @@ from runner.spec.wording import with_hint
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from runner.spec.schema_data import ModelSpec
+
 BUILTINS = ("mlp", "cnn")
 _TV_PREFIXES = ("torchvision.models.", "torchvision.")
 
@@ -263,7 +265,7 @@ def _positive(name: str, value: Any) -> None:
 
 
 def build_model(
-    model_spec: Any,
+    model_spec: ModelSpec,
     spec_dir: Path | str | None,
     *,
     input_shape: Sequence[int] | None = None,
@@ -277,7 +279,7 @@ def build_model(
     when no pretrained ``weights`` are asked for. Factories get only their kwargs.
 
     Args:
-        model_spec: ``spec.model`` (anything with ``name: str`` and ``kwargs: dict``).
+        model_spec: The ``[model]`` table.
         spec_dir: Spec folder, for ``pkg.module:factory`` names.
         input_shape: Shape of one sample, e.g. ``(1, 8, 8)`` (``DatasetInfo.input_shape``).
         num_classes: Classes of the dataset (``DatasetInfo.num_classes``; 0 or ``None``: unknown).

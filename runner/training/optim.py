@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from runner.errors import SpecError, SpecIssue
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from runner.spec.schema import OptimSpec, SchedulerSpec
+
+_Built = TypeVar("_Built")
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 _SCHEDULERS = {
@@ -20,11 +28,13 @@ _SCHEDULERS = {
 }
 
 
-def build_optimizer(optim_spec: Any, params: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    optim_spec: OptimSpec, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
+) -> torch.optim.Optimizer:
     """Create the ``torch.optim`` optimizer of ``[optim]`` over ``params``.
 
     Args:
-        optim_spec: The :class:`runner.spec.schema.OptimSpec`.
+        optim_spec: The ``[optim]`` table.
         params: Parameters (or parameter groups) of the unwrapped model.
 
     Returns:
@@ -41,7 +51,9 @@ def build_optimizer(optim_spec: Any, params: Any) -> torch.optim.Optimizer:
     return _construct(cls, "optim.kwargs", params, **kwargs)
 
 
-def build_scheduler(scheduler_spec: Any, optimizer: torch.optim.Optimizer, total_steps: int, epochs: int) -> Any:
+def build_scheduler(
+    scheduler_spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, total_steps: int, epochs: int
+) -> LRScheduler | None:
     """Create the LR scheduler of ``[scheduler]``, or ``None`` when there is none.
 
     ``cosine`` defaults ``T_max`` to the number of scheduler calls in the run (epochs or
@@ -64,20 +76,20 @@ def build_scheduler(scheduler_spec: Any, optimizer: torch.optim.Optimizer, total
     return _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
 
 
-def scheduler_class(scheduler_spec: Any) -> type:
+def scheduler_class(scheduler_spec: SchedulerSpec) -> type:
     """The ``torch.optim.lr_scheduler`` class of ``[scheduler]`` (e.g. ``StepLR`` for ``name = "step"``)."""
     cls: type = _SCHEDULERS[scheduler_spec.name]
     return cls
 
 
-def scheduler_interval(scheduler_spec: Any) -> str:
+def scheduler_interval(scheduler_spec: SchedulerSpec | None) -> str:
     """``"step"`` or ``"epoch"``: when the scheduler steps (``onecycle`` always per step)."""
     if scheduler_spec is None:
         return "epoch"
     return "step" if scheduler_spec.name == "onecycle" else scheduler_spec.interval
 
 
-def _construct(cls: Any, key: str, first: Any, **kwargs: Any) -> Any:
+def _construct(cls: Callable[..., _Built], key: str, first: object, **kwargs: Any) -> _Built:  # kwargs: TOML values
     try:
         return cls(first, **kwargs)
     except TypeError as exc:

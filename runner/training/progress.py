@@ -12,7 +12,10 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 class Progress:
@@ -36,7 +39,7 @@ class Progress:
         self._excluded_s = 0.0  # seconds spent in phases (evaluation), left out of samples/s
         self._last_line = 0.0
         self._values = ""
-        self._bar: Any | None = None
+        self._bar: tqdm | None = None
         use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())
         if self.enabled and use_bar:
             from tqdm.auto import tqdm

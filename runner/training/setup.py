@@ -34,6 +34,7 @@ from runner.training.data import build_datasets
 from runner.training.loaders import Loaders, build_loaders, check_batchnorm_batches
 from runner.training.loop import FitResult, LoopParts, TrainState, fit
 from runner.training.losses import Loss, build_loss
+from runner.training.memory import peak_memory_bytes
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
 from runner.training.optim import build_optimizer, build_scheduler, scheduler_interval
@@ -379,26 +380,3 @@ def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, note
         device=str(strategy.device),
         stopped_after_epoch=fitted.stopped_after_epoch,
     )
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes() or 0
-
-
-def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
-
-    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed worker
-    does not inherit the peak of the process that started it.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

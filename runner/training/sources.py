@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from torch.utils.data import Dataset
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
 from runner.training.models import resolve_factory, spec_issue
+
+if TYPE_CHECKING:
+    from runner.spec.schema_data import DataSpec
 
 BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
 IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
@@ -68,7 +71,7 @@ class ImageTransform:
         self.image_size = image_size
         self.num_channels = num_channels
 
-    def __call__(self, image: Any) -> torch.Tensor:
+    def __call__(self, image: Any) -> torch.Tensor:  # a PIL image, or an array torchvision reads as one
         from torchvision.transforms.v2 import functional as TF
 
         x = TF.to_dtype(TF.to_image(image), torch.float32, scale=True)
@@ -83,7 +86,7 @@ class ImageTransform:
 
 
 def to_long(y: Any) -> torch.Tensor:
-    """Return label ``y`` as an int64 scalar tensor."""
+    """Return label ``y`` (an int, a NumPy scalar, a tensor: as the dataset gives it) as an int64 scalar tensor."""
     return torch.as_tensor(y, dtype=torch.long)
 
 
@@ -112,7 +115,7 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
     return x
 
 
-def _digits(data: Any) -> tuple[TensorPairDataset, tuple[float, float] | None]:
+def _digits(data: DataSpec) -> tuple[TensorPairDataset, tuple[float, float] | None]:
     """The digits as ``(N, 1, 8, 8)`` pixels in [0, 1], resized, normalised; with the ``(mean, std)`` used."""
     from sklearn.datasets import load_digits
 
@@ -133,7 +136,7 @@ def _digits(data: Any) -> tuple[TensorPairDataset, tuple[float, float] | None]:
     return TensorPairDataset(x.contiguous(), y), stats
 
 
-def _diabetes(data: Any) -> TensorPairDataset:
+def _diabetes(data: DataSpec) -> TensorPairDataset:
     from sklearn.datasets import load_diabetes
 
     _check_kwargs("sklearn.diabetes", data.kwargs, ["standardize"])
@@ -148,7 +151,7 @@ def _diabetes(data: Any) -> TensorPairDataset:
     return TensorPairDataset(x.contiguous(), y)
 
 
-def _synthetic(data: Any, seed: int) -> TensorPairDataset:
+def _synthetic(data: DataSpec, seed: int) -> TensorPairDataset:
     _check_kwargs("synthetic", data.kwargs, [])
     g = torch.Generator().manual_seed(seed)
     shape = tuple(data.input_shape)
@@ -159,7 +162,8 @@ def _synthetic(data: Any, seed: int) -> TensorPairDataset:
     return TensorPairDataset(x.contiguous(), y)
 
 
-def _root(data: Any, spec_dir: Path | str | None) -> Path:
+def _root(data: DataSpec, spec_dir: Path | str | None) -> Path:
+    assert data.root is not None  # runner.spec.rules.check_data: file datasets name their root
     root = Path(data.root).expanduser()
     if not root.is_absolute() and spec_dir is not None:
         root = Path(spec_dir) / root
@@ -195,7 +199,7 @@ def _expected_path(cls: type, root: Path) -> Path:
     return root / base if isinstance(base, str) else root
 
 
-def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
+def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
     import torchvision.datasets as tvd
 
     cls_name = data.dataset[len("torchvision.") :]
@@ -235,7 +239,7 @@ def _torchvision(data: Any, spec_dir: Path | str | None) -> Dataset:
         ) from None
 
 
-def _imagefolder(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None]:
+def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None]:
     from torchvision.datasets import ImageFolder
 
     root = _root(data, spec_dir)
@@ -269,7 +273,7 @@ def _imagefolder(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Datas
     return train, val
 
 
-def _factory(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
+def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
     try:
         result = factory(**data.kwargs)
@@ -290,21 +294,21 @@ def _factory(data: Any, spec_dir: Path | str | None) -> tuple[Dataset, Dataset |
     return result, None, False
 
 
-def _sig(fn: Any) -> str:
+def _sig(fn: Callable[..., object]) -> str:
     try:
         return f"{getattr(fn, '__name__', 'factory')}{inspect.signature(fn)}"
     except (TypeError, ValueError):
         return "(...)"
 
 
-def _is_dataset(obj: Any) -> bool:
+def _is_dataset(obj: object) -> bool:
     if isinstance(obj, Dataset):
         return True
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict))
 
 
 def load_source(
-    data: Any, spec_dir: Path | str | None
+    data: DataSpec, spec_dir: Path | str | None
 ) -> tuple[Dataset, Dataset | None, bool, tuple[float, float] | None]:
     """Build the datasets ``data.dataset`` names.
 
@@ -338,7 +342,7 @@ def load_source(
     raise _unknown_dataset(name)
 
 
-def source_text(data: Any, spec_dir: Path | str | None) -> str:
+def source_text(data: DataSpec, spec_dir: Path | str | None) -> str:
     """Where the samples are read from, for the run's dataset inputs."""
     if data.dataset == "sklearn.digits":
         return "sklearn.datasets.load_digits"

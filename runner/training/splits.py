@@ -11,12 +11,15 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset
 
 from runner.training.models import spec_issue
+
+if TYPE_CHECKING:
+    from runner.spec.schema_data import DataSpec
 
 
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -63,7 +66,7 @@ def file_list(ds: Dataset) -> list[str] | None:
     return [os.path.relpath(str(path), root) if root else str(path) for path, *_ in samples]
 
 
-def data_settings(data: Any) -> str:
+def data_settings(data: DataSpec) -> str:
     """What fixes the samples of ``[data]`` besides the split: the dataset and its options (JSON)."""
     keys: tuple[str, ...] = ("dataset", "root", "kwargs", "image_size", "num_channels")
     if data.dataset == "synthetic":

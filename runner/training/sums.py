@@ -13,7 +13,7 @@ from runner.training.metrics import MetricSet
 
 if TYPE_CHECKING:
     from runner.strategies.base import Strategy
-    from runner.training.batches import Batch, BatchIO
+    from runner.training.batches import Batch, BatchIO, ModelOutput
     from runner.training.metrics import MetricRecipe
     from runner.training.nonfinite import NonFiniteGuard
 
@@ -103,7 +103,7 @@ class Tally:
         tally.epoch_metrics.load_state(saved.get("epoch") or {})
         return tally
 
-    def add(self, loss_sum: torch.Tensor, batch: Batch, out: Any, io: BatchIO) -> None:
+    def add(self, loss_sum: torch.Tensor, batch: Batch, out: ModelOutput, io: BatchIO) -> None:
         """Add a micro-batch (its summed loss, samples, and the prediction in forward's ``out``) to window and epoch."""
         self.guard.observe_loss(loss_sum)
         self.window.add(loss_sum, batch.size)
