@@ -144,7 +144,7 @@ def test_probe_lists_gpus_in_pci_bus_order_and_shuts_nvml_down():
 
 
 def test_inventory_reads_no_nvidia_smi_output():
-    text = (Path(__file__).parents[1] / "runner" / "devices" / "inventory.py").read_text()
+    text = (Path(__file__).parents[2] / "runner" / "devices" / "inventory.py").read_text()
     assert "nvidia-smi --query" not in text and "subprocess" not in text
 
 

@@ -24,7 +24,7 @@ from runner.training.checkpoint import list_checkpoints, read_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 
 FACTORY = '''
 import os

@@ -22,7 +22,7 @@ from runner.training.data import build_datasets
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
 
 SLOW_MODEL = '''

@@ -27,7 +27,7 @@ from runner.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DDP = ["--set", 'parallel.mode="ddp"', "--set", "parallel.timeout_s=60", "--set", "train.epochs=1"]
 DAEMON_START_S = 60.0
 

@@ -18,7 +18,7 @@ from runner.spec.dump import dump_spec
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tracking.spec_record import spec_params
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 SHIPPED = sorted((REPO / "experiments").glob("*.toml"))
 DDP_SPEC = REPO / "experiments" / "digits_mlp_ddp.toml"
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])

@@ -9,7 +9,7 @@ import pytest
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
 
-BAD = Path(__file__).parent / "assets" / "bad"
+BAD = Path(__file__).parents[1] / "assets" / "bad"
 
 # file in tests/assets/bad -> (line, dotted key, fragments the message must contain)
 CASES: dict[str, tuple[int | None, str, tuple[str, ...]]] = {

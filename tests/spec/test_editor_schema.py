@@ -30,8 +30,8 @@ from runner.spec.editor_schema import (
 from runner.spec.loading import load_spec
 from runner.spec.reference import BEGIN, END, markdown_reference
 
-REPO = Path(__file__).parents[1]
-ASSETS = Path(__file__).parent / "assets"
+REPO = Path(__file__).parents[2]
+ASSETS = Path(__file__).parents[1] / "assets"
 SHIPPED = sorted((REPO / "experiments").glob("**/*.toml"))
 HELD_OUT_BAD = sorted((ASSETS / "editor_bad").glob("*.toml"))
 ASSET_SPECS = sorted(p for p in ASSETS.glob("**/*.toml") if p not in HELD_OUT_BAD)

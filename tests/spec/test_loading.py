@@ -19,7 +19,7 @@ from runner.spec.dump import dump_spec, flatten_spec
 from runner.spec.loading import LoadedSpec, load_spec, spec_from_dict
 from runner.spec.locate import format_key, line_of, locate_keys
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 MINIMAL = 'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
 
 

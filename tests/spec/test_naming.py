@@ -9,7 +9,7 @@ from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.spec.naming import MAX_RUN_NAME_CHARS, default_run_name, short_keys, trial_run_name, values_label
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 DIGITS = REPO / "experiments" / "digits_mlp.toml"
 DDP = REPO / "experiments" / "digits_mlp_ddp.toml"
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])

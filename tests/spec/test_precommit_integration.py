@@ -13,7 +13,7 @@ import yaml
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent
 BASE = """\
 name = "base"

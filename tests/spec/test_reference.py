@@ -7,7 +7,7 @@ from pathlib import Path
 from runner.spec.reference import BEGIN, END, markdown_reference
 from runner.spec.schema import ExperimentSpec
 
-README = Path(__file__).parents[1] / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 
 
 def test_readme_carries_the_current_reference() -> None:

@@ -14,7 +14,7 @@ from runner.spec.loading import load_spec
 from runner.spec.suggest import close_matches, did_you_mean, suggest
 from runner.spec.wording import join_or, show, with_hint
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def test_exact_match_ignoring_case_comes_alone():
@@ -73,7 +73,7 @@ def test_spec_messages_and_builders_word_it_alike(tmp_path: Path):
 
 
 def test_no_other_module_matches_or_words_its_own_did_you_mean():
-    root = Path(__file__).parents[1] / "runner"
+    root = Path(__file__).parents[2] / "runner"
     own = re.compile(r"difflib|get_close_matches|[\"'] ?\(?did you mean")
     offenders = [
         str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "suggest.py" and own.search(p.read_text())

@@ -20,7 +20,7 @@ from runner.tools.sweep_define import CommandLine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = """
 name = "tiny"

@@ -17,7 +17,7 @@ from runner.tracking.runs import start_run
 from runner.tracking.spec_record import spec_artifacts
 from runner.tracking.stored import read_stored_run
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
 
 

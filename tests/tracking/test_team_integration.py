@@ -31,7 +31,7 @@ from runner.tracking.uri import check_reachable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
 
 SPEC = """

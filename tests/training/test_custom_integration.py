@@ -15,7 +15,7 @@ from runner.training.checkpoint import list_checkpoints, read_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 DDP = ['parallel.mode="ddp"', "parallel.nproc_per_node=2"]
 
 # Metrics that count what evaluation saw: a sum state, a sum of the targets and a concatenated ("cat") state.

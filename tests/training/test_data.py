@@ -16,7 +16,7 @@ from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders
 from runner.training.splits import split_indices
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def make_spec(seed: int = 0, accum: int = 1, **data) -> ExperimentSpec:

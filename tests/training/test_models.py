@@ -14,7 +14,7 @@ from runner.errors import SpecError
 from runner.spec.schema import ModelSpec
 from runner.training.models import build_model, check_model_name
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def model(name: str, **kwargs) -> ModelSpec:

@@ -25,7 +25,7 @@ from runner.training.setup import (
     restore,
 )
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 
 
 class FlushCounter:
