@@ -24,6 +24,7 @@ from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.dp import DataParallelStrategy
 from runner.strategies.registry import make_strategy
+from tests.helpers import spec_object
 
 pytestmark = pytest.mark.cuda
 
@@ -51,15 +52,10 @@ def requires_gpus(min_gpus: int = 1) -> pytest.MarkDecorator:
 def make_spec(
     mode: str, ids="all", batch: int = 10, parallel: dict | None = None, accelerator: str = "cuda"
 ) -> ExperimentSpec:
-    return ExperimentSpec.model_validate(
-        {
-            "name": "t",
-            "model": {"name": "mlp"},
-            "data": {"dataset": "synthetic", "batch_size": batch},
-            "optim": {"lr": 0.1},
-            "devices": {"accelerator": accelerator, "ids": ids},
-            "parallel": {"mode": mode, **(parallel or {})},
-        }
+    return spec_object(
+        data={"batch_size": batch},
+        devices={"accelerator": accelerator, "ids": ids},
+        parallel={"mode": mode, **(parallel or {})},
     )
 
 

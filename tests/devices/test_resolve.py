@@ -15,6 +15,7 @@ from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
 from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
+from tests.helpers import SMALL, spec_dict, spec_object
 
 UUIDS = [f"GPU-{i}aaa1111-2222-3333-4444-55556666777{i}" for i in range(4)]
 
@@ -65,17 +66,10 @@ def four_a100s() -> FakeNvml:
 
 def make_spec(mode: str = "none", accelerator: str = "auto", ids="all", batch: int = 8, **sections) -> ExperimentSpec:
     """A minimal valid spec; ``sections`` update whole tables (``parallel={...}``, ``train={...}``)."""
-    raw = {
-        "name": "t",
-        "model": {"name": "mlp"},
-        "data": {"dataset": "synthetic", "batch_size": batch},
-        "optim": {"lr": 0.1},
-        "devices": {"accelerator": accelerator, "ids": ids},
-        "parallel": {"mode": mode},
-    }
-    for key, table in sections.items():
-        raw[key] = {**raw.get(key, {}), **table}
-    return ExperimentSpec.model_validate(raw)
+    raw = spec_dict(
+        SMALL, data={"batch_size": batch}, devices={"accelerator": accelerator, "ids": ids}, parallel={"mode": mode}
+    )
+    return spec_object(raw, **sections)
 
 
 def fake_inventory(n: int, entries: list[str] | None = None, cuda: bool = True) -> Inventory:

@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.spec.schema import TrainSpec
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
+from tests.helpers import write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -70,53 +71,26 @@ def build():
     return Faulty()
 '''
 
-SPEC = """
-name = "faults"
-seed = 1
-
-[model]
-name = "faulty:build"
-
-[data]
-dataset = "synthetic"
-num_samples = 96
-input_shape = [8]
-num_classes = 3
-batch_size = 16
-val_fraction = 0.25
-
-[devices]
-accelerator = "cpu"
-
-[parallel]
-{parallel}
-
-[optim]
-lr = 0.1
-
-[train]
-epochs = {epochs}
-log_every_n_steps = 1
-progress = "off"
-
-[checkpoint]
-{checkpoint}
-
-[tracking]
-uri = "{uri}"
-experiment = "faults"
-flush_every_s = 0.5
-"""
-
-DDP = 'mode = "ddp"\nnproc_per_node = 2\ntimeout_s = 30'
+DDP = {"mode": "ddp", "nproc_per_node": 2, "timeout_s": 30}
 STEPS_PER_EPOCH = 5  # 72 training samples, global batch 16
 
 
-def _spec(tmp_path: Path, uri: str, parallel: str = 'mode = "none"', epochs: int = 1, checkpoint: str = "") -> Path:
+def _spec(
+    tmp_path: Path, uri: str, parallel: dict | None = None, epochs: int = 1, checkpoint: dict | None = None
+) -> Path:
+    """``helpers.MINIMAL`` with the faulty model, flushing every 0.5 s, in the experiment ``faults``."""
     (tmp_path / "faulty.py").write_text(FACTORY)
-    path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(parallel=parallel, epochs=epochs, checkpoint=checkpoint, uri=uri))
-    return path
+    return write_spec_file(
+        tmp_path / "spec.toml",
+        name="faults",
+        seed=1,
+        model={"name": "faulty:build", "kwargs": None},
+        parallel=parallel or {"mode": "none"},
+        optim={"name": None},
+        train={"epochs": epochs},
+        checkpoint=checkpoint or {},
+        tracking={"uri": uri, "experiment": "faults", "flush_every_s": 0.5},
+    )
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -232,7 +206,7 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
 
 def test_a_hung_rank_is_killed_after_a_short_grace_and_named(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, 'mode = "ddp"\nnproc_per_node = 2\ntimeout_s = 6\nhang_grace_s = 2', epochs=2)
+    spec = _spec(tmp_path, uri, {**DDP, "timeout_s": 6, "hang_grace_s": 2}, epochs=2)
     marker = tmp_path / "hanging"
     proc = _runner(tmp_path, "exec", str(spec), env=_env(FAULT="hang", FAULT_AT="3", FAULT_MARKER=str(marker)))
     _wait_for(marker.exists, "rank 1 to hang", proc=proc)
@@ -314,7 +288,7 @@ def _steps(uri: str, run_id: str, key: str) -> list[int]:
 
 def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_path: Path, server: Server) -> None:
     epochs = 12
-    spec = _spec(tmp_path, server.url, epochs=epochs, checkpoint='every_n_steps = 2\nkeep_last = 50\ndir = "ck"')
+    spec = _spec(tmp_path, server.url, epochs=epochs, checkpoint={"every_n_steps": 2, "keep_last": 50, "dir": "ck"})
     env = _env(FAULT_STEP_S="0.15", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
     proc = _runner(tmp_path, "exec", str(spec), env=env)
     _wait_for(lambda: bool(_runs(server.url)), "the run", proc=proc)
@@ -348,7 +322,7 @@ def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_pat
 @pytest.mark.skipif("on_nonfinite" not in TrainSpec.model_fields, reason="train.on_nonfinite is not on this branch")
 def test_a_non_finite_loss_stops_the_run_failed_without_a_nan_checkpoint(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, epochs=3, checkpoint="every_n_steps = 1")
+    spec = _spec(tmp_path, uri, epochs=3, checkpoint={"every_n_steps": 1})
     spec.write_text(spec.read_text().replace("lr = 0.1", "lr = 1e30"))
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec)))
     assert code == 1 and "step" in err and "Traceback" not in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,41 +20,12 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.spec.loading import load_spec
 from runner.training.data import build_datasets
+from tests.helpers import ASSETS, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
-
-SLOW_MODEL = '''
-import os
-import time
-from pathlib import Path
-
-import torch
-
-
-class Slow(torch.nn.Module):
-    """An MLP that marks a training step (for the test to signal) and then takes its time."""
-
-    def __init__(self, in_features: int = 8, num_classes: int = 3):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(), torch.nn.Linear(16, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            marker = os.environ.get("PROBE_MARKER")
-            if marker and self.calls >= int(os.environ.get("PROBE_AT", "0")):
-                Path(marker).touch()
-                time.sleep(0.3)
-        return self.net(x)
-
-
-def build(**kwargs):
-    return Slow(**kwargs)
-'''
 
 
 def runs(store: str, experiment: str = "tests") -> list:
@@ -146,19 +118,15 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _slow_spec(write_spec, tmp_path: Path) -> Path:
-    (tmp_path / "slow_model.py").write_text(SLOW_MODEL)
-    spec = write_spec()
-    text = spec.read_text().replace(
-        'name = "mlp"\nkwargs = { hidden = [32] }',
-        'name = "slow_model:build"\nkwargs = { in_features = 8, num_classes = 3 }',
-    )
-    spec.write_text(text.replace("epochs = 2", "epochs = 3"))
-    return spec
+def _slow_spec(tmp_path: Path, store: str) -> Path:
+    """Three epochs of ``helpers.MINIMAL`` with the probe model (it marks step 6 when asked, then takes its time)."""
+    shutil.copyfile(ASSETS / "probe_factory.py", tmp_path / "probe_factory.py")
+    model = {"name": "probe_factory:build", "kwargs": {"in_features": 8, "num_classes": 3}}
+    return write_spec_file(tmp_path / "spec.toml", model=model, train={"epochs": 3}, tracking={"uri": store})
 
 
-def test_the_interrupt_message_is_runner_resume_and_works_as_printed(write_spec, store: str, tmp_path: Path) -> None:
-    spec = _slow_spec(write_spec, tmp_path)
+def test_the_interrupt_message_is_runner_resume_and_works_as_printed(store: str, tmp_path: Path) -> None:
+    spec = _slow_spec(tmp_path, store)
     sets = ["--set", "optim.lr=0.05", "--set", "seed=4"]  # the printed command must keep them
     full = subprocess.run(
         [sys.executable, "-m", "runner", "exec", str(spec), *sets],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,104 +16,34 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.training.checkpoint import list_checkpoints, load_latest
+from tests.helpers import ASSETS, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parents[2]
 
-FACTORY = '''
-import os
-import time
-from pathlib import Path
-
-import torch
-
-
-class Probe(torch.nn.Module):
-    """A small MLP that can mark a point in training (for a test to signal) or crash once there."""
-
-    def __init__(self, in_features: int = 8, num_classes: int = 3):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(), torch.nn.Linear(16, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            rank = int(os.environ.get("RANK", "0"))
-            at = int(os.environ.get("PROBE_AT", "0"))
-            marker = os.environ.get("PROBE_MARKER")
-            if marker and self.calls >= at:
-                if os.environ.get("PROBE_CRASH") and rank == 1 and not Path(marker).exists():
-                    Path(marker).touch()
-                    os._exit(3)  # a hard crash, once
-                if not os.environ.get("PROBE_CRASH") and rank == 0:
-                    Path(marker).touch()
-                    time.sleep(float(os.environ.get("PROBE_SLEEP", "0.3")))  # so the signal lands mid-run
-        return self.net(x)
-
-
-def build(**kwargs):
-    return Probe(**kwargs)
-'''
-
-SPEC = """
-name = "resume"
-seed = 3
-
-[model]
-name = "probe_factory:build"
-kwargs = {{ in_features = 8, num_classes = 3 }}
-
-[data]
-dataset = "synthetic"
-num_samples = 96
-input_shape = [8]
-num_classes = 3
-batch_size = 16
-val_fraction = 0.25
-
-[devices]
-accelerator = "cpu"
-
-[parallel]
-{parallel}
-
-[optim]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-
-[scheduler]
-name = "step"
-kwargs = {{ step_size = 1, gamma = 0.5 }}
-
-[train]
-epochs = 3
-log_every_n_steps = 2
-progress = "off"
-
-[checkpoint]
-keep_last = 5
-{checkpoint}
-
-[tracking]
-uri = "{store}"
-experiment = "resume"
-"""
-
-DDP = 'mode = "ddp"\nnproc_per_node = 2\ntimeout_s = 60'
+DDP = {"mode": "ddp", "nproc_per_node": 2, "timeout_s": 60}
 STEPS_PER_EPOCH = 5  # 72 training samples, global batch 16
 KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
 
 
 def _write(
-    tmp_path: Path, store: str, parallel: str = 'mode = "none"', checkpoint: str = "", name: str = "spec.toml"
+    tmp_path: Path, store: str, parallel: dict | None = None, checkpoint: dict | None = None, name: str = "spec.toml"
 ) -> Path:
-    (tmp_path / "probe_factory.py").write_text(FACTORY)
-    path = tmp_path / name
-    path.write_text(SPEC.format(parallel=parallel, checkpoint=checkpoint, store=store))
-    return path
+    """Three epochs of ``helpers.MINIMAL`` with the probe model, momentum, a step schedule and 5 checkpoints kept."""
+    shutil.copyfile(ASSETS / "probe_factory.py", tmp_path / "probe_factory.py")
+    return write_spec_file(
+        tmp_path / name,
+        name="resume",
+        seed=3,
+        model={"name": "probe_factory:build", "kwargs": {"in_features": 8, "num_classes": 3}},
+        parallel=parallel or {"mode": "none"},
+        optim={"momentum": 0.9},
+        scheduler={"name": "step", "kwargs": {"step_size": 1, "gamma": 0.5}},
+        train={"epochs": 3, "log_every_n_steps": 2},
+        checkpoint={"keep_last": 5, **(checkpoint or {})},
+        tracking={"uri": store, "experiment": "resume"},
+    )
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -170,7 +101,7 @@ def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("parallel", ['mode = "none"', DDP], ids=["none", "ddp"])
+@pytest.mark.parametrize("parallel", [{"mode": "none"}, DDP], ids=["none", "ddp"])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: str, parallel: str) -> None:
     spec = _write(tmp_path, store, parallel)
     done = _runner(tmp_path, str(spec))
@@ -255,7 +186,7 @@ def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str
 
 
 def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store, DDP + "\nmax_restarts = 1", "every_n_steps = 2")
+    spec = _write(tmp_path, store, {**DDP, "max_restarts": 1}, {"every_n_steps": 2})
     assert _runner(tmp_path, str(spec)).returncode == 0
     crashed = _runner(tmp_path, str(spec), PROBE_MARKER=str(tmp_path / "crashed"), PROBE_AT="8", PROBE_CRASH="1")
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr

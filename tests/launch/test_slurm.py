@@ -19,24 +19,9 @@ from runner.launch.environment import (
 )
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
+from tests.helpers import SMALL, spec_text
 
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
-SPEC = """name = "t"
-[model]
-name = "mlp"
-[data]
-dataset = "synthetic"
-batch_size = 8
-[devices]
-accelerator = "cpu"
-[parallel]
-mode = "{mode}"
-{parallel}
-[optim]
-lr = 0.1
-[tracking]
-enabled = false
-"""
 
 
 def step(ntasks: int = 2, nnodes: int = 1, procid: int = 0, nodeid: int = 0, **extra: str) -> dict[str, str]:
@@ -56,9 +41,13 @@ def step(ntasks: int = 2, nnodes: int = 1, procid: int = 0, nodeid: int = 0, **e
     return env
 
 
-def load(tmp_path: Path, mode: str = "ddp", parallel: str = "nproc_per_node = 2"):
+def load(tmp_path: Path, mode: str = "ddp", parallel: dict | None = None):
+    """``helpers.SMALL`` on CPU without tracking, compact (``[parallel]`` opens at line 9); ddp's keys from ``parallel``."""
+    ddp = {"nproc_per_node": 2} if parallel is None else parallel
+    table = {"mode": mode, **(ddp if mode == "ddp" else {})}
+    text = spec_text(SMALL, compact=True, devices={"accelerator": "cpu"}, parallel=table, tracking={"enabled": False})
     path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(mode=mode, parallel=parallel if mode == "ddp" else ""), encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     return load_spec(path)
 
 
@@ -180,7 +169,7 @@ def test_plan_of_a_per_device_task(tmp_path: Path) -> None:
 
 
 def test_plan_of_a_per_node_task_meets_on_the_first_host(tmp_path: Path) -> None:
-    loaded = load(tmp_path, parallel="nnodes = 2\nnproc_per_node = 2")  # no rdzv_endpoint: Slurm gives it
+    loaded = load(tmp_path, parallel={"nnodes": 2, "nproc_per_node": 2})  # no rdzv_endpoint: Slurm gives it
     plan = make_plan(loaded, env=step(ntasks=2, nnodes=2, procid=1, nodeid=1), inventory=NO_GPU)
     assert plan.launch == "elastic" and plan.slurm.kind == "per-node" and not plan.owns_run
     assert plan.rendezvous is not None
@@ -192,7 +181,7 @@ def test_plan_of_a_per_node_task_meets_on_the_first_host(tmp_path: Path) -> None
 
 
 def test_several_nodes_without_slurm_need_an_endpoint_at_the_nnodes_line(tmp_path: Path) -> None:
-    loaded = load(tmp_path, parallel="nnodes = 2\nnproc_per_node = 1")
+    loaded = load(tmp_path, parallel={"nnodes": 2, "nproc_per_node": 1})
     with pytest.raises(SpecError) as info:
         make_plan(loaded, env={}, inventory=NO_GPU)
     (issue,) = info.value.issues

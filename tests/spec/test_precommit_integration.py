@@ -11,23 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import SMALL, spec_text
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent
-BASE = """\
-name = "base"
-
-[model]
-name = "mlp"
-
-[data]
-dataset = "synthetic"
-batch_size = 8
-
-[optim]
-lr = 0.1
-"""
+BASE = spec_text(SMALL, name="base")
 CHILD = 'extends = "base/common.toml"\nname = "child"\n\n[train]\nepochs = 2\n'
 
 
@@ -101,7 +91,7 @@ def test_editing_a_base_re_validates_the_specs_that_extend_it(project) -> None:
     # Only the base changes, and it is a valid spec alone; the spec on top of it no longer is
     # (momentum is sgd's: the child's momentum no longer applies once the base switches to adam).
     base = work / "experiments" / "base" / "common.toml"
-    base.write_text(BASE.replace("lr = 0.1", 'name = "adam"\nlr = 0.1'), encoding="utf-8")
+    base.write_text(spec_text(SMALL, name="base", optim={"name": "adam"}), encoding="utf-8")
     assert _run([sys.executable, "-m", "runner", "validate", str(base)], work, env).returncode == 0
     broken = _commit(work, env, "base switches the optimizer")
     assert broken.returncode != 0

@@ -23,6 +23,7 @@ from runner.strategies.dp import DataParallelStrategy, _GatherCheckedDataParalle
 from runner.strategies.registry import make_strategy
 from runner.strategies.single import SingleDevice
 from runner.strategies.state_dicts import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
+from tests.helpers import spec_object
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -30,15 +31,8 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 def make_spec(
     mode: str = "none", accelerator: str = "cpu", batch: int = 8, parallel: dict | None = None
 ) -> ExperimentSpec:
-    return ExperimentSpec.model_validate(
-        {
-            "name": "t",
-            "model": {"name": "mlp"},
-            "data": {"dataset": "synthetic", "batch_size": batch},
-            "optim": {"lr": 0.1},
-            "devices": {"accelerator": accelerator},
-            "parallel": {"mode": mode, **(parallel or {})},
-        }
+    return spec_object(
+        data={"batch_size": batch}, devices={"accelerator": accelerator}, parallel={"mode": mode, **(parallel or {})}
     )
 
 

@@ -14,6 +14,7 @@ from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.registry import make_strategy
+from tests.helpers import spec_object
 
 pytestmark = pytest.mark.integration
 
@@ -22,15 +23,10 @@ BATCH = 8
 
 
 def _spec() -> ExperimentSpec:
-    return ExperimentSpec.model_validate(
-        {
-            "name": "t",
-            "model": {"name": "mlp"},
-            "data": {"dataset": "synthetic", "batch_size": BATCH},
-            "optim": {"lr": 0.1},
-            "devices": {"accelerator": "cpu"},
-            "parallel": {"mode": "ddp", "nproc_per_node": WORLD, "timeout_s": 60.0},
-        }
+    return spec_object(
+        data={"batch_size": BATCH},
+        devices={"accelerator": "cpu"},
+        parallel={"mode": "ddp", "nproc_per_node": WORLD, "timeout_s": 60.0},
     )
 
 

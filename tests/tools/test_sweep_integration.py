@@ -17,42 +17,22 @@ from runner.cli import main
 from runner.errors import Interrupted
 from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine
+from tests.helpers import spec_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = """
-name = "tiny"
-seed = 0
 
-[model]
-name = "{model}"
-kwargs = {{ hidden = 16 }}
+def tiny(store: str, model: str = "mlp", hidden: int | None = None) -> str:
+    """The sweeps' one-epoch spec: ``helpers.MINIMAL`` named ``tiny`` in the experiment ``sweeps``."""
+    return spec_text(
+        name="tiny",
+        model={"name": model, "kwargs": {"hidden": [16] if hidden is None else hidden}},
+        train={"epochs": 1, "log_every_n_steps": None},
+        tracking={"uri": store, "experiment": "sweeps"},
+    )
 
-[data]
-dataset = "synthetic"
-num_samples = 96
-input_shape = [8]
-num_classes = 3
-batch_size = 16
-val_fraction = 0.25
-
-[devices]
-accelerator = "cpu"
-
-[optim]
-name = "sgd"
-lr = 0.1
-
-[train]
-epochs = 1
-progress = "off"
-
-[tracking]
-uri = "{store}"
-experiment = "sweeps"
-"""
 
 FLAKY = '''
 """A model factory that fails or is interrupted on request, and notes the process that built it."""
@@ -76,7 +56,7 @@ def make(hidden=16, explode=False, stop=False, die=False):
 @pytest.fixture
 def flaky_spec(write_spec, store: str, tmp_path: Path) -> Path:
     (tmp_path / "flaky.py").write_text(FLAKY, encoding="utf-8")
-    return write_spec(text=TINY.format(model="flaky:make", store=store))
+    return write_spec(text=tiny(store, "flaky:make", 16))
 
 
 def _children(client: MlflowClient, parent_id: str) -> list:
@@ -98,7 +78,7 @@ def test_grid_sweep_gives_one_parent_with_nested_children_and_the_best_trial(
     write_spec, store: str, tmp_path, capsys
 ) -> None:
     extra = '[sweep]\nmetric = "val/loss"\ngoal = "min"\n[sweep.params."optim.lr"]\nvalues = [0.1, 0.01]\n'
-    spec = write_spec(extra, text=TINY.format(model="mlp", store=store).replace("hidden = 16", "hidden = [16]"))
+    spec = write_spec(extra, text=tiny(store))
     assert main(["sweep", str(spec), "--grid", "seed=0,1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     client = MlflowClient(store)
@@ -198,7 +178,7 @@ def test_pruning_stops_a_bad_trial_early(write_spec, store: str, tmp_path: Path)
         '[sweep]\nmetric = "val/loss"\ngoal = "min"\npruner = "median"\npruner_startup_trials = 1\n'
         '[sweep.params."optim.lr"]\nvalues = [0.5, 1e-6]\n'
     )
-    spec = write_spec(sweep, text=TINY.format(model="mlp", store=store).replace("hidden = 16", "hidden = [16]"))
+    spec = write_spec(sweep, text=tiny(store))
     report = run_sweep(spec, ["train.epochs=4"])
     good, bad = report.trials
     assert not good.pruned and bad.pruned and bad.pruned_epoch == 0 and report.failed == 0

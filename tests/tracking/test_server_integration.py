@@ -17,23 +17,9 @@ from runner.spec.loading import load_spec
 from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.runs import end_run, start_run
 from runner.tracking.uri import check_reachable
+from tests.helpers import SMALL, spec_text
 
-SPEC = """\
-name = "served"
-
-[model]
-name = "mlp"
-
-[data]
-dataset = "synthetic"
-batch_size = 8
-
-[optim]
-lr = 0.1
-
-[tracking]
-experiment = "over-http"
-"""
+SPEC = spec_text(SMALL, name="served", tracking={"experiment": "over-http"})
 
 SERVER_START_TIMEOUT_S = 120
 

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.devices.inventory import probe_inventory
+from tests.helpers import exec_args
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -34,10 +35,7 @@ def test_nvml_inventory_and_gpu_system_metrics(write_spec, store: str, monkeypat
         "train.epochs=3",
         "train.log_every_n_steps=50",
     ]
-    args = ["exec", str(spec)]
-    for item in sets:
-        args += ["--set", item]
-    assert main(args) == 0
+    assert main(exec_args(spec, *sets)) == 0
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     gpu = {k for k in run.data.metrics if k.startswith("system/gpu_0_")}

@@ -28,41 +28,25 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import TrackingError
 from runner.tracking.uri import check_reachable
+from tests.helpers import write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
 
-SPEC = """
-name = "team"
-seed = 0
 
-[model]
-name = "mlp"
-kwargs = {{ hidden = [16] }}
-
-[data]
-dataset = "synthetic"
-num_samples = 96
-input_shape = [8]
-num_classes = 3
-batch_size = 16
-
-[devices]
-accelerator = "cpu"
-
-[optim]
-lr = 0.1
-
-[train]
-epochs = 1
-progress = "off"
-
-[tracking]
-uri = "{uri}"
-experiment = "team"
-"""
+def _team_spec(path: Path, uri: str) -> Path:
+    """A one-epoch run of ``helpers.MINIMAL`` (default split and optimizer) in the experiment ``team`` at ``uri``."""
+    return write_spec_file(
+        path,
+        name="team",
+        model={"kwargs": {"hidden": [16]}},
+        data={"val_fraction": None},
+        optim={"name": None},
+        train={"epochs": 1, "log_every_n_steps": None},
+        tracking={"uri": uri, "experiment": "team"},
+    )
 
 
 def _free_port() -> int:
@@ -199,8 +183,7 @@ def _runner(*args: str, cwd: Path) -> subprocess.Popen[str]:
 
 
 def test_runner_exec_records_its_run_in_the_team_server(team_server: str, tmp_path: Path) -> None:
-    spec = tmp_path / "team.toml"
-    spec.write_text(SPEC.format(uri=team_server), encoding="utf-8")
+    spec = _team_spec(tmp_path / "team.toml", team_server)
     proc = _runner("exec", str(spec), cwd=tmp_path)
     out, err = proc.communicate(timeout=200)
     assert proc.returncode == 0, out + err
@@ -216,8 +199,7 @@ def test_runner_exec_records_its_run_in_the_team_server(team_server: str, tmp_pa
 
 
 def test_two_sweep_workers_share_one_study_in_postgres(team_server: str, postgres: Postgres, tmp_path: Path) -> None:
-    spec = tmp_path / "team.toml"
-    spec.write_text(SPEC.format(uri=team_server), encoding="utf-8")
+    spec = _team_spec(tmp_path / "team.toml", team_server)
     storage = postgres.url("optuna")
     args = ("sweep", str(spec), "--grid", "optim.lr=0.3,0.1", "--grid", "seed=0,1", "--storage", storage, "--json")
     workers = [_runner(*args, cwd=tmp_path) for _ in range(2)]

@@ -15,15 +15,13 @@ from runner.spec.schema import ExperimentSpec
 from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders
 from runner.training.splits import split_indices
+from tests.helpers import spec_object
 
 ASSETS = Path(__file__).parents[1] / "assets"
 
 
 def make_spec(seed: int = 0, accum: int = 1, **data) -> ExperimentSpec:
-    data.setdefault("batch_size", 32)
-    return ExperimentSpec(
-        name="t", seed=seed, model={"name": "mlp"}, data=data, optim={"lr": 0.1}, train={"grad_accum_steps": accum}
-    )
+    return spec_object(seed=seed, data={"batch_size": 32, **data}, train={"grad_accum_steps": accum})
 
 
 def only_issue(err: pytest.ExceptionInfo):

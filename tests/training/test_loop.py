@@ -32,6 +32,7 @@ from runner.training.loop import LoopParts, TrainState, fit
 from runner.training.losses import build_loss
 from runner.training.metrics import build_metric_plan
 from runner.training.setup import count_total_steps
+from tests.helpers import MINIMAL, spec_object
 
 STEPS_PER_EPOCH = 5
 EPOCHS = 3
@@ -67,24 +68,15 @@ class RecordingTracker:
 
 
 def make_spec(**train: Any) -> ExperimentSpec:
-    return ExperimentSpec.model_validate(
-        {
-            "name": "loop",
-            "seed": 0,
-            "model": {"name": "mlp"},
-            "data": {
-                "dataset": "synthetic",
-                "num_samples": 96,
-                "input_shape": [8],
-                "num_classes": 3,
-                "batch_size": 16,
-                "val_fraction": 0.25,
-            },
-            "devices": {"accelerator": "cpu"},
-            "optim": {"lr": 0.1},
-            "train": {"epochs": EPOCHS, "log_every_n_steps": 2, "progress": "off", **train},
-            "checkpoint": {"every_n_steps": 4},
-        }
+    """``helpers.MINIMAL`` without tracking, logging every 2 steps, a checkpoint every 4; ``train`` changes [train]."""
+    return spec_object(
+        MINIMAL,
+        name="loop",
+        model={"kwargs": None},
+        optim={"name": None},
+        train={"epochs": EPOCHS, "log_every_n_steps": 2, **train},
+        checkpoint={"every_n_steps": 4},
+        tracking=None,
     )
 
 
