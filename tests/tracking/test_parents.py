@@ -12,6 +12,12 @@ from runner.tracking.runs import end_run
 
 
 @pytest.fixture
+def store(ready_store: str) -> str:
+    """A sqlite store of this test alone, created already (a copy of the session's)."""
+    return ready_store
+
+
+@pytest.fixture
 def client(store):
     from mlflow.tracking import MlflowClient
 

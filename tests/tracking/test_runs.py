@@ -75,8 +75,9 @@ def _clean_env(monkeypatch, tmp_path, git_identity):
 
 
 @pytest.fixture
-def uri(tmp_path) -> str:
-    return f"sqlite:///{tmp_path}/mlflow.db"
+def uri(ready_store: str) -> str:
+    """A sqlite store of this test alone, created already (a copy of the session's)."""
+    return ready_store
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ from runner.tracking.trackers import NullTracker, SkipLoggedSteps, Tracker, make
 
 
 @pytest.fixture
-def uri(tmp_path) -> str:
-    return f"sqlite:///{tmp_path}/mlflow.db"
+def uri(ready_store: str) -> str:
+    """A sqlite store of this test alone, created already (a copy of the session's)."""
+    return ready_store
 
 
 @pytest.fixture
