@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.training.checkpoint import load_latest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
 
 DDP = ['parallel.mode="ddp"', "parallel.nproc_per_node=2", "parallel.timeout_s=60"]
 
@@ -39,20 +39,6 @@ def _final_params(store: str, run_id: str) -> dict[str, torch.Tensor]:
     found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
     assert found is not None
     return found.payload["model"]
-
-
-def test_ddp_two_processes_one_finished_run(write_spec, store: str) -> None:
-    assert main(["exec", str(write_spec()), *_sets(DDP)]) == 0
-    client, runs = _runs(store)
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["runner.world_size"] == "2"
-    history = client.get_metric_history(run.info.run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert steps == sorted(set(steps)), "a metric step was logged twice: more than one rank logs"
-    # 72 training samples / global batch 16 -> 5 steps per epoch (4 full + 8), 2 epochs
-    assert steps == list(range(1, 11))
 
 
 def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
@@ -163,9 +149,21 @@ def test_two_nodes_on_one_machine_make_one_run(write_spec, store: str, tmp_path:
     assert steps == list(range(1, 11))
 
 
-def test_under_torchrun_one_run_same_results(write_spec, store: str, tmp_path: Path) -> None:
+def test_ddp_two_processes_one_finished_run_and_the_same_under_torchrun(write_spec, store: str, tmp_path: Path) -> None:
     spec = write_spec()
     assert main(["exec", str(spec), *_sets(DDP)]) == 0
+    client, runs = _runs(store)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["runner.world_size"] == "2"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(set(steps)), "a metric step was logged twice: more than one rank logs"
+    # 72 training samples / global batch 16 -> 5 steps per epoch (4 full + 8), 2 epochs
+    assert steps == list(range(1, 11))
+
+    # the same job under torchrun: one more run, the same losses
     cmd = [
         sys.executable,
         "-m",

@@ -22,7 +22,7 @@ from runner.spec.loading import load_spec
 from runner.training.data import build_datasets
 from tests.helpers import ASSETS, write_spec_file
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parents[2]
 KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")

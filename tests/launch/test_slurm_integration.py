@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DDP = ["--set", 'parallel.mode="ddp"', "--set", "parallel.timeout_s=60", "--set", "train.epochs=1"]

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

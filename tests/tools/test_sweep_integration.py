@@ -19,7 +19,7 @@ from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine
 from tests.helpers import spec_text
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parents[2]
 DDP = ['parallel.mode="ddp"', "parallel.nproc_per_node=2"]
