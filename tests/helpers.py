@@ -1,4 +1,4 @@
-"""Shared test helpers: the repository's paths and one builder for spec text (TOML) and spec objects.
+"""Shared test helpers: the repository's paths, one builder for spec text (TOML) and spec objects, waiting, a server.
 
 A test states only what its spec changes against one of two bases: ``MINIMAL`` (a two-epoch CPU run on
 96 synthetic samples, logging every step, the template of ``conftest.write_spec``) or ``SMALL`` (the
@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from subprocess import Popen
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -130,3 +137,93 @@ def spec_object(base: Mapping[str, Any] = SMALL, **changes: Any) -> ExperimentSp
 def exec_args(spec: Path, *sets: str) -> list[str]:
     """The arguments of ``runner exec SPEC --set A --set B ...``."""
     return ["exec", str(spec), *(arg for item in sets for arg in ("--set", item))]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 120, proc: Popen | None = None) -> None:
+    """Poll ``condition`` every 0.1 s until it holds; fail naming ``what`` at ``timeout_s`` or when ``proc`` ends.
+
+    Raises:
+        AssertionError: the time is up, or ``proc`` (the process that should make it true) ended first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended before {what}: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 (its own process group) that a test may stop and start again.
+
+    It keeps its port and its store (``folder/server.db``, artifacts in ``folder/server-artifacts``) across restarts.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder, self.port = folder, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Popen | None = None
+
+    def start(self, timeout_s: float = 180) -> None:
+        """Start the server and return once its ``/health`` answers 200."""
+        cmd = [
+            sys.executable, "-m", "mlflow", "server",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.folder}/server.db",
+            "--artifacts-destination", str(self.folder / "server-artifacts"),
+        ]  # fmt: skip
+        with open(self.folder / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._healthy, "the mlflow server to answer", timeout_s=timeout_s)
+
+    def _healthy(self) -> bool:
+        import requests
+
+        assert self.proc is not None and self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
+        try:
+            return requests.get(self.url + "/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after 20 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+
+
+def elastic_run(fn: Callable[[], Any], nproc: int, name: str = "test") -> dict[int, Any]:
+    """Run ``fn`` on ``nproc`` spawned local ranks with torch elastic (c10d on a free localhost port, no restarts).
+
+    Returns:
+        ``fn``'s return value of each rank, by global rank.
+    """
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.spec.schema import TrainSpec
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
-from tests.helpers import write_spec_file
+from tests.helpers import MlflowServer, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -122,15 +121,6 @@ def _runs(uri: str) -> list:
     return [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-def _wait_for(condition, what: str, timeout_s: float = 120, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}: {proc.communicate()}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -181,7 +171,7 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
     pids = tmp_path / "pids"
     pids.mkdir()
     driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.1"))
-    _wait_for(lambda: len(list(pids.iterdir())) == 2, "both workers to train", proc=driver)
+    wait_for(lambda: len(list(pids.iterdir())) == 2, "both workers to train", proc=driver)
     (run,) = _runs(uri)
     run_id = run.info.run_id
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), "--resume", run_id))
@@ -191,7 +181,7 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
     driver.send_signal(signal.SIGKILL)
     driver.communicate()
     killed = time.monotonic()
-    _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to die with their driver", timeout_s=30)
+    wait_for(lambda: not any(_alive(p) for p in workers), "the workers to die with their driver", timeout_s=30)
     assert time.monotonic() - killed < 5, "a worker outlived its driver by more than a few seconds"
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # nobody could end it
 
@@ -209,7 +199,7 @@ def test_a_hung_rank_is_killed_after_a_short_grace_and_named(tmp_path: Path) -> 
     spec = _spec(tmp_path, uri, {**DDP, "timeout_s": 6, "hang_grace_s": 2}, epochs=2)
     marker = tmp_path / "hanging"
     proc = _runner(tmp_path, "exec", str(spec), env=_env(FAULT="hang", FAULT_AT="3", FAULT_MARKER=str(marker)))
-    _wait_for(marker.exists, "rank 1 to hang", proc=proc)
+    wait_for(marker.exists, "rank 1 to hang", proc=proc)
     hung = time.monotonic()
     code, _, err = _finish(proc)
     elapsed = time.monotonic() - hung
@@ -226,55 +216,10 @@ def test_a_hung_rank_is_killed_after_a_short_grace_and_named(tmp_path: Path) -> 
 # ----------------------------------------------------------------------------- item: a tracking outage
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A real ``mlflow server`` on 127.0.0.1 that a test stops and starts again on the same port and store."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.port = folder, _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        cmd = [
-            sys.executable, "-m", "mlflow", "server",
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.folder}/server.db",
-            "--artifacts-destination", str(self.folder / "server-artifacts"),
-        ]  # fmt: skip
-        with open(self.folder / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_for(self._healthy, "the mlflow server to answer", timeout_s=180)
-
-    def _healthy(self) -> bool:
-        import requests
-
-        assert self.proc is not None and self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
-        try:
-            return requests.get(self.url + "/health", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
-
-
 @pytest.fixture
 def server(tmp_path: Path):
-    srv = Server(tmp_path)
+    """A server of this test's own: the outage test stops it and starts it again."""
+    srv = MlflowServer(tmp_path)
     srv.start()
     try:
         yield srv
@@ -286,20 +231,20 @@ def _steps(uri: str, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
-def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_path: Path, server: Server) -> None:
+def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_path: Path, server: MlflowServer) -> None:
     epochs = 12
     spec = _spec(tmp_path, server.url, epochs=epochs, checkpoint={"every_n_steps": 2, "keep_last": 50, "dir": "ck"})
     env = _env(FAULT_STEP_S="0.15", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
     proc = _runner(tmp_path, "exec", str(spec), env=env)
-    _wait_for(lambda: bool(_runs(server.url)), "the run", proc=proc)
+    wait_for(lambda: bool(_runs(server.url)), "the run", proc=proc)
     run_id = _runs(server.url)[0].info.run_id
-    _wait_for(lambda: len(_steps(server.url, run_id, "train/loss")) >= 6, "metrics in MLflow", proc=proc)
+    wait_for(lambda: len(_steps(server.url, run_id, "train/loss")) >= 6, "metrics in MLflow", proc=proc)
     folder = tmp_path / "ck" / run_id
 
     server.stop()
     before = len(list_checkpoints(folder))
     # training goes on: checkpoints keep coming while the server is away, and metrics wait in the spool
-    _wait_for(lambda: len(list_checkpoints(folder)) >= before + 3, "checkpoints during the outage", 60, proc)
+    wait_for(lambda: len(list_checkpoints(folder)) >= before + 3, "checkpoints during the outage", 60, proc)
     assert (folder / "metrics-spool.jsonl").is_file()
     proc.send_signal(signal.SIGKILL)  # and the run dies before the server is back
     proc.communicate()

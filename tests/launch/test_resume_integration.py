@@ -158,27 +158,10 @@ def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str
     assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
     finished = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert finished.returncode == 2 and "already FINISHED" in finished.stderr
-    typo = _runner(
-        tmp_path,
-        str(spec),
-        "--resume",
-        run.info.run_id,
-        "--set",
-        "train.epochs=4",
-        "--allow-spec-change",
-        "train.epoch",
-    )
+    more_epochs = ("--resume", run.info.run_id, "--set", "train.epochs=4", "--allow-spec-change")
+    typo = _runner(tmp_path, str(spec), *more_epochs, "train.epoch")
     assert typo.returncode == 2 and "did you mean train.epochs" in typo.stderr
-    allowed = _runner(
-        tmp_path,
-        str(spec),
-        "--resume",
-        run.info.run_id,
-        "--set",
-        "train.epochs=4",
-        "--allow-spec-change",
-        "train.epochs",
-    )
+    allowed = _runner(tmp_path, str(spec), *more_epochs, "train.epochs")
     assert allowed.returncode == 0, allowed.stderr
     again = MlflowClient(store).get_run(run.info.run_id)
     assert json.loads(again.data.tags["runner.resume.spec_change"]) == {"train.epochs": [3, 4]}

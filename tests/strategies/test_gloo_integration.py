@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.registry import make_strategy
-from tests.helpers import spec_object
+from tests.helpers import elastic_run, spec_object
 
 pytestmark = pytest.mark.integration
 
@@ -83,26 +82,9 @@ def _stop_answers(strategy) -> dict[str, list[bool]]:
     return {"hot": hot, "settled": settled}
 
 
-def _launch() -> dict[int, dict]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=WORLD,
-        run_id=f"test-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    return elastic_launch(config, _worker)()
-
-
 @pytest.fixture(scope="module")
 def results():
-    return _launch()
+    return elastic_run(_worker, WORLD)
 
 
 @pytest.mark.timeout(120)

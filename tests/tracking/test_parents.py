@@ -12,16 +12,9 @@ from runner.tracking.runs import end_run
 
 
 @pytest.fixture
-def store(ready_store: str) -> str:
-    """A sqlite store of this test alone, created already (a copy of the session's)."""
-    return ready_store
-
-
-@pytest.fixture
-def client(store):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=store)
+def store(uri: str) -> str:
+    """The created store of ``conftest.uri`` (``client`` reads it)."""
+    return uri
 
 
 def _parent(store: str, **kwargs) -> str:

@@ -74,19 +74,6 @@ def _clean_env(monkeypatch, tmp_path, git_identity):
         mlflow.end_run()
 
 
-@pytest.fixture
-def uri(ready_store: str) -> str:
-    """A sqlite store of this test alone, created already (a copy of the session's)."""
-    return ready_store
-
-
-@pytest.fixture
-def client(uri):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +13,7 @@ from runner.spec.loading import load_spec
 from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.runs import end_run, start_run
 from runner.tracking.uri import check_reachable
-from tests.helpers import SMALL, spec_text
+from tests.helpers import SMALL, MlflowServer, spec_text
 
 SPEC = spec_text(SMALL, name="served", tracking={"experiment": "over-http"})
 
@@ -32,59 +28,12 @@ def _clean_env(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A running `mlflow server` child process (in its own process group)."""
-
-    def __init__(self, proc: subprocess.Popen, url: str):
-        self.proc, self.url = proc, url
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
-    """Start `mlflow server` on a free port; yield it; stop its whole process group."""
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable, "-m", "mlflow", "server",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-        "--artifacts-destination", str(tmp_path / "server-artifacts"),
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    server = Server(proc, f"http://127.0.0.1:{port}")
-    url = server.url
+    """An `mlflow server` of this test's own (the test stops it); stopped, with its process group, at the end."""
+    server = MlflowServer(tmp_path)
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                check_reachable(url, timeout_s=1.0)
-                break
-            except TrackingError:
-                if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
-                    )
-                time.sleep(0.5)
+        server.start(timeout_s=SERVER_START_TIMEOUT_S)
         yield server
     finally:
         server.stop()

@@ -15,19 +15,6 @@ from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.trackers import NullTracker, SkipLoggedSteps, Tracker, make_tracker, skip_logged_steps
 
 
-@pytest.fixture
-def uri(ready_store: str) -> str:
-    """A sqlite store of this test alone, created already (a copy of the session's)."""
-    return ready_store
-
-
-@pytest.fixture
-def client(uri):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
     out: set[str] = set()
     for f in client.list_artifacts(run_id, path):

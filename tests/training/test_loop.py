@@ -207,14 +207,11 @@ def test_a_stop_request_on_one_device_stops_after_that_step() -> None:
     assert tracker.steps_of("train/loss") == [2]
 
 
-def test_an_interrupted_fit_resumed_from_its_checkpoint_logs_what_an_uninterrupted_one_does() -> None:
-    spec = make_spec()
-    full = RecordingTracker()
-    fit(make_parts(spec, full), spec.train)
-
+def stop_and_save(spec: ExperimentSpec, step: int) -> tuple[RecordingTracker, dict[str, Any]]:
+    """``fit`` stopped by a request in ``step``: what it logged, and copies of the state, model and optimizer it saved."""
     saved: dict[str, Any] = {}
     before = RecordingTracker()
-    parts = request_stop_in_step(make_parts(spec, before), 7)
+    parts = request_stop_in_step(make_parts(spec, before), step)
 
     def on_checkpoint(state: TrainState, reason: str) -> None:
         saved.update(state=copy.deepcopy(state), model=copy.deepcopy(parts.model.state_dict()))
@@ -223,13 +220,27 @@ def test_an_interrupted_fit_resumed_from_its_checkpoint_logs_what_an_uninterrupt
     parts.on_checkpoint = on_checkpoint
     with pytest.raises(Interrupted):
         fit(parts, spec.train)
+    return before, saved
 
-    assert saved["state"].global_step == 7 and saved["state"].epoch_sums is not None
+
+def resume_saved(spec: ExperimentSpec, saved: dict[str, Any]) -> RecordingTracker:
+    """``fit`` on new parts restored from ``saved`` (see ``stop_and_save``); returns what it logged."""
     after = RecordingTracker()
     resumed = make_parts(spec, after)
     resumed.model.load_state_dict(saved["model"])
     resumed.optimizer.load_state_dict(saved["optimizer"])
     fit(resumed, spec.train, state=saved["state"])
+    return after
+
+
+def test_an_interrupted_fit_resumed_from_its_checkpoint_logs_what_an_uninterrupted_one_does() -> None:
+    spec = make_spec()
+    full = RecordingTracker()
+    fit(make_parts(spec, full), spec.train)
+
+    before, saved = stop_and_save(spec, 7)
+    assert saved["state"].global_step == 7 and saved["state"].epoch_sums is not None
+    after = resume_saved(spec, saved)
     assert without_timing(before.calls + after.calls) == without_timing(full.calls)
 
 
@@ -282,23 +293,9 @@ def test_train_metrics_resumed_mid_epoch_log_what_an_uninterrupted_fit_does() ->
     fit(make_parts(spec, full), spec.train)
     assert {"train/f1", "train/auroc", "train/step_auroc", "val/f1"} <= {k for _, m in full.calls for k in m}
 
-    saved: dict[str, Any] = {}
-    before = RecordingTracker()
-    parts = request_stop_in_step(make_parts(spec, before), 7)
-
-    def on_checkpoint(state: TrainState, reason: str) -> None:
-        saved.update(state=copy.deepcopy(state), model=copy.deepcopy(parts.model.state_dict()))
-        saved["optimizer"] = copy.deepcopy(parts.optimizer.state_dict())
-
-    parts.on_checkpoint = on_checkpoint
-    with pytest.raises(Interrupted):
-        fit(parts, spec.train)
+    before, saved = stop_and_save(spec, 7)
     assert set(saved["state"].metric_states["epoch"]) == {"accuracy", "f1", "auroc"}
-    after = RecordingTracker()
-    resumed = make_parts(spec, after)
-    resumed.model.load_state_dict(saved["model"])
-    resumed.optimizer.load_state_dict(saved["optimizer"])
-    fit(resumed, spec.train, state=saved["state"])
+    after = resume_saved(spec, saved)
     assert without_timing(before.calls + after.calls) == without_timing(full.calls)
 
 
