@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.training.checkpoint import list_checkpoints, load_latest
-from tests.helpers import ASSETS, write_spec_file
+from tests.helpers import ASSETS, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
@@ -81,7 +81,10 @@ def _final_model(store: str, run_id: str) -> dict[str, torch.Tensor]:
     return found.payload["model"]
 
 
-def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
+def _start_until_marked(
+    tmp_path: Path, spec: Path, at: int, what: str, timeout_s: float = 120, **env: str
+) -> subprocess.Popen:
+    """Start ``runner exec spec`` and return once rank 0's probe has marked training call ``at`` (within ``timeout_s``)."""
     marker = tmp_path / "marker"
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", "exec", str(spec)],
@@ -89,13 +92,14 @@ def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(STEPS_PER_EPOCH + 1)),
+        env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(at), **env),
     )
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the run never reached epoch 2"
-        time.sleep(0.05)
+    wait_for(marker.exists, what, timeout_s=timeout_s, proc=proc)
+    return proc
+
+
+def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
+    proc = _start_until_marked(tmp_path, spec, STEPS_PER_EPOCH + 1, "the run to reach epoch 2")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     return proc
@@ -186,19 +190,7 @@ def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path,
 
 def test_second_ctrl_c_exits_at_once(tmp_path: Path, store: str) -> None:
     spec = _write(tmp_path, store)
-    marker = tmp_path / "marker"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "exec", str(spec)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(PROBE_MARKER=str(marker), PROBE_AT="2", PROBE_SLEEP="30"),
-    )
-    deadline = time.monotonic() + 60
-    while not marker.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.05)
+    proc = _start_until_marked(tmp_path, spec, 2, "the run's second step", 60, PROBE_SLEEP="30")
     proc.send_signal(signal.SIGINT)  # first: finish the step (which now takes 30 s), then stop
     time.sleep(1.5)
     assert proc.poll() is None
