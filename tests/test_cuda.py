@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import uuid
 import warnings
 
 import pytest
@@ -24,6 +23,7 @@ from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.dp import DataParallelStrategy
 from runner.strategies.registry import make_strategy
+from tests.helpers import elastic_run, spec_object
 
 pytestmark = pytest.mark.cuda
 
@@ -51,15 +51,10 @@ def requires_gpus(min_gpus: int = 1) -> pytest.MarkDecorator:
 def make_spec(
     mode: str, ids="all", batch: int = 10, parallel: dict | None = None, accelerator: str = "cuda"
 ) -> ExperimentSpec:
-    return ExperimentSpec.model_validate(
-        {
-            "name": "t",
-            "model": {"name": "mlp"},
-            "data": {"dataset": "synthetic", "batch_size": batch},
-            "optim": {"lr": 0.1},
-            "devices": {"accelerator": accelerator, "ids": ids},
-            "parallel": {"mode": mode, **(parallel or {})},
-        }
+    return spec_object(
+        data={"batch_size": batch},
+        devices={"accelerator": accelerator, "ids": ids},
+        parallel={"mode": mode, **(parallel or {})},
     )
 
 
@@ -395,22 +390,10 @@ def _ddp_worker() -> dict:
 
 
 @requires_gpus(2)
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_ddp_nccl_two_processes_match_single_gradient():
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=2,
-        run_id=f"cuda-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    results = elastic_launch(config, _ddp_worker)()
+    results = elastic_run(_ddp_worker, 2, "cuda")
     torch.manual_seed(0)
     expected = _reference_grads(Recorder(), *_data(8), device="cuda:0")
     assert [results[r]["device"] for r in (0, 1)] == ["cuda:0", "cuda:1"]

@@ -9,39 +9,29 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
+from tests.helpers import exec_args, spec_text
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-DIGITS = """
-name = "digits"
-seed = {seed}
 
-[model]
-name = "mlp"
-kwargs = {{ hidden = [64] }}
-
-[data]
-dataset = "sklearn.digits"
-batch_size = 64
-val_fraction = 0.2
-
-[devices]
-accelerator = "cpu"
-
-[optim]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-
-[train]
-epochs = {epochs}
-log_every_n_steps = 5
-progress = "lines"
-
-[tracking]
-uri = "{store}"
-experiment = "digits-test"
-"""
+def digits(store: str, seed: int = 0, epochs: int = 1) -> str:
+    """``helpers.MINIMAL`` on scikit-learn's digits (batch 64, momentum 0.9), logging lines every 5 steps."""
+    return spec_text(
+        name="digits",
+        seed=seed,
+        model={"kwargs": {"hidden": [64]}},
+        data={
+            "dataset": "sklearn.digits",
+            "num_samples": None,
+            "input_shape": None,
+            "num_classes": None,
+            "batch_size": 64,
+            "val_fraction": 0.2,
+        },
+        optim={"momentum": 0.9},
+        train={"epochs": epochs, "log_every_n_steps": 5, "progress": "lines"},
+        tracking={"uri": store, "experiment": "digits-test"},
+    )
 
 
 def _runs(store: str, experiment: str = "digits-test"):
@@ -57,7 +47,7 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 
 
 def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, capsys) -> None:
-    spec = write_spec(text=DIGITS.format(seed=0, epochs=4, store=store))
+    spec = write_spec(text=digits(store, epochs=4))
     assert main(["exec", str(spec)]) == 0
     out = capsys.readouterr().out
     client, runs = _runs(store)
@@ -86,7 +76,7 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
 
 def test_same_seed_same_metrics_other_seed_differs(write_spec, store: str) -> None:
     for seed, name in ((0, "a.toml"), (0, "b.toml"), (1, "c.toml")):
-        assert main(["exec", str(write_spec(text=DIGITS.format(seed=seed, epochs=1, store=store), name=name))]) == 0
+        assert main(["exec", str(write_spec(text=digits(store, seed=seed), name=name))]) == 0
     client, runs = _runs(store)
     a, b, c = (_history(client, r.info.run_id, "train/loss") for r in runs)
     assert a == b
@@ -97,7 +87,7 @@ def test_unreachable_tracking_server_fails_before_training(write_spec, tmp_path:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = write_spec(text=DIGITS.format(seed=0, epochs=1, store=f"http://127.0.0.1:{port}"))
+    spec = write_spec(text=digits(f"http://127.0.0.1:{port}"))
     assert main(["exec", str(spec)]) == 2
     assert not (tmp_path / "checkpoints").exists()
     assert not (tmp_path / "mlflow.db").exists()
@@ -160,10 +150,7 @@ def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> No
         "tracking.system_metrics=true",
         "train.epochs=1",
     ]
-    args = ["exec", str(spec)]
-    for item in sets:
-        args += ["--set", item]
-    assert main(args) == 0
+    assert main(exec_args(spec, *sets)) == 0
     client, (run,) = _runs(store, "tests")
     assert run.info.status == "FINISHED"
     assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}

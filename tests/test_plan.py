@@ -10,27 +10,16 @@ from runner.devices.inventory import GpuInfo, Inventory
 from runner.errors import DeviceError, UsageError
 from runner.plan import launched_externally, make_plan
 from runner.spec.loading import key_line, load_spec
+from tests.helpers import SMALL, spec_text
 
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
-SPEC = """name = "t"
-[model]
-name = "mlp"
-[data]
-dataset = "synthetic"
-batch_size = 8
-[parallel]
-mode = "{mode}"
-[optim]
-lr = 0.1
-[tracking]
-enabled = false
-"""
 WORKER = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
 
 
 def load(tmp_path: Path, mode: str = "none", extra: str = ""):
+    text = spec_text(SMALL, compact=True, parallel={"mode": mode}, tracking={"enabled": False})  # mode at line 8
     path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(mode=mode) + extra, encoding="utf-8")
+    path.write_text(text + extra, encoding="utf-8")
     return load_spec(path)
 
 

@@ -1,0 +1,229 @@
+"""Shared test helpers: the repository's paths, one builder for spec text (TOML) and spec objects, waiting, a server.
+
+A test states only what its spec changes against one of two bases: ``MINIMAL`` (a two-epoch CPU run on
+96 synthetic samples, logging every step, the template of ``conftest.write_spec``) or ``SMALL`` (the
+fewest keys a valid spec needs, for tests that never train). ``changes`` name a top-level key or a
+table: a table's dict is merged into the base's table, and ``None`` removes a key or a whole table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from subprocess import Popen
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "tests" / "assets"
+
+# The order tables are written in (others follow in the order given); spec files read the same in any order.
+TABLE_ORDER = (
+    "model",
+    "data",
+    "devices",
+    "parallel",
+    "optim",
+    "scheduler",
+    "loss",
+    "metrics",
+    "train",
+    "checkpoint",
+    "tracking",
+    "sweep",
+)
+
+MINIMAL: dict[str, Any] = {
+    "name": "t",
+    "seed": 0,
+    "model": {"name": "mlp", "kwargs": {"hidden": [32]}},
+    "data": {
+        "dataset": "synthetic",
+        "num_samples": 96,
+        "input_shape": [8],
+        "num_classes": 3,
+        "batch_size": 16,
+        "val_fraction": 0.25,
+    },
+    "devices": {"accelerator": "cpu"},
+    "optim": {"name": "sgd", "lr": 0.1},
+    "train": {"epochs": 2, "log_every_n_steps": 1, "progress": "off"},
+    "tracking": {"uri": "", "experiment": "tests"},
+}
+
+SMALL: dict[str, Any] = {
+    "name": "t",
+    "model": {"name": "mlp"},
+    "data": {"dataset": "synthetic", "batch_size": 8},
+    "optim": {"lr": 0.1},
+}
+
+DDP_2: dict[str, Any] = {"mode": "ddp", "nproc_per_node": 2}
+
+
+def spec_dict(base: Mapping[str, Any] = MINIMAL, **changes: Any) -> dict[str, Any]:
+    """``base`` with ``changes``: a dict merges into the table of that name, ``None`` removes the key or table."""
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            merged = {**out[key], **value}
+            out[key] = {k: v for k, v in merged.items() if v is not None}
+        else:
+            out[key] = value
+    return out
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value: strings, booleans, numbers (inf and nan included), arrays and inline tables."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, float) and not math.isfinite(value):
+        return ("-" if value < 0 else "") + ("nan" if math.isnan(value) else "inf")
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def toml_text(spec: Mapping[str, Any], *, compact: bool = False) -> str:
+    """``spec`` as a TOML file: top-level keys first, then one ``[table]`` each in ``TABLE_ORDER``.
+
+    ``compact`` leaves out the blank line between tables (line numbers stay easy to count in a test).
+    """
+    lines = [f"{k} = {toml_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
+    tables = [k for k in TABLE_ORDER if isinstance(spec.get(k), dict)]
+    tables += [k for k, v in spec.items() if isinstance(v, dict) and k not in TABLE_ORDER]
+    for name in tables:
+        lines += [] if compact else [""]
+        lines += [f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in spec[name].items())]
+    return "\n".join(lines) + "\n"
+
+
+def spec_text(base: Mapping[str, Any] = MINIMAL, *, compact: bool = False, **changes: Any) -> str:
+    """The TOML text of ``base`` with ``changes`` (see ``spec_dict``)."""
+    return toml_text(spec_dict(base, **changes), compact=compact)
+
+
+def write_spec_file(path: Path, base: Mapping[str, Any] = MINIMAL, **changes: Any) -> Path:
+    """Write ``spec_text(base, **changes)`` to ``path`` and return it."""
+    path.write_text(spec_text(base, **changes), encoding="utf-8")
+    return path
+
+
+def spec_object(base: Mapping[str, Any] = SMALL, **changes: Any) -> ExperimentSpec:
+    """A validated ``ExperimentSpec`` of ``base`` with ``changes`` (no file: nothing has a line)."""
+    from runner.spec.schema import ExperimentSpec
+
+    return ExperimentSpec.model_validate(spec_dict(base, **changes))
+
+
+def exec_args(spec: Path, *sets: str) -> list[str]:
+    """The arguments of ``runner exec SPEC --set A --set B ...``."""
+    return ["exec", str(spec), *(arg for item in sets for arg in ("--set", item))]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 120, proc: Popen | None = None) -> None:
+    """Poll ``condition`` every 0.1 s until it holds; fail naming ``what`` at ``timeout_s`` or when ``proc`` ends.
+
+    Raises:
+        AssertionError: the time is up, or ``proc`` (the process that should make it true) ended first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended before {what}: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 (its own process group) that a test may stop and start again.
+
+    It keeps its port and its store (``folder/server.db``, artifacts in ``folder/server-artifacts``) across restarts.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder, self.port = folder, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Popen | None = None
+
+    def start(self, timeout_s: float = 180) -> None:
+        """Start the server and return once its ``/health`` answers 200."""
+        cmd = [
+            sys.executable, "-m", "mlflow", "server",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.folder}/server.db",
+            "--artifacts-destination", str(self.folder / "server-artifacts"),
+        ]  # fmt: skip
+        with open(self.folder / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._healthy, "the mlflow server to answer", timeout_s=timeout_s)
+
+    def _healthy(self) -> bool:
+        import requests
+
+        assert self.proc is not None and self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
+        try:
+            return requests.get(self.url + "/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after 20 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+
+
+def elastic_run(fn: Callable[[], Any], nproc: int, name: str = "test") -> dict[int, Any]:
+    """Run ``fn`` on ``nproc`` spawned local ranks with torch elastic (c10d on a free localhost port, no restarts).
+
+    Returns:
+        ``fn``'s return value of each rank, by global rank.
+    """
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)()

@@ -1,0 +1,220 @@
+"""DDP on CPU with gloo: one run per job, mode invariance, failures, two nodes, torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner.cli import main
+from runner.training.checkpoint import load_latest
+
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
+
+DDP = ['parallel.mode="ddp"', "parallel.nproc_per_node=2", "parallel.timeout_s=60"]
+
+
+def _sets(items: list[str]) -> list[str]:
+    out: list[str] = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+def _runs(store: str, experiment: str = "tests"):
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name(experiment)
+    runs = [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+    return client, runs
+
+
+def _final_params(store: str, run_id: str) -> dict[str, torch.Tensor]:
+    found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
+    assert found is not None
+    return found.payload["model"]
+
+
+def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
+    spec = write_spec()
+    common = ["train.epochs=3", "data.shuffle=true", "optim.momentum=0.9"]
+    assert main(["exec", str(spec), *_sets(common)]) == 0
+    assert main(["exec", str(spec), *_sets(common + DDP)]) == 0
+    client, (single, ddp) = _runs(store)
+    a = [(m.step, m.value) for m in client.get_metric_history(single.info.run_id, "train/loss")]
+    b = [(m.step, m.value) for m in client.get_metric_history(ddp.info.run_id, "train/loss")]
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 15
+    for (step, va), (_, vb) in zip(a, b, strict=False):
+        assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
+    pa, pb = _final_params(store, single.info.run_id), _final_params(store, ddp.info.run_id)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        torch.testing.assert_close(pa[key], pb[key], atol=1e-5, rtol=0)
+    assert single.data.metrics["val/accuracy"] == pytest.approx(ddp.data.metrics["val/accuracy"], abs=1e-9)
+
+
+FAILING = """
+import os
+import torch
+
+
+class FailOnRank(torch.nn.Module):
+    def __init__(self, rank: int = 1, at_call: int = 3):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+        self.calls = 0
+        self.rank, self.at_call = rank, at_call
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at_call and int(os.environ.get("RANK", "0")) == self.rank:
+            raise RuntimeError(f"rank {self.rank} exploded on purpose")
+        return self.lin(x)
+
+
+def build(**kwargs):
+    return FailOnRank(**kwargs)
+"""
+
+
+def test_one_rank_failing_fails_the_job_fast(write_spec, store: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "failing_factory.py").write_text(FAILING)
+    spec = write_spec()
+    start = time.monotonic()
+    code = main(
+        [
+            "exec",
+            str(spec),
+            *_sets([*DDP, 'model.name="failing_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]),
+        ]
+    )
+    elapsed = time.monotonic() - start
+    assert code == 1
+    assert elapsed < 60
+    assert "exploded on purpose" in capsys.readouterr().err
+    _, runs = _runs(store)
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_two_nodes_on_one_machine_make_one_run(write_spec, store: str, tmp_path: Path) -> None:
+    port = _free_port()
+    spec = write_spec()
+    common = [
+        sys.executable,
+        "-m",
+        "runner",
+        "exec",
+        str(spec),
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *_sets(['parallel.mode="ddp"', "parallel.nproc_per_node=1", "parallel.timeout_s=60"]),
+    ]
+    nodes = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(r)],
+            env=_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outputs = [n.communicate(timeout=200)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    client, runs = _runs(store)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", outputs
+    assert runs[0].data.tags["runner.world_size"] == "2"
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
+    assert steps == list(range(1, 11))
+
+
+def test_ddp_two_processes_one_finished_run_and_the_same_under_torchrun(write_spec, store: str, tmp_path: Path) -> None:
+    spec = write_spec()
+    assert main(["exec", str(spec), *_sets(DDP)]) == 0
+    client, runs = _runs(store)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["runner.world_size"] == "2"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(set(steps)), "a metric step was logged twice: more than one rank logs"
+    # 72 training samples / global batch 16 -> 5 steps per epoch (4 full + 8), 2 epochs
+    assert steps == list(range(1, 11))
+
+    # the same job under torchrun: one more run, the same losses
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "-m",
+        "runner",
+        "exec",
+        str(spec),
+        *_sets(DDP),
+    ]
+    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client, runs = _runs(store)
+    assert len(runs) == 2
+    first, second = runs
+    assert second.info.status == "FINISHED"
+    a = [m.value for m in client.get_metric_history(first.info.run_id, "train/loss")]
+    b = [m.value for m in client.get_metric_history(second.info.run_id, "train/loss")]
+    assert a == pytest.approx(b, abs=1e-6)
+
+
+UNUSED = """
+import torch
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 3)
+        self.spare_head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def build():
+    return WithUnused()
+"""
+
+
+def test_unused_parameters_error_names_them_and_the_spec_key(write_spec, store: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "unused_factory.py").write_text(UNUSED)
+    spec = write_spec()
+    sets = [*DDP, 'model.name="unused_factory:build"', "model.kwargs={}", "parallel.timeout_s=20"]
+    assert main(["exec", str(spec), *_sets(sets)]) == 1
+    err = capsys.readouterr().err
+    assert "spare_head.weight" in err and "parallel.find_unused_parameters" in err
+    assert main(["exec", str(spec), *_sets([*sets, "parallel.find_unused_parameters=true"])]) == 0

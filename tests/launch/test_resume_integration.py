@@ -1,0 +1,203 @@
+"""Interruption, checkpoints and resume: a stopped run continues into the same MLflow run and ends equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner.training.checkpoint import list_checkpoints, load_latest
+from tests.helpers import ASSETS, wait_for, write_spec_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).parents[2]
+
+DDP = {"mode": "ddp", "nproc_per_node": 2, "timeout_s": 60}
+STEPS_PER_EPOCH = 5  # 72 training samples, global batch 16
+KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/accuracy", "lr")
+
+
+def _write(
+    tmp_path: Path, store: str, parallel: dict | None = None, checkpoint: dict | None = None, name: str = "spec.toml"
+) -> Path:
+    """Three epochs of ``helpers.MINIMAL`` with the probe model, momentum, a step schedule and 5 checkpoints kept."""
+    shutil.copyfile(ASSETS / "probe_factory.py", tmp_path / "probe_factory.py")
+    return write_spec_file(
+        tmp_path / name,
+        name="resume",
+        seed=3,
+        model={"name": "probe_factory:build", "kwargs": {"in_features": 8, "num_classes": 3}},
+        parallel=parallel or {"mode": "none"},
+        optim={"momentum": 0.9},
+        scheduler={"name": "step", "kwargs": {"step_size": 1, "gamma": 0.5}},
+        train={"epochs": 3, "log_every_n_steps": 2},
+        checkpoint={"keep_last": 5, **(checkpoint or {})},
+        tracking={"uri": store, "experiment": "resume"},
+    )
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _runner(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "exec", *args],
+        cwd=tmp_path,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _runs(store: str) -> list:
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("resume")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _histories(store: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    client = MlflowClient(store)
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in KEYS}
+
+
+def _final_model(store: str, run_id: str) -> dict[str, torch.Tensor]:
+    found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
+    assert found is not None
+    return found.payload["model"]
+
+
+def _start_until_marked(
+    tmp_path: Path, spec: Path, at: int, what: str, timeout_s: float = 120, **env: str
+) -> subprocess.Popen:
+    """Start ``runner exec spec`` and return once rank 0's probe has marked training call ``at`` (within ``timeout_s``)."""
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "exec", str(spec)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(PROBE_MARKER=str(marker), PROBE_AT=str(at), **env),
+    )
+    wait_for(marker.exists, what, timeout_s=timeout_s, proc=proc)
+    return proc
+
+
+def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
+    proc = _start_until_marked(tmp_path, spec, STEPS_PER_EPOCH + 1, "the run to reach epoch 2")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    return proc
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: str) -> None:
+    # A ddp job: its ranks stop together and resume equal. The same on one device, resumed by the printed
+    # command, is test_reproduce_integration.py::test_the_interrupt_message_is_runner_resume_and_works_as_printed.
+    spec = _write(tmp_path, store, DDP)
+    done = _runner(tmp_path, str(spec))
+    assert done.returncode == 0, done.stderr
+    proc = _interrupt(tmp_path, spec)
+    assert proc.returncode == 130
+    full, stopped = _runs(store)
+    assert stopped.info.status == "KILLED"
+    stopped_steps = [s for s, _ in _histories(store, stopped.info.run_id)["train/loss"]]
+    assert stopped_steps and stopped_steps[-1] < 3 * STEPS_PER_EPOCH
+
+    resumed = _runner(tmp_path, str(spec), "--resume", "last")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from step-" in resumed.stderr  # a note, before training
+    runs = _runs(store)
+    assert len(runs) == 2, "resume must continue the same run, not start a new one"
+    again = MlflowClient(store).get_run(stopped.info.run_id)
+    assert again.info.status == "FINISHED"
+    expected, got = _histories(store, full.info.run_id), _histories(store, stopped.info.run_id)
+    for key in KEYS:
+        steps = [s for s, _ in got[key]]
+        assert steps == sorted(set(steps)), f"{key}: duplicated steps {steps}"
+        assert got[key] == expected[key], key
+    a, b = _final_model(store, full.info.run_id), _final_model(store, stopped.info.run_id)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    (run,) = _runs(store)
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
+    files = list_checkpoints(folder)
+    assert [f.name for f in files][-2:] == ["step-00000010.pt", "step-00000015.pt"]
+    files[-1].write_bytes(files[-1].read_bytes()[:1000])
+    before = _histories(store, run.info.run_id)
+    resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-00000015.pt" in resumed.stderr and "truncated" in resumed.stderr
+    assert "resuming from step-00000010.pt" in resumed.stderr
+    after = _histories(store, run.info.run_id)
+    assert after == before  # epoch 3 recomputed to the same values, no step logged twice
+    assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    (run,) = _runs(store)
+    edited = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "optim.lr=0.2", "--set", "seed=4")
+    assert edited.returncode == 2
+    assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
+    finished = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
+    assert finished.returncode == 2 and "already FINISHED" in finished.stderr
+    more_epochs = ("--resume", run.info.run_id, "--set", "train.epochs=4", "--allow-spec-change")
+    typo = _runner(tmp_path, str(spec), *more_epochs, "train.epoch")
+    assert typo.returncode == 2 and "did you mean train.epochs" in typo.stderr
+    allowed = _runner(tmp_path, str(spec), *more_epochs, "train.epochs")
+    assert allowed.returncode == 0, allowed.stderr
+    again = MlflowClient(store).get_run(run.info.run_id)
+    assert json.loads(again.data.tags["runner.resume.spec_change"]) == {"train.epochs": [3, 4]}
+    steps = [s for s, _ in _histories(store, run.info.run_id)["val/accuracy"]]
+    assert steps == [5, 10, 15, 20]
+
+
+def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store, {**DDP, "max_restarts": 1}, {"every_n_steps": 2})
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    crashed = _runner(tmp_path, str(spec), PROBE_MARKER=str(tmp_path / "crashed"), PROBE_AT="8", PROBE_CRASH="1")
+    assert crashed.returncode == 0, crashed.stdout + crashed.stderr
+    assert (tmp_path / "crashed").exists(), "the worker never crashed: the test tests nothing"
+    full, restarted = _runs(store)
+    assert restarted.info.status == "FINISHED"
+    got = _histories(store, restarted.info.run_id)
+    assert got == _histories(store, full.info.run_id)
+    a, b = _final_model(store, full.info.run_id), _final_model(store, restarted.info.run_id)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store)
+    proc = _start_until_marked(tmp_path, spec, 2, "the run's second step", 60, PROBE_SLEEP="30")
+    proc.send_signal(signal.SIGINT)  # first: finish the step (which now takes 30 s), then stop
+    time.sleep(1.5)
+    assert proc.poll() is None
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # second: stop now
+    out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 130, out
+    assert time.monotonic() - start < 15
+    (run,) = _runs(store)
+    assert run.info.status == "KILLED"

@@ -1,0 +1,360 @@
+"""Tests for runner.strategies on CPU: strategies, a one-process gloo group, state dicts, gatherable outputs."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runner.devices.inventory import GpuInfo, Inventory
+from runner.devices.resolve import resolve_devices
+from runner.errors import DeviceError, TrainingError, UsageError
+from runner.launch.environment import LauncherEnvironment
+from runner.plan import make_plan
+from runner.spec.loading import load_spec
+from runner.spec.schema import ExperimentSpec
+from runner.strategies.ddp import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
+from runner.strategies.dp import DataParallelStrategy, _GatherCheckedDataParallel, check_gatherable
+from runner.strategies.registry import make_strategy
+from runner.strategies.single import SingleDevice
+from runner.strategies.state_dicts import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
+from tests.helpers import spec_object
+
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def make_spec(
+    mode: str = "none", accelerator: str = "cpu", batch: int = 8, parallel: dict | None = None
+) -> ExperimentSpec:
+    return spec_object(
+        data={"batch_size": batch}, devices={"accelerator": accelerator}, parallel={"mode": mode, **(parallel or {})}
+    )
+
+
+def cpu_plan(spec: ExperimentSpec):
+    return resolve_devices(spec, {}, Inventory([], False))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_dist_env(monkeypatch):
+    """Start without launcher variables; never leak a process group or thread setting."""
+    for var in DIST_VARS:
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def ddp_one(monkeypatch):
+    """A set-up DDPStrategy in a one-process gloo group."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    spec = make_spec("ddp", parallel={"timeout_s": 60.0})
+    strategy = make_strategy(spec.parallel, cpu_plan(spec), LauncherEnvironment.detect())
+    strategy.setup()
+    yield strategy
+    strategy.teardown()
+
+
+class Net(nn.Module):
+    def __init__(self, unused: bool = False):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 3) if unused else None
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+# --------------------------------------------------------------------------- none / dp
+
+
+def test_make_strategy_picks_class_per_mode():
+    assert isinstance(make_strategy(make_spec("none").parallel, cpu_plan(make_spec("none"))), SingleDevice)
+    assert isinstance(make_strategy(make_spec("ddp").parallel, cpu_plan(make_spec("ddp"))), DDPStrategy)
+
+
+def test_single_device_cpu_is_trivial():
+    strategy = make_strategy(make_spec().parallel, cpu_plan(make_spec()))
+    with strategy:
+        assert (strategy.rank, strategy.local_rank, strategy.world_size, strategy.is_main) == (0, 0, 1, True)
+        assert strategy.device == torch.device("cpu") == strategy.output_device
+        model = Net()
+        wrapped = strategy.wrap(model)
+        assert wrapped is model and strategy.unwrap(wrapped) is model and strategy.eval_module(wrapped) is model
+        t = torch.tensor([1.0, 2.0])
+        assert torch.equal(strategy.all_reduce_sum(t), t)
+        assert strategy.broadcast_object({"a": 1}) == {"a": 1}
+        assert strategy.all_gather_object("x") == ["x"]
+        strategy.barrier()
+        with strategy.no_sync(wrapped):
+            pass
+
+
+def test_single_device_on_cuda_plan_targets_cuda0():
+    spec = make_spec(accelerator="auto")
+    plan = resolve_devices(spec, {}, Inventory([GpuInfo(0, "x"), GpuInfo(1, "y")], True))
+    strategy = make_strategy(spec.parallel, plan)
+    assert strategy.device == torch.device("cuda", 0)  # creating the device object does not touch CUDA
+
+
+def test_dp_without_gpus_is_refused_before_any_strategy_exists():
+    # The strategy assumes a CUDA plan: device resolution is where "dp needs CUDA" is checked.
+    with pytest.raises(DeviceError, match="dp"):
+        resolve_devices(make_spec("dp", accelerator="auto"), {}, Inventory([], False))
+
+
+def test_dp_strategy_output_device_from_plan():
+    spec = make_spec("dp", accelerator="cuda", parallel={"output_device": 2})
+    plan = resolve_devices(spec, {}, Inventory([GpuInfo(i, "g") for i in range(3)], True))
+    strategy = make_strategy(spec.parallel, plan)
+    assert isinstance(strategy, DataParallelStrategy)
+    assert strategy.device == torch.device("cuda", 0) and strategy.output_device == torch.device("cuda", 2)
+
+
+# --------------------------------------------------------------------------- ddp, one process
+
+
+def test_ddp_needs_launcher_env():
+    spec = make_spec("ddp")
+    strategy = make_strategy(spec.parallel, cpu_plan(spec), LauncherEnvironment.detect())
+    with pytest.raises(TrainingError, match="setup"):
+        _ = strategy.rank
+    with pytest.raises(UsageError, match="RANK"):
+        strategy.setup()
+    with pytest.raises(UsageError, match="RANK"):  # no environment handed in: not started by a launcher
+        make_strategy(spec.parallel, cpu_plan(spec)).setup()
+
+
+def test_ddp_world_size_must_match_plan(write_spec):
+    # Checked once, when the plan is made, before any worker or strategy exists.
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    loaded = load_spec(write_spec('[parallel]\nmode = "ddp"\n'))
+    with pytest.raises(UsageError, match="WORLD_SIZE=2"):
+        make_plan(loaded, env=env, inventory=Inventory([], False))
+
+
+def test_ddp_one_process_collectives(ddp_one):
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert (ddp_one.rank, ddp_one.local_rank, ddp_one.world_size, ddp_one.is_main) == (0, 0, 1, True)
+    t = torch.tensor([1.5, 2.0])
+    out = ddp_one.all_reduce_sum(t)
+    assert torch.equal(out, t) and out is not t
+    assert ddp_one.broadcast_object({"run": "abc"}) == {"run": "abc"}
+    assert ddp_one.all_gather_object(3) == [3]
+    ddp_one.barrier()
+    cores = len(__import__("os").sched_getaffinity(0))
+    assert torch.get_num_threads() == max(1, cores)
+
+
+def test_single_device_answers_the_stop_decision_at_once():
+    strategy = make_strategy(make_spec().parallel, cpu_plan(make_spec()))
+    assert [strategy.reduce_stop_decision(flag) for flag in (False, True, False)] == [False, True, False]
+    assert strategy.reduce_stop_decision(True, settle=True) is True
+
+
+def test_ddp_stop_decision_answers_one_call_later_and_stays(ddp_one):
+    # Hot path: a flag passed after step k is answered after step k + 1; the answer is final.
+    answers = [ddp_one.reduce_stop_decision(flag) for flag in (False, False, True, False, False)]
+    assert answers == [False, False, False, True, True]
+    assert ddp_one._pending_stop is None
+    assert ddp_one.reduce_stop_decision(False, settle=True) is True
+
+
+def test_ddp_stop_decision_settles_at_once(ddp_one):
+    assert ddp_one.reduce_stop_decision(False, settle=True) is False
+    assert ddp_one.reduce_stop_decision(True) is False  # in flight
+    assert ddp_one.reduce_stop_decision(False, settle=True) is True  # the outstanding flag is answered
+    assert ddp_one._pending_stop is None
+
+
+def test_ddp_settled_stop_decision_counts_the_current_flag(ddp_one):
+    assert ddp_one.reduce_stop_decision(False) is False
+    assert ddp_one.reduce_stop_decision(True, settle=True) is True
+    assert ddp_one._pending_stop is None
+
+
+def test_ddp_stop_decision_runs_on_a_cpu_gloo_side_group(ddp_one):
+    assert ddp_one._flag_group is not None and ddp_one._flag_group is not dist.group.WORLD
+    assert dist.get_backend(ddp_one._flag_group) == "gloo"
+    ddp_one.reduce_stop_decision(True)
+    _work, buf = ddp_one._pending_stop
+    assert buf.device == torch.device("cpu")
+    ddp_one.teardown()
+    assert ddp_one._flag_group is None and ddp_one._pending_stop is None
+
+
+def test_ddp_wrap_eval_and_teardown_twice(ddp_one):
+    model = Net()
+    wrapped = ddp_one.wrap(model)
+    assert isinstance(wrapped, nn.parallel.DistributedDataParallel)
+    assert ddp_one.unwrap(wrapped) is model and ddp_one.eval_module(wrapped) is model
+    with ddp_one.no_sync(wrapped):
+        wrapped(torch.randn(4, 4)).sum().backward()
+    ddp_one.teardown()
+    ddp_one.teardown()
+    assert not dist.is_initialized()
+
+
+def test_ddp_unused_parameters_error_names_them(ddp_one):
+    model = Net(unused=True)
+    wrapped = ddp_one.wrap(model)
+    with pytest.raises(RuntimeError) as caught:
+        for _ in range(2):
+            wrapped(torch.randn(4, 4)).sum().backward()
+    assert is_unused_parameters_error(caught.value)
+    err = describe_unused_parameters_error(caught.value, wrapped)
+    assert isinstance(err, TrainingError)
+    assert "spare.weight" in str(err) and "spare.bias" in str(err)
+    assert "parallel.find_unused_parameters" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("message", "expect"),
+    [
+        (
+            "Expected to have finished reduction ...\n"
+            "Parameters which did not receive grad for rank 1: b.bias, b.weight\n",
+            ["b.bias", "b.weight", "rank 1"],
+        ),
+        (
+            "Expected to have finished reduction ...\n"
+            "Parameter indices which did not receive grad for rank 0: 0 3\n In addition",
+            ["a.weight, bn.bias", "rank 0"],
+        ),
+        ("Expected to have finished reduction ... static_graph set to True.", ["static_graph = false"]),
+    ],
+)
+def test_describe_unused_parameters_parses_messages(message, expect):
+    err = describe_unused_parameters_error(RuntimeError(message), Net())
+    for piece in expect:
+        assert piece in str(err)
+
+
+def test_describe_unused_parameters_falls_back_to_missing_grads():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0](torch.randn(1, 2)).sum().backward()
+    err = describe_unused_parameters_error(RuntimeError("Expected to have finished reduction"), model)
+    assert "1.weight, 1.bias" in str(err)
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _wrap(mode: str, model: nn.Module) -> nn.Module:
+    if mode == "dp":
+        return nn.DataParallel(model)  # without CUDA it keeps the module on CPU, keys still 'module.'
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(["none", "dp", "ddp"], repeat=2)))
+@pytest.mark.parametrize("raw", [False, True], ids=["unwrapped_sd", "raw_sd"])
+def test_state_dict_round_trip_across_modes(ddp_one, src, dst, raw):
+    torch.manual_seed(0)
+    source = _wrap(src, Net())
+    with torch.no_grad():
+        unwrap(source).bn.running_mean.add_(1.0)
+    state = source.state_dict() if raw else unwrapped_state_dict(source)
+    if raw and src != "none":
+        assert all(k.startswith("module.") for k in state)
+    if not raw:
+        assert not any(k.startswith("module.") for k in state)
+    torch.manual_seed(1)
+    target = _wrap(dst, Net())
+    load_state_dict_flexible(target, state)
+    for (name, a), (_, b) in zip(
+        unwrap(source).state_dict().items(), unwrap(target).state_dict().items(), strict=False
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_state_dict_compile_prefix_is_stripped():
+    source, target = Net(), Net()
+    state = {f"_orig_mod.module.{k}": v for k, v in source.state_dict().items()}
+    load_state_dict_flexible(target, state)
+    assert torch.equal(target.a.weight, source.a.weight)
+
+
+def test_state_dict_mismatch_lists_missing_and_unexpected_keys():
+    state = Net().state_dict()
+    state.pop("b.bias")
+    state["head.weight"] = torch.zeros(1)
+    with pytest.raises(StateDictMismatchError) as err:
+        load_state_dict_flexible(Net(), {f"module.{k}": v for k, v in state.items()})
+    assert err.value.missing == ["b.bias"] and err.value.unexpected == ["head.weight"]
+    assert "missing keys: b.bias" in str(err.value) and "unexpected keys: head.weight" in str(err.value)
+    assert isinstance(err.value, TrainingError)
+
+
+def test_state_dict_partial_prefix_is_not_stripped():
+    state = {("module." + k if k.startswith("a.") else k): v for k, v in Net().state_dict().items()}
+    with pytest.raises(StateDictMismatchError, match=r"module\.a\.weight"):
+        load_state_dict_flexible(Net(), state)
+
+
+def test_state_dict_shape_mismatch():
+    state = Net().state_dict()
+    state["b.weight"] = torch.zeros(5, 8)
+    with pytest.raises(StateDictMismatchError, match="size mismatch"):
+        load_state_dict_flexible(Net(), state)
+
+
+# --------------------------------------------------------------------------- gatherable outputs
+
+Pair = namedtuple("Pair", "logits aux")
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        torch.zeros(2),
+        None,
+        (torch.zeros(2), torch.ones(2)),
+        [torch.zeros(1)],
+        {"a": torch.zeros(1), "b": {"c": None}},
+        Pair(torch.zeros(1), torch.zeros(1)),
+    ],
+)
+def test_check_gatherable_accepts_tensors_and_containers(output):
+    check_gatherable(output)
+
+
+@pytest.mark.parametrize(
+    ("output", "expect"),
+    [
+        ({"logits": torch.zeros(1), "aux": "text"}, "output['aux'] is a str"),
+        ((torch.zeros(1), 3), "output[1] is a int"),
+        ({"a": [torch.zeros(1), {"b": 1.5}]}, "output['a'][1]['b'] is a float"),
+        (Pair(torch.zeros(1), object()), "output[1] is a object"),
+    ],
+)
+def test_check_gatherable_names_offending_path(output, expect):
+    with pytest.raises(TrainingError) as err:
+        check_gatherable(output)
+    assert expect in str(err.value) and 'mode = "dp"' in str(err.value)
+
+
+def test_dataparallel_wrapper_checks_before_gathering():
+    wrapper = _GatherCheckedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(TrainingError, match=r"output\['aux'\] is a str"):
+        wrapper.gather([{"aux": "x"}, {"aux": "y"}], 0)

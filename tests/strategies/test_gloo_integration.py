@@ -1,0 +1,126 @@
+"""Two CPU processes (gloo) started by torch's elastic launcher: collectives and DDP gradients match one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from runner.devices.inventory import Inventory
+from runner.devices.resolve import resolve_devices
+from runner.launch.environment import LauncherEnvironment
+from runner.spec.schema import ExperimentSpec
+from runner.strategies.registry import make_strategy
+from tests.helpers import elastic_run, spec_object
+
+pytestmark = pytest.mark.integration
+
+WORLD = 2
+BATCH = 8
+
+
+def _spec() -> ExperimentSpec:
+    return spec_object(
+        data={"batch_size": BATCH},
+        devices={"accelerator": "cpu"},
+        parallel={"mode": "ddp", "nproc_per_node": WORLD, "timeout_s": 60.0},
+    )
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    return torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen)
+
+
+def _worker() -> dict:
+    """Runs in each elastic worker; returns what the test checks."""
+    spec = _spec()
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, {}, Inventory([], False)), LauncherEnvironment.detect()
+    )
+    strategy.setup()
+    try:
+        rank = strategy.rank
+        out = {
+            "rank": rank,
+            "world": strategy.world_size,
+            "local_rank": strategy.local_rank,
+            "is_main": strategy.is_main,
+            "threads": torch.get_num_threads(),
+            "sum": strategy.all_reduce_sum(torch.tensor([rank + 1.0, 10.0])),
+            "broadcast": strategy.broadcast_object({"from": rank, "run_id": f"run-{rank}"}),
+            "gathered": strategy.all_gather_object(rank * 10),
+        }
+        wrapped = strategy.wrap(_model())
+        x, y = _batch()
+        share = BATCH // WORLD
+        xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        nn.functional.mse_loss(wrapped(xs), ys).backward()
+        out["grads"] = {n: p.grad.clone() for n, p in strategy.unwrap(wrapped).named_parameters()}
+        out["stop"] = _stop_answers(strategy)
+        strategy.barrier()
+        return out
+    finally:
+        strategy.teardown()
+
+
+STOP_FLAGGED_AT = 3  # rank 1 alone raises its stop flag after step 3 (and keeps it raised)
+
+
+def _stop_answers(strategy) -> dict[str, list[bool]]:
+    """The stop decisions one rank gets: settled at an epoch boundary, then on the hot path after steps 1..6."""
+    settled = [strategy.reduce_stop_decision(False, settle=True)]
+    hot = [strategy.reduce_stop_decision(strategy.rank == 1 and step >= STOP_FLAGGED_AT) for step in range(1, 7)]
+    settled.append(strategy.reduce_stop_decision(False, settle=True))  # final once True
+    return {"hot": hot, "settled": settled}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return elastic_run(_worker, WORLD)
+
+
+@pytest.mark.timeout(120)
+def test_layout_and_threads(results):
+    assert sorted(results) == [0, 1]
+    for rank, res in results.items():
+        assert (res["rank"], res["world"], res["local_rank"], res["is_main"]) == (rank, WORLD, rank, rank == 0)
+    cores = len(os.sched_getaffinity(0))
+    assert all(res["threads"] == max(1, cores // WORLD) for res in results.values())
+
+
+@pytest.mark.timeout(120)
+def test_collectives(results):
+    for res in results.values():
+        assert torch.equal(res["sum"], torch.tensor([3.0, 20.0]))
+        assert res["broadcast"] == {"from": 0, "run_id": "run-0"}
+        assert res["gathered"] == [0, 10]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_gradient_equals_single_process_gradient(results):
+    model = _model()
+    x, y = _batch()
+    nn.functional.mse_loss(model(x), y).backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for res in results.values():
+        assert res["grads"].keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(res["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_stop_decision_agrees_one_step_later_on_every_rank(results):
+    # Rank 1 asks to stop after step 3; both ranks learn it after step 4 (one step later), rank 0 too.
+    expected_hot = [step > STOP_FLAGGED_AT for step in range(1, 7)]
+    assert expected_hot == [False, False, False, True, True, True]
+    for res in results.values():
+        assert res["stop"]["hot"] == expected_hot
+        assert res["stop"]["settled"] == [False, True]

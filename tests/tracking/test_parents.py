@@ -1,0 +1,119 @@
+"""Tests of runner.tracking.parents: parent runs, their children and summaries, in a throw-away sqlite store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from runner.errors import TrackingError
+from runner.tracking import parents
+from runner.tracking.runs import end_run
+
+
+@pytest.fixture
+def store(uri: str) -> str:
+    """The created store of ``conftest.uri`` (``client`` reads it)."""
+    return uri
+
+
+def _parent(store: str, **kwargs) -> str:
+    return parents.create_parent_run(
+        store,
+        "group",
+        run_name=kwargs.pop("run_name", "p"),
+        tags=kwargs.pop("tags", {"kind": "parent"}),
+        params=kwargs.pop("params", {"group.size": "3"}),
+        texts=kwargs.pop("texts", {"notes/plan.json": '{"a": 1}\n'}),
+        **kwargs,
+    )
+
+
+def test_create_parent_run_records_tags_params_and_texts(store, client, tmp_path):
+    run_id = _parent(store, params={f"p{i}": str(i) for i in range(150)})  # more than one batch of params
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and run.info.run_name == "p"
+    assert client.get_experiment(run.info.experiment_id).name == "group"
+    assert run.data.tags["kind"] == "parent"
+    assert len(run.data.params) == 150 and run.data.params["p149"] == "149"
+    assert parents.read_text_artifact(store, run_id, "notes/plan.json") == '{"a": 1}\n'
+    assert parents.experiment_id(store, "group") == run.info.experiment_id  # found, not created again
+
+
+def test_create_parent_run_ends_it_failed_when_recording_fails(store, client, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    def broken(self, run_id, text, artifact_file):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(MlflowClient, "log_text", broken)
+    with pytest.raises(TrackingError, match=r"could not record the group's parent run \w+ at .*disk full"):
+        _parent(store, what="the group's parent run")
+    (run,) = client.search_runs([client.get_experiment_by_name("group").experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_a_deleted_experiment_is_a_clear_error(store, client):
+    client.delete_experiment(client.create_experiment("group"))
+    with pytest.raises(TrackingError, match="is deleted"):
+        _parent(store)
+
+
+def test_find_run_and_child_runs_oldest_first(store, client):
+    parent = _parent(store)
+    eid = client.get_run(parent).info.experiment_id
+    children = []
+    for i in range(3):
+        children.append(client.create_run(eid, tags={"mlflow.parentRunId": parent, "i": str(i)}).info.run_id)
+        time.sleep(0.01)
+    client.create_run(eid, tags={"mlflow.parentRunId": "f" * 32})  # another parent's child
+    client.log_metric(children[1], "val/loss", 0.25)
+    end_run(store, children[2], "FINISHED")
+
+    found = parents.child_runs(store, eid, parent)
+    assert [r.run_id for r in found] == children
+    assert [r.tags["i"] for r in found] == ["0", "1", "2"]
+    assert found[1].metrics == {"val/loss": 0.25} and found[2].status == "FINISHED"
+    assert found[0].start_time_ms <= found[1].start_time_ms <= found[2].start_time_ms
+    assert parents.child_runs(store, eid, "0" * 32) == []
+
+    record = parents.find_run(store, parent)
+    assert record is not None and record.run_id == parent and record.experiment_id == eid
+    assert record.params == {"group.size": "3"} and record.tags["kind"] == "parent"
+    assert parents.find_run(store, "0" * 32) is None
+
+
+def test_read_text_artifact_of_a_missing_file_is_a_tracking_error(store):
+    with pytest.raises(TrackingError, match=r"could not read artifact absent\.json"):
+        parents.read_text_artifact(store, _parent(store), "absent.json")
+
+
+def test_record_summary_and_mark_running(store, client, tmp_path):
+    run_id = _parent(store)
+    chart = tmp_path / "chart.png"
+    chart.write_bytes(b"\x89PNG")
+    parents.record_summary(
+        store,
+        run_id,
+        metrics={"best/val/loss": 0.5, "count": 3},
+        params={"group.steps": "20"},
+        tags={"group.best": "x"},
+        texts={"report.json": "{}\n"},
+        files=[chart],
+        files_dir="figures",
+    )
+    run = client.get_run(run_id)
+    assert run.data.metrics == {"best/val/loss": 0.5, "count": 3.0}
+    assert [m.step for m in client.get_metric_history(run_id, "best/val/loss")] == [0]
+    assert run.data.params["group.steps"] == "20" and run.data.tags["group.best"] == "x"
+    names = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "figures")}
+    assert {"report.json", "figures/chart.png"} <= names
+
+    end_run(store, run_id, "FAILED")
+    parents.mark_running(store, run_id)
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert "runner.resume.count" not in client.get_run(run_id).data.tags  # only the status changes
+    with pytest.raises(TrackingError, match="could not record the summary"):
+        parents.record_summary(store, "0" * 32, tags={"a": "b"})
+    with pytest.raises(TrackingError, match="could not reopen"):
+        parents.mark_running(store, "0" * 32)

@@ -1,0 +1,266 @@
+"""Tests of runner.tracking.trackers and runner.tracking.mlflow_tracker against a throw-away sqlite store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.errors import TrackingError
+from runner.tracking.mlflow_tracker import MlflowTracker
+from runner.tracking.trackers import NullTracker, SkipLoggedSteps, Tracker, make_tracker, skip_logged_steps
+
+
+def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    out: set[str] = set()
+    for f in client.list_artifacts(run_id, path):
+        out |= artifact_paths(client, run_id, f.path) if f.is_dir else {f.path}
+    return out
+
+
+# --------------------------------------------------------------------------- MlflowTracker
+
+
+def new_run(client) -> str:
+    exp = client.create_experiment(f"e{time.monotonic_ns()}")
+    return client.create_run(exp).info.run_id
+
+
+def test_tracker_logs_2500_metrics_in_order(uri, client):
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=0.2)
+    for step in range(2500):
+        tracker.log_metrics({"train/loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
+    tracker.close()
+    hist = client.get_metric_history(run_id, "train/loss")
+    assert len(hist) == 2500
+    ordered = sorted(hist, key=lambda m: (m.step, m.timestamp))
+    assert [m.step for m in ordered] == list(range(2500))
+    assert all(isinstance(m.step, int) for m in ordered)
+    assert [m.value for m in ordered] == [1.0 / (s + 1) for s in range(2500)]
+    ts = [m.timestamp for m in ordered]
+    assert ts == sorted(ts)
+    assert len(client.get_metric_history(run_id, "lr")) == 2500
+
+
+def test_tracker_flush_semantics(uri, client):
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    for step in range(10):
+        tracker.log_metrics({"m": float(step)}, step=step)
+    time.sleep(0.3)
+    assert client.get_metric_history(run_id, "m") == []  # nothing sent before it is due
+    tracker.flush()
+    assert [m.step for m in client.get_metric_history(run_id, "m")] == list(range(10))
+    tracker.flush()  # nothing new: returns at once
+    tracker.close()
+    tracker.close()  # idempotent
+    with pytest.raises(TrackingError, match="closed"):
+        tracker.log_metrics({"m": 1.0}, step=11)
+
+
+def test_tracker_sends_when_batch_is_full_or_due(uri, client):
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=3600, max_batch=5)
+    for step in range(5):
+        tracker.log_metrics({"full": 1.0}, step=step)
+    deadline = time.monotonic() + 10
+    while len(client.get_metric_history(run_id, "full")) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(client.get_metric_history(run_id, "full")) == 5
+    tracker.close()
+
+    timed = MlflowTracker(uri, run_id, flush_every_s=0.2)
+    timed.log_metrics({"due": 1.0}, step=0)
+    deadline = time.monotonic() + 10
+    while not client.get_metric_history(run_id, "due") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(client.get_metric_history(run_id, "due")) == 1
+    timed.close()
+
+
+def test_tracker_never_blocks_the_caller(uri, client):
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=0.05, max_batch=1)
+    real = tracker._client
+
+    class Slow:
+        def log_batch(self, *args, **kwargs):
+            time.sleep(0.2)
+            return real.log_batch(*args, **kwargs)
+
+    tracker._client = Slow()
+    worst = 0.0
+    for step in range(10):
+        t0 = time.perf_counter()
+        tracker.log_metrics({"slow": float(step)}, step=step)
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.005)
+    assert worst < 0.1
+    tracker.close()
+    assert len(client.get_metric_history(run_id, "slow")) == 10
+
+
+def test_tracker_tags_and_artifacts(tmp_path, uri, client):
+    run_id = new_run(client)
+    f = tmp_path / "notes.txt"
+    f.write_text("hello\n")
+    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+        tracker.set_tags({"phase": "train", "best_epoch": 3, "ok": True})
+        tracker.log_artifact(f, "extra")
+        with pytest.raises(FileNotFoundError):
+            tracker.log_artifact(tmp_path / "absent.bin")
+    tags = client.get_run(run_id).data.tags
+    assert tags["phase"] == "train" and tags["best_epoch"] == "3" and tags["ok"] == "true"
+    assert "extra/notes.txt" in artifact_paths(client, run_id)
+
+
+def test_tracker_rejects_bad_input(uri, client):
+    tracker = MlflowTracker(uri, new_run(client), flush_every_s=3600)
+    with pytest.raises(TypeError):
+        tracker.log_metrics({"m": 1.0}, step=1.5)
+    with pytest.raises(ValueError, match="metric name"):
+        tracker.log_metrics({"bad|name": 1.0}, step=1)
+    tracker.close()
+    with pytest.raises(ValueError):
+        MlflowTracker(uri, "x", flush_every_s=0)
+
+
+def test_tracker_errors_surface_on_flush(uri, client):
+    tracker = MlflowTracker(uri, "0" * 32, flush_every_s=3600)
+    tracker.log_metrics({"m": 1.0}, step=0)
+    with pytest.raises(TrackingError, match="1 items were not recorded") as err:
+        tracker.flush()
+    assert "0" * 32 in str(err.value)
+    tracker.flush()  # reported once
+    tracker.close()
+
+
+def test_tracker_errors_surface_on_close_for_deleted_run(uri, client):
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    tracker.log_metrics({"m": 1.0}, step=0)
+    tracker.flush()
+    client.delete_run(run_id)
+    tracker.log_metrics({"m": 2.0}, step=1)
+    with pytest.raises(TrackingError, match="failed"):
+        tracker.close()
+
+
+# --------------------------------------------------------------------------- the protocol, NullTracker
+
+# One call of every method of the Tracker protocol: name -> (args, kwargs).
+PROTOCOL_CALLS = {
+    "log_metrics": (({"train/loss": 1.0},), {"step": 0}),
+    "log_artifact": (("absent/model.bin", "checkpoints"), {}),
+    "set_tags": (({"phase": "train"},), {}),
+    "flush": ((), {}),
+    "close": ((), {}),
+}
+
+
+def test_protocol_calls_cover_every_method_of_the_protocol():
+    methods = {name for name, value in vars(Tracker).items() if callable(value) and not name.startswith("_")}
+    assert methods == set(PROTOCOL_CALLS)
+    for name in methods:
+        assert getattr(Tracker, name).__doc__, f"Tracker.{name} has no docstring"
+
+
+def test_every_tracker_has_every_protocol_method():
+    for cls in (NullTracker, MlflowTracker, SkipLoggedSteps):
+        missing = [name for name in PROTOCOL_CALLS if not callable(getattr(cls, name, None))]
+        assert not missing, (cls.__name__, missing)
+
+
+def test_null_tracker_does_nothing(tmp_path):
+    """Every protocol call returns None, and the tracker starts no thread, writes no file and imports no mlflow."""
+    code = f"""
+import os, sys, threading
+from runner.tracking.trackers import NullTracker, Tracker
+calls = {PROTOCOL_CALLS!r}
+threads = threading.active_count()
+tracker = NullTracker()
+assert isinstance(tracker, Tracker)
+with tracker as entered:
+    assert entered is tracker
+    results = {{name: getattr(tracker, name)(*args, **kwargs) for name, (args, kwargs) in calls.items()}}
+tracker.close()
+assert results == dict.fromkeys(calls), results
+assert threading.active_count() == threads, threading.enumerate()
+assert "mlflow" not in sys.modules
+assert os.listdir(".") == [], os.listdir(".")
+print("ok")
+"""
+    work = tmp_path / "empty"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+class Recorder:
+    """A tracker that records every call."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def log_metrics(self, metrics, step):
+        self.calls.append(("log_metrics", dict(metrics), step))
+
+    def log_artifact(self, path, artifact_path=None):
+        self.calls.append(("log_artifact", str(path), artifact_path))
+
+    def set_tags(self, tags):
+        self.calls.append(("set_tags", dict(tags)))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_skip_logged_steps_drops_only_the_steps_the_run_holds():
+    inner = Recorder()
+    tracker = SkipLoggedSteps(inner, {"train/loss": 5})
+    tracker.log_metrics({"train/loss": 1.0, "lr": 0.1}, step=5)
+    tracker.log_metrics({"train/loss": 2.0}, step=4)
+    tracker.log_metrics({"train/loss": 3.0}, step=6)
+    tracker.set_tags({"a": 1})
+    tracker.log_artifact("x.pt", "checkpoints")
+    tracker.flush()
+    tracker.close()
+    assert inner.calls == [
+        ("log_metrics", {"lr": 0.1}, 5),
+        ("log_metrics", {"train/loss": 3.0}, 6),
+        ("set_tags", {"a": 1}),
+        ("log_artifact", "x.pt", "checkpoints"),
+        ("flush",),
+        ("close",),
+    ]
+
+
+def test_make_tracker_and_skip_logged_steps(uri, client):
+    run_id = new_run(client)
+    assert isinstance(make_tracker(uri, run_id, is_logger=False, flush_every_s=1.0), NullTracker)
+    assert isinstance(make_tracker(None, None, is_logger=True, flush_every_s=1.0), NullTracker)
+    null = NullTracker()
+    assert skip_logged_steps(null, uri, run_id) is null
+    client.log_metric(run_id, "train/loss", 1.0, step=2)
+    tracker = make_tracker(uri, run_id, is_logger=True, flush_every_s=1.0)
+    try:
+        assert isinstance(tracker, MlflowTracker)
+        assert skip_logged_steps(tracker, None, None) is tracker
+        wrapped = skip_logged_steps(tracker, uri, run_id)
+        assert isinstance(wrapped, SkipLoggedSteps) and wrapped.last_steps == {"train/loss": 2}
+        wrapped.log_metrics({"train/loss": 9.0}, step=2)  # already held: dropped
+        wrapped.log_metrics({"train/loss": 0.5}, step=3)
+        wrapped.flush()
+    finally:
+        tracker.close()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(2, 1.0), (3, 0.5)]

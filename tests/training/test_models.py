@@ -1,0 +1,174 @@
+"""Tests for runner.training.models: torchvision builders, built-ins, factories and spec errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runner.errors import SpecError
+from runner.spec.schema_data import ModelSpec
+from runner.training.models import build_model, check_model_name
+
+ASSETS = Path(__file__).parents[1] / "assets"
+
+
+def model(name: str, **kwargs) -> ModelSpec:
+    return ModelSpec(name=name, kwargs=kwargs)
+
+
+def only_issue(err: pytest.ExceptionInfo) -> object:
+    assert len(err.value.issues) == 1
+    issue = err.value.issues[0]
+    assert issue.file is None and issue.line is None
+    return issue
+
+
+def test_torchvision_resnet18_builds_and_runs():
+    torch.manual_seed(0)
+    net = build_model(model("torchvision.resnet18", num_classes=10), None)
+    net.eval()
+    with torch.no_grad():
+        out = net(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 10)
+
+
+def test_torchvision_num_classes_comes_from_the_dataset_when_absent():
+    net = build_model(model("torchvision.resnet18"), None, input_shape=(3, 32, 32), num_classes=7)
+    assert net.fc.out_features == 7
+    net = build_model(model("torchvision.models.resnet18", num_classes=4), None, num_classes=7)
+    assert net.fc.out_features == 4  # the user's value wins
+
+
+def test_mlp_infers_sizes_and_has_no_batch_statistics_layers():
+    net = build_model(model("mlp"), None, input_shape=(1, 8, 8), num_classes=10)
+    assert net(torch.randn(5, 1, 8, 8)).shape == (5, 10)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    assert [m.in_features for m in linears] == [64, 128, 64]
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    custom = build_model(model("mlp", in_features=6, hidden=[4], num_classes=3, dropout=0.5), None)
+    assert custom(torch.randn(2, 6)).shape == (2, 3)
+    assert any(isinstance(m, nn.Dropout) for m in custom.modules())
+
+
+def test_mlp_without_in_features_or_dataset_hint_is_a_spec_error():
+    with pytest.raises(SpecError) as err:
+        build_model(model("mlp"), None)
+    assert only_issue(err).key == "model.kwargs"
+    assert "in_features" in str(err.value)
+
+
+def test_cnn_shapes_and_optional_batch_norm():
+    net = build_model(model("cnn", width=4), None, input_shape=(3, 16, 16), num_classes=5)
+    assert net(torch.randn(2, 3, 16, 16)).shape == (2, 5)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
+    bn = build_model(model("cnn", width=4, batch_norm=True, in_channels=1), None)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in bn.modules())
+    assert bn(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_cnn_on_flat_samples_is_a_spec_error():
+    with pytest.raises(SpecError) as err:
+        build_model(model("cnn"), None, input_shape=(64,), num_classes=10)
+    assert only_issue(err).key == "model.name"
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "torchvision.resnet18"])
+def test_models_are_deterministic_given_the_torch_seed(name):
+    def params(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        return [
+            p.detach().clone()
+            for p in build_model(model(name), None, input_shape=(3, 8, 8), num_classes=4).parameters()
+        ]
+
+    a, b, c = params(1), params(1), params(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=False))
+
+
+def test_factory_from_the_spec_folder():
+    net = build_model(model("factories:build_model", in_features=8, num_classes=3), ASSETS)
+    assert net(torch.randn(4, 8)).shape == (4, 3)
+    check_model_name("factories:build_model", ASSETS)
+
+
+def test_factory_errors_name_model_name(tmp_path):
+    with pytest.raises(SpecError) as err:
+        build_model(model("no_such_module_xyz:build"), tmp_path)
+    assert only_issue(err).key == "model.name"
+    assert "no_such_module_xyz" in str(err.value) and str(tmp_path) in str(err.value)
+
+    with pytest.raises(SpecError) as err:
+        build_model(model("factories:build_modle"), ASSETS)
+    assert only_issue(err).key == "model.name"
+    assert 'did you mean "build_model"' in str(err.value)
+
+    with pytest.raises(SpecError, match="not a torch.nn.Module"):
+        build_model(model("factories:not_a_model"), ASSETS)
+    with pytest.raises(SpecError, match="not a callable"):
+        check_model_name("factories:NOT_CALLABLE", ASSETS)
+    with pytest.raises(SpecError, match="import path"):
+        check_model_name("factories:", ASSETS)
+
+    (tmp_path / "broken_factory_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    with pytest.raises(SpecError, match="boom at import") as err:
+        check_model_name("broken_factory_mod:f", tmp_path)
+    assert only_issue(err).key == "model.name"
+
+
+def test_check_model_name_never_calls_the_factory(tmp_path):
+    (tmp_path / "explosive_factory_mod.py").write_text("def make():\n    raise RuntimeError('called')\n")
+    check_model_name("explosive_factory_mod:make", tmp_path)
+    with pytest.raises(RuntimeError, match="called"):
+        build_model(model("explosive_factory_mod:make"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "suggestion"),
+    [
+        ("mpl", '"mlp"'),
+        ("MLP", '"mlp"'),
+        ("resnet18", '"torchvision.resnet18"'),
+        ("torchvision.resnet19", '"torchvision.resnet18"'),
+        ("torchvision.models.resnt50", '"torchvision.resnet50"'),
+    ],
+)
+def test_unknown_names_get_a_did_you_mean(name, suggestion):
+    for call in (lambda: check_model_name(name), lambda: build_model(model(name), None)):
+        with pytest.raises(SpecError) as err:
+            call()
+        issue = only_issue(err)
+        assert issue.key == "model.name"
+        assert suggestion in issue.message and name in issue.message
+
+
+def test_bad_kwargs_name_model_kwargs_and_the_signature():
+    with pytest.raises(SpecError) as err:
+        build_model(model("mlp", hiden=[3]), None, input_shape=(4,))
+    issue = only_issue(err)
+    assert issue.key == "model.kwargs"
+    assert "hiden" in issue.message and "signature" in issue.message and "hidden" in issue.message
+
+    with pytest.raises(SpecError) as err:
+        build_model(model("torchvision.resnet18", wrong_arg=1), None)
+    assert only_issue(err).key == "model.kwargs"
+    assert "wrong_arg" in str(err.value)
+
+    with pytest.raises(SpecError) as err:
+        build_model(model("mlp", in_features=4, dropout=2.0), None)
+    assert only_issue(err).key == "model.kwargs"
+
+    with pytest.raises(SpecError) as err:
+        build_model(model("factories:build_model", bogus=1), ASSETS)
+    assert only_issue(err).key == "model.kwargs"
+
+
+def test_check_model_name_for_builtins_does_not_import_torch():
+    code = "import sys, runner.training.models as m; m.check_model_name('mlp'); m.check_model_name('cnn'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
