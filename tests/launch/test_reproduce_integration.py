@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.spec.loading import load_spec
+from runner.training.checkpoint import load_latest
 from runner.training.data import build_datasets
 from tests.helpers import ASSETS, write_spec_file
 
@@ -165,6 +166,11 @@ def test_the_interrupt_message_is_runner_resume_and_works_as_printed(store: str,
     again = MlflowClient(store).get_run(stopped.info.run_id)
     assert again.info.status == "FINISHED" and again.data.params["optim.lr"] == "0.05"
     assert histories(store, stopped.info.run_id) == histories(store, complete.info.run_id)
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints"
+    finals = [load_latest(folder / run.info.run_id) for run in (complete, stopped)]
+    assert finals[0] is not None and finals[1] is not None
+    a, b = finals[0].payload["model"], finals[1].payload["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)  # the resumed model, bit for bit
 
 
 def test_resume_refuses_finished_unknown_and_foreign_runs(write_spec, store: str, capsys) -> None:
