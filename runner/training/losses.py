@@ -158,5 +158,33 @@ def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
     """
     from runner.training.metrics import check_metric_names
 
-    build_loss(spec.loss, spec_dir)
+    loss = build_loss(spec.loss, spec_dir)
+    if isinstance(loss, BuiltinLoss):
+        _probe(loss, spec.loss.kwargs)
     check_metric_names(spec, spec_dir)
+
+
+def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
+    """Call a built-in loss once on a stand-in batch of 2 samples, so a kwarg torch checks only in forward
+    (``label_smoothing`` outside [0, 1], a negative ``beta``) is found before the run exists.
+
+    The stand-in: logits of shape (2, C) and class targets of shape (2,) for per-sample losses, C = the length
+    of ``weight`` when given, else 3; predictions and targets of shape (2, N) for elementwise ones, N = the
+    length of ``pos_weight`` when given, else 1.
+
+    Raises:
+        SpecError: (``loss.kwargs``) the loss rejected the stand-in batch.
+    """
+    if loss.name in PER_SAMPLE:
+        classes = len(kwargs.get("weight") or [0, 0, 0])
+        prediction, target = torch.zeros(2, classes), torch.zeros(2, dtype=torch.long)
+    else:
+        width = len(kwargs.get("pos_weight") or [0])
+        prediction, target = torch.zeros(2, width), torch.zeros(2, width)
+    if loss.name == "nll":
+        prediction = torch.log_softmax(prediction, dim=1)
+    try:
+        loss.criterion(prediction, target)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        cls = type(loss.criterion).__name__
+        raise spec_issue("loss.kwargs", f"{loss.name} ({cls}) rejected {kwargs}: {exc}") from None

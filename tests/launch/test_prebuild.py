@@ -178,3 +178,35 @@ def test_a_file_in_the_way_of_checkpoint_dir_is_named_and_nothing_is_left_behind
     check_checkpoint_folder(load_spec(path, ('checkpoint.dir="fine/ckpt"',)), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # the probe folder is gone, nothing was created
     check_checkpoint_folder(load_spec(path, ("checkpoint.enabled=false",)), None)  # no checkpoints: not checked
+
+
+@pytest.mark.parametrize(
+    ("table", "words"),
+    [
+        ('[loss]\nname = "cross_entropy"\nkwargs = { label_smoothing = 2.0 }\n', "label_smoothing"),
+        ('[loss]\nname = "smooth_l1"\nkwargs = { beta = -1.0 }\n', "beta"),
+    ],
+    ids=["label_smoothing", "beta"],
+)
+def test_a_loss_kwarg_torch_checks_only_in_forward_is_found_before_the_run(
+    write_spec, tmp_path: Path, capsys, table: str, words: str
+) -> None:
+    path = write_spec(table)
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    line = _line(path, "[loss]") + 2  # the table's kwargs line
+    assert f"{path}:{line}: loss.kwargs" in err and words in err and "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()  # no run, not even a store
+
+
+def test_loss_kwargs_a_run_accepts_pass_the_stand_in_batch(write_spec) -> None:
+    from runner.training.losses import check_objectives
+
+    for table in (
+        '[loss]\nname = "cross_entropy"\nkwargs = { label_smoothing = 0.1, weight = [1.0, 2.0, 1.0, 1.0] }\n',
+        '[loss]\nname = "nll"\n',
+        '[loss]\nname = "bce_with_logits"\nkwargs = { pos_weight = [2.0, 1.0] }\n',
+        '[loss]\nname = "mse"\n',
+    ):
+        path = write_spec(table)
+        check_objectives(load_spec(path).spec, path.parent)  # nothing raised
