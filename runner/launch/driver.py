@@ -19,23 +19,20 @@ Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, SpecIssue, TrainingError
+from runner.errors import Interrupted, SpecError, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.ending import Spooled
-    from runner.launch.failures import JobContext
+    from runner.launch.failures import HangReports, JobContext
     from runner.launch.resume import ResumePoint
     from runner.launch.worker import WorkerArgs, WorkerResult
     from runner.plan import Plan
@@ -301,13 +298,15 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
             one ends FAILED), so no stray run is left.
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
+    from runner.launch.elastic import is_signal, spec_error_of_child
     from runner.launch.ending import end_run_or_spool
     from runner.launch.failures import JobContext, oom_kill_count
     from runner.tracking import runs as tracking
 
     loaded = plan.loaded
     status, error = "FAILED", None
-    oom_before, hangs = oom_kill_count(), dict[int, dict[str, Any]]()
+    oom_before = oom_kill_count()
+    hangs: HangReports = {}
     try:
         workers = _launch(plan, args, hangs)
         status = "FINISHED"
@@ -316,10 +315,10 @@ def _run_to_the_end(plan: Plan, args: WorkerArgs, run_id: str | None) -> list[Wo
         status = "KILLED"
         raise _interrupted(getattr(exc, "signum", 2), plan, run_id) from None
     except Exception as exc:
-        if _is_signal(exc):
+        if is_signal(exc):
             status = "KILLED"
             raise _interrupted(getattr(exc, "sigval", 15), plan, run_id) from None
-        bad_spec = exc if isinstance(exc, SpecError) else _spec_error_of_child(exc)
+        bad_spec = exc if isinstance(exc, SpecError) else spec_error_of_child(exc)
         if bad_spec is not None:
             # A kwarg or name that only fails when built: still a bad spec (exit 2), and the run
             # made for it is removed so that no stray run is left behind.
@@ -345,73 +344,21 @@ def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
     return Interrupted(int(signum), run_id=run_id, spec=str(plan.loaded.path), command=command)
 
 
-def _launch(plan: Plan, args: WorkerArgs, hangs: dict[int, dict[str, Any]] | None = None) -> list[WorkerResult]:
+def _launch(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
     """Run the workers; return their results, the logging rank's first.
 
     ``hangs`` receives the reports of ranks that hung after a stop signal (elastic launch only).
     """
-    from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
     from runner.launch.worker import run_worker
 
-    if plan.launch != "elastic":
-        result = run_worker(args)
-        if result is None:  # torch's @record turns a worker's sys.exit(0) into None
-            raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
-        return [result]
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    if plan.launch == "elastic":
+        from runner.launch.elastic import launch_elastic
 
-    par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
-    assert rdzv is not None  # the plan has one for every elastic launch
-    config = LaunchConfig(
-        min_nodes=rdzv.nnodes,
-        max_nodes=rdzv.nnodes,
-        nproc_per_node=plan.devices.nproc_per_node,
-        run_id=rdzv.run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=rdzv.endpoint or "localhost:0",
-        rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
-        max_restarts=par.max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
-        # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
-        config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
-        quiet = quiet_launcher_logs()
-        try:
-            results = elastic_launch(config, run_worker)(launched)
-        finally:
-            restore_launcher_logs(quiet)
-            if hangs is not None:
-                hangs.update(read_hang_reports(Path(log_dir)))
-    done = [r for r in results.values() if r is not None]
-    done.sort(key=lambda r: (not r.metrics, r.rank))
-    return done
-
-
-def _is_signal(exc: BaseException) -> bool:
-    return type(exc).__name__ == "SignalException"
-
-
-def _spec_error_of_child(exc: BaseException) -> SpecError | None:
-    """The SpecError a DDP worker raised while building, recovered from the launcher's failure record."""
-    marker = "runner.errors.SpecError: "
-    for failure in (getattr(exc, "failures", None) or {}).values():
-        data = getattr(failure, "error_file_data", None) or {}
-        inner = data.get("message", {}) if isinstance(data, dict) else {}
-        trace = inner.get("extraInfo", {}).get("py_callstack", "") if isinstance(inner, dict) else ""
-        if marker in trace:
-            text = trace.rsplit(marker, 1)[1].strip()
-            issues = []
-            for line in text.splitlines():
-                key, sep, message = line.partition(": ")
-                issues.append(
-                    SpecIssue(None, None, key, message) if sep and " " not in key else SpecIssue(None, None, "", line)
-                )
-            return SpecError(issues)
-    return None
+        return launch_elastic(plan, args, hangs)
+    result = run_worker(args)
+    if result is None:  # torch's @record turns a worker's sys.exit(0) into None
+        raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
+    return [result]
 
 
 def _describe_failure(exc: BaseException, context: JobContext) -> str:

@@ -18,7 +18,7 @@ naming the spec key that fixes it (exit 1, the run FAILED).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,10 @@ from runner.training.models import spec_issue
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
     from runner.training.data import DatasetInfo
+
+
+CollatedBatch = Mapping[str, Any] | Sequence[Any]
+"""A batch as the DataLoader collates it: ``(x, y)`` (a tuple or list), or a dict of named fields."""
 
 
 @dataclass
