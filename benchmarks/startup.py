@@ -17,10 +17,14 @@ schema, a one-off cost). Each timed run is a whole process from ``exec`` to exit
 resident set size is sampled every 20 ms over the process and all its children (``psutil``):
 ``peak RSS`` is the largest sum over the process tree seen (ddp: the launcher and both workers).
 
+``--before DIR`` adds a third side, ``runner exec`` of another checkout (an earlier revision),
+timed in the same rotation.
+
 Usage::
 
     python benchmarks/startup.py                      # both pairs, 5 timed runs per side
     python benchmarks/startup.py --modes none --runs 7 --json startup.json
+    python benchmarks/startup.py --before /tmp/runner-before   # also an earlier checkout (git archive REV)
 
 Prints one line per run, then per pair the median seconds of each side, their ratio (targets:
 <= 1.25 for none, <= 1.3 for ddp), the median peak RSS of each side and their ratio (target
@@ -128,25 +132,32 @@ def measure(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, 
     return seconds, peak / 2**20
 
 
-def commands(mode: str, script: Path) -> dict[str, list[str]]:
-    """The two sides of one pair: the plain script (torchrun for ddp) and ``runner exec``."""
+def commands(mode: str, script: Path, before: Path | None) -> dict[str, tuple[list[str], Path]]:
+    """The sides of one pair: the plain script (torchrun for ddp), ``runner exec``, and that of ``before``.
+
+    Returns:
+        Side name -> (command, checkout whose ``runner`` it imports).
+    """
     py = sys.executable
     plain = [py, str(script)]
     if mode == "ddp":
         plain = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0", str(script)]
-    runner = [py, "-m", "runner", "exec", str(ROOT / SPECS[mode]), "--set", "train.max_steps=1"]
-    return {"plain": plain, "runner": runner}
+    sides = {"plain": (plain, ROOT)}
+    for side, root in (("runner", ROOT), ("before", before)):
+        if root is not None:
+            sides[side] = ([py, "-m", "runner", "exec", str(root / SPECS[mode]), "--set", "train.max_steps=1"], root)
+    return sides
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side (default 5)")
     parser.add_argument("--modes", default="none,ddp", help="pairs to measure (default none,ddp)")
+    parser.add_argument("--before", metavar="DIR", type=Path, help="also time runner exec of the checkout DIR")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}
     load_before = os.getloadavg()
     print(f"{os.cpu_count()} CPU core(s); load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     figures: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -155,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         script = cwd / "plain_step.py"
         script.write_text(PLAIN, encoding="utf-8")
         for mode in modes:
-            sides = commands(mode, script)
-            for command in sides.values():  # untimed: creates the store, fills the page cache
-                measure(command, cwd, env)
+            sides = commands(mode, script, args.before)
+            for command, root in sides.values():  # untimed: creates the store, fills the page cache
+                measure(command, cwd, {**base, "PYTHONPATH": str(root)})
             figures[mode] = {side: {"seconds": [], "rss_mib": []} for side in sides}
             for i in range(args.runs):
-                for side, command in sides.items():
-                    seconds, rss = measure(command, cwd, env)
+                for side, (command, root) in sides.items():
+                    seconds, rss = measure(command, cwd, {**base, "PYTHONPATH": str(root)})
                     figures[mode][side]["seconds"].append(seconds)
                     figures[mode][side]["rss_mib"].append(rss)
                     print(f"{mode:<5} {side:<7} run {i + 1}: {seconds:6.2f} s  peak RSS {rss:7.0f} MiB", flush=True)
@@ -180,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode}: median peak RSS plain {med['plain']['rss_mib']:.0f} MiB, runner {med['runner']['rss_mib']:.0f} "
             f"MiB; ratio {rss_ratio:.3f} (target <= {RSS_TARGET}: {'met' if rss_ratio <= RSS_TARGET else 'NOT met'})"
         )
+        if "before" in med:
+            was = med["before"]["seconds"] / med["plain"]["seconds"]
+            summary[mode]["before_ratio"] = was
+            print(f"{mode}: before ({args.before}) median {med['before']['seconds']:.2f} s; ratio {was:.3f}")
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     if args.json:
         out = {"runs": figures, "summary": summary, "load_before": load_before, "load_after": load_after}

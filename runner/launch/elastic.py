@@ -18,17 +18,23 @@ from runner.errors import SpecError, SpecIssue
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.failures import HangReports
+    from runner.launch.handoff import Handoff
     from runner.launch.worker import WorkerArgs, WorkerResult
     from runner.plan import Plan
 
 
-def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
+def launch_elastic(
+    plan: Plan, args: WorkerArgs, hangs: HangReports | None = None, handoff: Handoff | None = None
+) -> list[WorkerResult]:
     """Run the workers of ``plan`` under the elastic launcher; return their results, the logging rank's first.
 
     Args:
         plan: The job's plan (it has a rendezvous for every elastic launch).
         args: What every worker gets; the launcher's pid and a report folder are added.
         hangs: Receives the reports of ranks that hung after a stop signal.
+        handoff: The driver's preparation of the run, started here as the workers start; they read
+            its outcome from :data:`runner.launch.handoff.RUN_FILE` in the launcher's folder.
+            Workers told that it failed return no result.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: A worker failed.
@@ -38,6 +44,7 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
+    from runner.launch.handoff import RUN_FILE
     from runner.launch.worker import run_worker
 
     par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
@@ -57,8 +64,13 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
+        run_file = Path(log_dir) / RUN_FILE
+        launched = dataclasses.replace(
+            args, launcher_pid=os.getpid(), report_dir=log_dir, run_file=str(run_file) if handoff else None
+        )
         quiet = quiet_launcher_logs()
+        if handoff is not None:
+            handoff.start(run_file)
         try:
             results = elastic_launch(config, run_worker)(launched)
         finally:
