@@ -8,7 +8,7 @@ so that both see the same load:
   (64 -> 128 -> 64 -> 10), takes one SGD step with momentum on a batch of 64 and evaluates the
   validation split;
 * ``ddp``: ``runner exec experiments/digits_mlp_ddp.toml --set train.max_steps=1`` (2 processes)
-  against ``torchrun --nproc-per-node 2`` of the same plain script under DistributedDataParallel
+  against ``torchrun --standalone --nproc-per-node 2`` of the same plain script under DistributedDataParallel
   (gloo on CPU, 32 samples per rank).
 
 Runner logs into a sqlite store in a temporary folder that one untimed run of each side creates
@@ -141,7 +141,7 @@ def commands(mode: str, script: Path, before: Path | None) -> dict[str, tuple[li
     py = sys.executable
     plain = [py, str(script)]
     if mode == "ddp":
-        plain = [py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0", str(script)]
+        plain = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     sides = {"plain": (plain, ROOT)}
     for side, root in (("runner", ROOT), ("before", before)):
         if root is not None:
