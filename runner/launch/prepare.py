@@ -28,7 +28,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Prepared:
-    """What exists once the driver's checks passed: the run (``None``: tracking off or not this process's)."""
+    """What exists once the driver's checks passed.
+
+    Attributes:
+        run_id: The run, or ``None`` (tracking off, or another process owns it).
+        resume: The run being continued and its notes, or ``None``.
+        checkpoint_dir: Folder of the run's checkpoints.
+        rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
+        shown: The notes were printed before training.
+    """
 
     run_id: str | None
     resume: ResumePoint | None
@@ -89,6 +97,7 @@ def apply_plan_env(plan: Plan) -> None:
 
 
 def worker_args(plan: Plan, options: ExecOptions, ready: Prepared) -> WorkerArgs:
+    """What every worker gets: spec, devices, the run (the owner's workers only) and its checkpoint folder."""
     from runner.launch.worker import WorkerArgs
 
     return WorkerArgs(
