@@ -1,41 +1,51 @@
-"""Overhead of runner over a plain hand-written PyTorch loop: same model, data, sampler, batch and seed.
+"""Steady-state overhead of runner over a plain hand-written PyTorch loop: same model, data, sampler, batch and seed.
 
 Both sides train an MLP (784 -> 512 -> 512 -> 10 by default) on seeded synthetic 784-dim
-inputs, batch 256, SGD with momentum, on one device (CPU here, the first GPU when
-``--accelerator cuda``). The hand-written side is the loop everyone writes (zero_grad,
-forward, ``F.cross_entropy``, backward, step, ``loss.item()`` every step) over a DataLoader with
-runner's own :class:`runner.training.sampling.EpochSampler` and dataset, so both see the very same
-batches; runner runs ``runner.launch.driver.exec_experiment`` with per-step MLflow logging
-(``log_every_n_steps = 1``) into a temporary sqlite store.
+inputs, global batch 256, SGD with momentum, on one device (CPU here, the first GPU when
+``--accelerator cuda``), and under ``--modes ddp`` with 2 processes over gloo (nccl on GPUs). The
+hand-written side is the loop everyone writes (zero_grad, forward, ``F.cross_entropy``, backward,
+step, ``loss.item()`` every step; ddp: ``DistributedDataParallel`` started with
+``torch.multiprocessing.spawn``, rank 0 reading its own loss) over a DataLoader with runner's own
+:class:`runner.training.sampling.EpochSampler` and dataset, so both see the very same batches;
+runner runs ``runner.launch.driver.exec_experiment`` with per-step MLflow logging
+(``log_every_n_steps = 1``: the rank-reduced ``train/loss`` and ``lr`` every step) into a
+temporary sqlite store.
 
 Only training after warm-up is timed: from the end of step ``warmup`` to the end of step
 ``warmup + steps`` (runner: the MLflow timestamps of ``train/loss`` at those two steps, which
-runner takes when the step is logged; hand-written: ``time.perf_counter`` at the same points).
-Start-up (imports, MLflow run creation, data building) is not counted. Each side runs
-``--repeat`` times, alternating, and the best time of each is kept (the least disturbed by
-other load on the machine).
+runner takes when the step is logged; hand-written: ``time.perf_counter`` on rank 0 at the same
+points). Start-up (imports, MLflow run creation, data building, process start) is not counted.
+The sides alternate (hand-written, runner, hand-written, ...) ``--repeat`` times per mode and the
+median of each side is compared, so both see the same load.
 
 Usage::
 
-    python benchmarks/overhead.py                       # 300 timed steps after 20 warm-up, best of 2
-    python benchmarks/overhead.py --steps 500 --repeat 3 --json overhead.json
+    python benchmarks/overhead.py                          # none and ddp, 64 timed steps after 20, 5 repeats
+    python benchmarks/overhead.py --modes none --steps 300 --repeat 7 --json overhead.json
 
-Prints one line per run, then the ratio runner / hand-written (target: <= 1.03) and whether the
-final losses agree (they should: same batches, same initialisation, same arithmetic).
+Prints one line per run, then per mode the median seconds of each side, the ratio runner /
+hand-written (target: <= 1.02) and whether the final losses agree (they should: same batches, same
+initialisation, same arithmetic; ddp: the hand side's global mean loss of the last step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+
+TARGET = 1.02
 SPEC = """
 name = "overhead"
 seed = 0
@@ -54,7 +64,11 @@ val_fraction = 0.0
 
 [devices]
 accelerator = "{accelerator}"
-ids = [0]
+ids = {ids}
+
+[parallel]
+mode = "{mode}"
+nproc_per_node = {nproc}
 
 [optim]
 name = "sgd"
@@ -76,8 +90,12 @@ experiment = "overhead"
 """
 
 
-def hand_written(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
-    """Train with a plain loop; return (seconds for the timed steps, loss of the last step)."""
+def hand_written(loaded: LoadedSpec, warmup: int, steps: int, rank: int = 0, world: int = 1) -> tuple[float, float]:
+    """Train with a plain loop on ``rank`` of ``world``; return (seconds for the timed steps, last step's loss).
+
+    With ``world > 1`` the process group must exist; the loss returned is then the global mean of the
+    last step (one all-reduce after the timed steps), what runner logs.
+    """
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
@@ -87,119 +105,176 @@ def hand_written(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
     from runner.training.sampling import EpochSampler
 
     spec = loaded.spec
-    device = torch.device("cuda:0" if spec.devices.accelerator == "cuda" else "cpu")
+    cuda = spec.devices.accelerator == "cuda"
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     bundle = build_datasets(spec, loaded.path.parent)
     torch.manual_seed(spec.seed)
     model = build_model(
         spec.model, loaded.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
     )
     model.to(device).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec.optim.lr, momentum=spec.optim.momentum)
-    n = len(bundle.train)
-    sampler = EpochSampler(n, 1, 0, spec.seed, spec.data.shuffle, spec.data.batch_size, spec.data.drop_last)
-    loader = DataLoader(bundle.train, batch_size=spec.data.batch_size, sampler=sampler)
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None) if world > 1 else model
+    optimizer = torch.optim.SGD(net.parameters(), lr=spec.optim.lr, momentum=spec.optim.momentum)
+    n, batch = len(bundle.train), spec.data.batch_size
+    sampler = EpochSampler(n, world, rank, spec.seed, spec.data.shuffle, batch, spec.data.drop_last)
+    loader = DataLoader(bundle.train, batch_size=batch // world, sampler=sampler)
     total = warmup + steps
-    step, start, loss_value = 0, 0.0, float("nan")
-    epoch = 0
+    step, start, epoch = 0, 0.0, 0
+    loss = torch.zeros(())
     while step < total:
         sampler.set_epoch(epoch)
         for x_cpu, y_cpu in loader:
             x, y = x_cpu.to(device, non_blocking=True), y_cpu.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
-            loss_value = loss.item()  # what a hand-written loop logs every step
+            loss.item()  # what a hand-written loop logs every step
             step += 1
             if step == warmup:
                 start = time.perf_counter()
             if step == total:
                 break
         epoch += 1
-    return time.perf_counter() - start, loss_value
+    seconds = time.perf_counter() - start
+    if world > 1:
+        import torch.distributed as dist
+
+        final = loss.detach().clone()
+        dist.all_reduce(final)
+        return seconds, float(final) / world
+    return seconds, float(loss)
 
 
-def with_runner(loaded: Any, warmup: int, steps: int) -> tuple[float, float]:
+def _ddp_rank(rank: int, loaded: LoadedSpec, warmup: int, steps: int, world: int, port: int, out: str) -> None:
+    """One process of the hand-written DDP side (``torch.multiprocessing.spawn`` target); rank 0 writes ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if loaded.spec.devices.accelerator == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:  # the cores shared out between the ranks, as runner (and torchrun's OMP_NUM_THREADS) does
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        seconds, loss = hand_written(loaded, warmup, steps, rank, world)
+        if rank == 0:
+            Path(out).write_text(json.dumps([seconds, loss]), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def hand_written_ddp(loaded: LoadedSpec, warmup: int, steps: int) -> tuple[float, float]:
+    """The hand-written loop under DDP in ``nproc_per_node`` fresh processes; rank 0's figures."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world = loaded.spec.parallel.nproc_per_node
+    assert isinstance(world, int)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="runner-overhead-ddp-") as tmp:
+        out = str(Path(tmp) / "rank0.json")
+        mp.spawn(_ddp_rank, args=(loaded, warmup, steps, world, port, out), nprocs=world, join=True)
+        seconds, loss = json.loads(Path(out).read_text(encoding="utf-8"))
+    return float(seconds), float(loss)
+
+
+def with_runner(loaded: LoadedSpec, warmup: int, steps: int) -> tuple[float, float]:
     """Train with ``exec_experiment``; return (seconds for the timed steps, loss of the last step)."""
     from mlflow.tracking import MlflowClient
 
     from runner.launch.driver import exec_experiment
 
     result = exec_experiment(loaded)
+    assert result.run_id is not None and result.tracking_uri is not None
     history = {m.step: m for m in MlflowClient(result.tracking_uri).get_metric_history(result.run_id, "train/loss")}
     first, last = history[warmup], history[warmup + steps]
     return (last.timestamp - first.timestamp) / 1000.0, float(last.value)
 
 
+def _spec_file(folder: Path, mode: str, args: argparse.Namespace) -> Path:
+    total = args.warmup + args.steps
+    nproc = 2 if mode == "ddp" else 1
+    path = folder / f"overhead-{mode}.toml"
+    path.write_text(
+        SPEC.format(
+            hidden=json.dumps([int(h) for h in args.hidden.split(",")]),
+            samples=args.samples,
+            batch=args.batch,
+            accelerator=args.accelerator,
+            ids=json.dumps(list(range(nproc))) if args.accelerator == "cuda" else "[0]",
+            mode=mode,
+            nproc=nproc,
+            epochs=total,
+            max_steps=total,
+            store=folder / "mlflow.db",
+        ),
+        encoding="utf-8",
+    )
+    return path
+
+
+def measure_mode(mode: str, folder: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Alternate the two sides ``args.repeat`` times under ``mode``; return their seconds, medians, ratio, losses."""
+    from runner.spec.loading import load_spec
+
+    loaded = load_spec(_spec_file(folder, mode, args))
+    sides = {"hand-written": hand_written_ddp if mode == "ddp" else hand_written, "runner": with_runner}
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    losses: dict[str, float] = {}
+    for i in range(args.repeat):
+        for name, fn in sides.items():
+            took, loss = fn(loaded, args.warmup, args.steps)
+            seconds[name].append(took)
+            losses[name] = loss
+            print(
+                f"{mode:<4} {name:<13} run {i + 1}: {took:8.3f} s for {args.steps} steps "
+                f"({args.steps * args.batch / took:9.1f} samples/s), final loss {loss:.6f}",
+                flush=True,
+            )
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    ratio = median["runner"] / median["hand-written"]
+    agree = abs(losses["runner"] - losses["hand-written"]) <= 1e-4 * max(abs(losses["runner"]), 1e-12)
+    print(f"{mode}: median hand-written {median['hand-written']:.3f} s, runner {median['runner']:.3f} s")
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    print(f"{mode}: ratio runner / hand-written = {ratio:.3f}  (target <= {TARGET}: {verdict})")
+    print(
+        f"{mode}: final losses {'agree' if agree else 'DIFFER'}: "
+        f"runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}",
+        flush=True,
+    )
+    return {"seconds": seconds, "median": median, "ratio": ratio, "final_loss": losses, "agree": agree}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="timed optimizer steps (default 300)")
+    parser.add_argument("--modes", default="none,ddp", help="none, ddp or both (default none,ddp; ddp: 2 processes)")
+    parser.add_argument("--steps", type=int, default=64, help="timed optimizer steps (default 64)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per side; the best counts (default 2)")
-    parser.add_argument("--batch", type=int, default=256, help="batch size (default 256)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per side; the median counts (default 5)")
+    parser.add_argument("--batch", type=int, default=256, help="global batch size (default 256)")
     parser.add_argument("--hidden", default="512,512", help="MLP hidden sizes (default 512,512)")
     parser.add_argument("--samples", type=int, default=16384, help="synthetic samples (default 16384)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="device (default cpu)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = parser.parse_args(argv)
-
-    from runner.spec.loading import load_spec
-
-    total = args.warmup + args.steps
-    results: dict[str, list[float]] = {"hand-written": [], "runner": []}
-    losses: dict[str, float] = {}
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} CPU core(s); load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    figures = {}
     with tempfile.TemporaryDirectory(prefix="runner-overhead-") as tmp:
-        path = Path(tmp) / "overhead.toml"
-        path.write_text(
-            SPEC.format(
-                hidden=json.dumps([int(h) for h in args.hidden.split(",")]),
-                samples=args.samples,
-                batch=args.batch,
-                accelerator=args.accelerator,
-                epochs=total,
-                max_steps=total,
-                store=Path(tmp) / "mlflow.db",
-            ),
-            encoding="utf-8",
-        )
-        loaded = load_spec(path)
-        for i in range(args.repeat):
-            for name, fn in (("hand-written", hand_written), ("runner", with_runner)):
-                seconds, loss = fn(loaded, args.warmup, args.steps)
-                results[name].append(seconds)
-                losses[name] = loss
-                print(
-                    f"{name:<13} run {i + 1}: {seconds:8.3f} s for {args.steps} steps "
-                    f"({args.steps * args.batch / seconds:9.1f} samples/s), final loss {loss:.6f}",
-                    flush=True,
-                )
-    best = {k: min(v) for k, v in results.items()}
-    ratio = best["runner"] / best["hand-written"]
-    agree = abs(losses["runner"] - losses["hand-written"]) <= 1e-4 * max(abs(losses["runner"]), 1e-12)
-    print(f"best: hand-written {best['hand-written']:.3f} s, runner {best['runner']:.3f} s")
-    print(f"ratio runner / hand-written = {ratio:.3f}  (target <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})")
-    print(
-        f"final losses {'agree' if agree else 'DIFFER'}: "
-        f"runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}"
-    )
+        for mode in [m for m in args.modes.split(",") if m]:
+            figures[mode] = measure_mode(mode, Path(tmp), args)
+    load = os.getloadavg()
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "seconds": results,
-                    "best": best,
-                    "ratio": ratio,
-                    "final_loss": losses,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                    "batch": args.batch,
-                },
-                indent=2,
-            )
-            + "\n",
-            encoding="utf-8",
-        )
-    return 0
+        out = {"modes": figures, "steps": args.steps, "warmup": args.warmup, "batch": args.batch}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return 0 if all(f["agree"] for f in figures.values()) else 1
 
 
 if __name__ == "__main__":

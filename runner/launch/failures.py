@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 COLLECTIVE_TIMEOUT = re.compile(
     r"Timed out waiting \d+ ?ms|collective operation timeout|Watchdog caught|DistBackendError.*timed? ?out", re.I
 )
+HangReports = dict[int, dict[str, Any]]  # rank -> the JSON report its hang watch wrote (rank, where it was stuck)
 HUNG_MARKER = "hung-rank-{rank}.json"  # written by a rank's hang watch (runner.launch.worker) before it ends
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
@@ -40,7 +41,7 @@ class JobContext:
 
     timeout_s: float
     oom_kills_before: int | None = None
-    hung: dict[int, dict[str, Any]] = field(default_factory=dict)
+    hung: HangReports = field(default_factory=dict)
 
 
 def describe_failure(exc: BaseException, context: JobContext) -> str:
@@ -159,7 +160,7 @@ def _hung(rank: int, error: str, context: JobContext) -> str:
     )
 
 
-def read_hang_reports(folder: Path) -> dict[int, dict[str, Any]]:
+def read_hang_reports(folder: Path) -> HangReports:
     """The hang reports ranks left in ``folder`` (see :data:`HUNG_MARKER`), by rank."""
     reports = {}
     for path in folder.glob(HUNG_MARKER.format(rank="*")):

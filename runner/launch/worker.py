@@ -11,6 +11,7 @@ the named steps of :mod:`runner.training.setup`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import signal
 import threading
@@ -51,6 +52,9 @@ class WorkerArgs:
         launcher_pid: The process that started this worker (the driver, for the elastic launcher):
             the worker dies with it; ``None``: whatever process is the parent when the worker starts.
         report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
+        run_file: Where the driver hands over the run once it exists (:mod:`runner.launch.handoff`):
+            ``run_id``, ``checkpoint_dir`` and ``resume`` above are then read from it after the parts are
+            built. ``None``: they are final.
     """
 
     loaded: LoadedSpec
@@ -63,17 +67,19 @@ class WorkerArgs:
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     launcher_pid: int | None = None
     report_dir: str | None = None
+    run_file: str | None = None
 
 
 @record
-def run_worker(args: WorkerArgs) -> WorkerResult:
+def run_worker(args: WorkerArgs) -> WorkerResult | None:
     """Train one rank to the end (or to a stop signal).
 
     Args:
         args: See :class:`WorkerArgs`.
 
     Returns:
-        The rank's :class:`~runner.training.setup.WorkerResult`.
+        The rank's :class:`~runner.training.setup.WorkerResult`; ``None`` when the driver's checks failed
+        before the run existed (``args.run_file`` says so), and nothing was trained.
 
     Raises:
         Interrupted: SIGINT/SIGTERM arrived; a checkpoint was written first.
@@ -108,11 +114,13 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         strategy.teardown()
 
 
-def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag) -> WorkerResult:
+def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag) -> WorkerResult | None:
     """Set up on an initialised strategy, resume if asked, fit, log the outputs; the setup steps are named.
 
     Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
-    released when it returns, before the process group is destroyed.
+    released when it returns, before the process group is destroyed. With ``args.run_file`` the
+    parts are built while the driver creates the run, then the run is read from the file; ``None``
+    is returned when the driver's checks failed.
     """
     from runner.tracking.spool import spool_path
     from runner.tracking.system import start_system_metrics
@@ -122,9 +130,18 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
 
     spec, uri = args.loaded.spec, args.tracking_uri
     seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
+    parts = setup.build_parts(spec, args.loaded.path.parent, strategy)
+    if args.run_file is not None:
+        from runner.launch.handoff import wait_for_run
+
+        handed = wait_for_run(args.run_file)
+        if handed is None:
+            return None
+        args = dataclasses.replace(
+            args, run_id=handed.run_id, checkpoint_dir=handed.checkpoint_dir, resume=handed.resume, run_file=None
+        )
     run_id, log_rank, checkpoint_dir = _agree_on_run(strategy, args.run_id, args.checkpoint_dir)
     folder, is_log_rank = Path(checkpoint_dir), strategy.rank == log_rank
-    parts = setup.build_parts(spec, args.loaded.path.parent, strategy)
     restored = setup.restore(parts, strategy, folder, resume=args.resume, restarted=env.restarted)
     if is_log_rank and uri is not None and run_id is not None and (args.resume or env.restarted):
         restored.notes += _adopt_spool(uri, run_id, folder, restored.metrics_recorded)

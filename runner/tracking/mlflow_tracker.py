@@ -1,4 +1,6 @@
-"""The MLflow tracker: one run's metrics, tags and artifacts, sent from a background thread, spooled when needed.
+"""The MLflow tracker: one run's metrics, tags and artifacts, buffered for a background thread, spooled when needed.
+
+What the training thread calls lives here; the sender thread's side in :mod:`runner.tracking.sender`.
 
 mlflow is imported inside functions, never when this module is imported.
 """
@@ -13,12 +15,13 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError
 from runner.tracking import spool as spool_file
+from runner.tracking.sender import Artifact, BatchSender, Tags
 from runner.tracking.spool import Item
-from runner.tracking.values import METRICS_PER_BATCH, PARAMS_PER_BATCH, param_value
+from runner.tracking.values import METRICS_PER_BATCH, param_value
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -28,32 +31,9 @@ log = logging.getLogger(__name__)
 MEMORY_ITEMS = 100_000  # metric values kept in memory while the store is away, before they go to the spool
 SPILL_AFTER_S = 5.0  # a flush waits this long for a store that stopped answering, then spools
 CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it leaves the rest in the spool
-_MAX_BACKOFF_S = 30.0
-_PERMANENT = {  # MLflow error codes that a retry cannot fix: the values are lost and reported
-    "RESOURCE_DOES_NOT_EXIST",
-    "INVALID_PARAMETER_VALUE",
-    "INVALID_STATE",
-    "BAD_REQUEST",
-    "PERMISSION_DENIED",
-    "UNAUTHENTICATED",
-    "RESOURCE_ALREADY_EXISTS",
-}
 
 
-class _Tags(NamedTuple):
-    """Buffered ``set_tags`` call: tag key -> rendered value."""
-
-    tags: dict[str, str]
-
-
-class _Artifact(NamedTuple):
-    """Buffered ``log_artifact`` call: an absolute local path and the folder inside the run's artifacts."""
-
-    path: str
-    artifact_path: str | None
-
-
-class MlflowTracker:
+class MlflowTracker(BatchSender):
     """Logs metrics, tags and artifacts of one run from a background thread.
 
     ``log_metrics``, ``set_tags`` and ``log_artifact`` only append to a buffer (a lock held for a
@@ -112,7 +92,7 @@ class MlflowTracker:
         self._queue: deque[Item] = deque()  # values not yet taken by the sender, oldest first
         self._batch: list[Item] = []  # the oldest unsent values, being sent (retried until sent)
         self._batch_end_offset: int | None = None  # spool offset past the batch, when read from the spool
-        self._ops: list[_Tags | _Artifact] = []
+        self._ops: list[Tags | Artifact] = []
         self._recorded = self._sent = self._on_disk = first_seq  # next value; all before sent; all before safe
         self._read_at = 0  # spool offset from which values not known to be sent are read back
         self._spilled = False  # this tracker wrote values to the spool that may not be sent yet
@@ -176,7 +156,7 @@ class MlflowTracker:
             TrackingError: The tracker was closed.
         """
         if tags:
-            self._add_op(_Tags({str(k): param_value(v) for k, v in tags.items()}))
+            self._add_op(Tags({str(k): param_value(v) for k, v in tags.items()}))
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Buffer the upload of a file or folder; it must stay in place until the next flush/close.
@@ -192,7 +172,7 @@ class MlflowTracker:
         p = Path(path).resolve()
         if not p.exists():
             raise FileNotFoundError(f"artifact {p} does not exist")
-        self._add_op(_Artifact(str(p), artifact_path))
+        self._add_op(Artifact(str(p), artifact_path))
 
     def recorded(self) -> int:
         """Metric values recorded by the run so far (numbered across resumes); a checkpoint stores it."""
@@ -284,7 +264,7 @@ class MlflowTracker:
         if self._closing:
             raise TrackingError(f"tracker of run {self.run_id} is closed; nothing more can be logged")
 
-    def _add_op(self, op: _Tags | _Artifact) -> None:
+    def _add_op(self, op: Tags | Artifact) -> None:
         with self._lock:
             self._check_open()
             self._ops.append(op)
@@ -303,8 +283,8 @@ class MlflowTracker:
                 self._done.wait(min(0.5, left))
             if self._sent < self._recorded:
                 self._spill()
-            tags = {k: v for op in self._ops if isinstance(op, _Tags) for k, v in op.tags.items()}
-            artifacts = [op for op in self._ops if isinstance(op, _Artifact)]
+            tags = {k: v for op in self._ops if isinstance(op, Tags) for k, v in op.tags.items()}
+            artifacts = [op for op in self._ops if isinstance(op, Artifact)]
             if tags:
                 self._write_spool(tags=tags)
             for op in artifacts:
@@ -346,133 +326,3 @@ class MlflowTracker:
         raise TrackingError(
             f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}{detail}"
         ) from cause
-
-    # ---- sender thread
-
-    def _run(self) -> None:
-        """Body of the sender thread: send values in order, then tags and artifacts, until closed."""
-        try:
-            next_due = time.monotonic() + self.flush_every_s
-            while True:
-                with self._lock:
-                    work = self._next_work(next_due)
-                if work is None:
-                    return
-                batch, ops = work
-                if not batch or self._send_batch(batch):
-                    self._send_ops(ops)
-                elif ops:
-                    with self._lock:
-                        self._ops[:0] = ops  # the store is away: try them again later
-                next_due = time.monotonic() + self.flush_every_s
-        except BaseException as exc:  # keep it for flush(); the thread ends
-            with self._lock:
-                self._failures.append(("sender thread", exc))
-                self._done.notify_all()
-
-    def _has_values(self) -> bool:
-        return bool(self._batch or self._queue or self._on_disk > self._sent)
-
-    def _next_work(self, next_due: float) -> tuple[list[Item], list[_Tags | _Artifact]] | None:
-        """Wait (lock held) until there is something to send and it is time; ``None`` when the tracker closes."""
-        while True:
-            now = time.monotonic()
-            if self._closing and (self._down_until is not None or not (self._has_values() or self._ops)):
-                return None
-            if self._down_until is not None and now < self._down_until and not self._closing:
-                self._wake.wait(self._down_until - now)
-                continue
-            work = self._has_values() or self._ops
-            urgent = self._closing or self._flush_wanted or self._down_until is not None or bool(self._batch)
-            if work and (urgent or len(self._queue) >= self.max_batch or now >= next_due):
-                self._flush_wanted = False
-                ops, self._ops = self._ops, []
-                return self._take_batch(), ops
-            if now >= next_due:
-                next_due = now + self.flush_every_s
-            self._wake.wait(max(0.0, next_due - now))
-
-    def _take_batch(self) -> list[Item]:
-        """The oldest unsent values (lock held): the batch being retried, else from the spool, else from memory."""
-        if self._batch:
-            return list(self._batch)
-        self._batch_end_offset = None
-        if self._on_disk > self._sent and self.spool is not None:
-            contents, offset = spool_file.read(self.spool, self._read_at, limit=self.max_batch, after=self._sent - 1)
-            self._batch = [i for i in contents.items if i.seq < self._on_disk]
-            self._batch_end_offset = offset
-            if not self._batch:  # the spool holds nothing more that is unsent
-                self._sent = self._on_disk
-        if not self._batch:
-            while self._queue and len(self._batch) < self.max_batch:
-                self._batch.append(self._queue.popleft())
-        return list(self._batch)
-
-    def _send_batch(self, batch: list[Item]) -> bool:
-        """Send one batch of values; returns whether it reached the store (or was given up on)."""
-        from mlflow.entities import Metric
-
-        try:
-            self._client.log_batch(
-                self.run_id, metrics=[Metric(i.key, i.value, i.timestamp, i.step) for i in batch], synchronous=True
-            )
-            error: BaseException | None = None
-        except Exception as exc:
-            error = exc
-        with self._lock:
-            if error is not None and self.spool is not None and _transient(error):
-                log.debug("the tracking store did not take %d values; retrying", len(batch), exc_info=True)
-                self._backoff = min(_MAX_BACKOFF_S, max(1.0, 2 * self._backoff))
-                self._down_until = time.monotonic() + self._backoff
-                self._done.notify_all()
-                return False
-            if error is not None:
-                log.debug("MLflow log_batch failed", exc_info=True)
-                self._failures.append((f"log_batch of {len(batch)} metrics", error))
-                self._lost += len(batch)
-            else:
-                self._down_until, self._backoff = None, 0.0
-            self._sent = max(self._sent, batch[-1].seq + 1)
-            self._batch = []
-            if self._batch_end_offset is not None:
-                self._read_at = self._batch_end_offset
-            self._forget_sent_spool()
-            self._done.notify_all()
-        return True
-
-    def _forget_sent_spool(self) -> None:
-        """Remove the spool once everything in it was sent (lock held)."""
-        if self.spool is not None and self._sent >= self._on_disk and self._spilled:
-            self.spool.unlink(missing_ok=True)
-            self._read_at, self._spilled = 0, False
-
-    def _send_ops(self, ops: list[_Tags | _Artifact]) -> None:
-        """Send tags and artifacts in order; a failure is kept for the next flush/close."""
-        from mlflow.entities import RunTag
-
-        for op in ops:
-            try:
-                if isinstance(op, _Tags):
-                    tags = [RunTag(k, v) for k, v in op.tags.items()]
-                    for j in range(0, len(tags), PARAMS_PER_BATCH):
-                        self._client.log_batch(self.run_id, tags=tags[j : j + PARAMS_PER_BATCH], synchronous=True)
-                elif Path(op.path).is_dir():
-                    self._client.log_artifacts(self.run_id, op.path, op.artifact_path)
-                else:
-                    self._client.log_artifact(self.run_id, op.path, op.artifact_path)
-            except Exception as exc:
-                log.debug("MLflow %s failed", type(op).__name__, exc_info=True)
-                with self._lock:
-                    what = "set_tags" if isinstance(op, _Tags) else f"log_artifact {op.path}"
-                    self._failures.append((what, exc))
-                    self._lost += 1
-            with self._lock:
-                self._ops_done += 1
-                self._done.notify_all()
-
-
-def _transient(exc: BaseException) -> bool:
-    """Whether a failed request may succeed later (the store did not answer), not a rejection."""
-    from mlflow.exceptions import MlflowException
-
-    return not (isinstance(exc, MlflowException) and exc.error_code in _PERMANENT)

@@ -18,7 +18,7 @@ naming the spec key that fixes it (exit 1, the run FAILED).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 # What forward returns: a tensor, or a dict, dataclass or tuple holding the prediction (and a
 # model-computed loss); the user's model decides, :class:`BatchIO` finds the parts.
 ModelOutput = Any
+
+
+CollatedBatch = Mapping[str, Any] | Sequence[Any]
+"""A batch as the DataLoader collates it: ``(x, y)`` (a tuple or list), or a dict of named fields."""
 
 
 @dataclass

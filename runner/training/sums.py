@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from runner.training.batches import Batch, BatchIO, ModelOutput
     from runner.training.metrics import MetricRecipe
     from runner.training.nonfinite import NonFiniteGuard
+    from runner.training.state import MetricStates
 
 
 class RunningSums:
@@ -86,7 +87,7 @@ class Tally:
         recipes: Sequence[MetricRecipe],
         guard: NonFiniteGuard,
         window_sums: list[float] | None,
-        metric_states: dict[str, Any] | None,
+        metric_states: MetricStates | None,
         *,
         held: bool,
     ) -> Tally:
@@ -121,7 +122,7 @@ class Tally:
         if self.epoch is not None:
             self.epoch.add_bad(bad)
 
-    def metric_states(self) -> dict[str, Any]:
+    def metric_states(self) -> MetricStates:
         """The train metrics' states, summed over ranks (a collective): ``{"window": ..., "epoch": ...}``."""
         epoch = self.epoch_metrics.state() if self.epoch is not None else None
         return {"window": self.window_metrics.state(), "epoch": epoch}

@@ -1,0 +1,206 @@
+"""Time to a finished 1-step run: ``runner exec`` against a plain script doing the same work, as whole processes.
+
+Two pairs are measured, each side as a fresh process, alternating (plain, runner, plain, runner, ...)
+so that both see the same load:
+
+* ``none``: ``runner exec experiments/digits_mlp.toml --set train.max_steps=1`` against a plain
+  script that imports torch, loads the scikit-learn digits, splits them 80/20, builds the same MLP
+  (64 -> 128 -> 64 -> 10), takes one SGD step with momentum on a batch of 64 and evaluates the
+  validation split;
+* ``ddp``: ``runner exec experiments/digits_mlp_ddp.toml --set train.max_steps=1`` (2 processes)
+  against ``torchrun --standalone --nproc-per-node 2`` of the same plain script under DistributedDataParallel
+  (gloo on CPU, 32 samples per rank).
+
+Runner logs into a sqlite store in a temporary folder that one untimed run of each side creates
+first (a user's store exists after the first run; the first open of a new store migrates its
+schema, a one-off cost). Each timed run is a whole process from ``exec`` to exit. The peak
+resident set size is sampled every 20 ms over the process and all its children (``psutil``):
+``peak RSS`` is the largest sum over the process tree seen (ddp: the launcher and both workers).
+
+``--before DIR`` adds a third side, ``runner exec`` of another checkout (an earlier revision),
+timed in the same rotation.
+
+Usage::
+
+    python benchmarks/startup.py                      # both pairs, 5 timed runs per side
+    python benchmarks/startup.py --modes none --runs 7 --json startup.json
+    python benchmarks/startup.py --before /tmp/runner-before   # also an earlier checkout (git archive REV)
+
+Prints one line per run, then per pair the median seconds of each side, their ratio (targets:
+<= 1.25 for none, <= 1.3 for ddp), the median peak RSS of each side and their ratio (target
+<= 1.10), and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"none": 1.25, "ddp": 1.3}
+RSS_TARGET = 1.10
+SPECS = {"none": "experiments/digits_mlp.toml", "ddp": "experiments/digits_mlp_ddp.toml"}
+
+PLAIN = textwrap.dedent(
+    '''
+    """One SGD step of the digits MLP, written by hand (under torchrun: DDP over gloo)."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    ddp = "RANK" in os.environ
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    torch.manual_seed(0)
+    digits = load_digits()
+    x = torch.as_tensor(digits.images, dtype=torch.float32).div_(16.0).flatten(1)
+    x = (x - x.mean()) / x.std()
+    y = torch.as_tensor(digits.target)
+    order = torch.randperm(len(x))
+    n_val = int(0.2 * len(x))
+    val, train = order[:n_val], order[n_val:]
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+    )
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    batch = train[torch.randperm(len(train))[:64]][rank::world]
+    loss = F.cross_entropy(net(x[batch]), y[batch])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        logits = model(x[val])
+        val_loss = F.cross_entropy(logits, y[val]).item()
+        accuracy = (logits.argmax(1) == y[val]).float().mean().item()
+    if rank == 0:
+        print(f"train/loss {loss.item():.4f} val/loss {val_loss:.4f} val/accuracy {accuracy:.4f}")
+    if ddp:
+        dist.destroy_process_group()
+    '''
+)
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    """Resident bytes of ``proc`` and its children, counting a forked child that has not exec'ed yet (``git``,
+    about to replace itself) as nothing: until then it shares every page with its parent."""
+    total = 0
+    try:
+        seen = {proc.pid: proc.cmdline()}
+        total += proc.memory_info().rss
+        for child in proc.children(recursive=True):
+            cmdline = child.cmdline()
+            seen[child.pid] = cmdline
+            if cmdline != seen.get(child.ppid()):
+                total += child.memory_info().rss
+    except psutil.Error:  # a process ended between the listing and the read
+        pass
+    return total
+
+
+def measure(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Run ``command`` to its end; return (wall seconds, peak RSS of its process tree in MiB).
+
+    Raises:
+        RuntimeError: The command failed (its standard error is included).
+    """
+    start = time.perf_counter()
+    proc = psutil.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc))
+        time.sleep(0.02)
+    seconds = time.perf_counter() - start
+    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{stderr[-3000:]}")
+    return seconds, peak / 2**20
+
+
+def commands(mode: str, script: Path, before: Path | None) -> dict[str, tuple[list[str], Path]]:
+    """The sides of one pair: the plain script (torchrun for ddp), ``runner exec``, and that of ``before``.
+
+    Returns:
+        Side name -> (command, checkout whose ``runner`` it imports).
+    """
+    py = sys.executable
+    plain = [py, str(script)]
+    if mode == "ddp":
+        plain = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    sides = {"plain": (plain, ROOT)}
+    for side, root in (("runner", ROOT), ("before", before)):
+        if root is not None:
+            sides[side] = ([py, "-m", "runner", "exec", str(root / SPECS[mode]), "--set", "train.max_steps=1"], root)
+    return sides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per side (default 5)")
+    parser.add_argument("--modes", default="none,ddp", help="pairs to measure (default none,ddp)")
+    parser.add_argument("--before", metavar="DIR", type=Path, help="also time runner exec of the checkout DIR")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}
+    load_before = os.getloadavg()
+    print(f"{os.cpu_count()} CPU core(s); load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+    figures: dict[str, dict[str, dict[str, list[float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="runner-startup-") as tmp:
+        cwd = Path(tmp)
+        script = cwd / "plain_step.py"
+        script.write_text(PLAIN, encoding="utf-8")
+        for mode in modes:
+            sides = commands(mode, script, args.before)
+            for command, root in sides.values():  # untimed: creates the store, fills the page cache
+                measure(command, cwd, {**base, "PYTHONPATH": str(root)})
+            figures[mode] = {side: {"seconds": [], "rss_mib": []} for side in sides}
+            for i in range(args.runs):
+                for side, (command, root) in sides.items():
+                    seconds, rss = measure(command, cwd, {**base, "PYTHONPATH": str(root)})
+                    figures[mode][side]["seconds"].append(seconds)
+                    figures[mode][side]["rss_mib"].append(rss)
+                    print(f"{mode:<5} {side:<7} run {i + 1}: {seconds:6.2f} s  peak RSS {rss:7.0f} MiB", flush=True)
+    load_after = os.getloadavg()
+    summary = {}
+    for mode, sides in figures.items():
+        med = {side: {k: statistics.median(v) for k, v in fig.items()} for side, fig in sides.items()}
+        ratio = med["runner"]["seconds"] / med["plain"]["seconds"]
+        rss_ratio = med["runner"]["rss_mib"] / med["plain"]["rss_mib"]
+        summary[mode] = {"median": med, "ratio": ratio, "rss_ratio": rss_ratio}
+        print(
+            f"{mode}: median plain {med['plain']['seconds']:.2f} s, runner {med['runner']['seconds']:.2f} s; "
+            f"ratio {ratio:.3f} (target <= {TARGETS[mode]}: {'met' if ratio <= TARGETS[mode] else 'NOT met'})"
+        )
+        print(
+            f"{mode}: median peak RSS plain {med['plain']['rss_mib']:.0f} MiB, runner {med['runner']['rss_mib']:.0f} "
+            f"MiB; ratio {rss_ratio:.3f} (target <= {RSS_TARGET}: {'met' if rss_ratio <= RSS_TARGET else 'NOT met'})"
+        )
+        if "before" in med:
+            was = med["before"]["seconds"] / med["plain"]["seconds"]
+            summary[mode]["before_ratio"] = was
+            print(f"{mode}: before ({args.before}) median {med['before']['seconds']:.2f} s; ratio {was:.3f}")
+    print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    if args.json:
+        out = {"runs": figures, "summary": summary, "load_before": load_before, "load_after": load_after}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

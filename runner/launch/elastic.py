@@ -1,0 +1,106 @@
+"""Starting ddp workers through torch's elastic launcher, and reading why a launched job failed.
+
+``elastic_launch`` (``torch.distributed.launcher.api``, the machinery behind ``torchrun``) starts
+``nproc_per_node`` workers with a c10d rendezvous (``localhost:0`` on one node: the OS picks a
+free port) and the ``spawn`` start method; see docs/design.md §6. torch is imported inside the
+functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.errors import SpecError, SpecIssue
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.failures import HangReports
+    from runner.launch.handoff import Handoff
+    from runner.launch.worker import WorkerArgs, WorkerResult
+    from runner.plan import Plan
+
+
+def launch_elastic(
+    plan: Plan, args: WorkerArgs, hangs: HangReports | None = None, handoff: Handoff | None = None
+) -> list[WorkerResult]:
+    """Run the workers of ``plan`` under the elastic launcher; return their results, the logging rank's first.
+
+    Args:
+        plan: The job's plan (it has a rendezvous for every elastic launch).
+        args: What every worker gets; the launcher's pid and a report folder are added.
+        hangs: Receives the reports of ranks that hung after a stop signal.
+        handoff: The driver's preparation of the run, started here as the workers start; they read
+            its outcome from :data:`runner.launch.handoff.RUN_FILE` in the launcher's folder.
+            Workers told that it failed return no result.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: A worker failed.
+        SignalException: The launcher was stopped by a signal.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
+    from runner.launch.handoff import RUN_FILE
+    from runner.launch.worker import run_worker
+
+    par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
+    assert rdzv is not None  # the plan has one for every elastic launch
+    config = LaunchConfig(
+        min_nodes=rdzv.nnodes,
+        max_nodes=rdzv.nnodes,
+        nproc_per_node=plan.devices.nproc_per_node,
+        run_id=rdzv.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv.endpoint or "localhost:0",
+        rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
+        max_restarts=par.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
+        # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
+        config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
+        run_file = Path(log_dir) / RUN_FILE
+        launched = dataclasses.replace(
+            args, launcher_pid=os.getpid(), report_dir=log_dir, run_file=str(run_file) if handoff else None
+        )
+        quiet = quiet_launcher_logs()
+        if handoff is not None:
+            handoff.start(run_file)
+        try:
+            results = elastic_launch(config, run_worker)(launched)
+        finally:
+            restore_launcher_logs(quiet)
+            if hangs is not None:
+                hangs.update(read_hang_reports(Path(log_dir)))
+    done = [r for r in results.values() if r is not None]
+    done.sort(key=lambda r: (not r.metrics, r.rank))
+    return done
+
+
+def is_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch elastic's ``SignalException`` (the launcher got SIGINT/SIGTERM)."""
+    return type(exc).__name__ == "SignalException"
+
+
+def spec_error_of_child(exc: BaseException) -> SpecError | None:
+    """The SpecError a DDP worker raised while building, recovered from the launcher's failure record."""
+    marker = "runner.errors.SpecError: "
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        data = getattr(failure, "error_file_data", None) or {}
+        inner = data.get("message", {}) if isinstance(data, dict) else {}
+        trace = inner.get("extraInfo", {}).get("py_callstack", "") if isinstance(inner, dict) else ""
+        if marker in trace:
+            text = trace.rsplit(marker, 1)[1].strip()
+            issues = []
+            for line in text.splitlines():
+                key, sep, message = line.partition(": ")
+                issues.append(
+                    SpecIssue(None, None, key, message) if sep and " " not in key else SpecIssue(None, None, "", line)
+                )
+            return SpecError(issues)
+    return None
