@@ -26,7 +26,7 @@ from runner.spec.objectives import LossSpec, MetricsSpec
 from runner.spec.schema_data import DataSpec, ModelSpec
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 from runner.spec.schema_sweep import SweepSpec
-from runner.spec.table import SpecTable
+from runner.spec.table import INT64_LIMIT, SpecTable
 
 
 class OptimSpec(SpecTable):
@@ -173,7 +173,13 @@ class ExperimentSpec(SpecTable):
         default="", description="Free text, recorded as the MLflow run description. Default: empty."
     )
     seed: int = Field(
-        default=0, ge=0, description="Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers. Default: 0."
+        default=0,
+        ge=0,
+        lt=INT64_LIMIT,
+        description=(
+            "Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 "
+            "(torch.manual_seed takes 64 bits, and epoch e shuffles with seed + e). Default: 0."
+        ),
     )
     deterministic: bool = Field(
         default=False,

@@ -174,6 +174,7 @@ def test_random_flag_makes_the_sweep_random_and_needs_a_budget() -> None:
         ({"grid": ["seed=1,2"], "trials": 0}, "at least 1"),
         ({"grid": ["seed=1,2"], "trials": 3}, "--trials 3: the grid has only 2 point"),
         ({"grid": ["seed=1,2"], "seed": -1}, ">= 0"),
+        ({"grid": ["seed=1,2"], "seed": 2**32}, r"< 2\*\*32"),
     ],
 )
 def test_bad_definitions_are_usage_errors(kwargs: dict, fragment: str) -> None:
