@@ -153,7 +153,8 @@ def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
         return with_hint(f"{got}; expected {expected}", hint)
     bound = (_between(loc, ctx) if kind in _BOUNDS else None) or _out_of_range(kind, ctx)
     if bound is not None:
-        return f"{got}; expected {bound}"
+        optional = value == "" and not _field_required(loc)
+        return with_hint(f"{got}; expected {bound}", "remove the key for its default" if optional else "")
     return f"{got}; " + err["msg"].replace("Input should be", "expected").lower()
 
 
@@ -212,6 +213,13 @@ def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
         if (limit := getattr(m, name, None)) is not None
     ]
     return f"a value {' and '.join(parts)}" if len(parts) > 1 else None
+
+
+def _field_required(loc: Loc) -> bool:
+    """Whether the key at ``loc`` has no default (a list item or an unknown key counts as required)."""
+    parent = annotation_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    return field is None or field.is_required()
 
 
 def _number(limit: Any) -> str:

@@ -120,9 +120,10 @@ class TrackingSpec(SpecTable):
     )
     run_name: str | None = Field(
         default=None,
+        min_length=1,
         description=(
-            "MLflow run name. Default: the spec's name, mode and devices, and the values the command line "
-            "changed, e.g. `digits-mlp ddp-2 lr=0.05`."
+            "MLflow run name, not empty (remove the key for the default). Default: the spec's name, mode and "
+            "devices, and the values the command line changed, e.g. `digits-mlp ddp-2 lr=0.05`."
         ),
     )
     log_model: bool = Field(
@@ -185,7 +186,12 @@ class ExperimentSpec(SpecTable):
         default=False,
         description="Use PyTorch's deterministic algorithms (and the settings they need). Default: false.",
     )
-    tags: dict[str, str] = Field(default_factory=dict, description="Extra MLflow tags for the run. Default: none.")
+    tags: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            'Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1". Default: none.'
+        ),
+    )
     model: ModelSpec = Field(description="The network to build.")
     data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
     devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")

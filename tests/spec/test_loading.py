@@ -324,3 +324,12 @@ def test_a_shorthand_flag_is_a_plain_set_in_records_and_survives_pickling() -> N
     again = pickle.loads(pickle.dumps(flag))
     assert isinstance(again, FlagOverride) and (again, again.option, again.typed) == (flag, flag.option, flag.typed)
     assert typed_as("optim.lr=0.1") == "--set optim.lr=0.1"
+
+
+@pytest.mark.parametrize("key", ["tracking.run_name", "tracking.experiment"])
+def test_an_empty_optional_name_is_rejected_with_the_fix(write_spec, key: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec(write_spec(), [f'{key}=""'])
+    (issue,) = info.value.issues
+    assert issue.key == key
+    assert issue.message.startswith('got ""; expected at least 1 character (remove the key for its default)')
