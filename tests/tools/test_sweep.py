@@ -575,3 +575,12 @@ def test_report_without_a_metric_has_no_best() -> None:
     assert report.best is None and "no finished trial logged val/accuracy" in report.table()
     report.trials[0].metric_value = math.nan
     assert report.best is None
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("digits-mlp", "digits-mlp-sweep"), ("digits-mlp-lr-sweep", "digits-mlp-lr-sweep")]
+)
+def test_the_parent_run_is_named_after_the_spec_with_one_sweep_suffix(name: str, expected: str) -> None:
+    from runner.tools.sweep_store import parent_run_name
+
+    assert parent_run_name(name) == expected
