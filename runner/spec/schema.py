@@ -152,8 +152,8 @@ class CheckpointSpec(SpecTable):
     dir: str | None = Field(
         default=None,
         description=(
-            "Folder for checkpoints, relative to the spec file. "
-            "Default: `checkpoints/<run id>` next to the tracking store."
+            "Folder for checkpoints; a relative path is relative to the file that writes it, or to the current "
+            "directory when given with --set. Default: `checkpoints/<run id>` next to the tracking store."
         ),
     )
     every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs. Default: 1.")

@@ -49,8 +49,8 @@ class DataSpec(SpecTable):
     root: str | None = Field(
         default=None,
         description=(
-            "Folder holding the data for torchvision and imagefolder datasets; "
-            "relative to the spec file. Default: none."
+            "Folder holding the data for torchvision and imagefolder datasets; a relative path is relative to "
+            "the file that writes it, or to the current directory when given with --set. Default: none."
         ),
     )
     download: bool = Field(
