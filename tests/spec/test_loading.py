@@ -304,6 +304,7 @@ def test_override_creating_an_unknown_table_blames_the_override(tmp_path) -> Non
         (["--nproc-per-node", "0"], "--nproc-per-node: parallel.nproc_per_node: got 0; expected a value >= 1 "),
         (["--node-rank", "-1"], "--node-rank: parallel.node_rank: got -1; expected a value >= 0 (from --node-rank -1)"),
         (["--rdzv-endpoint", "foo"], "(from --rdzv-endpoint foo)"),
+        (["--nnodes", "2"], "parallel.nnodes: nnodes = 2 needs rdzv_endpoint"),  # a rule of the plan
     ],
 )
 def test_a_bad_shorthand_flag_is_named_as_typed(write_spec, capsys, flags: list, expected: str) -> None:
@@ -311,7 +312,7 @@ def test_a_bad_shorthand_flag_is_named_as_typed(write_spec, capsys, flags: list,
 
     assert main(["plan", str(write_spec()), "--set", "parallel.mode=ddp", *flags]) == 2
     err = capsys.readouterr().err
-    assert expected in err and "--set parallel." not in err, err
+    assert expected in err and f"(from {' '.join(flags)})" in err and "--set parallel." not in err, err
 
 
 def test_a_shorthand_flag_is_a_plain_set_in_records_and_survives_pickling() -> None:
