@@ -306,11 +306,12 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
     ``launching`` is False under torchrun, whose own rendezvous the workers already joined.
 
     Raises:
-        SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line.
+        SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line (or
+            naming the ``--nnodes`` or ``--set`` that gave it).
         UsageError: The Slurm node list cannot be read.
     """
     from runner.errors import SpecError, SpecIssue, UsageError
-    from runner.spec.loading import key_line
+    from runner.spec.loading import relocate_issues
 
     par = loaded.spec.parallel
     if slurm is not None and slurm.kind != "batch":
@@ -325,5 +326,5 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
             f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node '
             "(inside a Slurm job step it comes from the node list)"
         )
-        raise SpecError(SpecIssue(loaded.path, key_line(loaded, "parallel.nnodes"), "parallel.nnodes", message))
+        raise relocate_issues(SpecError(SpecIssue(None, None, "parallel.nnodes", message)), loaded)  # line or flag
     return Rendezvous(par.rdzv_endpoint, par.rdzv_id, par.nnodes, par.node_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
@@ -134,9 +134,27 @@ def describe_unrunnable(
     launch: Launch = "elastic" if spec.parallel.mode == "ddp" else "in-process"
     info.update(devices=None, asked=f"accelerator {spec.devices.accelerator}, {shown_ids}", launch=launch, notes=[])
     info["missing"] = str(error)
-    command = ["runner", "plan", shown or str(loaded.path), *loaded.command_line()]
-    info["try"] = shlex.join([*command, *fix]) if fix else None
+    command = ["runner", "plan", shown or str(loaded.path)]
+    info["try"] = shlex.join([*command, *_command_line_without(loaded, fix), *fix]) if fix else None
     return info
+
+
+def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
+    """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way.
+
+    A suggestion never repeats the user's override with another value (``--set parallel.mode=dp
+    --set parallel.mode=ddp``): the later one would win anyway, so the spec it runs is the same.
+    """
+    from runner.spec.overrides import parse_key
+
+    fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}
+    out: list[str] = []
+    for key in loaded.unset:
+        out += ["--unset", key]
+    for override in loaded.overrides:
+        if parse_key(override.partition("=")[0]) not in fixed:
+            out += ["--set", override]
+    return out
 
 
 def plan_or_problem(

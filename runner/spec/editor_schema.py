@@ -146,22 +146,31 @@ def emit_schema(*, write: str | None = None, output: str | None = None, markdown
 
     Args:
         write: Write ``runner.schema.json`` and ``.taplo.toml`` into this folder and refresh its README's key
-            reference (:func:`write_editor_files`), printing ``wrote PATH`` for each; the other arguments are ignored.
+            reference (:func:`write_editor_files`), printing ``wrote ABSOLUTE_PATH`` for each, so a folder
+            that is not the project root shows in the output; the other arguments are ignored.
         output: Write the text to this file instead of standard output.
         markdown: The Markdown key reference (:func:`runner.spec.reference.markdown_reference`) instead of the schema.
+
+    Raises:
+        UsageError: A file cannot be written (missing folder, no permission), named with the reason.
     """
+    from runner.errors import UsageError
     from runner.spec.reference import markdown_reference
 
-    if write is not None:
-        for path in write_editor_files(write):
-            print(f"wrote {path}")
-        return
-    text = markdown_reference() if markdown else json.dumps(json_schema(), indent=2)
-    if output:
-        with open(output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    else:
-        print(text)
+    try:
+        if write is not None:
+            for path in write_editor_files(Path(write).resolve()):
+                print(f"wrote {path}")
+            return
+        text = markdown_reference() if markdown else json.dumps(json_schema(), indent=2)
+        if output:
+            with open(output, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        else:
+            print(text)
+    except OSError as exc:
+        where = exc.filename or output or write
+        raise UsageError(f"cannot write {where}: {exc.strerror or exc}") from None
 
 
 # ----------------------------------------------------------------------------- rules in JSON Schema

@@ -24,7 +24,7 @@ from runner.errors import SpecError, SpecIssue
 from runner.spec.dump import spec_sha256
 from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
-from runner.spec.overrides import ORIGIN, apply_override, apply_unset, parse_key
+from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.schema import ExperimentSpec
 
@@ -187,9 +187,9 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
 def _override_of(loaded: LoadedSpec, key: str) -> str | None:
     """The ``--set KEY=VALUE`` (or ``--unset KEY``) that replaced dotted ``key`` or a table above it, or ``None``."""
     loc = tuple(key.split("."))
-    flags = [f"--unset {k}" for k in loaded.unset] + [f"--set {text}" for text in loaded.overrides]
-    for flag in reversed(flags):
-        o = parse_key(flag.split(" ", 1)[1].partition("=")[0])
+    flags = [(f"--unset {k}", k) for k in loaded.unset] + [(typed_as(text), text) for text in loaded.overrides]
+    for flag, text in reversed(flags):
+        o = parse_key(text.partition("=")[0])
         if o is not None and loc[: len(o)] == o:
             return flag
     return None
@@ -227,9 +227,10 @@ def _validate(data: dict[str, Any], where: Callable[[Loc], Origin], issues: list
         found = []
         for loc, message in explain_errors(exc.errors(include_url=False)):
             origin = where(loc)
-            text = message if origin.override is None else f"{message} (from --set {origin.override})"
+            override = origin.override
+            text = message if override is None else f"{message} (from {typed_as(override)})"
             found.append(
-                SpecIssue(origin.file, origin.line, format_key(loc), text, ORIGIN if origin.override else None)
+                SpecIssue(origin.file, origin.line, format_key(loc), text, option_of(override) if override else None)
             )
         files = [i.file for i in found if i.file is not None]
         order = {f: i for i, f in enumerate(dict.fromkeys(files))}

@@ -151,9 +151,10 @@ def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
     if wrong_type is not None:
         expected, hint = wrong_type
         return with_hint(f"{got}; expected {expected}", hint)
-    bound = _out_of_range(kind, ctx)
+    bound = (_between(loc, ctx) if kind in _BOUNDS else None) or _out_of_range(kind, ctx)
     if bound is not None:
-        return f"{got}; expected {bound}"
+        optional = value == "" and not _field_required(loc)
+        return with_hint(f"{got}; expected {bound}", "remove the key for its default" if optional else "")
     return f"{got}; " + err["msg"].replace("Input should be", "expected").lower()
 
 
@@ -182,7 +183,7 @@ def _out_of_range(kind: str, ctx: Mapping[str, Any]) -> str | None:
     """What was expected of a value outside its bound or length, or ``None`` when ``kind`` is not one."""
     if kind in _BOUNDS:
         limit = next(iter(ctx.values()), "?")
-        return f"a value {_BOUNDS[kind]} {show(limit)}"
+        return f"a value {_BOUNDS[kind]} {_number(limit)}"
     what = "character" if kind.startswith("string_") else "item"
     if kind in ("too_short", "string_too_short"):
         n = ctx.get("min_length", 1)
@@ -191,6 +192,41 @@ def _out_of_range(kind: str, ctx: Mapping[str, Any]) -> str | None:
         n = ctx.get("max_length", 0)
         return f"at most {n} {what}{'s' if n != 1 else ''}"
     return None
+
+
+def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
+    """``a value >= 0 and < 9223372036854775808 (2**63)``: both bounds of the field at ``loc``, from the schema.
+
+    ``None`` for a field with one bound (``_out_of_range`` words it) and for a list item. A float field's
+    bounds print as floats, as pydantic's ``ctx`` gives them.
+    """
+    parent = annotation_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    if field is None:  # a list item: pydantic's context names the one bound it broke
+        return None
+    words = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    as_float = isinstance(next(iter(ctx.values()), None), float)
+    parts = [
+        f"{words[name]} {_number(float(limit) if as_float else limit)}"
+        for m in field.metadata
+        for name in words
+        if (limit := getattr(m, name, None)) is not None
+    ]
+    return f"a value {' and '.join(parts)}" if len(parts) > 1 else None
+
+
+def _field_required(loc: Loc) -> bool:
+    """Whether the key at ``loc`` has no default (a list item or an unknown key counts as required)."""
+    parent = annotation_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    return field is None or field.is_required()
+
+
+def _number(limit: Any) -> str:
+    """``show(limit)``, with ``(2**N)`` after a large power of two."""
+    if isinstance(limit, int) and limit >= 2**16 and limit & (limit - 1) == 0:
+        return f"{limit} (2**{limit.bit_length() - 1})"
+    return show(limit)
 
 
 def _subject(loc: Loc, message: str) -> Loc:

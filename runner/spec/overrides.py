@@ -2,7 +2,8 @@
 
 Each value is read as a TOML value (``0.05``, ``[0, 1]``, ``{ a = 1 }``); text that is not
 TOML, or any scalar given for a string key, is taken as a string. The override becomes the
-origin of its key, so validation messages say ``--set: optim.lr: ... (from --set optim.lr=x)``.
+origin of its key, so validation messages say ``--set: optim.lr: ... (from --set optim.lr=x)``; an
+override a shorthand flag made (:class:`FlagOverride`) is named by that flag instead.
 ``--unset`` removes a key written in the file (or a file it extends), so its default applies;
 unsetting comes before setting.
 """
@@ -33,6 +34,39 @@ ORIGIN = "--set"
 UNSET = "--unset"
 
 
+class FlagOverride(str):
+    """A ``dotted.key=value`` override that a shorthand flag made, e.g. ``--nproc-per-node 2``.
+
+    It is the ``--set`` text everywhere (records, ``LoadedSpec.command_line``), but messages about
+    it name the flag the user typed: ``--nproc-per-node: parallel.nproc_per_node: ... (from --nproc-per-node 0)``.
+
+    Attributes:
+        option: The flag, e.g. ``--nproc-per-node``.
+        typed: The flag with its value as typed, e.g. ``--nproc-per-node 0``.
+    """
+
+    option: str
+    typed: str
+
+    def __new__(cls, text: str, option: str, typed: str) -> FlagOverride:
+        self = super().__new__(cls, text)
+        self.option, self.typed = option, typed
+        return self
+
+    def __getnewargs__(self) -> tuple[str, str, str]:  # type: ignore[override]
+        return str(self), self.option, self.typed
+
+
+def option_of(override: str) -> str:
+    """The flag an override came from: ``--set``, or a :class:`FlagOverride`'s own."""
+    return override.option if isinstance(override, FlagOverride) else ORIGIN
+
+
+def typed_as(override: str) -> str:
+    """The override as the user typed it: ``--set optim.lr=0.05``, or ``--nproc-per-node 0``."""
+    return override.typed if isinstance(override, FlagOverride) else f"{ORIGIN} {override}"
+
+
 def parallel_flags(
     *,
     nnodes: int | None = None,
@@ -46,9 +80,14 @@ def parallel_flags(
     ``["parallel.nnodes=2", 'parallel.rdzv_endpoint="h:29400"']``.
     """
     counts = {"nnodes": nnodes, "node_rank": node_rank, "nproc_per_node": nproc_per_node}
-    out = [f"parallel.{key}={value}" for key, value in counts.items() if value is not None]
+    out: list[str] = []
+    for key, value in counts.items():
+        if value is not None:
+            option = "--" + key.replace("_", "-")
+            out.append(FlagOverride(f"parallel.{key}={value}", option, f"{option} {value}"))
     if rdzv_endpoint is not None:
-        out.append(f"parallel.rdzv_endpoint={json.dumps(rdzv_endpoint)}")
+        text = f"parallel.rdzv_endpoint={json.dumps(rdzv_endpoint)}"
+        out.append(FlagOverride(text, "--rdzv-endpoint", f"--rdzv-endpoint {rdzv_endpoint}"))
     return out
 
 
@@ -88,8 +127,8 @@ def _parent_table(data: dict[str, Any], loc: Loc, override: str, issues: list[Sp
     for i, part in enumerate(loc[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            message = f"{format_key(loc[: i + 1])} is {show(child)}, not a table (from --set {override})"
-            issues.append(SpecIssue(None, None, format_key(loc), message, ORIGIN))
+            message = f"{format_key(loc[: i + 1])} is {show(child)}, not a table (from {typed_as(override)})"
+            issues.append(SpecIssue(None, None, format_key(loc), message, option_of(override)))
             return None
         node = child
     return node

@@ -26,7 +26,7 @@ from runner.spec.objectives import LossSpec, MetricsSpec
 from runner.spec.schema_data import DataSpec, ModelSpec
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 from runner.spec.schema_sweep import SweepSpec
-from runner.spec.table import SpecTable
+from runner.spec.table import INT64_LIMIT, SpecTable
 
 
 class OptimSpec(SpecTable):
@@ -120,9 +120,10 @@ class TrackingSpec(SpecTable):
     )
     run_name: str | None = Field(
         default=None,
+        min_length=1,
         description=(
-            "MLflow run name. Default: the spec's name, mode and devices, and the values the command line "
-            "changed, e.g. `digits-mlp ddp-2 lr=0.05`."
+            "MLflow run name, not empty (remove the key for the default). Default: the spec's name, mode and "
+            "devices, and the values the command line changed, e.g. `digits-mlp ddp-2 lr=0.05`."
         ),
     )
     log_model: bool = Field(
@@ -151,8 +152,8 @@ class CheckpointSpec(SpecTable):
     dir: str | None = Field(
         default=None,
         description=(
-            "Folder for checkpoints, relative to the spec file. "
-            "Default: `checkpoints/<run id>` next to the tracking store."
+            "Folder for checkpoints; a relative path is relative to the file that writes it, or to the current "
+            "directory when given with --set. Default: `checkpoints/<run id>` next to the tracking store."
         ),
     )
     every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs. Default: 1.")
@@ -173,13 +174,24 @@ class ExperimentSpec(SpecTable):
         default="", description="Free text, recorded as the MLflow run description. Default: empty."
     )
     seed: int = Field(
-        default=0, ge=0, description="Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers. Default: 0."
+        default=0,
+        ge=0,
+        lt=INT64_LIMIT,
+        description=(
+            "Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 "
+            "(torch.manual_seed takes 64 bits, and epoch e shuffles with seed + e). Default: 0."
+        ),
     )
     deterministic: bool = Field(
         default=False,
         description="Use PyTorch's deterministic algorithms (and the settings they need). Default: false.",
     )
-    tags: dict[str, str] = Field(default_factory=dict, description="Extra MLflow tags for the run. Default: none.")
+    tags: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            'Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1". Default: none.'
+        ),
+    )
     model: ModelSpec = Field(description="The network to build.")
     data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
     devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")

@@ -6,12 +6,14 @@ built by :mod:`runner.training.data` and :mod:`runner.training.loaders`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from runner.spec import rules
-from runner.spec.table import SpecTable
+from runner.spec.table import INT64_LIMIT, SpecTable
+
+TorchSize = Annotated[int, Field(lt=INT64_LIMIT)]  # a tensor dimension: torch takes a C int64
 
 
 class ModelSpec(SpecTable):
@@ -47,8 +49,8 @@ class DataSpec(SpecTable):
     root: str | None = Field(
         default=None,
         description=(
-            "Folder holding the data for torchvision and imagefolder datasets; "
-            "relative to the spec file. Default: none."
+            "Folder holding the data for torchvision and imagefolder datasets; a relative path is relative to "
+            "the file that writes it, or to the current directory when given with --set. Default: none."
         ),
     )
     download: bool = Field(
@@ -65,6 +67,7 @@ class DataSpec(SpecTable):
     image_size: int | None = Field(
         default=None,
         ge=1,
+        lt=INT64_LIMIT,
         description=(
             "Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size."
         ),
@@ -72,6 +75,7 @@ class DataSpec(SpecTable):
     num_channels: int | None = Field(
         default=None,
         ge=1,
+        lt=INT64_LIMIT,
         description="Repeat grayscale images to this many channels (3 for ImageNet-style models). Default: native.",
     )
     batch_size: int = Field(
@@ -95,9 +99,11 @@ class DataSpec(SpecTable):
     split_seed: int = Field(
         default=0,
         ge=0,
+        lt=INT64_LIMIT,
         description=(
             "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
-            "`seed` score on the same validation samples. Default: 0."
+            "`seed` score on the same validation samples; 0 <= split_seed < 2**63 (a torch.Generator seed). "
+            "Default: 0."
         ),
     )
     shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
@@ -112,12 +118,16 @@ class DataSpec(SpecTable):
         default=False,
         description="Keep DataLoader workers alive between epochs (needs num_workers > 0). Default: false.",
     )
-    num_samples: int = Field(default=1024, ge=1, description="`synthetic` only: number of samples. Default: 1024.")
-    input_shape: list[int] = Field(
+    num_samples: int = Field(
+        default=1024, ge=1, lt=INT64_LIMIT, description="`synthetic` only: number of samples. Default: 1024."
+    )
+    input_shape: list[TorchSize] = Field(
         default_factory=lambda: [64],
         min_length=1,
         description="`synthetic` only: shape of one sample, e.g. [3, 32, 32]. Default: [64].",
     )
-    num_classes: int = Field(default=10, ge=2, description="`synthetic` only: number of classes. Default: 10.")
+    num_classes: int = Field(
+        default=10, ge=2, lt=INT64_LIMIT, description="`synthetic` only: number of classes. Default: 10."
+    )
 
     rule = rules.check_data

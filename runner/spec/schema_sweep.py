@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from runner.spec import rules
-from runner.spec.table import SpecTable
+from runner.spec.table import UINT32_LIMIT, SpecTable
 
 
 class SweepParam(SpecTable):
@@ -40,7 +40,12 @@ class SweepSpec(SpecTable):
         description="Trials in total, over every worker (random and tpe: required; grid: at most the grid size). "
         "Default: the grid size.",
     )
-    seed: int = Field(default=0, ge=0, description="Seed of the sampler. Default: 0.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=UINT32_LIMIT,
+        description="Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState). Default: 0.",
+    )
     metric: str = Field(default="val/accuracy", description="Metric that ranks trials. Default: val/accuracy.")
     goal: Literal["max", "min"] = Field(
         default="max", description="Whether a larger or smaller metric is better. Default: max."

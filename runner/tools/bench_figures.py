@@ -176,10 +176,22 @@ def noise(spread_value: float | None, tail_value: float | None) -> list[str]:
     """
     out = []
     if spread_value is not None and spread_value > SPREAD_LIMIT:
-        out.append(f"repeats differ by {spread_value:.0%} (limit {SPREAD_LIMIT:.0%})")
+        out.append(f"repeats differ by {_above(spread_value, SPREAD_LIMIT, 0, '%')} (limit {SPREAD_LIMIT:.0%})")
     if tail_value is not None and tail_value > TAIL_LIMIT:
-        out.append(f"p90 is {tail_value:.1f}x p50 (limit {TAIL_LIMIT:g}x)")
+        out.append(f"p90 is {_above(tail_value, TAIL_LIMIT, 1, 'f')}x p50 (limit {TAIL_LIMIT:g}x)")
     return out
+
+
+def _above(value: float, limit: float, digits: int, kind: str) -> str:
+    """``value`` (above ``limit``) with ``digits`` decimals, or as many more as it takes not to print as ``limit``.
+
+    ``1.504`` against a limit of 1.5 prints ``1.504``, not ``1.5``: a reason must not read "1.5x (limit 1.5x)".
+    """
+    for n in range(digits, digits + 7):
+        text = f"{value:.{n}{kind}}"
+        if text != f"{limit:.{n}{kind}}":
+            return text
+    return f"{value * 100!r}%" if kind == "%" else repr(value)
 
 
 def steady(spread_value: float | None, tail_value: float | None) -> bool:

@@ -32,7 +32,14 @@ from runner.tools.sweep_space import SweepDefinition, study_name
 from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage, redact
 from runner.tools.sweep_store import SweepStore
 from runner.tools.sweep_study import SweepStudy
-from runner.tools.sweep_trials import prepare_trials, swept_in_file, trial_environ, trials_to_check, without_sweep
+from runner.tools.sweep_trials import (
+    prepare_trials,
+    swept_in_file,
+    swept_on_cli,
+    trial_environ,
+    trials_to_check,
+    without_sweep,
+)
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -100,9 +107,10 @@ def run_sweep(
     lines = locate_keys(base.source_text)
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
-    in_file = swept_in_file(base, (cli or CommandLine()).grid, (cli or CommandLine()).random)
+    flags = cli or CommandLine()
+    in_file, on_cli = swept_in_file(base, flags.grid, flags.random), swept_on_cli(flags.grid, flags.random)
     checks = trials_to_check(definition)
-    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file)]
+    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli)]
     store = SweepStore.for_spec(base.spec)
     store.check()
     opened, report = _open_study(base, definition, store, storage, study, lines)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
 from runner.spec.schema_sweep import SweepParam, SweepSpec
+from runner.spec.table import UINT32_LIMIT
 from runner.tools.sweep_space import SweepDefinition
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,8 +132,8 @@ def build_definition(
     method = cli.method or ("random" if cli.random and base.method == "grid" else base.method)
     if cli.trials is not None and cli.trials < 1:
         raise UsageError(f"--trials {cli.trials}: give at least 1")
-    if cli.seed is not None and cli.seed < 0:
-        raise UsageError(f"--seed {cli.seed}: give a seed >= 0")
+    if cli.seed is not None and not 0 <= cli.seed < UINT32_LIMIT:
+        raise UsageError(f"--seed {cli.seed}: give a seed >= 0 and < 2**32 (Optuna seeds NumPy's RandomState with it)")
     trials = cli.trials if cli.trials is not None else base.trials
     _check_int_ranges(params, spec_file, lines)
     if method == "grid":

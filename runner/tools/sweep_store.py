@@ -104,7 +104,7 @@ class SweepStore:
         return parents.create_parent_run(
             self.uri,
             self.experiment,
-            run_name=f"{base.spec.name}-sweep",
+            run_name=parent_run_name(base.spec.name),
             tags=tags,
             params=params,
             texts=texts,
@@ -157,3 +157,8 @@ class SweepStore:
             self.end(run_id, status, error, report)
         except Exception as exc:
             print(f"runner: could not end sweep run {run_id} with status {status}: {exc}", file=sys.stderr, flush=True)
+
+
+def parent_run_name(name: str) -> str:
+    """The sweep's parent run name: the spec name with ``-sweep`` appended, unless it already ends with it."""
+    return name if name.endswith("-sweep") else f"{name}-sweep"

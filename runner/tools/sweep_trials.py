@@ -86,6 +86,7 @@ def prepare_trials(
     trials: Sequence[Trial],
     environ: Mapping[str, str] | None = None,
     in_file: Mapping[str, int | None] | None = None,
+    on_cli: Mapping[str, str] | None = None,
 ) -> list[tuple[LoadedSpec, Plan]]:
     """Load, validate and plan every trial before any runs; collect every problem.
 
@@ -96,13 +97,15 @@ def prepare_trials(
         environ: The environment to plan against (default: :func:`trial_environ`).
         in_file: Swept keys whose values come from the spec's ``[sweep.params]`` (see
             :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
+        on_cli: Swept keys given by ``--grid`` or ``--random`` (see :func:`swept_on_cli`), with the
+            entry as typed: a problem with their value names that entry, not ``--set``.
 
     Returns:
         ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
 
     Raises:
         SpecError: Trial specs that do not validate or name unknown models; each issue
-            keeps its key and names the trial.
+            keeps its key and names the trial (an issue found in several trials is reported once).
         DeviceError: Trials that ask for devices this machine does not have, one line each.
     """
     from runner.devices.inventory import probe_inventory
@@ -111,27 +114,28 @@ def prepare_trials(
 
     env = trial_environ() if environ is None else dict(environ)
     inventory = probe_inventory(env)
-    issues: list[SpecIssue] = []
+    issues: list[tuple[SpecIssue, str]] = []  # (issue, the trial it was found in)
     device_errors: list[str] = []
+    where = _Sources(path, in_file or {}, on_cli or {})
     checked: dict[tuple[str, Path], SpecError | None] = {}
     out = []
     for trial in trials:
         try:
             loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()]))
         except SpecError as exc:
-            issues += [_in_trial(issue, trial, path, in_file or {}) for issue in exc.issues]
+            issues += [(where.place(issue, trial), _label(trial)) for issue in exc.issues]
             continue
         model_error = _model_error(loaded, checked)
         if model_error is not None:
             located = relocate_issues(model_error, loaded)  # at model.name's line in the spec file
-            issues += [_in_trial(issue, trial, path, in_file or {}) for issue in located.issues]
+            issues += [(where.place(issue, trial), _label(trial)) for issue in located.issues]
             continue
         try:
             out.append((loaded, make_plan(loaded, env=env, inventory=inventory)))
         except (DeviceError, UsageError, SpecError) as exc:
             device_errors.append(f"{_label(trial)}: {exc}")
     if issues:
-        raise SpecError(issues)
+        raise SpecError(_once_each(issues, len(trials)))
     if device_errors:
         raise DeviceError("\n".join(device_errors))
     return out
@@ -200,11 +204,49 @@ def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) 
     return {key: lines.get(("sweep", "params", key)) for key in base.spec.sweep.params if key not in given}
 
 
-def _in_trial(issue: SpecIssue, trial: Trial, path: Path, in_file: Mapping[str, int | None]) -> SpecIssue:
-    """The issue, naming the trial; a value from the spec's ``[sweep.params]`` is placed at its line there."""
-    label = f"[sweep {_label(trial)}]"
-    swept = next((k for k in in_file if issue.key == k or issue.key.startswith((k + ".", k + "["))), None)
-    if swept is not None and swept in trial.values:
+@dataclasses.dataclass(frozen=True)
+class _Sources:
+    """Where a sweep's values were written: the spec file, its ``[sweep.params]`` lines, the command line."""
+
+    path: Path
+    in_file: Mapping[str, int | None]
+    on_cli: Mapping[str, str]
+
+    def place(self, issue: SpecIssue, trial: Trial) -> SpecIssue:
+        """The issue of a trial's spec, blamed on the swept value's own source when it is about one."""
+        keys = [*self.in_file, *self.on_cli]
+        swept = next((k for k in keys if issue.key == k or issue.key.startswith((k + ".", k + "["))), None)
+        if swept is None or swept not in trial.values:
+            return issue
         message = issue.message.split(" (from --set ", 1)[0]
-        return SpecIssue(path, in_file[swept], issue.key, f'{message} (a value of sweep.params."{swept}") {label}')
-    return dataclasses.replace(issue, message=f"{issue.message} {label}")
+        if swept in self.in_file:
+            return SpecIssue(
+                self.path, self.in_file[swept], issue.key, f'{message} (a value of sweep.params."{swept}")'
+            )
+        entry = self.on_cli[swept]
+        return SpecIssue(None, None, issue.key, f"{message} (from {entry})", entry.split(" ", 1)[0])
+
+
+def _once_each(found: Sequence[tuple[SpecIssue, str]], trials: int) -> list[SpecIssue]:
+    """Each issue naming its trial; one found in every trial (an unknown key, say) once, naming none."""
+    labels: dict[SpecIssue, list[str]] = {}
+    for issue, label in found:
+        labels.setdefault(issue, []).append(label)
+    out = []
+    for issue, label in found:
+        names = labels[issue]
+        if trials > 1 and len(names) == trials:
+            if names[0] == label:
+                out.append(dataclasses.replace(issue, message=f"{issue.message} [all {trials} sweep trials]"))
+        else:
+            out.append(dataclasses.replace(issue, message=f"{issue.message} [sweep {label}]"))
+    return out
+
+
+def swept_on_cli(grid: Sequence[str], random: Sequence[str]) -> dict[str, str]:
+    """Keys swept by ``--grid`` and ``--random`` entries, each with its entry as typed (``--grid optim.lr=0.1,1``)."""
+    out = {}
+    for flag, entries in (("--grid", grid), ("--random", random)):
+        for entry in entries:
+            out[entry.partition("=")[0].strip()] = f"{flag} {entry}"
+    return out

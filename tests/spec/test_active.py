@@ -74,6 +74,21 @@ def test_the_readme_dp_example_on_cpu_explains_and_its_suggestion_works(capsys, 
     assert "world size     1" in capsys.readouterr().out
 
 
+def test_a_suggestion_drops_the_override_it_replaces_and_keeps_the_others() -> None:
+    path = REPO / "experiments" / "digits_mlp_ddp.toml"
+    loaded = load_spec(path, ["parallel.mode=dp", "optim.lr=0.2"], ["devices.ids"])
+    info, problem = plan_or_problem(loaded, env={}, inventory=NO_GPU, shown="s.toml")
+    assert problem is not None and info["try"] is not None
+    words = shlex.split(info["try"])
+    assert words == [
+        "runner", "plan", "s.toml", "--unset", "devices.ids", "--set", "optim.lr=0.2",
+        "--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu",
+    ]  # fmt: skip
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    fixed = load_spec(path, sets, ["devices.ids"])
+    assert resolve_devices(fixed.spec, {}, NO_GPU).accelerator == "cpu" and fixed.spec.optim.lr == 0.2
+
+
 # ----------------------------------------------------------------------------- inactive keys
 
 

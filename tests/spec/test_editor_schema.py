@@ -216,3 +216,24 @@ def test_taplo_checks_the_shipped_specs_through_the_shipped_config(tmp_path: Pat
         [taplo, "check", "experiments/typo.toml"], cwd=project, env=env, capture_output=True, text=True, check=False
     )
     assert bad.returncode != 0 and "mdoe" in bad.stderr + bad.stdout
+
+
+@pytest.mark.parametrize("target", ["missing/x.json", "/proc/x.json"])
+def test_schema_to_an_unwritable_file_names_it_and_exits_2(tmp_path: Path, capsys, target: str) -> None:
+    path = target if target.startswith("/") else str(tmp_path / target)
+    assert main(["schema", "-o", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"runner: error: cannot write {path}: ") and "Traceback" not in err
+
+
+def test_write_into_a_missing_folder_exits_2(tmp_path: Path, capsys) -> None:
+    assert main(["schema", "--write", str(tmp_path / "missing")]) == 2
+    assert f"cannot write {tmp_path / 'missing' / SCHEMA_FILE}: No such file" in capsys.readouterr().err
+
+
+def test_write_says_where_it_wrote_each_file_as_an_absolute_path(tmp_path: Path, capsys, monkeypatch) -> None:
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["schema", "--write"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"wrote {tmp_path / 'here' / SCHEMA_FILE}", f"wrote {tmp_path / 'here' / TAPLO_FILE}"]

@@ -296,3 +296,41 @@ def test_override_creating_an_unknown_table_blames_the_override(tmp_path) -> Non
         load_spec(spec, ["foo.bar.baz=1"])
     text = str(info.value)
     assert text.startswith("--set: foo:") and "from --set foo.bar.baz=1" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node: parallel.nproc_per_node: got 0; expected a value >= 1 "),
+        (["--node-rank", "-1"], "--node-rank: parallel.node_rank: got -1; expected a value >= 0 (from --node-rank -1)"),
+        (["--rdzv-endpoint", "foo"], "(from --rdzv-endpoint foo)"),
+        (["--nnodes", "2"], "parallel.nnodes: nnodes = 2 needs rdzv_endpoint"),  # a rule of the plan
+    ],
+)
+def test_a_bad_shorthand_flag_is_named_as_typed(write_spec, capsys, flags: list, expected: str) -> None:
+    from runner.cli import main
+
+    assert main(["plan", str(write_spec()), "--set", "parallel.mode=ddp", *flags]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and f"(from {' '.join(flags)})" in err and "--set parallel." not in err, err
+
+
+def test_a_shorthand_flag_is_a_plain_set_in_records_and_survives_pickling() -> None:
+    import pickle
+
+    from runner.spec.overrides import FlagOverride, parallel_flags, typed_as
+
+    (flag,) = parallel_flags(nproc_per_node=2)
+    assert flag == "parallel.nproc_per_node=2" and typed_as(flag) == "--nproc-per-node 2"
+    again = pickle.loads(pickle.dumps(flag))
+    assert isinstance(again, FlagOverride) and (again, again.option, again.typed) == (flag, flag.option, flag.typed)
+    assert typed_as("optim.lr=0.1") == "--set optim.lr=0.1"
+
+
+@pytest.mark.parametrize("key", ["tracking.run_name", "tracking.experiment"])
+def test_an_empty_optional_name_is_rejected_with_the_fix(write_spec, key: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec(write_spec(), [f'{key}=""'])
+    (issue,) = info.value.issues
+    assert issue.key == key
+    assert issue.message.startswith('got ""; expected at least 1 character (remove the key for its default)')

@@ -383,6 +383,13 @@ def test_spread_tail_and_steadiness() -> None:
     assert steady(0.05, 1.1) and not steady(None, 1.1) and not steady(0.05, 1.6) and not steady(0.2, 1.0)
 
 
+def test_a_figure_just_over_its_limit_does_not_print_as_the_limit() -> None:
+    from runner.tools.bench_figures import noise
+
+    assert noise(0.104, 1.504) == ["repeats differ by 10.4% (limit 10%)", "p90 is 1.504x p50 (limit 1.5x)"]
+    assert noise(None, 1.5000001) == ["p90 is 1.5000001x p50 (limit 1.5x)"]
+
+
 def test_combine_takes_the_median_rate_and_pools_the_step_times() -> None:
     from runner.tools.bench_measure import combine
 

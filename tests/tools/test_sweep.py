@@ -174,6 +174,7 @@ def test_random_flag_makes_the_sweep_random_and_needs_a_budget() -> None:
         ({"grid": ["seed=1,2"], "trials": 0}, "at least 1"),
         ({"grid": ["seed=1,2"], "trials": 3}, "--trials 3: the grid has only 2 point"),
         ({"grid": ["seed=1,2"], "seed": -1}, ">= 0"),
+        ({"grid": ["seed=1,2"], "seed": 2**32}, r"< 2\*\*32"),
     ],
 )
 def test_bad_definitions_are_usage_errors(kwargs: dict, fragment: str) -> None:
@@ -356,7 +357,36 @@ def test_a_bad_value_from_the_sweep_table_is_blamed_on_its_line_not_on_set(write
     assert "--set" not in err and "trial 1 (optim.lr=-1.0)" in err
     # the same value given on the command line is still blamed on the command line
     assert main(["sweep", str(path), "--grid", "optim.lr=0.1,-2.0"]) == 2
-    assert "--set: optim.lr: got -2.0" in capsys.readouterr().err
+    assert "--grid: optim.lr: got -2.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--grid", "optim.lr=0.1,abc"],
+            '--grid: optim.lr: got "abc"; expected a number (from --grid optim.lr=0.1,abc) [sweep trial 1 (',
+        ),
+        (
+            ["--random", "optim.lr=-1:1", "--trials", "2"],
+            "--random: optim.lr: got -1.0; expected a value > 0.0 (from --random optim.lr=-1:1) [sweep values (",
+        ),
+    ],
+)
+def test_a_bad_swept_value_names_the_flag_it_was_given_with(write_spec, capsys, flags: list, expected: str) -> None:
+    assert main(["sweep", str(write_spec()), *flags]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "--set" not in err
+
+
+def test_an_unknown_swept_key_is_reported_once_for_all_trials(write_spec, capsys) -> None:
+    assert main(["sweep", str(write_spec()), "--grid", "optim.lrr=0.1,0.2,0.3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count('unknown key "lrr"') == 1, err
+    assert (
+        "--grid: optim.lrr: got unknown key" in err
+        and "(from --grid optim.lrr=0.1,0.2,0.3) [all 3 sweep trials]" in err
+    )
 
 
 def test_an_unknown_model_of_a_sweep_table_names_its_line(write_spec, capsys) -> None:
@@ -545,3 +575,12 @@ def test_report_without_a_metric_has_no_best() -> None:
     assert report.best is None and "no finished trial logged val/accuracy" in report.table()
     report.trials[0].metric_value = math.nan
     assert report.best is None
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("digits-mlp", "digits-mlp-sweep"), ("digits-mlp-lr-sweep", "digits-mlp-lr-sweep")]
+)
+def test_the_parent_run_is_named_after_the_spec_with_one_sweep_suffix(name: str, expected: str) -> None:
+    from runner.tools.sweep_store import parent_run_name
+
+    assert parent_run_name(name) == expected

@@ -1,0 +1,41 @@
+"""README examples of command output are the real output (paths aside), so a change of wording shows up here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from runner.cli import main
+
+REPO = Path(__file__).parents[1]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def _example(command: str) -> list[str]:
+    """The lines of the README's fenced block that starts with ``$ command``, without the command."""
+    block = re.search(rf"^\$ {re.escape(command)}\n(.*?)^```", README, flags=re.MULTILINE | re.DOTALL)
+    assert block is not None, f"no example of `{command}` in README.md"
+    return block.group(1).splitlines()
+
+
+def test_the_plan_example_is_the_real_plan(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(REPO)
+    spec = "experiments/digits_mlp_ddp.toml"
+    assert main(["plan", spec, "--set", "parallel.mode=none"]) == 0
+    out = capsys.readouterr().out.replace(str(REPO), "/home/me/runner")
+    assert out.splitlines() == _example(f"runner plan {spec} --set parallel.mode=none")
+
+
+def test_the_bad_input_example_is_the_real_message(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example("runner validate bad.toml")
+    lines = {int(m.group(1)): m.group(2) for m in (re.match(r"  bad\.toml:(\d+): (\S+):", x) for x in example) if m}
+    assert lines == {6: "data.batch_size", 8: "parallel.mdoe"}
+    text = ['name = "bad"', "[model]", 'name = "mlp"', "[data]", 'dataset = "sklearn.digits"', "batch_size = 0"]
+    (tmp_path / "bad.toml").write_text("\n".join([*text, "[parallel]", 'mdoe = "ddp"', "[optim]", "lr = 0.1", ""]))
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "bad.toml"]) == 2
+    captured = capsys.readouterr()
+    assert [*captured.out.splitlines(), *captured.err.splitlines()] == example
