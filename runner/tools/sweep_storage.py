@@ -113,7 +113,20 @@ def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -
 
     seed = definition.seed if trial_number is None else _trial_seed(definition.seed, trial_number)
     if definition.method == "grid":
-        return GridSampler(definition.search_space(), seed=definition.seed)
+
+        class EnqueuedGrid(GridSampler):
+            """GridSampler whose end-of-trial bookkeeping skips the enqueued points (every grid trial is one).
+
+            A trial made by ``enqueue_trial`` gets its values as fixed params and no ``grid_id``; Optuna's
+            ``GridSampler.after_trial`` reads that attribute once a single grid point is left unvisited,
+            which raised ``KeyError: 'grid_id'`` at the end of a one-point grid.
+            """
+
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                if "grid_id" in trial.system_attrs:
+                    super().after_trial(study, trial, state, values)
+
+        return EnqueuedGrid(definition.search_space(), seed=definition.seed)
     if definition.method == "random":
         return RandomSampler(seed=seed)
     return TPESampler(seed=seed)

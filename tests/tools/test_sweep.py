@@ -584,3 +584,20 @@ def test_the_parent_run_is_named_after_the_spec_with_one_sweep_suffix(name: str,
     from runner.tools.sweep_store import parent_run_name
 
     assert parent_run_name(name) == expected
+
+
+@pytest.mark.parametrize("grid", [["optim.lr=0.3", "seed=0"], ["optim.lr=0.3,0.1", "seed=0"]], ids=["one", "two"])
+def test_every_enqueued_grid_point_can_be_told_down_to_the_last(grid: list[str]) -> None:
+    import optuna
+
+    definition = build_definition(None, grid=grid)
+    study = optuna.create_study(sampler=make_sampler(definition), direction="maximize")
+    for point in definition.grid_points():
+        study.enqueue_trial(point)
+    told = []
+    for _ in definition.grid_points():
+        trial = study.ask()
+        told.append(definition.suggest(trial))
+        study.tell(trial, 0.5)  # the last point raised KeyError: 'grid_id' in GridSampler.after_trial
+    assert told == [dict(p) for p in definition.grid_points()]
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * len(told)
