@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from runner.tracking.gitinfo import git_info
 from runner.tracking.spec_record import spec_artifacts, spec_params
 from runner.tracking.store import open_store
 from runner.tracking.tags import git_artifacts, run_tags
-from runner.tracking.uri import resolve_tracking_uri
+from runner.tracking.uri import resolve_tracking_uri, sqlite_path
 from runner.tracking.values import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
@@ -83,8 +84,27 @@ def _check_fluent_run(nested: bool) -> str | None:
     return str(active_id)
 
 
+def experiment_artifact_location(uri: str, name: str) -> str | None:
+    """Where a new experiment's artifacts go: ``<db folder>/mlartifacts/<safe name>`` for a sqlite store.
+
+    MLflow's default artifact root for a database store is ``./mlruns`` relative to the current
+    folder when the experiment is created, so runs of one store would spread their files over
+    every folder they were started from. ``mlflow server`` keeps them in ``./mlartifacts`` beside
+    its database (its default ``--default-artifact-root``); runner does the same. Servers and other
+    stores keep their own artifact root (``None``). See docs/design.md §6.
+    """
+    path = sqlite_path(uri)
+    if path is None:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "experiment"
+    return (path.parent / "mlartifacts" / safe).as_uri()
+
+
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     """Return the id of experiment ``name``, creating it when missing (safe when processes race).
+
+    A new experiment of a sqlite store keeps its artifacts beside the database
+    (:func:`experiment_artifact_location`); an existing experiment keeps its own location.
 
     Raises:
         TrackingError: The experiment exists but is deleted.
@@ -95,7 +115,7 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, artifact_location=experiment_artifact_location(uri, name))
         except MlflowException as exc:
             if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -196,6 +196,25 @@ def test_start_run_outside_git_and_experiment_reuse(tmp_path, uri, client):
     assert not any(p.startswith("git/") for p in artifact_paths(client, first.run_id))
 
 
+def test_artifacts_lie_beside_the_sqlite_store_not_in_the_current_folder(tmp_path, uri, client):
+    """The store is in tmp_path, the run starts in tmp_path/cwd: its files go to tmp_path/mlartifacts/<experiment>."""
+    handle = start_run(load_spec(write_spec(tmp_path / "loose")), {}, uri=uri)
+    assert not (Path.cwd() / "mlruns").exists()
+    expected = tmp_path / "mlartifacts" / "exp-demo"
+    assert client.get_experiment(handle.experiment_id).artifact_location == expected.as_uri()
+    assert (expected / handle.run_id / "artifacts" / "spec" / "demo.toml").is_file()
+    assert tracking.experiment_artifact_location(uri, "a b/../c") == (tmp_path / "mlartifacts" / "a_b_.._c").as_uri()
+    assert tracking.experiment_artifact_location("http://127.0.0.1:5000", "x") is None
+
+
+def test_existing_experiment_keeps_its_artifact_location(tmp_path, uri, client):
+    own = tmp_path / "elsewhere"
+    client.create_experiment("exp-demo", artifact_location=own.as_uri())
+    handle = start_run(load_spec(write_spec(tmp_path / "loose")), {}, uri=uri)
+    assert (own / handle.run_id / "artifacts" / "spec" / "demo.toml").is_file()
+    assert not (tmp_path / "mlartifacts").exists()
+
+
 def test_start_run_defaults_experiment_to_spec_name(tmp_path, uri, client):
     spec_path = write_spec(tmp_path / "loose", SPEC.replace('experiment = "exp-demo"', 'run_name = "from-spec"'))
     handle = start_run(load_spec(spec_path), {}, uri=uri)
