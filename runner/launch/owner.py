@@ -91,7 +91,7 @@ class Settled:
         owner: The recorded owner, or ``None``.
         liveness: The owner's liveness (``unknown`` without an owner).
         marked_killed: Whether :func:`settle` ended the run.
-        spec_path: The spec the run was started from (tag ``runner.spec.path``), or ``""``.
+        uri: The run's store, for the command that continues it.
         sent: What :func:`settle` sent from the run's spool, or ``None``.
     """
 
@@ -100,7 +100,7 @@ class Settled:
     owner: Owner | None
     liveness: Liveness
     marked_killed: bool = False
-    spec_path: str = ""
+    uri: str = ""
     sent: Sent | None = None
 
     def line(self) -> str:
@@ -115,9 +115,11 @@ class Settled:
     def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
         if self.marked_killed:
+            from runner.launch.resume import resume_command
+
             return (
                 f"{self.run_id}  KILLED   its owner ({who}) is gone and never ended it: marked KILLED; "
-                f"continue it with: runner exec {self.spec_path or 'SPEC'} --resume {self.run_id}"
+                f"continue it with: {resume_command(self.run_id, self.uri)}"
             )
         if self.status != "RUNNING":
             return f"{self.run_id}  {self.status:<8} ({who})"
@@ -148,20 +150,19 @@ def settle(uri: str, run_id: str) -> Settled:
     info = run_info(uri, run_id)
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
-    spec_path = info.tags.get("runner.spec.path", "")
     sent = None
     if info.status != "RUNNING" or (owner is not None and liveness == "gone"):  # no live process uses the spool
         sent = _send_spool(uri, run_id, info.tags)
         if sent is not None and sent.ended:
-            return Settled(run_id, sent.ended, owner, liveness, spec_path=spec_path, sent=sent)
+            return Settled(run_id, sent.ended, owner, liveness, uri=uri, sent=sent)
     if info.status != "RUNNING" or liveness != "gone" or owner is None:
-        return Settled(run_id, info.status, owner, liveness, spec_path=spec_path, sent=sent)
+        return Settled(run_id, info.status, owner, liveness, uri=uri, sent=sent)
     error = (
         f"the run's owner ({owner.describe()}) is gone and never ended the run (it was killed hard, or its "
         "machine stopped); marked KILLED by runner"
     )
     tracking.end_run(uri, run_id, "KILLED", error)
-    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, spec_path=spec_path, sent=sent)
+    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, uri=uri, sent=sent)
 
 
 def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:

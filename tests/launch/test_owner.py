@@ -47,7 +47,8 @@ def test_a_running_run_whose_owner_died_is_marked_killed(ready_store: str) -> No
     remote = _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0))
     settled = settle(ready_store, orphan)
     assert settled.marked_killed and settled.status == "KILLED"
-    assert "runner exec exp.toml --resume " + orphan in settled.line()
+    assert f"continue it with: runner resume {orphan} --tracking-uri {ready_store}" in settled.line()
+    assert "runner exec" not in settled.line()  # `exec SPEC --resume` would drop the run's --set values
     run = MlflowClient(ready_store).get_run(orphan)
     assert run.info.status == "KILLED" and "is gone and never ended the run" in run.data.tags["runner.error"]
     assert (
