@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from runner.errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     from runner.tracking.spool import Sent
 
@@ -184,14 +186,17 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
         run_id: One run, or ``None`` for every RUNNING run.
 
     Raises:
-        UsageError: No such run.
+        UsageError: No such run, or no store at the URI (a read-only command creates none).
         TrackingError: The store cannot be used.
     """
     from runner.tracking.lookup import running_runs
     from runner.tracking.store import open_store
-    from runner.tracking.stored import store_uri
+    from runner.tracking.stored import STORE_HINT, store_uri
+    from runner.tracking.uri import local_store_missing
 
     uri = store_uri(tracking_uri)
+    if local_store_missing(uri):
+        raise UsageError(f"no tracking store at {uri}: there are no runs to show; {STORE_HINT}")
     open_store(uri)
     if run_id is not None:
         return [settle(uri, run_id).line()]

@@ -87,7 +87,7 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
 
     where = f"at {uri}"
     if local_store_missing(uri):
-        raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {_store_hint()}")
+        raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")
     check_reachable(uri)
     client = MlflowClient(tracking_uri=uri)
     try:
@@ -95,7 +95,7 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     except Exception:
         run = None
     if run is None or run.info.lifecycle_stage == "deleted":
-        raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {_store_hint()}")
+        raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {STORE_HINT}")
     texts = _download_texts(client, run_id, (RESOLVED, PLAN))
     if RESOLVED not in texts:
         raise UsageError(
@@ -117,8 +117,7 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     )
 
 
-def _store_hint() -> str:
-    return "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
+STORE_HINT = "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
 
 
 def _download_texts(client: MlflowClient, run_id: str, paths: tuple[str, ...]) -> dict[str, str]:

@@ -99,3 +99,10 @@ def test_a_new_run_records_its_owner(write_spec, ready_store: str) -> None:
     owner = Owner.from_tags(run.data.tags)
     assert owner is not None and owner.pid == Owner.this_process().pid
     assert owner.liveness() == "alive"  # this test process ran the driver in-process
+
+
+def test_status_without_a_store_says_so_and_creates_none(tmp_path, capsys) -> None:
+    assert main(["status"]) == 2  # the test's folder holds no mlflow.db
+    err = capsys.readouterr().err
+    assert f"no tracking store at sqlite:///{tmp_path / 'mlflow.db'}" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
