@@ -107,12 +107,15 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-    run_id = _resolve_resume(uri, plan.experiment, options.resume)
+    run_id, chosen = _resolve_resume(uri, plan.experiment, options.resume)
     owns = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     claimed = claim_run(uri, run_id) if owns else []
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
-    changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
-    notes = claimed + notes
+    try:
+        changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
+    except UsageError as exc:
+        raise UsageError("; ".join([*chosen, str(exc)])) from None
+    notes = chosen + claimed + notes
     if complete and tracking.run_status(uri, run_id) == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
@@ -156,19 +159,37 @@ def claim_run(uri: str, run_id: str) -> list[str]:
     return [f"run {run_id} is RUNNING, owned by {who}; this host cannot tell whether it is alive: continuing"]
 
 
-def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
+def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[str, list[str]]:
+    """The run ``--resume`` names, and for ``last`` a note saying which run was chosen."""
     from runner.tracking import runs as tracking
 
     if resume == "last":
-        run_id = tracking.latest_run_id(uri, experiment)
-        if run_id is None:
-            raise UsageError(f"--resume last: experiment {experiment!r} at {uri} has no run to resume")
-        return run_id
+        return _last_run(uri, experiment)
     if not tracking.run_exists(uri, resume):
         raise UsageError(
             f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
         )
-    return resume
+    return resume, []
+
+
+def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
+    """The newest run of ``experiment`` that exec can continue: KILLED, FAILED, or RUNNING with its owner gone."""
+    import time
+
+    from runner.launch.owner import Owner
+    from runner.tracking.lookup import continuable_runs
+
+    for info in continuable_runs(uri, experiment):
+        owner = Owner.from_tags(info.tags)
+        if info.status == "RUNNING" and (owner is None or owner.liveness() != "gone"):
+            continue  # alive, or cannot tell: not orphaned
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.start_time_ms / 1000))
+        state = "RUNNING, owner gone" if info.status == "RUNNING" else info.status
+        return info.run_id, [f"--resume last: run {info.run_id} {info.run_name!r} ({state}, started {started})"]
+    raise UsageError(
+        f"--resume last: experiment {experiment!r} at {uri} has no run to resume (a KILLED or FAILED run, or a "
+        "RUNNING one whose owner is gone; sweep and bench runs are not candidates): pass --resume RUN_ID"
+    )
 
 
 def _check_resume(

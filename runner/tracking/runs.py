@@ -306,24 +306,6 @@ def run_status(uri: str, run_id: str) -> str:
     return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.status)
 
 
-def latest_run_id(uri: str, experiment: str) -> str | None:
-    """Id of the most recently started top-level run of ``experiment``, or ``None``.
-
-    Child runs of sweeps and benches (tag ``mlflow.parentRunId``) are not candidates.
-    """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return None
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=50)
-    for run in runs:
-        if "mlflow.parentRunId" not in run.data.tags and run.data.tags.get("runner.sweep") != "parent":
-            return str(run.info.run_id)
-    return None
-
-
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
     """Id of the newest run of ``experiment`` whose tag ``key`` equals ``value`` (e.g. a Slurm job's run), or ``None``.
 

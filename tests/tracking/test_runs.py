@@ -15,12 +15,12 @@ import pytest
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
+from runner.tracking.lookup import continuable_runs
 from runner.tracking.runs import (
     RunHandle,
     delete_run,
     end_run,
     last_logged_steps,
-    latest_run_id,
     reopen_run,
     run_exists,
     run_status,
@@ -341,11 +341,14 @@ def test_start_run_marks_run_failed_when_recording_fails(tmp_path, uri, client, 
 
 def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     loaded = load_spec(write_spec(tmp_path / "loose"))
-    assert latest_run_id(uri, "exp-demo") is None  # no such experiment yet
+    assert continuable_runs(uri, "exp-demo") == []  # no such experiment yet
     first = start_run(loaded, {}, uri=uri).run_id
     parent = start_run(loaded, {}, uri=uri, extra_tags={"runner.sweep": "parent"}).run_id
     start_run(loaded, {}, uri=uri, extra_tags={"mlflow.parentRunId": parent})
-    assert latest_run_id(uri, "exp-demo") == first  # sweep parents and child runs are not candidates
+    start_run(loaded, {}, uri=uri, extra_tags={"runner.bench": "parent"})
+    end_run(uri, start_run(loaded, {}, uri=uri).run_id, "FINISHED")
+    # sweep and bench parents, child runs and FINISHED runs are not candidates
+    assert [r.run_id for r in continuable_runs(uri, "exp-demo")] == [first]
 
     assert run_exists(uri, first) and not run_exists(uri, "0" * 32)
     assert run_status(uri, first) == "RUNNING"

@@ -1,0 +1,57 @@
+"""Resume refusals and the choice of ``--resume last``, before any training (runner.launch.resume; CPU, no worker)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.cli import main
+from runner.launch.owner import Owner
+
+pytestmark = pytest.mark.created_store
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _run(store: str, name: str, start: int, status: str = "RUNNING", tags: dict[str, str] | None = None) -> str:
+    """A run of experiment ``tests`` (the spec's) started at ``start`` ms, ended ``status``."""
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("tests")
+    eid = experiment.experiment_id if experiment else client.create_experiment("tests")
+    run_id = str(client.create_run(eid, start_time=start, tags=tags or {}, run_name=name).info.run_id)
+    if status != "RUNNING":
+        client.set_terminated(run_id, status)
+    return run_id
+
+
+def test_resume_last_skips_parents_children_finished_and_live_runs_and_names_its_choice(write_spec, store, capsys):
+    me = Owner.this_process()
+    killed = _run(store, "the-killed-one", 1_000, "KILLED")
+    _run(store, "live", 2_000, tags=me.tags())
+    _run(store, "done", 3_000, "FINISHED")
+    parent = _run(store, "sweep", 4_000, "KILLED", {"runner.sweep": "parent"})
+    _run(store, "trial", 5_000, "FAILED", {"mlflow.parentRunId": parent})
+    _run(store, "bench", 6_000, "FAILED", {"runner.bench": "parent"})
+    spec = write_spec()
+    assert main(["exec", str(spec), "--resume", "last"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume last: run {killed} 'the-killed-one' (KILLED, started 1970-01-01" in err
+    assert "nothing to resume: no checkpoint in" in err
+
+    orphan = _run(store, "orphan", 7_000, tags=Owner(me.host, _dead_pid(), me.start_time).tags())
+    assert main(["exec", str(spec), "--resume", "last"]) == 2
+    assert f"run {orphan} 'orphan' (RUNNING, owner gone, started" in capsys.readouterr().err
+
+
+def test_resume_last_without_a_candidate_says_what_qualifies(write_spec, store, capsys):
+    _run(store, "done", 1_000, "FINISHED")
+    assert main(["exec", str(write_spec()), "--resume", "last"]) == 2
+    err = capsys.readouterr().err
+    assert "has no run to resume (a KILLED or FAILED run" in err and "pass --resume RUN_ID" in err
