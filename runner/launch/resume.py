@@ -24,15 +24,16 @@ if TYPE_CHECKING:  # pragma: no cover
 RESUMABLE = ("KILLED", "FAILED", "RUNNING")  # RUNNING: its driver died without ending it
 
 
-def resume_command(run_id: str, uri: str) -> str:
+def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
     """The command that continues ``run_id``, as printed when a run is interrupted.
 
-    ``runner resume RUN_ID``, with ``--tracking-uri URI`` only when ``runner resume`` run from
-    here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say), so it works as printed.
+    ``runner resume RUN_ID`` (or ``runner <verb> RUN_ID``), with ``--tracking-uri URI`` only when
+    the command run from here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say),
+    so it works as printed.
     """
     from runner.tracking.uri import default_tracking_uri
 
-    words = ["runner", "resume", run_id]
+    words = ["runner", verb, run_id]
     if uri != default_tracking_uri():
         words += ["--tracking-uri", uri]
     return shlex.join(words)
@@ -113,6 +114,10 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
     try:
         changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
+    except _NoCheckpoint as exc:
+        again = resume_command(run_id, uri, "reproduce")
+        hint = f"run {run_id} ended before its first checkpoint; `{again}` starts it again from the same spec, anew"
+        raise UsageError("; ".join([*chosen, f"{exc}: {hint}"])) from None
     except UsageError as exc:
         raise UsageError("; ".join([*chosen, str(exc)])) from None
     notes = chosen + claimed + notes
@@ -192,6 +197,10 @@ def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
     )
 
 
+class _NoCheckpoint(UsageError):
+    """The run has no checkpoint to continue from."""
+
+
 def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...]
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
@@ -216,7 +225,7 @@ def _check_resume(
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     if found is None:
-        raise UsageError(f"nothing to resume: no checkpoint in {directory}")
+        raise _NoCheckpoint(f"nothing to resume: no checkpoint in {directory}")
     saved = found.payload["spec"]
     known = set(saved) | set(current)
     for key in allowed:

@@ -55,3 +55,15 @@ def test_resume_last_without_a_candidate_says_what_qualifies(write_spec, store, 
     assert main(["exec", str(write_spec()), "--resume", "last"]) == 2
     err = capsys.readouterr().err
     assert "has no run to resume (a KILLED or FAILED run" in err and "pass --resume RUN_ID" in err
+
+
+def test_resuming_a_failed_run_without_a_checkpoint_points_to_reproduce(write_spec, store, capsys):
+    from runner.spec.loading import load_spec
+    from runner.tracking.runs import end_run, start_run
+
+    run_id = start_run(load_spec(write_spec()), {}, uri=store).run_id
+    end_run(store, run_id, "FAILED")
+    assert main(["resume", run_id, "--tracking-uri", store]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume: no checkpoint in" in err
+    assert f"`runner reproduce {run_id}` starts it again from the same spec" in err  # the store is ./mlflow.db
