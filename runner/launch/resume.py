@@ -206,6 +206,9 @@ def _check_resume(
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
 
+    Keys inactive in the spec (another mode's options, ...: :func:`runner.spec.active.inactive_keys`)
+    are inert and never count as a change, as in ``runner diff`` and the run's params.
+
     Returns:
         ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
         whether the newest usable checkpoint already covers all the training the spec asks for.
@@ -214,6 +217,7 @@ def _check_resume(
         UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
+    from runner.spec.active import inactive_keys, is_inactive
     from runner.spec.dump import flatten_spec
     from runner.spec.suggest import did_you_mean
     from runner.spec.wording import with_hint
@@ -232,7 +236,8 @@ def _check_resume(
         if not any(k == key or k.startswith(key + ".") for k in known):
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
-    changed = spec_changes(saved, current)
+    inactive = inactive_keys(loaded.spec)  # inert keys (docs/design.md §10) are no change, as in `runner diff`
+    changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if unexpected:
         issues = [

@@ -67,3 +67,50 @@ def test_resuming_a_failed_run_without_a_checkpoint_points_to_reproduce(write_sp
     err = capsys.readouterr().err
     assert "nothing to resume: no checkpoint in" in err
     assert f"`runner reproduce {run_id}` starts it again from the same spec" in err  # the store is ./mlflow.db
+
+
+def _killed_run_with_checkpoint(spec_path, store: str) -> str:
+    """A KILLED run of ``spec_path`` with a checkpoint after epoch 1 of 2, written as the loop writes it."""
+    import torch
+
+    from runner.spec.dump import flatten_spec
+    from runner.spec.loading import load_spec
+    from runner.tracking.runs import end_run, start_run
+    from runner.training import checkpoint as ckpt
+    from runner.training.loop import TrainState
+
+    loaded = load_spec(spec_path)
+    run_id = start_run(loaded, {}, uri=store).run_id
+    end_run(store, run_id, "KILLED")
+    model = torch.nn.Linear(2, 2)
+    payload = ckpt.build_payload(
+        model_state=model.state_dict(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        scheduler=None,
+        scaler=None,
+        state=TrainState(epoch=1, global_step=5, batch_in_epoch=0),
+        rng_states=[{"torch": torch.get_rng_state()}],
+        spec_flat=flatten_spec(loaded.spec),
+        spec_sha256="x",
+        run_id=run_id,
+    )
+    ckpt.save_checkpoint(ckpt.default_checkpoint_dir(store, None, run_id), payload, keep_last=2)
+    return run_id
+
+
+def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec, store):
+    from runner.errors import SpecError
+    from runner.launch.driver import ExecOptions
+    from runner.launch.resume import prepare_resume
+    from runner.plan import make_plan
+    from runner.spec.loading import load_spec
+
+    spec = write_spec()  # mode = "none": parallel.nproc_per_node is ddp's
+    run_id = _killed_run_with_checkpoint(spec, store)
+    inert = load_spec(spec, ["parallel.nproc_per_node=2", "parallel.backend=gloo"])
+    point = prepare_resume(make_plan(inert), ExecOptions(resume=run_id))
+    assert point.run_id == run_id and point.changes == {}
+    changed = load_spec(spec, ["parallel.nproc_per_node=2", "optim.lr=0.5"])
+    with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
+        prepare_resume(make_plan(changed), ExecOptions(resume=run_id))
+    assert "nproc_per_node" not in str(caught.value)
