@@ -98,10 +98,7 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
         raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {STORE_HINT}")
     texts = _download_texts(client, run_id, (RESOLVED, PLAN))
     if RESOLVED not in texts:
-        raise UsageError(
-            f"run {run_id} {where} has no spec stored by runner (artifact {RESOLVED}): "
-            "it was not started by `runner exec`, so there is nothing to continue or repeat"
-        )
+        raise UsageError(_not_an_exec_run(run_id, where, dict(run.data.tags)))
     plan = _json_object(texts.get(PLAN, ""))
     spec_path = Path(str(plan.get("spec") or run.data.tags.get("runner.spec.path") or "spec.toml"))
     return StoredRun(
@@ -114,6 +111,25 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
         resolved_text=texts[RESOLVED],
         spec_path=spec_path if spec_path.is_absolute() else Path.cwd() / spec_path,
         plan=plan,
+    )
+
+
+def _not_an_exec_run(run_id: str, where: str, tags: dict[str, str]) -> str:
+    """Why a run without ``spec/resolved.toml`` cannot be continued or repeated, and what to do instead."""
+    spec = tags.get("runner.spec.path") or "SPEC"
+    if tags.get("runner.sweep") == "parent":
+        return (
+            f"run {run_id} {where} is a sweep's parent run: `runner sweep {spec}` continues the study, "
+            "or reproduce one of its trials by the trial's run id"
+        )
+    if tags.get("runner.bench") == "parent":
+        return (
+            f"run {run_id} {where} is a bench's parent run: `runner bench {spec}` measures again, "
+            "or reproduce one configuration by its run id"
+        )
+    return (
+        f"run {run_id} {where} has no spec stored by runner (artifact {RESOLVED}): "
+        "it was not started by `runner exec`, so there is nothing to continue or repeat"
     )
 
 
