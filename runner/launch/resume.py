@@ -78,7 +78,7 @@ class ResumePoint:
         run_id: The MLflow run.
         uri: Its tracking URI.
         changes: Allowed spec changes, ``{dotted key: [old value, new value]}``.
-        notes: What to tell the user (the checkpoint used, damaged ones skipped, keys changed).
+        notes: What to tell the user (the checkpoint used, keys changed).
     """
 
     run_id: str
@@ -251,8 +251,7 @@ def _check_resume(
             for key in unexpected
         ]
         raise SpecError(issues)
-    notes = [f"resuming from {found.path.name}"]
-    notes += [f"skipped {reason}" for _, reason in found.skipped]
+    notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
     if changed:
         notes.append("spec changed on resume: " + ", ".join(changed))
     state, train = found.payload["state"], loaded.spec.train
