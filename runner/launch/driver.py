@@ -168,7 +168,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     rank = plan.launcher.rank if plan.launch == "external" else 0
     shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
     if shown:  # before training, where the user looks first; workers print their own notes
-        show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
+        show_notes([*plan.notes, *(resume.notes if resume else [])])
     run_id = _open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
     # logging rank's folder once the process group exists (see runner.launch.worker).
@@ -197,7 +197,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         experiment=plan.experiment,
         checkpoint_dir=str(checkpoint_dir),
         history=result.history,
-        notes=list(plan.devices.notes) + (resume.notes if resume else []) + result.notes,
+        notes=plan.notes + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
         rank=rank,
         notes_shown=shown,

@@ -113,7 +113,9 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     claimed = claim_run(uri, run_id) if owns else []
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
     try:
-        changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
+        changes, complete, notes = _check_resume(
+            plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator
+        )
     except _NoCheckpoint as exc:
         again = resume_command(run_id, uri, "reproduce")
         hint = f"run {run_id} ended before its first checkpoint; `{again}` starts it again from the same spec, anew"
@@ -202,12 +204,13 @@ class _NoCheckpoint(UsageError):
 
 
 def _check_resume(
-    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...]
+    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
 
-    Keys inactive in the spec (another mode's options, ...: :func:`runner.spec.active.inactive_keys`)
-    are inert and never count as a change, as in ``runner diff`` and the run's params.
+    Keys that do not apply to the run on ``accelerator`` (another mode's options, ...:
+    :func:`runner.spec.active.run_inactive_keys`) are inert and never count as a change, as in
+    ``runner diff`` and the run's params.
 
     Returns:
         ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
@@ -217,7 +220,7 @@ def _check_resume(
         UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
-    from runner.spec.active import inactive_keys, is_inactive
+    from runner.spec.active import is_inactive, run_inactive_keys
     from runner.spec.dump import flatten_spec
     from runner.spec.suggest import did_you_mean
     from runner.spec.wording import with_hint
@@ -236,7 +239,9 @@ def _check_resume(
         if not any(k == key or k.startswith(key + ".") for k in known):
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
-    inactive = inactive_keys(loaded.spec)  # inert keys (docs/design.md §10) are no change, as in `runner diff`
+    inactive = run_inactive_keys(
+        loaded.spec, accelerator
+    )  # inert keys (docs/design.md §10) are no change, as in `runner diff`
     changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if unexpected:

@@ -60,11 +60,18 @@ class RunHandle:
     artifact_uri: str = ""
 
 
-def _spec_codec() -> tuple[Callable[[ExperimentSpec], dict[str, str]], Callable[[ExperimentSpec], str]]:
+def _spec_codec() -> tuple[Callable[[ExperimentSpec, str | None], dict[str, str]], Callable[[ExperimentSpec], str]]:
     """``(spec_params, dump_spec)``: a run's params and its resolved spec (imported lazily)."""
     from runner.spec.dump import dump_spec
 
     return spec_params, dump_spec
+
+
+def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
+    """The accelerator of a plan description (a whole plan, or a device plan's), or ``None``."""
+    nested = plan_description.get("devices")
+    value = plan_description.get("accelerator") or (nested.get("accelerator") if isinstance(nested, Mapping) else None)
+    return str(value) if value else None
 
 
 def _check_fluent_run(nested: bool) -> str | None:
@@ -187,7 +194,7 @@ def start_run(
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
     params_of, dump_spec = _spec_codec()
-    params = [Param(k, v) for k, v in params_of(spec).items()]
+    params = [Param(k, v) for k, v in params_of(spec, _accelerator(plan_description)).items()]
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
     texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
     info = git_info(loaded.path)
