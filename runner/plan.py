@@ -82,11 +82,14 @@ class Plan:
     @property
     def notes(self) -> list[str]:
         """What to know before the run starts: printed by ``plan`` and ``exec``, tagged ``runner.notes``."""
-        return list(self.devices.notes)
+        notes = list(self.devices.notes)
+        if self.loaded.spec.sweep is not None:
+            notes.append(f"[sweep] is ignored by runner exec; run `runner sweep {self.loaded.path}` for the study")
+        return notes
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
-        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name)
+        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name, self.devices.accelerator)
         spec = self.loaded.spec
         par = spec.parallel
         out.update(
@@ -119,8 +122,10 @@ def slurm_facts(layout: SlurmLayout) -> dict[str, object]:
     return {"layout": layout.kind, **{name: getattr(layout.job, name) for name in fields}}
 
 
-def spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str) -> dict[str, Any]:
-    """What the spec alone says: name, mode, batch, tracking, checkpoint folder, inactive keys."""
+def spec_facts(
+    loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str, accelerator: str | None = None
+) -> dict[str, Any]:
+    """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
     from runner.spec.active import set_inactive_keys
     from runner.training.checkpoint import default_checkpoint_dir
 
@@ -138,7 +143,7 @@ def spec_facts(loaded: LoadedSpec, uri: str | None, experiment: str, run_name: s
         "tracking_uri": uri,
         "experiment": experiment,
         "checkpoint_dir": checkpoints,
-        "inactive": set_inactive_keys(spec),
+        "inactive": set_inactive_keys(spec, accelerator),
         "overrides": loaded.command_line(),
     }
 

@@ -167,7 +167,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         experiment=plan.experiment,
         checkpoint_dir=ready.checkpoint_dir,
         history=result.history,
-        notes=list(plan.devices.notes) + resume_notes + result.notes,
+        notes=plan.notes + resume_notes + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
         rank=ready.rank,
         notes_shown=ready.shown,

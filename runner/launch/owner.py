@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from runner.errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     from runner.tracking.spool import Sent
 
@@ -91,7 +93,7 @@ class Settled:
         owner: The recorded owner, or ``None``.
         liveness: The owner's liveness (``unknown`` without an owner).
         marked_killed: Whether :func:`settle` ended the run.
-        spec_path: The spec the run was started from (tag ``runner.spec.path``), or ``""``.
+        uri: The run's store, for the command that continues it.
         sent: What :func:`settle` sent from the run's spool, or ``None``.
     """
 
@@ -100,7 +102,7 @@ class Settled:
     owner: Owner | None
     liveness: Liveness
     marked_killed: bool = False
-    spec_path: str = ""
+    uri: str = ""
     sent: Sent | None = None
 
     def line(self) -> str:
@@ -115,9 +117,11 @@ class Settled:
     def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
         if self.marked_killed:
+            from runner.launch.resume import resume_command
+
             return (
                 f"{self.run_id}  KILLED   its owner ({who}) is gone and never ended it: marked KILLED; "
-                f"continue it with: runner exec {self.spec_path or 'SPEC'} --resume {self.run_id}"
+                f"continue it with: {resume_command(self.run_id, self.uri)}"
             )
         if self.status != "RUNNING":
             return f"{self.run_id}  {self.status:<8} ({who})"
@@ -148,20 +152,19 @@ def settle(uri: str, run_id: str) -> Settled:
     info = run_info(uri, run_id)
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
-    spec_path = info.tags.get("runner.spec.path", "")
     sent = None
     if info.status != "RUNNING" or (owner is not None and liveness == "gone"):  # no live process uses the spool
         sent = _send_spool(uri, run_id, info.tags)
         if sent is not None and sent.ended:
-            return Settled(run_id, sent.ended, owner, liveness, spec_path=spec_path, sent=sent)
+            return Settled(run_id, sent.ended, owner, liveness, uri=uri, sent=sent)
     if info.status != "RUNNING" or liveness != "gone" or owner is None:
-        return Settled(run_id, info.status, owner, liveness, spec_path=spec_path, sent=sent)
+        return Settled(run_id, info.status, owner, liveness, uri=uri, sent=sent)
     error = (
         f"the run's owner ({owner.describe()}) is gone and never ended the run (it was killed hard, or its "
         "machine stopped); marked KILLED by runner"
     )
     tracking.end_run(uri, run_id, "KILLED", error)
-    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, spec_path=spec_path, sent=sent)
+    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, uri=uri, sent=sent)
 
 
 def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
@@ -183,14 +186,17 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
         run_id: One run, or ``None`` for every RUNNING run.
 
     Raises:
-        UsageError: No such run.
+        UsageError: No such run, or no store at the URI (a read-only command creates none).
         TrackingError: The store cannot be used.
     """
     from runner.tracking.lookup import running_runs
     from runner.tracking.store import open_store
-    from runner.tracking.stored import store_uri
+    from runner.tracking.stored import STORE_HINT, store_uri
+    from runner.tracking.uri import local_store_missing
 
     uri = store_uri(tracking_uri)
+    if local_store_missing(uri):
+        raise UsageError(f"no tracking store at {uri}: there are no runs to show; {STORE_HINT}")
     open_store(uri)
     if run_id is not None:
         return [settle(uri, run_id).line()]

@@ -73,8 +73,11 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
 
     Raises:
         SpecError: (``checkpoint.dir``) the folder cannot be created or written, at ``FILE:LINE``.
+        TrackingError: The default folder is beside a sqlite store whose folder cannot be written: the
+            store's problem comes first (:func:`runner.tracking.uri.check_reachable` names the store folder).
     """
     from runner.spec.paths import folder_problem
+    from runner.tracking.uri import check_reachable, sqlite_path
     from runner.training.checkpoint import default_checkpoint_dir
 
     settings = loaded.spec.checkpoint
@@ -84,6 +87,8 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
     problem = folder_problem(folder)
     if problem is None:
         return
+    if not settings.dir and tracking_uri is not None and sqlite_path(tracking_uri) is not None:
+        check_reachable(tracking_uri)  # a store folder that cannot be written is the cause: name it
     if settings.dir:
         message = f"dir = {show(settings.dir)} cannot hold checkpoints: {problem}; choose a writable folder"
     else:

@@ -75,7 +75,7 @@ def prepare(plan: Plan, options: ExecOptions, go_on: Callable[[], None] = lambda
     if shown:  # before training, where the user looks first; workers print their own notes
         from runner.launch.driver import show_notes
 
-        show_notes([*plan.devices.notes, *(resume.notes if resume else [])])
+        show_notes([*plan.notes, *(resume.notes if resume else [])])
     go_on()
     run_id = open_run(plan, options, owner, resume)
     # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the

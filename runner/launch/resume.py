@@ -24,15 +24,16 @@ if TYPE_CHECKING:  # pragma: no cover
 RESUMABLE = ("KILLED", "FAILED", "RUNNING")  # RUNNING: its driver died without ending it
 
 
-def resume_command(run_id: str, uri: str) -> str:
+def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
     """The command that continues ``run_id``, as printed when a run is interrupted.
 
-    ``runner resume RUN_ID``, with ``--tracking-uri URI`` only when ``runner resume`` run from
-    here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say), so it works as printed.
+    ``runner resume RUN_ID`` (or ``runner <verb> RUN_ID``), with ``--tracking-uri URI`` only when
+    the command run from here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say),
+    so it works as printed.
     """
     from runner.tracking.uri import default_tracking_uri
 
-    words = ["runner", "resume", run_id]
+    words = ["runner", verb, run_id]
     if uri != default_tracking_uri():
         words += ["--tracking-uri", uri]
     return shlex.join(words)
@@ -77,7 +78,7 @@ class ResumePoint:
         run_id: The MLflow run.
         uri: Its tracking URI.
         changes: Allowed spec changes, ``{dotted key: [old value, new value]}``.
-        notes: What to tell the user (the checkpoint used, damaged ones skipped, keys changed).
+        notes: What to tell the user (the checkpoint used, keys changed).
     """
 
     run_id: str
@@ -107,12 +108,21 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-    run_id = _resolve_resume(uri, plan.experiment, options.resume)
+    run_id, chosen = _resolve_resume(uri, plan.experiment, options.resume)
     owns = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
     claimed = claim_run(uri, run_id) if owns else []
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
-    changes, complete, notes = _check_resume(plan.loaded, directory, options.allow_spec_change)
-    notes = claimed + notes
+    try:
+        changes, complete, notes = _check_resume(
+            plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator
+        )
+    except _NoCheckpoint as exc:
+        again = resume_command(run_id, uri, "reproduce")
+        hint = f"run {run_id} ended before its first checkpoint; `{again}` starts it again from the same spec, anew"
+        raise UsageError("; ".join([*chosen, f"{exc}: {hint}"])) from None
+    except UsageError as exc:
+        raise UsageError("; ".join([*chosen, str(exc)])) from None
+    notes = chosen + claimed + notes
     if complete and tracking.run_status(uri, run_id) == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
@@ -156,25 +166,51 @@ def claim_run(uri: str, run_id: str) -> list[str]:
     return [f"run {run_id} is RUNNING, owned by {who}; this host cannot tell whether it is alive: continuing"]
 
 
-def _resolve_resume(uri: str, experiment: str, resume: str) -> str:
+def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[str, list[str]]:
+    """The run ``--resume`` names, and for ``last`` a note saying which run was chosen."""
     from runner.tracking import runs as tracking
 
     if resume == "last":
-        run_id = tracking.latest_run_id(uri, experiment)
-        if run_id is None:
-            raise UsageError(f"--resume last: experiment {experiment!r} at {uri} has no run to resume")
-        return run_id
+        return _last_run(uri, experiment)
     if not tracking.run_exists(uri, resume):
         raise UsageError(
             f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
         )
-    return resume
+    return resume, []
+
+
+def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
+    """The newest run of ``experiment`` that exec can continue: KILLED, FAILED, or RUNNING with its owner gone."""
+    import time
+
+    from runner.launch.owner import Owner
+    from runner.tracking.lookup import continuable_runs
+
+    for info in continuable_runs(uri, experiment):
+        owner = Owner.from_tags(info.tags)
+        if info.status == "RUNNING" and (owner is None or owner.liveness() != "gone"):
+            continue  # alive, or cannot tell: not orphaned
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.start_time_ms / 1000))
+        state = "RUNNING, owner gone" if info.status == "RUNNING" else info.status
+        return info.run_id, [f"--resume last: run {info.run_id} {info.run_name!r} ({state}, started {started})"]
+    raise UsageError(
+        f"--resume last: experiment {experiment!r} at {uri} has no run to resume (a KILLED or FAILED run, or a "
+        "RUNNING one whose owner is gone; sweep and bench runs are not candidates): pass --resume RUN_ID"
+    )
+
+
+class _NoCheckpoint(UsageError):
+    """The run has no checkpoint to continue from."""
 
 
 def _check_resume(
-    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...]
+    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
+
+    Keys that do not apply to the run on ``accelerator`` (another mode's options, ...:
+    :func:`runner.spec.active.run_inactive_keys`) are inert and never count as a change, as in
+    ``runner diff`` and the run's params.
 
     Returns:
         ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
@@ -184,6 +220,7 @@ def _check_resume(
         UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
+    from runner.spec.active import is_inactive, run_inactive_keys
     from runner.spec.dump import flatten_spec
     from runner.spec.suggest import did_you_mean
     from runner.spec.wording import with_hint
@@ -195,14 +232,17 @@ def _check_resume(
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     if found is None:
-        raise UsageError(f"nothing to resume: no checkpoint in {directory}")
+        raise _NoCheckpoint(f"nothing to resume: no checkpoint in {directory}")
     saved = found.payload["spec"]
     known = set(saved) | set(current)
     for key in allowed:
         if not any(k == key or k.startswith(key + ".") for k in known):
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
-    changed = spec_changes(saved, current)
+    inactive = run_inactive_keys(
+        loaded.spec, accelerator
+    )  # inert keys (docs/design.md §10) are no change, as in `runner diff`
+    changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
     if unexpected:
         issues = [
@@ -216,8 +256,7 @@ def _check_resume(
             for key in unexpected
         ]
         raise SpecError(issues)
-    notes = [f"resuming from {found.path.name}"]
-    notes += [f"skipped {reason}" for _, reason in found.skipped]
+    notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
     if changed:
         notes.append("spec changed on resume: " + ", ".join(changed))
     state, train = found.payload["state"], loaded.spec.train

@@ -64,30 +64,57 @@ def is_inactive(key: str, inactive: dict[str, str]) -> bool:
     return any(key == k or key.startswith(k + ".") for k in inactive)
 
 
-def active_params(spec: ExperimentSpec) -> dict[str, Any]:
+def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
+    """:func:`inactive_keys` and what does not apply to a run of ``runner exec``: the keys params and diffs leave out.
+
+    Besides the spec's own inactive keys: ``[sweep]`` (``runner exec`` ignores it; ``runner sweep``
+    logs it on its parent run), and on the CPU the GPU-only keys ``devices.ids`` and
+    ``parallel.sync_batchnorm`` (SyncBatchNorm has no CPU kernel), also when ``accelerator = "auto"``
+    resolved to the CPU, as the plan's note about ``devices.ids`` says.
+
+    Args:
+        spec: A validated spec.
+        accelerator: The accelerator the run resolved to (``"cpu"`` or ``"cuda"``), or ``None`` when
+            unknown (the spec's own ``devices.accelerator`` decides; ``"auto"`` keeps the GPU keys).
+
+    Returns:
+        ``{dotted key: reason}``.
+    """
+    out = inactive_keys(spec)
+    out["sweep"] = "runner sweep only (runner exec ignores [sweep])"
+    if "cpu" in (accelerator, spec.devices.accelerator):
+        out.setdefault("devices.ids", "GPU ids (the run is on cpu)")
+        out.setdefault("parallel.sync_batchnorm", "CUDA only (the run is on cpu)")
+    return out
+
+
+def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, Any]:
     """The flattened spec without its inactive keys: what a run logs as params, the same way in every run.
 
     Args:
         spec: A validated spec.
+        accelerator: The accelerator the run resolved to, or ``None`` (see :func:`run_inactive_keys`).
 
     Returns:
         Dotted key -> JSON-able value, as :func:`runner.spec.dump.flatten_spec`, minus every key that
-        :func:`inactive_keys` names (or that lies below one it names).
+        :func:`run_inactive_keys` names (or that lies below one it names).
     """
     from runner.spec.dump import flatten_spec  # dump imports this module
 
-    inactive = inactive_keys(spec)
+    inactive = run_inactive_keys(spec, accelerator)
     return {k: v for k, v in flatten_spec(spec).items() if not is_inactive(k, inactive)}
 
 
-def set_inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
+def set_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
     """The inactive keys the spec actually sets (not only their defaults), for ``runner plan``.
 
     Returns:
-        ``{dotted key: reason}`` for each inactive key written in the spec or on the command line.
+        ``{dotted key: reason}`` for each key of :func:`run_inactive_keys` written in the spec or on the
+        command line.
     """
     written = _written_keys(spec)
-    return {k: why for k, why in inactive_keys(spec).items() if any(w == k or w.startswith(k + ".") for w in written)}
+    inactive = run_inactive_keys(spec, accelerator)
+    return {k: why for k, why in inactive.items() if any(w == k or w.startswith(k + ".") for w in written)}
 
 
 def _written_keys(spec: ExperimentSpec) -> set[str]:

@@ -50,10 +50,11 @@ class Side:
     environment: dict[str, str] = field(default_factory=dict)
 
 
-def _spec_keys(spec: ExperimentSpec) -> tuple[dict[str, Any], frozenset[str]]:
-    from runner.spec.active import active_params, inactive_keys
+def _spec_keys(spec: ExperimentSpec, accelerator: str | None) -> tuple[dict[str, Any], frozenset[str]]:
+    """The keys a run of ``spec`` on ``accelerator`` logs as params, and those that do not apply to it."""
+    from runner.spec.active import active_params, run_inactive_keys
 
-    return active_params(spec), frozenset(inactive_keys(spec))
+    return active_params(spec, accelerator), frozenset(run_inactive_keys(spec, accelerator))
 
 
 def side_of(arg: str, tracking_uri: str | None = None) -> Side:
@@ -78,7 +79,8 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
     git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
     environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}
     label = f"run {stored.run_id}" + (f" ({stored.run_name})" if stored.run_name else "")
-    return Side(label, *_spec_keys(stored.loaded().spec), git, environment)
+    accelerator = tags.get("runner.accelerator")
+    return Side(label, *_spec_keys(stored.loaded().spec, accelerator), git, environment)
 
 
 def _spec_side(loaded: LoadedSpec) -> Side:
@@ -97,17 +99,21 @@ def _spec_side(loaded: LoadedSpec) -> Side:
         "dirty": ("true" if info.dirty else "false") if info else "?",
     }
     environment = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda or "none")}
+    accelerator = None
     try:
         devices = make_plan(loaded).devices
         environment.update(
             devices=", ".join(devices.names) or "cpu",
             **{"world size": str(devices.world_size), "accelerator": devices.accelerator},
         )
+        accelerator = devices.accelerator
     except DeviceError as exc:
         environment["devices"] = f"cannot run here ({exc.message})"
     environment["host"] = socket.gethostname()
     words = " ".join(loaded.command_line())
-    return Side(f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec), git, environment)
+    return Side(
+        f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec, accelerator), git, environment
+    )
 
 
 def diff_sides(a: Side, b: Side) -> dict[str, Any]:

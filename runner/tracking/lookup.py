@@ -21,12 +21,16 @@ class RunInfo:
         status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
         tags: Its tags.
         experiment: Name of its experiment.
+        run_name: Its display name.
+        start_time_ms: When it started, milliseconds since the epoch (MLflow's unit).
     """
 
     run_id: str
     status: str
     tags: dict[str, str]
     experiment: str = ""
+    run_name: str = ""
+    start_time_ms: int = 0
 
 
 def run_info(uri: str, run_id: str) -> RunInfo:
@@ -77,6 +81,38 @@ def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
         raise TrackingError(f"could not search the runs at {uri}: {exc.message}") from None
     return [
         RunInfo(r.info.run_id, str(r.info.status), dict(r.data.tags), experiments[r.info.experiment_id]) for r in runs
+    ]
+
+
+def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInfo]:
+    """The runs of ``experiment`` that ``runner exec`` of its spec could continue, newest first.
+
+    Candidates are KILLED, FAILED or RUNNING (a RUNNING run is continued only when its owner is
+    gone, which :mod:`runner.launch.owner` decides). Not candidates: FINISHED runs, the parent runs
+    of sweeps and benches (tags ``runner.sweep`` / ``runner.bench`` = ``parent``) and child runs
+    (trials, bench configurations: tag ``mlflow.parentRunId``).
+
+    Raises:
+        TrackingError: The store does not answer.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return []
+        runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
+    except MlflowException as exc:
+        raise TrackingError(f"could not search the runs of experiment {experiment!r} at {uri}: {exc.message}") from None
+    tags_of = [dict(r.data.tags) for r in runs]
+    return [
+        RunInfo(r.info.run_id, str(r.info.status), tags, experiment, str(r.info.run_name or ""), r.info.start_time or 0)
+        for r, tags in zip(runs, tags_of, strict=True)
+        if r.info.status in ("RUNNING", "KILLED", "FAILED")
+        and "mlflow.parentRunId" not in tags
+        and "parent" not in (tags.get("runner.sweep"), tags.get("runner.bench"))
     ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from runner.tracking.gitinfo import git_info
 from runner.tracking.spec_record import spec_artifacts, spec_params
 from runner.tracking.store import open_store
 from runner.tracking.tags import git_artifacts, run_tags
-from runner.tracking.uri import resolve_tracking_uri
+from runner.tracking.uri import resolve_tracking_uri, sqlite_path
 from runner.tracking.values import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
@@ -59,11 +60,18 @@ class RunHandle:
     artifact_uri: str = ""
 
 
-def _spec_codec() -> tuple[Callable[[ExperimentSpec], dict[str, str]], Callable[[ExperimentSpec], str]]:
+def _spec_codec() -> tuple[Callable[[ExperimentSpec, str | None], dict[str, str]], Callable[[ExperimentSpec], str]]:
     """``(spec_params, dump_spec)``: a run's params and its resolved spec (imported lazily)."""
     from runner.spec.dump import dump_spec
 
     return spec_params, dump_spec
+
+
+def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
+    """The accelerator of a plan description (a whole plan, or a device plan's), or ``None``."""
+    nested = plan_description.get("devices")
+    value = plan_description.get("accelerator") or (nested.get("accelerator") if isinstance(nested, Mapping) else None)
+    return str(value) if value else None
 
 
 def _check_fluent_run(nested: bool) -> str | None:
@@ -83,8 +91,27 @@ def _check_fluent_run(nested: bool) -> str | None:
     return str(active_id)
 
 
+def experiment_artifact_location(uri: str, name: str) -> str | None:
+    """Where a new experiment's artifacts go: ``<db folder>/mlartifacts/<safe name>`` for a sqlite store.
+
+    MLflow's default artifact root for a database store is ``./mlruns`` relative to the current
+    folder when the experiment is created, so runs of one store would spread their files over
+    every folder they were started from. ``mlflow server`` keeps them in ``./mlartifacts`` beside
+    its database (its default ``--default-artifact-root``); runner does the same. Servers and other
+    stores keep their own artifact root (``None``). See docs/design.md §6.
+    """
+    path = sqlite_path(uri)
+    if path is None:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "experiment"
+    return (path.parent / "mlartifacts" / safe).as_uri()
+
+
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     """Return the id of experiment ``name``, creating it when missing (safe when processes race).
+
+    A new experiment of a sqlite store keeps its artifacts beside the database
+    (:func:`experiment_artifact_location`); an existing experiment keeps its own location.
 
     Raises:
         TrackingError: The experiment exists but is deleted.
@@ -95,7 +122,7 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, artifact_location=experiment_artifact_location(uri, name))
         except MlflowException as exc:
             if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -167,7 +194,7 @@ def start_run(
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
     params_of, dump_spec = _spec_codec()
-    params = [Param(k, v) for k, v in params_of(spec).items()]
+    params = [Param(k, v) for k, v in params_of(spec, _accelerator(plan_description)).items()]
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
     texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
     info = git_info(loaded.path)
@@ -284,24 +311,6 @@ def run_status(uri: str, run_id: str) -> str:
     from mlflow.tracking import MlflowClient
 
     return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.status)
-
-
-def latest_run_id(uri: str, experiment: str) -> str | None:
-    """Id of the most recently started top-level run of ``experiment``, or ``None``.
-
-    Child runs of sweeps and benches (tag ``mlflow.parentRunId``) are not candidates.
-    """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return None
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=50)
-    for run in runs:
-        if "mlflow.parentRunId" not in run.data.tags and run.data.tags.get("runner.sweep") != "parent":
-            return str(run.info.run_id)
-    return None
 
 
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:

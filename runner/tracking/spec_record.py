@@ -21,7 +21,7 @@ PLAN = "spec/plan.json"
 OVERRIDES_TAG = "runner.overrides"
 
 
-def spec_params(spec: ExperimentSpec) -> dict[str, str]:
+def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
     """Return the MLflow params of a spec: the keys that apply, dotted, as strings within MLflow's limits.
 
     Keys come from :func:`runner.spec.active.active_params`: another mode's options, another
@@ -33,13 +33,15 @@ def spec_params(spec: ExperimentSpec) -> dict[str, str]:
 
     Args:
         spec: An ``ExperimentSpec``.
+        accelerator: The accelerator the run resolved to (``"cpu"``: GPU-only keys are left out too),
+            or ``None`` (:func:`runner.spec.active.run_inactive_keys`).
     """
     from runner.spec.active import active_params
 
     limit = max_param_chars()
     return {
         safe_key(key): shorten(param_value(value), limit, f"artifact {RESOLVED}")
-        for key, value in active_params(spec).items()
+        for key, value in active_params(spec, accelerator).items()
         if value is not None
     }
 

@@ -87,7 +87,7 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
 
     where = f"at {uri}"
     if local_store_missing(uri):
-        raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {_store_hint()}")
+        raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")
     check_reachable(uri)
     client = MlflowClient(tracking_uri=uri)
     try:
@@ -95,13 +95,10 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     except Exception:
         run = None
     if run is None or run.info.lifecycle_stage == "deleted":
-        raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {_store_hint()}")
+        raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {STORE_HINT}")
     texts = _download_texts(client, run_id, (RESOLVED, PLAN))
     if RESOLVED not in texts:
-        raise UsageError(
-            f"run {run_id} {where} has no spec stored by runner (artifact {RESOLVED}): "
-            "it was not started by `runner exec`, so there is nothing to continue or repeat"
-        )
+        raise UsageError(_not_an_exec_run(run_id, where, dict(run.data.tags)))
     plan = _json_object(texts.get(PLAN, ""))
     spec_path = Path(str(plan.get("spec") or run.data.tags.get("runner.spec.path") or "spec.toml"))
     return StoredRun(
@@ -117,8 +114,26 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     )
 
 
-def _store_hint() -> str:
-    return "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
+def _not_an_exec_run(run_id: str, where: str, tags: dict[str, str]) -> str:
+    """Why a run without ``spec/resolved.toml`` cannot be continued or repeated, and what to do instead."""
+    spec = tags.get("runner.spec.path") or "SPEC"
+    if tags.get("runner.sweep") == "parent":
+        return (
+            f"run {run_id} {where} is a sweep's parent run: `runner sweep {spec}` continues the study, "
+            "or reproduce one of its trials by the trial's run id"
+        )
+    if tags.get("runner.bench") == "parent":
+        return (
+            f"run {run_id} {where} is a bench's parent run: `runner bench {spec}` measures again, "
+            "or reproduce one configuration by its run id"
+        )
+    return (
+        f"run {run_id} {where} has no spec stored by runner (artifact {RESOLVED}): "
+        "it was not started by `runner exec`, so there is nothing to continue or repeat"
+    )
+
+
+STORE_HINT = "pass --tracking-uri URI of the store that holds it (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)"
 
 
 def _download_texts(client: MlflowClient, run_id: str, paths: tuple[str, ...]) -> dict[str, str]:

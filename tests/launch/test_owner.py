@@ -47,7 +47,8 @@ def test_a_running_run_whose_owner_died_is_marked_killed(ready_store: str) -> No
     remote = _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0))
     settled = settle(ready_store, orphan)
     assert settled.marked_killed and settled.status == "KILLED"
-    assert "runner exec exp.toml --resume " + orphan in settled.line()
+    assert f"continue it with: runner resume {orphan} --tracking-uri {ready_store}" in settled.line()
+    assert "runner exec" not in settled.line()  # `exec SPEC --resume` would drop the run's --set values
     run = MlflowClient(ready_store).get_run(orphan)
     assert run.info.status == "KILLED" and "is gone and never ended the run" in run.data.tags["runner.error"]
     assert (
@@ -98,3 +99,10 @@ def test_a_new_run_records_its_owner(write_spec, ready_store: str) -> None:
     owner = Owner.from_tags(run.data.tags)
     assert owner is not None and owner.pid == Owner.this_process().pid
     assert owner.liveness() == "alive"  # this test process ran the driver in-process
+
+
+def test_status_without_a_store_says_so_and_creates_none(tmp_path, capsys) -> None:
+    assert main(["status"]) == 2  # the test's folder holds no mlflow.db
+    err = capsys.readouterr().err
+    assert f"no tracking store at sqlite:///{tmp_path / 'mlflow.db'}" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

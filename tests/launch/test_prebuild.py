@@ -210,3 +210,31 @@ def test_loss_kwargs_a_run_accepts_pass_the_stand_in_batch(write_spec) -> None:
     ):
         path = write_spec(table)
         check_objectives(load_spec(path).spec, path.parent)  # nothing raised
+
+
+def test_a_store_folder_that_cannot_be_written_is_named_before_the_checkpoint_folder(
+    write_spec, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import os
+    import tempfile
+
+    import runner.spec.paths
+    import runner.tracking.uri
+
+    spec = write_spec()  # the store and the default checkpoints/ both in tmp_path
+    real_access, real_mkdtemp = os.access, tempfile.mkdtemp
+
+    def access(path, mode, **kwargs) -> bool:  # a read-only tmp_path, as a user other than root sees it
+        return False if Path(path) == tmp_path and mode & os.W_OK else real_access(path, mode, **kwargs)
+
+    def mkdtemp(*args, dir=None, **kwargs) -> str:
+        if dir is not None and Path(dir) == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(runner.tracking.uri.os, "access", access)
+    monkeypatch.setattr(runner.spec.paths.tempfile, "mkdtemp", mkdtemp)
+    assert main(["exec", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"folder {tmp_path} is not writable (sqlite writes a journal" in err
+    assert "set checkpoint.dir" not in err and not (tmp_path / "mlflow.db").exists()

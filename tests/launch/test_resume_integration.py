@@ -147,6 +147,7 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, stor
     resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert resumed.returncode == 0, resumed.stderr
     assert "step-00000015.pt" in resumed.stderr and "truncated" in resumed.stderr
+    assert resumed.stderr.count("skipped") == 1, resumed.stderr  # said once, by the worker that loads it
     assert "resuming from step-00000010.pt" in resumed.stderr
     after = _histories(store, run.info.run_id)
     assert after == before  # epoch 3 recomputed to the same values, no step logged twice

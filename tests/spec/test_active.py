@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -242,3 +243,41 @@ def test_unset_of_an_unknown_key_exits_2_with_did_you_mean(capsys) -> None:
     assert "Traceback" not in err
     assert main(["exec", str(DDP_SPEC), "--unset", "not a key"]) == 2
     assert "expected a dotted key" in capsys.readouterr().err
+
+
+def test_gpu_only_keys_are_no_params_of_a_run_on_cpu_whatever_chose_it() -> None:
+    from tests.helpers import spec_object
+
+    auto = spec_object(devices={"accelerator": "auto", "ids": [0]}, parallel={"mode": "ddp", "nproc_per_node": 2})
+    gpu_only = {"devices.ids", "parallel.sync_batchnorm"}
+    assert gpu_only <= set(spec_params(auto)) and gpu_only <= set(spec_params(auto, "cuda"))  # may run on GPUs
+    assert not gpu_only & set(spec_params(auto, "cpu"))  # "auto" chose the CPU
+    cpu = spec_object(devices={"accelerator": "cpu"}, parallel={"mode": "ddp", "nproc_per_node": 2})
+    assert "parallel.sync_batchnorm" not in spec_params(cpu) and "parallel.backend" in spec_params(cpu)
+
+
+@pytest.mark.created_store
+def test_exec_of_a_sweep_spec_notes_that_sweep_is_ignored_and_logs_only_what_applies(
+    write_spec, store, monkeypatch, capsys
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers import spec_text
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # accelerator = "auto" chooses the CPU
+    text = spec_text(tracking={"uri": store, "experiment": "tests"}, devices={"accelerator": "auto", "ids": [0]})
+    spec = write_spec('[sweep]\nparams = { "optim.lr" = { values = [0.1, 0.2] } }\n', text=text)
+    assert main(["exec", str(spec)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: [sweep] is ignored by runner exec; run `runner sweep {spec}` for the study" in err
+    assert "devices.ids = [0] is ignored: the run is on cpu" in err
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    params = run.data.params
+    assert not [k for k in params if k.startswith(("sweep.", "devices.ids"))]
+    assert "optim.lr" in params and "devices.accelerator" in params
+    assert "[sweep] is ignored by runner exec" in run.data.tags["runner.notes"]
+    other = write_spec('[sweep]\nparams = { "optim.lr" = { values = [0.5] } }\n', text=text, name="other.toml")
+    capsys.readouterr()
+    assert main(["diff", run.info.run_id, str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"] == {}  # diff compares what the params hold

@@ -15,12 +15,12 @@ import pytest
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
+from runner.tracking.lookup import continuable_runs
 from runner.tracking.runs import (
     RunHandle,
     delete_run,
     end_run,
     last_logged_steps,
-    latest_run_id,
     reopen_run,
     run_exists,
     run_status,
@@ -196,6 +196,25 @@ def test_start_run_outside_git_and_experiment_reuse(tmp_path, uri, client):
     assert not any(p.startswith("git/") for p in artifact_paths(client, first.run_id))
 
 
+def test_artifacts_lie_beside_the_sqlite_store_not_in_the_current_folder(tmp_path, uri, client):
+    """The store is in tmp_path, the run starts in tmp_path/cwd: its files go to tmp_path/mlartifacts/<experiment>."""
+    handle = start_run(load_spec(write_spec(tmp_path / "loose")), {}, uri=uri)
+    assert not (Path.cwd() / "mlruns").exists()
+    expected = tmp_path / "mlartifacts" / "exp-demo"
+    assert client.get_experiment(handle.experiment_id).artifact_location == expected.as_uri()
+    assert (expected / handle.run_id / "artifacts" / "spec" / "demo.toml").is_file()
+    assert tracking.experiment_artifact_location(uri, "a b/../c") == (tmp_path / "mlartifacts" / "a_b_.._c").as_uri()
+    assert tracking.experiment_artifact_location("http://127.0.0.1:5000", "x") is None
+
+
+def test_existing_experiment_keeps_its_artifact_location(tmp_path, uri, client):
+    own = tmp_path / "elsewhere"
+    client.create_experiment("exp-demo", artifact_location=own.as_uri())
+    handle = start_run(load_spec(write_spec(tmp_path / "loose")), {}, uri=uri)
+    assert (own / handle.run_id / "artifacts" / "spec" / "demo.toml").is_file()
+    assert not (tmp_path / "mlartifacts").exists()
+
+
 def test_start_run_defaults_experiment_to_spec_name(tmp_path, uri, client):
     spec_path = write_spec(tmp_path / "loose", SPEC.replace('experiment = "exp-demo"', 'run_name = "from-spec"'))
     handle = start_run(load_spec(spec_path), {}, uri=uri)
@@ -295,7 +314,7 @@ def test_start_run_fails_before_creating_anything_when_spec_cannot_be_dumped(tmp
     def boom(spec):
         raise RuntimeError("cannot dump")
 
-    monkeypatch.setattr(tracking, "_spec_codec", lambda: (lambda s: {"name": "demo"}, boom))
+    monkeypatch.setattr(tracking, "_spec_codec", lambda: (lambda s, accelerator=None: {"name": "demo"}, boom))
     with pytest.raises(RuntimeError):
         start_run(loaded, {}, uri=uri)
     assert client.get_experiment_by_name("exp-demo") is None
@@ -322,11 +341,14 @@ def test_start_run_marks_run_failed_when_recording_fails(tmp_path, uri, client, 
 
 def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     loaded = load_spec(write_spec(tmp_path / "loose"))
-    assert latest_run_id(uri, "exp-demo") is None  # no such experiment yet
+    assert continuable_runs(uri, "exp-demo") == []  # no such experiment yet
     first = start_run(loaded, {}, uri=uri).run_id
     parent = start_run(loaded, {}, uri=uri, extra_tags={"runner.sweep": "parent"}).run_id
     start_run(loaded, {}, uri=uri, extra_tags={"mlflow.parentRunId": parent})
-    assert latest_run_id(uri, "exp-demo") == first  # sweep parents and child runs are not candidates
+    start_run(loaded, {}, uri=uri, extra_tags={"runner.bench": "parent"})
+    end_run(uri, start_run(loaded, {}, uri=uri).run_id, "FINISHED")
+    # sweep and bench parents, child runs and FINISHED runs are not candidates
+    assert [r.run_id for r in continuable_runs(uri, "exp-demo")] == [first]
 
     assert run_exists(uri, first) and not run_exists(uri, "0" * 32)
     assert run_status(uri, first) == "RUNNING"

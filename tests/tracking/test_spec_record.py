@@ -111,3 +111,17 @@ def test_reading_a_run_that_is_not_there_names_the_run_and_the_store(shared, tmp
         read_stored_run(store, foreign)
     with pytest.raises(UsageError, match=rf"no run {'0' * 32} at {store}: copy the run id"):
         read_stored_run(store, "0" * 32)
+
+
+def test_reading_a_sweep_or_bench_parent_run_says_which_command_continues_it(shared) -> None:
+    client = MlflowClient(shared)
+    experiment = client.create_experiment("parents")
+    tags = {"runner.sweep": "parent", "runner.spec.path": "/x/sweep_lr.toml"}
+    sweep = client.create_run(experiment, tags=tags).info.run_id
+    with pytest.raises(
+        UsageError, match=r"is a sweep's parent run: `runner sweep /x/sweep_lr.toml` continues the study"
+    ):
+        read_stored_run(shared, sweep)
+    bench = client.create_run(experiment, tags={"runner.bench": "parent"}).info.run_id
+    with pytest.raises(UsageError, match=r"is a bench's parent run: `runner bench SPEC` measures again"):
+        read_stored_run(shared, bench)

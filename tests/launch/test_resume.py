@@ -1,0 +1,116 @@
+"""Resume refusals and the choice of ``--resume last``, before any training (runner.launch.resume; CPU, no worker)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.cli import main
+from runner.launch.owner import Owner
+
+pytestmark = pytest.mark.created_store
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _run(store: str, name: str, start: int, status: str = "RUNNING", tags: dict[str, str] | None = None) -> str:
+    """A run of experiment ``tests`` (the spec's) started at ``start`` ms, ended ``status``."""
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("tests")
+    eid = experiment.experiment_id if experiment else client.create_experiment("tests")
+    run_id = str(client.create_run(eid, start_time=start, tags=tags or {}, run_name=name).info.run_id)
+    if status != "RUNNING":
+        client.set_terminated(run_id, status)
+    return run_id
+
+
+def test_resume_last_skips_parents_children_finished_and_live_runs_and_names_its_choice(write_spec, store, capsys):
+    me = Owner.this_process()
+    killed = _run(store, "the-killed-one", 1_000, "KILLED")
+    _run(store, "live", 2_000, tags=me.tags())
+    _run(store, "done", 3_000, "FINISHED")
+    parent = _run(store, "sweep", 4_000, "KILLED", {"runner.sweep": "parent"})
+    _run(store, "trial", 5_000, "FAILED", {"mlflow.parentRunId": parent})
+    _run(store, "bench", 6_000, "FAILED", {"runner.bench": "parent"})
+    spec = write_spec()
+    assert main(["exec", str(spec), "--resume", "last"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume last: run {killed} 'the-killed-one' (KILLED, started 1970-01-01" in err
+    assert "nothing to resume: no checkpoint in" in err
+
+    orphan = _run(store, "orphan", 7_000, tags=Owner(me.host, _dead_pid(), me.start_time).tags())
+    assert main(["exec", str(spec), "--resume", "last"]) == 2
+    assert f"run {orphan} 'orphan' (RUNNING, owner gone, started" in capsys.readouterr().err
+
+
+def test_resume_last_without_a_candidate_says_what_qualifies(write_spec, store, capsys):
+    _run(store, "done", 1_000, "FINISHED")
+    assert main(["exec", str(write_spec()), "--resume", "last"]) == 2
+    err = capsys.readouterr().err
+    assert "has no run to resume (a KILLED or FAILED run" in err and "pass --resume RUN_ID" in err
+
+
+def test_resuming_a_failed_run_without_a_checkpoint_points_to_reproduce(write_spec, store, capsys):
+    from runner.spec.loading import load_spec
+    from runner.tracking.runs import end_run, start_run
+
+    run_id = start_run(load_spec(write_spec()), {}, uri=store).run_id
+    end_run(store, run_id, "FAILED")
+    assert main(["resume", run_id, "--tracking-uri", store]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume: no checkpoint in" in err
+    assert f"`runner reproduce {run_id}` starts it again from the same spec" in err  # the store is ./mlflow.db
+
+
+def _killed_run_with_checkpoint(spec_path, store: str) -> str:
+    """A KILLED run of ``spec_path`` with a checkpoint after epoch 1 of 2, written as the loop writes it."""
+    import torch
+
+    from runner.spec.dump import flatten_spec
+    from runner.spec.loading import load_spec
+    from runner.tracking.runs import end_run, start_run
+    from runner.training import checkpoint as ckpt
+    from runner.training.loop import TrainState
+
+    loaded = load_spec(spec_path)
+    run_id = start_run(loaded, {}, uri=store).run_id
+    end_run(store, run_id, "KILLED")
+    model = torch.nn.Linear(2, 2)
+    payload = ckpt.build_payload(
+        model_state=model.state_dict(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        scheduler=None,
+        scaler=None,
+        state=TrainState(epoch=1, global_step=5, batch_in_epoch=0),
+        rng_states=[{"torch": torch.get_rng_state()}],
+        spec_flat=flatten_spec(loaded.spec),
+        spec_sha256="x",
+        run_id=run_id,
+    )
+    ckpt.save_checkpoint(ckpt.default_checkpoint_dir(store, None, run_id), payload, keep_last=2)
+    return run_id
+
+
+def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec, store):
+    from runner.errors import SpecError
+    from runner.launch.driver import ExecOptions
+    from runner.launch.resume import prepare_resume
+    from runner.plan import make_plan
+    from runner.spec.loading import load_spec
+
+    spec = write_spec()  # mode = "none": parallel.nproc_per_node is ddp's
+    run_id = _killed_run_with_checkpoint(spec, store)
+    inert = load_spec(spec, ["parallel.nproc_per_node=2", "parallel.backend=gloo"])
+    point = prepare_resume(make_plan(inert), ExecOptions(resume=run_id))
+    assert point.run_id == run_id and point.changes == {}
+    changed = load_spec(spec, ["parallel.nproc_per_node=2", "optim.lr=0.5"])
+    with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
+        prepare_resume(make_plan(changed), ExecOptions(resume=run_id))
+    assert "nproc_per_node" not in str(caught.value)
