@@ -187,7 +187,9 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
 
     code, out, err = _finish(_runner(tmp_path, "status", run_id, "--tracking-uri", uri))
     assert code == 0, err
-    assert f"{run_id}  KILLED   its owner (pid {driver.pid}" in out and f"continue it with: runner resume {run_id}" in out
+    assert (
+        f"{run_id}  KILLED   its owner (pid {driver.pid}" in out and f"continue it with: runner resume {run_id}" in out
+    )
     assert MlflowClient(uri).get_run(run_id).info.status == "KILLED"
 
 
