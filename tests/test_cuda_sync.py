@@ -19,49 +19,26 @@ import torch
 from runner.launch.driver import exec_experiment
 from runner.spec.loading import load_spec
 from runner.training import loop, setup
+from tests.helpers import spec_text
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU visible"),
 ]
 
-SPEC = """
-name = "sync-free"
-seed = 0
 
-[model]
-name = "mlp"
-kwargs = {{ hidden = [512, 512] }}
-
-[data]
-dataset = "synthetic"
-num_samples = 4096
-input_shape = [784]
-num_classes = 10
-batch_size = 256
-val_fraction = 0.1
-
-[devices]
-accelerator = "cuda"
-ids = [0]
-
-[optim]
-name = "sgd"
-lr = 0.01
-momentum = 0.9
-
-[train]
-epochs = 2
-log_every_n_steps = {log_every}
-progress = "off"
-
-[checkpoint]
-enabled = false
-
-[tracking]
-uri = "sqlite:///{store}"
-experiment = "sync-free"
-"""
+def _spec(log_every: int, store: Path) -> str:
+    """A two-epoch CUDA run of the 784-512-512-10 MLP, logging every ``log_every`` steps, no checkpoints."""
+    return spec_text(
+        name="sync-free",
+        model={"kwargs": {"hidden": [512, 512]}},
+        data={"num_samples": 4096, "input_shape": [784], "num_classes": 10, "batch_size": 256, "val_fraction": 0.1},
+        devices={"accelerator": "cuda", "ids": [0]},
+        optim={"lr": 0.01, "momentum": 0.9},
+        train={"log_every_n_steps": log_every},
+        checkpoint={"enabled": False},
+        tracking={"uri": f"sqlite:///{store}", "experiment": "sync-free"},
+    )
 
 
 def _allowed(fn: Callable[..., Any], seen: list[str]) -> Callable[..., Any]:
@@ -113,7 +90,7 @@ def test_no_device_sync_between_log_steps(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(setup, "fit", fit_then_off)
     path = tmp_path / "sync.toml"
-    path.write_text(SPEC.format(log_every=log_every, store=tmp_path / "mlflow.db"), encoding="utf-8")
+    path.write_text(_spec(log_every, tmp_path / "mlflow.db"), encoding="utf-8")
     try:
         result = exec_experiment(load_spec(path))
     finally:
