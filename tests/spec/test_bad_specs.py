@@ -8,6 +8,7 @@ import pytest
 
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
+from tests.helpers import SMALL, spec_text
 
 BAD = Path(__file__).parents[1] / "assets" / "bad"
 
@@ -138,7 +139,7 @@ def test_syntax_error_in_base_names_base(tmp_path: Path):
     assert "write 1.0" in issue.message
 
 
-MINIMAL = 'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
+MINIMAL = spec_text(SMALL, compact=True)
 
 
 @pytest.fixture

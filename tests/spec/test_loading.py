@@ -18,9 +18,10 @@ from runner.errors import SpecError
 from runner.spec.dump import dump_spec, flatten_spec
 from runner.spec.loading import LoadedSpec, load_spec, spec_from_dict
 from runner.spec.locate import format_key, line_of, locate_keys
+from tests.helpers import SMALL, spec_text
 
 ASSETS = Path(__file__).parents[1] / "assets"
-MINIMAL = 'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
+MINIMAL = spec_text(SMALL, compact=True)
 
 
 def write(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
@@ -276,9 +277,7 @@ def test_override_with_bare_fraction_says_write_0_point(tmp_path) -> None:
     from runner.spec.loading import load_spec
 
     spec = tmp_path / "s.toml"
-    spec.write_text(
-        'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
-    )
+    spec.write_text(spec_text(SMALL, compact=True))
     with pytest.raises(SpecError) as info:
         load_spec(spec, ["optim.lr=.001"])
     assert str(info.value) == "--set: optim.lr: invalid TOML value .001 (write 0.001)"
@@ -289,9 +288,7 @@ def test_override_creating_an_unknown_table_blames_the_override(tmp_path) -> Non
     from runner.spec.loading import load_spec
 
     spec = tmp_path / "s.toml"
-    spec.write_text(
-        'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
-    )
+    spec.write_text(spec_text(SMALL, compact=True))
     with pytest.raises(SpecError) as info:
         load_spec(spec, ["foo.bar.baz=1"])
     text = str(info.value)

@@ -13,6 +13,7 @@ from runner.errors import SpecError
 from runner.spec.loading import load_spec
 from runner.spec.suggest import close_matches, did_you_mean, suggest
 from runner.spec.wording import join_or, show, with_hint
+from tests.helpers import SMALL, spec_text
 
 ASSETS = Path(__file__).parents[1] / "assets"
 
@@ -61,9 +62,7 @@ def test_spec_messages_and_builders_word_it_alike(tmp_path: Path):
     from runner.training.models import check_model_name
 
     path = tmp_path / "s.toml"
-    path.write_text(
-        'name = "t"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n[optim]\nlr = 0.1\n'
-    )
+    path.write_text(spec_text(SMALL, compact=True))
     with pytest.raises(SpecError) as spec_err:
         load_spec(path, ["parallel.mode=dpp"])
     with pytest.raises(SpecError) as model_err:
