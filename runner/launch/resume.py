@@ -109,8 +109,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
     run_id, chosen = _resolve_resume(uri, plan.experiment, options.resume)
-    owns = plan.launcher.is_main if plan.launch == "external" else spec.parallel.node_rank == 0
-    claimed = claim_run(uri, run_id) if owns else []
+    claimed = claim_run(uri, run_id) if plan.owns_run else []
     directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
     try:
         changes, complete, notes = _check_resume(

@@ -114,3 +114,26 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
     with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
         prepare_resume(make_plan(changed), ExecOptions(resume=run_id))
     assert "nproc_per_node" not in str(caught.value)
+
+
+def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, monkeypatch):
+    """A Slurm node other than node 0 (its node rank from SLURM_NODEID, not parallel.node_rank) leaves the run be."""
+    import dataclasses
+
+    import runner.launch.resume as resume
+    from runner.launch.driver import ExecOptions
+    from runner.plan import make_plan
+    from runner.spec.loading import load_spec
+
+    spec = write_spec('[parallel]\nmode = "ddp"\nnproc_per_node = 2\n')
+    run_id = _killed_run_with_checkpoint(spec, store)
+    claimed: list[str] = []
+    monkeypatch.setattr(resume, "claim_run", lambda uri, rid: claimed.append(rid) or [])
+    plan = make_plan(load_spec(spec))
+    assert plan.rendezvous is not None and plan.owns_run
+    resume.prepare_resume(plan, ExecOptions(resume=run_id))
+    assert claimed == [run_id]
+    other = dataclasses.replace(plan, rendezvous=dataclasses.replace(plan.rendezvous, node_rank=1))
+    assert other.loaded.spec.parallel.node_rank == 0 and not other.owns_run
+    resume.prepare_resume(other, ExecOptions(resume=run_id))
+    assert claimed == [run_id]  # node 1 does not claim (mark KILLED, send the spool of) node 0's run
