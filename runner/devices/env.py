@@ -1,10 +1,11 @@
-"""Narrow ``CUDA_VISIBLE_DEVICES`` to the chosen devices before anything initialises CUDA."""
+"""The process environment: narrow ``CUDA_VISIBLE_DEVICES`` before CUDA initialises; set variables for a scope."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 from runner.devices.resolve import DevicePlan
 from runner.errors import DeviceError
@@ -43,3 +44,19 @@ def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.en
             f"and the run would use other GPUs than planned; resolve and apply devices before anything touches CUDA"
         )
     environ.update(changes)
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the duration of the ``with`` block, then put the previous values back
+    (a variable that was unset is removed again). Child processes started inside the block inherit them."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

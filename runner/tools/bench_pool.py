@@ -122,10 +122,10 @@ class WarmPool:
         """Start every missing worker; returns at once (they import torch in the background)."""
         import multiprocessing
 
+        from runner.devices.env import scoped_environ
+
         ctx = multiprocessing.get_context("spawn")
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)  # a spawned child copies the environment when it starts
-        try:
+        with scoped_environ(self.env):  # a spawned child copies the environment when it starts
             for i, slot in enumerate(self._procs):
                 if slot is None or not slot[0].is_alive():
                     ours, theirs = ctx.Pipe()
@@ -133,12 +133,6 @@ class WarmPool:
                     proc.start()
                     theirs.close()
                     self._procs[i] = (proc, ours)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     def run(self, jobs: Sequence[Job]) -> list[Reply]:
         """Run ``jobs[r]`` on worker ``r``, for every rank at once; return the replies by rank.

@@ -7,15 +7,13 @@ and ``spec/plan.json`` names the spec file it came from. mlflow is imported insi
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.devices.env import scoped_environ
 from runner.errors import UsageError
 from runner.tracking.spec_record import PLAN, RESOLVED
 from runner.tracking.uri import absolute_uri, check_reachable, default_tracking_uri, local_store_missing
@@ -140,7 +138,7 @@ def _download_texts(client: MlflowClient, run_id: str, paths: tuple[str, ...]) -
     """The artifacts of ``paths`` that exist, as text."""
     out: dict[str, str] = {}
     quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # a few small texts: no progress bars
-    with tempfile.TemporaryDirectory(prefix="runner-stored-") as tmp, _environment(quiet):
+    with tempfile.TemporaryDirectory(prefix="runner-stored-") as tmp, scoped_environ(quiet):
         for path in paths:
             try:
                 local = client.download_artifacts(run_id, path, tmp)
@@ -148,21 +146,6 @@ def _download_texts(client: MlflowClient, run_id: str, paths: tuple[str, ...]) -
             except Exception:
                 continue
     return out
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration, then put the previous values back."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _json_object(text: str) -> dict[str, Any]:
