@@ -253,7 +253,6 @@ def _probed(
     """
     from runner.errors import TrainingError
     from runner.spec.loading import relocate_issues
-    from runner.training.sampling import global_batch_sizes
 
     if isinstance(probe, SpecError):
         raise relocate_issues(probe, base)
@@ -262,7 +261,14 @@ def _probed(
     if isinstance(probe, Reply):
         raise TrainingError(probe.reason)
     num_train, report.batch_statistics, report.dropout = probe
-    for c in runnable:
+    fill_batch_sizes(runnable, num_train)
+
+
+def fill_batch_sizes(configs: Sequence[Config], num_train: int) -> None:
+    """Fill in each runnable configuration's global batch sizes of one epoch of ``num_train`` training samples."""
+    from runner.training.sampling import global_batch_sizes
+
+    for c in configs:
         assert c.loaded is not None
         data = c.loaded.spec.data
         c.batch_sizes = global_batch_sizes(num_train, data.batch_size, data.drop_last, c.world_size)
@@ -328,15 +334,11 @@ def _measure_all(
 # ----------------------------------------------------------------------------- preparing
 
 
-def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, num_train: int | None = None) -> Config:
-    """Validate and plan one configuration; a spec or device problem makes it a skipped row.
-
-    With ``num_train`` (training samples) the batch sizes of an epoch are filled in too.
-    """
+def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Config:
+    """Validate and plan one configuration; a spec or device problem makes it a skipped row."""
     from runner.plan import make_plan
     from runner.spec.dump import spec_sha256
     from runner.spec.loading import spec_from_dict
-    from runner.training.sampling import global_batch_sizes
 
     result = ConfigResult(config=config_id(mode, n), mode=mode, n=n)
     data = bench_spec_data(base.data, mode, n, steps, warmup)
@@ -347,12 +349,7 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, *, nu
     except (SpecError, DeviceError, UsageError) as exc:
         result.status, result.reason = "skipped", reason(exc)
         return Config(result)
-    config = Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
-    if num_train is not None:
-        config.batch_sizes = global_batch_sizes(
-            num_train, spec.data.batch_size, spec.data.drop_last, plan.devices.world_size
-        )
-    return config
+    return Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
 
 
 def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:

@@ -60,11 +60,6 @@ def swept_devices(definition: SweepDefinition) -> bool:
     return any(k == "devices" or k.startswith("devices.") for k, _ in definition.params)
 
 
-def pick_device(load: dict[int, int], pool: Sequence[int]) -> int:
-    """The device of ``pool`` running the fewest trials (first in ``pool`` on ties)."""
-    return min(pool, key=lambda k: (load.get(k, 0), list(pool).index(k)))
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a warm worker process needs (picklable: it crosses the ``spawn`` boundary).

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from runner.spec.dump import flatten_spec
-from runner.spec.objectives import CLASSIFICATION_LOSSES
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.precision import Precision
 from runner.strategies.state_dicts import load_state_dict_flexible, unwrapped_state_dict
@@ -98,7 +97,6 @@ class TrainingParts:
         loss: The summed loss of a micro-batch (:mod:`runner.training.losses`).
         io: How batches reach the model and where its prediction is (:class:`~runner.training.batches.BatchIO`).
         metrics: The train and validation metrics of ``[metrics]``.
-        classification: A classification loss (cross_entropy, nll): accuracy unless ``[metrics]`` says otherwise.
         loaders: This rank's DataLoaders.
         total_steps: Optimizer steps of the run (:func:`count_total_steps`).
         train_set: The training dataset (its first sample is the model's example input).
@@ -114,7 +112,6 @@ class TrainingParts:
     loss: Loss
     io: BatchIO
     metrics: MetricPlan
-    classification: bool
     loaders: Loaders
     total_steps: int
     train_set: Dataset
@@ -190,7 +187,6 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         loss=loss,
         io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model"),
         metrics=metrics,
-        classification=spec.loss.name in CLASSIFICATION_LOSSES,
         loaders=loaders,
         total_steps=total_steps,
         train_set=bundle.train,

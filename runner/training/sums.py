@@ -33,8 +33,6 @@ class RunningSums:
     def __init__(self, device: torch.device, start: list[float] | None = None):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
         if start is not None:  # rank-reduced sums restored from a checkpoint, held by rank 0 only
-            if len(start) == 4:  # the layout before: [loss sum, correct, samples, has_correct]
-                start = [start[0], 0.0, start[2]]
             self.sums += torch.tensor(start[:3], dtype=torch.float64, device=device)
 
     def add(self, loss_sum: torch.Tensor, count: int) -> None:

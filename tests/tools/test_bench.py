@@ -146,15 +146,16 @@ def test_bench_spec_data_derives_a_valid_spec_for_every_mode(write_spec) -> None
 
 
 def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(write_spec) -> None:
-    from runner.tools.bench import _prepare
+    from runner.tools.bench import _prepare, fill_batch_sizes
 
     base = load_spec(write_spec("", name="s.toml"), ["data.batch_size=15"])
-    dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1, num_train=72) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
+    dp, ddp2, ddp1 = (_prepare(base, m, n, 3, 1) for m, n in (("dp", 2), ("ddp", 2), ("ddp", 1)))
     assert (
         dp.loaded is None and dp.result.status == "skipped" and "dp" in dp.result.reason and "cpu" in dp.result.reason
     )
     assert ddp2.loaded is None and ddp2.result.status == "skipped" and "15" in ddp2.result.reason
     assert ddp1.loaded is not None and ddp1.result.status == "ok"
+    fill_batch_sizes([ddp1], 72)
     assert sum(ddp1.batch_sizes) == 72  # 96 synthetic samples, 25 % held out
 
 

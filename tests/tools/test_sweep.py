@@ -17,7 +17,7 @@ from runner.spec.schema_sweep import SweepParam, SweepSpec
 from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
 from runner.tools.sweep_define import build_definition as _build
-from runner.tools.sweep_jobs import device_pool, pick_device
+from runner.tools.sweep_jobs import device_pool
 from runner.tools.sweep_report import SweepReport
 from runner.tools.sweep_space import (
     SweepDefinition,
@@ -517,15 +517,6 @@ def test_concurrent_single_gpu_trials_spread_over_the_spec_devices() -> None:
     assert device_pool(spec("all"), [_plan("cpu", ())], d) is None
     assert device_pool(spec([0, 1]), [_plan(ids=(0, 1), world=2)], d) is None  # ddp / dp trials keep their devices
     assert device_pool(spec([0, 1]), [_plan()], build_definition(None, grid=["devices.ids=[0],[1]"])) is None
-    load: dict[int, int] = {}
-    picked = []
-    for _ in range(3):
-        k = pick_device(load, [2, 3])
-        load[k] = load.get(k, 0) + 1
-        picked.append(k)
-    assert picked == [2, 3, 2]
-    load[2] -= 1
-    assert pick_device(load, [2, 3]) == 2
 
 
 # --------------------------------------------------------------------------- report

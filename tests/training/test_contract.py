@@ -351,11 +351,6 @@ def test_grad_norm_is_the_global_l2_norm() -> None:
     assert grad_norm(nn.Linear(2, 2).parameters()) is None  # no backward yet
 
 
-def test_old_four_entry_running_sums_resume_without_a_false_alarm() -> None:
-    loss, bad, count = RunningSums(CPU, [6.0, 5.0, 8.0, 1.0]).sums.tolist()  # [loss, correct, samples, has_correct]
-    assert (loss, bad, count) == (6.0, 0.0, 8.0)
-
-
 # --------------------------------------------------------------------------- BatchNorm meeting one sample
 
 

@@ -65,7 +65,7 @@ def test_build_parts_sizes_the_run_once(loaded) -> None:
     assert parts.loaders.steps_per_epoch == 5 and parts.total_steps == 7
     assert parts.model is parts.raw_model  # one device: no wrapper
     assert parts.scheduler is not None and parts.scheduler_interval == "epoch"
-    assert parts.precision.dtype is None and parts.classification
+    assert parts.precision.dtype is None
     assert parts.example_input().shape == (1, 8)
 
 
