@@ -257,15 +257,10 @@ def _check_cpu_run(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inve
     if spec.devices.accelerator != "auto":
         return
     why = f'accelerator = "auto" chose cpu since {_no_gpu_reason(env, inventory)}'
-    par = spec.parallel
-    if par.mode == "dp":
-        raise DeviceError(rules.dp_needs_cuda(why), key="parallel.mode")
-    if par.mode == "ddp" and par.backend == "nccl":  # inactive under none (docs/design.md §10)
-        raise DeviceError(rules.nccl_needs_cuda(why), key="parallel.backend")
-    if par.mode == "ddp" and par.sync_batchnorm:
-        raise DeviceError(rules.sync_batchnorm_needs_cuda(why), key="parallel.sync_batchnorm")
-    if spec.train.amp == "fp16":
-        raise DeviceError(rules.fp16_needs_cuda(why), key="train.amp")
+    problems = rules.cuda_only_problems(spec, why)
+    if problems:
+        key, message = problems[0]
+        raise DeviceError(message, key=key)
 
 
 def _cpu_env(devices: DevicesSpec, inventory: Inventory, notes: list[str]) -> dict[str, str]:

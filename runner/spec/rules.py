@@ -278,17 +278,29 @@ def check_experiment(spec: ExperimentSpec) -> None:
 
 def _device_problems(spec: ExperimentSpec) -> list[Problem]:
     """CUDA-only settings under ``accelerator = "cpu"``."""
-    par, on_cpu = spec.parallel, spec.devices.accelerator == "cpu"
+    return cuda_only_problems(spec, ON_CPU) if spec.devices.accelerator == "cpu" else []
+
+
+def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
+    """The CUDA-only settings of ``spec`` (dp, nccl, sync_batchnorm, fp16, in that order) for a run on CPU.
+
+    The schema calls it for ``accelerator = "cpu"``; device resolution for ``"auto"`` that found no GPU.
+
+    Args:
+        spec: The validated spec.
+        why: Why the run is on CPU, completing each message.
+    """
+    par = spec.parallel
     problems: list[Problem] = []
-    if on_cpu and par.mode == "dp":
-        problems.append(("parallel.mode", dp_needs_cuda(ON_CPU)))
-    ddp = par.mode == "ddp"  # backend and sync_batchnorm are inactive under other modes
-    if on_cpu and ddp and par.backend == "nccl":
-        problems.append(("parallel.backend", nccl_needs_cuda(ON_CPU)))
-    if on_cpu and ddp and par.sync_batchnorm:
-        problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(ON_CPU)))
-    if on_cpu and spec.train.amp == "fp16":
-        problems.append(("train.amp", fp16_needs_cuda(ON_CPU)))
+    if par.mode == "dp":
+        problems.append(("parallel.mode", dp_needs_cuda(why)))
+    ddp = par.mode == "ddp"  # backend and sync_batchnorm are inactive under other modes (docs/design.md §10)
+    if ddp and par.backend == "nccl":
+        problems.append(("parallel.backend", nccl_needs_cuda(why)))
+    if ddp and par.sync_batchnorm:
+        problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(why)))
+    if spec.train.amp == "fp16":
+        problems.append(("train.amp", fp16_needs_cuda(why)))
     return problems
 
 
