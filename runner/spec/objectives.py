@@ -13,9 +13,10 @@ import posixpath
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from runner.spec.suggest import did_you_mean
+from runner.spec.table import SpecTable
 from runner.spec.wording import show, with_hint
 
 BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits", "nll", "model")
@@ -30,8 +31,6 @@ MOVED = {  # keys that moved to [loss], with the hint an old spec gets
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _MLFLOW_NAME = re.compile(r"^[/\w.\- ]*$")  # MLflow's metric key characters (its portable set: no colon)
 _MLFLOW_MAX = 250
-# Same conventions as the tables of runner.spec.schema: strict, no unknown keys, frozen.
-_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
 
 
 def is_import_path(name: str) -> bool:
@@ -49,10 +48,8 @@ def _check_name(name: str, builtins: tuple[str, ...], what: str, path_form: str)
     raise ValueError(with_hint(f"got {show(name)}; expected {expected}", hint))
 
 
-class LossSpec(BaseModel):
+class LossSpec(SpecTable):
     """``[loss]``: the loss the optimizer minimises (docs/design.md §3, §13)."""
-
-    model_config = _CONFIG
 
     name: str = Field(
         default="cross_entropy",
@@ -147,10 +144,8 @@ def _check_entry(entry: str | dict[str, Any]) -> str | dict[str, Any]:
 MetricEntry = Annotated[str | dict[str, Any], AfterValidator(_check_entry)]
 
 
-class MetricsSpec(BaseModel):
+class MetricsSpec(SpecTable):
     """``[metrics]``: torchmetrics metrics computed on the training and validation batches (docs/design.md §13)."""
-
-    model_config = _CONFIG
 
     train: list[MetricEntry] = Field(
         default_factory=list,
