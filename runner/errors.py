@@ -128,10 +128,9 @@ class Interrupted(RunnerError):
     exit_code = 130
     heading = "interrupted"
 
-    def __init__(self, signum: int = 2, run_id: str | None = None, spec: str | None = None, command: str | None = None):
+    def __init__(self, signum: int = 2, run_id: str | None = None, command: str | None = None):
         self.signum = signum
         self.run_id = run_id
-        self.spec = spec
         self.command = command
         super().__init__(f"interrupted by signal {signum}")
 

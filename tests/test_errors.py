@@ -52,7 +52,7 @@ def test_messages_have_their_heading():
     assert TrainingError("rank 1 failed: boom").format_message() == "training failed: rank 1 failed: boom"
     two = SpecError([SpecIssue(Path("a.toml"), 1, "x", "one"), SpecIssue(Path("a.toml"), 2, "y", "two")])
     assert two.format_message() == "error:\n  a.toml:1: x: one\n  a.toml:2: y: two"
-    stopped = Interrupted(2, run_id="r1", spec="s.toml").format_message()
+    stopped = Interrupted(2, run_id="r1").format_message()
     assert stopped.startswith("interrupted: run r1 is KILLED") and stopped.endswith(": runner resume r1")
     elsewhere = Interrupted(15, run_id="r1", command="runner resume r1 --tracking-uri sqlite:////x.db")
     assert elsewhere.format_message().endswith("Continue it with: runner resume r1 --tracking-uri sqlite:////x.db")

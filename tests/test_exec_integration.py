@@ -192,7 +192,7 @@ def test_interrupt_message_says_how_to_resume(tmp_path, monkeypatch) -> None:
     from runner.errors import Interrupted
     from runner.launch.resume import resume_command
 
-    hint = Interrupted(15, run_id="abc", spec="exp.toml").hint()
+    hint = Interrupted(15, run_id="abc").hint()
     assert hint.endswith("Continue it with: runner resume abc")  # the spec and its --set values are in the run
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     here = f"sqlite:///{tmp_path}/mlflow.db"  # the tests run in tmp_path: ./mlflow.db is the default store

@@ -278,7 +278,7 @@ def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
 
     uri = plan.tracking_uri
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
-    return Interrupted(int(signum), run_id=run_id, spec=str(plan.loaded.path), command=command)
+    return Interrupted(int(signum), run_id=run_id, command=command)
 
 
 def _launch(
