@@ -145,16 +145,13 @@ def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
     A suggestion never repeats the user's override with another value (``--set parallel.mode=dp
     --set parallel.mode=ddp``): the later one would win anyway, so the spec it runs is the same.
     """
+    import dataclasses
+
     from runner.spec.overrides import parse_key
 
     fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}
-    out: list[str] = []
-    for key in loaded.unset:
-        out += ["--unset", key]
-    for override in loaded.overrides:
-        if parse_key(override.partition("=")[0]) not in fixed:
-            out += ["--set", override]
-    return out
+    kept = tuple(o for o in loaded.overrides if parse_key(o.partition("=")[0]) not in fixed)
+    return dataclasses.replace(loaded, overrides=kept).command_line()
 
 
 def plan_or_problem(
