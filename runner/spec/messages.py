@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from runner.spec.locate import Loc, format_key
 from runner.spec.objectives import MOVED
@@ -200,8 +201,7 @@ def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
     ``None`` for a field with one bound (``_out_of_range`` words it) and for a list item. A float field's
     bounds print as floats, as pydantic's ``ctx`` gives them.
     """
-    parent = annotation_at(loc[:-1])
-    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    field = _field_at(loc)
     if field is None:  # a list item: pydantic's context names the one bound it broke
         return None
     words = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
@@ -215,10 +215,15 @@ def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
     return f"a value {' and '.join(parts)}" if len(parts) > 1 else None
 
 
+def _field_at(loc: Loc) -> FieldInfo | None:
+    """The schema field of the key at ``loc``; ``None`` for a list item or an unknown key."""
+    parent = annotation_at(loc[:-1])
+    return parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+
+
 def _field_required(loc: Loc) -> bool:
     """Whether the key at ``loc`` has no default (a list item or an unknown key counts as required)."""
-    parent = annotation_at(loc[:-1])
-    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    field = _field_at(loc)
     return field is None or field.is_required()
 
 
@@ -258,8 +263,7 @@ def _type_hint(value: Any) -> str:
 
 
 def _missing(loc: Loc) -> str:
-    parent = annotation_at(loc[:-1])
-    field = parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
+    field = _field_at(loc)
     about = f"; {field.description}" if field is not None and field.description else ""
     target = annotation_at(loc)
     if isinstance(target, type) and issubclass(target, BaseModel):
