@@ -29,7 +29,7 @@ from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.ending import Spooled
-    from runner.launch.failures import HangReports, JobContext
+    from runner.launch.failures import HangReports
     from runner.launch.handoff import Handoff
     from runner.launch.worker import WorkerArgs, WorkerResult
     from runner.plan import Plan
@@ -200,7 +200,7 @@ def _run_to_the_end(
     """
     from runner.launch.elastic import is_signal, spec_error_of_child
     from runner.launch.ending import end_run_or_spool
-    from runner.launch.failures import JobContext, oom_kill_count
+    from runner.launch.failures import JobContext, describe_failure, oom_kill_count
     from runner.tracking import runs as tracking
 
     loaded = plan.loaded
@@ -237,7 +237,7 @@ def _run_to_the_end(
             # made for it is removed so that no stray run is left behind.
             status = "DELETE"
             raise relocate_issues(bad_spec, loaded) from None
-        error = _describe_failure(exc, JobContext(loaded.spec.parallel.timeout_s, oom_before, hangs))
+        error = describe_failure(exc, JobContext(loaded.spec.parallel.timeout_s, oom_before, hangs))
         raise TrainingError(error) from None
     finally:
         owned, uri = args.run_id, plan.tracking_uri
@@ -298,10 +298,3 @@ def _launch(
     if result is None:  # torch's @record turns a worker's sys.exit(0) into None
         raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
     return [result]
-
-
-def _describe_failure(exc: BaseException, context: JobContext) -> str:
-    """A readable message for a failed job: the root rank's error, or the signal or exit code that ended it."""
-    from runner.launch.failures import describe_failure
-
-    return describe_failure(exc, context)

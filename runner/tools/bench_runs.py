@@ -21,12 +21,11 @@ class Parent(NamedTuple):
 def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -> Parent | None:
     """Create the parent run (``None`` when tracking is off)."""
     from runner.tracking.runs import start_run
-    from runner.tracking.uri import check_reachable, resolve_tracking_uri
+    from runner.tracking.uri import resolve_tracking_uri
 
     if not base.spec.tracking.enabled:
         return None
-    uri = resolve_tracking_uri(base.spec)
-    check_reachable(uri)
+    uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.store.open_store)
     description = {
         "mode": "bench",
         "bench": {"configurations": config_ids, "steps": report.steps, "warmup": report.warmup},
