@@ -172,9 +172,7 @@ def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
     from runner.tracking.spool import send_spool, spool_path
 
     folder = tags.get("runner.checkpoint_dir")
-    if not folder or not spool_path(folder).is_file():
-        return None
-    return send_spool(uri, run_id, spool_path(folder))
+    return send_spool(uri, run_id, spool_path(folder)) if folder else None
 
 
 def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:

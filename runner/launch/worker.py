@@ -196,9 +196,9 @@ def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str
     from runner.tracking.spool import send_spool, spool_path
 
     path = spool_path(folder)
-    if not path.is_file():
-        return []
     sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
+    if sent is None:
+        return []
     return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
 
 

@@ -144,13 +144,15 @@ class Sent:
     ended: str | None = None
 
 
-def send_spool(uri: str, run_id: str, path: Path, *, before_seq: int | None = None, apply_end: bool = True) -> Sent:
-    """Send what a spool holds to the run, then remove the file.
+def send_spool(
+    uri: str, run_id: str, path: Path, *, before_seq: int | None = None, apply_end: bool = True
+) -> Sent | None:
+    """Send what a spool holds to the run, then remove the file; ``None`` when there is no spool file.
 
     Args:
         uri: Tracking URI of the run.
         run_id: The run.
-        path: Its spool file (nothing happens when there is none).
+        path: Its spool file.
         before_seq: Resume: send only values recorded before the checkpoint (``seq < before_seq``); the
             others are computed again after it.
         apply_end: Set the recorded final status (``runner status``); a resume continues the run instead.
@@ -163,9 +165,9 @@ def send_spool(uri: str, run_id: str, path: Path, *, before_seq: int | None = No
 
     from runner.tracking.runs import end_run, last_logged_steps
 
-    contents, _ = read(path)
     if not path.is_file():
-        return Sent()
+        return None
+    contents, _ = read(path)
     try:
         last = last_logged_steps(uri, run_id)
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
