@@ -60,10 +60,7 @@ def summarize(
     result.data_wait_s = waits
     result.timed_samples = samples
     result.samples_per_s = throughput(samples, times)
-    result.step_time_median_s = median(times)
-    result.step_time_p90_s = percentile(times, 90)
-    total = sum(times)
-    result.data_wait_fraction = sum(waits) / total if total > 0 else None
+    _step_figures(result, times, waits)
     on_cuda = any(str(w.device).startswith("cuda") for w in workers)
     if on_cuda and result.mode != "ddp" and cuda_peaks:
         result.peak_memory_bytes = [int(b) for b in cuda_peaks]
@@ -112,10 +109,7 @@ def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
     result.repeats = len(repeats)
     result.repeat_samples_per_s = rates
     result.samples_per_s = median(rates)
-    result.step_time_median_s = median(times)
-    result.step_time_p90_s = percentile(times, 90)
-    total = sum(times)
-    result.data_wait_fraction = sum(waits) / total if total > 0 else None
+    _step_figures(result, times, waits)
     width = max(len(r.peak_memory_bytes) for r in repeats)
     result.peak_memory_bytes = [
         max(r.peak_memory_bytes[i] for r in repeats if i < len(r.peak_memory_bytes)) for i in range(width)
@@ -123,3 +117,11 @@ def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
     result.spread, result.tail = spread(rates), tail(times)
     result.steady = steady(result.spread, result.tail)
     result.noise = noise(result.spread, result.tail)
+
+
+def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[float]) -> None:
+    """Median and p90 step time (seconds) and the fraction of step time spent waiting for data."""
+    result.step_time_median_s = median(times)
+    result.step_time_p90_s = percentile(times, 90)
+    total = sum(times)
+    result.data_wait_fraction = sum(waits) / total if total > 0 else None

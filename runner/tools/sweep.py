@@ -288,20 +288,22 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
     Raises:
         Interrupted: SIGINT/SIGTERM (the running trials were enqueued again).
     """
+
+    def settle(status: str, error: str) -> None:
+        report.trials = study.results()
+        if not study.counts().get("RUNNING", 0):
+            store.end_quietly(report.parent_run_id, status, error, report)
+
     try:
         with sigterm_interrupts():
             run()
     except (Interrupted, KeyboardInterrupt) as exc:
-        report.trials = study.results()
-        if not study.counts().get("RUNNING", 0):
-            store.end_quietly(report.parent_run_id, "KILLED", "the sweep was interrupted", report)
+        settle("KILLED", "the sweep was interrupted")
         raise Interrupted(getattr(exc, "signum", 2)) from None
     except BaseException:
         import traceback
 
-        report.trials = study.results()
-        if not study.counts().get("RUNNING", 0):
-            store.end_quietly(report.parent_run_id, "FAILED", traceback.format_exc(), report)
+        settle("FAILED", traceback.format_exc())
         raise
 
 
