@@ -221,7 +221,8 @@ def _run_trials(
         configs = _worker_configs(study, store, setup, base, plans, jobs, Path(tmp))
 
         def dead(number: int, error: str) -> None:
-            study.fail_dead(number, error)
+            if not study.fail_dead(number, error):
+                return  # the trial finished before its process died: its run and result stand
             run_id = store.trial_run(study.parent_run_id, number)
             if run_id is not None:
                 from runner.tracking.runs import end_run

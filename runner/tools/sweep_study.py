@@ -254,13 +254,22 @@ class SweepStudy:
             if result.status == "KILLED":
                 RetryHeartbeatStaleTrialCallback()(self.study, frozen)
 
-    def fail_dead(self, number: int, error: str) -> None:
-        """Fail trial ``number`` whose worker process died (it is not run again)."""
+    def fail_dead(self, number: int, error: str) -> bool:
+        """Fail trial ``number`` whose worker process died (it is not run again).
+
+        Returns:
+            False when the trial had already finished (its worker died after recording the result, which
+            stands), True when it was failed here.
+        """
         from optuna.trial import TrialState
 
+        trial_id = self.trial_id(number)
+        if self.storage.get_trial(trial_id).state.is_finished():
+            return False
         dead = TrialResult(number, {}, None, "FAILED", None, error)
-        self.storage.set_trial_user_attr(self.trial_id(number), ATTR_RESULT, _recorded(dead))
+        self.storage.set_trial_user_attr(trial_id, ATTR_RESULT, _recorded(dead))
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        return True
 
     def fail_stale(self) -> None:
         """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again."""

@@ -592,3 +592,20 @@ def test_every_enqueued_grid_point_can_be_told_down_to_the_last(grid: list[str])
         study.tell(trial, 0.5)  # the last point raised KeyError: 'grid_id' in GridSampler.after_trial
     assert told == [dict(p) for p in definition.grid_points()]
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * len(told)
+
+
+def test_a_worker_that_dies_after_its_trial_finished_leaves_the_result_standing(tmp_path) -> None:
+    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_study import SweepStudy
+
+    definition = build_definition(None, grid=["seed=0,1"])
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    done, running = study.next_trial(), study.next_trial()
+    assert done is not None and running is not None
+    study.tell(done, TrialResult(done.number, {"seed": 0}, "r0", "FINISHED", 0.5))
+    # the process exits non-zero after the result was recorded: it raised UpdateFinishedTrialError here
+    assert study.fail_dead(done.number, "the sweep worker process exited with status 1") is False
+    assert study.fail_dead(running.number, "the sweep worker process exited with status 9") is True
+    assert [t.state.name for t in study.study.trials] == ["COMPLETE", "FAIL"]
+    assert study.study.trials[0].value == 0.5
