@@ -10,6 +10,7 @@ are imported inside functions, never when this module is imported.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -98,12 +99,16 @@ def experiment_artifact_location(uri: str, name: str) -> str | None:
     folder when the experiment is created, so runs of one store would spread their files over
     every folder they were started from. ``mlflow server`` keeps them in ``./mlartifacts`` beside
     its database (its default ``--default-artifact-root``); runner does the same. Servers and other
-    stores keep their own artifact root (``None``). See docs/design.md §6.
+    stores keep their own artifact root (``None``). The folder is the name itself when it is a safe
+    file name, else the cleaned name and 8 hex digits of the name's SHA-256 (``a b`` ->
+    ``a_b-c8687a08``), so names that clean alike (``a b``, ``a_b``) keep apart. See docs/design.md §6.
     """
     path = sqlite_path(uri)
     if path is None:
         return None
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "experiment"
+    if safe != name:
+        safe += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
     return (path.parent / "mlartifacts" / safe).as_uri()
 
 

@@ -203,8 +203,16 @@ def test_artifacts_lie_beside_the_sqlite_store_not_in_the_current_folder(tmp_pat
     expected = tmp_path / "mlartifacts" / "exp-demo"
     assert client.get_experiment(handle.experiment_id).artifact_location == expected.as_uri()
     assert (expected / handle.run_id / "artifacts" / "spec" / "demo.toml").is_file()
-    assert tracking.experiment_artifact_location(uri, "a b/../c") == (tmp_path / "mlartifacts" / "a_b_.._c").as_uri()
     assert tracking.experiment_artifact_location("http://127.0.0.1:5000", "x") is None
+
+
+def test_names_that_clean_alike_get_folders_of_their_own(tmp_path, uri):
+    """``a b`` and ``a_b`` would both clean to ``a_b``: a cleaned name carries a hash of the name."""
+    where = {n: tracking.experiment_artifact_location(uri, n) for n in ("a b", "a_b", "a/b", "a b/../c")}
+    assert len(set(where.values())) == len(where)
+    assert where["a_b"] == (tmp_path / "mlartifacts" / "a_b").as_uri()  # a safe name is its own folder
+    assert where["a b"] == (tmp_path / "mlartifacts" / "a_b-c8687a08").as_uri()
+    assert where["a b/../c"] == (tmp_path / "mlartifacts" / "a_b_.._c-0e3f70c6").as_uri()
 
 
 def test_existing_experiment_keeps_its_artifact_location(tmp_path, uri, client):
