@@ -95,7 +95,9 @@ def _add_exec(sub: _Commands) -> None:
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
     _spec_args(p)
     _unset_arg(p)
-    p.add_argument("--run-name", metavar="NAME", help="MLflow run name (default: spec name, mode, changed values)")
+    p.add_argument(
+        "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: spec name, mode, changed values)"
+    )
     p.add_argument(
         "--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint ('last': newest run)"
     )
@@ -120,7 +122,9 @@ def _add_stored_run_commands(sub: _Commands) -> None:
     p = sub.add_parser("reproduce", help="start a new run from the resolved spec stored in a run")
     p.add_argument("run_id", metavar="RUN_ID")
     _tracking_uri_arg(p)
-    p.add_argument("--run-name", metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')")
+    p.add_argument(
+        "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
+    )
     p.set_defaults(func=_reproduce)
 
     p = sub.add_parser("diff", help="compare two runs or spec files: spec keys, git commits, environment")
@@ -145,6 +149,7 @@ def _add_sweep(sub: _Commands) -> None:
         "sweep", help="search many trials of one spec with Optuna (grid, random, tpe), as child runs of one MLflow run"
     )
     _spec_args(p)
+    _unset_arg(p)
     p.add_argument(
         "--grid",
         action="append",
@@ -178,6 +183,7 @@ def _add_bench(sub: _Commands) -> None:
     """``runner bench FILE``: none / dp / ddp measured side by side."""
     p = sub.add_parser("bench", help="measure none / dp / ddp side by side on this machine")
     _spec_args(p)
+    _unset_arg(p)
     p.add_argument(
         "--modes", default="none,dp,ddp", metavar="M1,M2", help="parallel modes to compare (default none,dp,ddp)"
     )
@@ -226,6 +232,13 @@ def _unset_arg(p: argparse.ArgumentParser) -> None:
         help="remove dotted KEY from the spec so its default applies, e.g. --unset devices.ids (repeatable; "
         "applied before --set)",
     )
+
+
+def _run_name(text: str) -> str:
+    """``--run-name``: refused when empty, as ``tracking.run_name = ""`` is (leave the flag out for the default)."""
+    if not text:
+        raise argparse.ArgumentTypeError(f"{text!r}: a run name is not empty; leave the flag out for the default name")
+    return text
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -330,7 +343,7 @@ def _sweep(args: argparse.Namespace) -> int:
         goal=args.mode,
         pruner=args.pruner,
     )
-    report = run_sweep(args.file, _overrides(args), cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
+    report = run_sweep(args.file, _overrides(args), args.unset, cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
     failed = print_report(report, as_json=args.json, failure=f"{report.failed} of {len(report.trials)} trials failed")
     return TrainingError.exit_code if failed else EXIT_OK
 
@@ -342,6 +355,7 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(
         args.file,
         _overrides(args),
+        args.unset,
         modes=_csv(args.modes, str),
         nprocs=_csv(args.nproc, int),
         steps=args.steps,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
+from runner.errors import UsageError
 
 REPO = Path(__file__).parents[1]
 EXPERIMENTS = sorted((REPO / "experiments").glob("**/*.toml"))
@@ -46,6 +47,43 @@ def test_validate_imports_neither_torch_nor_mlflow() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("command", ["exec", "reproduce"])
+def test_an_empty_run_name_exits_2_as_the_key_does(command: str, capsys) -> None:
+    """``--run-name ""`` used to fall back to the default name, while ``tracking.run_name = ""`` is refused."""
+    target = str(EXPERIMENTS[0]) if command == "exec" else "0123abcd"
+    assert main([command, target, "--run-name", ""]) == 2
+    assert "--run-name: '': a run name is not empty" in capsys.readouterr().err
+
+
+def test_sweep_takes_unset_as_exec_does(tmp_path: Path, capsys) -> None:
+    """``--unset tracking.enabled`` lifts the spec's ``false``: the sweep gets as far as its bad trial value."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        'name = "s"\n[model]\nname = "mlp"\n[data]\ndataset = "synthetic"\nbatch_size = 8\n'
+        "[optim]\nlr = 0.1\n[tracking]\nenabled = false\n"
+    )
+    argv = ["sweep", str(spec), "--grid", "optim.lr=0.1,-1"]
+    assert main(argv) == 2
+    assert "tracking.enabled = true" in capsys.readouterr().err
+    assert main([*argv, "--unset", "tracking.enabled"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr" in err and "tracking.enabled" not in err
+
+
+def test_bench_takes_unset_as_exec_does(tmp_path: Path, capsys, monkeypatch) -> None:
+    import runner.spec.loading
+
+    seen = []
+
+    def load_spec(path, overrides=(), unset=()):
+        seen.append((list(overrides), list(unset)))
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(runner.spec.loading, "load_spec", load_spec)
+    assert main(["bench", "spec.toml", "--unset", "devices.ids", "--set", "seed=1"]) == 2
+    assert seen == [(["seed=1"], ["devices.ids"])]
 
 
 def test_plan_of_dp_spec_on_a_cpu_machine_explains_and_exits_2(capsys, monkeypatch) -> None:

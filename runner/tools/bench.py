@@ -126,6 +126,7 @@ def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup:
 def run_bench(
     path: str | Path,
     overrides: Sequence[str] = (),
+    unset: Sequence[str] = (),
     *,
     modes: Sequence[str] = MODES,
     nprocs: Sequence[int] = (1, 2),
@@ -139,6 +140,7 @@ def run_bench(
     Args:
         path: The spec file.
         overrides: ``--set`` overrides, applied to every configuration.
+        unset: ``--unset`` keys removed from the spec before ``overrides``, as for ``runner exec``.
         modes: Parallel modes to compare (``none``, ``dp``, ``ddp``).
         nprocs: dp device counts and ddp process counts (see :func:`configurations`).
         steps: Timed optimizer steps per repeat (>= 1).
@@ -169,7 +171,7 @@ def run_bench(
         raise UsageError(
             "runner bench starts its own workers: run it directly, not under torchrun or a scheduler's launcher"
         )
-    base = load_spec(path, overrides)
+    base = load_spec(path, overrides, unset)
     configs = [_prepare(base, mode, n, steps, warmup) for mode, n in pairs]
     runnable = [c for c in configs if c.loaded is not None]
     pool = _pool_for(runnable)

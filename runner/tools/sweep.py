@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 def run_sweep(
     path: str | Path,
     overrides: Sequence[str] = (),
+    unset: Sequence[str] = (),
     *,
     cli: CommandLine | None = None,
     jobs: int = 1,
@@ -70,6 +71,7 @@ def run_sweep(
     Args:
         path: The spec file; its ``[sweep]`` table (if any) is the default definition.
         overrides: ``--set`` strings applied to every trial before the trial's own values.
+        unset: ``--unset`` keys removed from the spec before ``overrides``, as for ``runner exec``.
         cli: The sweep's command-line flags (``--grid``, ``--random``, ``--method``, ``--trials``, ...);
             ``None``: the spec's ``[sweep]`` alone.
         jobs: Trials running at once in this worker (>= 1); more than one runs them in warm
@@ -101,7 +103,7 @@ def run_sweep(
     say = log or _stderr
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: give at least 1")
-    base = load_spec(path, list(overrides))
+    base = load_spec(path, list(overrides), unset)
     if not base.spec.tracking.enabled:
         raise UsageError(f"{base.path}: a sweep records its trials in MLflow; set tracking.enabled = true")
     lines = locate_keys(base.source_text)
@@ -110,7 +112,7 @@ def run_sweep(
     flags = cli or CommandLine()
     in_file, on_cli = swept_in_file(base, flags.grid, flags.random), swept_on_cli(flags.grid, flags.random)
     checks = trials_to_check(definition)
-    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli)]
+    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli, unset=base.unset)]
     store = SweepStore.for_spec(base.spec)
     store.check()
     opened, report = _open_study(base, definition, store, storage, study, lines)
@@ -121,7 +123,7 @@ def run_sweep(
         f"({done} done), {definition.method}, pruner {definition.pruner}, {definition.metric} ({definition.goal})"
     )
     progress = Progress(say, definition.trials, definition.metric, done)
-    setup = TrialSetup(base.path, base.overrides, environ)
+    setup = TrialSetup(base.path, base.overrides, environ, unset=base.unset)
     run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
     _run_to_the_end(report, opened, store, run)
     report.trials = opened.results(since=started)
@@ -279,7 +281,7 @@ def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]
     from runner.plan import make_plan
     from runner.spec.loading import load_spec
 
-    loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *extra]))
+    loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *extra], setup.unset))
     return dict(make_plan(loaded, env=setup.environ).devices.env)
 
 

@@ -34,12 +34,14 @@ class TrialSetup:
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
         environ: The environment trials are planned against (:func:`runner.tools.sweep_trials.trial_environ`).
         extra: ``--set`` strings after the trial's values (a warm worker's GPU: ``devices.ids=[k]``).
+        unset: ``--unset`` keys, removed before any ``--set``.
     """
 
     path: Path
     overrides: tuple[str, ...]
     environ: Mapping[str, str]
     extra: tuple[str, ...] = ()
+    unset: tuple[str, ...] = ()
 
 
 def work(
@@ -128,7 +130,7 @@ def _execute(
     from runner.tools.sweep_prune import OptunaPruning
 
     definition = study.definition
-    loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra]))
+    loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra], setup.unset))
     pruning = None
     if definition.pruner != "none":
         pruning = OptunaPruning(study.url, study.name, trial.number, definition.to_json(), trial)

@@ -74,6 +74,7 @@ class SweepStore:
             "runner.sweep.study": study,
             "runner.sweep.storage": storage,
             "runner.sweep.overrides": json.dumps(list(overrides)),
+            "runner.sweep.unset": json.dumps(list(base.unset)),
             "runner.spec.path": str(base.path),
             "runner.spec.sha256": base.sha256,
             **source_tags(str(base.path)),
@@ -93,6 +94,7 @@ class SweepStore:
         sweep_json = {
             "spec": str(base.path),
             "overrides": list(overrides),
+            "unset": list(base.unset),
             "study": study,
             "storage": storage,
             "definition": definition.to_json(),

@@ -87,6 +87,8 @@ def prepare_trials(
     environ: Mapping[str, str] | None = None,
     in_file: Mapping[str, int | None] | None = None,
     on_cli: Mapping[str, str] | None = None,
+    *,
+    unset: Sequence[str] = (),
 ) -> list[tuple[LoadedSpec, Plan]]:
     """Load, validate and plan every trial before any runs; collect every problem.
 
@@ -99,6 +101,7 @@ def prepare_trials(
             :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
         on_cli: Swept keys given by ``--grid`` or ``--random`` (see :func:`swept_on_cli`), with the
             entry as typed: a problem with their value names that entry, not ``--set``.
+        unset: ``--unset`` keys, removed before any ``--set``.
 
     Returns:
         ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
@@ -121,7 +124,7 @@ def prepare_trials(
     out = []
     for trial in trials:
         try:
-            loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()]))
+            loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()], unset))
         except SpecError as exc:
             issues += [(where.place(issue, trial), _label(trial)) for issue in exc.issues]
             continue
