@@ -118,6 +118,8 @@ def fit(
             if parts.epoch_end is not None and parts.epoch_end(state.epoch - 1, report.result.history[-1][1]):
                 report.result.stopped_after_epoch = state.epoch - 1
                 break
+        if report.result.step_times_s and state.global_step % train_spec.log_every_n_steps:
+            tally.window = _log_window(parts, state, tally, report)  # the last step, when its log was not due
     finally:
         progress.close()
     return report.result
@@ -280,7 +282,11 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]
 
 
 def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> RunningSums:
-    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log; return fresh sums."""
+    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log; return fresh sums.
+
+    Called every ``log_every_n_steps`` steps and after the run's last step (when that log was not due), so
+    every run logs ``train/loss`` at its last step, also one shorter than ``log_every_n_steps``.
+    """
     loss_mean, bad = tally.window.reduce(parts.strategy)
     tally.guard.check(bad, parts.strategy, f"the train/loss log of step {state.global_step}")
     metrics = {"train/loss": loss_mean, "lr": parts.optimizer.param_groups[0]["lr"]}

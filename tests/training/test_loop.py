@@ -142,8 +142,8 @@ def test_fit_logs_step_and_epoch_metrics_and_the_loss_falls() -> None:
     tracker = RecordingTracker()
     result = fit(make_parts(spec, tracker), spec.train)
 
-    # train/loss, lr and train/step_accuracy every log_every_n_steps = 2 optimizer steps...
-    assert tracker.steps_of("train/loss") == [2, 4, 6, 8, 10, 12, 14]
+    # train/loss, lr and train/step_accuracy every log_every_n_steps = 2 optimizer steps and at the last...
+    assert tracker.steps_of("train/loss") == [2, 4, 6, 8, 10, 12, 14, 15]
     # ...and the epoch metrics, with evaluation, at the last step of every epoch.
     assert tracker.steps_of("train/epoch_loss") == [5, 10, 15]
     names = {frozenset(metrics) for _, metrics in tracker.calls}
@@ -152,7 +152,7 @@ def test_fit_logs_step_and_epoch_metrics_and_the_loss_falls() -> None:
         frozenset({"train/epoch_loss", "train/accuracy", "epoch", *TIMING, "val/loss", "val/accuracy"}),
     }
     assert tracker.values_of("epoch") == [0.0, 1.0, 2.0]
-    assert tracker.values_of("lr") == [0.1] * 7
+    assert tracker.values_of("lr") == [0.1] * 8
     assert all(v > 0 for v in tracker.values_of("samples_per_s"))
     assert all(0.0 <= v <= 1.0 for v in tracker.values_of("val/accuracy"))
 
@@ -173,9 +173,25 @@ def test_max_steps_ends_mid_epoch_and_still_evaluates() -> None:
     spec = make_spec(max_steps=7)
     tracker = RecordingTracker()
     result = fit(make_parts(spec, tracker), spec.train)
-    assert tracker.steps_of("train/loss") == [2, 4, 6]
+    assert tracker.steps_of("train/loss") == [2, 4, 6, 7]
     assert tracker.steps_of("train/epoch_loss") == [5, 7] and tracker.steps_of("val/loss") == [5, 7]
     assert (result.state.epoch, result.state.global_step, result.state.batch_in_epoch) == (1, 7, 2)
+
+
+def test_a_run_shorter_than_log_every_n_steps_logs_train_loss_and_lr_at_its_last_step() -> None:
+    """3 steps with ``log_every_n_steps = 5`` used to log no ``train/loss`` at all."""
+    spec = make_spec(max_steps=3, log_every_n_steps=5)
+    tracker = RecordingTracker()
+    fit(make_parts(spec, tracker), spec.train)
+    assert tracker.steps_of("train/loss") == tracker.steps_of("lr") == [3]
+    assert math.isfinite(tracker.values_of("train/loss")[0]) and tracker.values_of("lr") == [0.1]
+
+
+def test_a_last_step_already_logged_is_not_logged_twice() -> None:
+    spec = make_spec(max_steps=4)
+    tracker = RecordingTracker()
+    fit(make_parts(spec, tracker), spec.train)
+    assert tracker.steps_of("train/loss") == [2, 4]
 
 
 def test_checkpoints_at_step_and_epoch_boundaries_carry_the_running_sums() -> None:
