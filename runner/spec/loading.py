@@ -98,7 +98,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
         apply_unset(tree, key, issues)
     for override in overrides:
         apply_override(tree, override, issues)
-    spec = _validate(tree.data, lambda loc: _origin_of(tree.provenance, loc, shown), issues)
+    where = lambda loc: _origin_of(tree.provenance, loc, shown)  # noqa: E731
+    spec = _validate(tree.data, where, issues, {"spec_dir": absolute.parent})
     if issues or spec is None:
         raise SpecError(issues)
     return LoadedSpec(
@@ -219,10 +220,15 @@ def _line_in(lines: dict[Loc, int], key: str) -> int | None:
     return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
 
 
-def _validate(data: dict[str, Any], where: Callable[[Loc], Origin], issues: list[SpecIssue]) -> ExperimentSpec | None:
-    """Validate ``data``; add one located issue per problem and return None on failure."""
+def _validate(
+    data: dict[str, Any], where: Callable[[Loc], Origin], issues: list[SpecIssue], context: dict[str, Any] | None = None
+) -> ExperimentSpec | None:
+    """Validate ``data``; add one located issue per problem and return None on failure.
+
+    ``context`` ``{"spec_dir": folder}`` also checks model and dataset names (:mod:`runner.spec.names`).
+    """
     try:
-        return ExperimentSpec.model_validate(data)
+        return ExperimentSpec.model_validate(data, context=context)
     except ValidationError as exc:
         found = []
         for loc, message in explain_errors(exc.errors(include_url=False)):

@@ -6,11 +6,13 @@ built by :mod:`runner.training.data` and :mod:`runner.training.loaders`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
-from runner.spec import rules
+from runner.spec import names, rules
 from runner.spec.table import INT64_LIMIT, SpecTable
 
 TorchSize = Annotated[int, Field(lt=INT64_LIMIT)]  # a tensor dimension: torch takes a C int64
@@ -33,6 +35,11 @@ class ModelSpec(SpecTable):
     output: str | int | None = Field(
         default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, name: str, info: ValidationInfo) -> str:
+        return _known(names.model_problem, name, info)
 
 
 class DataSpec(SpecTable):
@@ -131,3 +138,22 @@ class DataSpec(SpecTable):
     )
 
     rule = rules.check_data
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, name: str, info: ValidationInfo) -> str:
+        return _known(names.dataset_problem, name, info)
+
+
+def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info: ValidationInfo) -> str:
+    """Check a model or dataset name (:mod:`runner.spec.names`) when validating a spec file.
+
+    A spec file is validated with ``context={"spec_dir": its folder}`` (:func:`runner.spec.loading.load_spec`);
+    a spec validated without one (a dict, a run's stored spec) has its names checked when built.
+    """
+    if not isinstance(info.context, dict) or "spec_dir" not in info.context:
+        return name
+    problem = problem_of(name, info.context["spec_dir"])
+    if problem is not None:
+        raise ValueError(problem)
+    return name

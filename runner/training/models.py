@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, SpecIssue
+from runner.spec.names import BUILTIN_MODELS, import_path_problem, torchvision_bare, torchvision_names, unknown_model
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
 
@@ -37,9 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from runner.spec.schema_data import ModelSpec
-
-BUILTINS = ("mlp", "cnn")
-_TV_PREFIXES = ("torchvision.models.", "torchvision.")
 
 
 def spec_issue(key: str, message: str) -> SpecError:
@@ -76,10 +74,10 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
         SpecError: If the path is malformed, the module cannot be imported, the attribute is
             missing or is not callable.
     """
+    malformed = import_path_problem(target)
+    if malformed is not None:
+        raise spec_issue(key, malformed)
     module_name, _, attr = target.partition(":")
-    parts = module_name.split(".") + attr.split(".")
-    if not module_name or not attr or not all(p.isidentifier() for p in parts):
-        raise spec_issue(key, f'{target!r} is not an import path: write "pkg.module:factory"')
     make_importable(spec_dir)
     where = f"spec folder {Path(spec_dir).resolve()}, " if spec_dir is not None else ""
     try:
@@ -109,32 +107,8 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
     return obj
 
 
-def _torchvision_names() -> list[str]:
-    from torchvision import models
-
-    return list(models.list_models())
-
-
-def _torchvision_bare(name: str) -> str | None:
-    for prefix in _TV_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return None
-
-
 def _unknown_model(name: str) -> SpecError:
-    tv = _torchvision_names()
-    choices = list(BUILTINS) + [f"torchvision.{n}" for n in tv]
-    hint = did_you_mean(name, choices, n=3)
-    if not hint:  # e.g. "resnet18" or "torchvision.resnet_18": match the bare builder name
-        bare = _torchvision_bare(name) or name.rpartition(".")[2]
-        hint = did_you_mean(bare, {n: f"torchvision.{n}" for n in tv}, n=3)
-    return spec_issue(
-        "model.name",
-        with_hint(f"unknown model {name!r}", hint) + f"; use a built-in ({', '.join(BUILTINS)}), "
-        '"torchvision.<builder>" (a name from torchvision.models.list_models(), e.g. torchvision.resnet18) '
-        'or "pkg.module:factory"',
-    )
+    return spec_issue("model.name", unknown_model(name, torchvision_names(installed=True)[0]))
 
 
 def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
@@ -149,13 +123,13 @@ def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
     Raises:
         SpecError: Unknown name (with a did-you-mean), or a factory that cannot be imported.
     """
-    if name in BUILTINS:
+    if name in BUILTIN_MODELS:
         return
     if ":" in name:
         resolve_factory(name, spec_dir, "model.name")
         return
-    bare = _torchvision_bare(name)
-    if bare is not None and bare in _torchvision_names():
+    bare = torchvision_bare(name)
+    if bare is not None and bare in torchvision_names(installed=True)[0]:
         return
     raise _unknown_model(name)
 
@@ -354,8 +328,8 @@ def _torchvision_builder(
     name: str, kwargs: dict[str, Any], classes: int | None
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """A torchvision builder with ``weights=None`` (nothing downloaded) unless the kwargs say otherwise."""
-    bare = _torchvision_bare(name)
-    if bare is None or bare not in _torchvision_names():
+    bare = torchvision_bare(name)
+    if bare is None or bare not in torchvision_names(installed=True)[0]:
         raise _unknown_model(name)
     from torchvision import models
 

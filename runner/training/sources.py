@@ -17,16 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from runner.spec.suggest import did_you_mean
-from runner.spec.wording import with_hint
+from runner.spec.names import NOT_DATASETS, torchvision_names, unknown_dataset
 from runner.training.models import resolve_factory, spec_issue
 
 if TYPE_CHECKING:
     from runner.spec.schema_data import DataSpec
 
-BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
 IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
-_NOT_DATASETS = {"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"}
 
 
 class TensorPairDataset(Dataset):
@@ -170,26 +167,8 @@ def _root(data: DataSpec, spec_dir: Path | str | None) -> Path:
     return root.resolve()
 
 
-def torchvision_dataset_names() -> list[str]:
-    """Return ``torchvision.<Name>`` for every dataset class in ``torchvision.datasets``."""
-    import torchvision.datasets as tvd
-
-    return [
-        f"torchvision.{n}" for n in tvd.__all__ if n not in _NOT_DATASETS and inspect.isclass(getattr(tvd, n, None))
-    ]
-
-
 def _unknown_dataset(name: str) -> Exception:
-    choices = list(BUILTIN_DATASETS) + torchvision_dataset_names()
-    hint = did_you_mean(name, choices, n=3)  # ignoring case, suggesting the real spelling
-    if name.lower().startswith("torchvision.") or not hint:  # compare class names, not the shared prefix
-        bare = {c.removeprefix("torchvision."): c for c in choices if c.startswith("torchvision.")}
-        hint = did_you_mean(name.lower().removeprefix("torchvision."), bare, n=3)
-    return spec_issue(
-        "data.dataset",
-        with_hint(f"unknown dataset {name!r}", hint) + f'; use {", ".join(BUILTIN_DATASETS)}, "torchvision.<Name>" '
-        '(a class of torchvision.datasets, e.g. torchvision.MNIST) or "pkg.module:factory"',
-    )
+    return spec_issue("data.dataset", unknown_dataset(name, torchvision_names(installed=True)[1]))
 
 
 def _expected_path(cls: type, root: Path) -> Path:
@@ -204,7 +183,7 @@ def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
 
     cls_name = data.dataset[len("torchvision.") :]
     cls: Any = getattr(tvd, cls_name, None)
-    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+    if cls_name in NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
         raise _unknown_dataset(data.dataset)
     root = _root(data, spec_dir)
     kwargs = dict(data.kwargs)
@@ -377,6 +356,6 @@ def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
         return tvd.ImageFolder
     cls_name = name.removeprefix("torchvision.")
     cls = getattr(tvd, cls_name, None) if name.startswith("torchvision.") else None
-    if cls_name in _NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
+    if cls_name in NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
         raise _unknown_dataset(name)
     return cls

@@ -1,0 +1,202 @@
+"""Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories.
+
+Built-in names are the tables below. torchvision's builder and dataset names come from
+:mod:`runner.spec.torchvision_names`, generated from the installed torchvision by
+``python -m runner.spec.names`` (a test checks that it matches); when another torchvision version
+is installed, a name missing from that list is looked up in torchvision itself before it is refused.
+A ``pkg.module:factory`` name is checked for a module that can be found where ``runner exec`` looks
+(the spec's folder, the working directory, installed packages) without importing it; the attribute is
+checked when the module is imported (:func:`runner.training.models.resolve_factory`).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+from pathlib import Path
+
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
+
+BUILTIN_MODELS = ("mlp", "cnn")
+BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
+NOT_DATASETS = frozenset({"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"})
+_TV_PREFIXES = ("torchvision.models.", "torchvision.")
+GENERATED = Path(__file__).with_name("torchvision_names.py")
+
+
+def torchvision_bare(name: str) -> str | None:
+    """``resnet18`` of ``torchvision.resnet18`` or ``torchvision.models.resnet18``; ``None`` for other names."""
+    for prefix in _TV_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return None
+
+
+def torchvision_names(*, installed: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """torchvision's model builder names and dataset class names, sorted.
+
+    Args:
+        installed: Ask the installed torchvision (imports torch) instead of the generated list.
+    """
+    if not installed:
+        from runner.spec import torchvision_names as generated
+
+        return generated.MODELS, generated.DATASETS
+    import inspect
+
+    import torchvision.datasets
+    import torchvision.models
+
+    datasets = (n for n in torchvision.datasets.__all__ if n not in NOT_DATASETS)
+    return (
+        tuple(sorted(torchvision.models.list_models())),
+        tuple(sorted(n for n in datasets if inspect.isclass(getattr(torchvision.datasets, n, None)))),
+    )
+
+
+def _installed_differs() -> bool:
+    """Whether the installed torchvision is not the version the generated list was made from."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from runner.spec import torchvision_names as generated
+
+    try:
+        return version("torchvision").partition("+")[0] != generated.VERSION
+    except PackageNotFoundError:
+        return False
+
+
+def _torchvision_knows(bare: str | None, models: bool) -> bool:
+    if bare is None:
+        return False
+    known = torchvision_names()[0 if models else 1]
+    if bare in known:
+        return True
+    return _installed_differs() and bare in torchvision_names(installed=True)[0 if models else 1]
+
+
+def model_problem(name: str, spec_dir: Path | None) -> str | None:
+    """What is wrong with ``model.name``, or ``None``; a factory's module is only looked for with ``spec_dir``."""
+    if name in BUILTIN_MODELS:
+        return None
+    if ":" in name:
+        return factory_problem(name, spec_dir)
+    if _torchvision_knows(torchvision_bare(name), models=True):
+        return None
+    return unknown_model(name, torchvision_names()[0])
+
+
+def dataset_problem(name: str, spec_dir: Path | None) -> str | None:
+    """What is wrong with ``data.dataset``, or ``None``; a factory's module is only looked for with ``spec_dir``."""
+    if name in BUILTIN_DATASETS:
+        return None
+    if ":" in name:
+        return factory_problem(name, spec_dir)
+    if name.startswith("torchvision.") and _torchvision_knows(name.removeprefix("torchvision."), models=False):
+        return None
+    return unknown_dataset(name, torchvision_names()[1])
+
+
+def unknown_model(name: str, models: tuple[str, ...]) -> str:
+    """The message for an unknown ``model.name``, with the closest names (``models``: torchvision's builders)."""
+    choices = list(BUILTIN_MODELS) + [f"torchvision.{n}" for n in models]
+    hint = did_you_mean(name, choices, n=3)
+    if not hint:  # e.g. "resnet18" or "torchvision.resnet_18": match the bare builder name
+        bare = torchvision_bare(name) or name.rpartition(".")[2]
+        hint = did_you_mean(bare, {n: f"torchvision.{n}" for n in models}, n=3)
+    return (
+        with_hint(f"unknown model {name!r}", hint) + f"; use a built-in ({', '.join(BUILTIN_MODELS)}), "
+        '"torchvision.<builder>" (a name from torchvision.models.list_models(), e.g. torchvision.resnet18) '
+        'or "pkg.module:factory"'
+    )
+
+
+def unknown_dataset(name: str, datasets: tuple[str, ...]) -> str:
+    """The message for an unknown ``data.dataset``, with the closest names (``datasets``: torchvision's classes)."""
+    choices = list(BUILTIN_DATASETS) + [f"torchvision.{n}" for n in datasets]
+    hint = did_you_mean(name, choices, n=3)  # ignoring case, suggesting the real spelling
+    if name.lower().startswith("torchvision.") or not hint:  # compare class names, not the shared prefix
+        hint = did_you_mean(name.lower().removeprefix("torchvision."), {n: f"torchvision.{n}" for n in datasets}, n=3)
+    return (
+        with_hint(f"unknown dataset {name!r}", hint) + f'; use {", ".join(BUILTIN_DATASETS)}, "torchvision.<Name>" '
+        '(a class of torchvision.datasets, e.g. torchvision.MNIST) or "pkg.module:factory"'
+    )
+
+
+def import_path_problem(target: str) -> str | None:
+    """Why ``target`` is not of the form ``pkg.module:attr`` (``attr`` may be dotted), or ``None``."""
+    module_name, _, attr = target.partition(":")
+    parts = module_name.split(".") + attr.split(".")
+    if not module_name or not attr or not all(p.isidentifier() for p in parts):
+        return f'{target!r} is not an import path: write "pkg.module:factory"'
+    return None
+
+
+def factory_problem(target: str, spec_dir: Path | None) -> str | None:
+    """Why ``pkg.module:factory`` cannot be imported, found without importing anything; ``None`` when it can.
+
+    The top package is looked for in ``spec_dir`` and the working directory (which ``runner exec``
+    puts first on ``sys.path``), then as an installed package; each submodule in its package's folders.
+    Without ``spec_dir`` only the form of ``target`` is checked.
+    """
+    problem = import_path_problem(target)
+    if problem is not None or spec_dir is None:
+        return problem
+    module_name = target.partition(":")[0]
+    top, *subs = module_name.split(".")
+    folders = [str(Path(spec_dir).resolve()), os.getcwd()]
+    found = importlib.machinery.PathFinder.find_spec(top, folders)
+    if found is None:
+        try:
+            found = importlib.util.find_spec(top)
+        except (ImportError, ValueError):  # a module already imported without a spec
+            found = None
+    for depth in range(len(subs)):
+        locations = found.submodule_search_locations if found is not None else None
+        if not locations:
+            break
+        found = importlib.machinery.PathFinder.find_spec(".".join([top, *subs[: depth + 1]]), list(locations))
+    if found is not None:
+        return None
+    import pkgutil
+
+    nearby = [m.name for m in pkgutil.iter_modules(folders)]
+    return (
+        with_hint(
+            f"cannot import module {module_name!r} of {target!r}: not found in the spec folder {folders[0]}, "
+            f"working directory {folders[1]} or installed packages",
+            did_you_mean(top, nearby),
+        )
+        + f" (check the spelling, or put {top} next to the spec file)"
+    )
+
+
+def write_generated(path: Path = GENERATED) -> Path:
+    """Write the torchvision name list of the installed torchvision to ``path`` (imports torch).
+
+    Returns:
+        ``path``.
+    """
+    from importlib.metadata import version
+
+    models, datasets = torchvision_names(installed=True)
+
+    def lines(names: tuple[str, ...]) -> str:
+        return "".join(f"    {n!r},\n" for n in names).replace("'", '"')
+
+    path.write_text(
+        '"""torchvision\'s model builders and dataset classes, as the installed torchvision lists them (generated).\n\n'
+        "Regenerate after installing another torchvision: ``python -m runner.spec.names``.\n"
+        '"""\n\n'
+        f'VERSION = "{version("torchvision").partition("+")[0]}"\n'
+        f"MODELS = (\n{lines(models)})\n"
+        f"DATASETS = (\n{lines(datasets)})\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(f"wrote {write_generated()}")
