@@ -343,7 +343,9 @@ def _sweep(args: argparse.Namespace) -> int:
         goal=args.mode,
         pruner=args.pruner,
     )
-    report = run_sweep(args.file, _overrides(args), args.unset, cli=flags, jobs=args.jobs, storage=args.storage, study=args.study)
+    report = run_sweep(
+        args.file, _overrides(args), args.unset, cli=flags, jobs=args.jobs, storage=args.storage, study=args.study
+    )
     failed = print_report(report, as_json=args.json, failure=f"{report.failed} of {len(report.trials)} trials failed")
     return TrainingError.exit_code if failed else EXIT_OK
 

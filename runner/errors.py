@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import ClassVar
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text, for quoting it: torch's errors from C++ carry a stack trace below it."""
+    return next((line for line in str(exc).splitlines() if line.strip()), "")
+
+
 class RunnerError(Exception):
     """Base class of every error raised on purpose by runner.
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.errors import first_line
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -61,7 +63,7 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
         return str(exc)
     failures: dict[int, Any] = getattr(exc, "failures", None) or {}
     if not failures:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {first_line(exc)}"
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, item[0]))
     error = python_error(failure)
     if error and COLLECTIVE_TIMEOUT.search(error):

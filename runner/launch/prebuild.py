@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from runner.errors import SpecError, SpecIssue
+from runner.errors import SpecError, SpecIssue, first_line
 from runner.spec.loading import relocate_issues
 from runner.spec.wording import join_or, show
 
@@ -188,9 +188,8 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
                 scheduler.step()
         except (TypeError, ValueError, ZeroDivisionError) as exc:
             name = type(scheduler).__name__
-            raise SpecError(
-                SpecIssue(None, None, "scheduler.kwargs", f"{name} fails when stepped: {type(exc).__name__}: {exc}")
-            ) from None
+            message = f"{name} fails when stepped: {type(exc).__name__}: {first_line(exc)}"
+            raise SpecError(SpecIssue(None, None, "scheduler.kwargs", message)) from None
 
 
 # ----------------------------------------------------------------------------- arguments by signature and type
@@ -219,7 +218,7 @@ def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     try:
         sig.bind_partial(*args, **kwargs)
     except TypeError as exc:
-        raise SpecError(SpecIssue(None, None, key, f"{exc}; signature: {title}")) from None
+        raise SpecError(SpecIssue(None, None, key, f"{first_line(exc)}; signature: {title}")) from None
     hints = _hints(fn)
     issues = []
     for name, value in kwargs.items():

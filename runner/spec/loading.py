@@ -8,7 +8,7 @@ this module validates and places every problem at ``FILE:LINE: dotted.key``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from runner.spec.messages import explain_errors
 from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.schema import ExperimentSpec
+from runner.spec.table import INT64_LIMIT
 
 
 @dataclass(frozen=True)
@@ -226,23 +227,47 @@ def _validate(
     """Validate ``data``; add one located issue per problem and return None on failure.
 
     ``context`` ``{"spec_dir": folder}`` also checks model and dataset names (:mod:`runner.spec.names`).
+    Every integer, also inside ``kwargs``, must fit torch's int64 (:func:`_beyond_int64`).
     """
+    overflows = dict(_beyond_int64(data))
     try:
-        return ExperimentSpec.model_validate(data, context=context)
+        spec = ExperimentSpec.model_validate(data, context=context)
+        errors = []
     except ValidationError as exc:
-        found = []
-        for loc, message in explain_errors(exc.errors(include_url=False)):
-            origin = where(loc)
-            override = origin.override
-            text = message if override is None else f"{message} (from {typed_as(override)})"
-            found.append(
-                SpecIssue(origin.file, origin.line, format_key(loc), text, option_of(override) if override else None)
-            )
-        files = [i.file for i in found if i.file is not None]
-        order = {f: i for i, f in enumerate(dict.fromkeys(files))}
-        found.sort(key=lambda i: (i.file is None, order.get(i.file, 0) if i.file else 0, i.line or 0))
-        issues.extend(found)
-        return None
+        spec, errors = None, explain_errors(exc.errors(include_url=False))
+    if not errors and not overflows:
+        return spec
+    reported = {loc for loc, _ in errors}
+    errors += [(loc, message) for loc, message in overflows.items() if loc not in reported]
+    found = []
+    for loc, message in errors:
+        origin = where(loc)
+        override = origin.override
+        text = message if override is None else f"{message} (from {typed_as(override)})"
+        found.append(
+            SpecIssue(origin.file, origin.line, format_key(loc), text, option_of(override) if override else None)
+        )
+    files = [i.file for i in found if i.file is not None]
+    order = {f: i for i, f in enumerate(dict.fromkeys(files))}
+    found.sort(key=lambda i: (i.file is None, order.get(i.file, 0) if i.file else 0, i.line or 0))
+    issues.extend(found)
+    return None
+
+
+def _beyond_int64(value: Any, loc: Loc = ()) -> Iterator[tuple[Loc, str]]:
+    """``(key path, message)`` of every integer under ``value`` outside torch's int64 (``-2**63 <= n < 2**63``).
+
+    TOML integers are 64-bit, but Python's reader and ``--set`` take any size; torch raises on a larger
+    one (an ``OverflowError``, or a ``TypeError`` carrying a C++ stack trace), maybe only mid-run.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _beyond_int64(item, (*loc, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _beyond_int64(item, (*loc, index))
+    elif isinstance(value, int) and not isinstance(value, bool) and not -INT64_LIMIT <= value < INT64_LIMIT:
+        yield loc, f"got {value}; expected a whole number from -2**63 to 2**63 - 1 (torch takes 64-bit integers)"
 
 
 def _origin_of(provenance: Provenance, loc: Loc, top: Path) -> Origin:

@@ -112,7 +112,10 @@ def run_sweep(
     flags = cli or CommandLine()
     in_file, on_cli = swept_in_file(base, flags.grid, flags.random), swept_on_cli(flags.grid, flags.random)
     checks = trials_to_check(definition)
-    plans = [plan for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli, unset=base.unset)]
+    plans = [
+        plan
+        for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli, unset=base.unset)
+    ]
     store = SweepStore.for_spec(base.spec)
     store.check()
     opened, report = _open_study(base, definition, store, storage, study, lines)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils.data import Dataset, Subset
 
+from runner.errors import first_line
 from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset, load_source, source_text
 from runner.training.splits import data_settings, file_list, part_digest, sha256_of_members, split_indices
@@ -113,7 +114,7 @@ def _first_sample(
     try:
         sample = ds[0]
     except ValueError as exc:  # e.g. a channel conversion that cannot work
-        raise spec_issue("data.num_channels", f"{name}: {exc}") from None
+        raise spec_issue("data.num_channels", f"{name}: {first_line(exc)}") from None
     if isinstance(sample, dict):
         keys = tuple(str(k) for k in sample)
         if target is not None and target not in sample:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from runner.errors import TrainingError
+from runner.errors import TrainingError, first_line
 from runner.training.models import resolve_factory, spec_issue
 
 if TYPE_CHECKING:
@@ -135,14 +135,15 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
         try:
             return BuiltinLoss(name, cls(reduction="sum", **kwargs))
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise spec_issue("loss.kwargs", f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {exc}") from None
+            message = f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {first_line(exc)}"
+            raise spec_issue("loss.kwargs", message) from None
     function = resolve_factory(name, spec_dir, "loss.name")
     try:
         inspect.signature(function).bind(None, None, **kwargs)
     except TypeError as exc:
         raise spec_issue(
             "loss.kwargs",
-            f"{name!r} cannot be called as function(prediction, target, **loss.kwargs): {exc}; "
+            f"{name!r} cannot be called as function(prediction, target, **loss.kwargs): {first_line(exc)}; "
             f"signature: {getattr(function, '__name__', 'function')}{inspect.signature(function)}",
         ) from None
     except ValueError:  # no signature (a builtin or C function): the call will tell
@@ -187,4 +188,4 @@ def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
         loss.criterion(prediction, target)
     except (TypeError, ValueError, RuntimeError) as exc:
         cls = type(loss.criterion).__name__
-        raise spec_issue("loss.kwargs", f"{loss.name} ({cls}) rejected {kwargs}: {exc}") from None
+        raise spec_issue("loss.kwargs", f"{loss.name} ({cls}) rejected {kwargs}: {first_line(exc)}") from None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.errors import TrainingError
+from runner.errors import TrainingError, first_line
 from runner.spec.objectives import CLASSIFICATION_LOSSES, logged_name, metric_args, metric_name
 from runner.training.models import resolve_factory, spec_issue
 
@@ -100,7 +100,7 @@ class MetricSet:
             except (RuntimeError, ValueError, TypeError) as exc:
                 raise TrainingError(
                     f"{recipe.key}: {recipe.name} could not take a prediction of shape {list(pred.shape)} and a "
-                    f"target of shape {list(target.shape)} ({type(exc).__name__}: {exc})"
+                    f"target of shape {list(target.shape)} ({type(exc).__name__}: {first_line(exc)})"
                 ) from None
 
     def compute(self) -> dict[str, float]:
@@ -271,6 +271,6 @@ def _try(recipe: MetricRecipe, name: str) -> None:
     try:
         made = recipe.make()
     except (TypeError, ValueError) as exc:
-        raise spec_issue(recipe.key, f"{name} rejected its arguments: {exc}") from None
+        raise spec_issue(recipe.key, f"{name} rejected its arguments: {first_line(exc)}") from None
     if not isinstance(made, Metric):
         raise spec_issue(recipe.key, f"{name!r} returned a {type(made).__name__}, not a torchmetrics.Metric")

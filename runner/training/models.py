@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue
+from runner.errors import SpecError, SpecIssue, first_line
 from runner.spec.names import BUILTIN_MODELS, import_path_problem, torchvision_bare, torchvision_names, unknown_model
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
@@ -354,5 +354,5 @@ def _bad_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any], 
     given = ", ".join(f"{k} = {v!r}" for k, v in kwargs.items()) or "none"
     return spec_issue(
         "model.kwargs",
-        f"{name!r} rejected the kwargs ({given}): {exc}; signature: {_signature(builder)}",
+        f"{name!r} rejected the kwargs ({given}): {first_line(exc)}; signature: {_signature(builder)}",
     )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from runner.errors import SpecError, SpecIssue
+from runner.errors import SpecError, SpecIssue, first_line
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -94,6 +94,6 @@ def _construct(cls: Callable[..., _Built], key: str, first: object, **kwargs: An
         return cls(first, **kwargs)
     except TypeError as exc:
         sig = inspect.signature(cls.__init__)
-        raise SpecError(SpecIssue(None, None, key, f"{exc}; {cls.__name__} takes {sig}")) from None
+        raise SpecError(SpecIssue(None, None, key, f"{first_line(exc)}; {cls.__name__} takes {sig}")) from None
     except ValueError as exc:
-        raise SpecError(SpecIssue(None, None, key, f"{cls.__name__}: {exc}")) from None
+        raise SpecError(SpecIssue(None, None, key, f"{cls.__name__}: {first_line(exc)}")) from None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from runner.errors import first_line
 from runner.spec.names import NOT_DATASETS, torchvision_names, unknown_dataset
 from runner.training.models import resolve_factory, spec_issue
 
@@ -201,7 +202,8 @@ def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
     except TypeError as exc:
         raise spec_issue(
             "data.kwargs",
-            f"{data.dataset} rejected kwargs {data.kwargs}: {exc}; signature: {cls_name}{inspect.signature(cls)}",
+            f"{data.dataset} rejected kwargs {data.kwargs}: {first_line(exc)}; "
+            f"signature: {cls_name}{inspect.signature(cls)}",
         ) from None
     except (RuntimeError, OSError) as exc:
         expected = _expected_path(cls, root)
@@ -235,7 +237,7 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
         try:
             return ImageFolder(str(folder), transform=transform, target_transform=to_long, **data.kwargs)
         except TypeError as exc:
-            raise spec_issue("data.kwargs", f"imagefolder rejected kwargs {data.kwargs}: {exc}") from None
+            raise spec_issue("data.kwargs", f"imagefolder rejected kwargs {data.kwargs}: {first_line(exc)}") from None
         except (FileNotFoundError, OSError) as exc:
             raise spec_issue("data.root", f"imagefolder cannot read {folder}: {exc}") from None
 
@@ -258,7 +260,8 @@ def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Data
         result = factory(**data.kwargs)
     except TypeError as exc:
         raise spec_issue(
-            "data.kwargs", f"{data.dataset!r} rejected kwargs {data.kwargs}: {exc}; signature: {_sig(factory)}"
+            "data.kwargs",
+            f"{data.dataset!r} rejected kwargs {data.kwargs}: {first_line(exc)}; signature: {_sig(factory)}",
         ) from None
     if isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result

@@ -73,3 +73,89 @@ def test_a_huge_seed_on_the_command_line_exits_2(tmp_path: Path, capsys) -> None
     assert main(["exec", str(path), "--set", f"seed={HUGE}"]) == 2
     assert f"seed: got {HUGE}; expected a value >= 0 and < 9223372036854775808 (2**63)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+INT64_MESSAGE = "expected a whole number from -2**63 to 2**63 - 1 (torch takes 64-bit integers)"
+KWARGS_OVERFLOW = f"""name = "x"
+seed = 0
+
+[model]
+name = "mlp"
+kwargs = {{ num_classes = {2**63} }}
+
+[data]
+dataset = "synthetic"
+batch_size = 8
+kwargs = {{ n = [1, {-(2**63) - 1}] }}
+
+[optim]
+name = "sgd"
+lr = 0.1
+kwargs = {{ dampening = {HUGE} }}
+
+[scheduler]
+name = "step"
+kwargs = {{ step_size = {2**63} }}
+
+[loss]
+name = "cross_entropy"
+kwargs = {{ ignore_index = {2**64} }}
+
+[parallel]
+dim = {2**63}
+"""
+
+
+def test_integers_inside_kwargs_and_parallel_dim_are_bounded_by_int64(tmp_path: Path, capsys) -> None:
+    """They had no bound: a FAILED run, or a message with a C++ stack trace in it."""
+    path = tmp_path / "s.toml"
+    path.write_text(KWARGS_OVERFLOW)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    for line, key, value in [
+        (6, "model.kwargs.num_classes", 2**63),
+        (11, "data.kwargs.n[1]", -(2**63) - 1),
+        (16, "optim.kwargs.dampening", HUGE),
+        (20, "scheduler.kwargs.step_size", 2**63),
+        (24, "loss.kwargs.ignore_index", 2**64),
+        (27, "parallel.dim", 2**63),
+    ]:
+        assert f"{path}:{line}: {key}: got {value}; {INT64_MESSAGE}" in err
+
+
+def test_the_edges_of_int64_are_accepted_in_kwargs(tmp_path: Path) -> None:
+    path = write_spec_file(tmp_path / "s.toml", MINIMAL, loss={"kwargs": {"ignore_index": -(2**63)}})
+    assert load_spec(path).spec.loss.kwargs == {"ignore_index": -(2**63)}
+    assert load_spec(path, [f"parallel.dim={2**63 - 1}"]).spec.parallel.dim == 2**63 - 1
+
+
+def test_an_overflowing_num_classes_exits_2_with_its_line_and_no_stack_trace(tmp_path: Path, capsys) -> None:
+    path = write_spec_file(tmp_path / "s.toml", MINIMAL, model={"kwargs": {"num_classes": 2**63}})
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.kwargs.num_classes: got {2**63}; {INT64_MESSAGE}" in err
+    assert "frame #" not in err and "Exception raised from" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]  # no store, no run
+
+
+def test_a_torch_error_is_quoted_by_its_first_line_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value torch refuses past the spec's bounds: torch's text, without the C++ frames below it."""
+    import torch
+
+    from runner.training.models import build_model
+    from tests.helpers import spec_object
+
+    (tmp_path / "deep.py").write_text(
+        "import torch\n\ndef build(size: int = 1):\n    return torch.nn.Linear(size, 2)\n"
+    )
+    trace = "Overflow when unpacking\nException raised from THPUtils_unpackLong\nframe #0: c10::Error::Error"
+
+    def overflow(*args: object, **kwargs: object) -> None:
+        raise TypeError(trace)
+
+    monkeypatch.setattr(torch.nn, "Linear", overflow)
+    with pytest.raises(SpecError) as info:
+        build_model(spec_object(model={"name": "deep:build"}).model, tmp_path)
+    message = info.value.issues[0].message
+    assert "rejected the kwargs (none): Overflow when unpacking; signature: build(size=1)" in message
+    assert "frame #" not in message and "Exception raised from" not in message
