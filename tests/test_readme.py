@@ -39,3 +39,12 @@ def test_the_bad_input_example_is_the_real_message(tmp_path: Path, capsys, monke
     assert main(["validate", "bad.toml"]) == 2
     captured = capsys.readouterr()
     assert [*captured.out.splitlines(), *captured.err.splitlines()] == example
+
+
+def test_the_names_example_is_the_real_message(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ['name = "typos"', "", "[model]", 'name = "mpl"', "", "[data]", 'dataset = "sklearn.digts"']
+    (tmp_path / "typos.toml").write_text("\n".join([*text, "batch_size = 8", "", "[optim]", "lr = 0.1", ""]))
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "typos.toml"]) == 2
+    captured = capsys.readouterr()
+    assert [*captured.out.splitlines(), *captured.err.splitlines()] == _example("runner validate typos.toml")
