@@ -2,8 +2,8 @@
 
 Built-in names are the tables below. torchvision's builder and dataset names come from
 :mod:`runner.spec.torchvision_names`, generated from the installed torchvision by
-``python -m runner.spec.names`` (a test checks that it matches); when another torchvision version
-is installed, a name missing from that list is looked up in torchvision itself before it is refused.
+``python -m runner.training.models`` (a test checks that it matches); when another torchvision
+version is installed, a name missing from that list is left to ``runner exec``, which asks torchvision.
 A ``pkg.module:factory`` name is checked for a module that can be found where ``runner exec`` looks
 (the spec's folder, the working directory, installed packages) without importing it; the attribute is
 checked when the module is imported (:func:`runner.training.models.resolve_factory`).
@@ -34,26 +34,11 @@ def torchvision_bare(name: str) -> str | None:
     return None
 
 
-def torchvision_names(*, installed: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """torchvision's model builder names and dataset class names, sorted.
+def torchvision_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """torchvision's model builder names and dataset class names, sorted, as generated."""
+    from runner.spec import torchvision_names as generated
 
-    Args:
-        installed: Ask the installed torchvision (imports torch) instead of the generated list.
-    """
-    if not installed:
-        from runner.spec import torchvision_names as generated
-
-        return generated.MODELS, generated.DATASETS
-    import inspect
-
-    import torchvision.datasets
-    import torchvision.models
-
-    datasets = (n for n in torchvision.datasets.__all__ if n not in NOT_DATASETS)
-    return (
-        tuple(sorted(torchvision.models.list_models())),
-        tuple(sorted(n for n in datasets if inspect.isclass(getattr(torchvision.datasets, n, None)))),
-    )
+    return generated.MODELS, generated.DATASETS
 
 
 def _installed_differs() -> bool:
@@ -69,12 +54,8 @@ def _installed_differs() -> bool:
 
 
 def _torchvision_knows(bare: str | None, models: bool) -> bool:
-    if bare is None:
-        return False
-    known = torchvision_names()[0 if models else 1]
-    if bare in known:
-        return True
-    return _installed_differs() and bare in torchvision_names(installed=True)[0 if models else 1]
+    """Whether torchvision has ``bare``: in the generated list, or maybe in another installed version."""
+    return bare is not None and (bare in torchvision_names()[0 if models else 1] or _installed_differs())
 
 
 def model_problem(name: str, spec_dir: Path | None) -> str | None:
@@ -171,32 +152,3 @@ def factory_problem(target: str, spec_dir: Path | None) -> str | None:
         )
         + f" (check the spelling, or put {top} next to the spec file)"
     )
-
-
-def write_generated(path: Path = GENERATED) -> Path:
-    """Write the torchvision name list of the installed torchvision to ``path`` (imports torch).
-
-    Returns:
-        ``path``.
-    """
-    from importlib.metadata import version
-
-    models, datasets = torchvision_names(installed=True)
-
-    def lines(names: tuple[str, ...]) -> str:
-        return "".join(f"    {n!r},\n" for n in names).replace("'", '"')
-
-    path.write_text(
-        '"""torchvision\'s model builders and dataset classes, as the installed torchvision lists them (generated).\n\n'
-        "Regenerate after installing another torchvision: ``python -m runner.spec.names``.\n"
-        '"""\n\n'
-        f'VERSION = "{version("torchvision").partition("+")[0]}"\n'
-        f"MODELS = (\n{lines(models)})\n"
-        f"DATASETS = (\n{lines(datasets)})\n",
-        encoding="utf-8",
-    )
-    return path
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print(f"wrote {write_generated()}")

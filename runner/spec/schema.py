@@ -93,7 +93,9 @@ class TrainSpec(SpecTable):
         default="stop",
         description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`. Default: stop.",
     )
-    log_every_n_steps: int = Field(default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step. Default: 10.")
+    log_every_n_steps: int = Field(
+        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step. Default: 10."
+    )
     eval_every_n_epochs: int = Field(
         default=1, ge=1, description="Evaluate on the validation split every N epochs. Default: 1."
     )

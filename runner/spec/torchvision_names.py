@@ -1,6 +1,6 @@
 """torchvision's model builders and dataset classes, as the installed torchvision lists them (generated).
 
-Regenerate after installing another torchvision: ``python -m runner.spec.names``.
+Regenerate after installing another torchvision: ``python -m runner.training.models``.
 """
 
 VERSION = "0.29.1"

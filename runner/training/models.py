@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, SpecIssue, first_line
-from runner.spec.names import BUILTIN_MODELS, import_path_problem, torchvision_bare, torchvision_names, unknown_model
+from runner.spec.names import (
+    BUILTIN_MODELS,
+    GENERATED,
+    NOT_DATASETS,
+    import_path_problem,
+    torchvision_bare,
+    unknown_model,
+)
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
 
@@ -107,8 +114,47 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
     return obj
 
 
+def installed_torchvision_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The installed torchvision's model builder names and dataset class names, sorted (imports torchvision)."""
+    import torchvision.datasets
+    import torchvision.models
+
+    datasets = (n for n in torchvision.datasets.__all__ if n not in NOT_DATASETS)
+    return (
+        tuple(sorted(torchvision.models.list_models())),
+        tuple(sorted(n for n in datasets if inspect.isclass(getattr(torchvision.datasets, n, None)))),
+    )
+
+
+def write_torchvision_names(path: Path = GENERATED) -> Path:
+    """Write :mod:`runner.spec.torchvision_names` (what ``runner validate`` knows) from the installed torchvision.
+
+    Run ``python -m runner.training.models`` after installing another torchvision.
+
+    Returns:
+        ``path``.
+    """
+    from importlib.metadata import version
+
+    models, datasets = installed_torchvision_names()
+
+    def lines(names: tuple[str, ...]) -> str:
+        return "".join(f'    "{n}",\n' for n in names)
+
+    path.write_text(
+        '"""torchvision\'s model builders and dataset classes, as the installed torchvision lists them (generated).\n\n'
+        "Regenerate after installing another torchvision: ``python -m runner.training.models``.\n"
+        '"""\n\n'
+        f'VERSION = "{version("torchvision").partition("+")[0]}"\n'
+        f"MODELS = (\n{lines(models)})\n"
+        f"DATASETS = (\n{lines(datasets)})\n",
+        encoding="utf-8",
+    )
+    return path
+
+
 def _unknown_model(name: str) -> SpecError:
-    return spec_issue("model.name", unknown_model(name, torchvision_names(installed=True)[0]))
+    return spec_issue("model.name", unknown_model(name, installed_torchvision_names()[0]))
 
 
 def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
@@ -129,7 +175,7 @@ def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
         resolve_factory(name, spec_dir, "model.name")
         return
     bare = torchvision_bare(name)
-    if bare is not None and bare in torchvision_names(installed=True)[0]:
+    if bare is not None and bare in installed_torchvision_names()[0]:
         return
     raise _unknown_model(name)
 
@@ -329,7 +375,7 @@ def _torchvision_builder(
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """A torchvision builder with ``weights=None`` (nothing downloaded) unless the kwargs say otherwise."""
     bare = torchvision_bare(name)
-    if bare is None or bare not in torchvision_names(installed=True)[0]:
+    if bare is None or bare not in installed_torchvision_names()[0]:
         raise _unknown_model(name)
     from torchvision import models
 
@@ -356,3 +402,7 @@ def _bad_kwargs(name: str, builder: Callable[..., Any], kwargs: dict[str, Any], 
         "model.kwargs",
         f"{name!r} rejected the kwargs ({given}): {first_line(exc)}; signature: {_signature(builder)}",
     )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(f"wrote {write_torchvision_names()}")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from runner.errors import first_line
-from runner.spec.names import NOT_DATASETS, torchvision_names, unknown_dataset
-from runner.training.models import resolve_factory, spec_issue
+from runner.spec.names import NOT_DATASETS, unknown_dataset
+from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue
 
 if TYPE_CHECKING:
     from runner.spec.schema_data import DataSpec
@@ -169,7 +169,7 @@ def _root(data: DataSpec, spec_dir: Path | str | None) -> Path:
 
 
 def _unknown_dataset(name: str) -> Exception:
-    return spec_issue("data.dataset", unknown_dataset(name, torchvision_names(installed=True)[1]))
+    return spec_issue("data.dataset", unknown_dataset(name, installed_torchvision_names()[1]))
 
 
 def _expected_path(cls: type, root: Path) -> Path:

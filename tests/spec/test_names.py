@@ -28,17 +28,21 @@ def _spec(tmp_path: Path, model: str, dataset: str = "synthetic") -> Path:
 
 
 def test_the_generated_list_is_the_installed_torchvisions() -> None:
-    """After installing another torchvision, regenerate it: ``python -m runner.spec.names``."""
+    """After installing another torchvision, regenerate it: ``python -m runner.training.models``."""
     from importlib.metadata import version
 
-    assert names.torchvision_names() == names.torchvision_names(installed=True)
+    from runner.training.models import installed_torchvision_names
+
+    assert names.torchvision_names() == installed_torchvision_names()
     assert version("torchvision").partition("+")[0] == torchvision_names.VERSION
     assert "resnet18" in torchvision_names.MODELS and "MNIST" in torchvision_names.DATASETS
     assert not names.NOT_DATASETS & set(torchvision_names.DATASETS)
 
 
 def test_the_generator_writes_what_is_committed(tmp_path: Path) -> None:
-    written = names.write_generated(tmp_path / "names.py")
+    from runner.training.models import write_torchvision_names
+
+    written = write_torchvision_names(tmp_path / "names.py")
     assert written.read_text() == names.GENERATED.read_text()
 
 
@@ -106,7 +110,9 @@ def test_a_factory_module_is_found_without_being_imported(tmp_path: Path) -> Non
     assert "sideeffect" not in sys.modules
 
 
-def test_a_newer_torchvision_is_asked_for_names_the_list_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_names_the_list_lacks_are_left_to_exec_under_another_torchvision(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     monkeypatch.setattr(torchvision_names, "MODELS", ())
     with pytest.raises(SpecError, match="unknown model"):
         load_spec(_spec(tmp_path, "torchvision.resnet18"))
