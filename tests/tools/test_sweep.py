@@ -337,6 +337,16 @@ def test_every_bad_trial_is_reported_with_its_number_and_key(write_spec) -> None
     assert not any(m.startswith("trial 0 ") for _, m in found)
 
 
+def test_every_trial_takes_the_unset_keys(write_spec) -> None:
+    """``runner sweep --unset KEY``: each trial's spec has KEY at its default, before the trial's values."""
+    path = write_spec()  # data.val_fraction = 0.25
+    trials = expand(build_definition(None, grid=["seed=1,2"]))
+    prepared = prepare_trials(path, [], trials, unset=["data.val_fraction"])
+    assert [(loaded.spec.data.val_fraction, loaded.unset) for loaded, _ in prepared] == [
+        (0.2, ("data.val_fraction",))
+    ] * 2
+
+
 def test_unknown_keys_and_models_are_caught_before_running(write_spec) -> None:
     path = write_spec()
     with pytest.raises(SpecError) as info:
