@@ -103,6 +103,9 @@ kwargs = {{ ignore_index = {2**64} }}
 
 [parallel]
 dim = {2**63}
+
+[metrics]
+val = [{{ name = "top_k_accuracy", k = {2**63} }}]
 """
 
 
@@ -119,6 +122,7 @@ def test_integers_inside_kwargs_and_parallel_dim_are_bounded_by_int64(tmp_path: 
         (20, "scheduler.kwargs.step_size", 2**63),
         (24, "loss.kwargs.ignore_index", 2**64),
         (27, "parallel.dim", 2**63),
+        (30, "metrics.val[0].k", 2**63),
     ]:
         assert f"{path}:{line}: {key}: got {value}; {INT64_MESSAGE}" in err
 
