@@ -14,8 +14,9 @@ Names:
   folder and the working directory are importable.
 
 Parameters are initialised from torch's global RNG, so a model is a pure function of the
-torch seed set just before building it. torch is imported lazily: this module is imported by
-``runner validate`` paths through :func:`check_model_name`.
+torch seed set just before building it. ``runner validate`` checks names without this module
+(:mod:`runner.spec.names`, from the list :func:`write_torchvision_names` generates:
+``python -m runner.training.models``); the checks here ask the installed torchvision.
 """
 
 from __future__ import annotations
