@@ -33,7 +33,7 @@ from packaging.version import Version
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = REPO / "benchmarks" / "gpu_image_packages.txt"
@@ -41,6 +41,11 @@ LOCK = REPO / "benchmarks" / "gpu_kit.lock"
 PYTHON = "3.12.3"  # the image's python3
 # pip matches a manylinux tag exactly: name every glibc level the image's (2.39) can load.
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
+
+
+def _name(name: str) -> str:
+    """The canonical form of a package name (PEP 503): ``Typing_Extensions`` -> ``typing-extensions``."""
+    return str(canonicalize_name(name))
 
 
 def target_env(python: str = PYTHON, extra: str = "") -> dict[str, str]:
@@ -65,7 +70,7 @@ def applies(req: Requirement, extras: Iterable[str] = (), python: str = PYTHON) 
     """Whether ``req`` holds on the target for a package installed with ``extras``."""
     if req.marker is None:
         return True
-    return any(req.marker.evaluate(target_env(python, e)) for e in ("", *extras))  # type: ignore[arg-type]
+    return any(req.marker.evaluate(target_env(python, e)) for e in ("", *extras))
 
 
 def runner_requirements(pyproject: Path = REPO / "pyproject.toml", python: str = PYTHON) -> list[Requirement]:
@@ -78,10 +83,10 @@ def read_image(path: Path = IMAGE) -> dict[str, str | None]:
     """Canonical name -> version (``None`` when unknown) of the image's packages."""
     out: dict[str, str | None] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            out[canonicalize_name(name)] = version or None
+        pin = line.split("#", 1)[0].strip()
+        if pin:
+            name, _, version = pin.partition("==")
+            out[_name(name)] = version or None
     return out
 
 
@@ -95,7 +100,7 @@ def read_lock(path: Path = LOCK) -> dict[str, tuple[str, list[Requirement]]]:
             continue
         pin, _, needs = line.partition("# needs:")
         name, _, version = pin.strip().partition("==")
-        out[canonicalize_name(name)] = (version, [Requirement(r) for r in needs.split(";") if r.strip()])
+        out[_name(name)] = (version, [Requirement(r) for r in needs.split(";") if r.strip()])
     return out
 
 
@@ -103,7 +108,7 @@ def read_fallbacks(path: Path = LOCK) -> dict[str, str]:
     """Canonical name -> version of the lock's fallback wheels."""
     lines = path.read_text(encoding="utf-8").splitlines()
     pins = (line.split("#", 1)[0].strip().partition("==") for line in lines if line.endswith("# fallback"))
-    return {canonicalize_name(name): version for name, _, version in pins}
+    return {_name(name): version for name, _, version in pins}
 
 
 def kit_closure(
@@ -114,7 +119,7 @@ def kit_closure(
     ``missing`` are reachable names without an entry in ``needs`` (a lock that lacks them).
     """
     held, kit, missing = set(image), set(), set()
-    todo = [canonicalize_name(r.name) for r in roots]
+    todo = [_name(r.name) for r in roots]
     while todo:
         name = todo.pop()
         if name in held or name in kit or name in missing:
@@ -123,7 +128,7 @@ def kit_closure(
             missing.add(name)
             continue
         kit.add(name)
-        todo.extend(canonicalize_name(r.name) for r in needs[name])
+        todo.extend(_name(r.name) for r in needs[name])
     return kit, missing
 
 
@@ -147,14 +152,14 @@ def write_lock(path: Path = LOCK, python: str = PYTHON) -> int:
     ``fallback`` line: gpu_check.sh installs that wheel only where the image's own version falls short.
     """
     image = read_image()
-    roots = [r for r in runner_requirements(python=python) if canonicalize_name(r.name) not in image]
-    items = {canonicalize_name(i["metadata"]["name"]): i for i in _resolve(roots, image, python)}
+    roots = [r for r in runner_requirements(python=python) if _name(r.name) not in image]
+    items = {_name(i["metadata"]["name"]): i for i in _resolve(roots, image, python)}
     metas = {name: item["metadata"] for name, item in items.items()}
     extras: dict[str, set[str]] = {}
     for meta in metas.values():  # extras asked for anywhere add their requirements to the package's needs
         for r in map(Requirement, meta.get("requires_dist", [])):
             if r.extras and applies(r, python=python):
-                extras.setdefault(canonicalize_name(r.name), set()).update(r.extras)
+                extras.setdefault(_name(r.name), set()).update(r.extras)
     needs = {
         name: [r for r in map(Requirement, meta.get("requires_dist", [])) if applies(r, extras.get(name, ()), python)]
         for name, meta in metas.items()
@@ -162,7 +167,7 @@ def write_lock(path: Path = LOCK, python: str = PYTHON) -> int:
     kit, missing = kit_closure(roots, needs, image)
     if missing:
         raise SystemExit(f"pip's resolution lacks {sorted(missing)}")
-    bounded = {canonicalize_name(r.name) for n in kit for r in needs[n] if r.specifier}
+    bounded = {_name(r.name) for n in kit for r in needs[n] if r.specifier}
     fallbacks = sorted(
         n for n in bounded - kit if image.get(n) is None and items[n]["download_info"]["url"].endswith("-none-any.whl")
     )
@@ -182,7 +187,7 @@ def write_lock(path: Path = LOCK, python: str = PYTHON) -> int:
 
 def _plain(req: Requirement) -> str:
     """``req`` without its marker and extras (both already applied), e.g. ``alembic!=1.10.0,<2``."""
-    return f"{canonicalize_name(req.name)}{req.specifier}"
+    return f"{_name(req.name)}{req.specifier}"
 
 
 def image_view(dest: Path) -> int:
@@ -193,14 +198,14 @@ def image_view(dest: Path) -> int:
     packages (namespace packages) are made as folders and only the image's files in them linked.
     """
     image = set(read_image())
-    dists = {canonicalize_name(d.metadata["Name"]): d for d in md.distributions()}
+    dists = {_name(d.metadata["Name"]): d for d in md.distributions()}
     todo, torch_needs = ["torch"], set()
     while todo:  # torch's own requirements, as installed here
         name = todo.pop()
         if name in dists and name not in torch_needs:
             torch_needs.add(name)
             reqs = (Requirement(r) for r in dists[name].requires or ())
-            todo += [canonicalize_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate()]
+            todo += [_name(r.name) for r in reqs if r.marker is None or r.marker.evaluate()]
     image |= torch_needs
     tree: dict = {}  # path part -> subtree; the key "" holds whether image / other packages own files below
     for name, dist in dists.items():
@@ -242,7 +247,7 @@ def conflicts() -> dict[str, list[str]]:
             else:
                 if not req.specifier or req.specifier.contains(Version(have), prereleases=True):
                     continue
-            found.setdefault(canonicalize_name(req.name), []).append(f"{name}=={version} needs {req}: {have}")
+            found.setdefault(_name(req.name), []).append(f"{name}=={version} needs {req}: {have}")
     return found
 
 
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("view needs a folder that does not exist yet")
         print(f"{args.dir}: {image_view(args.dir)} links to the image's packages of {sys.executable}")
     elif args.command == "fallbacks":  # the fallback wheels in DIR that installed versions make necessary
-        wheels = {canonicalize_name(w.name.split("-")[0]): w for w in (args.dir or Path()).glob("*.whl")}
+        wheels = {_name(w.name.split("-")[0]): w for w in (args.dir or Path()).glob("*.whl")}
         print("\n".join(str(wheels[n]) for n in conflicts() if n in wheels))
     else:
         lines = [line for found in conflicts().values() for line in found]
