@@ -40,6 +40,7 @@ if [ -z "$PY" ]; then
 fi
 mkdir -p "$DETAIL/runs"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+TEE=$!
 export PYTHONPATH=$REPO PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI=sqlite:///$DETAIL/mlflow.db
 ACCEL=cuda
 [ "$DRY" = 1 ] && ACCEL=cpu
@@ -223,7 +224,7 @@ part_bench() {
     local modes=none,ddp nproc=1 steps=20 repeats=2:3
     [ "$ACCEL" = cuda ] && modes=none,dp,ddp
     [ "$NGPU" -ge 2 ] && nproc=1,2
-    [ "$DRY" = 1 ] && steps=5 repeats=1:1
+    [ "$DRY" = 1 ] && modes=none steps=5 repeats=1:1  # ddp-1 rehearsed the launch already
     (cd "$DETAIL/runs" && runner bench "$CHECK_SPEC" --modes "$modes" --nproc "$nproc" --steps "$steps" \
         --repeats "$repeats" --out "$DETAIL") | tee "$DETAIL/bench.txt"
 }
@@ -241,6 +242,8 @@ part kit 600
 if [ "$FAILED" = 1 ]; then
     echo "gpu_check: the kit did not install, so nothing else can run"
     printf '%s\n' "${ROWS[@]}" | tee "$OUT/summary.txt"
+    exec >&- 2>&-
+    wait "$TEE"
     exit 1
 fi
 export PYTHONPATH=$REPO:$SCRATCH/site
@@ -275,4 +278,6 @@ part bench-recommend 10 show
 if [ "$BUNDLE" = 1 ]; then
     tar -czf "$OUT/gpu_check_detail.tar.gz" -C "$OUT" detail && rm -rf "$DETAIL"
 fi
+exec >&- 2>&-
+wait "$TEE"  # the log is whole before the script returns
 exit "$FAILED"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,14 @@ def test_the_lock_agrees_with_the_installed_releases_metadata() -> None:
 def test_the_kit_folder_is_ignored_by_git() -> None:
     proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", ".whl/a.whl"], cwd=REPO, check=False)
     assert proc.returncode == 0, ".whl/ is not in .gitignore"
+
+
+def test_every_part_the_gpu_check_runs_is_defined() -> None:
+    """A part added to gpu_check.sh's run list has its function (a typo would surface only on a GPU)."""
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    text = script.read_text(encoding="utf-8")
+    called = set(re.findall(r"^\s*part ([\w-]+) \d+", text, flags=re.MULTILINE))
+    defined = {name.replace("_", "-") for name in re.findall(r"^part_(\w+)\(\)", text, flags=re.MULTILINE)}
+    assert {"kit", "cuda-tests", "none", "dp-1", "ddp-1", "amp-fp16", "sync-debug", "fsdp", "parity"} <= called
+    assert called <= defined, f"parts without a function: {sorted(called - defined)}"
