@@ -173,11 +173,13 @@ part_inventory() {
         nvidia-smi -q >"$DETAIL/nvidia-smi-q.txt"
     fi
     "$PY" -c '
-import torch
+import sys, torch
 from runner.devices.inventory import probe_inventory
 inv = probe_inventory()
 print("runner inventory (NVML):", inv)
-print("torch", torch.__version__, "cuda", torch.version.cuda, "visible GPUs", torch.cuda.device_count())'
+print("torch", torch.__version__, "cuda", torch.version.cuda, "visible GPUs", torch.cuda.device_count())
+if sys.argv[1] == "cuda" and not torch.cuda.device_count():
+    sys.exit("torch sees no GPU: every CUDA part would fail or skip")' "$ACCEL"
 }
 part_cuda_tests() {  # every test file with a cuda mark but the sync-debug one (its own part)
     local files
@@ -193,8 +195,12 @@ part_sync_debug() {
 part_none() { exec_run --set parallel.mode=none; }
 part_dp_1() {
     [ "$DRY" = 1 ] && skip "dry run: dp needs CUDA"
-    (cd "$DETAIL/runs" && runner plan "$CHECK_SPEC" --set parallel.mode=dp --set 'devices.ids=[0]') ||
-        skip "the spec rules refuse dp on one device"
+    local plan
+    plan=$(cd "$DETAIL/runs" && runner plan "$CHECK_SPEC" --set parallel.mode=dp --set 'devices.ids=[0]' 2>&1)
+    echo "$plan"
+    if grep -q '^  cannot run' <<<"$plan"; then
+        skip "runner plan refuses dp with ids = [0]: $(grep -m1 '^  cannot run' <<<"$plan" | sed 's/^  cannot run *//')"
+    fi
     exec_run --set parallel.mode=dp --set 'devices.ids=[0]'
 }
 part_ddp_1() {
