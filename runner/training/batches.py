@@ -165,11 +165,15 @@ def check_target(info: DatasetInfo, spec: ExperimentSpec, *, needs: bool) -> Non
         SpecError: (``data.target``) naming the keys of the samples.
     """
     if info.keys and spec.data.target is None and needs:
+        likely = [k for k in info.keys if k.lower() in _TARGET_NAMES] or [info.keys[-1]]
         raise spec_issue(
             "data.target",
             f"{info.name} yields dicts with keys {list(info.keys)}, and loss.name = {spec.loss.name!r} or the "
-            'metrics need the target: set data.target to its key, e.g. data.target = "labels"',
+            f'metrics need the target: set data.target to its key, e.g. data.target = "{likely[0]}"',
         )
+
+
+_TARGET_NAMES = ("label", "labels", "target", "targets", "y", "class", "classes")
 
 
 def _entry(out: Any, key: str | int) -> Any:

@@ -428,9 +428,17 @@ def test_dict_samples_need_the_target_key_their_loss_or_metrics_use(tmp_path) ->
     assert (info.keys, info.input_shape, info.num_classes) == (("x", "labels"), (3,), 2)
     with pytest.raises(SpecError, match=r"data.target: dict_data:make yields dicts with keys \['x', 'labels'\], none"):
         build_datasets(spec(data={"dataset": "dict_data:make", "target": "label"}), tmp_path)
+    with pytest.raises(SpecError, match=r'none of them \'label\' \(did you mean "labels"\?\)'):
+        build_datasets(spec(data={"dataset": "dict_data:make", "target": "label"}), tmp_path)
     missing = spec(data={"dataset": "dict_data:make"})
-    with pytest.raises(SpecError, match=r"data.target: .*set data.target to its key"):
+    with pytest.raises(SpecError, match=r'data.target: .*set data.target to its key, e.g. data.target = "labels"'):
         check_target(build_datasets(missing, tmp_path).info, missing, needs=True)
+    (tmp_path / "dict_data_label.py").write_text(
+        "import torch\n\ndef make(n=12):\n    return [{'x': torch.randn(3), 'label': torch.tensor(i % 2)} for i in range(n)]\n"
+    )
+    singular = spec(data={"dataset": "dict_data_label:make"})
+    with pytest.raises(SpecError, match=r'e.g. data.target = "label"'):  # the dataset's own key, not a guess
+        check_target(build_datasets(singular, tmp_path).info, singular, needs=True)
     check_target(build_datasets(missing, tmp_path).info, missing, needs=False)  # a model-computed loss, no metrics
     with pytest.raises(SpecError, match=r"data.target: synthetic yields \(x, y\) pairs"):
         build_datasets(spec(data={"target": "labels"}), None)
