@@ -38,6 +38,17 @@ ELEMENTWISE: dict[str, type[nn.Module]] = {
     "bce_with_logits": nn.BCEWithLogitsLoss,
 }
 _TENSOR_KWARGS = ("weight", "pos_weight")  # TOML lists that torch wants as tensors
+# Parameter names that make a loss function called by keyword (with "output" or "batch" among them).
+WHOLE = ("output", "batch", "prediction", "target")
+
+
+def _named_parameters(function: Callable[..., Any]) -> set[str]:
+    """The parameter names of ``function`` when they include ``output`` or ``batch``, else the empty set."""
+    try:
+        names = set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature (a builtin or C function)
+        return set()
+    return names if names & {"output", "batch"} else set()
 
 
 class Loss:
@@ -92,15 +103,29 @@ class ModelLoss(Loss):
 
 
 class FunctionLoss(Loss):
-    """``loss.name = "pkg.module:function"``: ``function(prediction, target, **kwargs)`` returns the batch mean."""
+    """``loss.name = "pkg.module:function"``: returns the batch mean, called one of two ways.
+
+    * ``function(prediction, target, **kwargs)``: the prediction ``model.output`` picks, and the target;
+    * by keyword, when its signature names ``output`` or ``batch`` (:data:`WHOLE`): ``output`` is all
+      forward returned (e.g. ``{"logits", "aux_loss"}``), ``batch`` the whole batch on its devices
+      (a dict with the target key, or ``(x, y)``); ``prediction`` and ``target`` may be asked for too.
+    """
 
     def __init__(self, name: str, function: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         super().__init__(name)
         self.function = function
         self.kwargs = kwargs
+        self.by_name = _named_parameters(function) & set(WHOLE)
+        self.needs_target = not self.by_name or "target" in self.by_name
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        value = self.function(io.prediction(out), batch.target, **self.kwargs)
+        if self.by_name:
+            given = {"output": out, "batch": io.whole(batch), "prediction": None, "target": batch.target}
+            if "prediction" in self.by_name:
+                given["prediction"] = io.prediction(out)
+            value = self.function(**{k: given[k] for k in self.by_name}, **self.kwargs)
+        else:
+            value = self.function(io.prediction(out), batch.target, **self.kwargs)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TrainingError(
@@ -137,12 +162,19 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
         except (TypeError, ValueError, RuntimeError) as exc:
             raise spec_issue("loss.kwargs", f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {exc}") from None
     function = resolve_factory(name, spec_dir, "loss.name")
+    by_name = sorted(_named_parameters(function) & set(WHOLE), key=WHOLE.index)
     try:
-        inspect.signature(function).bind(None, None, **kwargs)
+        if by_name:
+            inspect.signature(function).bind(**dict.fromkeys(by_name), **kwargs)
+        else:
+            inspect.signature(function).bind(None, None, **kwargs)
     except TypeError as exc:
+        call = f"function({', '.join(f'{k}=...' for k in by_name)}, **loss.kwargs)" if by_name else (
+            "function(prediction, target, **loss.kwargs)"
+        )
         raise spec_issue(
             "loss.kwargs",
-            f"{name!r} cannot be called as function(prediction, target, **loss.kwargs): {exc}; "
+            f"{name!r} cannot be called as {call}: {exc}; "
             f"signature: {getattr(function, '__name__', 'function')}{inspect.signature(function)}",
         ) from None
     except ValueError:  # no signature (a builtin or C function): the call will tell

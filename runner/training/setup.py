@@ -168,7 +168,8 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     """
     bundle = build_datasets(spec, spec_dir)
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
-    check_target(bundle.info, spec, needs=loss.needs_target or bool(metrics.train or metrics.val))
+    on_target = any(r.output is None for r in (*metrics.train, *metrics.val))  # output metrics need no target
+    check_target(bundle.info, spec, needs=loss.needs_target or on_target)
     model = _setup_model(spec, spec_dir, bundle)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
