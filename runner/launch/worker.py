@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.errors import Interrupted
+from runner.errors import Interrupted, RunnerError, user_code_error
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
@@ -103,7 +103,15 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
         stop.install()
         if watch is not None:
             watch.start()
-        result = _train(args, strategy, env, stop)
+        try:
+            result = _train(args, strategy, env, stop)
+        except RunnerError:
+            raise
+        except Exception as exc:  # an error in the user's model, data, loss or metric: their file and line
+            located = user_code_error(exc)
+            if located is None:
+                raise
+            raise located from exc
         strategy.barrier()  # every rank is done with collectives before any destroys the group
         return result
     finally:

@@ -153,11 +153,13 @@ def _check_entry(entry: str | dict[str, Any]) -> str | dict[str, Any]:
 def _check_output_entry(entry: dict[str, Any]) -> None:
     """``{ output = "aux_loss" }`` (and ``log_as``): a scalar of forward's output, logged as its mean."""
     if not isinstance(entry[OUTPUT], str) or not entry[OUTPUT]:
-        raise ValueError(f"got output = {show(entry[OUTPUT])}; expected the key or attribute of a scalar in forward's output")
+        raise ValueError(
+            f"got output = {show(entry[OUTPUT])}; expected the key or attribute of a scalar in forward's output"
+        )
     extra = sorted(set(entry) - {OUTPUT, LOG_AS})
     if extra:
         raise ValueError(
-            f"got {show(entry)}; an output metric takes output = \"...\" and log_as only: remove {', '.join(extra)}"
+            f'got {show(entry)}; an output metric takes output = "..." and log_as only: remove {", ".join(extra)}'
         )
 
 
@@ -173,7 +175,7 @@ class MetricsSpec(SpecTable):
             "Metrics of the training batches, logged as `train/<name>` per epoch and `train/step_<name>` every "
             "log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, "
             'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), '
-            "`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = \"aux_loss\" }`: a scalar of "
+            '`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of '
             "forward's output, logged as its mean over the samples. Default: none."
         ),
     )

@@ -75,13 +75,17 @@ class BuiltinLoss(Loss):
         super().__init__(name)
         self.criterion = criterion
         self.elementwise = name in ELEMENTWISE
+        self.dataset_classes = 0  # the data's classes, for the message of a target out of bounds (set by setup)
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         pred = io.prediction(out).float()
         target = batch.target
         assert target is not None  # build_loss refuses dict batches without data.target
         if not self.elementwise:
-            return self.criterion(pred, target)
+            try:
+                return self.criterion(pred, target)
+            except (IndexError, RuntimeError) as exc:
+                raise _out_of_bounds(exc, pred, self.dataset_classes) or exc from None
         if pred.numel() != target.numel():
             raise TrainingError(
                 f"loss.name: {self.name} compares the prediction with the target value by value, but forward gave "
@@ -91,6 +95,22 @@ class BuiltinLoss(Loss):
         total = self.criterion(pred, target.to(pred.dtype).reshape(pred.shape))
         per_sample = pred.numel() // max(1, batch.size)
         return total / per_sample if per_sample > 1 else total
+
+
+def _out_of_bounds(exc: Exception, pred: torch.Tensor, classes: int) -> TrainingError | None:
+    """torch's ``Target N is out of bounds`` as the spec key that fixes it (``None`` for other errors)."""
+    import re
+
+    found = re.search(r"Target (-?\d+) is out of bounds", str(exc))
+    if found is None:
+        return None
+    width = pred.shape[1] if pred.dim() > 1 else 1
+    data = f"; the dataset has {classes} classes (labels 0..{classes - 1})" if classes > 0 else ""
+    fix = f"model.kwargs.num_classes = {classes}" if classes > 0 else "as many outputs as the dataset has classes"
+    return TrainingError(
+        f"model.kwargs.num_classes: the target holds class {found.group(1)}, but the model gives {width} "
+        f"outputs per sample (classes 0..{width - 1}){data}: set {fix} (or the model's output size)"
+    )
 
 
 class ModelLoss(Loss):
@@ -169,8 +189,10 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
         else:
             inspect.signature(function).bind(None, None, **kwargs)
     except TypeError as exc:
-        call = f"function({', '.join(f'{k}=...' for k in by_name)}, **loss.kwargs)" if by_name else (
-            "function(prediction, target, **loss.kwargs)"
+        call = (
+            f"function({', '.join(f'{k}=...' for k in by_name)}, **loss.kwargs)"
+            if by_name
+            else ("function(prediction, target, **loss.kwargs)")
         )
         raise spec_issue(
             "loss.kwargs",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.errors import TrainingError
+from runner.errors import TrainingError, user_code_error
 from runner.spec.objectives import CLASSIFICATION_LOSSES, logged_name, metric_args, metric_name
 from runner.training.models import resolve_factory, spec_issue
 
@@ -119,7 +119,12 @@ class MetricSet:
                 continue
             try:
                 metric.update(pred, target)
-            except (RuntimeError, ValueError, TypeError) as exc:
+            except Exception as exc:
+                located = user_code_error(exc, recipe.key)  # a custom metric's own bug: its file and line
+                if located is not None:
+                    raise located from exc
+                if not isinstance(exc, (RuntimeError, ValueError, TypeError)):
+                    raise
                 raise TrainingError(
                     f"{recipe.key}: {recipe.name} could not take a prediction of shape {list(pred.shape)} and a "
                     f"target of shape {list(target.shape)} ({type(exc).__name__}: {exc})"

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from runner.errors import user_code_error
 from runner.spec.suggest import did_you_mean
 from runner.spec.wording import with_hint
 from runner.training.models import resolve_factory, spec_issue
@@ -276,11 +277,20 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
 def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
     try:
-        result = factory(**data.kwargs)
+        inspect.signature(factory).bind(**data.kwargs)
     except TypeError as exc:
         raise spec_issue(
             "data.kwargs", f"{data.dataset!r} rejected kwargs {data.kwargs}: {exc}; signature: {_sig(factory)}"
         ) from None
+    except ValueError:  # no signature (a builtin or C callable): the call decides
+        pass
+    try:
+        result = factory(**data.kwargs)
+    except Exception as exc:  # the factory's own failure, not the spec's
+        located = user_code_error(exc, "data.dataset")
+        if located is None:
+            raise
+        raise located from exc
     if isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result
         if not _is_dataset(train) or not (val is None or _is_dataset(val)):

@@ -28,7 +28,10 @@ def test_the_default_name_is_spec_mode_size_and_the_changed_values() -> None:
 
 def test_an_unset_of_a_key_no_file_wrote_changes_neither_the_name_nor_the_command_line() -> None:
     assert name_of(DIGITS, (), ("optim.weight_decay",)) == "digits-mlp none-1"
-    assert load_spec(DIGITS, (), ("optim.weight_decay", "optim.momentum")).command_line() == ["--unset", "optim.momentum"]
+    assert load_spec(DIGITS, (), ("optim.weight_decay", "optim.momentum")).command_line() == [
+        "--unset",
+        "optim.momentum",
+    ]
 
 
 def test_tracking_run_name_wins() -> None:

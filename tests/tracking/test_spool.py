@@ -38,9 +38,7 @@ def _steps(store: str, run_id: str, key: str = "m") -> list[int]:
     return sorted(m.step for m in MlflowClient(store).get_metric_history(run_id, key))
 
 
-def _tracker(
-    store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs
-) -> tuple[MlflowTracker, Switch]:
+def _tracker(store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs) -> tuple[MlflowTracker, Switch]:
     tracker = MlflowTracker(store, run_id, flush_every_s=0.05, spool=path, spill_after_s=spill_after_s, **kwargs)
     switch = Switch(tracker._client)
     tracker._client = switch

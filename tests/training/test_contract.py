@@ -171,6 +171,18 @@ def test_builtin_losses_are_sums_of_per_sample_means() -> None:
     assert torch.allclose(got, torch.nn.functional.binary_cross_entropy_with_logits(pred, multi, pos_weight=weight) * 6)
 
 
+def test_a_target_out_of_bounds_names_num_classes_and_the_datasets_classes() -> None:
+    io = BatchIO(None, None, model_loss=False)
+    loss = build_loss(spec().loss, None)
+    loss.dataset_classes = 10
+    with pytest.raises(TrainingError) as err:
+        loss(torch.randn(4, 3), _batch(io, torch.zeros(4, 1), torch.tensor([0, 6, 1, 2])), io)
+    assert str(err.value).startswith(
+        "model.kwargs.num_classes: the target holds class 6, but the model gives 3 outputs"
+    )
+    assert "the dataset has 10 classes" in str(err.value) and "set model.kwargs.num_classes = 10" in str(err.value)
+
+
 def test_a_regression_prediction_that_does_not_fit_the_target_says_how_to_fix_it() -> None:
     io = BatchIO(None, None, model_loss=False)
     loss = build_loss(spec(loss={"name": "mse"}).loss, None)
@@ -438,7 +450,10 @@ def test_dataparallel_outputs_dataclasses_as_dicts_and_weighs_replica_losses() -
     wrapper._chunk_sizes = [3, 1]
     assert float(wrapper.gather([torch.tensor(1.0), torch.tensor(4.0)], CPU)) == pytest.approx(1.75)
     wrapper.dim = 0  # DataParallel without CUDA sets no dim (and gathers no CPU tensor: scalars only here)
-    replicas = [{"loss": torch.tensor(2.0), "aux_loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0), "aux_loss": torch.tensor(4.0)}]
+    replicas = [
+        {"loss": torch.tensor(2.0), "aux_loss": torch.tensor(1.0)},
+        {"loss": torch.tensor(2.0), "aux_loss": torch.tensor(4.0)},
+    ]
     gathered = wrapper.gather(replicas, CPU)  # every scalar entry is a chunk mean: weighted like the loss
     assert list(gathered) == ["loss", "aux_loss"] and float(gathered["loss"]) == pytest.approx(2.0)
     assert float(gathered["aux_loss"]) == pytest.approx(1.75)
