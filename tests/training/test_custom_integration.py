@@ -157,6 +157,7 @@ def test_custom_model_example_agrees_in_none_and_ddp_and_counts_every_validation
         assert single.data.metrics[key] == pytest.approx(ddp.data.metrics[key], abs=1e-4), key
 
 
+@pytest.mark.timeout(600)
 def test_an_auxiliary_loss_trains_and_logs_the_same_in_none_and_ddp(in_repo: Path, store: str) -> None:
     (in_repo / "aux_model.py").write_text(AUX)
     sets = [
