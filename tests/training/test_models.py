@@ -124,7 +124,9 @@ def test_factory_errors_name_model_name(tmp_path):
 def test_check_model_name_never_calls_the_factory(tmp_path):
     (tmp_path / "explosive_factory_mod.py").write_text("def make():\n    raise RuntimeError('called')\n")
     check_model_name("explosive_factory_mod:make", tmp_path)
-    with pytest.raises(RuntimeError, match="called"):
+    from runner.errors import UserCodeError
+
+    with pytest.raises(UserCodeError, match="RuntimeError: called"):
         build_model(model("explosive_factory_mod:make"), tmp_path)
 
 
