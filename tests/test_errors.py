@@ -162,7 +162,7 @@ def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last
         return SimpleNamespace(error_file_data={"message": {"extraInfo": {"py_callstack": trace}}})
 
     located = (
-        "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
         "runner.errors.UserCodeError: loss.name: your code raised IndexError: boom (at /p/m.py:3, in loss)\n"
         "your frames (most recent call last):\n  m.py:3 in loss: return x[5]\n"
     )
