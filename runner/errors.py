@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 def first_line(exc: BaseException) -> str:
@@ -125,6 +125,69 @@ class TrainingError(RunnerError):
 
     exit_code = 1
     heading = "training failed"
+
+
+class UserCodeError(TrainingError):
+    """An exception raised inside the user's own code (model, dataset factory, loss, metric); exit status 1.
+
+    The message names the spec key that named the code, the exception, the user's file and line
+    (the last frame in the user's modules), and the user's frames only (:func:`user_code_error`).
+    """
+
+
+def user_code_error(exc: BaseException, key: str | None = None) -> UserCodeError | None:
+    """``exc`` as a :class:`UserCodeError` when its traceback passes through the user's code, else ``None``.
+
+    The user's frames are those outside runner, the standard library and installed packages. ``key``
+    is the spec key that named the code; by default it is read off the last runner frame before the
+    user's code (forward: ``model.name``, a loss: ``loss.name``, a metric: its ``metrics`` entry, data
+    loading: ``data.dataset``).
+    """
+    import traceback
+
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    ours = [i for i, (frame, _) in enumerate(frames) if _is_runner_file(frame.f_code.co_filename)]
+    last_ours = ours[-1] if ours else -1  # the user's code is what runner called last
+    user = [(f, line) for f, line in frames[last_ours + 1 :] if _is_user_file(f.f_code.co_filename)]
+    if not user:
+        return None
+    if key is None:
+        key = _key_of(frames[last_ours][0] if ours else None)
+    last, line = user[-1]
+    where = f"{last.f_code.co_filename}:{line}"
+    summary = traceback.StackSummary.extract((f, n) for f, n in user[-_USER_FRAMES:])
+    lines = [f"  {Path(s.filename).name}:{s.lineno} in {s.name}: {s.line}" for s in summary]
+    message = f"{key}: your code raised {type(exc).__name__}: {exc} (at {where}, in {last.f_code.co_name})"
+    return UserCodeError("\n".join([message, "your frames (most recent call last):", *lines]))
+
+
+_USER_FRAMES = 5  # the user's frames shown, the innermost ones
+_RUNNER_DIR = Path(__file__).resolve().parent
+_KEYS = {"batches.py": "model.name", "models.py": "model.name", "losses.py": "loss.name"}
+
+
+def _is_runner_file(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(_RUNNER_DIR)
+
+
+def _is_user_file(filename: str) -> bool:
+    import sysconfig
+
+    if filename.startswith("<") or _is_runner_file(filename):
+        return False
+    path = Path(filename).resolve()
+    library = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(path.is_relative_to(Path(p).resolve()) for p in library)
+
+
+def _key_of(frame: Any) -> str:
+    """The spec key of the user's code that runner's ``frame`` called."""
+    if frame is None:
+        return "model.name"
+    recipe = frame.f_locals.get("recipe")
+    if recipe is not None and hasattr(recipe, "key"):
+        return str(recipe.key)
+    return _KEYS.get(Path(frame.f_code.co_filename).name, "data.dataset")
 
 
 class Interrupted(RunnerError):

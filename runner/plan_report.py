@@ -59,10 +59,7 @@ def format_plan(info: dict[str, Any]) -> str:
     lines += [_row("inactive", text) for text in _inactive_lines(info.get("inactive") or {})]
     lines += [_row("note", note) for note in info.get("notes", [])]
     lines += _trial_lines(info.get("trials"))
-    if info.get("missing"):
-        lines.append(_row("cannot run", info["missing"]))
-        lines.append(_row("try", info["try"] or "no change of mode or accelerator runs this spec here"))
-    return "\n".join(lines)
+    return "\n".join(lines)  # what cannot run, and the fix, are the error's to print (once, on stderr)
 
 
 def _row(label: str, value: str) -> str:
@@ -182,7 +179,8 @@ def find_fix(
     """The first ``--set`` arguments that make ``loaded`` run on this machine, tried for real, or ``None``.
 
     Candidates: a change of the key the error names (``backend = "gloo"``, ``ids = "all"``, ...),
-    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ddp first). Each
+    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ``none`` first: one
+    process, as dp is; ddp of one process is none with a process group). Each
     is loaded with the spec's own ``--set``/``--unset`` and resolved against ``inventory``: a
     suggestion is printed only when the spec then validates and its devices resolve.
 
@@ -214,7 +212,7 @@ def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory
         "parallel.nproc_per_node": [[f"parallel.nproc_per_node={len(inventory.gpus)}"]] if inventory.gpus else [],
     }.get(error.key, [])
     mode = spec.parallel.mode
-    others = ["ddp", "none"] if mode == "dp" else [m for m in ("none", "ddp") if m != mode]
+    others = [m for m in ("none", "ddp") if m != mode]
     cpu = "devices.accelerator=cpu"
     return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]
 
@@ -249,7 +247,9 @@ def show_plan(
 
     info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
     if loaded.spec.sweep is not None and sweep_trials is not None:
-        info["trials"] = sweep_trials(loaded)
+        info["trials"] = sweep_trials(loaded)  # the trials say what [sweep] does: no note that exec ignores it
+        info["notes"] = [n for n in info.get("notes", []) if not n.startswith("[sweep]")]
+        info.get("inactive", {}).pop("sweep", None)
     print(json.dumps(info, indent=2) if as_json else format_plan(info))
     if with_spec:
         print(f"\n# resolved spec ({loaded.path})")

@@ -139,7 +139,7 @@ def exec_args(spec: Path, *sets: str) -> list[str]:
     return ["exec", str(spec), *(arg for item in sets for arg in ("--set", item))]
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 120, proc: Popen | None = None) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 240, proc: Popen | None = None) -> None:
     """Poll ``condition`` every 0.1 s until it holds; fail naming ``what`` at ``timeout_s`` or when ``proc`` ends.
 
     Raises:

@@ -144,7 +144,31 @@ def test_exec_summary_is_printed_by_rank_0_only():
         "  val/loss               0.25",
         "open the UI: mlflow ui --backend-store-uri sqlite:///m.db",
     ]
+    result.metrics = {"val/a_rather_long_custom_metric_name": 1.0, "train/loss": 0.5}
+    values = [line.rsplit(" ", 1) for line in result.summary().splitlines() if line.startswith("  ")]
+    assert len({len(head) for head, _ in values}) == 1  # one column, however long the names
     result.rank = 1
     assert result.summary() == ""
     quiet = ExecResult(None, "FINISHED", {}, None, "e", "c")
     assert quiet.summary() == "status: FINISHED"
+
+
+def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last_line():
+    from types import SimpleNamespace
+
+    from runner.launch.failures import python_error
+
+    def failure(trace: str) -> SimpleNamespace:
+        return SimpleNamespace(error_file_data={"message": {"extraInfo": {"py_callstack": trace}}})
+
+    located = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+        "runner.errors.UserCodeError: loss.name: your code raised IndexError: boom (at /p/m.py:3, in loss)\n"
+        "your frames (most recent call last):\n  m.py:3 in loss: return x[5]\n"
+    )
+    assert python_error(failure(located)).splitlines() == [
+        "loss.name: your code raised IndexError: boom (at /p/m.py:3, in loss)",
+        "your frames (most recent call last):",
+        "  m.py:3 in loss: return x[5]",
+    ]
+    assert python_error(failure("Traceback ...\nRuntimeError: plain\n")) == "RuntimeError: plain"

@@ -48,3 +48,23 @@ def test_the_names_example_is_the_real_message(tmp_path: Path, capsys, monkeypat
     assert main(["validate", "typos.toml"]) == 2
     captured = capsys.readouterr()
     assert [*captured.out.splitlines(), *captured.err.splitlines()] == _example("runner validate typos.toml")
+
+
+def test_a_cpu_only_user_sees_the_cpu_install_before_any_command_and_the_test_command_is_unchanged() -> None:
+    """README's first commands: the CPU-only install written out (one copyable line), before anything runs."""
+    cpu = (
+        "python3 -m venv .venv && .venv/bin/pip install torch torchvision "
+        "--index-url https://download.pytorch.org/whl/cpu"
+    )
+    lines = README.splitlines()
+    first_command = next(i for i, x in enumerate(lines) if x.startswith("python3 -m venv"))
+    assert lines[first_command] == cpu
+    assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/runner exec" in README  # the GPU install
+    test_command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q"
+    assert [x for x in lines if x.startswith("python3 -m venv")][2] == test_command  # README's second command
+
+
+def test_readme_names_the_mlflow_3_training_view_and_the_runs_list_url() -> None:
+    assert "mlflow.experimentKind = custom_model_development" in README
+    assert "http://127.0.0.1:5000/#/experiments/<id>/runs" in README
+    assert "<experiment>/bench" in README

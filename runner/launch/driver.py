@@ -114,7 +114,8 @@ class ExecResult:
         lines.append(f"status: {self.status}" + (self.spooled.describe(self.run_id) if self.spooled else ""))
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
-        lines += [f"  {key:<22} {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
+        width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
+        lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
         if self.tracking_uri:
             lines.append(f"open the UI: mlflow ui --backend-store-uri {self.tracking_uri}")
         return "\n".join(lines)

@@ -74,13 +74,19 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
 
 
 def python_error(failure: ProcessFailure) -> str:
-    """The last line of the Python error a failed rank recorded (``Type: message``), or ``""`` when it left none."""
+    """The Python error a failed rank recorded (``Type: message``), or ``""`` when it left none.
+
+    The last line of its traceback; all of a runner error's message (a user-code error has several lines).
+    """
     data = getattr(failure, "error_file_data", None) or {}
     inner = data.get("message", {}) if isinstance(data, dict) else {}
     if isinstance(inner, dict):
         trace = inner.get("extraInfo", {}).get("py_callstack", "")
         if trace.strip():
-            return str(trace.strip().splitlines()[-1]).removeprefix("runner.errors.TrainingError: ")
+            lines = trace.strip().splitlines()
+            own = max((i for i, x in enumerate(lines) if x.startswith("runner.errors.")), default=len(lines) - 1)
+            text = "\n".join(lines[own:])
+            return re.sub(r"^runner\.errors\.(TrainingError|UserCodeError): ", "", text)
         return str(inner.get("message", ""))
     text = str(inner)
     return "" if text == "<NONE>" else text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.errors import Interrupted
+from runner.errors import Interrupted, RunnerError, user_code_error
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
@@ -94,7 +95,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
     if env.external:  # a process of its own, started by the elastic launcher, torchrun or a scheduler
         die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env)
-    stop = _StopFlag()
+    stop = _StopFlag(announce=env.rank == 0)
     grace_s = args.loaded.spec.parallel.hang_grace_s
     watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
     try:
@@ -102,7 +103,15 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
         stop.install()
         if watch is not None:
             watch.start()
-        result = _train(args, strategy, env, stop)
+        try:
+            result = _train(args, strategy, env, stop)
+        except RunnerError:
+            raise
+        except Exception as exc:  # an error in the user's model, data, loss or metric: their file and line
+            located = user_code_error(exc)
+            if located is None:
+                raise
+            raise located from exc
         strategy.barrier()  # every rank is done with collectives before any destroys the group
         return result
     finally:
@@ -268,15 +277,20 @@ def _agree_on_run(strategy: Strategy, local_run_id: str | None, local_dir: str) 
     return None, 0, gathered[0][1]
 
 
+STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (a second later) stops at once\n"
+
+
 class _StopFlag:
     """SIGINT/SIGTERM handler: the first signal asks the loop to stop (:mod:`runner.training.loop` says at which step).
 
     A second SIGINT more than one second after the first raises ``KeyboardInterrupt`` at once
     (a terminal Ctrl-C reaches the launcher and every worker together, and the launcher
-    forwards it again, so signals within one second count as one).
+    forwards it again, so signals within one second count as one). With ``announce`` (rank 0)
+    the first signal prints :data:`STOPPING` to stderr.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = False) -> None:
+        self._announce = announce
         self._event = threading.Event()
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
@@ -304,6 +318,8 @@ class _StopFlag:
         if self._first is None:
             self._first = now
             self.signum = signum
+            if self._announce:
+                os.write(2, STOPPING.encode())  # not print(): the main thread may be inside a write to stderr
         self._event.set()
 
 

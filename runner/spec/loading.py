@@ -41,7 +41,8 @@ class LoadedSpec:
         data: The merged raw dict after ``extends`` and ``--set``, paths resolved.
         sha256: Hex SHA-256 of :func:`runner.spec.dump.dump_spec` of ``spec`` (ignores comments and layout).
         overrides: The ``--set`` texts applied, in order.
-        unset: The keys ``--unset`` removed (before the ``--set`` texts were applied).
+        unset: The keys ``--unset`` removed (before the ``--set`` texts were applied); a key no spec file
+            wrote is left out (it changed nothing, so it neither names the run nor is repeated).
         sources: Every file read, ``(absolute path, text)``: the spec file first, then each file it
             extends; a run logs them all, so its spec is self-contained.
     """
@@ -95,8 +96,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
     if not tree.data:
         message = f"spec is empty: a spec needs at least {', '.join(_required_keys())}"
         raise SpecError(SpecIssue(shown, None, "", message))
-    for key in unset:
-        apply_unset(tree, key, issues)
+    removed = tuple(key for key in unset if apply_unset(tree, key, issues))  # a key no file wrote changes nothing
     for override in overrides:
         apply_override(tree, override, issues)
     where = lambda loc: _origin_of(tree.provenance, loc, shown)  # noqa: E731
@@ -104,7 +104,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
     if issues or spec is None:
         raise SpecError(issues)
     return LoadedSpec(
-        spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides), tuple(unset), tuple(tree.sources)
+        spec, absolute, tree.text, tree.data, spec_sha256(spec), tuple(overrides), removed, tuple(tree.sources)
     )
 
 

@@ -24,6 +24,7 @@ BUILTIN_METRICS = ("accuracy", "top_k_accuracy", "f1", "precision", "recall", "a
 CLASSIFICATION_LOSSES = ("cross_entropy", "nll")  # without [metrics]: train/accuracy and val/accuracy
 RESERVED_METRICS = ("loss", "epoch_loss")  # runner's own train/loss, train/epoch_loss, val/loss
 LOG_AS = "log_as"  # entry key that names the logged metric; every other key is an argument
+OUTPUT = "output"  # entry key naming a scalar of forward's output to log (e.g. an auxiliary loss)
 MOVED = {  # keys that moved to [loss], with the hint an old spec gets
     ("train", "loss"): 'the loss moved to its own table: write [loss] name = "..."',
     ("train", "label_smoothing"): "moved to [loss]: write kwargs = { label_smoothing = ... } there",
@@ -91,18 +92,20 @@ def metric_name(entry: str | dict[str, Any]) -> str:
 
 
 def metric_args(entry: str | dict[str, Any]) -> dict[str, Any]:
-    """The arguments of a ``[metrics]`` entry: every key but ``name`` and ``log_as``."""
-    return {} if isinstance(entry, str) else {k: v for k, v in entry.items() if k not in ("name", LOG_AS)}
+    """The arguments of a ``[metrics]`` entry: every key but ``name``, ``log_as`` and ``output``."""
+    return {} if isinstance(entry, str) else {k: v for k, v in entry.items() if k not in ("name", LOG_AS, OUTPUT)}
 
 
 def logged_name(entry: str | dict[str, Any]) -> str:
     """The name an entry is logged under (after ``train/`` or ``val/``).
 
-    ``log_as`` when given, else a built-in's name, else the last part of the import path's attribute
-    (``"my_metrics:MacroF1"`` is logged as ``MacroF1``).
+    ``log_as`` when given, else the ``output`` entry's name, else a built-in's name, else the last part
+    of the import path's attribute (``"my_metrics:MacroF1"`` is logged as ``MacroF1``).
     """
     if isinstance(entry, dict) and isinstance(entry.get(LOG_AS), str):
         return str(entry[LOG_AS])
+    if isinstance(entry, dict) and isinstance(entry.get(OUTPUT), str):
+        return str(entry[OUTPUT])
     return metric_name(entry).rpartition(":")[2].rpartition(".")[2]
 
 
@@ -125,9 +128,15 @@ def mlflow_name_problem(name: str) -> str | None:
 
 def _check_entry(entry: str | dict[str, Any]) -> str | dict[str, Any]:
     name = entry if isinstance(entry, str) else entry.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f'got {show(entry)}; expected a metric name, or a table with name = "..." and its arguments')
-    _check_name(name, BUILTIN_METRICS, "metric", "pkg.module:Factory")
+    if isinstance(entry, dict) and OUTPUT in entry:
+        _check_output_entry(entry)
+    elif not isinstance(name, str) or not name:
+        raise ValueError(
+            f'got {show(entry)}; expected a metric name, a table with name = "..." and its arguments, '
+            'or { output = "..." } (a scalar of forward\'s output)'
+        )
+    else:
+        _check_name(name, BUILTIN_METRICS, "metric", "pkg.module:Factory")
     if isinstance(entry, dict) and LOG_AS in entry and not isinstance(entry[LOG_AS], str):
         raise ValueError(f"got log_as = {show(entry[LOG_AS])}; expected the name to log the metric under (a string)")
     logged = logged_name(entry)
@@ -141,6 +150,19 @@ def _check_entry(entry: str | dict[str, Any]) -> str | dict[str, Any]:
     return entry
 
 
+def _check_output_entry(entry: dict[str, Any]) -> None:
+    """``{ output = "aux_loss" }`` (and ``log_as``): a scalar of forward's output, logged as its mean."""
+    if not isinstance(entry[OUTPUT], str) or not entry[OUTPUT]:
+        raise ValueError(
+            f"got output = {show(entry[OUTPUT])}; expected the key or attribute of a scalar in forward's output"
+        )
+    extra = sorted(set(entry) - {OUTPUT, LOG_AS})
+    if extra:
+        raise ValueError(
+            f'got {show(entry)}; an output metric takes output = "..." and log_as only: remove {", ".join(extra)}'
+        )
+
+
 MetricEntry = Annotated[str | dict[str, Any], AfterValidator(_check_entry)]
 
 
@@ -152,8 +174,9 @@ class MetricsSpec(SpecTable):
         description=(
             "Metrics of the training batches, logged as `train/<name>` per epoch and `train/step_<name>` every "
             "log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, "
-            'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames) or '
-            "`pkg.module:Factory` returning a torchmetrics.Metric. Default: none."
+            'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), '
+            '`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of '
+            "forward's output, logged as its mean over the samples. Default: none."
         ),
     )
     val: list[MetricEntry] = Field(

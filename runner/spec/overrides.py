@@ -168,10 +168,11 @@ def _override_value(loc: Loc, text: str) -> Any:
     return value
 
 
-def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> None:
+def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
     """Remove dotted ``key_text`` from ``tree`` so that its default applies; an unknown key becomes an issue.
 
     A key the schema knows but the files do not set is already at its default: nothing changes.
+    Returns whether a key was removed.
 
     Args:
         tree: The spec read from its files (changed in place).
@@ -182,17 +183,18 @@ def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> None:
     if loc is None:
         message = f"{show(key_text)}: expected a dotted key, e.g. --unset devices.ids"
         issues.append(SpecIssue(None, None, "", message, UNSET))
-        return
+        return False
     parent = _find_table(tree.data, loc[:-1])
     if parent is not None and loc[-1] in parent:
         del parent[loc[-1]]
         forget(tree.provenance, loc)
-        return
+        return True
     if annotation_at(loc) is None:
         known = sorted(set(schema_keys()) | set(_tree_keys(tree.data)))
         hint = did_you_mean(format_key(loc), known, render=str)
         message = with_hint("unknown key: neither the schema nor the spec has it", hint)
         issues.append(SpecIssue(None, None, format_key(loc), message, UNSET))
+    return False
 
 
 def _find_table(data: dict[str, Any], loc: Loc) -> dict[str, Any] | None:

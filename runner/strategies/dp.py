@@ -10,9 +10,10 @@ The output contract (docs/design.md §13): forward returns tensors, or dicts, li
 loss then runs. A dataclass output (a Hugging Face ``ModelOutput`` too) becomes a dict
 of its fields before gathering, because DataParallel rebuilds dataclasses wrongly
 (``gather`` calls ``type(out)(map(...))``; pytorch/pytorch#41327). A model-computed
-loss (a scalar, or the scalar ``loss`` entry of a dict) comes back from each replica as
-the mean of its chunk; they are combined into one scalar, each weighted by its chunk's
-samples, so the loss is the mean over the whole micro-batch, as without DataParallel.
+loss (a scalar, or the scalar ``loss`` entry of a dict) and every other scalar entry of a dict
+(an auxiliary loss) come back from each replica as the mean of its chunk; they are combined into
+one scalar, each weighted by its chunk's samples, so the value is the mean over the whole
+micro-batch, as without DataParallel.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class _GatherCheckedDataParallel(DataParallel):
         device = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
         if all(_is_scalar(o) for o in outputs):
             return combine_replica_losses(outputs, sizes, device)
-        if all(isinstance(o, dict) and _is_scalar(o.get("loss")) for o in outputs):
-            rest = super().gather([{k: v for k, v in o.items() if k != "loss"} for o in outputs], output_device)
-            return {"loss": combine_replica_losses([o["loss"] for o in outputs], sizes, device), **rest}
+        scalars = [k for k, v in outputs[0].items() if _is_scalar(v)] if isinstance(outputs[0], dict) else []
+        if scalars and all(isinstance(o, dict) and all(_is_scalar(o.get(k)) for k in scalars) for o in outputs):
+            rest = super().gather([{k: v for k, v in o.items() if k not in scalars} for o in outputs], output_device)
+            means = {k: combine_replica_losses([o[k] for o in outputs], sizes, device) for k in scalars}
+            return {k: means[k] if k in means else rest[k] for k in outputs[0]}
         return super().gather(outputs, output_device)
 
 

@@ -1,8 +1,9 @@
 """``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration.
 
 Every configuration trains the SAME spec (model, data, optimizer, seed, global batch) for
-``warmup + steps`` optimizer steps as a child MLflow run of one parent run; only the parallel
-mode and the device/process count change:
+``warmup + steps`` optimizer steps as a child MLflow run of one parent run, both in the experiment
+``<experiment>/bench`` (so its per-configuration figures stay off the training experiment's
+charts); only the parallel mode and the device/process count change:
 
 * ``none``: one device (``devices.ids = [0]``), measured once whatever ``nprocs`` says;
 * ``dp-n``: ``torch.nn.DataParallel`` over ``devices.ids = [0 .. n-1]``, for every ``n >= 2`` in
@@ -234,7 +235,7 @@ def _report(
         max_repeats=repeats[1],
         configs=[c.result for c in configs],
         loss_tolerance=LOSS_TOLERANCE,
-        experiment=spec.tracking.experiment or spec.name,
+        experiment=f"{spec.tracking.experiment or spec.name}/bench",
     )
 
 

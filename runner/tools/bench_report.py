@@ -174,7 +174,7 @@ class BenchReport:
         configs: One :class:`ConfigResult` per configuration, in run order.
         parent_run_id: The MLflow run holding the configurations as child runs (``None`` with tracking off).
         tracking_uri: Where it is stored.
-        experiment: MLflow experiment name.
+        experiment: MLflow experiment of the parent and child runs: ``<experiment>/bench``.
         json_path: The written ``bench.json``.
         png_path: The written ``bench.png``.
     """

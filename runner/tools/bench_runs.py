@@ -12,10 +12,11 @@ if TYPE_CHECKING:
 
 
 class Parent(NamedTuple):
-    """The bench's parent run."""
+    """The bench's parent run, in ``experiment`` (``<training experiment>/bench``)."""
 
     uri: str
     run_id: str
+    experiment: str
 
 
 def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -> Parent | None:
@@ -37,9 +38,10 @@ def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -
         run_name=f"bench-{report.name}",
         extra_tags={"runner.bench": "parent", "runner.bench.configs": ",".join(config_ids)},
         uri=uri,
+        experiment=report.experiment,
     )
     report.parent_run_id, report.tracking_uri = handle.run_id, uri
-    return Parent(uri, handle.run_id)
+    return Parent(uri, handle.run_id, report.experiment)
 
 
 def start_child(
@@ -62,6 +64,7 @@ def start_child(
         run_name=f"{result.config} bench {name}",  # the configuration first: the runs table cuts names
         extra_tags=tags,
         uri=parent.uri,
+        experiment=parent.experiment,
     )
     return handle.run_id
 

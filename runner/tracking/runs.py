@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+# MLflow 3's UI shows an experiment with this tag in its model-training view (Runs, charts) instead of
+# its GenAI view (traces overview, runs labelled "Evaluations"); the value is the UI's own.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 ERROR_TAG_CHARS = 1000
 
 
@@ -115,7 +118,8 @@ def experiment_artifact_location(uri: str, name: str) -> str | None:
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     """Return the id of experiment ``name``, creating it when missing (safe when processes race).
 
-    A new experiment of a sqlite store keeps its artifacts beside the database
+    The experiment carries :data:`EXPERIMENT_KIND` (set on an existing one that has no kind yet;
+    a kind the user chose is kept). A new experiment of a sqlite store keeps its artifacts beside the database
     (:func:`experiment_artifact_location`); an existing experiment keeps its own location.
 
     Raises:
@@ -127,7 +131,8 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, artifact_location=experiment_artifact_location(uri, name))
+            location = experiment_artifact_location(uri, name)
+            return client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
         except MlflowException as exc:
             if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -140,6 +145,8 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
             f"`mlflow experiments restore --experiment-id {exp.experiment_id}` "
             "or set tracking.experiment to another name"
         )
+    if EXPERIMENT_KIND[0] not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
     return str(exp.experiment_id)
 
 
@@ -159,6 +166,7 @@ def start_run(
     *,
     uri: str | None = None,
     nested: bool = False,
+    experiment: str | None = None,
 ) -> RunHandle:
     """Create the MLflow run of an experiment and record its spec, provenance and plan.
 
@@ -181,6 +189,7 @@ def start_run(
         extra_tags: Further tags; they override every other tag.
         uri: Tracking URI. Default: :func:`runner.tracking.uri.resolve_tracking_uri` of the spec.
         nested: Allow a fluent MLflow run to be active and record it as this run's parent.
+        experiment: The experiment's name. Default: ``spec.tracking.experiment``, else ``spec.name``.
 
     Returns:
         The new run's :class:`RunHandle`; the run is RUNNING until :func:`end_run`.
@@ -205,7 +214,7 @@ def start_run(
     info = git_info(loaded.path)
     texts.update(git_artifacts(info))
     tags = run_tags(loaded, plan_description, info, extra_tags, parent_run_id)
-    experiment_name = spec.tracking.experiment or spec.name
+    experiment_name = experiment or spec.tracking.experiment or spec.name
 
     client = MlflowClient(tracking_uri=uri)
     try:

@@ -98,6 +98,17 @@ class BatchIO:
         pair = (x_in, y.to(device, non_blocking=True)) if self.model_loss else x_in
         return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
 
+    def whole(self, batch: Batch) -> Any:
+        """The whole batch on its devices, as a loss function's ``batch`` gets it: the dict with its target key,
+        or ``(x, y)``."""
+        if isinstance(batch.inputs, dict):
+            if self.target_key is None or batch.target is None:
+                return dict(batch.inputs)
+            return {**batch.inputs, self.target_key: batch.target}
+        if self.model_loss:
+            return batch.inputs[0], batch.target
+        return batch.inputs, batch.target
+
     def forward(self, model: nn.Module, batch: Batch) -> ModelOutput:
         """Call the model on the batch as the contract says; returns what forward returned."""
         if isinstance(batch.inputs, dict):
@@ -134,6 +145,21 @@ class BatchIO:
             )
         return found
 
+    def scalar(self, out: ModelOutput, entry: str, key: str) -> torch.Tensor:
+        """The scalar tensor ``entry`` of forward's output (a ``[metrics]`` entry ``{ output = "..." }``), detached.
+
+        Raises:
+            TrainingError: ``out`` has no such entry, or it is not a one-value tensor (naming ``key``).
+        """
+        found = _entry(out, entry)
+        if found is _MISSING or not isinstance(found, torch.Tensor) or found.numel() != 1:
+            what = "no such entry" if found is _MISSING else f"its entry {entry!r} is {describe(found)}"
+            raise TrainingError(
+                f"{key}: output = {entry!r}, but forward returned {describe(out)}, {what}: an output metric names "
+                "a scalar tensor in forward's dict, dataclass or named tuple (e.g. an auxiliary loss)"
+            )
+        return found.detach().float().reshape(())
+
     def loss_of(self, out: ModelOutput) -> torch.Tensor:
         """The loss a model computed (``loss.name = "model"``): ``out`` itself or its ``loss`` entry, a scalar.
 
@@ -165,11 +191,15 @@ def check_target(info: DatasetInfo, spec: ExperimentSpec, *, needs: bool) -> Non
         SpecError: (``data.target``) naming the keys of the samples.
     """
     if info.keys and spec.data.target is None and needs:
+        likely = [k for k in info.keys if k.lower() in _TARGET_NAMES] or [info.keys[-1]]
         raise spec_issue(
             "data.target",
             f"{info.name} yields dicts with keys {list(info.keys)}, and loss.name = {spec.loss.name!r} or the "
-            'metrics need the target: set data.target to its key, e.g. data.target = "labels"',
+            f'metrics need the target: set data.target to its key, e.g. data.target = "{likely[0]}"',
         )
+
+
+_TARGET_NAMES = ("label", "labels", "target", "targets", "y", "class", "classes")
 
 
 def _entry(out: Any, key: str | int) -> Any:

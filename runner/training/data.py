@@ -118,7 +118,11 @@ def _first_sample(
     if isinstance(sample, dict):
         keys = tuple(str(k) for k in sample)
         if target is not None and target not in sample:
-            raise spec_issue("data.target", f"{name} yields dicts with keys {list(keys)}, none of them {target!r}")
+            from runner.spec.suggest import did_you_mean
+            from runner.spec.wording import with_hint
+
+            message = f"{name} yields dicts with keys {list(keys)}, none of them {target!r}"
+            raise spec_issue("data.target", with_hint(message, did_you_mean(target, keys)))
         inputs = [v for k, v in sample.items() if k != target and isinstance(v, torch.Tensor)]
         shape = tuple(inputs[0].shape) if inputs else ()
         return shape, (_shape_of(sample[target]) if target is not None else ()), keys

@@ -253,7 +253,7 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
             loss_sum = parts.loss(out, batch, io)
         sums.add(loss_sum, batch.size)
         if metrics:
-            metrics.update(io.prediction(out), batch.target)
+            metrics.add(out, batch, io)
     parts.model.train()
     loss_mean, _ = sums.reduce(strategy)
     return {"val/loss": loss_mean, **metrics.compute()}

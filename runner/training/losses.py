@@ -38,6 +38,17 @@ ELEMENTWISE: dict[str, type[nn.Module]] = {
     "bce_with_logits": nn.BCEWithLogitsLoss,
 }
 _TENSOR_KWARGS = ("weight", "pos_weight")  # TOML lists that torch wants as tensors
+# Parameter names that make a loss function called by keyword (with "output" or "batch" among them).
+WHOLE = ("output", "batch", "prediction", "target")
+
+
+def _named_parameters(function: Callable[..., Any]) -> set[str]:
+    """The parameter names of ``function`` when they include ``output`` or ``batch``, else the empty set."""
+    try:
+        names = set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature (a builtin or C function)
+        return set()
+    return names if names & {"output", "batch"} else set()
 
 
 class Loss:
@@ -64,13 +75,17 @@ class BuiltinLoss(Loss):
         super().__init__(name)
         self.criterion = criterion
         self.elementwise = name in ELEMENTWISE
+        self.dataset_classes = 0  # the data's classes, for the message of a target out of bounds (set by setup)
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         pred = io.prediction(out).float()
         target = batch.target
         assert target is not None  # build_loss refuses dict batches without data.target
         if not self.elementwise:
-            return self.criterion(pred, target)
+            try:
+                return self.criterion(pred, target)
+            except (IndexError, RuntimeError) as exc:
+                raise _out_of_bounds(exc, pred, self.dataset_classes) or exc from None
         if pred.numel() != target.numel():
             raise TrainingError(
                 f"loss.name: {self.name} compares the prediction with the target value by value, but forward gave "
@@ -80,6 +95,22 @@ class BuiltinLoss(Loss):
         total = self.criterion(pred, target.to(pred.dtype).reshape(pred.shape))
         per_sample = pred.numel() // max(1, batch.size)
         return total / per_sample if per_sample > 1 else total
+
+
+def _out_of_bounds(exc: Exception, pred: torch.Tensor, classes: int) -> TrainingError | None:
+    """torch's ``Target N is out of bounds`` as the spec key that fixes it (``None`` for other errors)."""
+    import re
+
+    found = re.search(r"Target (-?\d+) is out of bounds", str(exc))
+    if found is None:
+        return None
+    width = pred.shape[1] if pred.dim() > 1 else 1
+    data = f"; the dataset has {classes} classes (labels 0..{classes - 1})" if classes > 0 else ""
+    fix = f"model.kwargs.num_classes = {classes}" if classes > 0 else "as many outputs as the dataset has classes"
+    return TrainingError(
+        f"model.kwargs.num_classes: the target holds class {found.group(1)}, but the model gives {width} "
+        f"outputs per sample (classes 0..{width - 1}){data}: set {fix} (or the model's output size)"
+    )
 
 
 class ModelLoss(Loss):
@@ -92,15 +123,29 @@ class ModelLoss(Loss):
 
 
 class FunctionLoss(Loss):
-    """``loss.name = "pkg.module:function"``: ``function(prediction, target, **kwargs)`` returns the batch mean."""
+    """``loss.name = "pkg.module:function"``: returns the batch mean, called one of two ways.
+
+    * ``function(prediction, target, **kwargs)``: the prediction ``model.output`` picks, and the target;
+    * by keyword, when its signature names ``output`` or ``batch`` (:data:`WHOLE`): ``output`` is all
+      forward returned (e.g. ``{"logits", "aux_loss"}``), ``batch`` the whole batch on its devices
+      (a dict with the target key, or ``(x, y)``); ``prediction`` and ``target`` may be asked for too.
+    """
 
     def __init__(self, name: str, function: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         super().__init__(name)
         self.function = function
         self.kwargs = kwargs
+        self.by_name = _named_parameters(function) & set(WHOLE)
+        self.needs_target = not self.by_name or "target" in self.by_name
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        value = self.function(io.prediction(out), batch.target, **self.kwargs)
+        if self.by_name:
+            given = {"output": out, "batch": io.whole(batch), "prediction": None, "target": batch.target}
+            if "prediction" in self.by_name:
+                given["prediction"] = io.prediction(out)
+            value = self.function(**{k: given[k] for k in self.by_name}, **self.kwargs)
+        else:
+            value = self.function(io.prediction(out), batch.target, **self.kwargs)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TrainingError(
@@ -138,12 +183,21 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
             message = f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {first_line(exc)}"
             raise spec_issue("loss.kwargs", message) from None
     function = resolve_factory(name, spec_dir, "loss.name")
+    by_name = sorted(_named_parameters(function) & set(WHOLE), key=WHOLE.index)
     try:
-        inspect.signature(function).bind(None, None, **kwargs)
+        if by_name:
+            inspect.signature(function).bind(**dict.fromkeys(by_name), **kwargs)
+        else:
+            inspect.signature(function).bind(None, None, **kwargs)
     except TypeError as exc:
+        call = (
+            f"function({', '.join(f'{k}=...' for k in by_name)}, **loss.kwargs)"
+            if by_name
+            else ("function(prediction, target, **loss.kwargs)")
+        )
         raise spec_issue(
             "loss.kwargs",
-            f"{name!r} cannot be called as function(prediction, target, **loss.kwargs): {first_line(exc)}; "
+            f"{name!r} cannot be called as {call}: {first_line(exc)}; "
             f"signature: {getattr(function, '__name__', 'function')}{inspect.signature(function)}",
         ) from None
     except ValueError:  # no signature (a builtin or C function): the call will tell

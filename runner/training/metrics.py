@@ -8,6 +8,8 @@ Built-in names (torchmetrics classes, arguments passed through, defaults in brac
 ``bce_with_logits`` ``"binary"`` or ``"multilabel"``) and ``num_classes`` / ``num_labels`` from
 the data unless the entry sets them. ``"pkg.module:Factory"`` is called with the entry's other
 keys and must return a ``torchmetrics.Metric`` whose ``update`` takes ``(prediction, target)``.
+``{ output = "aux_loss" }`` logs a scalar of forward's output: its mean over the samples
+(``MeanMetric``, each micro-batch weighted by its samples).
 
 Distributed (docs/design.md §13): ``compute()`` gathers every rank's states with torchmetrics'
 own sync (sums added, ``cat`` lists gathered without padding), and the eval sampler gives each
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.errors import TrainingError, first_line
+from runner.errors import TrainingError, first_line, user_code_error
 from runner.spec.objectives import CLASSIFICATION_LOSSES, logged_name, metric_args, metric_name
 from runner.training.models import resolve_factory, spec_issue
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from torchmetrics import Metric
 
     from runner.spec.schema import ExperimentSpec
+    from runner.training.batches import Batch, BatchIO, ModelOutput
     from runner.training.data import DatasetInfo
 
 _CLASSIFICATION = ("accuracy", "top_k_accuracy", "f1", "precision", "recall", "auroc")
@@ -47,11 +50,14 @@ class MetricRecipe:
         name: Logged name after the scope's prefix, e.g. ``accuracy``.
         key: The spec key it comes from, e.g. ``metrics.val[1]`` (``metrics`` for a default metric).
         make: Returns a fresh ``torchmetrics.Metric``.
+        output: The entry of forward's output it averages (``{ output = "aux_loss" }``), else ``None``:
+            it takes the prediction and the target.
     """
 
     name: str
     key: str
     make: Callable[[], Metric]
+    output: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,13 +85,27 @@ class MetricSet:
     def __bool__(self) -> bool:
         return bool(self.metrics)
 
+    def add(self, out: ModelOutput, batch: Batch, io: BatchIO) -> None:
+        """Add a micro-batch from forward's ``out``: output metrics take their scalar, weighted by the samples.
+
+        Raises:
+            TrainingError: As :meth:`update`, or an output entry that is not a scalar tensor.
+        """
+        if any(r.output is None for r in self.recipes):
+            self.update(io.prediction(out), batch.target)
+        for recipe, metric in zip(self.recipes, self.metrics, strict=True):
+            if recipe.output is not None:
+                metric.update(io.scalar(out, recipe.output, recipe.key).to(metric.device), batch.size)
+
     def update(self, pred: torch.Tensor, target: torch.Tensor | None) -> None:
         """Add a batch: ``pred`` (detached here) against ``target``; a regression ``(B, 1)`` meets ``(B,)``.
+
+        Output metrics (:attr:`MetricRecipe.output`) are left to :meth:`add`.
 
         Raises:
             TrainingError: A metric rejected the batch (naming its spec key).
         """
-        if not self.metrics:
+        if not any(r.output is None for r in self.recipes):
             return
         if target is None:
             raise TrainingError("data.target: metrics need the target: set data.target to the key of the target")
@@ -95,9 +115,16 @@ class MetricSet:
         if pred.shape != target.shape and pred.numel() == target.numel():
             pred = pred.reshape(target.shape)
         for recipe, metric in zip(self.recipes, self.metrics, strict=True):
+            if recipe.output is not None:
+                continue
             try:
                 metric.update(pred, target)
-            except (RuntimeError, ValueError, TypeError) as exc:
+            except Exception as exc:
+                located = user_code_error(exc, recipe.key)  # a custom metric's own bug: its file and line
+                if located is not None:
+                    raise located from exc
+                if not isinstance(exc, (RuntimeError, ValueError, TypeError)):
+                    raise
                 raise TrainingError(
                     f"{recipe.key}: {recipe.name} could not take a prediction of shape {list(pred.shape)} and a "
                     f"target of shape {list(target.shape)} ({type(exc).__name__}: {first_line(exc)})"
@@ -218,6 +245,11 @@ def _recipe(
     train: bool,
 ) -> MetricRecipe:
     name, args = metric_name(entry), metric_args(entry)
+    output = entry.get("output") if isinstance(entry, dict) else None
+    if isinstance(output, str):
+        from torchmetrics import MeanMetric
+
+        return MetricRecipe(logged_name(entry), key, MeanMetric, output)
     if ":" in name:
         factory = resolve_factory(name, spec_dir, key)
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue, first_line
+from runner.errors import SpecError, SpecIssue, first_line, user_code_error
 from runner.spec.names import (
     BUILTIN_MODELS,
     GENERATED,
@@ -327,7 +327,12 @@ def build_model(
         pass
     try:
         model = builder(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
+        located = user_code_error(exc, "model.name") if ":" in name else None  # the factory's own failure
+        if located is not None:
+            raise located from exc
+        if not isinstance(exc, (TypeError, ValueError)):
+            raise
         raise _bad_kwargs(name, builder, kwargs, exc) from None
     if not isinstance(model, torch.nn.Module):
         raise spec_issue("model.name", f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module")

@@ -32,7 +32,7 @@ from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
 from runner.training.loaders import Loaders, build_loaders, check_batchnorm_batches
 from runner.training.loop import FitResult, LoopParts, TrainState, fit
-from runner.training.losses import Loss, build_loss
+from runner.training.losses import BuiltinLoss, Loss, build_loss
 from runner.training.memory import peak_memory_bytes
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
@@ -168,7 +168,10 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     """
     bundle = build_datasets(spec, spec_dir)
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
-    check_target(bundle.info, spec, needs=loss.needs_target or bool(metrics.train or metrics.val))
+    on_target = any(r.output is None for r in (*metrics.train, *metrics.val))  # output metrics need no target
+    check_target(bundle.info, spec, needs=loss.needs_target or on_target)
+    if isinstance(loss, BuiltinLoss):
+        loss.dataset_classes = bundle.info.num_classes
     model = _setup_model(spec, spec_dir, bundle)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from runner.errors import first_line
+from runner.errors import first_line, user_code_error
 from runner.spec.names import NOT_DATASETS, unknown_dataset
 from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue
 
@@ -257,12 +257,21 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
 def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
     try:
-        result = factory(**data.kwargs)
+        inspect.signature(factory).bind(**data.kwargs)
     except TypeError as exc:
         raise spec_issue(
             "data.kwargs",
             f"{data.dataset!r} rejected kwargs {data.kwargs}: {first_line(exc)}; signature: {_sig(factory)}",
         ) from None
+    except ValueError:  # no signature (a builtin or C callable): the call decides
+        pass
+    try:
+        result = factory(**data.kwargs)
+    except Exception as exc:  # the factory's own failure, not the spec's
+        located = user_code_error(exc, "data.dataset")
+        if located is None:
+            raise
+        raise located from exc
     if isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result
         if not _is_dataset(train) or not (val is None or _is_dataset(val)):

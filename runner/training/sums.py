@@ -109,9 +109,8 @@ class Tally:
         if self.epoch is not None:
             self.epoch.add(loss_sum, batch.size)
         if self.window_metrics:
-            prediction = io.prediction(out)
-            self.window_metrics.update(prediction, batch.target)
-            self.epoch_metrics.update(prediction, batch.target)
+            self.window_metrics.add(out, batch, io)
+            self.epoch_metrics.add(out, batch, io)
 
     def end_step(self, grad_norm: torch.Tensor | None) -> None:
         """Close an optimizer step: its non-finite flag goes into the window's and the epoch's sums."""

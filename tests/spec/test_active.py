@@ -66,11 +66,12 @@ def test_the_readme_dp_example_on_cpu_explains_and_its_suggestion_works(capsys, 
     assert main(["plan", spec]) == 2
     captured = capsys.readouterr()
     assert captured.out.startswith(f"plan for {REPO / 'experiments' / 'resnet_dp.toml'}")  # the plan first
-    assert "cannot run" in captured.out and "no GPU is visible" in captured.err
+    both = captured.out + captured.err
+    assert both.count("no GPU is visible") == 1 and both.count("runner plan") == 1  # said once, on stderr
     line = next(x for x in captured.err.splitlines() if "this runs here:" in x)
     command = line.split("this runs here: ", 1)[1].split()
     assert command[:3] == ["runner", "plan", spec]
-    assert command[3:] == ["--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu"]
+    assert command[3:] == ["--set", "parallel.mode=none", "--set", "devices.accelerator=cpu"]  # dp is one process
     assert main(command[1:]) == 0  # works as printed
     assert "world size     1" in capsys.readouterr().out
 
@@ -83,7 +84,7 @@ def test_a_suggestion_drops_the_override_it_replaces_and_keeps_the_others() -> N
     words = shlex.split(info["try"])
     assert words == [
         "runner", "plan", "s.toml", "--unset", "devices.ids", "--set", "optim.lr=0.2",
-        "--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu",
+        "--set", "parallel.mode=none", "--set", "devices.accelerator=cpu",
     ]  # fmt: skip
     sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     fixed = load_spec(path, sets, ["devices.ids"])
@@ -281,3 +282,11 @@ def test_exec_of_a_sweep_spec_notes_that_sweep_is_ignored_and_logs_only_what_app
     capsys.readouterr()
     assert main(["diff", run.info.run_id, str(other), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["spec"] == {}  # diff compares what the params hold
+
+
+def test_plan_of_a_sweep_spec_shows_its_trials_without_the_note_that_exec_ignores_sweep(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert main(["plan", str(REPO / "experiments" / "sweep_lr.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "trials         6 (runner sweep)" in out
+    assert "[sweep]" not in out and "sweep:" not in out

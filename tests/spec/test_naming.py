@@ -26,6 +26,14 @@ def test_the_default_name_is_spec_mode_size_and_the_changed_values() -> None:
     assert name_of(DIGITS, ("train.epochs=3",), ("optim.momentum",)) == "digits-mlp none-1 momentum=0.0 epochs=3"
 
 
+def test_an_unset_of_a_key_no_file_wrote_changes_neither_the_name_nor_the_command_line() -> None:
+    assert name_of(DIGITS, (), ("optim.weight_decay",)) == "digits-mlp none-1"
+    assert load_spec(DIGITS, (), ("optim.weight_decay", "optim.momentum")).command_line() == [
+        "--unset",
+        "optim.momentum",
+    ]
+
+
 def test_tracking_run_name_wins() -> None:
     assert name_of(DDP, ('tracking.run_name="mine"', "optim.lr=0.05")) == "mine"
 

@@ -23,7 +23,7 @@ def _bench(argv: list[str], capsys) -> tuple[int, dict]:
     return status, json.loads(out)
 
 
-def _runs(store: str, experiment: str = "tests"):
+def _runs(store: str, experiment: str = "tests/bench"):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name(experiment)
     return client, client.search_runs([exp.experiment_id])
@@ -88,6 +88,8 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
     assert parent.data.metrics["bench/ddp-2/samples_per_s"] == pytest.approx(rows["ddp-2"]["samples_per_s"])
     assert {a.path for a in client.list_artifacts(parent_id, "bench")} == {"bench/bench.json", "bench/bench.png"}
     assert len(runs) == 4
+    assert client.get_experiment_by_name("tests") is None  # the training experiment's charts stay clean
+    assert report["experiment"] == "tests/bench"
 
     png = out_dir / "bench.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -145,5 +147,6 @@ def test_a_model_that_does_not_build_exits_2_and_leaves_no_run(write_spec, store
     err = capsys.readouterr().err
     assert "model.kwargs" in err and "Traceback" not in err
     client = MlflowClient(store)
-    experiment = client.get_experiment_by_name("tests")
-    assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+    for name in ("tests", "tests/bench"):
+        experiment = client.get_experiment_by_name(name)
+        assert experiment is None or client.search_runs([experiment.experiment_id]) == []

@@ -223,6 +223,16 @@ def test_existing_experiment_keeps_its_artifact_location(tmp_path, uri, client):
     assert not (tmp_path / "mlartifacts").exists()
 
 
+def test_experiments_carry_the_training_kind_and_keep_a_kind_of_their_own(tmp_path, uri, client):
+    """MLflow 3 opens an experiment in its training view only with mlflow.experimentKind set."""
+    client.create_experiment("old")  # made before runner set the kind: the next run writes it
+    client.create_experiment("mine", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("new", "old", "mine"):
+        tracking.ensure_experiment(client, name, uri)
+    kinds = {n: client.get_experiment_by_name(n).tags.get("mlflow.experimentKind") for n in ("new", "old", "mine")}
+    assert kinds == {"new": "custom_model_development", "old": "custom_model_development", "mine": "genai_development"}
+
+
 def test_start_run_defaults_experiment_to_spec_name(tmp_path, uri, client):
     spec_path = write_spec(tmp_path / "loose", SPEC.replace('experiment = "exp-demo"', 'run_name = "from-spec"'))
     handle = start_run(load_spec(spec_path), {}, uri=uri)

@@ -38,8 +38,8 @@ def _steps(store: str, run_id: str, key: str = "m") -> list[int]:
     return sorted(m.step for m in MlflowClient(store).get_metric_history(run_id, key))
 
 
-def _tracker(store: str, run_id: str, path: Path, **kwargs) -> tuple[MlflowTracker, Switch]:
-    tracker = MlflowTracker(store, run_id, flush_every_s=0.05, spool=path, spill_after_s=0.5, **kwargs)
+def _tracker(store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs) -> tuple[MlflowTracker, Switch]:
+    tracker = MlflowTracker(store, run_id, flush_every_s=0.05, spool=path, spill_after_s=spill_after_s, **kwargs)
     switch = Switch(tracker._client)
     tracker._client = switch
     return tracker, switch
@@ -56,7 +56,8 @@ def test_values_wait_in_the_spool_while_the_store_is_away_and_are_sent_once_when
     ready_store: str, run: str, tmp_path: Path
 ) -> None:
     path = tmp_path / "ck" / spool.SPOOL_NAME
-    tracker, switch = _tracker(ready_store, run, path)
+    # spill_after_s far above what a loaded machine adds: "no wait" is told from "waited spill_after_s"
+    tracker, switch = _tracker(ready_store, run, path, spill_after_s=60)
     for step in range(5):
         tracker.log_metrics({"m": float(step)}, step=step)
     tracker.flush()
@@ -66,12 +67,12 @@ def test_values_wait_in_the_spool_while_the_store_is_away_and_are_sent_once_when
         tracker.log_metrics({"m": float(step)}, step=step)
     t0 = time.monotonic()
     tracker.flush()  # a checkpoint: returns once the values are safe, without waiting for the store
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30
     kept, _ = spool.read(path)
     assert [i.step for i in kept.items] == list(range(5, 12))
     t0 = time.monotonic()
     tracker.flush()  # the store is known to be away: no wait at all
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 30
     switch.down = False
     _wait(lambda: _steps(ready_store, run) == list(range(12)))
     _wait(lambda: not path.exists())  # everything in it was sent
@@ -105,7 +106,7 @@ def test_close_while_the_store_is_away_leaves_values_and_tags_in_the_spool(
     tracker._client.real = None  # never reached again: close must not wait on it
     t0 = time.monotonic()
     tracker.close(timeout_s=1.0)
-    assert time.monotonic() - t0 < 5 and tracker.unsent() == 2 and tracker.recorded() == 103
+    assert time.monotonic() - t0 < 30 and tracker.unsent() == 2 and tracker.recorded() == 103  # not stuck on it
     kept, _ = spool.read(path)
     assert sorted((i.seq, i.key, i.step) for i in kept.items) == [(101, "m", 1), (102, "lr", 1)]
     assert kept.tags == {"phase": "late"}

@@ -87,7 +87,7 @@ def test_check_reachable_closed_port_fails_fast():
     t0 = time.monotonic()
     with pytest.raises(TrackingError) as err:
         check_reachable(url, timeout_s=2.0)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # no HTTP retries (those take minutes)
     assert url in str(err.value) and "mlflow server" in str(err.value) and "MLFLOW_TRACKING_URI" in str(err.value)
 
 

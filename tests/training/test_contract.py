@@ -171,6 +171,18 @@ def test_builtin_losses_are_sums_of_per_sample_means() -> None:
     assert torch.allclose(got, torch.nn.functional.binary_cross_entropy_with_logits(pred, multi, pos_weight=weight) * 6)
 
 
+def test_a_target_out_of_bounds_names_num_classes_and_the_datasets_classes() -> None:
+    io = BatchIO(None, None, model_loss=False)
+    loss = build_loss(spec().loss, None)
+    loss.dataset_classes = 10
+    with pytest.raises(TrainingError) as err:
+        loss(torch.randn(4, 3), _batch(io, torch.zeros(4, 1), torch.tensor([0, 6, 1, 2])), io)
+    assert str(err.value).startswith(
+        "model.kwargs.num_classes: the target holds class 6, but the model gives 3 outputs"
+    )
+    assert "the dataset has 10 classes" in str(err.value) and "set model.kwargs.num_classes = 10" in str(err.value)
+
+
 def test_a_regression_prediction_that_does_not_fit_the_target_says_how_to_fix_it() -> None:
     io = BatchIO(None, None, model_loss=False)
     loss = build_loss(spec(loss={"name": "mse"}).loss, None)
@@ -221,6 +233,47 @@ def test_a_custom_loss_must_return_a_scalar_and_take_its_kwargs() -> None:
         build_loss(spec(loss={"name": "tests_loss_mod:nope"}).loss, folder)
     with pytest.raises(SpecError, match=r"loss.kwargs: cross_entropy"):
         build_loss(spec(loss={"name": "cross_entropy", "kwargs": {"smoothing": 0.1}}).loss, None)
+
+
+def test_a_loss_whose_signature_names_output_and_batch_gets_all_forward_returned_and_the_whole_batch(tmp_path) -> None:
+    import sys
+
+    (tmp_path / "aux_loss_mod.py").write_text(
+        "import torch.nn.functional as F\n\n"
+        "def with_aux(output, batch, weight=0.5):\n"
+        "    return F.cross_entropy(output['logits'], batch['labels']) + weight * output['aux_loss']\n\n"
+        "def no_target(output):\n    return output['aux_loss']\n"
+    )
+    sys.modules.pop("aux_loss_mod", None)
+    io = BatchIO("labels", "logits", model_loss=False)
+    batch = io.prepare({"pixels": torch.randn(4, 3), "labels": torch.tensor([0, 1, 2, 0])}, CPU, CPU)
+    assert set(io.whole(batch)) == {"pixels", "labels"}  # the target key too
+    out = {"logits": torch.randn(4, 3), "aux_loss": torch.tensor(2.0)}
+    loss = build_loss(spec(loss={"name": "aux_loss_mod:with_aux", "kwargs": {"weight": 0.25}}).loss, tmp_path)
+    expected = torch.nn.functional.cross_entropy(out["logits"], batch.target) + 0.25 * 2.0
+    assert float(loss(out, batch, io)) == pytest.approx(float(expected) * 4)  # the batch mean times its samples
+    assert loss.needs_target is False  # it reads the target out of the batch itself: data.target may stay unset
+    with pytest.raises(SpecError, match=r"loss.kwargs: .*function\(output=\.\.\., batch=\.\.\., \*\*loss.kwargs\)"):
+        build_loss(spec(loss={"name": "aux_loss_mod:with_aux", "kwargs": {"wieght": 1.0}}).loss, tmp_path)
+
+
+def test_an_output_metric_logs_the_sample_weighted_mean_of_a_scalar_forward_returns() -> None:
+    s = spec(metrics={"val": ["accuracy", {"output": "aux_loss"}, {"output": "aux_loss", "log_as": "aux"}]})
+    recipes = build_metric_plan(s, info(3), None).val
+    assert [(r.name, r.output) for r in recipes] == [("accuracy", None), ("aux_loss", "aux_loss"), ("aux", "aux_loss")]
+    io = BatchIO(None, "logits", model_loss=False)
+    metrics = MetricSet(recipes, "val/", CPU)
+    for size, aux in ((3, 1.0), (1, 5.0)):
+        batch = io.prepare((torch.randn(size, 4), torch.zeros(size, dtype=torch.long)), CPU, CPU)
+        metrics.add({"logits": torch.randn(size, 3), "aux_loss": torch.tensor(aux)}, batch, io)
+    values = metrics.compute()
+    assert values["val/aux_loss"] == values["val/aux"] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)
+    assert "val/accuracy" in values
+    batch = io.prepare((torch.randn(2, 4), torch.zeros(2, dtype=torch.long)), CPU, CPU)
+    with pytest.raises(TrainingError, match=r"metrics.val\[1\]: output = 'aux_loss', but forward returned a dict"):
+        metrics.add({"logits": torch.randn(2, 3)}, batch, io)
+    with pytest.raises(SpecError, match=r"an output metric takes output"):
+        spec(metrics={"train": [{"output": "aux_loss", "k": 1}]})
 
 
 # --------------------------------------------------------------------------- metrics
@@ -396,6 +449,14 @@ def test_dataparallel_outputs_dataclasses_as_dicts_and_weighs_replica_losses() -
     wrapper = _GatherCheckedDataParallel(nn.Linear(2, 2))
     wrapper._chunk_sizes = [3, 1]
     assert float(wrapper.gather([torch.tensor(1.0), torch.tensor(4.0)], CPU)) == pytest.approx(1.75)
+    wrapper.dim = 0  # DataParallel without CUDA sets no dim (and gathers no CPU tensor: scalars only here)
+    replicas = [
+        {"loss": torch.tensor(2.0), "aux_loss": torch.tensor(1.0)},
+        {"loss": torch.tensor(2.0), "aux_loss": torch.tensor(4.0)},
+    ]
+    gathered = wrapper.gather(replicas, CPU)  # every scalar entry is a chunk mean: weighted like the loss
+    assert list(gathered) == ["loss", "aux_loss"] and float(gathered["loss"]) == pytest.approx(2.0)
+    assert float(gathered["aux_loss"]) == pytest.approx(1.75)
     assert _chunk_size((torch.zeros(3, 2),), {}, 0) == 3 and _chunk_size((), {"x": torch.zeros(2, 5)}, 1) == 5
 
 
@@ -428,9 +489,17 @@ def test_dict_samples_need_the_target_key_their_loss_or_metrics_use(tmp_path) ->
     assert (info.keys, info.input_shape, info.num_classes) == (("x", "labels"), (3,), 2)
     with pytest.raises(SpecError, match=r"data.target: dict_data:make yields dicts with keys \['x', 'labels'\], none"):
         build_datasets(spec(data={"dataset": "dict_data:make", "target": "label"}), tmp_path)
+    with pytest.raises(SpecError, match=r'none of them \'label\' \(did you mean "labels"\?\)'):
+        build_datasets(spec(data={"dataset": "dict_data:make", "target": "label"}), tmp_path)
     missing = spec(data={"dataset": "dict_data:make"})
-    with pytest.raises(SpecError, match=r"data.target: .*set data.target to its key"):
+    with pytest.raises(SpecError, match=r'data.target: .*set data.target to its key, e.g. data.target = "labels"'):
         check_target(build_datasets(missing, tmp_path).info, missing, needs=True)
+    (tmp_path / "dict_data_label.py").write_text(
+        "import torch\n\ndef make(n=12):\n    return [{'x': torch.randn(3), 'label': torch.tensor(i % 2)} for i in range(n)]\n"
+    )
+    singular = spec(data={"dataset": "dict_data_label:make"})
+    with pytest.raises(SpecError, match=r'e.g. data.target = "label"'):  # the dataset's own key, not a guess
+        check_target(build_datasets(singular, tmp_path).info, singular, needs=True)
     check_target(build_datasets(missing, tmp_path).info, missing, needs=False)  # a model-computed loss, no metrics
     with pytest.raises(SpecError, match=r"data.target: synthetic yields \(x, y\) pairs"):
         build_datasets(spec(data={"target": "labels"}), None)

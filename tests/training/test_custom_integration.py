@@ -51,6 +51,32 @@ class Seen(torchmetrics.Metric):
 """
 
 
+# A model with an auxiliary loss beside its logits, and a loss function that sees both and the whole batch.
+AUX = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WithAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, pixels):
+        logits = self.net(pixels)
+        return {"logits": logits, "aux_loss": logits.pow(2).mean(dim=1).mean()}  # a mean over the batch
+
+
+def build():
+    return WithAux()
+
+
+def loss(output, batch):
+    return F.cross_entropy(output["logits"], batch["labels"]) + 0.01 * output["aux_loss"]
+"""
+
+
 def _sets(items: list[str]) -> list[str]:
     out: list[str] = []
     for item in items:
@@ -129,6 +155,26 @@ def test_custom_model_example_agrees_in_none_and_ddp_and_counts_every_validation
         assert {"train/accuracy", "train/step_accuracy", "val/f1", "val/true_class_probability"} <= set(metrics)
     for key in ("val/accuracy", "val/f1", "val/true_class_probability", "val/loss"):
         assert single.data.metrics[key] == pytest.approx(ddp.data.metrics[key], abs=1e-4), key
+
+
+@pytest.mark.timeout(600)
+def test_an_auxiliary_loss_trains_and_logs_the_same_in_none_and_ddp(in_repo: Path, store: str) -> None:
+    (in_repo / "aux_model.py").write_text(AUX)
+    sets = [
+        'model.name="aux_model:build"',
+        "model.kwargs={}",
+        'loss.name="aux_model:loss"',
+        'metrics.train=["accuracy", { output = "aux_loss" }]',
+        'metrics.val=[{ output = "aux_loss" }]',
+        "train.epochs=1",
+    ]
+    client, (single, ddp) = _none_and_ddp("experiments/custom_model.toml", store, "custom-model", sets)
+    for key in ("train/aux_loss", "val/aux_loss", "train/step_aux_loss"):
+        a, b = (_history(client, r.info.run_id, key) for r in (single, ddp))
+        assert a and [s for s, _ in a] == [s for s, _ in b], key
+        for (step, va), (_, vb) in zip(a, b, strict=True):
+            assert va == pytest.approx(vb, rel=1e-4), (key, step)
+    assert single.data.metrics["val/aux_loss"] > 0
 
 
 def test_diabetes_example_agrees_in_none_and_ddp_with_mae_and_r2(in_repo: Path, store: str) -> None:

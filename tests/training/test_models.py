@@ -124,7 +124,9 @@ def test_factory_errors_name_model_name(tmp_path):
 def test_check_model_name_never_calls_the_factory(tmp_path):
     (tmp_path / "explosive_factory_mod.py").write_text("def make():\n    raise RuntimeError('called')\n")
     check_model_name("explosive_factory_mod:make", tmp_path)
-    with pytest.raises(RuntimeError, match="called"):
+    from runner.errors import UserCodeError
+
+    with pytest.raises(UserCodeError, match="RuntimeError: called"):
         build_model(model("explosive_factory_mod:make"), tmp_path)
 
 
@@ -172,3 +174,74 @@ def test_check_model_name_for_builtins_does_not_import_torch():
     code = "import sys, runner.training.models as m; m.check_model_name('mlp'); m.check_model_name('cnn'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+BUGGY = """\
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+def build(hidden=4):
+    return _make(hidden)
+
+
+def _make(hidden):
+    raise RuntimeError("my own bug")
+
+
+def dataset():
+    return [][1]
+
+
+def loss(prediction, target):
+    return F.cross_entropy(prediction, target[:, 5])
+"""
+
+
+def _line_of(text: str, fragment: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if fragment in line)
+
+
+def test_an_error_in_the_users_code_names_their_file_line_and_the_spec_key(tmp_path):
+    import sys
+
+    from runner.errors import UserCodeError, user_code_error
+    from runner.spec.loading import spec_from_dict
+    from runner.training.batches import BatchIO
+    from runner.training.data import build_datasets
+    from runner.training.losses import build_loss
+
+    (tmp_path / "buggy_user_mod.py").write_text(BUGGY)
+    sys.modules.pop("buggy_user_mod", None)
+    path = tmp_path / "buggy_user_mod.py"
+    with pytest.raises(UserCodeError) as err:  # a factory that raises: the user's bug, not "rejected the kwargs"
+        build_model(model("buggy_user_mod:build", hidden=3), tmp_path)
+    text = str(err.value)
+    assert text.startswith("model.name: your code raised RuntimeError: my own bug")
+    assert f"{path}:{_line_of(BUGGY, 'my own bug')}, in _make" in text and "rejected" not in text
+    assert "buggy_user_mod.py:6 in build: return _make(hidden)" in text and "runner/" not in text
+    assert err.value.exit_code == 1
+
+    spec = {
+        "name": "t",
+        "model": {"name": "mlp"},
+        "optim": {"lr": 0.1},
+        "data": {"dataset": "synthetic", "batch_size": 2},
+    }
+    data = spec_from_dict({**spec, "data": {"dataset": "buggy_user_mod:dataset", "batch_size": 2}})
+    with pytest.raises(UserCodeError, match=r"^data.dataset: your code raised IndexError") as err:
+        build_datasets(data, tmp_path)
+    assert f"{path}:{_line_of(BUGGY, 'return [][1]')}" in str(err.value)
+
+    io = BatchIO(None, None, model_loss=False)
+    fn = build_loss(spec_from_dict({**spec, "loss": {"name": "buggy_user_mod:loss"}}).loss, tmp_path)
+    batch = io.prepare(
+        (torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.long)), torch.device("cpu"), torch.device("cpu")
+    )
+    try:
+        fn(torch.randn(2, 3), batch, io)
+    except IndexError as exc:
+        located = user_code_error(exc)
+    assert located is not None
+    assert str(located).startswith("loss.name: your code raised IndexError")
+    assert f"{path}:{_line_of(BUGGY, 'target[:, 5]')}, in loss" in str(located)
