@@ -245,9 +245,11 @@ def show_plan(
         UsageError: As :func:`make_plan` (launcher variables).
     """
     from runner.devices.inventory import probe_inventory
+    from runner.launch.prebuild import known_differences
     from runner.spec.dump import dump_spec
 
     info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
+    info["notes"] = [*info.get("notes", []), *known_differences(loaded)]
     if loaded.spec.sweep is not None and sweep_trials is not None:
         info["trials"] = sweep_trials(loaded)
     print(json.dumps(info, indent=2) if as_json else format_plan(info))

@@ -150,13 +150,15 @@ def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
     return total if train_spec.max_steps is None else min(total, train_spec.max_steps)
 
 
-def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> TrainingParts:
+def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype: str | None = None) -> TrainingParts:
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
     Args:
         spec: The validated spec.
         spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
         strategy: After ``setup()``: it gives the rank, the world size and the device.
+        dtype: A torch dtype name (``"float64"``): the model's floating tensors and every floating tensor
+            of a batch are cast to it, and the loss is kept in it; ``None``: as built.
 
     Returns:
         The :class:`TrainingParts`.
@@ -170,6 +172,9 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
     check_target(bundle.info, spec, needs=loss.needs_target or bool(metrics.train or metrics.val))
     model = _setup_model(spec, spec_dir, bundle)
+    cast = getattr(torch, dtype) if dtype is not None else None
+    if cast is not None:
+        model = model.to(cast)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
     check_batchnorm_batches(model, spec, loaders, strategy.world_size, replicas)
@@ -185,7 +190,7 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         scheduler_interval=scheduler_interval(spec.scheduler),
         precision=Precision(spec.train.amp, strategy.device),
         loss=loss,
-        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model"),
+        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model", dtype=cast),
         metrics=metrics,
         loaders=loaders,
         total_steps=total_steps,
