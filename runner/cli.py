@@ -207,7 +207,9 @@ def _add_parity(sub: _Commands) -> None:
     )
     _spec_args(p)
     _unset_arg(p)
-    p.add_argument("--modes", metavar="M1,M2", help="modes to compare with none (default: every mode this machine runs)")
+    p.add_argument(
+        "--modes", metavar="M1,M2", help="modes to compare with none (default: every mode this machine runs)"
+    )
     p.add_argument(
         "--steps", type=int, metavar="N", help="optimizer steps per run (default 100, at most the spec's run)"
     )

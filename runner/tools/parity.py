@@ -8,9 +8,10 @@ its loss in float64 (:attr:`runner.launch.driver.ExecOptions.dtype`; float32 whe
 train in float64). Its per-step ``train/loss`` comes from the run's history, its final parameters
 from the checkpoint written at the last step.
 
-The **control** is ``none`` with ``optim.lr`` changed by one float32 ulp (a relative
-:data:`PERTURBATION`): how far that grows in ``steps`` steps is how much the spec amplifies rounding,
-and sets the tolerance of the comparison (:func:`tolerance`). Every run is a child of one parent run
+The **control** is ``none`` in float32 with ``optim.lr`` changed by one float32 ulp (a relative
+:data:`PERTURBATION`), compared with ``none`` in float32 (``none-float32``): how far that grows in
+``steps`` steps is how much the spec amplifies float32 rounding (what float32 runs of it differ by
+across modes), and sets the tolerance of the comparison (:func:`tolerance`). Every run is a child of one parent run
 in the experiment ``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a
 plot of per-step |Δ train/loss| (``parity/parity.png``).
 """
@@ -74,7 +75,8 @@ class ModeResult:
 
 @dataclass
 class ParityReport:
-    """The verdict of ``runner parity``: ``modes[0]`` is ``none``, ``control`` the perturbed ``none``."""
+    """The verdict of ``runner parity``: ``modes[0]`` is ``none``, ``control`` the perturbed ``none`` in float32,
+    ``reference`` the float32 ``none`` it is compared with (``None`` when everything ran in float32)."""
 
     spec: str
     name: str
@@ -82,6 +84,7 @@ class ParityReport:
     steps: int
     modes: list[ModeResult]
     control: ModeResult
+    reference: ModeResult | None = None
     loss_tolerance: float = 0.0
     param_tolerance: float = 0.0
     causes: list[str] = field(default_factory=list)
@@ -92,7 +95,9 @@ class ParityReport:
 
     @property
     def differing(self) -> list[ModeResult]:
-        return [m for m in self.modes[1:] if m.status == "failed" or m.first_beyond is not None or _params_differ(m, self)]
+        return [
+            m for m in self.modes[1:] if m.status == "failed" or m.first_beyond is not None or _params_differ(m, self)
+        ]
 
     @property
     def failed(self) -> int:
@@ -109,11 +114,13 @@ class ParityReport:
         lines = [f"runner parity: {self.name}: {head} ({self.precision}, {self.steps} steps, deterministic)"]
         for m in self.modes[1:]:
             lines.append(f"  {m.config:<8} {self._line(m)}")
-        lines.append(f"  {'control':<8} none with optim.lr x (1 + 2^-23): {self.sensitivity()}")
+        lines.append(f"  {'control':<8} none in float32 with optim.lr x (1 + 2^-23): {self.sensitivity()}")
         lines += [f"  likely cause: {cause}" for cause in (self.causes if differ else [])]
         lines += [f"  note: {note}" for note in self.notes]
         if self.parent_run_id:
-            lines.append(f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}")
+            lines.append(
+                f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}"
+            )
         return "\n".join(lines)
 
     def _line(self, m: ModeResult) -> str:
@@ -154,7 +161,7 @@ class ParityReport:
             "sensitivity": self.sensitivity(),
             "causes": self.causes if self.differing else [],
             "notes": self.notes,
-            "configurations": [row(m) for m in [*self.modes, self.control]],
+            "configurations": [row(m) for m in [*self.modes, self.control, self.reference] if m is not None],
             "parent_run_id": self.parent_run_id,
         }
 
@@ -214,7 +221,9 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
     steps = min(steps or DEFAULT_STEPS, cap) if cap else (steps or DEFAULT_STEPS)
     with tempfile.TemporaryDirectory(prefix="runner-parity-") as tmp:
         base, others, skipped = _configurations(loaded, modes, steps, Path(tmp))
-        report = ParityReport(str(loaded.path), loaded.spec.name, "float64", steps, [], ModeResult("control", "none", 1))
+        report = ParityReport(
+            str(loaded.path), loaded.spec.name, "float64", steps, [], ModeResult("control", "none", 1)
+        )
         report.modes = [ModeResult("none", "none", 1), *(ModeResult(c, m, n) for c, m, n, _ in others), *skipped]
         parent = _start_parent(base, report)
         status, error = "FAILED", None
@@ -258,7 +267,9 @@ def _configurations(
 
     unknown = [m for m in modes or () if m not in MODES]
     if unknown or (modes is not None and not modes):
-        raise UsageError(f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes or ())}")
+        raise UsageError(
+            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes or ())}"
+        )
     gpus = len(probe_inventory(os.environ).gpus)
     cpu = gpus < 2 or loaded.spec.devices.accelerator == "cpu"  # every configuration on the same kind of device
     base = _mode_spec(loaded, "none", 1, steps, cpu, folder)
@@ -337,7 +348,11 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
     none = report.modes[0]
     try:
         _train(none, base, parent, "float64")
+        report.reference = ModeResult("none-float32", "none", 1)
+        _train(report.reference, base, parent, None)
     except TrainingError as exc:
+        if report.reference is not None:
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         report.precision = "float32"
         report.notes.append(f"the model does not train in float64 ({first}): every configuration ran in float32")
@@ -345,7 +360,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
     dtype = "float64" if report.precision == "float64" else None
     data = {**base.data, "optim": {**base.data.get("optim", {}), "lr": base.spec.optim.lr * (1 + PERTURBATION)}}
     spec = spec_from_dict(data, origin=str(base.path))
-    _train(report.control, dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec)), parent, dtype)
+    _train(report.control, dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec)), parent, None)
     for (_, _, _, loaded), result in zip(others, report.modes[1:], strict=False):
         try:
             _train(result, loaded, parent, dtype)
@@ -376,16 +391,17 @@ def _train(result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | Non
 
 
 def _compare(report: ParityReport) -> None:
-    """Fill every configuration's |Δ| against ``none``, the tolerances from the control, the first step beyond."""
+    """Fill every configuration's |Δ| against ``none`` (the control's against float32 ``none``), the tolerances
+    from the control, the first step beyond."""
     none = report.modes[0]
-    for m in [report.control, *report.modes[1:]]:
+    for m, base in [(report.control, report.reference or none), *((m, none) for m in report.modes[1:])]:
         if m.status != "ok":
             continue
-        steps = sorted(set(none.losses) | set(m.losses))
-        m.loss_deltas = {s: _delta(m.losses.get(s), none.losses.get(s)) for s in steps}
+        steps = sorted(set(base.losses) | set(m.losses))
+        m.loss_deltas = {s: _delta(m.losses.get(s), base.losses.get(s)) for s in steps}
         m.max_loss_delta = max(m.loss_deltas.values(), default=None)
         m.max_param_delta = max(
-            (float((m.params[k] - v).abs().max()) if k in m.params else math.inf for k, v in none.params.items()),
+            (float((m.params[k] - v).abs().max()) if k in m.params else math.inf for k, v in base.params.items()),
             default=None,
         )
     loss_scale = max([1.0, *(abs(v) for v in none.losses.values() if math.isfinite(v))])
@@ -462,7 +478,7 @@ def _record(report: ParityReport, parent: tuple[str, str], folder: Path) -> None
 
     uri, run_id = parent
     metrics: dict[str, float] = {}
-    for m in [*report.modes[1:], report.control]:
+    for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:
         figures = {"max_abs_dloss": m.max_loss_delta, "max_abs_dparam": m.max_param_delta}
         shown = {f"parity/{k}": v for k, v in figures.items() if v is not None and math.isfinite(v)}
         metrics.update({f"parity/{m.config}/{k[7:]}": v for k, v in shown.items()})

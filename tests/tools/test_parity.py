@@ -43,7 +43,7 @@ def test_bad_input_exits_2_naming_what_is_missing(write_spec, store: str, capsys
 def _result(config: str, losses: dict[int, float], params: dict[str, float]) -> ModeResult:
     import torch
 
-    mode = config.split("-")[0] if config != "control" else "none"
+    mode = config.split("-", maxsplit=1)[0] if config != "control" else "none"
     out = ModeResult(config, mode, 2 if "-" in config else 1, losses=losses)
     out.params = {k: torch.tensor([v], dtype=torch.float64) for k, v in params.items()}
     return out

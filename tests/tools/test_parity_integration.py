@@ -9,6 +9,7 @@ from runner.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
 
+
 def _parity(spec, capsys, *args: str) -> tuple[int, str]:
     status = main(["parity", str(spec), "--modes", "ddp", "--steps", "4", *args])
     return status, capsys.readouterr().out
@@ -30,7 +31,7 @@ def test_agreeing_modes_exit_0_with_the_sensitivity_and_record_a_parent_with_chi
     assert parent.data.tags["runner.parity.verdict"] == "agree"
     assert parent.data.tags["runner.parity.precision"] == "float64"
     children = {r.data.tags["runner.parity.config"]: r for r in runs if r is not parent}
-    assert set(children) == {"none", "control", "ddp-2"}
+    assert set(children) == {"none", "none-float32", "control", "ddp-2"}
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children.values())
     history = client.get_metric_history(children["ddp-2"].info.run_id, "parity/abs_dloss")
     assert [m.step for m in history] == [1, 2, 3, 4]
