@@ -57,6 +57,7 @@ class ExecOptions:
             stops training after that epoch (a sweep's pruner). Must be picklable for ddp.
         dtype: ``"float64"`` trains the model, its inputs and its loss in that dtype (``runner parity``);
             ``None``: as built (float32).
+        nudge: Nudge every initial weight up by one ulp of its dtype (``runner parity``'s control).
     """
 
     run_name: str | None = None
@@ -70,6 +71,7 @@ class ExecOptions:
     environ: Mapping[str, str] | None = None
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     dtype: str | None = None
+    nudge: bool = False
 
 
 @dataclass

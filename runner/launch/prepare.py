@@ -111,6 +111,7 @@ def worker_args(plan: Plan, options: ExecOptions, ready: Prepared) -> WorkerArgs
         sync_timing=options.sync_timing,
         epoch_end=options.epoch_end,
         dtype=options.dtype,
+        nudge=options.nudge,
     )
 
 

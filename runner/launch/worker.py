@@ -56,6 +56,7 @@ class WorkerArgs:
             ``run_id``, ``checkpoint_dir`` and ``resume`` above are then read from it after the parts are
             built. ``None``: they are final.
         dtype: The dtype the model, its inputs and its loss train in (``ExecOptions.dtype``), or ``None``.
+        nudge: Nudge the initial weights by one ulp (``ExecOptions.nudge``).
     """
 
     loaded: LoadedSpec
@@ -70,6 +71,7 @@ class WorkerArgs:
     report_dir: str | None = None
     run_file: str | None = None
     dtype: str | None = None
+    nudge: bool = False
 
 
 @record
@@ -132,7 +134,7 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
 
     spec, uri = args.loaded.spec, args.tracking_uri
     seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
-    parts = setup.build_parts(spec, args.loaded.path.parent, strategy, dtype=args.dtype)
+    parts = setup.build_parts(spec, args.loaded.path.parent, strategy, dtype=args.dtype, nudge=args.nudge)
     if args.run_file is not None:
         from runner.launch.handoff import wait_for_run
 

@@ -8,8 +8,8 @@ its loss in float64 (:attr:`runner.launch.driver.ExecOptions.dtype`; float32 whe
 train in float64). Its per-step ``train/loss`` comes from the run's history, its final parameters
 from the checkpoint written at the last step.
 
-The **control** is ``none`` in float32 with ``optim.lr`` changed by one float32 ulp (a relative
-:data:`PERTURBATION`), compared with ``none`` in float32 (``none-float32``): how far that grows in
+The **control** is ``none`` in float32 with every initial weight nudged up by one float32 ulp (a
+relative :data:`PERTURBATION` at most, :attr:`runner.launch.driver.ExecOptions.nudge`), compared with ``none`` in float32 (``none-float32``): how far that grows in
 ``steps`` steps is how much the spec amplifies float32 rounding (what float32 runs of it differ by
 across modes), and sets the tolerance of the comparison (:func:`tolerance`). Every run is a child of one parent run
 in the experiment ``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from runner.spec.loading import LoadedSpec
 
-PERTURBATION = 2.0**-23  # the control's relative change of optim.lr: one float32 ulp of 1.0 (1.2e-07)
+PERTURBATION = 2.0**-23  # the control's relative nudge of every initial weight: one float32 ulp (at most 1.2e-07)
 DEFAULT_STEPS = 100
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23}
 MARGIN = {"float64": 1e3, "float32": 10.0}  # how far beyond the control's growth (at the run's epsilon) is rounding
@@ -114,7 +114,7 @@ class ParityReport:
         lines = [f"runner parity: {self.name}: {head} ({self.precision}, {self.steps} steps, deterministic)"]
         for m in self.modes[1:]:
             lines.append(f"  {m.config:<8} {self._line(m)}")
-        lines.append(f"  {'control':<8} none in float32 with optim.lr x (1 + 2^-23): {self.sensitivity()}")
+        lines.append(f"  {'control':<8} none in float32, initial weights nudged by one ulp: {self.sensitivity()}")
         lines += [f"  likely cause: {cause}" for cause in (self.causes if differ else [])]
         lines += [f"  note: {note}" for note in self.notes]
         if self.parent_run_id:
@@ -340,11 +340,6 @@ def _start_parent(base: LoadedSpec, report: ParityReport) -> tuple[str, str] | N
 
 def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], parent: tuple[str, str] | None) -> None:
     """Train none (falling back to float32), the control and the other modes; compare; name the causes."""
-    import dataclasses
-
-    from runner.spec.dump import spec_sha256
-    from runner.spec.loading import spec_from_dict
-
     none = report.modes[0]
     try:
         _train(none, base, parent, "float64")
@@ -358,9 +353,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
         report.notes.append(f"the model does not train in float64 ({first}): every configuration ran in float32")
         _train(none, base, parent, None)
     dtype = "float64" if report.precision == "float64" else None
-    data = {**base.data, "optim": {**base.data.get("optim", {}), "lr": base.spec.optim.lr * (1 + PERTURBATION)}}
-    spec = spec_from_dict(data, origin=str(base.path))
-    _train(report.control, dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec)), parent, None)
+    _train(report.control, base, parent, None, nudge=True)
     for (_, _, _, loaded), result in zip(others, report.modes[1:], strict=False):
         try:
             _train(result, loaded, parent, dtype)
@@ -371,7 +364,9 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
         report.causes = likely_causes(base, [m.mode for m in report.differing])
 
 
-def _train(result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | None, dtype: str | None) -> None:
+def _train(
+    result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | None, dtype: str | None, nudge: bool = False
+) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.training.checkpoint import load_latest
@@ -381,6 +376,7 @@ def _train(result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | Non
         parent_run_id=parent[1] if parent else None,
         tags=(("runner.parity.config", result.config),),
         dtype=dtype,
+        nudge=nudge,
     )
     done = exec_experiment(loaded, options)
     result.run_id = done.run_id

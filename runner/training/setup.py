@@ -150,7 +150,9 @@ def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
     return total if train_spec.max_steps is None else min(total, train_spec.max_steps)
 
 
-def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype: str | None = None) -> TrainingParts:
+def build_parts(
+    spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype: str | None = None, nudge: bool = False
+) -> TrainingParts:
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
     Args:
@@ -159,6 +161,8 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype:
         strategy: After ``setup()``: it gives the rank, the world size and the device.
         dtype: A torch dtype name (``"float64"``): the model's floating tensors and every floating tensor
             of a batch are cast to it, and the loss is kept in it; ``None``: as built.
+        nudge: Move every initial parameter up by one ulp of its dtype (``torch.nextafter``), the smallest
+            perturbation there is (``runner parity``'s control).
 
     Returns:
         The :class:`TrainingParts`.
@@ -175,6 +179,10 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype:
     cast = getattr(torch, dtype) if dtype is not None else None
     if cast is not None:
         model = model.to(cast)
+    if nudge:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
     check_batchnorm_batches(model, spec, loaders, strategy.world_size, replicas)
