@@ -211,7 +211,7 @@ def _add_parity(sub: _Commands) -> None:
         "--modes", metavar="M1,M2", help="modes to compare with none (default: every mode this machine runs)"
     )
     p.add_argument(
-        "--steps", type=int, metavar="N", help="optimizer steps per run (default 100, at most the spec's run)"
+        "--steps", type=int, metavar="N", help="optimizer steps per run (default: the spec's whole run, at most 1000)"
     )
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
     p.set_defaults(func=_parity)

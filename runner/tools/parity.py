@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
 
 PERTURBATION = 2.0**-23  # the control's relative nudge of every initial weight: one float32 ulp (at most 1.2e-07)
-DEFAULT_STEPS = 100
+DEFAULT_STEPS = 1000  # at most: the spec's own epochs usually end the runs first
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23}
 MARGIN = {"float64": 1e3, "float32": 10.0}  # how far beyond the control's growth (at the run's epsilon) is rounding
 FLOOR = {"float64": 1e-10, "float32": 1e-6}  # relative to the size of the values: summation order alone
@@ -198,7 +198,7 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
     Args:
         loaded: The user's spec (with its ``--set``/``--unset``).
         modes: Modes to compare with ``none`` (which always runs); ``None``: every mode this machine runs.
-        steps: Optimizer steps of each run (``None``: :data:`DEFAULT_STEPS`, at most ``train.max_steps``;
+        steps: Optimizer steps of each run (``None``: the spec's whole run, at most :data:`DEFAULT_STEPS`;
             fewer when the spec's epochs end first).
 
     Returns:
@@ -359,6 +359,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
             _train(result, loaded, parent, dtype)
         except TrainingError as exc:
             result.status, result.reason = "failed", " ".join(str(exc).split())
+    report.steps = max(none.losses, default=report.steps)  # the spec's epochs may end the runs first
     _compare(report)
     if report.differing:
         report.causes = likely_causes(base, [m.mode for m in report.differing])
