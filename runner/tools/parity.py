@@ -9,11 +9,12 @@ train in float64). Its per-step ``train/loss`` comes from the run's history, its
 from the checkpoint written at the last step.
 
 The **control** is ``none`` in float32 with every initial weight nudged up by one float32 ulp (a
-relative :data:`PERTURBATION` at most, :attr:`runner.launch.driver.ExecOptions.nudge`), compared with ``none`` in float32 (``none-float32``): how far that grows in
-``steps`` steps is how much the spec amplifies float32 rounding (what float32 runs of it differ by
-across modes), and sets the tolerance of the comparison (:func:`tolerance`). Every run is a child of one parent run
-in the experiment ``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a
-plot of per-step |Δ train/loss| (``parity/parity.png``).
+relative :data:`PERTURBATION` at most, :attr:`runner.launch.driver.ExecOptions.nudge`), compared
+with ``none`` in float32 (``none-float32``): how far that grows is how much the spec amplifies
+float32 rounding (what float32 runs of it differ by across modes), and sets the tolerance of the
+comparison (:func:`tolerance`). Every run is a child of one parent run in the experiment
+``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a plot of per-step
+|Δ train/loss| (``parity/parity.png``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Loss:
         self.name = name
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        """Sum of the per-sample losses of ``batch``: a float32 scalar (float64 for float64 outputs) on the output device."""
+        """Sum of the per-sample losses of ``batch``: a float32 (or float64) scalar on the output device."""
         raise NotImplementedError
 
 

@@ -240,7 +240,7 @@ def test_a_store_folder_that_cannot_be_written_is_named_before_the_checkpoint_fo
     assert "set checkpoint.dir" not in err and not (tmp_path / "mlflow.db").exists()
 
 
-_CNN_BN = ("model.name=\"cnn\"", "model.kwargs={ width = 4, batch_norm = true }", "data.input_shape=[1, 6, 6]")
+_CNN_BN = ('model.name="cnn"', "model.kwargs={ width = 4, batch_norm = true }", "data.input_shape=[1, 6, 6]")
 
 
 @pytest.mark.parametrize(
