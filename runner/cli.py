@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_sweep(sub)
     _add_bench(sub)
+    _add_parity(sub)
     return parser
 
 
@@ -203,6 +204,23 @@ def _add_bench(sub: _Commands) -> None:
     p.add_argument("--out", metavar="DIR", help="folder for bench.json and bench.png (default ./bench-results)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_bench)
+
+
+def _add_parity(sub: _Commands) -> None:
+    """``runner parity FILE``: each mode against none, step by step in float64, with a control."""
+    p = sub.add_parser(
+        "parity", help="check that every parallel mode trains this spec as none does (float64, step by step)"
+    )
+    _spec_args(p)
+    _unset_arg(p)
+    p.add_argument(
+        "--modes", metavar="M1,M2", help="modes to compare with none (default: every mode this machine runs)"
+    )
+    p.add_argument(
+        "--steps", type=int, metavar="N", help="optimizer steps per run (default: the spec's whole run, at most 1000)"
+    )
+    p.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    p.set_defaults(func=_parity)
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -366,6 +384,16 @@ def _bench(args: argparse.Namespace) -> int:
         out_dir=args.out,
     )
     failed = print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")
+    return TrainingError.exit_code if failed else EXIT_OK
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from runner.tools.parity import run_parity
+    from runner.tools.report import print_report
+
+    modes = _csv(args.modes, str) if args.modes is not None else None
+    report = run_parity(_load(args), modes=modes, steps=args.steps)
+    failed = print_report(report, as_json=args.json, failure="the modes differ beyond rounding")
     return TrainingError.exit_code if failed else EXIT_OK
 
 

@@ -60,6 +60,8 @@ class Plan:
         rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``;
             under torchrun, the spec's settings, which torchrun's own replace).
         slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
+        part_notes: What the built parts tell before training (BatchNorm or dropout under a parallel
+            mode, :func:`runner.launch.prebuild.difference_notes`); filled in once they are checked.
     """
 
     loaded: LoadedSpec
@@ -71,6 +73,7 @@ class Plan:
     run_name: str = ""
     rendezvous: Rendezvous | None = None
     slurm: SlurmLayout | None = None
+    part_notes: tuple[str, ...] = ()
 
     @property
     def owns_run(self) -> bool:
@@ -82,7 +85,7 @@ class Plan:
     @property
     def notes(self) -> list[str]:
         """What to know before the run starts: printed by ``plan`` and ``exec``, tagged ``runner.notes``."""
-        notes = list(self.devices.notes)
+        notes = [*self.devices.notes, *self.part_notes]
         if self.loaded.spec.sweep is not None:
             notes.append(f"[sweep] is ignored by runner exec; run `runner sweep {self.loaded.path}` for the study")
         return notes

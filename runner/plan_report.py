@@ -243,9 +243,11 @@ def show_plan(
         UsageError: As :func:`make_plan` (launcher variables).
     """
     from runner.devices.inventory import probe_inventory
+    from runner.launch.prebuild import known_differences
     from runner.spec.dump import dump_spec
 
     info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
+    info["notes"] = [*info.get("notes", []), *known_differences(loaded)]
     if loaded.spec.sweep is not None and sweep_trials is not None:
         info["trials"] = sweep_trials(loaded)  # the trials say what [sweep] does: no note that exec ignores it
         info["notes"] = [n for n in info.get("notes", []) if not n.startswith("[sweep]")]

@@ -55,6 +55,9 @@ class ExecOptions:
             passes its own without Slurm's variables, so that a trial is never a Slurm job's run.
         epoch_end: Called on every rank after each epoch as ``epoch_end(epoch, metrics)``; True
             stops training after that epoch (a sweep's pruner). Must be picklable for ddp.
+        dtype: ``"float64"`` trains the model, its inputs and its loss in that dtype (``runner parity``);
+            ``None``: as built (float32).
+        nudge: Nudge every initial weight up by one ulp of its dtype (``runner parity``'s control).
     """
 
     run_name: str | None = None
@@ -67,6 +70,8 @@ class ExecOptions:
     tracking_uri: str | None = None
     environ: Mapping[str, str] | None = None
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    dtype: str | None = None
+    nudge: bool = False
 
 
 @dataclass

@@ -39,6 +39,8 @@ from runner.spec.loading import relocate_issues
 from runner.spec.wording import join_or, show
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
     from runner.training.data import DatasetBundle
@@ -47,21 +49,88 @@ DRY_RUN_STEPS = 1000
 SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic dataset is built here
 
 
-def check_parts(loaded: LoadedSpec, world_size: int) -> None:
+def check_parts(loaded: LoadedSpec, world_size: int) -> list[str]:
     """Build or check every part of ``loaded`` (see the module docstring) before any run exists.
 
     Args:
         loaded: The validated spec.
         world_size: Processes of the job (for the training loaders' step layout).
 
+    Returns:
+        Notes on what makes this spec's results differ between modes (:func:`difference_notes`).
+
     Raises:
         SpecError: A part that does not build or an argument of the wrong type, placed at
             ``FILE:LINE`` of its key in the spec file.
     """
     try:
-        _check(loaded.spec, loaded.path.parent, world_size)
+        model = _check(loaded.spec, loaded.path.parent, world_size)
     except SpecError as exc:
         raise relocate_issues(exc, loaded) from None
+    return difference_notes(model, loaded.spec) if model is not None else []
+
+
+def known_differences(loaded: LoadedSpec) -> list[str]:
+    """:func:`difference_notes` of the model built on the ``meta`` device; none for a factory model (never
+    called before its run) or a model that cannot be built here (``runner plan``)."""
+    spec, folder = loaded.spec, loaded.path.parent
+    try:
+        model = _model(spec, folder, _dataset(spec, folder))
+    except Exception:  # the plan reports what it can; check_parts names a part that does not build
+        return []
+    return difference_notes(model, spec) if model is not None else []
+
+
+def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """``(batch-statistics layers, random layers)`` of ``model``, by class name, sorted.
+
+    Batch statistics: ``torch.nn.modules.batchnorm._BatchNorm`` but ``SyncBatchNorm``. Random: dropout
+    (``_DropoutNd``, ``p > 0``), ``RReLU`` and torchvision's ``StochasticDepth`` (``p > 0``).
+    """
+    from torch import nn
+
+    batch, random = set(), set()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
+            batch.add(type(m).__name__)
+        elif _is_random(m) and getattr(m, "p", 1.0) > 0:
+            random.add(type(m).__name__)
+    return sorted(batch), sorted(random)
+
+
+def _is_random(module: torch.nn.Module) -> bool:
+    from torch import nn
+
+    return isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)) or type(module).__name__ == "StochasticDepth"
+
+
+def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
+    """Why runs of ``spec`` under its mode will not match ``none`` step by step (docs/design.md §3), as plan notes.
+
+    BatchNorm layers under any mode but ``none`` (unless ddp's ``parallel.sync_batchnorm``, which works on
+    CUDA), random layers under any mode but ``none``.
+    """
+    mode = spec.parallel.mode
+    if mode == "none":
+        return []
+    batch, random = layer_kinds(model)
+    notes = []
+    if batch and not (mode == "ddp" and spec.parallel.sync_batchnorm):
+        fix = (
+            "set parallel.sync_batchnorm = true (CUDA) for batch statistics over the global batch"
+            if mode == "ddp"
+            else "mode none, or ddp with parallel.sync_batchnorm = true, normalises over the global batch"
+        )
+        notes.append(
+            f"{', '.join(batch)} without parallel.sync_batchnorm: under {mode} each device normalises its own share "
+            f"of the batch, so results differ from mode none; {fix}"
+        )
+    if random:
+        notes.append(
+            f"{', '.join(random)}: under {mode} each rank (dp: each device) draws its own random numbers, so results "
+            "differ from mode none by chance, not on average"
+        )
+    return notes
 
 
 def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
@@ -96,7 +165,8 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
     raise relocate_issues(SpecError(SpecIssue(None, None, "checkpoint.dir", message)), loaded)
 
 
-def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
+def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Module | None:
+    """The checks of :func:`check_parts`; returns the model built on ``meta``, or ``None``."""
     from runner.training.loaders import build_loaders
     from runner.training.models import check_model_name
 
@@ -105,19 +175,20 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
     steps_per_epoch = None
     if bundle is not None:
         steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
-    _unless_unbuildable_here(_model, spec, spec_dir, bundle)
+    model = _unless_unbuildable_here(_model, spec, spec_dir, bundle)
     _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
+    return model
 
 
-def _unless_unbuildable_here(step: Callable[..., None], *args: Any) -> None:
+def _unless_unbuildable_here(step: Callable[..., Any], *args: Any) -> Any:
     """Run one check; an error other than :class:`SpecError` means the part cannot be built on stand-ins
     (e.g. a fused optimizer over a CPU parameter): the worker builds it for real and reports it there."""
     try:
-        step(*args)
+        return step(*args)
     except SpecError:
         raise
     except Exception:  # not a verdict on the spec
-        return
+        return None
 
 
 def _dataset(spec: ExperimentSpec, spec_dir: Path) -> DatasetBundle | None:
@@ -140,8 +211,12 @@ def _dataset(spec: ExperimentSpec, spec_dir: Path) -> DatasetBundle | None:
     return None
 
 
-def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -> None:
-    """Build the model on the meta device (confirming an error on CPU), or check its kwargs without the dataset."""
+def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -> torch.nn.Module | None:
+    """Build the model on the meta device (confirming an error on CPU), or check its kwargs without the dataset.
+
+    Returns:
+        The model on ``meta``; ``None`` when it was only checked.
+    """
     import torch
 
     from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory
@@ -149,19 +224,20 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     name = spec.model.name
     if ":" in name:  # user code: checked, never called here (it may have side effects or load weights)
         check_call(resolve_factory(name, spec_dir, "model.name"), (), spec.model.kwargs, "model.kwargs")
-        return
+        return None
     if bundle is None:  # no shape or classes to build with: check the kwargs the user wrote
         builtins: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
         builder = builtins.get(name)
         if builder is not None:
             check_call(builder, (), spec.model.kwargs, "model.kwargs")
-        return
+        return None
     shape, classes = bundle.info.input_shape, bundle.info.num_classes
     try:
         with torch.device("meta"):
-            build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
+            return build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
     except SpecError:
         build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when it is real
+        return None
 
 
 def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) -> None:

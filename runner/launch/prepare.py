@@ -8,6 +8,7 @@ start (:mod:`runner.launch.handoff`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -64,7 +65,7 @@ def prepare(plan: Plan, options: ExecOptions, go_on: Callable[[], None] = lambda
 
     loaded = plan.loaded
     check_objectives(loaded)
-    check_parts(loaded, plan.devices.world_size)
+    plan = dataclasses.replace(plan, part_notes=tuple(check_parts(loaded, plan.devices.world_size)))
     check_checkpoint_folder(loaded, plan.tracking_uri)
     owner, uri = plan.owns_run, plan.tracking_uri
     if uri is not None:
@@ -109,6 +110,8 @@ def worker_args(plan: Plan, options: ExecOptions, ready: Prepared) -> WorkerArgs
         resume=ready.resume is not None or requeued(plan),
         sync_timing=options.sync_timing,
         epoch_end=options.epoch_end,
+        dtype=options.dtype,
+        nudge=options.nudge,
     )
 
 

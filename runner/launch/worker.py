@@ -56,6 +56,8 @@ class WorkerArgs:
         run_file: Where the driver hands over the run once it exists (:mod:`runner.launch.handoff`):
             ``run_id``, ``checkpoint_dir`` and ``resume`` above are then read from it after the parts are
             built. ``None``: they are final.
+        dtype: The dtype the model, its inputs and its loss train in (``ExecOptions.dtype``), or ``None``.
+        nudge: Nudge the initial weights by one ulp (``ExecOptions.nudge``).
     """
 
     loaded: LoadedSpec
@@ -69,6 +71,8 @@ class WorkerArgs:
     launcher_pid: int | None = None
     report_dir: str | None = None
     run_file: str | None = None
+    dtype: str | None = None
+    nudge: bool = False
 
 
 @record
@@ -139,7 +143,7 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
 
     spec, uri = args.loaded.spec, args.tracking_uri
     seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
-    parts = setup.build_parts(spec, args.loaded.path.parent, strategy)
+    parts = setup.build_parts(spec, args.loaded.path.parent, strategy, dtype=args.dtype, nudge=args.nudge)
     if args.run_file is not None:
         from runner.launch.handoff import wait_for_run
 

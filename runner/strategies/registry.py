@@ -22,6 +22,7 @@ _STRATEGIES: dict[str, _Builder] = {
     "dp": lambda parallel, plan, env: DataParallelStrategy(plan, parallel),
     "ddp": lambda parallel, plan, env: DDPStrategy(plan, parallel, env),
 }
+MODES = tuple(_STRATEGIES)  # every parallel mode, in the order tools run them (none first: the baseline)
 
 
 def make_strategy(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment | None = None) -> Strategy:

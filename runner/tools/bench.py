@@ -41,7 +41,7 @@ from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
 from runner.tools.bench_repeats import Config, measure_config, open_child
-from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, write_json
+from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
 from runner.tools.bench_runs import Parent, record_child, record_parent, start_parent
 
 if TYPE_CHECKING:
@@ -317,6 +317,7 @@ def _measure_all(
             raise
     not_comparable = comparability(report.batch_statistics, report.dropout)
     finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
+    report.recommendation = recommend(report.configs)
     report.json_path = str(out / "bench.json")
     report.png_path = str(out / "bench.png")
     drawn = pool.size > 0
@@ -359,15 +360,15 @@ def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
     """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
 
     Returns:
-        ``(training samples, batch_statistics, dropout)``: whether the model holds a
-        ``torch.nn.modules.batchnorm._BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, ...), and
-        whether it holds a dropout layer with ``p > 0`` (``torch.nn.modules.dropout._DropoutNd``).
+        ``(training samples, batch_statistics, dropout)``: whether the model holds batch-statistics
+        layers and random layers (:func:`runner.launch.prebuild.layer_kinds`).
 
     Raises:
         SpecError: The dataset or the model cannot be built from the spec.
     """
     import torch
 
+    from runner.launch.prebuild import layer_kinds
     from runner.training.data import build_datasets
     from runner.training.models import build_model
 
@@ -376,10 +377,8 @@ def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
         model = build_model(
             base.spec.model, base.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
         )
-    modules = list(model.modules())
-    batch_statistics = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules)
-    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules)
-    return bundle.info.num_train, batch_statistics, dropout
+    batch_statistics, random = layer_kinds(model)
+    return bundle.info.num_train, bool(batch_statistics), bool(random)
 
 
 __all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "run_bench"]

@@ -152,6 +152,59 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
     return []
 
 
+def recommend(configs: Sequence[ConfigResult]) -> str:
+    """The mode to use: the fastest configuration whose results agree with ``none``'s, or why that is unclear.
+
+    Results agree when the final ``train/loss`` is within :data:`LOSS_TOLERANCE` of none's
+    (``loss_check == "ok"``; float32, the bench's own runs). The speed-up is the ratio of median
+    samples/s, its range that of the slowest and fastest repeats; "inconclusive" when the repeats of
+    the fastest and the runner-up overlap. Memory is the largest per-device peak (CUDA allocator) or
+    per-process peak RSS (CPU).
+
+    Returns:
+        ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``, or
+        ``recommend: inconclusive — ...``.
+    """
+    base = next((c for c in configs if c.mode == "none" and c.status == "ok" and c.samples_per_s), None)
+    if base is None:
+        return "recommend: inconclusive — none was not measured, so there is no baseline to compare with"
+    agree = [c for c in configs if c.status == "ok" and c.samples_per_s and c.loss_check in ("ok", "baseline")]
+    ranked = sorted(agree, key=lambda c: c.samples_per_s or 0.0, reverse=True)
+    best = ranked[0] if ranked else base
+    left_out = [c.config for c in configs if c.status == "ok" and c not in agree]
+    why_out = f"; left out, results not shown to agree: {', '.join(left_out)}" if left_out else ""
+    if len(ranked) > 1 and _range(ranked[1])[1] >= _range(best)[0]:
+        runner_up = ranked[1]
+        return (
+            f"recommend: inconclusive — {best.config} and {runner_up.config} overlap "
+            f"({_fmt_range(best)} vs {_fmt_range(runner_up)} samples/s over the repeats): rerun with more "
+            f"--repeats or --steps, on a quiet machine{why_out}"
+        )
+    low, high = _range(best)
+    base_low, base_high = _range(base)
+    speedup = (best.samples_per_s or 0.0) / (base.samples_per_s or 1.0)
+    spread_text = f"{low / base_high:.1f}–{high / base_low:.1f}×"
+    agreed = "the baseline" if best is base else "results agree"
+    memory = _memory(max(best.peak_memory_bytes)) if best.peak_memory_bytes else "memory not measured"
+    per = "per device" if best.peak_memory_kind == "cuda_allocated" else "per process"
+    return f"recommend: {best.config} — {speedup:.1f}× none ({spread_text}), {agreed}, {memory} {per}{why_out}"
+
+
+def _range(c: ConfigResult) -> tuple[float, float]:
+    """Slowest and fastest repeat's samples/s (the median twice with one repeat)."""
+    rates = c.repeat_samples_per_s or [c.samples_per_s or 0.0]
+    return min(rates), max(rates)
+
+
+def _fmt_range(c: ConfigResult) -> str:
+    low, high = _range(c)
+    return f"{low:.0f}–{high:.0f}"
+
+
+def _memory(num_bytes: int) -> str:
+    return f"{num_bytes / 1024**3:.1f} GiB" if num_bytes >= 1024**3 else f"{num_bytes / MIB:.0f} MiB"
+
+
 SUPERLINEAR_WARNING = "efficiency above 100%: the baseline was likely slowed by other load; rerun on a quiet machine"
 
 
@@ -177,6 +230,7 @@ class BenchReport:
         experiment: MLflow experiment of the parent and child runs: ``<experiment>/bench``.
         json_path: The written ``bench.json``.
         png_path: The written ``bench.png``.
+        recommendation: :func:`recommend`'s line, printed last and tagged ``runner.bench.recommendation``.
     """
 
     spec: str
@@ -196,6 +250,7 @@ class BenchReport:
     experiment: str = ""
     json_path: str | None = None
     png_path: str | None = None
+    recommendation: str = ""
 
     @property
     def failed(self) -> int:
@@ -274,6 +329,8 @@ class BenchReport:
             )
         if self.json_path or self.png_path:
             foot.append(f"files: {self.json_path}  {self.png_path}")
+        if self.recommendation:
+            foot.append(self.recommendation)
         return "\n".join([head, "", *lines, "", *foot])
 
 

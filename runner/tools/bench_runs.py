@@ -104,7 +104,8 @@ def record_parent(report: BenchReport, parent: Parent) -> None:
         "bench.configurations": ",".join(c.config for c in report.configs),
     }
     files = [f for f in (report.json_path, report.png_path) if f]
-    record_summary(parent.uri, parent.run_id, metrics=metrics, params=params, files=files, files_dir="bench")
+    tags = {"runner.bench.recommendation": report.recommendation} if report.recommendation else {}
+    record_summary(parent.uri, parent.run_id, metrics=metrics, params=params, tags=tags, files=files, files_dir="bench")
 
 
 def _figures(result: ConfigResult, prefix: str) -> dict[str, float]:

@@ -78,23 +78,29 @@ class BatchIO:
         target_key: ``data.target``, or ``None`` for ``(x, y)`` batches.
         output: ``model.output``: key, attribute or index of the prediction; ``None``: the output itself.
         model_loss: ``loss.name == "model"``: forward also gets the target and returns the loss.
+        dtype: Floating tensors of a batch are cast to it (``runner parity``'s float64); ``None``: kept.
     """
 
-    def __init__(self, target_key: str | None, output: str | int | None, model_loss: bool) -> None:
+    def __init__(
+        self, target_key: str | None, output: str | int | None, model_loss: bool, dtype: torch.dtype | None = None
+    ) -> None:
         self.target_key = target_key
         self.output = output
         self.model_loss = model_loss
+        self.dtype = dtype
 
     def prepare(self, batch: Any, device: torch.device, output_device: torch.device) -> Batch:
         """Move a collated batch to the devices: inputs to ``device``, the target to ``output_device``."""
         if isinstance(batch, Mapping):
-            moved = {k: _to(v, device) for k, v in batch.items()}
+            moved = {k: _to(v, device, self.dtype) for k, v in batch.items()}
             target = moved.get(self.target_key) if self.target_key is not None else None
             target = target.to(output_device, non_blocking=True) if isinstance(target, torch.Tensor) else None
             inputs = moved if self.model_loss else {k: v for k, v in moved.items() if k != self.target_key}
             return Batch(inputs, target, _length(target if target is not None else moved))
         x, y = batch
-        x_in = _to(x, device)
+        x_in = _to(x, device, self.dtype)
+        if self.dtype is not None and y.is_floating_point():
+            y = y.to(self.dtype)
         pair = (x_in, y.to(device, non_blocking=True)) if self.model_loss else x_in
         return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
 
@@ -213,11 +219,13 @@ def _entry(out: Any, key: str | int) -> Any:
     return getattr(out, key, _MISSING) if not isinstance(out, torch.Tensor) else _MISSING
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     if isinstance(value, torch.Tensor):
+        if dtype is not None and value.is_floating_point():
+            return value.to(device, dtype, non_blocking=True)
         return value.to(device, non_blocking=True)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_to(v, device, dtype) for v in value)
     return value
 
 

@@ -64,7 +64,7 @@ class Loss:
         self.name = name
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        """Sum of the per-sample losses of ``batch``: a float32 scalar on the output device."""
+        """Sum of the per-sample losses of ``batch``: a float32 (or float64) scalar on the output device."""
         raise NotImplementedError
 
 
@@ -78,7 +78,7 @@ class BuiltinLoss(Loss):
         self.dataset_classes = 0  # the data's classes, for the message of a target out of bounds (set by setup)
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        pred = io.prediction(out).float()
+        pred = _wide(io.prediction(out))
         target = batch.target
         assert target is not None  # build_loss refuses dict batches without data.target
         if not self.elementwise:
@@ -119,7 +119,7 @@ class ModelLoss(Loss):
     needs_target = False
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        return io.loss_of(out).float() * batch.size
+        return _wide(io.loss_of(out)) * batch.size
 
 
 class FunctionLoss(Loss):
@@ -152,7 +152,12 @@ class FunctionLoss(Loss):
                 f"loss.name: {self.name!r} returned {got}; a loss function must return the mean loss over the "
                 "samples it got, a scalar tensor (e.g. reduce with .mean())"
             )
-        return value.float().reshape(()) * batch.size
+        return _wide(value).reshape(()) * batch.size
+
+
+def _wide(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in float32 (autocast's bf16/fp16 widened), or kept in float64."""
+    return value if value.dtype == torch.float64 else value.float()
 
 
 def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:

@@ -150,13 +150,19 @@ def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
     return total if train_spec.max_steps is None else min(total, train_spec.max_steps)
 
 
-def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> TrainingParts:
+def build_parts(
+    spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype: str | None = None, nudge: bool = False
+) -> TrainingParts:
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
     Args:
         spec: The validated spec.
         spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
         strategy: After ``setup()``: it gives the rank, the world size and the device.
+        dtype: A torch dtype name (``"float64"``): the model's floating tensors and every floating tensor
+            of a batch are cast to it, and the loss is kept in it; ``None``: as built.
+        nudge: Move every initial parameter up by one ulp of its dtype (``torch.nextafter``), the smallest
+            perturbation there is (``runner parity``'s control).
 
     Returns:
         The :class:`TrainingParts`.
@@ -173,6 +179,13 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     if isinstance(loss, BuiltinLoss):
         loss.dataset_classes = bundle.info.num_classes
     model = _setup_model(spec, spec_dir, bundle)
+    cast = getattr(torch, dtype) if dtype is not None else None
+    if cast is not None:
+        model = model.to(cast)
+    if nudge:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
     check_batchnorm_batches(model, spec, loaders, strategy.world_size, replicas)
@@ -188,7 +201,7 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
         scheduler_interval=scheduler_interval(spec.scheduler),
         precision=Precision(spec.train.amp, strategy.device),
         loss=loss,
-        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model"),
+        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model", dtype=cast),
         metrics=metrics,
         loaders=loaders,
         total_steps=total_steps,

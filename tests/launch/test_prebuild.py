@@ -238,3 +238,30 @@ def test_a_store_folder_that_cannot_be_written_is_named_before_the_checkpoint_fo
     err = capsys.readouterr().err
     assert f"folder {tmp_path} is not writable (sqlite writes a journal" in err
     assert "set checkpoint.dir" not in err and not (tmp_path / "mlflow.db").exists()
+
+
+_CNN_BN = ('model.name="cnn"', "model.kwargs={ width = 4, batch_norm = true }", "data.input_shape=[1, 6, 6]")
+
+
+@pytest.mark.parametrize(
+    ("sets", "note"),
+    [
+        ((*_CNN_BN, 'parallel.mode="ddp"'), "BatchNorm2d without parallel.sync_batchnorm: under ddp each device"),
+        ((*_CNN_BN, 'parallel.mode="ddp"', "parallel.sync_batchnorm=true", 'devices.accelerator="auto"'), None),
+        ((*_CNN_BN, 'parallel.mode="none"'), None),
+        (('parallel.mode="ddp"', "model.kwargs={ hidden = [8], dropout = 0.5 }"), "Dropout: under ddp each rank"),
+        (('parallel.mode="ddp"', "model.kwargs={ hidden = [8], dropout = 0.0 }"), None),
+    ],
+)
+def test_known_mode_differences_are_noted_before_training(write_spec, sets, note) -> None:
+    from runner.launch.prebuild import known_differences
+
+    loaded = load_spec(write_spec(), sets)
+    notes = check_parts(loaded, world_size=2)
+    assert notes == known_differences(loaded)
+    assert [n for n in notes if note is not None and n.startswith(note)] == notes
+
+
+def test_plan_prints_the_known_difference(write_spec, capsys) -> None:
+    assert main(["plan", str(write_spec()), *[f"--set={s}" for s in (*_CNN_BN, 'parallel.mode="ddp"')]]) == 0
+    assert "note           BatchNorm2d without parallel.sync_batchnorm: under ddp" in capsys.readouterr().out

@@ -225,7 +225,7 @@ def test_plan_and_exec_print_the_note_of_what_runs_instead(write_spec, store, ca
 
 
 def test_unset_removes_a_key_written_in_a_base_file_so_its_default_applies(tmp_path: Path) -> None:
-    digits = REPO / "experiments" / "digits_mlp.toml"  # optim.momentum = 0.9 comes from base/digits.toml
+    digits = REPO / "experiments" / "digits_mlp.toml"  # optim.momentum comes from base/digits.toml
     loaded = load_spec(digits, ["optim.lr=0.05"], ["optim.momentum", "devices.ids"])
     assert loaded.spec.optim.momentum == 0.0 and loaded.spec.devices.ids == "all" and loaded.spec.optim.lr == 0.05
     assert loaded.command_line() == ["--unset", "optim.momentum", "--unset", "devices.ids", "--set", "optim.lr=0.05"]

@@ -480,3 +480,39 @@ def test_repeats_stop_once_steady_or_at_the_budget(monkeypatch) -> None:
 def test_cli_refuses_bad_repeats(write_spec, capsys, value: str) -> None:
     assert main(["bench", str(write_spec()), "--repeats", value]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def _measured(config: str, rates: list[float], loss_check: str = "ok", memory: int = 3 * 1024**3) -> ConfigResult:
+    mode, _, n = config.partition("-")
+    return ConfigResult(
+        config=config,
+        mode=mode,
+        n=int(n or 1),
+        samples_per_s=float(np.median(rates)),
+        repeat_samples_per_s=rates,
+        loss_check=loss_check,
+        peak_memory_bytes=[memory // 2, memory],
+        peak_memory_kind="cuda_allocated",
+    )
+
+
+def test_recommend_names_the_fastest_configuration_whose_results_agree() -> None:
+    from runner.tools.bench_report import recommend
+
+    rows = [
+        _measured("none", [100.0, 100.0], "baseline"),
+        _measured("ddp-2", [180.0, 190.0, 200.0]),
+        _measured("dp-2", [300.0, 310.0], "differs: 1.2 vs 1.1 for none"),
+    ]
+    assert recommend(rows) == (
+        "recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 3.0 GiB per device; "
+        "left out, results not shown to agree: dp-2"
+    )
+
+
+def test_recommend_is_inconclusive_when_the_repeats_overlap() -> None:
+    from runner.tools.bench_report import recommend
+
+    rows = [_measured("none", [100.0, 120.0], "baseline"), _measured("ddp-2", [110.0, 130.0])]
+    assert recommend(rows).startswith("recommend: inconclusive — ddp-2 and none overlap (110–130 vs 100–120 samples/s")
+    assert recommend(rows[1:]).startswith("recommend: inconclusive — none was not measured")

@@ -141,3 +141,18 @@ def test_training_imports_neither_mlflow_nor_tracking() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_float64_parts_train_the_model_its_batches_and_its_loss_in_float64(loaded) -> None:
+    parts = build_parts(loaded.spec, loaded.path.parent, _strategy(loaded), dtype="float64")
+    assert {p.dtype for p in parts.model.parameters()} == {torch.float64}
+    batch = parts.io.prepare(next(iter(parts.loaders.train)), torch.device("cpu"), torch.device("cpu"))
+    assert batch.inputs.dtype == torch.float64 and batch.target.dtype == torch.int64
+    assert parts.loss(parts.io.forward(parts.model, batch), batch, parts.io).dtype == torch.float64
+
+
+def test_nudged_parts_start_one_ulp_above_the_same_seed(loaded) -> None:
+    plain = build_parts(loaded.spec, loaded.path.parent, _strategy(loaded))
+    nudged = build_parts(loaded.spec, loaded.path.parent, _strategy(loaded), nudge=True)
+    for a, b in zip(plain.model.parameters(), nudged.model.parameters(), strict=True):
+        assert torch.equal(torch.nextafter(a, torch.full_like(a, torch.inf)), b)

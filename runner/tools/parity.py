@@ -1,0 +1,528 @@
+"""``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``.
+
+Each configuration (``none``, then ``<mode>-2`` for every other mode of
+:data:`runner.strategies.registry.MODES` this machine runs) is a ``runner exec`` of the same spec with
+``deterministic = true``, the same seed (so the same initial weights and batch order, docs/design.md
+§3 and §7), ``train.max_steps = steps``, ``train.log_every_n_steps = 1`` and the model, its inputs and
+its loss in float64 (:attr:`runner.launch.driver.ExecOptions.dtype`; float32 when ``none`` does not
+train in float64). Its per-step ``train/loss`` comes from the run's history, its final parameters
+from the checkpoint written at the last step.
+
+The **control** is ``none`` in float32 with every initial weight nudged up by one float32 ulp (a
+relative :data:`PERTURBATION` at most, :attr:`runner.launch.driver.ExecOptions.nudge`), compared
+with ``none`` in float32 (``none-float32``): how far that grows is how much the spec amplifies
+float32 rounding (what float32 runs of it differ by across modes), and sets the tolerance of the
+comparison (:func:`tolerance`). Every run is a child of one parent run in the experiment
+``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a plot of per-step
+|Δ train/loss| (``parity/parity.png``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.errors import DeviceError, SpecError, TrainingError, UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.spec.loading import LoadedSpec
+
+PERTURBATION = 2.0**-23  # the control's relative nudge of every initial weight: one float32 ulp (at most 1.2e-07)
+DEFAULT_STEPS = 1000  # at most: the spec's own epochs usually end the runs first
+EPS = {"float64": 2.0**-52, "float32": 2.0**-23}
+MARGIN = {"float64": 1e3, "float32": 10.0}  # how far beyond the control's growth (at the run's epsilon) is rounding
+FLOOR = {"float64": 1e-10, "float32": 1e-6}  # relative to the size of the values: summation order alone
+
+
+@dataclass
+class ModeResult:
+    """One configuration's run and how far it is from ``none``'s.
+
+    Attributes:
+        config: ``none``, ``<mode>-<n>`` or ``control``.
+        mode: The parallel mode it ran under.
+        n: Devices (dp) or processes (ddp); 1 for none.
+        run_id: Its child MLflow run.
+        losses: ``{step: train/loss}``.
+        params: Final parameters by name (float64 on CPU; not in the JSON).
+        loss_deltas: ``{step: |train/loss - none's|}``.
+        max_loss_delta: Largest of them.
+        max_param_delta: Largest |Δ| of a final parameter against none's.
+        first_beyond: First step whose |Δ train/loss| exceeds the tolerance (``None``: none does).
+        status: ``ok``, ``skipped`` (not asked for and cannot run here) or ``failed``.
+        reason: Why it was skipped or how it failed.
+    """
+
+    config: str
+    mode: str
+    n: int
+    run_id: str | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict, repr=False)
+    loss_deltas: dict[int, float] = field(default_factory=dict)
+    max_loss_delta: float | None = None
+    max_param_delta: float | None = None
+    first_beyond: int | None = None
+    status: str = "ok"
+    reason: str = ""
+
+
+@dataclass
+class ParityReport:
+    """The verdict of ``runner parity``: ``modes[0]`` is ``none``, ``control`` the perturbed ``none`` in float32,
+    ``reference`` the float32 ``none`` it is compared with (``None`` when everything ran in float32)."""
+
+    spec: str
+    name: str
+    precision: str
+    steps: int
+    modes: list[ModeResult]
+    control: ModeResult
+    reference: ModeResult | None = None
+    loss_tolerance: float = 0.0
+    param_tolerance: float = 0.0
+    causes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    parent_run_id: str | None = None
+    tracking_uri: str | None = None
+    experiment: str = ""
+
+    @property
+    def differing(self) -> list[ModeResult]:
+        return [
+            m for m in self.modes[1:] if m.status == "failed" or m.first_beyond is not None or _params_differ(m, self)
+        ]
+
+    @property
+    def failed(self) -> int:
+        """Configurations that differ from ``none`` or failed (the command then exits 1)."""
+        return len(self.differing)
+
+    def verdict(self) -> str:
+        return "differ" if self.differing else "agree"
+
+    def table(self) -> str:
+        """What ``runner parity`` prints: the verdict, one line per configuration, the spec's sensitivity."""
+        differ = self.differing
+        head = "the modes differ beyond rounding" if differ else "the modes agree"
+        lines = [f"runner parity: {self.name}: {head} ({self.precision}, {self.steps} steps, deterministic)"]
+        for m in self.modes[1:]:
+            lines.append(f"  {m.config:<8} {self._line(m)}")
+        lines.append(f"  {'control':<8} none in float32, initial weights nudged by one ulp: {self.sensitivity()}")
+        lines += [f"  likely cause: {cause}" for cause in (self.causes if differ else [])]
+        lines += [f"  note: {note}" for note in self.notes]
+        if self.parent_run_id:
+            lines.append(
+                f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}"
+            )
+        return "\n".join(lines)
+
+    def _line(self, m: ModeResult) -> str:
+        if m.status != "ok":
+            return f"{m.status}: {m.reason}"
+        figures = (
+            f"max |Δ train/loss| {_e(m.max_loss_delta)} (tolerance {_e(self.loss_tolerance)}), "
+            f"max |Δ parameter| {_e(m.max_param_delta)} (tolerance {_e(self.param_tolerance)})"
+        )
+        if m.first_beyond is not None:
+            at = m.loss_deltas[m.first_beyond]
+            return f"differs from step {m.first_beyond} by {_e(at)}; {figures}"
+        if _params_differ(m, self):
+            return f"final parameters differ; {figures}"
+        return figures
+
+    def sensitivity(self) -> str:
+        """The control's growth in words: what float32 runs of this spec differ by across modes."""
+        growth = self.control.max_loss_delta or 0.0
+        return (
+            f"a {PERTURBATION:.1e} perturbation grows to {_e(growth)} in train/loss in {self.steps} steps: "
+            "float32 runs of this spec will differ by about that much across modes"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        def row(m: ModeResult) -> dict[str, Any]:
+            keep = ("config", "mode", "n", "run_id", "max_loss_delta", "max_param_delta", "first_beyond", "status")
+            return {**{k: getattr(m, k) for k in keep}, "reason": m.reason, "losses": m.losses}
+
+        return {
+            "spec": self.spec,
+            "verdict": self.verdict(),
+            "precision": self.precision,
+            "steps": self.steps,
+            "perturbation": PERTURBATION,
+            "loss_tolerance": self.loss_tolerance,
+            "param_tolerance": self.param_tolerance,
+            "sensitivity": self.sensitivity(),
+            "causes": self.causes if self.differing else [],
+            "notes": self.notes,
+            "configurations": [row(m) for m in [*self.modes, self.control, self.reference] if m is not None],
+            "parent_run_id": self.parent_run_id,
+        }
+
+
+def _e(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _params_differ(m: ModeResult, report: ParityReport) -> bool:
+    return m.max_param_delta is not None and m.max_param_delta > report.param_tolerance
+
+
+def tolerance(precision: str, growth: float, scale: float) -> float:
+    """How far a mode may be from ``none`` by rounding alone.
+
+    Args:
+        precision: ``float64`` or ``float32``.
+        growth: The control's largest |Δ| against ``none`` (its perturbation is :data:`PERTURBATION`).
+        scale: The size of the values compared (at least 1), for the summation-order floor.
+
+    Returns:
+        The control's growth scaled to the precision's rounding (``EPS / PERTURBATION``) times a margin,
+        at least the floor; the growth itself when the control saturated (grew to the size of the values:
+        then rounding cannot be told from a mode difference below it).
+    """
+    scaled = growth * EPS[precision] / PERTURBATION * MARGIN[precision]
+    saturated = growth if growth >= 0.1 * scale else 0.0
+    return max(scaled, FLOOR[precision] * scale, saturated)
+
+
+def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps: int | None = None) -> ParityReport:
+    """Run ``none``, the control and every other mode asked for, compare them and record the verdict.
+
+    Args:
+        loaded: The user's spec (with its ``--set``/``--unset``).
+        modes: Modes to compare with ``none`` (which always runs); ``None``: every mode this machine runs.
+        steps: Optimizer steps of each run (``None``: the spec's whole run, at most :data:`DEFAULT_STEPS`;
+            fewer when the spec's epochs end first).
+
+    Returns:
+        The :class:`ParityReport`; ``report.failed`` counts the modes that differ from ``none``.
+
+    Raises:
+        UsageError: An unknown mode, a named mode this machine cannot run, ``steps < 1``, or started
+            under torchrun.
+        SpecError, DeviceError, TrackingError: As ``runner exec`` before training; no run is left behind.
+        TrainingError: ``none`` failed to train; the parent run is FAILED.
+        Interrupted: SIGINT/SIGTERM; the parent run is KILLED.
+    """
+    from runner.plan import launched_externally
+
+    if steps is not None and steps < 1:
+        raise UsageError(f"--steps: expected at least 1 optimizer step, got {steps}")
+    if launched_externally(os.environ):
+        raise UsageError("runner parity starts its own workers: run it directly, not under torchrun")
+    cap = loaded.spec.train.max_steps
+    steps = min(steps or DEFAULT_STEPS, cap) if cap else (steps or DEFAULT_STEPS)
+    with tempfile.TemporaryDirectory(prefix="runner-parity-") as tmp:
+        base, others, skipped = _configurations(loaded, modes, steps, Path(tmp))
+        report = ParityReport(
+            str(loaded.path), loaded.spec.name, "float64", steps, [], ModeResult("control", "none", 1)
+        )
+        report.modes = [ModeResult("none", "none", 1), *(ModeResult(c, m, n) for c, m, n, _ in others), *skipped]
+        parent = _start_parent(base, report)
+        status, error = "FAILED", None
+        try:
+            _run_all(report, base, others, parent)
+            status = "FINISHED"
+        except SpecError:
+            if parent is not None:
+                from runner.tracking.runs import delete_run
+
+                delete_run(parent[0], parent[1])
+                parent = None
+            raise
+        except (KeyboardInterrupt, Exception) as exc:
+            status = "FAILED" if isinstance(exc, Exception) else "KILLED"
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if parent is not None:
+                from runner.tracking.runs import end_run
+
+                if status == "FINISHED":
+                    _record(report, parent, Path(tmp))
+                end_run(parent[0], parent[1], status, error)
+    return report
+
+
+_Config = tuple[str, str, int, "LoadedSpec"]  # (config id, mode, n, its spec)
+
+
+def _configurations(
+    loaded: LoadedSpec, modes: Sequence[str] | None, steps: int, folder: Path
+) -> tuple[LoadedSpec, list[_Config], list[ModeResult]]:
+    """``none``'s spec, the other configurations that run here, and the skipped ones (not named in ``modes``).
+
+    Raises:
+        UsageError: An unknown mode, or a named one that cannot run here (naming what is missing).
+    """
+    from runner.devices.inventory import probe_inventory
+    from runner.strategies.registry import MODES
+
+    unknown = [m for m in modes or () if m not in MODES]
+    if unknown or (modes is not None and not modes):
+        raise UsageError(
+            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes or ())}"
+        )
+    gpus = len(probe_inventory(os.environ).gpus)
+    cpu = gpus < 2 or loaded.spec.devices.accelerator == "cpu"  # every configuration on the same kind of device
+    base = _mode_spec(loaded, "none", 1, steps, cpu, folder)
+    others: list[_Config] = []
+    skipped: list[ModeResult] = []
+    for mode in [m for m in MODES if m != "none" and (modes is None or m in modes)]:
+        config = f"{mode}-2"
+        try:
+            others.append((config, mode, 2, _mode_spec(loaded, mode, 2, steps, cpu, folder)))
+        except (SpecError, DeviceError) as exc:
+            why = f"{mode} needs 2 GPUs; this machine has {gpus}" if mode == "dp" else " ".join(str(exc).split())
+            if modes is not None:
+                raise UsageError(f"--modes: {config} cannot run on this machine: {why}") from None
+            skipped.append(ModeResult(config, mode, 2, status="skipped", reason=why))
+    return base, others, skipped
+
+
+def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, folder: Path) -> LoadedSpec:
+    """The spec of one configuration: ``runner bench``'s derivation, plus determinism, checkpoints, ``/parity``.
+
+    Raises:
+        SpecError, DeviceError: It does not validate, or this machine cannot run it.
+    """
+    import copy
+    import dataclasses
+
+    from runner.plan import make_plan
+    from runner.spec.dump import spec_sha256
+    from runner.spec.loading import spec_from_dict
+    from runner.tools.bench import bench_spec_data
+
+    data = bench_spec_data(loaded.data, mode, n, steps, 0)
+    train, original = data["train"], loaded.data.get("train", {})
+    for key in ("epochs", "eval_every_n_epochs"):  # the spec's own epochs; max_steps ends the run
+        train.pop(key, None)
+        if key in original:
+            train[key] = copy.deepcopy(original[key])
+    train["amp"] = "no"
+    data["deterministic"] = True
+    if cpu:
+        data["devices"]["accelerator"] = "cpu"
+    config = "none" if mode == "none" else f"{mode}-{n}"
+    data["checkpoint"] = {"dir": str(folder / config), "every_n_steps": steps, "keep_last": 1}
+    tracking = data.setdefault("tracking", {})
+    tracking.update(log_model=False, experiment=f"{loaded.spec.tracking.experiment or loaded.spec.name}/parity")
+    spec = spec_from_dict(data, origin=str(loaded.path))
+    derived = dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
+    make_plan(derived)
+    return derived
+
+
+def _start_parent(base: LoadedSpec, report: ParityReport) -> tuple[str, str] | None:
+    """The parent run in ``<experiment>/parity`` (``None`` with tracking off)."""
+    from runner.tracking.runs import start_run
+    from runner.tracking.uri import resolve_tracking_uri
+
+    if not base.spec.tracking.enabled:
+        return None
+    uri = resolve_tracking_uri(base.spec)
+    configs = [m.config for m in report.modes]
+    description = {"mode": "parity", "parity": {"configurations": configs, "steps": report.steps}}
+    tags = {"runner.parity": "parent", "runner.parity.configs": ",".join(configs)}
+    handle = start_run(base, description, run_name=f"parity-{report.name}", extra_tags=tags, uri=uri)
+    report.parent_run_id, report.tracking_uri = handle.run_id, uri
+    report.experiment = base.spec.tracking.experiment or base.spec.name
+    return uri, handle.run_id
+
+
+def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], parent: tuple[str, str] | None) -> None:
+    """Train none (falling back to float32), the control and the other modes; compare; name the causes."""
+    none = report.modes[0]
+    try:
+        _train(none, base, parent, "float64")
+        report.reference = ModeResult("none-float32", "none", 1)
+        _train(report.reference, base, parent, None)
+    except TrainingError as exc:
+        if report.reference is not None:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        report.precision = "float32"
+        report.notes.append(f"the model does not train in float64 ({first}): every configuration ran in float32")
+        _train(none, base, parent, None)
+    dtype = "float64" if report.precision == "float64" else None
+    _train(report.control, base, parent, None, nudge=True)
+    for (_, _, _, loaded), result in zip(others, report.modes[1:], strict=False):
+        try:
+            _train(result, loaded, parent, dtype)
+        except TrainingError as exc:
+            result.status, result.reason = "failed", " ".join(str(exc).split())
+    report.steps = max(none.losses, default=report.steps)  # the spec's epochs may end the runs first
+    _compare(report)
+    if report.differing:
+        report.causes = likely_causes(base, [m.mode for m in report.differing])
+
+
+def _train(
+    result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | None, dtype: str | None, nudge: bool = False
+) -> None:
+    """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.training.checkpoint import load_latest
+
+    options = ExecOptions(
+        run_name=f"{result.config} parity {loaded.spec.name}",
+        parent_run_id=parent[1] if parent else None,
+        tags=(("runner.parity.config", result.config),),
+        dtype=dtype,
+        nudge=nudge,
+    )
+    done = exec_experiment(loaded, options)
+    result.run_id = done.run_id
+    result.losses = {step: m["train/loss"] for step, m in done.history if "train/loss" in m}
+    found = load_latest(Path(done.checkpoint_dir))
+    state = found.payload["model"] if found is not None else {}
+    result.params = {k: v.double() for k, v in state.items() if v.is_floating_point()}
+
+
+def _compare(report: ParityReport) -> None:
+    """Fill every configuration's |Δ| against ``none`` (the control's against float32 ``none``), the tolerances
+    from the control, the first step beyond."""
+    none = report.modes[0]
+    for m, base in [(report.control, report.reference or none), *((m, none) for m in report.modes[1:])]:
+        if m.status != "ok":
+            continue
+        steps = sorted(set(base.losses) | set(m.losses))
+        m.loss_deltas = {s: _delta(m.losses.get(s), base.losses.get(s)) for s in steps}
+        m.max_loss_delta = max(m.loss_deltas.values(), default=None)
+        m.max_param_delta = max(
+            (float((m.params[k] - v).abs().max()) if k in m.params else math.inf for k, v in base.params.items()),
+            default=None,
+        )
+    loss_scale = max([1.0, *(abs(v) for v in none.losses.values() if math.isfinite(v))])
+    param_scale = max([1.0, *(float(v.abs().max()) for v in none.params.values() if v.numel())])
+    report.loss_tolerance = tolerance(report.precision, report.control.max_loss_delta or 0.0, loss_scale)
+    report.param_tolerance = tolerance(report.precision, report.control.max_param_delta or 0.0, param_scale)
+    for m in report.modes[1:]:
+        m.first_beyond = next((s for s, d in m.loss_deltas.items() if d > report.loss_tolerance), None)
+
+
+def _delta(a: float | None, b: float | None) -> float:
+    """|a - b|; infinite when a step is missing or a value is not finite."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b)
+
+
+def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
+    """The known causes of a mode difference this spec has (docs/design.md §3): BatchNorm without
+    ``parallel.sync_batchnorm``, random layers, a loss that returns a per-rank mean; else what to look for.
+
+    The model is built on the ``meta`` device in this process (a factory is called once more).
+    """
+    from runner.launch.prebuild import layer_kinds
+
+    spec = loaded.spec
+    model = _meta_model(loaded)
+    batch, random = layer_kinds(model) if model is not None else ([], [])
+    causes = []
+    synced = spec.parallel.sync_batchnorm and spec.devices.accelerator != "cpu" and set(modes) == {"ddp"}
+    if batch and not synced:
+        causes.append(
+            f"{', '.join(batch)} without parallel.sync_batchnorm: under {', '.join(modes)} each device normalises "
+            "its own share of the batch; parallel.sync_batchnorm = true (ddp on CUDA) normalises over the global batch"
+        )
+    if random:
+        causes.append(
+            f"{', '.join(random)}: each rank draws its own random numbers, so the runs differ by chance; "
+            "compare with these layers off to check the rest"
+        )
+    if spec.loss.name == "model" or ":" in spec.loss.name:
+        causes.append(
+            f"loss.name = {spec.loss.name!r} returns a mean over each rank's micro-batch: a mean weighted other than "
+            "per sample (e.g. over non-ignored tokens) differs per rank (docs/design.md §13)"
+        )
+    return causes or [
+        "none of the known ones (BatchNorm, dropout, a per-rank mean loss): look for layers or a loss that use "
+        "the batch split, the rank or random numbers"
+    ]
+
+
+def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
+    """The spec's model built on ``meta`` (no storage), or ``None`` when it cannot be built so."""
+    import torch
+
+    from runner.training.data import build_datasets
+    from runner.training.models import build_model
+
+    spec, folder = loaded.spec, loaded.path.parent
+    try:
+        info = build_datasets(spec, folder).info
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return build_model(spec.model, folder, input_shape=info.input_shape, num_classes=info.num_classes)
+    except Exception:
+        return None
+
+
+def _record(report: ParityReport, parent: tuple[str, str], folder: Path) -> None:
+    """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
+    import json
+
+    from runner.tools.bench_runs import log_history
+    from runner.tracking.parents import record_summary
+
+    uri, run_id = parent
+    metrics: dict[str, float] = {}
+    for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:
+        figures = {"max_abs_dloss": m.max_loss_delta, "max_abs_dparam": m.max_param_delta}
+        shown = {f"parity/{k}": v for k, v in figures.items() if v is not None and math.isfinite(v)}
+        metrics.update({f"parity/{m.config}/{k[7:]}": v for k, v in shown.items()})
+        if m.run_id is not None:
+            record_summary(uri, m.run_id, metrics=shown)
+            deltas = [(s, {"parity/abs_dloss": d}) for s, d in m.loss_deltas.items() if math.isfinite(d)]
+            log_history(uri, m.run_id, deltas)
+    plot = write_plot(report, folder / "parity.png")
+    text = report.table()
+    tags = {
+        "runner.parity.verdict": report.verdict(),
+        "runner.parity.precision": report.precision,
+        "runner.parity.summary": text[:5000],
+    }
+    record_summary(
+        uri,
+        run_id,
+        metrics=metrics,
+        params={"parity.steps": str(report.steps), "parity.precision": report.precision},
+        tags=tags,
+        texts={"parity/verdict.txt": text + "\n", "parity/parity.json": json.dumps(report.to_json(), indent=2)},
+        files=[plot],
+        files_dir="parity",
+    )
+
+
+def write_plot(report: ParityReport, path: Path) -> Path:
+    """Per-step |Δ train/loss| against ``none`` on a log scale: one line per mode, one for the control (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    floor = 1e-18  # exact agreement is drawn here (a log scale has no 0)
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for m in [*report.modes[1:], report.control]:
+        if m.loss_deltas:
+            steps = sorted(m.loss_deltas)
+            values = [min(max(m.loss_deltas[s], floor), 1e3) for s in steps]
+            ax.plot(steps, values, label=m.config, linestyle=":" if m is report.control else "-")
+    ax.axhline(report.loss_tolerance, color="grey", linestyle="--", label="tolerance")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("|Δ train/loss| against none")
+    ax.set_title(f"runner parity: {report.name} ({report.precision}): the modes {report.verdict()}")
+    ax.legend()
+    fig.savefig(path)
+    return path
