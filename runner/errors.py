@@ -6,9 +6,27 @@ missing devices or an unreachable tracking store (all found before training), 13
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
+
+_USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/@'\"]*@")
+_HTTP_TOKEN = re.compile(r"(?P<head>\bhttps?://)[^\s/:@'\"]+@")
+_QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key)=)[^&;\s'\"]*")
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``.
+
+    ``http://alice:s3cret@host`` -> ``http://alice:***@host``, ``postgresql://u:pw@h/db`` ->
+    ``postgresql://u:***@h/db``, a bare user of an http(s) URL (a token: ``https://TOKEN@host``) ->
+    ``https://***@host``, and ``?password=``/``token=``/... query values. The one masking used for
+    every URI runner records, prints or puts in a message (tracking URI, Optuna storage URL).
+    """
+    text = _USER_PASSWORD.sub(r"\g<head>:***@", text)
+    text = _HTTP_TOKEN.sub(lambda m: m.group(0) if m.group(0).endswith("***@") else m.group("head") + "***@", text)
+    return _QUERY_SECRET.sub(r"\g<head>***", text)
 
 
 class RunnerError(Exception):
@@ -24,7 +42,7 @@ class RunnerError(Exception):
 
     def format_message(self) -> str:
         """The text ``runner`` prints after ``runner: `` (a message of several lines is indented below)."""
-        text = str(self)
+        text = mask_secrets(str(self))
         if "\n" not in text:
             return f"{self.heading}: {text}"
         return f"{self.heading}:\n" + "\n".join("  " + line for line in text.splitlines())

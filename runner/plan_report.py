@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from runner.errors import mask_secrets
 from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -250,9 +251,9 @@ def show_plan(
     info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
     if loaded.spec.sweep is not None and sweep_trials is not None:
         info["trials"] = sweep_trials(loaded)
-    print(json.dumps(info, indent=2) if as_json else format_plan(info))
+    print(mask_secrets(json.dumps(info, indent=2) if as_json else format_plan(info)))
     if with_spec:
         print(f"\n# resolved spec ({loaded.path})")
-        print(dump_spec(loaded.spec), end="")
+        print(mask_secrets(dump_spec(loaded.spec)), end="")
     if problem is not None:
         raise problem  # after the plan: what is missing, and the command that runs here

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, TrainingError
+from runner.errors import Interrupted, SpecError, TrainingError, mask_secrets
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -180,7 +180,7 @@ def show_notes(notes: list[str]) -> None:
     Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
     """
     for note in notes:
-        print(f"runner: note: {note}", file=sys.stderr, flush=True)
+        print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
 
 
 def _run_to_the_end(

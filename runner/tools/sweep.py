@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UsageError
+from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_pool, sigterm_interrupts, swept_devices
 from runner.tools.sweep_report import SweepReport, first_line, write_plots
 from runner.tools.sweep_run import TrialSetup, work
 from runner.tools.sweep_space import SweepDefinition, study_name
-from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage, redact
+from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage
 from runner.tools.sweep_store import SweepStore
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (
@@ -152,13 +152,13 @@ def _open_study(
         url,
         name,
         definition,
-        found=lambda s: store.create_parent(base, base.overrides, definition, name, redact(url)),
+        found=lambda s: store.create_parent(base, base.overrides, definition, name, mask_secrets(url)),
         spec_sha256=trial_base.sha256,
         unfound=store.delete,
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     parent = opened.parent_run_id
-    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, redact(url))
+    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, mask_secrets(url))
 
 
 def _open_storage(
@@ -177,7 +177,7 @@ def _open_storage(
         return url, open_storage(url)
     except StorageError as exc:
         if given:
-            raise UsageError(f"--storage {redact(given)}: {exc}") from None
+            raise UsageError(f"--storage {mask_secrets(given)}: {exc}") from None
         if from_spec:
             issue = SpecIssue(base.path, lines.get(("sweep", "storage")), "sweep.storage", f"{exc} (fix the URL)")
             raise SpecError(issue) from None
@@ -230,7 +230,7 @@ def _run_trials(
                 end_run(store.uri, run_id, "FAILED", error)
 
         for error in WorkerPool(study, progress, dead).run(configs):
-            print(f"runner: {first_line(error)}", file=sys.stderr, flush=True)
+            print(f"runner: {mask_secrets(first_line(error))}", file=sys.stderr, flush=True)
 
 
 def _worker_configs(
@@ -332,7 +332,7 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(mask_secrets(line), file=sys.stderr, flush=True)
 
 
 __all__ = ["CommandLine", "SweepDefinition", "run_sweep"]

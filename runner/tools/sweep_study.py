@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.errors import UsageError
+from runner.errors import UsageError, mask_secrets
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
-from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler, redact
+from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler
 
 if TYPE_CHECKING:
     import optuna
@@ -114,7 +114,9 @@ class SweepStudy:
             joined._wait_until_ready()
             return joined, False
         except Exception as exc:
-            raise StorageError(f"cannot create study {name!r} in {redact(url)}: {type(exc).__name__}: {exc}") from exc
+            raise StorageError(
+                f"cannot create study {name!r} in {mask_secrets(url)}: {type(exc).__name__}: {exc}"
+            ) from exc
         made = cls(study, storage, url, definition)
         try:
             made._found(found, spec_sha256, unfound)
@@ -165,7 +167,7 @@ class SweepStudy:
         while not self.storage.get_study_user_attrs(self.study_id).get(ATTR_READY):
             if time.monotonic() > deadline:
                 raise UsageError(
-                    f"study {self.name!r} in {redact(self.url)} was created but never set up (its first worker "
+                    f"study {self.name!r} in {mask_secrets(self.url)} was created but never set up (its first worker "
                     f"died?): delete it with `optuna delete-study --study-name {self.name} --storage URL`"
                 )
             time.sleep(pause)
@@ -173,7 +175,7 @@ class SweepStudy:
         recorded = self.storage.get_study_user_attrs(self.study_id).get(ATTR_DEFINITION)
         if recorded is not None and SweepDefinition.from_json(recorded).digest() != self.definition.digest():
             raise UsageError(
-                f"study {self.name!r} in {redact(self.url)} searches another sweep ({json.dumps(recorded)}); "
+                f"study {self.name!r} in {mask_secrets(self.url)} searches another sweep ({json.dumps(recorded)}); "
                 "give the same [sweep] and flags as its first worker, or another --study name"
             )
 

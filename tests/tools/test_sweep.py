@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from runner.cli import main
-from runner.errors import SpecError, UsageError
+from runner.errors import SpecError, UsageError, mask_secrets
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema_sweep import SweepParam, SweepSpec
@@ -28,7 +28,7 @@ from runner.tools.sweep_space import (
     study_name,
     toml_value,
 )
-from runner.tools.sweep_storage import default_storage_url, make_sampler, redact
+from runner.tools.sweep_storage import default_storage_url, make_sampler
 from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
 
 
@@ -470,7 +470,7 @@ def test_default_storage_sits_next_to_the_mlflow_store(tmp_path) -> None:
     assert default_storage_url("sqlite:////data/runs/mlflow.db") == "sqlite:////data/runs/optuna.db"
     assert default_storage_url("file:///data/mlruns") == "sqlite:////data/optuna.db"
     assert default_storage_url("http://mlflow:5000", cwd=tmp_path) == f"sqlite:///{tmp_path}/optuna.db"
-    assert redact("postgresql+psycopg://me:secret@db:5432/optuna") == "postgresql+psycopg://me:***@db:5432/optuna"
+    assert mask_secrets("postgresql+psycopg://me:secret@db:5432/optuna") == "postgresql+psycopg://me:***@db:5432/optuna"
 
 
 def test_trials_are_planned_without_the_slurm_job_they_run_in(monkeypatch) -> None:
