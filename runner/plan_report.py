@@ -50,6 +50,8 @@ def format_plan(info: dict[str, Any]) -> str:
         r = info["rendezvous"]
         where = f"c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
         lines.append(_row("rendezvous", where))
+        if r["node_rank"] == 0:
+            lines.append(_row("", f"its store listens on {r['listens_on']}"))
     tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
     if "slurm" in info:
         lines.append(_row("slurm", _slurm_line(info["slurm"])))
