@@ -146,10 +146,13 @@ class Interrupted(RunnerError):
     exit_code = 130
     heading = "interrupted"
 
-    def __init__(self, signum: int = 2, run_id: str | None = None, command: str | None = None):
+    def __init__(
+        self, signum: int = 2, run_id: str | None = None, command: str | None = None, checkpoint: str | None = None
+    ):
         self.signum = signum
         self.run_id = run_id
         self.command = command
+        self.checkpoint = checkpoint  # which checkpoint exists, e.g. "a checkpoint was written at the stop (...)"
         super().__init__(f"interrupted by signal {signum}")
 
     def hint(self) -> str:
@@ -160,7 +163,8 @@ class Interrupted(RunnerError):
         """
         if self.run_id:
             command = self.command or f"runner resume {self.run_id}"
-            return f"run {self.run_id} is KILLED; a checkpoint was written. Continue it with: {command}"
+            checkpoint = self.checkpoint or "a checkpoint was written"
+            return f"run {self.run_id} is KILLED; {checkpoint}. Continue it with: {command}"
         return "stopped"
 
     def format_message(self) -> str:
