@@ -161,12 +161,12 @@ class Interrupted(RunnerError):
         The command is ``command`` when given (``runner resume RUN_ID``, as the driver words it), else
         ``runner resume RUN_ID``: the run's stored spec is continued, with its ``--set`` values.
         """
-        if self.run_id:
+        if self.run_id or self.command:
             command = self.command or f"runner resume {self.run_id}"
-            checkpoint = self.checkpoint or "a checkpoint was written"
-            return f"run {self.run_id} is KILLED; {checkpoint}. Continue it with: {command}"
+            killed = f"run {self.run_id} is KILLED; " if self.run_id else ""
+            return f"{killed}{self.checkpoint or 'a checkpoint was written'}. Continue it with: {command}"
         return "stopped"
 
     def format_message(self) -> str:
         """``interrupted: <hint>``: the run that was stopped and how to continue it."""
-        return f"{self.heading}: {self.hint()}"
+        return f"{self.heading}: {mask_secrets(self.hint())}"

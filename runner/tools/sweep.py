@@ -300,7 +300,11 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
             run()
     except (Interrupted, KeyboardInterrupt) as exc:
         settle("KILLED", "the sweep was interrupted")
-        raise Interrupted(getattr(exc, "signum", 2)) from None
+        raise Interrupted(
+            getattr(exc, "signum", 2),
+            command=continue_command(),
+            checkpoint="the sweep stopped: its finished trials are kept and its running ones run again",
+        ) from None
     except BaseException:
         import traceback
 
@@ -329,6 +333,14 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
         plots, notes = write_plots(study.frozen_trials(), report.definition.goal, Path(tmp))
         report.notes += notes
         store.end(report.parent_run_id, "FAILED" if failures else "FINISHED", error, report, plots)
+
+
+def continue_command(argv: Sequence[str] | None = None) -> str:
+    """The command that continues the sweep: the same ``runner sweep ...`` (the study resumes where it stopped)."""
+    import shlex
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "runner " + shlex.join(args)
 
 
 def _stderr(line: str) -> None:

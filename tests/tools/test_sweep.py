@@ -609,3 +609,16 @@ def test_a_worker_that_dies_after_its_trial_finished_leaves_the_result_standing(
     assert study.fail_dead(running.number, "the sweep worker process exited with status 9") is True
     assert [t.state.name for t in study.study.trials] == ["COMPLETE", "FAIL"]
     assert study.study.trials[0].value == 0.5
+
+
+def test_the_interrupt_message_names_the_command_that_continues_the_sweep() -> None:
+    from runner.errors import Interrupted
+    from runner.tools.sweep import continue_command
+
+    command = continue_command(["sweep", "my spec.toml", "--storage", "postgresql://u:pw@db/optuna"])
+    assert command == "runner sweep 'my spec.toml' --storage postgresql://u:pw@db/optuna"
+    message = Interrupted(2, command=command, checkpoint="the sweep stopped").format_message()
+    assert message == (
+        "interrupted: the sweep stopped. Continue it with: runner sweep 'my spec.toml' --storage "
+        "postgresql://u:***@db/optuna"
+    )
