@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
+from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_pool, sigterm_interrupts, swept_devices
 from runner.tools.sweep_report import SweepReport, first_line, write_plots
 from runner.tools.sweep_run import TrialSetup, work
 from runner.tools.sweep_space import SweepDefinition, study_name
-from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage
+from runner.tools.sweep_storage import GRACE_S, HEARTBEAT_S, StorageError, default_storage_url, open_storage
 from runner.tools.sweep_store import SweepStore
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (
@@ -320,6 +320,15 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
             f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
     pending = study.pending()
+    silent = study.silent_for() if pending and not study.counts().get("WAITING") else []
+    if silent and min(silent) > 3 * HEARTBEAT_S:  # no live worker beats for them: theirs are likely gone
+        wait = max(0.0, GRACE_S - min(silent))
+        at = time.strftime("%H:%M:%S", time.localtime(time.time() + wait))
+        raise RunnerError(
+            f"the sweep is unfinished: {len(silent)} trial(s) are RUNNING with no heartbeat for "
+            f"{min(silent):.0f} s or more, so their workers are likely gone; they can be taken over {GRACE_S} s "
+            f"after their last heartbeat, at {at}: run `{continue_command()}` again then"
+        )
     if pending:
         report.notes.append(
             f"{pending} trial(s) still waiting or running in other workers: the worker that ends the last one "

@@ -273,11 +273,43 @@ class SweepStudy:
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
         return True
 
-    def fail_stale(self) -> None:
-        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again."""
-        from optuna.storages import fail_stale_trials
+    def fail_stale(self) -> list[int]:
+        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again.
 
+        Returns:
+            The numbers of the trials failed here (their MLflow runs are to be ended KILLED).
+        """
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        if not running:
+            return []
         fail_stale_trials(self.study)
+        failed = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        return sorted(t.number for t in failed if t.number in running)
+
+    def silent_for(self) -> list[float]:
+        """Seconds since the last heartbeat of each RUNNING trial (0 for one that has not beaten yet).
+
+        Read as Optuna reads them to find stale trials (``RDBStorage._get_stale_trial_ids``): the
+        database's clock against the trial's heartbeat row.
+        """
+        import sqlalchemy
+        from optuna.storages._rdb import models
+        from optuna.trial import TrialState
+
+        session = self.storage.scoped_session()
+        try:
+            now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+            running = (
+                session.query(models.TrialModel)
+                .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == self.study_id)
+                .all()
+            )
+            return [(now - t.heartbeats[0].heartbeat).total_seconds() if t.heartbeats else 0.0 for t in running]
+        finally:
+            session.close()
 
     def counts(self) -> dict[str, int]:
         """Trials by Optuna state name (``WAITING``, ``RUNNING``, ``COMPLETE``, ``PRUNED``, ``FAIL``)."""

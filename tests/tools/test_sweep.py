@@ -622,3 +622,23 @@ def test_the_interrupt_message_names_the_command_that_continues_the_sweep() -> N
         "interrupted: the sweep stopped. Continue it with: runner sweep 'my spec.toml' --storage "
         "postgresql://u:***@db/optuna"
     )
+
+
+def test_a_taken_over_trials_old_run_ends_killed(ready_store: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.tools.sweep_store import SweepStore
+
+    client = MlflowClient(ready_store)
+    experiment = client.create_experiment("taken")
+    parent = client.create_run(experiment).info.run_id
+
+    def child(number: int) -> str:
+        tags = {"mlflow.parentRunId": parent, "runner.sweep.optuna_trial": str(number)}
+        return client.create_run(experiment, tags=tags).info.run_id
+
+    dead, other = child(3), child(4)
+    SweepStore(ready_store, "taken").kill_taken_over(parent, [3])
+    assert client.get_run(dead).info.status == "KILLED"
+    assert "taken over" in client.get_run(dead).data.tags["runner.error"]
+    assert client.get_run(other).info.status == "RUNNING"  # another worker's trial is left alone

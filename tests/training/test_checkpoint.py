@@ -167,9 +167,7 @@ def _flip(data: bytearray, at: int) -> None:
 
 
 @pytest.mark.parametrize("damage", [_zero, _flip], ids=["zeroed", "0x7f"])
-def test_bytes_changed_inside_a_tensor_are_found_and_the_previous_checkpoint_used(
-    tmp_path: Path, damage
-) -> None:
+def test_bytes_changed_inside_a_tensor_are_found_and_the_previous_checkpoint_used(tmp_path: Path, damage) -> None:
     ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
     payload = _payload(2, 2.0)
     payload["model"]["table"] = torch.full((64,), 2.0)
