@@ -162,7 +162,8 @@ def verify_digest(checkpoint: Path) -> None:
     """
     try:
         lines = digest_path(checkpoint).read_text().splitlines()
-        recorded = dict(reversed(line.split("  ", 1)) for line in lines if line.strip())
+        pairs = [line.split("  ", 1) for line in lines if line.strip()]
+        recorded = {name: sha for sha, name in pairs}
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{checkpoint}: no readable digest file {digest_path(checkpoint).name} ({exc})") from None
     base = checkpoint.parent
