@@ -88,7 +88,7 @@ def take_over(study: SweepStudy, store: SweepStore) -> None:
     """Enqueue again the trials whose worker died, and end their old MLflow runs KILLED."""
     taken = study.fail_stale()
     if taken:
-        store.kill_taken_over(study.parent_run_id(), taken)
+        store.kill_taken_over(study.parent_run_id, taken)
 
 
 def warm_up() -> None:

@@ -301,7 +301,9 @@ class SweepStudy:
 
         session = self.storage.scoped_session()
         try:
-            now = session.execute(sqlalchemy.func.now()).scalar().replace(tzinfo=None)
+            clock = session.execute(sqlalchemy.func.now()).scalar()
+            assert clock is not None  # the database's clock
+            now = clock.replace(tzinfo=None)
             running = (
                 session.query(models.TrialModel)
                 .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == self.study_id)

@@ -642,3 +642,15 @@ def test_a_taken_over_trials_old_run_ends_killed(ready_store: str) -> None:
     assert client.get_run(dead).info.status == "KILLED"
     assert "taken over" in client.get_run(dead).data.tags["runner.error"]
     assert client.get_run(other).info.status == "RUNNING"  # another worker's trial is left alone
+
+
+def test_take_over_ends_the_old_runs_of_the_trials_it_enqueues_again() -> None:
+    from types import SimpleNamespace
+
+    from runner.tools.sweep_run import take_over
+
+    ended = []
+    store = SimpleNamespace(kill_taken_over=lambda parent, numbers: ended.append((parent, numbers)))
+    take_over(SimpleNamespace(fail_stale=lambda: [3], parent_run_id="p"), store)  # type: ignore[arg-type]
+    take_over(SimpleNamespace(fail_stale=lambda: [], parent_run_id="p"), store)  # type: ignore[arg-type]
+    assert ended == [("p", [3])]
