@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from runner import __version__
-from runner.errors import Interrupted, RunnerError, TrainingError, UsageError
+from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, mask_secrets
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
@@ -318,7 +318,7 @@ def _status(args: argparse.Namespace) -> int:
     from runner.launch.owner import status_lines
 
     for line in status_lines(args.tracking_uri, args.run_id):
-        print(line)
+        print(mask_secrets(line))
     return EXIT_OK
 
 
@@ -336,7 +336,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 def _print_summary(summary: str) -> int:
     if summary:
-        print(summary)
+        print(mask_secrets(summary))
     return EXIT_OK
 
 

@@ -6,6 +6,7 @@ missing devices or an unreachable tracking store (all found before training), 13
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,6 +15,23 @@ from typing import Any, ClassVar
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s text, for quoting it: torch's errors from C++ carry a stack trace below it."""
     return next((line for line in str(exc).splitlines() if line.strip()), "")
+
+_USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/@'\"]*@")
+_HTTP_TOKEN = re.compile(r"(?P<head>\bhttps?://)[^\s/:@'\"]+@")
+_QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key)=)[^&;\s'\"]*")
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``.
+
+    ``http://alice:s3cret@host`` -> ``http://alice:***@host``, ``postgresql://u:pw@h/db`` ->
+    ``postgresql://u:***@h/db``, a bare user of an http(s) URL (a token: ``https://TOKEN@host``) ->
+    ``https://***@host``, and ``?password=``/``token=``/... query values. The one masking used for
+    every URI runner records, prints or puts in a message (tracking URI, Optuna storage URL).
+    """
+    text = _USER_PASSWORD.sub(r"\g<head>:***@", text)
+    text = _HTTP_TOKEN.sub(lambda m: m.group(0) if m.group(0).endswith("***@") else m.group("head") + "***@", text)
+    return _QUERY_SECRET.sub(r"\g<head>***", text)
 
 
 class RunnerError(Exception):
@@ -29,7 +47,7 @@ class RunnerError(Exception):
 
     def format_message(self) -> str:
         """The text ``runner`` prints after ``runner: `` (a message of several lines is indented below)."""
-        text = str(self)
+        text = mask_secrets(str(self))
         if "\n" not in text:
             return f"{self.heading}: {text}"
         return f"{self.heading}:\n" + "\n".join("  " + line for line in text.splitlines())
@@ -196,10 +214,13 @@ class Interrupted(RunnerError):
     exit_code = 130
     heading = "interrupted"
 
-    def __init__(self, signum: int = 2, run_id: str | None = None, command: str | None = None):
+    def __init__(
+        self, signum: int = 2, run_id: str | None = None, command: str | None = None, checkpoint: str | None = None
+    ):
         self.signum = signum
         self.run_id = run_id
         self.command = command
+        self.checkpoint = checkpoint  # which checkpoint exists, e.g. "a checkpoint was written at the stop (...)"
         super().__init__(f"interrupted by signal {signum}")
 
     def hint(self) -> str:
@@ -208,11 +229,12 @@ class Interrupted(RunnerError):
         The command is ``command`` when given (``runner resume RUN_ID``, as the driver words it), else
         ``runner resume RUN_ID``: the run's stored spec is continued, with its ``--set`` values.
         """
-        if self.run_id:
+        if self.run_id or self.command:
             command = self.command or f"runner resume {self.run_id}"
-            return f"run {self.run_id} is KILLED; a checkpoint was written. Continue it with: {command}"
+            killed = f"run {self.run_id} is KILLED; " if self.run_id else ""
+            return f"{killed}{self.checkpoint or 'a checkpoint was written'}. Continue it with: {command}"
         return "stopped"
 
     def format_message(self) -> str:
         """``interrupted: <hint>``: the run that was stopped and how to continue it."""
-        return f"{self.heading}: {self.hint()}"
+        return f"{self.heading}: {mask_secrets(self.hint())}"

@@ -108,6 +108,8 @@ class Plan:
             out["rendezvous"] = {
                 "backend": "c10d",
                 "endpoint": rdzv.endpoint or "localhost:<free port>",
+                # torch's TCPStore server (the rendezvous store, on node 0) takes no bind address
+                "listens_on": "every interface (torch's TCPStore binds no single address)",
                 "id": rdzv.run_id,
                 "nnodes": rdzv.nnodes,
                 "node_rank": rdzv.node_rank,

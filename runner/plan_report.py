@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from runner.errors import mask_secrets
 from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,6 +50,8 @@ def format_plan(info: dict[str, Any]) -> str:
         r = info["rendezvous"]
         where = f"c10d at {r['endpoint']} (id {r['id']}, node rank {r['node_rank']}, max restarts {r['max_restarts']})"
         lines.append(_row("rendezvous", where))
+        if r["node_rank"] == 0:
+            lines.append(_row("", f"its store listens on {r['listens_on']}"))
     tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
     if "slurm" in info:
         lines.append(_row("slurm", _slurm_line(info["slurm"])))
@@ -252,9 +255,9 @@ def show_plan(
         info["trials"] = sweep_trials(loaded)  # the trials say what [sweep] does: no note that exec ignores it
         info["notes"] = [n for n in info.get("notes", []) if not n.startswith("[sweep]")]
         info.get("inactive", {}).pop("sweep", None)
-    print(json.dumps(info, indent=2) if as_json else format_plan(info))
+    print(mask_secrets(json.dumps(info, indent=2) if as_json else format_plan(info)))
     if with_spec:
         print(f"\n# resolved spec ({loaded.path})")
-        print(dump_spec(loaded.spec), end="")
+        print(mask_secrets(dump_spec(loaded.spec)), end="")
     if problem is not None:
         raise problem  # after the plan: what is missing, and the command that runs here

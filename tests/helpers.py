@@ -58,7 +58,7 @@ MINIMAL: dict[str, Any] = {
     "devices": {"accelerator": "cpu"},
     "optim": {"name": "sgd", "lr": 0.1},
     "train": {"epochs": 2, "log_every_n_steps": 1, "progress": "off"},
-    "tracking": {"uri": "", "experiment": "tests"},
+    "tracking": {"experiment": "tests"},
 }
 
 SMALL: dict[str, Any] = {

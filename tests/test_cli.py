@@ -112,6 +112,8 @@ def test_plan_human_output_has_the_batch_split(capsys) -> None:
     assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml")]) == 0
     out = capsys.readouterr().out
     assert "global batch   64 = 32 + 32 per device" in out and "[optim]" not in out  # the plan alone
+    assert "rendezvous     c10d at localhost:<free port>" in out
+    assert "its store listens on every interface (torch's TCPStore binds no single address)" in out
     assert main(["plan", str(REPO / "experiments" / "digits_mlp_ddp.toml"), "--spec"]) == 0
     out = capsys.readouterr().out
     assert out.index("global batch   64 = 32 + 32 per device") < out.index("[optim]")  # the plan first

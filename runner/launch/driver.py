@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, TrainingError
+from runner.errors import Interrupted, SpecError, TrainingError, mask_secrets
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -186,7 +186,7 @@ def show_notes(notes: list[str]) -> None:
     Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
     """
     for note in notes:
-        print(f"runner: note: {note}", file=sys.stderr, flush=True)
+        print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
 
 
 def _run_to_the_end(
@@ -224,7 +224,7 @@ def _run_to_the_end(
         if handoff is not None:
             args = handoff.finish() or args
             run_id = args.run_id
-        raise _interrupted(getattr(exc, "signum", 2), plan, run_id) from None
+        raise _interrupted(getattr(exc, "signum", 2), plan, run_id, args.checkpoint_dir, hangs) from None
     except _PreparationFailed as failed:
         status, args = "DELETE", failed.made or args
         raise failed.error from None
@@ -236,7 +236,7 @@ def _run_to_the_end(
                 raise failed.error from None
         if is_signal(exc):
             status = "KILLED"
-            raise _interrupted(getattr(exc, "sigval", 15), plan, run_id) from None
+            raise _interrupted(getattr(exc, "sigval", 15), plan, run_id, args.checkpoint_dir, hangs) from None
         bad_spec = exc if isinstance(exc, SpecError) else spec_error_of_child(exc)
         if bad_spec is not None:
             # A kwarg or name that only fails when built: still a bad spec (exit 2), and the run
@@ -278,13 +278,30 @@ def _handed(handoff: Handoff, args: WorkerArgs, failed: bool = False) -> tuple[W
     return (made or args), (made.run_id if made is not None else None)
 
 
-def _interrupted(signum: int, plan: Plan, run_id: str | None) -> Interrupted:
-    """The interruption, with the command that continues the run (``runner resume RUN_ID``)."""
+def _interrupted(
+    signum: int, plan: Plan, run_id: str | None, folder: str = "", hangs: HangReports | None = None
+) -> Interrupted:
+    """The interruption, with the checkpoint that exists and the command that continues the run."""
     from runner.launch.resume import resume_command
 
     uri = plan.tracking_uri
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
-    return Interrupted(int(signum), run_id=run_id, command=command)
+    return Interrupted(int(signum), run_id=run_id, command=command, checkpoint=checkpoint_note(folder, hangs or {}))
+
+
+def checkpoint_note(folder: str, hangs: HangReports) -> str:
+    """Which checkpoint a stopped job left: the stop's own, or (a rank hung before writing it) an older one or none."""
+    from pathlib import Path
+
+    from runner.training.checkpoint import list_checkpoints
+
+    saved = list_checkpoints(Path(folder)) if folder else []
+    newest = saved[-1].name if saved else None
+    if hangs:
+        ranks = ", ".join(str(rank) for rank in sorted(hangs))
+        older = f"the newest is {newest}, from before the stop" if newest else "the run has none"
+        return f"no checkpoint was written at the stop (rank {ranks} hung first); {older}"
+    return f"a checkpoint was written at the stop ({newest})" if newest else "it has no checkpoint"
 
 
 def _launch(

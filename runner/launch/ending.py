@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.errors import mask_secrets
+
 
 @dataclass(frozen=True)
 class Spooled:
@@ -68,8 +70,8 @@ def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, chec
         path = spool_path(checkpoint_dir)
         append(path, end=(status, error))
         print(
-            f"runner: the tracking store at {uri} did not answer: run {run_id}'s status {status} is kept in "
-            f"{path}; `runner status {run_id}` sets it once the store answers",
+            f"runner: the tracking store at {mask_secrets(uri)} did not answer: run {run_id}'s status {status} is "
+            f"kept in {path}; `runner status {run_id}` sets it once the store answers",
             file=sys.stderr,
             flush=True,
         )

@@ -244,6 +244,7 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
     """Build the optimizer over a stand-in parameter, then the scheduler, and step it as the run would."""
     import torch
 
+    from runner.training.nonfinite import lr_problem
     from runner.training.optim import build_optimizer, build_scheduler, scheduler_class, scheduler_interval
     from runner.training.setup import count_total_steps
 
@@ -262,6 +263,8 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
             for _ in range(min(calls, DRY_RUN_STEPS)):
                 optimizer.step()
                 scheduler.step()
+                if (problem := lr_problem(optimizer)) is not None:
+                    raise ValueError(problem)
         except (TypeError, ValueError, ZeroDivisionError) as exc:
             name = type(scheduler).__name__
             message = f"{name} fails when stepped: {type(exc).__name__}: {first_line(exc)}"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.errors import SpecError
+from runner.errors import SpecError, SpecIssue, TrackingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,7 +69,10 @@ def prepare(plan: Plan, options: ExecOptions, go_on: Callable[[], None] = lambda
     check_checkpoint_folder(loaded, plan.tracking_uri)
     owner, uri = plan.owns_run, plan.tracking_uri
     if uri is not None:
-        open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
+        try:
+            open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
+        except TrackingError as exc:
+            raise store_error_at(exc, loaded, options.tracking_uri) from None
     resume = prepare_resume(plan, options) if options.resume is not None else requeued_run(plan, owner)
     rank = plan.launcher.rank if plan.launch == "external" else 0
     shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
@@ -86,6 +89,19 @@ def prepare(plan: Plan, options: ExecOptions, go_on: Callable[[], None] = lambda
     if run_id is not None and owner and uri is not None:  # where the run's checkpoints and spool are
         set_run_tags(uri, run_id, {"runner.checkpoint_dir": str(checkpoint_dir)})
     return Prepared(run_id, resume, str(checkpoint_dir), rank, shown)
+
+
+def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) -> TrackingError:
+    """``error`` placed where its URI was typed: ``--tracking-uri``, ``FILE:LINE: tracking.uri`` (or its ``--set``),
+    or ``MLFLOW_TRACKING_URI``; the default store (``./mlflow.db``) is left as it is."""
+    if given is not None:
+        return TrackingError(f"--tracking-uri: {error}")
+    if loaded.spec.tracking.uri is not None:
+        issue = SpecIssue(None, None, "tracking.uri", str(error))
+        return TrackingError(relocate_issues(SpecError(issue), loaded).issues[0].format())
+    if os.environ.get("MLFLOW_TRACKING_URI", "").strip():
+        return TrackingError(f"MLFLOW_TRACKING_URI: {error}")
+    return error
 
 
 def apply_plan_env(plan: Plan) -> None:

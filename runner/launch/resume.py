@@ -101,9 +101,10 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         UsageError: Tracking is off, the run does not exist, it already FINISHED with this spec, or
             a live process on this host still owns it.
         SpecError: The spec differs from the run's in keys not allowed to change.
+        CheckpointError: Every checkpoint of the run is damaged (exit 1).
     """
     from runner.tracking import runs as tracking
-    from runner.training.checkpoint import default_checkpoint_dir
+    from runner.training.checkpoint import CheckpointError, default_checkpoint_dir
 
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
@@ -121,6 +122,9 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         raise UsageError("; ".join([*chosen, f"{exc}: {hint}"])) from None
     except UsageError as exc:
         raise UsageError("; ".join([*chosen, str(exc)])) from None
+    except CheckpointError as exc:
+        again = resume_command(run_id, uri, "reproduce")
+        raise CheckpointError(f"{exc}\n`{again}` starts run {run_id} again from the same spec, anew") from None
     notes = chosen + claimed + notes
     if complete and tracking.run_status(uri, run_id) == "FINISHED":
         raise UsageError(
@@ -216,20 +220,18 @@ def _check_resume(
         whether the newest usable checkpoint already covers all the training the spec asks for.
 
     Raises:
-        UsageError: The run has no readable checkpoint, or ``allowed`` names a key the spec does not have.
+        UsageError: The run has no checkpoint, or ``allowed`` names a key the spec does not have.
+        CheckpointError: Every checkpoint of the run is damaged (exit 1).
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
     from runner.spec.active import is_inactive, run_inactive_keys
     from runner.spec.dump import flatten_spec
     from runner.spec.suggest import did_you_mean
     from runner.spec.wording import with_hint
-    from runner.training.checkpoint import CheckpointError, load_latest, spec_changes
+    from runner.training.checkpoint import load_latest, spec_changes
 
     current = flatten_spec(loaded.spec)
-    try:
-        found = load_latest(directory)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+    found = load_latest(directory)  # every checkpoint damaged: CheckpointError, exit 1
     if found is None:
         raise _NoCheckpoint(f"nothing to resume: no checkpoint in {directory}")
     saved = found.payload["spec"]

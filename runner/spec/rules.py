@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from runner.errors import mask_secrets
 from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +84,7 @@ BARE_TRACKING_URIS = ("databricks", "databricks-uc", "uc")
 
 
 def file_store_problem(uri: str) -> str | None:
-    """Why ``uri`` cannot be the tracking store: a file store (``file:``, a plain folder), or ``None``.
+    """Why ``uri`` cannot be the tracking store (empty, a file store, ``sqlite://`` without a path), or ``None``.
 
     MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
     ``MLFLOW_ALLOW_FILE_STORE=true``; runner records runs in a database or on a tracking server only.
@@ -96,6 +97,17 @@ def file_store_problem(uri: str) -> str | None:
     """
     text = uri.strip()
     scheme = urlsplit(text).scheme
+    if not text:
+        return (
+            f"{show(uri)} is empty: remove the key (to use $MLFLOW_TRACKING_URI, else ./mlflow.db), or name a "
+            'store, e.g. "sqlite:///mlflow.db"'
+        )
+    if scheme == "sqlite" and not text.startswith("sqlite:///"):
+        path = text[len("sqlite:") :].lstrip("/") or "mlflow.db"
+        return (
+            f"{show(mask_secrets(text))} is not a sqlite database file: write three slashes and the path, "
+            f'"sqlite:///{path}" (relative to here) or "sqlite:////abs/{path}"'
+        )
     if text in BARE_TRACKING_URIS or (len(scheme) > 1 and scheme != "file"):
         return None
     return (
@@ -213,12 +225,12 @@ def check_optim(optim: OptimSpec) -> None:
 
 
 def check_tracking(tracking: TrackingSpec) -> None:
-    """Rules inside ``[tracking]``: the store is a database or a server, not a file store.
+    """Rules inside ``[tracking]``: the store is a database or a server, not a file store nor empty.
 
     Raises:
-        ValueError: ``uri`` names a file store.
+        ValueError: ``uri`` is empty, malformed or names a file store.
     """
-    if tracking.uri and tracking.uri.strip() and (problem := file_store_problem(tracking.uri)):
+    if tracking.uri is not None and (problem := file_store_problem(tracking.uri)):
         raise ValueError(f"uri = {problem}")
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any, Protocol
 
+from runner.errors import mask_secrets
+
 
 class ToolReport(Protocol):
     """A sweep's or a bench's report: a table, its JSON, and how many parts (trials, configurations) failed."""
@@ -24,8 +26,8 @@ def print_report(report: ToolReport, *, as_json: bool, failure: str) -> bool:
     Returns:
         Whether part of the report failed (the command then exits 1).
     """
-    print(json.dumps(report.to_json(), indent=2) if as_json else report.table())
+    print(mask_secrets(json.dumps(report.to_json(), indent=2) if as_json else report.table()))
     if report.failed:
-        print(f"runner: {failure}", file=sys.stderr)
+        print(f"runner: {mask_secrets(failure)}", file=sys.stderr)
         return True
     return False

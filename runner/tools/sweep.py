@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UsageError
+from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_pool, sigterm_interrupts, swept_devices
 from runner.tools.sweep_report import SweepReport, first_line, write_plots
 from runner.tools.sweep_run import TrialSetup, work
 from runner.tools.sweep_space import SweepDefinition, study_name
-from runner.tools.sweep_storage import StorageError, default_storage_url, open_storage, redact
+from runner.tools.sweep_storage import GRACE_S, HEARTBEAT_S, StorageError, default_storage_url, open_storage
 from runner.tools.sweep_store import SweepStore
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (
@@ -157,13 +157,13 @@ def _open_study(
         url,
         name,
         definition,
-        found=lambda s: store.create_parent(base, base.overrides, definition, name, redact(url)),
+        found=lambda s: store.create_parent(base, base.overrides, definition, name, mask_secrets(url)),
         spec_sha256=trial_base.sha256,
         unfound=store.delete,
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     parent = opened.parent_run_id
-    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, redact(url))
+    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, mask_secrets(url))
 
 
 def _open_storage(
@@ -182,7 +182,7 @@ def _open_storage(
         return url, open_storage(url)
     except StorageError as exc:
         if given:
-            raise UsageError(f"--storage {redact(given)}: {exc}") from None
+            raise UsageError(f"--storage {mask_secrets(given)}: {exc}") from None
         if from_spec:
             issue = SpecIssue(base.path, lines.get(("sweep", "storage")), "sweep.storage", f"{exc} (fix the URL)")
             raise SpecError(issue) from None
@@ -235,7 +235,7 @@ def _run_trials(
                 end_run(store.uri, run_id, "FAILED", error)
 
         for error in WorkerPool(study, progress, dead).run(configs):
-            print(f"runner: {first_line(error)}", file=sys.stderr, flush=True)
+            print(f"runner: {mask_secrets(first_line(error))}", file=sys.stderr, flush=True)
 
 
 def _worker_configs(
@@ -305,7 +305,11 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
             run()
     except (Interrupted, KeyboardInterrupt) as exc:
         settle("KILLED", "the sweep was interrupted")
-        raise Interrupted(getattr(exc, "signum", 2)) from None
+        raise Interrupted(
+            getattr(exc, "signum", 2),
+            command=continue_command(),
+            checkpoint="the sweep stopped: its finished trials are kept and its running ones run again",
+        ) from None
     except BaseException:
         import traceback
 
@@ -321,6 +325,15 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
             f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
     pending = study.pending()
+    silent = study.silent_for() if pending and not study.counts().get("WAITING") else []
+    if silent and min(silent) > 3 * HEARTBEAT_S:  # no live worker beats for them: theirs are likely gone
+        wait = max(0.0, GRACE_S - min(silent))
+        at = time.strftime("%H:%M:%S", time.localtime(time.time() + wait))
+        raise RunnerError(
+            f"the sweep is unfinished: {len(silent)} trial(s) are RUNNING with no heartbeat for "
+            f"{min(silent):.0f} s or more, so their workers are likely gone; they can be taken over {GRACE_S} s "
+            f"after their last heartbeat, at {at}: run `{continue_command()}` again then"
+        )
     if pending:
         report.notes.append(
             f"{pending} trial(s) still waiting or running in other workers: the worker that ends the last one "
@@ -336,8 +349,16 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
         store.end(report.parent_run_id, "FAILED" if failures else "FINISHED", error, report, plots)
 
 
+def continue_command(argv: Sequence[str] | None = None) -> str:
+    """The command that continues the sweep: the same ``runner sweep ...`` (the study resumes where it stopped)."""
+    import shlex
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "runner " + shlex.join(args)
+
+
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(mask_secrets(line), file=sys.stderr, flush=True)
 
 
 __all__ = ["CommandLine", "SweepDefinition", "run_sweep"]

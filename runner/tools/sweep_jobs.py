@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted
+from runner.errors import Interrupted, mask_secrets
 from runner.tools.sweep_report import first_line
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 
@@ -124,7 +124,7 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         code = 130
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        print(f"runner: sweep worker {me} failed: {text}", file=sys.stderr, flush=True)
+        print(f"runner: sweep worker {me} failed: {mask_secrets(text)}", file=sys.stderr, flush=True)
         messages.put(("error", me, text))
         code = 1
     messages.close()

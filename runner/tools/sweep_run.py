@@ -70,12 +70,12 @@ def work(
         Interrupted: SIGINT/SIGTERM; the trial that was running is enqueued again.
     """
     warm_up()
-    study.fail_stale()
+    take_over(study, store)
     done = 0
     while max_trials is None or done < max_trials:
         trial = study.next_trial()
         if trial is None:
-            study.fail_stale()  # a trial whose worker died is enqueued again: take it over
+            take_over(study, store)  # a trial whose worker died is enqueued again: take it over
             trial = study.next_trial()
         if trial is None:
             break
@@ -84,6 +84,13 @@ def work(
         report(run_trial(study, store, setup, trial))
         done += 1
     return done
+
+
+def take_over(study: SweepStudy, store: SweepStore) -> None:
+    """Enqueue again the trials whose worker died, and end their old MLflow runs KILLED."""
+    taken = study.fail_stale()
+    if taken:
+        store.kill_taken_over(study.parent_run_id, taken)
 
 
 def warm_up() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from runner.errors import mask_secrets
 from runner.tools.sweep_space import SweepDefinition
 
 if TYPE_CHECKING:
@@ -48,16 +49,6 @@ def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
     if len(parts.scheme) <= 1 and tracking_uri.startswith("/"):
         return f"sqlite:///{Path(tracking_uri).parent / STORAGE_FILE}"
     return f"sqlite:///{(cwd or Path.cwd()).resolve() / STORAGE_FILE}"
-
-
-def redact(url: str) -> str:
-    """The storage URL without its password, for messages, tags and logs."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return str(make_url(url).render_as_string(hide_password=True))
-    except Exception:
-        return url.split("@", 1)[-1] if "@" in url else url
 
 
 def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBStorage:
@@ -96,8 +87,8 @@ def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBS
             if racing and attempt + 1 < attempts:
                 time.sleep(0.2 * (attempt + 1))
                 continue
-            raise StorageError(f"cannot open Optuna storage {redact(url)}: {type(exc).__name__}: {exc}") from None
-    raise StorageError(f"cannot open Optuna storage {redact(url)}")  # pragma: no cover
+            raise StorageError(f"cannot open Optuna storage {mask_secrets(url)}: {type(exc).__name__}: {exc}") from None
+    raise StorageError(f"cannot open Optuna storage {mask_secrets(url)}")  # pragma: no cover
 
 
 def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -> BaseSampler:

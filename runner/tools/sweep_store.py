@@ -132,6 +132,19 @@ class SweepStore:
         )
         return runs[-1].run_id if runs else None
 
+    def kill_taken_over(self, parent_id: str, numbers: Sequence[int]) -> None:
+        """End KILLED the runs of trials whose worker died (the trials run again under a new run)."""
+        from runner.tracking.runs import end_run
+
+        for number in numbers:
+            runs = parents.child_runs(
+                self.uri, self.experiment_id(), parent_id, tags={"runner.sweep.optuna_trial": str(number)}
+            )
+            for run in runs:
+                if run.status == "RUNNING":
+                    why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
+                    end_run(self.uri, run.run_id, "KILLED", why)
+
     def mark_pruned(self, run_id: str, epoch: int) -> None:
         """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
         parents.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})

@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.errors import UsageError
+from runner.errors import UsageError, mask_secrets
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
-from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler, redact
+from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler
 
 if TYPE_CHECKING:
     import optuna
@@ -114,7 +114,9 @@ class SweepStudy:
             joined._wait_until_ready()
             return joined, False
         except Exception as exc:
-            raise StorageError(f"cannot create study {name!r} in {redact(url)}: {type(exc).__name__}: {exc}") from exc
+            raise StorageError(
+                f"cannot create study {name!r} in {mask_secrets(url)}: {type(exc).__name__}: {exc}"
+            ) from exc
         made = cls(study, storage, url, definition)
         try:
             made._found(found, spec_sha256, unfound)
@@ -165,7 +167,7 @@ class SweepStudy:
         while not self.storage.get_study_user_attrs(self.study_id).get(ATTR_READY):
             if time.monotonic() > deadline:
                 raise UsageError(
-                    f"study {self.name!r} in {redact(self.url)} was created but never set up (its first worker "
+                    f"study {self.name!r} in {mask_secrets(self.url)} was created but never set up (its first worker "
                     f"died?): delete it with `optuna delete-study --study-name {self.name} --storage URL`"
                 )
             time.sleep(pause)
@@ -173,7 +175,7 @@ class SweepStudy:
         recorded = self.storage.get_study_user_attrs(self.study_id).get(ATTR_DEFINITION)
         if recorded is not None and SweepDefinition.from_json(recorded).digest() != self.definition.digest():
             raise UsageError(
-                f"study {self.name!r} in {redact(self.url)} searches another sweep ({json.dumps(recorded)}); "
+                f"study {self.name!r} in {mask_secrets(self.url)} searches another sweep ({json.dumps(recorded)}); "
                 "give the same [sweep] and flags as its first worker, or another --study name"
             )
 
@@ -271,11 +273,45 @@ class SweepStudy:
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
         return True
 
-    def fail_stale(self) -> None:
-        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again."""
-        from optuna.storages import fail_stale_trials
+    def fail_stale(self) -> list[int]:
+        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again.
 
+        Returns:
+            The numbers of the trials failed here (their MLflow runs are to be ended KILLED).
+        """
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        if not running:
+            return []
         fail_stale_trials(self.study)
+        failed = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        return sorted(t.number for t in failed if t.number in running)
+
+    def silent_for(self) -> list[float]:
+        """Seconds since the last heartbeat of each RUNNING trial (0 for one that has not beaten yet).
+
+        Read as Optuna reads them to find stale trials (``RDBStorage._get_stale_trial_ids``): the
+        database's clock against the trial's heartbeat row.
+        """
+        import sqlalchemy
+        from optuna.storages._rdb import models
+        from optuna.trial import TrialState
+
+        session = self.storage.scoped_session()
+        try:
+            clock = session.execute(sqlalchemy.func.now()).scalar()
+            assert clock is not None  # the database's clock
+            now = clock.replace(tzinfo=None)
+            running = (
+                session.query(models.TrialModel)
+                .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == self.study_id)
+                .all()
+            )
+            return [(now - t.heartbeats[0].heartbeat).total_seconds() if t.heartbeats else 0.0 for t in running]
+        finally:
+            session.close()
 
     def counts(self) -> dict[str, int]:
         """Trials by Optuna state name (``WAITING``, ``RUNNING``, ``COMPLETE``, ``PRUNED``, ``FAIL``)."""

@@ -11,15 +11,17 @@ visibly comparable (docs/design.md §11). mlflow is imported inside functions.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.errors import TrackingError
+from runner.errors import TrackingError, mask_secrets
 
 if TYPE_CHECKING:
     from mlflow.entities import Dataset
 
 VAL_SPLIT_TAG = "runner.data.val_split_sha256"
+ATTEMPTS = 5  # tries of a transient store error, 0.2 s doubling pauses between them (3 s in all)
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,29 @@ def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_s
 
     inputs = [DatasetInput(_dataset(r), tags=[InputTag("mlflow.data.context", r.context)]) for r in records]
     client = MlflowClient(tracking_uri=uri)
-    try:
-        if inputs:
-            client.log_inputs(run_id, datasets=inputs)
-        if val_split_sha256:
-            client.set_tag(run_id, VAL_SPLIT_TAG, val_split_sha256)
-    except Exception as exc:
-        raise TrackingError(
-            f"could not record the datasets of run {run_id} at {uri}: {type(exc).__name__}: {exc}"
-        ) from exc
+    for attempt in range(ATTEMPTS):
+        try:
+            if inputs:
+                client.log_inputs(run_id, datasets=inputs)
+            if val_split_sha256:
+                client.set_tag(run_id, VAL_SPLIT_TAG, val_split_sha256)
+            return
+        except Exception as exc:
+            # Runs of one experiment logging the same dataset at once (sweep workers) race on its row: the
+            # loser's "UNIQUE constraint failed: datasets..." means it is logged, and the next try links it.
+            if attempt + 1 < ATTEMPTS and _transient(exc):
+                time.sleep(0.2 * 2**attempt)
+                continue
+            raise TrackingError(
+                f"could not record the datasets of run {run_id} at {mask_secrets(uri)}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def _transient(exc: BaseException) -> bool:
+    """A store error another try can get past: a row another client just wrote, a lock, a dropped connection."""
+    text = str(exc)
+    signs = ("UNIQUE constraint", "Duplicate entry", "duplicate key", "database is locked", "Connection", "timed out")
+    return isinstance(exc, (ConnectionError, TimeoutError)) or any(sign in text for sign in signs)
 
 
 def _dataset(record: DatasetRecord) -> Dataset:

@@ -98,6 +98,7 @@ class MlflowTracker(BatchSender):
         self._spilled = False  # this tracker wrote values to the spool that may not be sent yet
         self._ops_queued = self._ops_done = 0
         self._down_until: float | None = None  # the store does not answer: next attempt, monotonic seconds
+        self._unanswered = False  # a flush gave up waiting on it: later flushes spill at once
         self._backoff = 0.0
         self._flush_wanted = self._closing = self._closed = False
         self._failures: list[tuple[str, BaseException]] = []
@@ -199,7 +200,9 @@ class MlflowTracker(BatchSender):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             target, ops_target = self._recorded, self._ops_queued
-            spill_at = time.monotonic() + (0.0 if self._down_until is not None else self.spill_after_s)
+            # a store that did not answer the last flush (hung, not refusing) is not waited for again until it answers
+            away = self._down_until is not None or self._unanswered
+            spill_at = time.monotonic() + (0.0 if away else self.spill_after_s)
             if self._sent < target or self._ops_done < ops_target:
                 self._flush_wanted = True
                 self._wake.notify()
@@ -217,6 +220,7 @@ class MlflowTracker(BatchSender):
                     )
                 self._done.wait(left)
             if self.spool is not None and self._sent < target:
+                self._unanswered = True  # cleared by the sender once a batch gets through
                 self._spill()
             pending = 0 if self.spool is not None else (target - self._sent) + (ops_target - self._ops_done)
         self._raise_failures(pending)

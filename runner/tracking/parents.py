@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import TrackingError
+from runner.errors import TrackingError, mask_secrets
 from runner.tracking.runs import ensure_experiment, mark_failed_quietly
 from runner.tracking.values import METRICS_PER_BATCH, PARAMS_PER_BATCH
 
@@ -99,8 +99,8 @@ def _log_batches(
 
     now = int(time.time() * 1000)
     metric_list = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-    param_list = [Param(k, v) for k, v in params.items()]
-    tag_list = [RunTag(k, v) for k, v in tags.items()]
+    param_list = [Param(k, mask_secrets(v)) for k, v in params.items()]
+    tag_list = [RunTag(k, mask_secrets(v)) for k, v in tags.items()]
     for i in range(0, len(param_list), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=param_list[i : i + PARAMS_PER_BATCH], synchronous=True)
     for i in range(0, len(tag_list), PARAMS_PER_BATCH):
@@ -142,13 +142,14 @@ def create_parent_run(
     eid = experiment_id(uri, experiment)
     client = _client(uri)
     try:
-        run_id = str(client.create_run(eid, tags=dict(tags), run_name=run_name).info.run_id)
+        masked = {key: mask_secrets(value) for key, value in tags.items()}
+        run_id = str(client.create_run(eid, tags=masked, run_name=mask_secrets(run_name)).info.run_id)
     except Exception as exc:
         raise TrackingError(f"could not create {what} at {uri}: {exc}") from exc
     try:
         _log_batches(client, run_id, metrics={}, params=params or {}, tags={}, step=0)
         for artifact_file, text in (texts or {}).items():
-            client.log_text(run_id, text, artifact_file)
+            client.log_text(run_id, mask_secrets(text), artifact_file)
     except Exception as exc:
         mark_failed_quietly(client, run_id)
         raise TrackingError(f"could not record {what} {run_id} at {uri}: {exc}") from exc
@@ -254,7 +255,7 @@ def record_summary(
     try:
         _log_batches(client, run_id, metrics=metrics or {}, params=params or {}, tags=tags or {}, step=step)
         for artifact_file, text in (texts or {}).items():
-            client.log_text(run_id, text, artifact_file)
+            client.log_text(run_id, mask_secrets(text), artifact_file)
         for file in files:
             client.log_artifact(run_id, str(file), files_dir)
     except Exception as exc:

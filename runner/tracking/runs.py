@@ -9,17 +9,15 @@ are imported inside functions, never when this module is imported.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import TrackingError
+from runner.errors import TrackingError, mask_secrets
 from runner.tracking.gitinfo import git_info
 from runner.tracking.spec_record import spec_artifacts, spec_params
 from runner.tracking.store import open_store
@@ -208,21 +206,26 @@ def start_run(
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
     params_of, dump_spec = _spec_codec()
-    params = [Param(k, v) for k, v in params_of(spec, _accelerator(plan_description)).items()]
+    # Credentials in a URI (tracking.uri, a --set of it, a database URL) never leave the process.
+    params = [Param(k, mask_secrets(v)) for k, v in params_of(spec, _accelerator(plan_description)).items()]
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
     texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
     info = git_info(loaded.path)
     texts.update(git_artifacts(info))
-    tags = run_tags(loaded, plan_description, info, extra_tags, parent_run_id)
+    texts = {name: mask_secrets(text) for name, text in texts.items()}
+    tags = {
+        k: mask_secrets(str(v)) for k, v in run_tags(loaded, plan_description, info, extra_tags, parent_run_id).items()
+    }
+    run_name = mask_secrets(run_name or spec.tracking.run_name or "") or None
     experiment_name = experiment or spec.tracking.experiment or spec.name
 
     client = MlflowClient(tracking_uri=uri)
     try:
         experiment_id = ensure_experiment(client, experiment_name, uri)
-        run = client.create_run(experiment_id, tags=tags, run_name=run_name or spec.tracking.run_name)
+        run = client.create_run(experiment_id, tags=tags, run_name=run_name)
     except MlflowException as exc:
         raise TrackingError(
-            f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
+            f"could not create an MLflow run in experiment {experiment_name!r} at {mask_secrets(uri)}: {exc}"
         ) from exc
     run_id = run.info.run_id
     _record_spec(client, run_id, uri, params, texts)
@@ -283,12 +286,12 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
+    error = mask_secrets(error) if error else error
     try:
         if error:
             client.log_batch(run_id, tags=[RunTag("runner.error", _error_tag(error))], synchronous=True)
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
-        with contextlib.redirect_stdout(sys.stderr):  # MLflow prints "View run ... at: URL" for a server
-            client.set_terminated(run_id, status)
+        client.set_terminated(run_id, status)
     except Exception as exc:
         raise TrackingError(
             f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}"

@@ -76,6 +76,7 @@ class BatchSender:
     _spilled: bool
     _ops_done: int
     _down_until: float | None
+    _unanswered: bool
     _backoff: float
     _flush_wanted: bool
     _closing: bool
@@ -164,7 +165,7 @@ class BatchSender:
                 self._failures.append((f"log_batch of {len(batch)} metrics", error))
                 self._lost += len(batch)
             else:
-                self._down_until, self._backoff = None, 0.0
+                self._down_until, self._backoff, self._unanswered = None, 0.0, False
             self._sent = max(self._sent, batch[-1].seq + 1)
             self._batch = []
             if self._batch_end_offset is not None:

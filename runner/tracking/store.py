@@ -5,19 +5,24 @@ when it is first opened. Two processes doing that at once on one sqlite file int
 migrations and leave the store half-migrated for good (even ``MlflowClient`` cannot open it
 afterwards). :func:`open_store` serialises that first open across processes with a
 :class:`filelock.FileLock` beside the database (``<database>.lock``), and refuses, with the fix, a
-store that an earlier crash or race left half-migrated, without touching it. mlflow is imported
-inside functions.
+store that an earlier crash or race left half-migrated, without touching it. Another MLflow client
+(``mlflow ui``, a notebook) does not take that lock: when it creates the tables at the same moment,
+MLflow's ``CREATE TABLE`` fails with "already exists"; the open is tried again with backoff, and
+the schema it finds is then checked (:func:`refuse_half_migrated`), never reported as an SQL dump.
+mlflow is imported inside functions.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 from runner.errors import TrackingError
 from runner.tracking.uri import check_reachable, sqlite_path
 
 LOCK_TIMEOUT_S = 300.0  # a first migration takes seconds; a lock held longer is a stuck process
+OPEN_ATTEMPTS = 6  # a concurrent creator's migration takes seconds: 0.5 + 1 + 2 + 4 + 8 s of waiting
 _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engine; tables exist from then on)
 
 
@@ -47,6 +52,7 @@ def open_store(uri: str) -> None:
             with lock:
                 refuse_half_migrated(path)
                 _first_open(uri)
+                refuse_half_migrated(path)  # what a concurrent creator left must be a whole schema
         except Timeout:
             raise TrackingError(
                 f"tracking store {uri}: another process has held {lock.lock_file} for over {LOCK_TIMEOUT_S:.0f} s "
@@ -56,16 +62,25 @@ def open_store(uri: str) -> None:
 
 
 def _first_open(uri: str) -> None:
-    """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError."""
+    """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError.
+
+    A schema being created by another client at the same moment ("already exists", "database is
+    locked") is waited for: up to :data:`OPEN_ATTEMPTS` tries with doubling pauses.
+    """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    try:
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-    except MlflowException as exc:
-        raise TrackingError(f"MLflow cannot open the tracking store {uri}: {exc.message}") from None
-    except Exception as exc:  # sqlalchemy / alembic errors of a damaged database
-        raise TrackingError(f"MLflow cannot open the tracking store {uri}: {type(exc).__name__}: {exc}") from None
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            return
+        except Exception as exc:  # MlflowException, sqlalchemy / alembic errors of a damaged database
+            text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
+            racing = "already exists" in text or "database is locked" in text
+            if not racing or attempt == OPEN_ATTEMPTS - 1:
+                first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+                raise TrackingError(f"MLflow cannot open the tracking store {uri}: {first[:500]}") from None
+            time.sleep(0.5 * 2**attempt)
 
 
 def refuse_half_migrated(path: Path) -> None:

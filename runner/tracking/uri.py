@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from runner.errors import TrackingError
+from runner.errors import TrackingError, mask_secrets
 from runner.spec.rules import file_store_problem
 
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
 
 _BARE_URIS = ("databricks", "databricks-uc", "uc")
+_DATABASES = ("postgresql", "postgres", "mysql", "mssql")
 _SERVER_HINT = (
     "start a server with `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`, "
     "fix tracking.uri in the spec, or unset MLFLOW_TRACKING_URI to log to ./mlflow.db"
@@ -98,7 +99,8 @@ def _resolve(given: str | None, env: Mapping[str, str] | None, cwd: str | os.Pat
         problem = file_store_problem(raw) if raw else None
         if problem is not None:
             raise TrackingError(
-                f"MLFLOW_TRACKING_URI={raw}: {problem} (set the variable to one, or unset it to log to ./mlflow.db)"
+                f"MLFLOW_TRACKING_URI={mask_secrets(raw)}: {problem} (set the variable to one, or unset it to log "
+                "to ./mlflow.db)"
             )
     if not raw:
         return f"sqlite:///{(base / 'mlflow.db').resolve()}"
@@ -147,8 +149,10 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 
     http(s): ``GET <uri>/health`` (falling back to the REST experiments-search endpoint),
     with no retries. sqlite: the database's folder exists and is writable (and the file,
-    if it exists, too). Local file store: the folder, or its parent, is writable. Other
-    schemes (postgresql, databricks, ...) are not checked here. Nothing is written.
+    if it exists, too). Local file store: the folder, or its parent, is writable. Another
+    database (postgresql, mysql, mssql): one connection within ``timeout_s``, made by
+    SQLAlchemy as MLflow makes it (a malformed URL, a missing driver and a server that does
+    not answer all fail here). Databricks is not checked. Nothing is written.
 
     Args:
         uri: An absolute tracking URI, e.g. from :func:`resolve_tracking_uri`.
@@ -156,10 +160,15 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 
     Raises:
         TrackingError: The server does not answer, answers like something other than an
-            MLflow server, rejects the credentials, or the local store is not writable.
+            MLflow server, rejects the credentials, or the local store is not writable; the
+            message shows the URI with its credentials masked.
     """
-    if urlsplit(uri).scheme in ("http", "https"):
+    scheme = urlsplit(uri).scheme
+    if scheme in ("http", "https"):
         _check_http(uri, timeout_s)
+        return
+    if scheme.partition("+")[0] in _DATABASES:
+        _check_database(uri, timeout_s)
         return
     local = _local_store_path(uri)
     if local is None:
@@ -187,6 +196,31 @@ def _check_sqlite(uri: str, path: Path) -> None:
         )
     if path.exists() and not os.access(path, os.R_OK | os.W_OK):
         raise TrackingError(f"tracking store {uri}: database {path} is not readable and writable by this user")
+
+
+def _check_database(uri: str, timeout_s: float) -> None:
+    """Connect once to a database store with SQLAlchemy; any failure is a :class:`TrackingError`."""
+    from sqlalchemy import create_engine
+
+    dialect = urlsplit(uri).scheme.partition("+")[0]
+    args = {"connect_timeout": max(1, round(timeout_s))} if dialect in ("postgresql", "mysql") else {}
+    try:
+        engine = create_engine(uri, connect_args=args)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as exc:  # ArgumentError (malformed), NoSuchModuleError / ImportError (driver), OperationalError
+        reason = mask_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        fix = (
+            f"install the {dialect} driver, or name an installed one in the URI ({dialect}+DRIVER://...)"
+            if isinstance(exc, ImportError) or type(exc).__name__ == "NoSuchModuleError"
+            else "start the database server, or fix the URI"
+        )
+        raise TrackingError(
+            f"cannot open the tracking store {mask_secrets(uri)} ({type(exc).__name__}: {reason}); {fix}"
+        ) from None
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
@@ -220,7 +254,7 @@ def _check_http(uri: str, timeout_s: float) -> None:
             )
         except MlflowException as exc:
             raise TrackingError(
-                f"cannot reach the MLflow tracking server at {uri} ({exc.message}); {_SERVER_HINT}"
+                f"cannot reach the MLflow tracking server at {mask_secrets(uri)} ({exc.message}); {_SERVER_HINT}"
             ) from exc
         return int(response.status_code)
 
@@ -232,11 +266,11 @@ def _check_http(uri: str, timeout_s: float) -> None:
         return
     if api in (401, 403):
         raise TrackingError(
-            f"the MLflow tracking server at {uri} rejected the request (HTTP {api}): set MLFLOW_TRACKING_TOKEN, "
-            "or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or ~/.mlflow/credentials), or the auth "
-            "plugin of MLFLOW_TRACKING_AUTH"
+            f"the MLflow tracking server at {mask_secrets(uri)} rejected the request (HTTP {api}): set "
+            "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+            "~/.mlflow/credentials), or the auth plugin of MLFLOW_TRACKING_AUTH"
         )
     raise TrackingError(
-        f"{uri} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does not look like "
-        f"an MLflow tracking server; {_SERVER_HINT}"
+        f"{mask_secrets(uri)} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does "
+        f"not look like an MLflow tracking server; {_SERVER_HINT}"
     )

@@ -7,7 +7,11 @@ the RNG states of every rank, plus the flattened spec and its SHA-256.
 
 Files are ``step-00000123.pt`` in the run's checkpoint folder. Each is written to a
 temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
-atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint.
+atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint. Beside each one a
+digest file ``step-00000123.pt.sha256`` (``sha256sum`` format: one line per file, so a checkpoint
+that is a folder of shards gets one line per shard) is written atomically before the checkpoint is
+renamed into place; a checkpoint whose bytes no longer match it, or that has none, counts as damaged
+(``torch.load`` does not check the zip CRCs, so bytes changed in place would load silently).
 
 A checkpoint holds only tensors and plain values (numbers, strings, lists, dicts; RNG states as
 tensors) and is read with ``torch.load(weights_only=True)``, which rebuilds those and nothing else
@@ -18,6 +22,7 @@ that resume from it. Files of another format version are refused with the reason
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -114,19 +119,85 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
     final = directory / f"step-{payload['state']['global_step']:08d}.pt"
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    tmp = _write_atomic(directory, buffer.getbuffer(), final=None)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buffer.getbuffer())
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_digest(final, {final.name: hashlib.sha256(buffer.getbuffer()).hexdigest()})
         os.replace(tmp, final)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
     for old in list_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
+    return final
+
+
+def digest_path(checkpoint: Path) -> Path:
+    """The digest file of a checkpoint file or folder: ``<name>.sha256`` beside it."""
+    return checkpoint.with_name(checkpoint.name + ".sha256")
+
+
+def write_digest(checkpoint: Path, digests: dict[str, str]) -> Path:
+    """Write ``checkpoint``'s digest file atomically, before the checkpoint itself is renamed into place.
+
+    Args:
+        checkpoint: The checkpoint's final path (a file, or a folder of shards).
+        digests: SHA-256 (hex) per file, keyed by its path relative to ``checkpoint.parent``
+            (``step-00000123.pt``, or ``step-00000123/__0_0.distcp`` for each shard of a folder).
+
+    Returns:
+        The digest file, in ``sha256sum`` format (``sha256sum -c`` run in the folder checks it).
+    """
+    text = "".join(f"{sha}  {name}\n" for name, sha in sorted(digests.items()))
+    return _write_atomic(checkpoint.parent, text.encode(), final=digest_path(checkpoint))
+
+
+def verify_digest(checkpoint: Path) -> None:
+    """Check a checkpoint file or folder against the digest file written when it was saved.
+
+    Raises:
+        CheckpointError: The digest file is missing or unreadable, a file it lists is missing, a
+            file of a folder is not listed, or a file's SHA-256 differs (damaged in place).
+    """
+    try:
+        lines = digest_path(checkpoint).read_text().splitlines()
+        pairs = [line.split("  ", 1) for line in lines if line.strip()]
+        recorded = {name: sha for sha, name in pairs}
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{checkpoint}: no readable digest file {digest_path(checkpoint).name} ({exc})") from None
+    base = checkpoint.parent
+    present = [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    names = {p.relative_to(base).as_posix() for p in present}
+    if names != set(recorded):
+        change = sorted(names ^ set(recorded))
+        raise CheckpointError(f"{checkpoint}: damaged: its files differ from the ones recorded at save ({change})")
+    for name, sha in sorted(recorded.items()):
+        with (base / name).open("rb") as fh:
+            if hashlib.file_digest(fh, "sha256").hexdigest() != sha:
+                raise CheckpointError(
+                    f"{checkpoint}: damaged: the SHA-256 of {name} differs from the one recorded when it was saved"
+                )
+
+
+def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None) -> Path:
+    """Write ``data`` to a fsync'ed temporary file in ``directory``; rename it to ``final`` when given.
+
+    Returns:
+        ``final``, or the temporary file when ``final`` is ``None`` (the caller renames it).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if final is None:
+            return Path(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return final
 
 
@@ -165,10 +236,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load and check one checkpoint file with ``torch.load(weights_only=True)``.
 
     Raises:
-        CheckpointError: The file is truncated or damaged, carries pickled objects (refused, never
-            executed), was written in another format version, or lacks the runner fields; the
-            message names the file.
+        CheckpointError: The file is truncated or damaged (its digest differs from the one written at
+            save, or it has none), carries pickled objects (refused, never executed), was written in
+            another format version, or lacks the runner fields; the message names the file.
     """
+    verify_digest(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -208,7 +280,10 @@ def load_latest(directory: Path) -> LoadedCheckpoint | None:
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
     if skipped:
-        raise CheckpointError("no usable checkpoint:\n" + "\n".join(reason for _, reason in skipped))
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: every one is damaged, so none is used:\n"
+            + "\n".join(reason for _, reason in skipped)
+        )
     return None
 
 

@@ -38,7 +38,7 @@ import torch
 from runner.errors import Interrupted
 from runner.training.batches import CollatedBatch
 from runner.training.metrics import MetricSet
-from runner.training.nonfinite import NonFiniteGuard, grad_norm
+from runner.training.nonfinite import NonFiniteGuard, check_lr, grad_norm
 from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
 from runner.training.state import FitResult, LoopParts, TrainState
@@ -176,6 +176,7 @@ def train_step(
     tally.end_step(norm)
     if parts.scheduler is not None and parts.scheduler_interval == "step":
         parts.scheduler.step()
+        check_lr(parts.optimizer, parts.scheduler)
     if parts.sync_timing and strategy.device.type == "cuda":
         torch.cuda.synchronize(strategy.device)
     return waited
@@ -226,6 +227,7 @@ def end_epoch(
     report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
     if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:
         parts.scheduler.step()
+        check_lr(parts.optimizer, parts.scheduler)
     return epoch_done
 
 

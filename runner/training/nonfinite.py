@@ -18,6 +18,7 @@ gradient norm is not checked: the scaler skips steps with inf gradients by desig
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -127,6 +128,27 @@ class NonFiniteGuard:
                 file=sys.stderr,
             )
         return False
+
+
+def lr_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the optimizer's learning rates cannot train (one is negative, inf or nan), or ``None``."""
+    for i, group in enumerate(optimizer.param_groups):
+        lr = float(group["lr"])  # a Python float, or a 0-d tensor for a tensor lr: no device sync on the CPU
+        if not math.isfinite(lr) or lr < 0:
+            return f"the learning rate of parameter group {i} became {lr:g}: it must stay finite and >= 0"
+    return None
+
+
+def check_lr(optimizer: torch.optim.Optimizer, scheduler: object) -> None:
+    """Stop training when the scheduler drove a learning rate negative or non-finite (every ``on_nonfinite``).
+
+    Raises:
+        TrainingError: Naming the scheduler and the learning rate (exit 1, the run FAILED).
+    """
+    problem = lr_problem(optimizer)
+    if problem is not None:
+        epoch = getattr(scheduler, "last_epoch", "?")
+        raise TrainingError(f"{type(scheduler).__name__} after {epoch} step(s): {problem}; check scheduler.kwargs")
 
 
 def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:

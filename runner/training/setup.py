@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from runner.errors import mask_secrets
 from runner.spec.dump import flatten_spec
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.precision import Precision
@@ -295,7 +296,8 @@ class Checkpointer:
         self.settings = loaded.spec.checkpoint
         self.spec_sha256 = loaded.sha256
         self.run_id, self.writer, self.tracker = run_id, writer, tracker
-        self.spec_flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
+        flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
+        self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
 
     def __call__(self, state: TrainState, reason: str) -> None:
         """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``."""

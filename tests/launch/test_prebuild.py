@@ -48,6 +48,30 @@ def test_a_schedule_that_fails_only_when_stepped_is_found(write_spec) -> None:
     assert "Tried to step 4 times" in issue.message
 
 
+@pytest.mark.parametrize("gamma", ["-3", "-0.5"])
+def test_a_schedule_that_drives_the_learning_rate_negative_or_non_finite_is_found(write_spec, gamma: str) -> None:
+    path = write_spec(f'[scheduler]\nname = "step"\nkwargs = {{ step_size = 2, gamma = {gamma} }}\n')
+    issue = _issue(path)
+    assert issue.key == "scheduler.kwargs" and "StepLR fails when stepped" in issue.message
+    assert "the learning rate of parameter group 0 became" in issue.message and "finite and >= 0" in issue.message
+
+
+def test_a_learning_rate_gone_negative_while_training_stops_it() -> None:
+    """A schedule the dry run could not step (built only in the worker) is stopped at the step it goes wrong."""
+    import torch
+
+    from runner.errors import TrainingError
+    from runner.training.nonfinite import check_lr
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=-3.0)
+    check_lr(optimizer, scheduler)
+    optimizer.step()
+    scheduler.step()
+    with pytest.raises(TrainingError, match=r"StepLR after 1 step\(s\): the learning rate .* became -0.3"):
+        check_lr(optimizer, scheduler)
+
+
 def test_a_scheduler_kwarg_given_with_set_is_blamed_on_set(write_spec) -> None:
     path = write_spec('[scheduler]\nname = "step"\nkwargs = { step_size = 1 }\n')
     issue = _issue(path, ("scheduler.kwargs.gamma=true",))

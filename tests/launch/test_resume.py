@@ -137,3 +137,24 @@ def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, 
     assert other.loaded.spec.parallel.node_rank == 0 and not other.owns_run
     resume.prepare_resume(other, ExecOptions(resume=run_id))
     assert claimed == [run_id]  # node 1 does not claim (mark KILLED, send the spool of) node 0's run
+
+
+def test_the_interrupt_message_names_the_checkpoint_that_exists(tmp_path) -> None:
+    """A rank that hung after the stop signal wrote no checkpoint: the message names the older one, or none."""
+    from runner.errors import Interrupted
+    from runner.launch.driver import checkpoint_note
+
+    hung = {1: {"rank": 1, "where": "loop.py:10 in fit", "grace_s": 10.0}}
+    assert (
+        checkpoint_note(str(tmp_path), hung)
+        == "no checkpoint was written at the stop (rank 1 hung first); the run has none"
+    )
+    (tmp_path / "step-00000010.pt").write_bytes(b"")
+    note = checkpoint_note(str(tmp_path), hung)
+    assert (
+        note
+        == "no checkpoint was written at the stop (rank 1 hung first); the newest is step-00000010.pt, from before the stop"
+    )
+    assert checkpoint_note(str(tmp_path), {}) == "a checkpoint was written at the stop (step-00000010.pt)"
+    message = Interrupted(15, run_id="abc", command="runner resume abc", checkpoint=note).format_message()
+    assert "a checkpoint was written" not in message and "step-00000010.pt, from before the stop" in message

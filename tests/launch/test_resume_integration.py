@@ -159,6 +159,25 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, stor
     assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
 
 
+def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(tmp_path: Path, store: str) -> None:
+    spec = _write(tmp_path, store, checkpoint={"keep_last": 2})
+    assert _runner(tmp_path, str(spec)).returncode == 0
+    (run,) = _runs(store)
+    client = MlflowClient(store)
+    client.set_terminated(run.info.run_id, "KILLED")
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
+    for path in list_checkpoints(folder):  # 64 bytes in the middle zeroed: torch.load alone reads it
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        path.write_bytes(bytes(data))
+    resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
+    assert resumed.returncode == 1, resumed.stderr
+    assert "every one is damaged, so none is used" in resumed.stderr and "Traceback" not in resumed.stderr
+    assert "step-00000010.pt: damaged" in resumed.stderr and "step-00000015.pt: damaged" in resumed.stderr
+    assert "runner reproduce" in resumed.stderr
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+
+
 def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str) -> None:
     spec = _write(tmp_path, store)
     assert _runner(tmp_path, str(spec)).returncode == 0

@@ -166,6 +166,7 @@ class Slurm:
 
     conf: Path
     env: dict[str, str]
+    ports: tuple[int, int]  # slurmctld's, slurmd's
 
     def srun(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -184,15 +185,16 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _slurm_conf(folder: Path) -> str:
+def _slurm_conf(folder: Path, ctld: int, node: int) -> str:
+    """Root daemons with auth/none: they must listen on loopback only (CommunicationParameters)."""
     host = socket.gethostname().split(".")[0]
-    ctld, node = _free_ports(2)
     return textwrap.dedent(
         f"""\
         ClusterName=runnertest
         SlurmctldHost={host}(127.0.0.1)
         AuthType=auth/none
         CredType=cred/none
+        CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
         SlurmUser=root
         SlurmdUser=root
         SlurmctldPort={ctld}
@@ -242,7 +244,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     for sub in ("state", "spool"):
         (folder / sub).mkdir()
     conf = folder / "slurm.conf"
-    conf.write_text(_slurm_conf(folder), encoding="utf-8")
+    ctld, node = _free_ports(2)
+    conf.write_text(_slurm_conf(folder, ctld, node), encoding="utf-8")
     env = _env(SLURM_CONF=str(conf))
     procs: list[subprocess.Popen] = []
     try:
@@ -250,7 +253,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
             with open(folder / f"{cmd[0]}.out", "wb") as out:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
         _wait_until_idle(env, procs, folder)
-        yield Slurm(conf, env)
+        yield Slurm(conf, env, (ctld, node))
     finally:
         _stop(procs)
 
@@ -269,6 +272,28 @@ def _wait_until_idle(env: dict[str, str], procs: list[subprocess.Popen], folder:
             pytest.skip(f"the test Slurm cannot start ({why}): {state.stderr.strip()}\n{logs}")
         time.sleep(pause)
         pause = min(1.0, pause * 2)
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses listening on TCP ``port`` (IPv4 and IPv6), from /proc/net/tcp*."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # each 32-bit word is host order
+                found.add(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)))
+    return found
+
+
+def test_the_slurm_daemons_listen_on_loopback_only(slurm: Slurm, tmp_path: Path) -> None:
+    """Root daemons with auth/none on every interface would run any host's jobs as root."""
+    for port in slurm.ports:
+        assert _listeners(port) and _listeners(port) <= {"127.0.0.1", "::1"}, (port, _listeners(port))
+    done = slurm.srun("-n", "1", "true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr  # and jobs still run
 
 
 @pytest.mark.parametrize(("tasks", "layout"), [("2", "per-device"), ("1", "per-node")], ids=["per-device", "per-node"])

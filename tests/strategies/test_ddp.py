@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,3 +359,21 @@ def test_dataparallel_wrapper_checks_before_gathering():
     wrapper = _GatherCheckedDataParallel(nn.Linear(2, 2))
     with pytest.raises(TrainingError, match=r"output\['aux'\] is a str"):
         wrapper.gather([{"aux": "x"}, {"aux": "y"}], 0)
+
+
+def test_torchs_rendezvous_store_binds_every_interface_as_the_plan_says() -> None:
+    """torch's TCPStore takes no bind address: a server for 127.0.0.1 still listens on every interface.
+
+    When torch learns to bind one address, this fails: then runner should bind loopback on one node and
+    the README and ``runner plan`` should stop saying otherwise.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == store.port:
+                listening.append(local.rsplit(":", 1)[0])
+    assert listening and all(set(address) == {"0"} for address in listening), listening  # 0.0.0.0 or ::

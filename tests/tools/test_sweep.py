@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from runner.cli import main
-from runner.errors import SpecError, UsageError
+from runner.errors import SpecError, UsageError, mask_secrets
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema_sweep import SweepParam, SweepSpec
@@ -28,7 +28,7 @@ from runner.tools.sweep_space import (
     study_name,
     toml_value,
 )
-from runner.tools.sweep_storage import default_storage_url, make_sampler, redact
+from runner.tools.sweep_storage import default_storage_url, make_sampler
 from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
 
 
@@ -480,7 +480,7 @@ def test_default_storage_sits_next_to_the_mlflow_store(tmp_path) -> None:
     assert default_storage_url("sqlite:////data/runs/mlflow.db") == "sqlite:////data/runs/optuna.db"
     assert default_storage_url("file:///data/mlruns") == "sqlite:////data/optuna.db"
     assert default_storage_url("http://mlflow:5000", cwd=tmp_path) == f"sqlite:///{tmp_path}/optuna.db"
-    assert redact("postgresql+psycopg://me:secret@db:5432/optuna") == "postgresql+psycopg://me:***@db:5432/optuna"
+    assert mask_secrets("postgresql+psycopg://me:secret@db:5432/optuna") == "postgresql+psycopg://me:***@db:5432/optuna"
 
 
 def test_trials_are_planned_without_the_slurm_job_they_run_in(monkeypatch) -> None:
@@ -619,3 +619,48 @@ def test_a_worker_that_dies_after_its_trial_finished_leaves_the_result_standing(
     assert study.fail_dead(running.number, "the sweep worker process exited with status 9") is True
     assert [t.state.name for t in study.study.trials] == ["COMPLETE", "FAIL"]
     assert study.study.trials[0].value == 0.5
+
+
+def test_the_interrupt_message_names_the_command_that_continues_the_sweep() -> None:
+    from runner.errors import Interrupted
+    from runner.tools.sweep import continue_command
+
+    command = continue_command(["sweep", "my spec.toml", "--storage", "postgresql://u:pw@db/optuna"])
+    assert command == "runner sweep 'my spec.toml' --storage postgresql://u:pw@db/optuna"
+    message = Interrupted(2, command=command, checkpoint="the sweep stopped").format_message()
+    assert message == (
+        "interrupted: the sweep stopped. Continue it with: runner sweep 'my spec.toml' --storage "
+        "postgresql://u:***@db/optuna"
+    )
+
+
+def test_a_taken_over_trials_old_run_ends_killed(ready_store: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.tools.sweep_store import SweepStore
+
+    client = MlflowClient(ready_store)
+    experiment = client.create_experiment("taken")
+    parent = client.create_run(experiment).info.run_id
+
+    def child(number: int) -> str:
+        tags = {"mlflow.parentRunId": parent, "runner.sweep.optuna_trial": str(number)}
+        return client.create_run(experiment, tags=tags).info.run_id
+
+    dead, other = child(3), child(4)
+    SweepStore(ready_store, "taken").kill_taken_over(parent, [3])
+    assert client.get_run(dead).info.status == "KILLED"
+    assert "taken over" in client.get_run(dead).data.tags["runner.error"]
+    assert client.get_run(other).info.status == "RUNNING"  # another worker's trial is left alone
+
+
+def test_take_over_ends_the_old_runs_of_the_trials_it_enqueues_again() -> None:
+    from types import SimpleNamespace
+
+    from runner.tools.sweep_run import take_over
+
+    ended = []
+    store = SimpleNamespace(kill_taken_over=lambda parent, numbers: ended.append((parent, numbers)))
+    take_over(SimpleNamespace(fail_stale=lambda: [3], parent_run_id="p"), store)  # type: ignore[arg-type]
+    take_over(SimpleNamespace(fail_stale=lambda: [], parent_run_id="p"), store)  # type: ignore[arg-type]
+    assert ended == [("p", [3])]

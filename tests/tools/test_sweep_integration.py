@@ -206,24 +206,29 @@ def _sweep_process(spec: Path, cwd: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_two_workers_on_one_storage_share_one_study(flaky_spec: Path, store: str, tmp_path: Path) -> None:
-    args = ("--method", "tpe", "--random", "optim.lr=1e-3:1:log", "--trials", "6")
-    workers = [_sweep_process(flaky_spec, tmp_path, *args) for _ in range(2)]
-    outputs = [w.communicate(timeout=200) for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], outputs
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("count", [2, 3])
+def test_workers_on_one_fresh_store_share_one_study(flaky_spec: Path, store: str, tmp_path: Path, count: int) -> None:
+    """Started at once on a store that does not exist yet: each trial runs once and none fails of the race
+    (creating the store, logging the same dataset at the same moment)."""
+    Path(store[len("sqlite:///") :]).unlink()  # fresh: the workers create it
+    args = ("--method", "tpe", "--random", "optim.lr=1e-3:1:log", "--trials", "4")
+    workers = [_sweep_process(flaky_spec, tmp_path, *args) for _ in range(count)]
+    outputs = [w.communicate(timeout=500) for w in workers]
+    assert [w.returncode for w in workers] == [0] * count, outputs
     reports = [json.loads(out) for out, _ in outputs]
     assert reports[0]["parent_run_id"] == reports[1]["parent_run_id"]
     ran = [line for _, err in outputs for line in err.splitlines() if line.startswith("[sweep ")]
     numbers = [int(line.split("] trial ")[1].split()[0]) for line in ran]
-    assert sorted(numbers) == list(range(6)), ran  # 6 trials in total, none run twice
+    assert sorted(numbers) == list(range(4)), ran  # 4 trials in total, none run twice
     client = MlflowClient(store)
-    assert len(_all_runs(client)) == 7  # one parent, six trials
+    assert len(_all_runs(client)) == 5  # one parent, four trials
     children = _children(client, reports[0]["parent_run_id"])
-    assert sorted(int(c.data.tags["runner.sweep.trial"]) for c in children) == list(range(6))
-    assert len({c.data.params["optim.lr"] for c in children}) == 6  # each trial drew its own value
+    assert sorted(int(c.data.tags["runner.sweep.trial"]) for c in children) == list(range(4))
+    assert len({c.data.params["optim.lr"] for c in children}) == 4  # each trial drew its own value
     assert client.get_run(reports[0]["parent_run_id"]).info.status == "FINISHED"
     study = _study(tmp_path, reports[0]["study"])
-    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 6
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
 
 
 def test_jobs_run_trials_in_warm_workers_with_the_same_results(
@@ -279,11 +284,41 @@ def test_a_trial_whose_worker_stopped_beating_is_run_again(tmp_path: Path, monke
     assert founded and study.parent_run_id == "p" and study.counts() == {"WAITING": 2}
     taken = study.next_trial()  # its worker dies now: no heartbeat follows
     assert taken is not None and study.values_of(taken).values == {"seed": 0}
-    deadline = time.monotonic() + 30
+    deadline, taken_over = time.monotonic() + 30, []
     while study.counts().get("RUNNING") and time.monotonic() < deadline:
         time.sleep(0.2)  # polling, until the heartbeat is older than the grace period
-        study.fail_stale()
+        taken_over += study.fail_stale()
     assert study.counts() == {"FAIL": 1, "WAITING": 2}
+    assert taken_over == [taken.number]  # its old MLflow run is ended KILLED (SweepStore.kill_taken_over)
     again = [study.next_trial(), study.next_trial()]
     assert {study.values_of(t).index for t in again if t is not None} == {0, 1}  # number 0 kept its number
     assert study.next_trial() is None
+
+
+def test_a_worker_that_finds_only_silent_running_trials_says_when_to_take_them_over(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Its trials' workers died within the grace period: it exits non-zero, saying when to run again."""
+    from types import SimpleNamespace
+
+    import runner.tools.sweep as sweep_module
+    from runner.errors import RunnerError
+    from runner.tools.sweep_define import build_definition
+    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_study import SweepStudy
+    from tests.helpers import wait_for
+
+    definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    assert study.next_trial() is not None and study.next_trial() is not None  # both workers die now
+    monkeypatch.setattr(sweep_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(sweep_module, "GRACE_S", 60)
+    wait_for(lambda: min(study.silent_for()) > 0.3, "the trials' heartbeats to age", timeout_s=30)
+    report = SimpleNamespace(definition=SimpleNamespace(metric="m"), best=None, trials=[], notes=[])
+    with pytest.raises(RunnerError, match=r"unfinished: 2 trial\(s\) are RUNNING with no heartbeat") as info:
+        sweep_module._finish(report, study, store=None)  # type: ignore[arg-type]
+    assert info.value.exit_code != 0
+    assert "can be taken over 60 s after their last heartbeat, at " in str(info.value) and "run `runner " in str(
+        info.value
+    )

@@ -153,3 +153,31 @@ def test_values_the_store_rejects_are_reported_not_spooled(ready_store: str, tmp
         tracker.flush()
     tracker.close()
     assert not path.exists()
+
+
+def test_a_store_that_hangs_delays_one_flush_only(ready_store: str, run: str, tmp_path: Path) -> None:
+    """A server stopped with SIGSTOP neither answers nor refuses: the first checkpoint's flush waits
+    ``spill_after_s``, the later ones spill at once, until a batch gets through again."""
+    import threading
+
+    path = tmp_path / "ck" / spool.SPOOL_NAME
+    tracker = MlflowTracker(ready_store, run, flush_every_s=0.05, spool=path, spill_after_s=2.0)
+    switch = tracker._client = Switch(tracker._client)
+    released = threading.Event()
+    real_log_batch = switch.log_batch
+
+    def hanging(*args, **kwargs):
+        released.wait(60)
+        return real_log_batch(*args, **kwargs)
+
+    switch.log_batch = hanging
+    waits = []
+    for step in range(3):
+        tracker.log_metrics({"m": float(step)}, step=step)
+        began = time.monotonic()
+        tracker.flush()  # as before each checkpoint
+        waits.append(time.monotonic() - began)
+    assert waits[0] >= 2.0 and max(waits[1:]) < 2.0, waits  # not 2 s per checkpoint
+    released.set()
+    tracker.close()
+    assert _steps(ready_store, run) == [0, 1, 2]

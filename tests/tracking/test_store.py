@@ -86,3 +86,49 @@ def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
     (tmp_path / "m.db").write_text("not a database" * 100)
     with pytest.raises(TrackingError, match="not a readable sqlite database"):
         open_store(f"sqlite:///{tmp_path}/m.db")
+
+
+def test_another_client_creating_the_tables_at_the_same_moment_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process creates the schema while runner's first open runs: CREATE TABLE fails, then the open works."""
+    import subprocess
+    import sys
+
+    import mlflow.store.db.utils as db_utils
+    from sqlalchemy.exc import OperationalError
+
+    uri = f"sqlite:///{tmp_path}/fresh.db"
+    real, calls = db_utils._initialize_tables, []
+
+    def raced(engine) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # the other client (not under runner's lock) creates every table first
+            code = f"from mlflow.tracking import MlflowClient; MlflowClient({uri!r}).search_experiments()"
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+            raise OperationalError("CREATE TABLE experiments (...)", {}, Exception("table experiments already exists"))
+        real(engine)
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", raced)
+    monkeypatch.setattr(store_module.time, "sleep", lambda s: None)
+    open_store(uri)
+    assert len(calls) == 1  # the second open found the other client's complete schema
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(uri).search_experiments()[0].name == "Default"
+
+
+def test_a_store_that_keeps_failing_is_one_line_not_an_sql_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.store.db.utils as db_utils
+    from sqlalchemy.exc import OperationalError
+
+    def always(engine) -> None:
+        raise OperationalError("CREATE TABLE experiments (\n  id INTEGER\n)", {}, Exception("table x already exists"))
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", always)
+    monkeypatch.setattr(store_module.time, "sleep", lambda s: None)
+    with pytest.raises(TrackingError, match="MLflow cannot open the tracking store") as info:
+        open_store(f"sqlite:///{tmp_path}/stuck.db")
+    assert "\n" not in str(info.value) and "id INTEGER" not in str(info.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -28,6 +29,12 @@ def _payload(step: int, value: float = 1.0) -> dict:
         spec_sha256="abc",
         run_id="r1",
     )
+
+
+def _save_unchecked(payload: dict, path: Path) -> None:
+    """Save what runner would refuse to write, with a matching digest (as a hostile or older writer would)."""
+    torch.save(payload, path)
+    ckpt.write_digest(path, {path.name: hashlib.sha256(path.read_bytes()).hexdigest()})
 
 
 def test_save_then_load_latest_round_trips(tmp_path: Path) -> None:
@@ -80,7 +87,11 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path: Path, monkeypa
     with pytest.raises(OSError, match="disk full"):
         ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
     monkeypatch.undo()
-    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("step-00000002")) == [
+        "step-00000001.pt",
+        "step-00000001.pt.sha256",
+    ]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     assert ckpt.load_latest(tmp_path).payload["state"]["global_step"] == 1
 
 
@@ -117,7 +128,7 @@ def test_a_checkpoint_carrying_a_pickled_payload_is_refused_not_executed(tmp_pat
     marker = tmp_path / "executed"
     hostile = _payload(2, 2.0)
     hostile["spec"] = {"optim.lr": _RunsCode(marker)}
-    torch.save(hostile, tmp_path / "step-00000002.pt")
+    _save_unchecked(hostile, tmp_path / "step-00000002.pt")
     with pytest.raises(ckpt.CheckpointError, match=r"refused: it carries pickled objects \(posix.system\)"):
         ckpt.read_checkpoint(tmp_path / "step-00000002.pt")
     found = ckpt.load_latest(tmp_path)
@@ -129,7 +140,7 @@ def test_a_checkpoint_carrying_a_pickled_payload_is_refused_not_executed(tmp_pat
 def test_an_old_format_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
     old = _payload(4)
     old["format"] = 1
-    torch.save(old, tmp_path / "step-00000004.pt")
+    _save_unchecked(old, tmp_path / "step-00000004.pt")
     with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint") as info:
         ckpt.load_latest(tmp_path)
     assert "written in checkpoint format 1" in str(info.value) and f"reads format {ckpt.FORMAT_VERSION}" in str(
@@ -145,3 +156,76 @@ def test_a_payload_that_weights_only_would_refuse_is_not_saved(tmp_path: Path) -
     ):
         ckpt.save_checkpoint(tmp_path, payload, keep_last=1)
     assert ckpt.list_checkpoints(tmp_path) == []
+
+
+def _zero(data: bytearray, at: int) -> None:
+    data[at : at + 64] = bytes(64)
+
+
+def _flip(data: bytearray, at: int) -> None:
+    data[at : at + 64] = b"\x7f" * 64
+
+
+@pytest.mark.parametrize("damage", [_zero, _flip], ids=["zeroed", "0x7f"])
+def test_bytes_changed_inside_a_tensor_are_found_and_the_previous_checkpoint_used(tmp_path: Path, damage) -> None:
+    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
+    payload = _payload(2, 2.0)
+    payload["model"]["table"] = torch.full((64,), 2.0)
+    latest = ckpt.save_checkpoint(tmp_path, payload, keep_last=3)
+    data = bytearray(latest.read_bytes())
+    at = data.find(torch.full((32,), 2.0).numpy().tobytes())  # inside the table's storage, inside the zip
+    assert at > 0
+    damage(data, at)
+    latest.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(latest, weights_only=True)["model"]["table"], payload["model"]["table"])
+    found = ckpt.load_latest(tmp_path)
+    assert found is not None and found.path.name == "step-00000001.pt"
+    assert torch.all(found.payload["model"]["weight"] == 1.0)
+    ((path, reason),) = found.skipped
+    assert path == latest and "step-00000002.pt" in reason and "SHA-256" in reason
+
+
+def test_a_checkpoint_without_its_digest_is_not_used(tmp_path: Path) -> None:
+    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
+    latest = ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
+    ckpt.digest_path(latest).unlink()
+    found = ckpt.load_latest(tmp_path)
+    assert found is not None and found.path.name == "step-00000001.pt"
+    assert "no readable digest file step-00000002.pt.sha256" in found.skipped[0][1]
+
+
+def test_every_checkpoint_damaged_is_an_error_saying_none_is_used(tmp_path: Path) -> None:
+    for step in (1, 2):
+        path = ckpt.save_checkpoint(tmp_path, _payload(step), keep_last=3)
+        data = bytearray(path.read_bytes())
+        _zero(data, len(data) // 2)
+        path.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="every one is damaged, so none is used") as info:
+        ckpt.load_latest(tmp_path)
+    assert info.value.exit_code == 1
+    assert "step-00000001.pt" in str(info.value) and "step-00000002.pt" in str(info.value)
+
+
+def test_rotation_removes_digest_files_with_their_checkpoints(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, _payload(step), keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.pt", "step-00000003.pt.sha256"]
+
+
+def test_a_folder_checkpoint_is_verified_file_by_file(tmp_path: Path) -> None:
+    """The digest covers a checkpoint that is a folder of shards (one line per shard file)."""
+    folder = tmp_path / "step-00000004"
+    folder.mkdir()
+    digests = {}
+    for rank in (0, 1):
+        shard = folder / f"__{rank}_0.distcp"
+        shard.write_bytes(bytes([rank]) * 100)
+        digests[shard.relative_to(tmp_path).as_posix()] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    ckpt.write_digest(folder, digests)
+    ckpt.verify_digest(folder)
+    (folder / "__1_0.distcp").write_bytes(bytes(50))
+    with pytest.raises(ckpt.CheckpointError, match=r"SHA-256 of step-00000004/__1_0.distcp differs"):
+        ckpt.verify_digest(folder)
+    (folder / "__1_0.distcp").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="files differ from the ones recorded"):
+        ckpt.verify_digest(folder)
