@@ -46,7 +46,7 @@ from runner.training.nonfinite import NonFiniteGuard
 from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
 from runner.training.state import FitResult, LoopParts, TrainState
-from runner.training.sums import RunningSums, Tally, mean_loss
+from runner.training.sums import RunningSums, Tally, accuracy_of, count_correct, mean_loss
 
 if TYPE_CHECKING:
     from runner.spec.schema import CheckpointSpec, TrainSpec
@@ -240,8 +240,8 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
     """Evaluate on this rank's validation shard and reduce over ranks.
 
     Every validation sample is counted exactly once across ranks (the eval sampler never
-    pads): ``val/loss`` is ``sum(loss) / count`` of reduced sums, and the ``val/`` metrics are
-    computed by torchmetrics from states gathered over ranks (docs/design.md §13).
+    pads): ``val/loss`` (and the default ``val/accuracy``) come from reduced sums, and the ``val/``
+    metrics of ``[metrics]`` are computed by torchmetrics from states gathered over ranks (docs/design.md §13).
 
     Returns:
         ``{"val/loss": float, "val/<metric>": float, ...}``.
@@ -251,6 +251,7 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
     module.eval()
     sums = RunningSums(strategy.output_device)
     metrics = MetricSet(parts.metrics.val, "val/", strategy.output_device)
+    counted = parts.metrics.counted_accuracy
     assert parts.loaders.val is not None
     for raw in parts.loaders.val:
         batch = io.prepare(raw, strategy.device, strategy.output_device)
@@ -258,10 +259,14 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
             out = io.forward(module, batch)
             loss_sum = parts.loss(out, batch, io)
         sums.add(loss_sum, batch.size)
+        if counted and batch.target is not None:
+            sums.add_correct(count_correct(io.prediction(out), batch.target), batch.target.numel())
         if metrics:
             metrics.update(io.prediction(out), batch.target)
     parts.model.train()
-    return {"val/loss": mean_loss(sums.reduced_sums(strategy)), **metrics.compute()}
+    reduced = sums.reduced_sums(strategy)
+    accuracy = {"val/accuracy": accuracy_of(reduced)} if counted else {}
+    return {"val/loss": mean_loss(reduced), **accuracy, **metrics.compute()}
 
 
 class _Report:

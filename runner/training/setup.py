@@ -168,7 +168,9 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     """
     bundle = build_datasets(spec, spec_dir)
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
-    check_target(bundle.info, spec, needs=loss.needs_target or bool(metrics.train or metrics.val))
+    check_target(
+        bundle.info, spec, needs=loss.needs_target or metrics.counted_accuracy or bool(metrics.train or metrics.val)
+    )
     model = _setup_model(spec, spec_dir, bundle)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1

@@ -62,6 +62,12 @@ def mean_loss(sums: list[float]) -> float:
     return sums[0] / sums[2] if sums[2] else math.nan
 
 
+def count_correct(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Correct class predictions of a batch, a scalar on the device: classes on dim 1 of ``prediction``, as
+    torchmetrics' multiclass accuracy reads logits ``(B, C, ...)`` against labels ``(B, ...)``."""
+    return (prediction.detach().argmax(1) == target).sum()
+
+
 def accuracy_of(sums: list[float]) -> float:
     """``correct / total`` of reduced sums (``nan`` without predictions)."""
     return sums[3] / sums[4] if sums[4] else math.nan
@@ -127,7 +133,7 @@ class Tally:
             running.add(loss_sum, batch.size)
         if self.counted_accuracy and batch.target is not None:
             target = batch.target
-            correct = (io.prediction(out).detach().argmax(1) == target).sum()  # classes on dim 1, as torchmetrics
+            correct = count_correct(io.prediction(out), target)
             for running in sums:
                 running.add_correct(correct, target.numel())
         if self.window_metrics:

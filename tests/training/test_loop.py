@@ -305,7 +305,7 @@ def test_the_counted_default_train_accuracy_equals_torchmetrics_accuracy() -> No
     fit(make_parts(spec, counted), spec.train)
     with_table = spec.model_copy(update={"metrics": MetricsSpec(train=["accuracy"], val=["accuracy"])})
     fit(make_parts(with_table, measured), with_table.train)
-    for key in ("train/accuracy", "train/step_accuracy"):
+    for key in ("train/accuracy", "train/step_accuracy", "val/accuracy"):
         assert counted.steps_of(key) == measured.steps_of(key) and counted.steps_of(key)
         assert counted.values_of(key) == pytest.approx(measured.values_of(key), abs=1e-6), key
 
