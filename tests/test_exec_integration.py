@@ -233,7 +233,7 @@ def test_a_default_spec_trains_without_importing_torchmetrics_torchvision_or_mat
         "import sys; from runner.cli import main; code = main(['exec', sys.argv[1], '--set', 'train.max_steps=2']); "
         "print(sorted(m for m in ('torchmetrics', 'torchvision', 'matplotlib') if m in sys.modules)); sys.exit(code)"
     )
-    done = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     _, (run,) = _runs(store)
