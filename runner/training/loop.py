@@ -110,7 +110,7 @@ def fit(
                 logged = state.global_step % every_n_logs == 0
                 if logged:
                     tally.window = _log_window(parts, state, tally, report)
-                saved = bool(every_n_steps) and state.global_step % every_n_steps == 0
+                saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
                 if saved:
                     _checkpoint(parts, state, "step", tally)
                 _stop_if_asked(parts, state, tally, settle=logged or saved)
