@@ -13,9 +13,13 @@ so that both see the same load:
 
 Runner logs into a sqlite store in a temporary folder that one untimed run of each side creates
 first (a user's store exists after the first run; the first open of a new store migrates its
-schema, a one-off cost). Each timed run is a whole process from ``exec`` to exit. The peak
-resident set size is sampled every 20 ms over the process and all its children (``psutil``):
-``peak RSS`` is the largest sum over the process tree seen (ddp: the launcher and both workers).
+schema, a one-off cost). Each timed run is a whole process from ``exec`` to exit. The resident
+set size of every process of the tree is sampled every 20 ms (``psutil``): ``tree`` is the largest
+sum seen (ddp: the launcher and both workers); ``train`` is the largest peak of one training
+process (a child of the launcher where there is one, else the process itself); ``driver`` is
+runner's own process when training happens in children (its target: <= 300 MiB). Thread counts:
+the plain script prints torch's (torchrun sets ``OMP_NUM_THREADS=1`` for 2 processes), runner's
+are its plan's ``runner.threads_per_process``. Spread = (max - min) / median of a side's runs.
 
 ``--before DIR`` adds a third side, ``runner exec`` of another checkout (an earlier revision),
 timed in the same rotation.
@@ -26,9 +30,10 @@ Usage::
     python benchmarks/startup.py --modes none --runs 7 --json startup.json
     python benchmarks/startup.py --before /tmp/runner-before   # also an earlier checkout (git archive REV)
 
-Prints one line per run, then per pair the median seconds of each side, their ratio (targets:
-<= 1.25 for none, <= 1.3 for ddp), the median peak RSS of each side and their ratio (target
-<= 1.10), and the load average before and after.
+Prints one line per run, then per pair the median seconds of each side with its spread, their
+ratio (targets: <= 1.25 for none, <= 1.3 for ddp), both sides' threads per training process, the
+median peak RSS of a training process on each side and their ratio (target <= 1.05), the driver's,
+and the load average before and after.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"none": 1.25, "ddp": 1.3}
-RSS_TARGET = 1.10
+RSS_TARGET = 1.05  # a training process against the plain script's
+DRIVER_TARGET_MIB = 300
 SPECS = {"none": "experiments/digits_mlp.toml", "ddp": "experiments/digits_mlp_ddp.toml"}
 
 PLAIN = textwrap.dedent(
@@ -89,6 +95,7 @@ PLAIN = textwrap.dedent(
         val_loss = F.cross_entropy(logits, y[val]).item()
         accuracy = (logits.argmax(1) == y[val]).float().mean().item()
     if rank == 0:
+        print(f"threads {torch.get_num_threads()}")
         print(f"train/loss {loss.item():.4f} val/loss {val_loss:.4f} val/accuracy {accuracy:.4f}")
     if ddp:
         dist.destroy_process_group()
@@ -96,40 +103,64 @@ PLAIN = textwrap.dedent(
 )
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    """Resident bytes of ``proc`` and its children, counting a forked child that has not exec'ed yet (``git``,
+def _rss(proc: psutil.Process) -> dict[int, int]:
+    """Resident bytes by pid of ``proc`` and its children, counting a forked child that has not exec'ed yet (``git``,
     about to replace itself) as nothing: until then it shares every page with its parent."""
-    total = 0
+    out: dict[int, int] = {}
     try:
         seen = {proc.pid: proc.cmdline()}
-        total += proc.memory_info().rss
+        out[proc.pid] = proc.memory_info().rss
         for child in proc.children(recursive=True):
             cmdline = child.cmdline()
             seen[child.pid] = cmdline
             if cmdline != seen.get(child.ppid()):
-                total += child.memory_info().rss
+                out[child.pid] = child.memory_info().rss
     except psutil.Error:  # a process ended between the listing and the read
         pass
-    return total
+    return out
 
 
-def measure(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
-    """Run ``command`` to its end; return (wall seconds, peak RSS of its process tree in MiB).
+TRAINING_MIB = 200  # a child this large imports torch: a training process (not a resource tracker or git)
+
+
+def measure(command: list[str], cwd: Path, env: dict[str, str]) -> dict[str, float | str]:
+    """Run ``command`` to its end; return its wall seconds, peak RSS (MiB) of the tree, of one training
+    process and of the root when training happened in children (else ``0``), and its standard output.
 
     Raises:
         RuntimeError: The command failed (its standard error is included).
     """
     start = time.perf_counter()
-    proc = psutil.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = 0
+    proc = psutil.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tree, peaks = 0, {}
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc))
+        sizes = _rss(proc)
+        tree = max(tree, sum(sizes.values()))
+        for pid, size in sizes.items():
+            peaks[pid] = max(peaks.get(pid, 0), size)
         time.sleep(0.02)
     seconds = time.perf_counter() - start
-    stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    stdout, stderr = (s.decode(errors="replace") for s in proc.communicate())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{stderr[-3000:]}")
-    return seconds, peak / 2**20
+    root = peaks.pop(proc.pid, 0)
+    children = [v for v in peaks.values() if v > TRAINING_MIB * 2**20]
+    train, driver = (max(children), root) if children else (root, 0)
+    return {"seconds": seconds, "tree": tree / 2**20, "train": train / 2**20, "driver": driver / 2**20, "out": stdout}
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def runner_threads(mode: str) -> int:
+    """Threads per training process that runner's plan gives ``SPECS[mode]`` here (its run's param)."""
+    sys.path.insert(0, str(ROOT))
+    from runner.plan import make_plan
+    from runner.spec.loading import load_spec
+
+    return make_plan(load_spec(ROOT / SPECS[mode], ["train.max_steps=1"])).devices.threads_per_process
 
 
 def commands(mode: str, script: Path, before: Path | None) -> dict[str, tuple[list[str], Path]]:
@@ -149,6 +180,35 @@ def commands(mode: str, script: Path, before: Path | None) -> dict[str, tuple[li
     return sides
 
 
+def _summary(mode: str, sides: dict[str, dict[str, list[float]]], threads: dict[str, int], before: Path | None) -> dict:
+    """Print and return one pair's medians, spreads, ratios and thread counts."""
+    med = {side: {k: statistics.median(v) for k, v in fig.items()} for side, fig in sides.items()}
+    spreads = {side: spread(fig["seconds"]) for side, fig in sides.items()}
+    ratio = med["runner"]["seconds"] / med["plain"]["seconds"]
+    rss_ratio = med["runner"]["train"] / med["plain"]["train"]
+    print(
+        f"{mode}: median plain {med['plain']['seconds']:.2f} s (spread {spreads['plain']:.0%}), runner "
+        f"{med['runner']['seconds']:.2f} s (spread {spreads['runner']:.0%}); ratio {ratio:.3f} "
+        f"(target <= {TARGETS[mode]}: {'met' if ratio <= TARGETS[mode] else 'NOT met'})"
+    )
+    print(f"{mode}: threads per training process: plain {threads.get('plain')}, runner {threads['runner']}")
+    print(
+        f"{mode}: median peak RSS of a training process: plain {med['plain']['train']:.0f} MiB, runner "
+        f"{med['runner']['train']:.0f} MiB; ratio {rss_ratio:.3f} "
+        f"(target <= {RSS_TARGET}: {'met' if rss_ratio <= RSS_TARGET else 'NOT met'}); whole tree: plain "
+        f"{med['plain']['tree']:.0f} MiB, runner {med['runner']['tree']:.0f} MiB"
+    )
+    if med["runner"]["driver"]:
+        driver = med["runner"]["driver"]
+        verdict = "met" if driver <= DRIVER_TARGET_MIB else "NOT met"
+        print(f"{mode}: runner's driver process peak RSS {driver:.0f} MiB (target <= {DRIVER_TARGET_MIB}: {verdict})")
+    out = {"median": med, "spread": spreads, "ratio": ratio, "rss_ratio": rss_ratio, "threads": threads}
+    if "before" in med:
+        out["before_ratio"] = med["before"]["seconds"] / med["plain"]["seconds"]
+        print(f"{mode}: before ({before}) median {med['before']['seconds']:.2f} s; ratio {out['before_ratio']:.3f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="timed runs per side (default 5)")
@@ -161,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     print(f"{os.cpu_count()} CPU core(s); load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     figures: dict[str, dict[str, dict[str, list[float]]]] = {}
+    threads: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory(prefix="runner-startup-") as tmp:
         cwd = Path(tmp)
         script = cwd / "plain_step.py"
@@ -169,35 +230,26 @@ def main(argv: list[str] | None = None) -> int:
             sides = commands(mode, script, args.before)
             for command, root in sides.values():  # untimed: creates the store, fills the page cache
                 measure(command, cwd, {**base, "PYTHONPATH": str(root)})
-            figures[mode] = {side: {"seconds": [], "rss_mib": []} for side in sides}
+            figures[mode] = {side: {k: [] for k in ("seconds", "tree", "train", "driver")} for side in sides}
+            threads[mode] = {"runner": runner_threads(mode)}
             for i in range(args.runs):
                 for side, (command, root) in sides.items():
-                    seconds, rss = measure(command, cwd, {**base, "PYTHONPATH": str(root)})
-                    figures[mode][side]["seconds"].append(seconds)
-                    figures[mode][side]["rss_mib"].append(rss)
-                    print(f"{mode:<5} {side:<7} run {i + 1}: {seconds:6.2f} s  peak RSS {rss:7.0f} MiB", flush=True)
+                    got = measure(command, cwd, {**base, "PYTHONPATH": str(root)})
+                    for key, values in figures[mode][side].items():
+                        values.append(float(got[key]))
+                    if side == "plain":
+                        threads[mode]["plain"] = int(str(got["out"]).split("threads ", 1)[1].split()[0])
+                    print(
+                        f"{mode:<5} {side:<7} run {i + 1}: {got['seconds']:6.2f} s  peak RSS tree {got['tree']:5.0f}"
+                        f" MiB, training process {got['train']:5.0f} MiB, driver {got['driver']:4.0f} MiB",
+                        flush=True,
+                    )
     load_after = os.getloadavg()
-    summary = {}
-    for mode, sides in figures.items():
-        med = {side: {k: statistics.median(v) for k, v in fig.items()} for side, fig in sides.items()}
-        ratio = med["runner"]["seconds"] / med["plain"]["seconds"]
-        rss_ratio = med["runner"]["rss_mib"] / med["plain"]["rss_mib"]
-        summary[mode] = {"median": med, "ratio": ratio, "rss_ratio": rss_ratio}
-        print(
-            f"{mode}: median plain {med['plain']['seconds']:.2f} s, runner {med['runner']['seconds']:.2f} s; "
-            f"ratio {ratio:.3f} (target <= {TARGETS[mode]}: {'met' if ratio <= TARGETS[mode] else 'NOT met'})"
-        )
-        print(
-            f"{mode}: median peak RSS plain {med['plain']['rss_mib']:.0f} MiB, runner {med['runner']['rss_mib']:.0f} "
-            f"MiB; ratio {rss_ratio:.3f} (target <= {RSS_TARGET}: {'met' if rss_ratio <= RSS_TARGET else 'NOT met'})"
-        )
-        if "before" in med:
-            was = med["before"]["seconds"] / med["plain"]["seconds"]
-            summary[mode]["before_ratio"] = was
-            print(f"{mode}: before ({args.before}) median {med['before']['seconds']:.2f} s; ratio {was:.3f}")
+    summary = {mode: _summary(mode, sides, threads[mode], args.before) for mode, sides in figures.items()}
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     if args.json:
-        out = {"runs": figures, "summary": summary, "load_before": load_before, "load_after": load_after}
+        out = {"runs": figures, "summary": summary, "threads": threads, "load_before": load_before}
+        out["load_after"] = load_after
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.launch.environment import LauncherEnvironment, SlurmLayout
@@ -187,7 +187,7 @@ def make_plan(
             step (which derives the endpoint), at the line of ``parallel.nnodes``.
     """
     from runner.devices.inventory import probe_inventory
-    from runner.devices.resolve import resolve_devices
+    from runner.devices.resolve import resolve_devices, threads_per_process
     from runner.errors import DeviceError, UsageError
     from runner.spec.loading import key_line
 
@@ -205,6 +205,9 @@ def make_plan(
     slurm = None
     if launcher.slurm is not None and not launcher.external:
         slurm, launcher = _slurm_layout(loaded, launcher, devices, env)
+        if slurm.kind == "per-device":  # this task is one training process with CPUs of its own
+            threads, source = threads_per_process(spec.devices.threads_per_process, env, inventory.cores, 1)
+            devices = replace(devices, threads_per_process=threads, threads_from=source)
     launch = _launch_method(loaded, launcher, devices)
     rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.mode == "ddp" else None
     uri = tracking_uri_of(loaded, tracking_uri)

@@ -221,3 +221,20 @@ def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) 
     child = MlflowClient(store).get_run(result.run_id)
     assert child.info.status == "FINISHED"
     assert child.data.tags.get("mlflow.parentRunId") == outer.info.run_id
+
+
+def test_a_default_spec_trains_without_importing_torchmetrics_torchvision_or_matplotlib(write_spec, store: str) -> None:
+    """The default accuracy is counted in the loop's sums: a default spec pays for no metric library's imports."""
+    import subprocess
+    import sys
+
+    spec = write_spec(text=digits(store, epochs=1))
+    probe = (
+        "import sys; from runner.cli import main; code = main(['exec', sys.argv[1], '--set', 'train.max_steps=2']); "
+        "print(sorted(m for m in ('torchmetrics', 'torchvision', 'matplotlib') if m in sys.modules)); sys.exit(code)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    _, (run,) = _runs(store)
+    assert run.data.metrics["val/accuracy"] > 0 and "train/accuracy" in run.data.metrics

@@ -46,6 +46,21 @@ def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.en
     environ.update(changes)
 
 
+def apply_threads(plan: DevicePlan) -> None:
+    """Give torch ``plan.threads_per_process`` intra-op threads (and inter-op, where still allowed).
+
+    Called once at the start of each training process, before any work. torch accepts the inter-op
+    count only before its first inter-op task, so a process that already ran one (a warm bench
+    worker) keeps its count.
+    """
+    import torch
+
+    torch.set_num_threads(plan.threads_per_process)
+    if torch.get_num_interop_threads() != plan.threads_per_process:
+        with contextlib.suppress(RuntimeError):  # "cannot set number of interop threads after parallel work"
+            torch.set_num_interop_threads(plan.threads_per_process)
+
+
 @contextlib.contextmanager
 def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
     """Set ``values`` in ``os.environ`` for the duration of the ``with`` block, then put the previous values back

@@ -54,6 +54,13 @@ class GpuInfo:
         return f"{self.index} -> {self.name} ({where})"
 
 
+def affinity_cores() -> int:
+    """The CPU cores this process may run on (its affinity; ``os.cpu_count()`` where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class Inventory:
     """The GPUs visible when runner starts.
@@ -64,6 +71,7 @@ class Inventory:
         inherited_visible: ``CUDA_VISIBLE_DEVICES`` as inherited (``None`` when unset).
         source: How the GPUs were found, e.g. ``"NVML (2 GPU(s) on the machine)"``, or why none were.
         notes: Things worth telling the user (ignored entries, device order).
+        cores: CPU cores this process may run on (its affinity, ``os.sched_getaffinity``).
     """
 
     gpus: list[GpuInfo] = field(default_factory=list)
@@ -71,6 +79,7 @@ class Inventory:
     inherited_visible: str | None = None
     source: str = "none"
     notes: list[str] = field(default_factory=list)
+    cores: int = field(default_factory=affinity_cores)
 
 
 GpuRow = tuple[int, str, str | None, int | None]  # PCI-order index, name, uuid, total memory in bytes

@@ -67,6 +67,8 @@ class DevicePlan:
         notes: Warnings worth showing, e.g. ``"dp with one device runs unwrapped"``.
         physical_indices: PCI-order (nvidia-smi) indices of the chosen GPUs (``None`` when unknown).
         total_memory_bytes: Memory of the chosen GPUs in bytes (``None`` when unknown).
+        threads_per_process: CPU threads of each training process (:func:`threads_per_process`).
+        threads_from: Where that number comes from, e.g. ``"2 usable cores / 2 processes"``.
     """
 
     accelerator: Accelerator
@@ -88,6 +90,8 @@ class DevicePlan:
     output_index: int = 0
     physical_indices: list[int | None] = field(default_factory=list)
     total_memory_bytes: list[int | None] = field(default_factory=list)
+    threads_per_process: int = 1
+    threads_from: str = "default"
 
     def describe(self) -> dict[str, Any]:
         """Return a JSON-able summary for ``runner plan`` and MLflow.
@@ -126,6 +130,8 @@ class DevicePlan:
             "output_device": self.output_index if self.mode == "dp" else None,
             "env": dict(self.env),
             "notes": list(self.notes),
+            "threads_per_process": self.threads_per_process,
+            "threads_from": self.threads_from,
         }
 
 
@@ -134,6 +140,29 @@ def _at(values: Sequence[Any], pos: int) -> Any:
 
 
 # --------------------------------------------------------------------------- resolve
+
+
+def threads_per_process(requested: int, env: Mapping[str, str], cores: int, processes: int) -> tuple[int, str]:
+    """CPU threads of each training process, the same rule for every mode, and where the number comes from.
+
+    ``devices.threads_per_process`` when set (> 0), else a positive ``OMP_NUM_THREADS``, else
+    ``max(1, usable cores // processes)``. Usable cores are the process's CPU affinity (``cores``),
+    under Slurm at most ``SLURM_CPUS_PER_TASK``; ``processes`` are the training processes that share
+    them (1 for none and dp, and for a ddp worker that is a Slurm task of its own).
+
+    Returns:
+        ``(threads, source)``, e.g. ``(1, "2 usable cores / 2 training processes")``.
+    """
+    if requested > 0:
+        return requested, "devices.threads_per_process"
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), "OMP_NUM_THREADS"
+    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if per_task.isdigit() and int(per_task) > 0:
+        cores = min(cores, int(per_task))
+    processes = max(1, processes)
+    return max(1, cores // processes), f"{cores} usable cores / {processes} training processes"
 
 
 def chunk_sizes(total: int, parts: int) -> list[int]:
@@ -193,6 +222,9 @@ def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inv
         }
     layout = _process_layout(spec, accelerator, ids)
     chosen = [inventory.gpus[i] for i in ids]
+    threads, threads_from = threads_per_process(
+        spec.devices.threads_per_process, env, inventory.cores, layout.nproc_per_node
+    )
     return DevicePlan(
         accelerator=accelerator,
         mode=spec.parallel.mode,
@@ -213,6 +245,8 @@ def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inv
         output_index=_output_index(spec.parallel, spec.devices, ids),
         physical_indices=[g.physical_index for g in chosen],
         total_memory_bytes=[g.total_memory_bytes for g in chosen],
+        threads_per_process=threads,
+        threads_from=threads_from,
     )
 
 

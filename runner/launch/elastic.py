@@ -4,12 +4,19 @@
 ``nproc_per_node`` workers with a c10d rendezvous (``localhost:0`` on one node: the OS picks a
 free port) and the ``spawn`` start method; see docs/design.md §6. torch is imported inside the
 functions.
+
+A worker that returned its result and then dies by a signal at interpreter exit (torch's gloo
+teardown sometimes aborts with ``terminate called without an active exception``, SIGABRT) has
+done its work: each worker leaves its result in the launcher's folder as it returns, so such an
+exit is noted and the job's results stand, instead of a finished run ending FAILED.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +52,6 @@ def launch_elastic(
 
     from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
     from runner.launch.handoff import RUN_FILE
-    from runner.launch.worker import run_worker
 
     par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
     assert rdzv is not None  # the plan has one for every elastic launch
@@ -72,7 +78,11 @@ def launch_elastic(
         if handoff is not None:
             handoff.start(run_file)
         try:
-            results = elastic_launch(config, run_worker)(launched)
+            results = elastic_launch(config, run_and_leave_result)(launched)
+        except Exception as exc:
+            results = finished_despite(exc, Path(log_dir), plan.devices.nproc_per_node)
+            if results is None:
+                raise
         finally:
             restore_launcher_logs(quiet)
             if hangs is not None:
@@ -80,6 +90,50 @@ def launch_elastic(
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
+
+
+ABORT_AT_EXIT_VAR = "RUNNER_TEST_ABORT_AT_EXIT"  # fault injection: this rank aborts at exit after its work
+_RESULT_FILE = "result-rank-{rank}.pkl"
+
+
+def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
+    """The elastic workers' entry point: :func:`~runner.launch.worker.run_worker`, then its result left in
+    ``args.report_dir`` for :func:`finished_despite`."""
+    from runner.launch.worker import run_worker
+
+    result = run_worker(args)
+    rank = os.environ.get("RANK", "0")
+    if args.report_dir is not None:
+        path = Path(args.report_dir) / _RESULT_FILE.format(rank=rank)
+        partial = path.with_suffix(".tmp")
+        partial.write_bytes(pickle.dumps(result))
+        partial.replace(path)  # whole or absent
+    if os.environ.get(ABORT_AT_EXIT_VAR) == rank:
+        import atexit
+
+        atexit.register(os.abort)
+    return result
+
+
+def finished_despite(exc: BaseException, folder: Path, local_workers: int) -> dict[int, WorkerResult | None] | None:
+    """The workers' results when every rank of this node finished and the failures are only deaths by a signal
+    after that (e.g. SIGABRT in gloo's teardown), each noted on standard error; else ``None`` (a real failure)."""
+    from runner.launch.failures import ended_by
+
+    failures = getattr(exc, "failures", None) or {}
+    files = {int(p.stem.rpartition("-")[2]): p for p in folder.glob(_RESULT_FILE.format(rank="*"))}
+    if not failures or len(files) < local_workers:
+        return None
+    if any(rank not in files or failure.exitcode >= 0 for rank, failure in failures.items()):
+        return None
+    for rank, failure in sorted(failures.items()):
+        print(
+            f"runner: note: rank {rank} {ended_by(int(failure.exitcode), None)} after it finished its work "
+            f"(torch's gloo teardown at interpreter exit does this at times); the run is complete",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {rank: pickle.loads(path.read_bytes()) for rank, path in files.items()}
 
 
 def is_signal(exc: BaseException) -> bool:

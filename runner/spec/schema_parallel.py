@@ -32,6 +32,15 @@ class DevicesSpec(SpecTable):
             "CPU. Default: all."
         ),
     )
+    threads_per_process: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "CPU threads (torch intra-op and inter-op) of each training process; 0 = OMP_NUM_THREADS when set, "
+            "else the usable cores (CPU affinity; under Slurm its CPUs per task) / training processes on the node. "
+            "Default: 0."
+        ),
+    )
 
     rule = rules.check_devices
 

@@ -145,14 +145,13 @@ class Strategy(ABC):
         """Whether every rank stops now, given this rank's stop ``flag`` (True on all ranks or on none).
 
         Like Lightning Fabric's ``reduce_boolean_decision`` with ``all=False`` (any rank's
-        True counts), but off the hot path where there are peers to ask.
+        True counts), but never on the hot path where there are peers to ask.
 
         Args:
             flag: Whether a stop was requested on this rank (e.g. a signal arrived).
-            settle: False after every optimizer step: a strategy with peers may answer
-                for the flags of its previous call and reduce this one in the background.
-                True at epoch boundaries: answer for every flag passed so far, this one
-                included, before returning.
+            settle: False after a step between log steps: a strategy with peers answers from what
+                was agreed so far, without a collective. True at log steps, checkpoints and epoch
+                boundaries: answer for this ``flag`` on every rank before returning.
 
         Returns:
             The same value on every rank.

@@ -103,7 +103,6 @@ class DDPStrategy(Strategy):
         self._layout: _Layout | None = None
         self._owns_group = False
         self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
-        self._pending_stop: tuple[dist.Work, torch.Tensor] | None = None
         self._stopping = False  # the stop decision, final once True
 
     def _need_setup(self) -> _Layout:
@@ -129,8 +128,7 @@ class DDPStrategy(Strategy):
     def setup(self) -> None:
         """Join the process group described by the launcher's environment.
 
-        Sets the device (``cuda:LOCAL_RANK`` with nccl), caps CPU threads to
-        cores / local processes on CPU, calls ``init_process_group`` with
+        Sets the device (``cuda:LOCAL_RANK`` with nccl), calls ``init_process_group`` with
         ``timeout = parallel.timeout_s`` and creates the CPU (gloo) side group on which
         :meth:`reduce_stop_decision` runs.
 
@@ -155,7 +153,7 @@ class DDPStrategy(Strategy):
         self._layout = layout
 
     def _place_process(self, layout: _Layout) -> None:
-        """Pick this rank's device; on CPU share the cores among the node's processes."""
+        """Pick this rank's device (the worker has already set its CPU threads)."""
         if self.plan.accelerator == "cuda":
             count = torch.cuda.device_count()
             if layout.local_rank >= count:
@@ -167,8 +165,6 @@ class DDPStrategy(Strategy):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // max(1, layout.local_world_size)))
         self.output_device = self.device
 
     def _init_process_group(self, layout: _Layout, timeout: timedelta) -> None:
@@ -187,7 +183,6 @@ class DDPStrategy(Strategy):
 
     def teardown(self) -> None:
         """Destroy the groups this strategy created; safe to call twice."""
-        self._pending_stop = None
         if dist.is_initialized():
             if self._owns_group:
                 dist.destroy_process_group()
@@ -261,51 +256,28 @@ class DDPStrategy(Strategy):
         return out
 
     def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
-        """Whether every rank stops now: True once any rank passed ``flag = True`` (see below for when).
+        """Whether every rank stops now: True once any rank passed ``flag = True`` to a settling call.
 
-        The flags are reduced (a max of 0/1) on a CPU gloo group made at :meth:`setup`, so
-        the device is never synchronised for it, also under nccl.
+        * ``settle=False`` (after a step between log steps, the hot path): no collective; the
+          answer agreed so far (False until a settling call found a flag).
+        * ``settle=True`` (log steps, checkpoints, epoch boundaries): reduce ``flag`` (a max of
+          0/1) at once on the CPU gloo group made at :meth:`setup`, so the device is never
+          synchronised for it, also under nccl.
 
-        * ``settle=False`` (after every optimizer step, the hot path): wait for the
-          reduction started by the previous call, which ran in the background during the
-          step in between, and return its answer; when it is False, start reducing
-          ``flag`` and return False. So the flags passed after step ``k`` are answered
-          after step ``k + 1``: a stop requested during step ``k`` stops every rank after
-          step ``k + 1``, one step later than a blocking reduction would.
-        * ``settle=True`` (epoch boundaries): wait for the outstanding reduction and, when
-          it is False, reduce ``flag`` at once (blocking). Nothing stays in flight.
-
-        Every rank makes the same calls in the same order, so every rank gets the same
-        answer at the same call. The answer is final: once True, every later call returns
-        True without a collective.
+        Every rank makes the same calls in the same order, so every rank gets the same answer at
+        the same call. The answer is final: once True, every later call returns True without a
+        collective.
 
         Args:
             flag: Whether a stop was requested on this rank.
-            settle: Answer for ``flag`` itself before returning.
+            settle: Ask the other ranks now.
 
         Returns:
             The same value on every rank.
         """
         self._need_setup()
-        if not self._stopping:
-            self._stopping = self._wait_pending_stop() or self._reduce_stop_flag(flag, wait=settle)
+        if settle and not self._stopping:
+            buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._flag_group)
+            self._stopping = bool(buf.item())
         return self._stopping
-
-    def _reduce_stop_flag(self, flag: bool, *, wait: bool) -> bool:
-        """Start the max-reduction of ``flag``; with ``wait`` return its result, else keep it pending and say False."""
-        buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
-        assert work is not None  # async_op=True returns the Work
-        if not wait:
-            self._pending_stop = (work, buf)
-            return False
-        work.wait()
-        return bool(buf.item())
-
-    def _wait_pending_stop(self) -> bool:
-        if self._pending_stop is None:
-            return False
-        work, buf = self._pending_stop
-        self._pending_stop = None
-        work.wait()
-        return bool(buf.item())

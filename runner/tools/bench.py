@@ -353,6 +353,8 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Co
     except (SpecError, DeviceError, UsageError) as exc:
         result.status, result.reason = "skipped", reason(exc)
         return Config(result)
+    result.threads_per_process = plan.devices.threads_per_process
+    result.thread_budget = plan.devices.threads_per_process * (plan.devices.nproc_per_node if mode == "ddp" else 1)
     return Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
 
 

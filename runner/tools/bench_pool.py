@@ -8,7 +8,7 @@ one :func:`runner.launch.worker.run_worker` call on processes ``0 .. world_size 
 ``ddp`` they set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
 (a fresh port per repeat) the way torch's elastic launcher does, and build a new process group.
 
-Before each repeat a worker restores torch's default thread count (ddp caps it), resets the CUDA
+Before each repeat a worker restores its thread count (each repeat sets its own), resets the CUDA
 allocator peaks and its peak resident set size (``/proc/self/clear_refs``), so the memory figures
 are those of that repeat. ``CUDA_VISIBLE_DEVICES`` is fixed for the pool's lifetime, to the
 devices of the widest configuration; every configuration uses a prefix ``0 .. n-1`` of them.

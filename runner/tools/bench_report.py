@@ -17,7 +17,6 @@ from runner.tools.bench_figures import (
     DDP1_FLOOR,
     LOSS_TOLERANCE,
     SPREAD_LIMIT,
-    SUPERLINEAR,
     TAIL_LIMIT,
     agrees_through,
     comparability,
@@ -55,7 +54,10 @@ class ConfigResult:
         noise: Why the figures are not to be trusted as they are (empty when they are).
         peak_memory_bytes: Per CUDA device (allocator peak) or per process on CPU (peak RSS).
         peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
-        scaling_efficiency: See the module docstring.
+        scaling_efficiency: See the module docstring; ``None`` when it exceeded 100 % by more than the
+            measured spread (a measurement problem, named in ``noise``).
+        threads_per_process: CPU threads of each training process (``runner.threads_per_process``).
+        thread_budget: CPU threads of the configuration on this node: processes x threads per process.
         final_loss: ``train/loss`` after the last step.
         loss_check: ``ok``, ``baseline`` (none itself), ``differs: ...``, ``not comparable: ...`` or ``no baseline``.
         loss_agrees_through_step: Last step up to which the loss curve agrees with none's.
@@ -80,6 +82,8 @@ class ConfigResult:
     peak_memory_bytes: list[int] = field(default_factory=list)
     peak_memory_kind: str = ""
     scaling_efficiency: float | None = None
+    threads_per_process: int | None = None
+    thread_budget: int | None = None
     final_loss: float | None = None
     loss_check: str = ""
     loss_agrees_through_step: int | None = None
@@ -137,18 +141,24 @@ def finish_comparisons(
 
 
 def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]:
-    """Flags that need ``none``: ddp-1 far below it, efficiency above 100 %."""
+    """Flags that need ``none``: ddp-1 far below it; an efficiency above 100 % beyond the spread, which is
+    then withdrawn (``scaling_efficiency = None``): it is a measurement problem, never a result."""
     eff = c.scaling_efficiency
     if base is None or eff is None or c is base:
         return []
+    margin = (c.spread or 0.0) + (base.spread or 0.0)  # the two figures' measured relative spreads
+    if eff > 1.0 + margin:
+        c.scaling_efficiency = None
+        return [
+            f"efficiency {eff:.0%} is above 100% by more than the measured spread ({margin:.0%}): a measurement "
+            f"problem, not a result; likely cause: {_likely_cause(c, base)}"
+        ]
     if c.mode == "ddp" and c.n == 1 and eff < DDP1_FLOOR:
         extra = (c.step_time_median_s or 0.0) - (base.step_time_median_s or 0.0)
         return [
             f"ddp-1 at {eff:.0%} of none: DDP's fixed cost per step (about {extra * 1e3:.2g} ms here) "
             "outweighs a step this small, or other load slowed it"
         ]
-    if eff > SUPERLINEAR:
-        return [SUPERLINEAR_WARNING]
     return []
 
 
@@ -205,7 +215,21 @@ def _memory(num_bytes: int) -> str:
     return f"{num_bytes / 1024**3:.1f} GiB" if num_bytes >= 1024**3 else f"{num_bytes / MIB:.0f} MiB"
 
 
-SUPERLINEAR_WARNING = "efficiency above 100%: the baseline was likely slowed by other load; rerun on a quiet machine"
+def _likely_cause(c: ConfigResult, base: ConfigResult) -> str:
+    """Why a configuration measured faster than n x none: unequal thread budgets, a noisy baseline, or load."""
+    import os
+
+    if c.thread_budget and base.thread_budget and c.thread_budget != base.thread_budget:
+        return (
+            f"unequal CPU thread budgets ({base.thread_budget} for none, {c.thread_budget} here): unset "
+            "OMP_NUM_THREADS and devices.threads_per_process so that every mode shares the same cores"
+        )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    cores = os.cpu_count() or 1
+    busy = f" (load average {load:.1f} on {cores} cores now)" if load is not None else ""
+    if base.noise or (load is not None and load > cores):
+        return f"other work on the machine slowed none{busy}; rerun on a quiet machine or with more --repeats"
+    return f"none was slowed while it was measured (a cold cache, a frequency change, other work{busy}); rerun it"
 
 
 @dataclass
@@ -271,12 +295,25 @@ class BenchReport:
             "samples_per_s_of_repeats": "samples_per_s is their median",
             "spread": f"(max - min) / median of the repeats' samples_per_s; steady at most {SPREAD_LIMIT:g}",
             "tail": f"step p90 / step p50 over all repeats; steady at most {TAIL_LIMIT:g}",
-            "noise": f"why not steady, plus ddp-1 below {DDP1_FLOOR:g} x none and efficiency above {SUPERLINEAR:g}",
+            "noise": (
+                f"why not steady, plus ddp-1 below {DDP1_FLOOR:g} x none, and an efficiency above 1 + the two "
+                "spreads (then scaling_efficiency is null: a measurement problem, not a result)"
+            ),
+            "thread_budget": "CPU threads on the node: training processes x threads_per_process",
         }
         out["configurations"] = [
             _clean({k: v for k, v in asdict(c).items() if k not in _NOT_IN_JSON}) for c in self.configs
         ]
         return _clean(out)
+
+    def _budget_text(self) -> str:
+        """``, 2 CPU threads per configuration`` (or each configuration's, when they differ) for the head line."""
+        budgets = sorted({c.thread_budget for c in self.configs if c.status == "ok" and c.thread_budget})
+        if not budgets:
+            return ""
+        if len(budgets) == 1:
+            return f", {budgets[0]} CPU threads per configuration (processes x threads)"
+        return f", UNEQUAL CPU thread budgets {budgets}: the modes are not measured on equal terms"
 
     def table(self) -> str:
         """Terminal table, one row per configuration; skipped and failed rows carry their reason."""
@@ -284,6 +321,7 @@ class BenchReport:
             f"runner bench: {self.name} ({_shown(self.spec)})\n"
             f"{self.accelerator}, global batch {self.global_batch_size}, "
             f"{self.steps} timed steps after {self.warmup} warm-up, {self.min_repeats}-{self.max_repeats} repeats"
+            f"{self._budget_text()}"
         )
         cols = [
             "config",
@@ -295,19 +333,21 @@ class BenchReport:
             "step p90 ms",
             "data wait",
             "peak mem MiB",
+            "threads",
             "efficiency",
             "final loss",
             "note",
         ]
         rows = [cols] + [_row(c) for c in self.configs]
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]
-        right = {2, 3, 4, 5, 6, 7, 8, 9, 10}
+        right = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
         lines = []
         for r in rows:
             cells = [r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i]) for i in range(len(cols) - 1)]
             lines.append(("  ".join(cells) + "  " + r[-1]).rstrip())
         foot = [
-            "efficiency = samples/s / (n x samples/s of none); ddp figures are the slowest rank's; "
+            "efficiency = samples/s / (n x samples/s of none); threads = processes x CPU threads each; "
+            "ddp figures are the slowest rank's; "
             + (
                 "peak mem = CUDA allocator peak per device"
                 if self.accelerator == "cuda"
@@ -352,9 +392,7 @@ def note_of(c: ConfigResult) -> str:
     if repeat_noise:
         head = f"noisy after {c.repeats} repeats" if c.steady is False else "noisy"
         parts.append(f"{head}: {'; '.join(repeat_noise)}")
-    parts += [n for n in c.noise if not n.startswith(_REPEAT_NOISE) and n != SUPERLINEAR_WARNING]
-    if c.scaling_efficiency is not None and c.scaling_efficiency > SUPERLINEAR and c.mode != "none":
-        parts.append(SUPERLINEAR_WARNING)
+    parts += [n for n in c.noise if not n.startswith(_REPEAT_NOISE)]
     return "; ".join(parts)
 
 
@@ -363,7 +401,7 @@ _REPEAT_NOISE = ("repeats differ", "p90 is")  # the wording of runner.tools.benc
 
 def _row(c: ConfigResult) -> list[str]:
     if c.status != "ok":
-        return [c.config, *["-"] * 10, f"{c.status}: {_one_line(c.reason)}"]
+        return [c.config, *["-"] * 11, f"{c.status}: {_one_line(c.reason)}"]
     mem = "/".join(f"{b / MIB:.0f}" for b in c.peak_memory_bytes) or "-"
     return [
         c.config,
@@ -375,6 +413,7 @@ def _row(c: ConfigResult) -> list[str]:
         _num(c.step_time_p90_s, "{:.2f}", 1e3),
         _num(c.data_wait_fraction, "{:.1f}%", 100),
         mem,
+        f"{c.n if c.mode == 'ddp' else 1}x{c.threads_per_process}" if c.threads_per_process else "-",
         _num(c.scaling_efficiency, "{:.0f}%", 100),
         _num(c.final_loss, "{:.6f}"),
         note_of(c),

@@ -69,10 +69,18 @@ def _spec_codec() -> tuple[Callable[[ExperimentSpec, str | None], dict[str, str]
     return spec_params, dump_spec
 
 
-def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
-    """The accelerator of a plan description (a whole plan, or a device plan's), or ``None``."""
+THREADS_PARAM = "runner.threads_per_process"
+
+
+def _planned(plan_description: Mapping[str, Any], key: str) -> Any:
+    """``key`` of a plan description (a whole plan, or a device plan's), or ``None``."""
     nested = plan_description.get("devices")
-    value = plan_description.get("accelerator") or (nested.get("accelerator") if isinstance(nested, Mapping) else None)
+    return plan_description.get(key) or (nested.get(key) if isinstance(nested, Mapping) else None)
+
+
+def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
+    """The accelerator of a plan description, or ``None``."""
+    value = _planned(plan_description, "accelerator")
     return str(value) if value else None
 
 
@@ -171,7 +179,7 @@ def start_run(
     Creates the experiment (``spec.tracking.experiment``, else ``spec.name``) when
     missing, then one run with an explicit id (MLflow's fluent active run is neither used
     nor changed). Logs the keys of the spec that apply as params (batches of 100;
-    :func:`runner.tracking.spec_record.spec_params`); tags from
+    :func:`runner.tracking.spec_record.spec_params`) and the plan's ``runner.threads_per_process``; tags from
     :func:`runner.tracking.tags.run_tags`; artifacts ``spec/<spec file name>`` (the file's
     own text) and every file it extends (:func:`runner.tracking.spec_record.spec_artifacts`),
     ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked
@@ -208,6 +216,9 @@ def start_run(
     params_of, dump_spec = _spec_codec()
     # Credentials in a URI (tracking.uri, a --set of it, a database URL) never leave the process.
     params = [Param(k, mask_secrets(v)) for k, v in params_of(spec, _accelerator(plan_description)).items()]
+    threads = _planned(plan_description, "threads_per_process")
+    if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
+        params.append(Param(THREADS_PARAM, str(threads)))
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
     texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
     info = git_info(loaded.path)

@@ -15,14 +15,18 @@ and with gradient accumulation. This is what makes ``none`` and ``ddp`` runs of 
 step by step. Batches and forward: :mod:`~runner.training.batches`; metrics:
 :mod:`~runner.training.metrics`; ``train.on_nonfinite``: :mod:`~runner.training.nonfinite`.
 
+Steady state: between ``train/loss`` logs a step makes no collective and reads nothing back
+from the device; the running sums, the non-finite check and the default train accuracy stay on
+the device until a log step, a checkpoint or the epoch's end reduces them in one collective.
+
 Stopping: after every optimizer step the loop asks
-:meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop. A request
-seen after step ``k`` (e.g. SIGTERM during step ``k``) stops every rank after step ``k``
-under ``none`` and ``dp`` and after step ``k + 1`` under ``ddp``, whose ranks agree in the
-background while step ``k + 1`` runs. At the end of an epoch's steps and again at the epoch
-boundary (after evaluation and the epoch checkpoint) the decision is settled at once, so a
-request during an epoch's last step stops before its evaluation, as one during evaluation
-stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
+:meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop, settling it (the
+ranks agree, a collective where there are peers) only at log steps, step checkpoints and the end
+of an epoch's steps. A request seen after step ``k`` (e.g. SIGTERM during step ``k``) stops a
+single process after step ``k``, and several processes at the first of those points from step
+``k`` on. The decision is settled again at the epoch boundary (after evaluation and the epoch
+checkpoint), so a request during an epoch's last step stops before its evaluation, as one during
+evaluation stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
 :class:`~runner.errors.Interrupted`.
 """
 
@@ -38,11 +42,11 @@ import torch
 from runner.errors import Interrupted
 from runner.training.batches import CollatedBatch
 from runner.training.metrics import MetricSet
-from runner.training.nonfinite import NonFiniteGuard, check_lr, grad_norm
+from runner.training.nonfinite import NonFiniteGuard, check_lr
 from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
 from runner.training.state import FitResult, LoopParts, TrainState
-from runner.training.sums import RunningSums, Tally
+from runner.training.sums import RunningSums, Tally, accuracy_of, count_correct, mean_loss
 
 if TYPE_CHECKING:
     from runner.spec.schema import CheckpointSpec, TrainSpec
@@ -80,8 +84,11 @@ def fit(
     progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)
     report = _Report(FitResult(state=state), parts.tracker, progress)
     held = strategy.rank == 0  # running sums restored from a checkpoint are held by rank 0 only
-    guard = NonFiniteGuard(train_spec.on_nonfinite, strategy.output_device, state.global_step, parts.precision.scaling)
-    tally = Tally.start(parts.metrics.train, guard, state.window_sums, state.metric_states, held=held)
+    every_n_logs = train_spec.log_every_n_steps
+    guard = NonFiniteGuard(
+        train_spec.on_nonfinite, strategy.output_device, state.global_step, parts.precision.scaling, every_n_logs
+    )
+    tally = Tally.start(parts.metrics, guard, state.window_sums, state.metric_states, held=held)
     resumed_epoch_sums = state.epoch_sums if held else None
     every_n_steps = checkpoint_spec.every_n_steps if checkpoint_spec is not None else None
     try:
@@ -100,11 +107,13 @@ def fit(
                 state.batch_in_epoch += 1
                 tally.epoch_samples += global_size
                 progress.update(1, samples=global_size)
-                if state.global_step % train_spec.log_every_n_steps == 0:
+                logged = state.global_step % every_n_logs == 0
+                if logged:
                     tally.window = _log_window(parts, state, tally, report)
-                if every_n_steps and state.global_step % every_n_steps == 0:
+                saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
+                if saved:
                     _checkpoint(parts, state, "step", tally)
-                _stop_if_asked(parts, state, tally, settle=False)
+                _stop_if_asked(parts, state, tally, settle=logged or saved)
             epoch_time_s = time.perf_counter() - epoch_start
             _stop_if_asked(parts, state, tally, settle=True)
             if not end_epoch(parts, train_spec, state, tally, report, epoch_time_s=epoch_time_s):
@@ -170,8 +179,6 @@ def train_step(
     if clip_grad_norm is not None:
         parts.precision.unscale_(parts.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    elif tally.guard.check_grads:
-        norm = grad_norm(model.parameters())
     parts.precision.step(parts.optimizer)
     tally.end_step(norm)
     if parts.scheduler is not None and parts.scheduler_interval == "step":
@@ -207,14 +214,15 @@ def end_epoch(
     """
     epoch_done = state.batch_in_epoch >= parts.loaders.steps_per_epoch
     assert tally.epoch is not None  # set by Tally.start_epoch
-    loss_mean, bad = tally.epoch.reduce(parts.strategy)
-    tally.guard.check(bad, parts.strategy, f"the end of epoch {state.epoch}")
+    sums = tally.epoch.reduced_sums(parts.strategy)
+    tally.guard.check(sums, parts.strategy, f"the end of epoch {state.epoch}")
     metrics = {
-        "train/epoch_loss": loss_mean,
+        "train/epoch_loss": mean_loss(sums),
         "epoch": float(state.epoch),
         "epoch_time_s": epoch_time_s,
         "samples_per_s": tally.epoch_samples / epoch_time_s if epoch_time_s > 0 else 0.0,
     }
+    metrics.update(tally.accuracy(sums, "train/"))
     metrics.update(tally.epoch_metrics.compute())
     if parts.loaders.val is not None and (
         (state.epoch + 1) % train_spec.eval_every_n_epochs == 0
@@ -236,8 +244,8 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
     """Evaluate on this rank's validation shard and reduce over ranks.
 
     Every validation sample is counted exactly once across ranks (the eval sampler never
-    pads): ``val/loss`` is ``sum(loss) / count`` of reduced sums, and the ``val/`` metrics are
-    computed by torchmetrics from states gathered over ranks (docs/design.md §13).
+    pads): ``val/loss`` (and the default ``val/accuracy``) come from reduced sums, and the ``val/``
+    metrics of ``[metrics]`` are computed by torchmetrics from states gathered over ranks (docs/design.md §13).
 
     Returns:
         ``{"val/loss": float, "val/<metric>": float, ...}``.
@@ -247,6 +255,7 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
     module.eval()
     sums = RunningSums(strategy.output_device)
     metrics = MetricSet(parts.metrics.val, "val/", strategy.output_device)
+    counted = parts.metrics.counted_accuracy
     assert parts.loaders.val is not None
     for raw in parts.loaders.val:
         batch = io.prepare(raw, strategy.device, strategy.output_device)
@@ -254,11 +263,14 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
             out = io.forward(module, batch)
             loss_sum = parts.loss(out, batch, io)
         sums.add(loss_sum, batch.size)
+        if counted and batch.target is not None:
+            sums.add_correct(count_correct(io.prediction(out), batch.target), batch.target.numel())
         if metrics:
             metrics.add(out, batch, io)
     parts.model.train()
-    loss_mean, _ = sums.reduce(strategy)
-    return {"val/loss": loss_mean, **metrics.compute()}
+    reduced = sums.reduced_sums(strategy)
+    accuracy = {"val/accuracy": accuracy_of(reduced)} if counted else {}
+    return {"val/loss": mean_loss(reduced), **accuracy, **metrics.compute()}
 
 
 class _Report:
@@ -289,12 +301,15 @@ def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Repo
     Called every ``log_every_n_steps`` steps and after the run's last step (when that log was not due), so
     every run logs ``train/loss`` at its last step, also one shorter than ``log_every_n_steps``.
     """
-    loss_mean, bad = tally.window.reduce(parts.strategy)
-    tally.guard.check(bad, parts.strategy, f"the train/loss log of step {state.global_step}")
-    metrics = {"train/loss": loss_mean, "lr": parts.optimizer.param_groups[0]["lr"]}
+    sums = tally.window.reduced_sums(parts.strategy)
+    tally.guard.check(sums, parts.strategy, f"the train/loss log of step {state.global_step}")
+    loss = mean_loss(sums)
+    metrics = {"train/loss": loss, "lr": parts.optimizer.param_groups[0]["lr"]}
+    metrics.update(tally.accuracy(sums, "train/step_"))
     metrics.update(tally.window_metrics.compute())
     report.log(metrics, state.global_step)
-    report.progress.show(epoch=state.epoch, loss=loss_mean)
+    report.progress.show(epoch=state.epoch, loss=loss)
+    tally.guard.new_window()
     return RunningSums(parts.strategy.output_device)
 
 
@@ -316,7 +331,7 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
     strategy = parts.strategy
     state.epoch_sums = tally.epoch.reduced_sums(strategy) if tally.epoch is not None else None
     state.window_sums = tally.window.reduced_sums(strategy)
-    tally.guard.check(state.window_sums[1], strategy, f"the {reason} checkpoint of step {state.global_step}")
+    tally.guard.check(state.window_sums, strategy, f"the {reason} checkpoint of step {state.global_step}")
     if not tally.guard.weights_finite(parts.model.parameters(), strategy, state.global_step):
         return
     state.metric_states = tally.metric_states()

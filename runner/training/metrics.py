@@ -62,10 +62,19 @@ class MetricRecipe:
 
 @dataclass(frozen=True)
 class MetricPlan:
-    """The metrics of the training batches and of the validation split."""
+    """The metrics of the training batches and of the validation split.
+
+    Attributes:
+        train: Metric objects of the training batches.
+        val: Metric objects of the validation split.
+        counted_accuracy: The default ``train/accuracy`` and ``val/accuracy``: correct predictions counted
+            on the device in the loop's running sums (:mod:`runner.training.sums`) and reduced with the
+            loss, not by a metric object (so a default spec never imports torchmetrics).
+    """
 
     train: tuple[MetricRecipe, ...] = ()
     val: tuple[MetricRecipe, ...] = ()
+    counted_accuracy: bool = False
 
 
 class MetricSet:
@@ -198,7 +207,8 @@ def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | 
     """Turn ``[metrics]`` into recipes, each tried once so that bad arguments fail before training.
 
     Without a ``[metrics]`` table, a classification loss (cross_entropy, nll) on integer labels
-    gets ``accuracy`` for the training batches and the validation split, as before ``[metrics]``.
+    gets ``accuracy`` for the training batches and the validation split, counted in the loop's
+    sums (no metric object, no per-step update, no collective of its own, no torchmetrics import).
 
     Args:
         spec: The validated spec.
@@ -214,8 +224,7 @@ def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | 
     """
     if spec.metrics is None:
         if spec.loss.name in CLASSIFICATION_LOSSES and info.num_classes > 0:
-            default = (_recipe("accuracy", "metrics", spec, info, spec_dir, train=True),)
-            return MetricPlan(default, (_recipe("accuracy", "metrics", spec, info, spec_dir, train=False),))
+            return MetricPlan(counted_accuracy=True)
         return MetricPlan()
     train = [_recipe(e, f"metrics.train[{i}]", spec, info, spec_dir, True) for i, e in enumerate(spec.metrics.train)]
     val = [_recipe(e, f"metrics.val[{i}]", spec, info, spec_dir, False) for i, e in enumerate(spec.metrics.val)]

@@ -1,19 +1,23 @@
-"""``train.on_nonfinite``: a non-finite loss or gradient norm, flagged on the device, read where the loop already syncs.
+"""``train.on_nonfinite``: a non-finite loss or gradient norm, found in the running sums where the loop reads them.
 
-Every step the guard records on the device whether a micro-batch loss or the step's gradient
-norm was not finite, and the first such step (no host-device synchronisation: a few tiny
-kernels). The flag rides in the loop's running sums (their middle entry), which are reduced
-over ranks and read anyway at every ``train/loss`` log, every checkpoint and every epoch end,
-so the ranks agree on it without an extra collective (docs/design.md §14). There:
+A non-finite value stays non-finite in a sum, so the loop's running sums (:mod:`runner.training.sums`)
+carry the check at no cost: the loss sum holds every micro-batch's loss, and the gradient-norm sum
+every step's norm where one is computed anyway (``train.clip_grad_norm``). They are reduced over ranks
+and read at every ``train/loss`` log, every checkpoint and every epoch end, so the ranks agree
+without an extra collective (docs/design.md §14). Between those points the guard only copies the
+window's two running sums into a small device buffer after each step (one device copy, no host
+read), from which the first bad step is found when something was not finite. There:
 
 * ``stop`` (the default) raises :class:`~runner.errors.TrainingError` naming the first bad
   step, before anything non-finite is logged or checkpointed (exit 1, the run FAILED);
 * ``warn`` prints the step once and goes on;
 * ``ignore`` checks nothing.
 
-Before each checkpoint (``stop`` and ``warn``) the weights themselves are checked, so a
-checkpoint of non-finite weights never replaces a good one. Under fp16 gradient scaling the
-gradient norm is not checked: the scaler skips steps with inf gradients by design.
+No gradient norm is computed for the check alone: without clipping, non-finite gradients show as a
+non-finite loss one step later (the weights they made are not finite), and under fp16 gradient
+scaling the norm is not checked (the scaler skips inf steps by design). Before each checkpoint
+(``stop`` and ``warn``) the weights themselves are checked, so a checkpoint of non-finite weights
+never replaces a good one.
 """
 
 from __future__ import annotations
@@ -37,63 +41,63 @@ HINT = (
 
 
 class NonFiniteGuard:
-    """Device-side flags of non-finite losses and gradient norms (see the module docstring).
+    """Finds the first non-finite step of a ``train/loss`` window (see the module docstring).
 
     Args:
         mode: ``train.on_nonfinite``: ``"stop"``, ``"warn"`` or ``"ignore"``.
-        device: Where the flags live (the strategy's output device).
+        device: Where the window's sums live (the strategy's output device).
         step: Optimizer steps taken before this run of the loop (``TrainState.global_step``).
         scaling: fp16 gradient scaling is on: the gradient norm is not checked (the scaler skips inf steps).
+        window: Most steps between two ``train/loss`` logs (``train.log_every_n_steps``).
     """
 
-    def __init__(self, mode: str, device: torch.device, step: int, scaling: bool = False) -> None:
+    def __init__(self, mode: str, device: torch.device, step: int, scaling: bool = False, window: int = 1) -> None:
         self.mode = mode
         self.device = device
         self.enabled = mode != "ignore"
         self.check_grads = self.enabled and not scaling
+        self._start = step  # global step before the window's first step
+        self._taken = 0  # steps of the window in the trail
+        self._reported = step  # bad steps up to here were reported (warn)
         if self.enabled:
-            self._step = torch.tensor(step, dtype=torch.int64, device=device)
-            self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)
-            self._first = torch.full((2,), -1, dtype=torch.int64, device=device)  # first bad step: (loss, grad)
+            self._trail = torch.zeros((max(1, window), 2), dtype=torch.float64, device=device)
 
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """Note one micro-batch's loss (a scalar on the device)."""
-        if self.enabled:
-            self._loss_bad |= ~torch.isfinite(loss.detach())
+    def end_step(self, window_sums: torch.Tensor) -> None:
+        """After each optimizer step: keep the window's running ``[loss sum, norm sum]`` (a device copy)."""
+        if self.enabled and self._taken < len(self._trail):
+            self._trail[self._taken].copy_(window_sums[:2])
+        self._taken += 1
 
-    def end_step(self, grad_norm: torch.Tensor | None) -> torch.Tensor | None:
-        """Close an optimizer step; returns ``1.0`` (float64, on the device) if it was non-finite, else ``0.0``."""
-        if not self.enabled:
-            return None
-        grad_bad = (
-            ~torch.isfinite(grad_norm)
-            if grad_norm is not None and self.check_grads
-            else torch.zeros_like(self._loss_bad)
-        )
-        self._step += 1
-        bad = torch.stack([self._loss_bad, grad_bad])
-        self._first = torch.where((self._first < 0) & bad, self._step, self._first)
-        self._loss_bad = torch.zeros_like(self._loss_bad)
-        return bad.any().to(torch.float64)
+    def new_window(self) -> None:
+        """The window's sums start afresh (after a ``train/loss`` log)."""
+        self._start += self._taken
+        self._taken = 0
 
-    def check(self, bad_steps: float, strategy: Strategy, where: str) -> None:
-        """Act on ``bad_steps`` (non-finite steps, summed over ranks) read from the running sums.
+    def _first_bad(self) -> tuple[int, int] | None:
+        """``(step, 0 for the loss or 1 for the norm)`` of this rank's first unreported bad step (a host read)."""
+        rows = self._trail[: min(self._taken, len(self._trail))].tolist()
+        for i, row in enumerate(rows):
+            step = self._start + i + 1
+            for what, value in enumerate(row):
+                if not math.isfinite(value) and step > self._reported:
+                    return step, what
+        return None
 
-        Call on every rank with the same value (it comes from a reduction). Gathers the first bad
-        steps of every rank (a collective, only when something was non-finite).
+    def check(self, sums: list[float], strategy: Strategy, where: str) -> None:
+        """Act on reduced running sums (``[loss, norm sum, ...]``, the same on every rank).
+
+        Gathers every rank's first bad step (a collective, only when something was not finite).
 
         Raises:
             TrainingError: ``mode = "stop"``; names the first non-finite step and what was not finite.
         """
-        if not self.enabled or bad_steps <= 0:
+        if not self.enabled or all(math.isfinite(v) for v in sums[:2]):
             return
-        firsts = strategy.all_gather_object([int(v) for v in self._first.tolist()])
-        loss_at = min((f[0] for f in firsts if f[0] >= 0), default=None)
-        grad_at = min((f[1] for f in firsts if f[1] >= 0), default=None)
-        if loss_at is None and grad_at is None:
+        firsts = [f for f in strategy.all_gather_object(self._first_bad()) if f is not None]
+        if not firsts:
             return  # already reported (warn)
-        step = min(s for s in (loss_at, grad_at) if s is not None)
-        what = "the loss" if loss_at == step else "the gradient norm"
+        step, kind = min(firsts)
+        what = ("the loss", "the gradient norm")[kind]
         if self.mode == "stop":
             raise TrainingError(
                 f'train.on_nonfinite = "stop": {what} was not finite at step {step} (found at {where}); '
@@ -103,7 +107,7 @@ class NonFiniteGuard:
             print(
                 f'runner: warning: {what} was not finite at step {step} (train.on_nonfinite = "warn")', file=sys.stderr
             )
-        self._first.fill_(-1)
+        self._reported = self._start + self._taken
 
     def weights_finite(self, parameters: Iterable[torch.Tensor], strategy: Strategy, step: int) -> bool:
         """Whether every weight is finite on every rank (a collective); before a checkpoint.
@@ -150,13 +154,3 @@ def check_lr(optimizer: torch.optim.Optimizer, scheduler: object) -> None:
         epoch = getattr(scheduler, "last_epoch", "?")
         raise TrainingError(f"{type(scheduler).__name__} after {epoch} step(s): {problem}; check scheduler.kwargs")
 
-
-def grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients (a scalar on their device, no host sync), or ``None`` without gradients."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return None
-    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if total_norm is not None:
-        return total_norm(grads, 2.0)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))

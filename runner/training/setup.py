@@ -176,7 +176,7 @@ def build_parts(
     bundle = build_datasets(spec, spec_dir)
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
     on_target = any(r.output is None for r in (*metrics.train, *metrics.val))  # output metrics need no target
-    check_target(bundle.info, spec, needs=loss.needs_target or on_target)
+    check_target(bundle.info, spec, needs=loss.needs_target or metrics.counted_accuracy or on_target)
     if isinstance(loss, BuiltinLoss):
         loss.dataset_classes = bundle.info.num_classes
     model = _setup_model(spec, spec_dir, bundle)

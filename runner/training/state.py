@@ -38,7 +38,7 @@ class TrainState:
         epoch: Index of the epoch in progress (0-based).
         global_step: Optimizer steps taken so far, over all epochs.
         batch_in_epoch: Global batches of ``epoch`` already consumed.
-        epoch_sums: Rank-reduced ``[loss sum, non-finite steps, samples]`` of the batches of
+        epoch_sums: Rank-reduced running sums (:class:`~runner.training.sums.RunningSums`) of the batches of
             ``epoch`` consumed so far, so that epoch metrics of a resumed epoch cover the whole epoch.
         window_sums: The same for the steps since the last ``train/loss`` log.
         metric_states: Rank-reduced train metric states, ``{"window": ..., "epoch": ...}`` (:meth:`MetricSet.state`).

@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from runner.devices.env import apply_device_env
+from runner.devices.env import apply_device_env, apply_threads
 from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
-from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices
+from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices, threads_per_process
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
 from tests.helpers import SMALL, spec_dict, spec_object
@@ -415,3 +416,47 @@ def test_resolving_and_applying_never_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "cores", "processes", "expect"),
+    [
+        (0, {}, 8, 1, (8, "8 usable cores / 1 training processes")),  # none and dp: every usable core
+        (0, {}, 8, 3, (2, "8 usable cores / 3 training processes")),  # ddp: shared out, rounded down
+        (0, {}, 2, 4, (1, "2 usable cores / 4 training processes")),  # never below one
+        (0, {"OMP_NUM_THREADS": "3"}, 8, 2, (3, "OMP_NUM_THREADS")),  # the user's variable overrides
+        (0, {"OMP_NUM_THREADS": "x"}, 4, 1, (4, "4 usable cores / 1 training processes")),  # not a count: the rule
+        (5, {"OMP_NUM_THREADS": "3"}, 8, 2, (5, "devices.threads_per_process")),  # the spec key wins
+        (0, {"SLURM_CPUS_PER_TASK": "4"}, 64, 2, (2, "4 usable cores / 2 training processes")),  # Slurm's share
+    ],
+)
+def test_threads_per_process_rule(requested, env, cores, processes, expect):
+    assert threads_per_process(requested, env, cores, processes) == expect
+
+
+@pytest.mark.parametrize(("mode", "nproc"), [("none", 1), ("ddp", 2)])
+def test_plan_gives_every_mode_the_same_thread_rule(mode, nproc):
+    parallel = {"mode": mode, "nproc_per_node": nproc} if mode == "ddp" else {"mode": mode}
+    spec = spec_object(devices={"accelerator": "cpu"}, parallel=parallel)
+    plan = resolve_devices(spec, {}, Inventory(cores=4))
+    assert plan.threads_per_process == 4 // nproc
+    assert plan.describe()["threads_per_process"] == 4 // nproc
+    pinned = resolve_devices(
+        spec_object(devices={"accelerator": "cpu", "threads_per_process": 3}), {}, Inventory(cores=4)
+    )
+    assert pinned.threads_per_process == 3 and pinned.threads_from == "devices.threads_per_process"
+
+
+def test_apply_threads_sets_torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    plan = replace(_plan({}), threads_per_process=1 if before != 1 else 2)
+    try:
+        apply_threads(plan)
+        assert torch.get_num_threads() == plan.threads_per_process
+    finally:
+        torch.set_num_threads(before)

@@ -14,6 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
+from runner.devices.resolve import threads_per_process
 from runner.training.checkpoint import load_latest
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
@@ -57,6 +58,10 @@ def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
     for key in pa:
         torch.testing.assert_close(pa[key], pb[key], atol=1e-5, rtol=0)
     assert single.data.metrics["val/accuracy"] == pytest.approx(ddp.data.metrics["val/accuracy"], abs=1e-9)
+    cores = len(os.sched_getaffinity(0))  # one thread rule for every mode, recorded in each run
+    for run, processes in ((single, 1), (ddp, 2)):
+        expect = threads_per_process(0, os.environ, cores, processes)[0]
+        assert run.data.params["runner.threads_per_process"] == str(expect)
 
 
 FAILING = """

@@ -161,6 +161,20 @@ def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path) -> Non
     assert run.info.status == "FAILED" and "signal 9 (SIGKILL" in run.data.tags["runner.error"]
 
 
+# ----------------------------------------------------------------------------- item: an abort after the work
+
+
+def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_noted(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, uri, {**DDP, "timeout_s": 300})  # a busy machine must not make it a hang
+    code, _, err = _finish(_runner(tmp_path, "exec", str(spec), env=_env(RUNNER_TEST_ABORT_AT_EXIT="1")), 600)
+    assert code == 0, err
+    assert "runner: note: rank 1 was killed by signal 6 (SIGABRT, exit code -6) after it finished its work" in err
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED" and "runner.error" not in run.data.tags
+    assert run.data.metrics["val/accuracy"] >= 0
+
+
 # ----------------------------------------------------------------------------- item: the driver killed hard
 
 

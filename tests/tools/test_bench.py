@@ -352,16 +352,58 @@ def test_cli_bad_spec_exits_2_without_any_run(write_spec, store: str, capsys) ->
     assert MlflowClient(store).get_experiment_by_name("tests") is None
 
 
-def test_superlinear_efficiency_is_flagged_as_noise() -> None:
+def _pair(rate: float, *, spreads: tuple[float, float] = (0.02, 0.03), budgets: tuple[int, int] = (2, 2)):
+    """none at 100 samples/s and ddp-2 at ``rate``, with their spreads and CPU thread budgets, compared."""
+    none = ConfigResult("none", "none", 1, samples_per_s=100.0, spread=spreads[0], final_loss=0.5)
+    none.threads_per_process, none.thread_budget = budgets[0], budgets[0]
+    ddp = ConfigResult("ddp-2", "ddp", 2, samples_per_s=rate, spread=spreads[1], final_loss=0.5)
+    ddp.threads_per_process, ddp.thread_budget = budgets[1] // 2, budgets[1]
+    finish_comparisons([none, ddp])
+    return none, ddp
+
+
+def test_an_efficiency_above_100_percent_beyond_the_spread_is_a_measurement_problem_never_a_result() -> None:
     from runner.tools.bench_report import _row
 
-    def row(efficiency: float) -> list[str]:
-        c = ConfigResult("ddp-2", "ddp", 2, samples_per_s=1000.0, scaling_efficiency=efficiency)
-        c.status, c.loss_check = "ok", "ok"
-        return _row(c)
+    _, ddp = _pair(714.0, budgets=(1, 2))  # 357 %: none had 1 thread, ddp-2 two
+    assert ddp.scaling_efficiency is None
+    row = _row(ddp)
+    assert row[10] == "-" and "357%" not in " ".join(row[:-1])  # no efficiency column value
+    assert "efficiency 357% is above 100% by more than the measured spread (5%): a measurement problem" in row[-1]
+    assert "unequal CPU thread budgets (1 for none, 2 here)" in row[-1]
+    _, loaded = _pair(250.0)  # equal budgets: the baseline was slowed
+    assert loaded.scaling_efficiency is None and "likely cause: " in _row(loaded)[-1]
+    assert "thread budgets" not in _row(loaded)[-1]
 
-    assert "efficiency above 100%" in row(13.18)[-1]
-    assert row(0.9)[-1] == ""
+
+def test_an_efficiency_above_100_percent_within_the_spread_stands() -> None:
+    from runner.tools.bench_report import _row
+
+    _, ddp = _pair(208.0)  # 104 % with spreads of 2 % and 3 %
+    assert ddp.scaling_efficiency == pytest.approx(1.04) and _row(ddp)[10] == "104%" and _row(ddp)[-1] == ""
+    _, slower = _pair(180.0)
+    assert slower.scaling_efficiency == pytest.approx(0.9) and _row(slower)[-1] == ""
+
+
+def test_the_table_prints_the_thread_budget_of_every_configuration() -> None:
+    none, ddp = _pair(180.0)
+    report = BenchReport("/x/s.toml", "demo", "cpu", 64, 20, 3, False, [none, ddp])
+    table = report.table()
+    assert "2 CPU threads per configuration (processes x threads)" in table.splitlines()[1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in (["none"], ["ddp-2"])}
+    assert "1x2" in rows["none"] and "2x1" in rows["ddp-2"]
+    unequal = BenchReport("/x/s.toml", "demo", "cpu", 64, 20, 3, False, list(_pair(180.0, budgets=(1, 2))))
+    assert "UNEQUAL CPU thread budgets [1, 2]" in unequal.table()
+
+
+def test_bench_gives_every_mode_the_same_thread_budget(write_spec) -> None:
+    from runner.tools.bench import _prepare
+
+    base = load_spec(write_spec("", name="s.toml"))
+    none, ddp2 = _prepare(base, "none", 1, 3, 1), _prepare(base, "ddp", 2, 3, 1)
+    assert none.result.thread_budget == ddp2.result.thread_budget or ddp2.result.threads_per_process == 1
+    assert none.result.threads_per_process == none.result.thread_budget
+    assert ddp2.result.thread_budget == 2 * ddp2.result.threads_per_process
 
 
 # ----------------------------------------------------------------------------- repeats and noise

@@ -53,6 +53,7 @@ PLAN = {
     "mode": "none",
     "devices": [{"id": 0, "name": "Fake GPU A"}, {"id": 1, "name": "Fake GPU B"}],
     "world_size": 1,
+    "threads_per_process": 3,
 }
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git executable")
@@ -138,6 +139,7 @@ def test_start_run_records_params_tags_and_artifacts(tmp_path, uri, client, monk
     assert params["name"] == "demo"
     assert params["seed"] == "1"
     assert params["optim.lr"] == "1.0"
+    assert params["runner.threads_per_process"] == "3"
     assert params["data.batch_size"] == "8"
     assert params["data.shuffle"] == "true"
     assert params["model.kwargs.hidden"] == "[32, 16]"

@@ -22,7 +22,7 @@ from runner.training.data import DatasetInfo
 from runner.training.loaders import build_loaders, check_batchnorm_batches, one_sample_batches
 from runner.training.losses import build_loss
 from runner.training.metrics import MetricSet, build_metric_plan
-from runner.training.nonfinite import NonFiniteGuard, grad_norm
+from runner.training.nonfinite import NonFiniteGuard
 from runner.training.sums import RunningSums
 
 CPU = torch.device("cpu")
@@ -281,7 +281,8 @@ def test_an_output_metric_logs_the_sample_weighted_mean_of_a_scalar_forward_retu
 
 def test_without_a_metrics_table_classification_keeps_accuracy_and_regression_has_none() -> None:
     plan = build_metric_plan(spec(), info(), None)
-    assert [r.name for r in plan.train] == [r.name for r in plan.val] == ["accuracy"]
+    assert plan.counted_accuracy and plan.train == plan.val == ()  # accuracy is counted in the loop's sums
+    assert not build_metric_plan(spec(loss={"name": "mse"}), info(0), None).counted_accuracy
     assert build_metric_plan(spec(loss={"name": "mse"}), info(0), None).val == ()
 
 
@@ -360,28 +361,46 @@ class _OneRank(SingleDevice):
         super().__init__(resolve_devices(spec(), {}, Inventory([], False)))
 
 
+def _steps(guard: NonFiniteGuard, sums: RunningSums, steps: list[tuple[float, float]]) -> None:
+    for loss, norm in steps:
+        sums.add(torch.tensor(loss), 1)
+        sums.add_norm(torch.tensor(norm))
+        guard.end_step(sums.sums)
+
+
 def test_the_guard_names_the_first_non_finite_step_and_what_was_not_finite() -> None:
     strategy, sums = _OneRank(), RunningSums(CPU)
-    guard = NonFiniteGuard("stop", CPU, step=10)
-    for loss, norm in ((1.0, 1.0), (2.0, math.inf), (math.nan, 1.0)):  # steps 11, 12, 13
-        guard.observe_loss(torch.tensor(loss))
-        sums.add_bad(guard.end_step(torch.tensor(norm)))
-    _, bad = sums.reduce(strategy)
-    assert bad == 2
+    guard = NonFiniteGuard("stop", CPU, step=10, window=4)
+    _steps(guard, sums, [(1.0, 1.0), (2.0, math.inf), (math.nan, 1.0)])  # steps 11, 12, 13
+    reduced = sums.reduced_sums(strategy)
+    assert math.isfinite(reduced[0]) is False and reduced[2] == 3
     with pytest.raises(TrainingError, match=r'"stop": the gradient norm was not finite at step 12 .*clip_grad_norm'):
-        guard.check(bad, strategy, "a test")
+        guard.check(reduced, strategy, "a test")
+
+
+def test_the_guard_counts_steps_across_windows() -> None:
+    strategy, guard = _OneRank(), NonFiniteGuard("stop", CPU, step=0, window=2)
+    first = RunningSums(CPU)
+    _steps(guard, first, [(1.0, 0.0), (1.0, 0.0)])  # steps 1, 2: logged
+    guard.check(first.reduced_sums(strategy), strategy, "a test")
+    guard.new_window()
+    second = RunningSums(CPU)
+    _steps(guard, second, [(1.0, 0.0), (math.inf, 0.0)])  # steps 3, 4
+    with pytest.raises(TrainingError, match=r"the loss was not finite at step 4 "):
+        guard.check(second.reduced_sums(strategy), strategy, "a test")
 
 
 def test_warn_reports_once_and_ignore_checks_nothing(capsys) -> None:
-    strategy = _OneRank()
-    guard = NonFiniteGuard("warn", CPU, step=0)
-    guard.observe_loss(torch.tensor(math.inf))
-    bad = guard.end_step(None)
-    assert bad is not None and float(bad) == 1.0
-    guard.check(1.0, strategy, "a test")
-    guard.check(1.0, strategy, "a test")  # the same step again: already reported
+    strategy, sums = _OneRank(), RunningSums(CPU)
+    guard = NonFiniteGuard("warn", CPU, step=0, window=3)
+    _steps(guard, sums, [(math.inf, 0.0)])
+    guard.check(sums.reduced_sums(strategy), strategy, "a test")
+    guard.check(sums.reduced_sums(strategy), strategy, "a test")  # the same step again: already reported
     assert capsys.readouterr().err.count("the loss was not finite at step 1") == 1
-    assert NonFiniteGuard("ignore", CPU, step=0).end_step(torch.tensor(math.nan)) is None
+    ignore = NonFiniteGuard("ignore", CPU, step=0)
+    ignore.end_step(sums.sums)
+    ignore.check([math.nan, math.nan, 1.0], strategy, "a test")  # checks nothing, raises nothing
+    assert capsys.readouterr().err == ""
 
 
 def test_non_finite_weights_are_never_checkpointed(capsys) -> None:
@@ -394,14 +413,6 @@ def test_non_finite_weights_are_never_checkpointed(capsys) -> None:
     assert not NonFiniteGuard("warn", CPU, 0).weights_finite(model.parameters(), strategy, 3)
     assert "no checkpoint at step 3" in capsys.readouterr().err
     assert NonFiniteGuard("ignore", CPU, 0).weights_finite(model.parameters(), strategy, 3)
-
-
-def test_grad_norm_is_the_global_l2_norm() -> None:
-    model = nn.Linear(3, 1)
-    model(torch.ones(2, 3)).sum().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert torch.allclose(grad_norm(model.parameters()), grads.norm())
-    assert grad_norm(nn.Linear(2, 2).parameters()) is None  # no backward yet
 
 
 # --------------------------------------------------------------------------- BatchNorm meeting one sample

@@ -262,7 +262,7 @@ def test_an_interrupted_fit_resumed_from_its_checkpoint_logs_what_an_uninterrupt
 
 @pytest.fixture
 def ddp_one(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A set-up DDP strategy in a one-process gloo group (the asynchronous stop decision of ddp)."""
+    """A set-up DDP strategy in a one-process gloo group (the stop decision of ddp, settled at log steps)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -277,7 +277,7 @@ def ddp_one(monkeypatch: pytest.MonkeyPatch) -> Any:
     strategy.teardown()
 
 
-def test_under_ddp_a_stop_request_takes_effect_one_step_later(ddp_one: DDPStrategy) -> None:
+def test_under_ddp_a_stop_request_takes_effect_at_the_next_log_step(ddp_one: DDPStrategy) -> None:
     spec = make_spec()
     tracker, saves = RecordingTracker(), Saves()
     parts = request_stop_in_step(make_parts(spec, tracker, strategy=ddp_one, on_checkpoint=saves), 3)
@@ -313,6 +313,17 @@ def test_train_metrics_resumed_mid_epoch_log_what_an_uninterrupted_fit_does() ->
     assert set(saved["state"].metric_states["epoch"]) == {"accuracy", "f1", "auroc"}
     after = resume_saved(spec, saved)
     assert without_timing(before.calls + after.calls) == without_timing(full.calls)
+
+
+def test_the_counted_default_train_accuracy_equals_torchmetrics_accuracy() -> None:
+    spec = make_spec()
+    counted, measured = RecordingTracker(), RecordingTracker()
+    fit(make_parts(spec, counted), spec.train)
+    with_table = spec.model_copy(update={"metrics": MetricsSpec(train=["accuracy"], val=["accuracy"])})
+    fit(make_parts(with_table, measured), with_table.train)
+    for key in ("train/accuracy", "train/step_accuracy", "val/accuracy"):
+        assert counted.steps_of(key) == measured.steps_of(key) and counted.steps_of(key)
+        assert counted.values_of(key) == pytest.approx(measured.values_of(key), abs=1e-6), key
 
 
 def poison_forward(parts: LoopParts, at_call: int) -> LoopParts:
@@ -361,3 +372,45 @@ def test_ignore_checks_nothing() -> None:
         checkpoint_spec=spec.checkpoint,
     )
     assert [c[0] for c in saves.calls] == [4, 5, 8, 10, 12, 15]
+
+
+# --------------------------------------------------------------------------- steady state
+
+
+def test_between_log_steps_a_step_makes_no_collective_and_reads_nothing_back(
+    ddp_one: DDPStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every torch.distributed call and every host read of a tensor, by optimizer step, over a whole ddp fit."""
+    import torch.distributed as dist
+
+    spec = make_spec(log_every_n_steps=3)  # 5 steps per epoch, 15 in all; a checkpoint every 4
+    parts = make_parts(spec, RecordingTracker(), strategy=ddp_one, on_checkpoint=Saves())
+    step = [0]
+
+    def count(*_: Any) -> None:
+        step[0] += 1
+
+    parts.optimizer.register_step_post_hook(count)
+    calls: list[tuple[int, str]] = []
+    for name in ("all_reduce", "all_gather_object", "broadcast_object_list", "barrier", "all_gather"):
+        real = getattr(dist, name)
+
+        def recording(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append((step[0], _name))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, recording)
+    reads: list[int] = []
+    for name in ("item", "tolist", "__float__", "__bool__"):  # host reads of a tensor (a sync on a GPU)
+        real = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, _real: Any = real) -> Any:
+            reads.append(step[0])
+            return _real(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
+    due = {s for s in range(1, 16) if s % 3 == 0 or s % 4 == 0 or s % STEPS_PER_EPOCH == 0}
+    assert {s for s, _ in calls} == due, calls  # collectives only at a log step, a checkpoint or an epoch's end
+    assert set(reads) <= due | {0}, sorted(set(reads) - due)
