@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -188,6 +189,7 @@ class DDPStrategy(Strategy):
     def teardown(self) -> None:
         """Destroy the groups this strategy created; safe to call twice."""
         self._pending_stop = None
+        gc.collect()  # free DDP's reducer and its pending work before the process group goes
         if dist.is_initialized():
             if self._owns_group:
                 dist.destroy_process_group()

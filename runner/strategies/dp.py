@@ -148,6 +148,11 @@ class DataParallelStrategy(SingleDevice):
         self.num_devices = len(plan.requested_ids)
         self.output_device = torch.device("cuda", plan.output_index)
 
+    @property
+    def replicas(self) -> int:
+        """The GPUs DataParallel spans."""
+        return self.num_devices
+
     def wrap(self, module: nn.Module) -> nn.Module:
         """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
 
