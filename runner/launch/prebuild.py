@@ -11,7 +11,8 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
 * model: a built-in or torchvision model is built on the ``meta`` device (parameters without storage,
   so the size of the model costs nothing) with the dataset's shape and classes when the dataset was
   built, else its kwargs are checked by signature and type; an error on ``meta`` is confirmed by a build
-  on CPU before it is reported. A ``pkg.module:factory`` model is user code: it is only checked by
+  on CPU before it is reported; fsdp's ``parallel.fsdp_blocks`` must name module classes of that model. A
+  ``pkg.module:factory`` model is user code: it is only checked by
   signature and type, never called here, so a factory runs once per run (a sweep trial's warm worker
   builds it once) and its side effects (a file written, weights read) happen only in the worker;
 * optimizer: built over one stand-in parameter with the spec's arguments;
@@ -159,9 +160,13 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     shape, classes = bundle.info.input_shape, bundle.info.num_classes
     try:
         with torch.device("meta"):
-            build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
+            model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
     except SpecError:
-        build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when it is real
+        model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when real
+    if "fsdp_blocks" in spec.parallel.traits.keys:
+        from runner.strategies.fsdp import find_blocks
+
+        find_blocks(model, spec.parallel.fsdp_blocks)
 
 
 def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) -> None:

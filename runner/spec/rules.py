@@ -301,9 +301,9 @@ def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []
     active = par.traits.keys
-    if "output_device" in active and par.output_device is not None and ids is not None:
-        if par.output_device not in ids:
-            problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
+    chosen = ids is not None and par.output_device in ids
+    if "output_device" in active and par.output_device is not None and ids is not None and not chosen:
+        problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
     nproc = par.nproc_per_node if "nproc_per_node" in active and dev.accelerator == "cuda" else None
     if nproc is not None and ids is not None and nproc != len(ids):
         problems.append(("parallel.nproc_per_node", nproc_mismatch(nproc, ids, len(ids))))

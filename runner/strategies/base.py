@@ -153,7 +153,7 @@ class Strategy(ABC):
         return unwrapped_state_dict(wrapped)
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole ``optimizer.state_dict()`` (parameters numbered in the optimizer's order); as :meth:`model_state`."""
+        """The whole ``optimizer.state_dict()`` (parameters numbered in its order); as :meth:`model_state`."""
         return optimizer.state_dict()
 
     def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:

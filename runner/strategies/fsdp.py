@@ -147,7 +147,7 @@ class FSDPStrategy(DDPStrategy):
         return get_model_state_dict(unwrap(wrapped), options=_GATHER)
 
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer on rank 0's CPU, its parameters numbered as ``optimizer.state_dict()`` does; a collective."""
+        """The whole optimizer on rank 0's CPU, numbered as ``optimizer.state_dict()`` numbers it; a collective."""
         model = unwrap(wrapped)
         gathered = get_optimizer_state_dict(model, optimizer, options=_GATHER)
         if not gathered:

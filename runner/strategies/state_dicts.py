@@ -74,7 +74,7 @@ def key_list(keys: list[str]) -> str:
 
 
 def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` without a ``module.``/``_orig_mod.`` prefix shared by every key, checked against ``target``'s keys.
+    """``state_dict`` without a ``module.``/``_orig_mod.`` prefix shared by all keys; keys checked against ``target``.
 
     Raises:
         StateDictMismatchError: Keys are missing or unexpected (both are listed).
