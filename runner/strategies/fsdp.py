@@ -149,7 +149,7 @@ class FSDPStrategy(DDPStrategy):
     def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The whole optimizer on rank 0's CPU, numbered as ``optimizer.state_dict()`` numbers it; a collective."""
         model = unwrap(wrapped)
-        gathered = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+        gathered: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=_GATHER))
         if not gathered:
             return {}
         ids = {name: i for i, name in enumerate(_param_names(model, optimizer))}
@@ -166,7 +166,7 @@ class FSDPStrategy(DDPStrategy):
         """Shard a whole ``optimizer.state_dict()`` (from any mode) into ``optimizer``."""
         model = unwrap(wrapped)
         names = _param_names(model, optimizer)
-        by_name = {
+        by_name: dict[str, Any] = {
             "state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
         }

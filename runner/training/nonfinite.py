@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from runner.errors import TrainingError
 
@@ -64,6 +65,8 @@ class NonFiniteGuard:
         """Close an optimizer step; returns ``1.0`` (float64, on the device) if it was non-finite, else ``0.0``."""
         if not self.enabled:
             return None
+        if isinstance(grad_norm, DTensor):  # fsdp: a norm over sharded gradients (a collective, on every rank)
+            grad_norm = grad_norm.full_tensor()
         grad_bad = (
             ~torch.isfinite(grad_norm)
             if grad_norm is not None and self.check_grads
@@ -112,7 +115,7 @@ class NonFiniteGuard:
         """
         if not self.enabled:
             return True
-        params = [p.detach() for p in parameters]
+        params = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]  # this rank's shards
         if not params:
             return True
         local = torch.stack([torch.isfinite(p).all() for p in params]).all().logical_not()
