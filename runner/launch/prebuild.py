@@ -102,12 +102,27 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> None:
     from runner.training.models import check_model_name
 
     check_model_name(spec.model.name, spec_dir)
+    if spec.train.compile:
+        _compile_backend(spec.train.compile_backend)
     bundle = _dataset(spec, spec_dir)
     steps_per_epoch = None
     if bundle is not None:
         steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
     _unless_unbuildable_here(_model, spec, spec_dir, bundle)
     _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
+
+
+def _compile_backend(name: str) -> None:
+    """``train.compile_backend`` names a backend torch.compile knows (``torch._dynamo.list_backends``)."""
+    import torch._dynamo
+
+    from runner.spec.suggest import did_you_mean
+    from runner.spec.wording import with_hint
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        message = with_hint(f"{name!r} is no torch.compile backend", did_you_mean(name, known))
+        raise SpecError(SpecIssue(None, None, "train.compile_backend", f"{message}; known: {', '.join(known)}"))
 
 
 def _unless_unbuildable_here(step: Callable[..., None], *args: Any) -> None:

@@ -38,6 +38,8 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     if spec.devices.accelerator == "cpu":
         out["devices.ids"] = 'GPU ids (accelerator = "cpu")'
     out.update(_data_inactive(data.dataset, data.val_fraction))
+    if not spec.train.compile:
+        out["train.compile_backend"] = "compile only (train.compile = false)"
     if spec.optim.name != "sgd":
         out["optim.momentum"] = f'sgd only (optim.name = "{spec.optim.name}")'
     return out

@@ -255,6 +255,16 @@ def check_experiment(spec: ExperimentSpec) -> None:
         CrossFieldError: Every problem found, each at its own key.
     """
     problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
+    for key in ("compile", "activation_checkpointing"):
+        if getattr(spec.train, key) and not spec.parallel.traits.transforms_blocks:
+            why = "DataParallel copies the module onto every device at each forward"
+            problems.append(
+                (
+                    f"train.{key}",
+                    f'{key} cannot apply under mode = "{spec.parallel.mode}" ({why}): '
+                    'use mode = "none", "ddp" or "fsdp", or set it to false',
+                )
+            )
     if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
         problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:

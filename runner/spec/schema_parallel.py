@@ -42,12 +42,15 @@ class ModeTraits:
         keys: The ``[parallel]`` keys besides ``mode`` that apply; the others are inactive (§10).
         replicas: One process drives every chosen GPU (its size is the number of ids).
         cuda_only: The mode cannot run on CPU.
+        transforms_blocks: ``train.compile`` and ``train.activation_checkpointing`` apply (not to
+            DataParallel, which copies the module onto every device at each forward).
     """
 
     launch: Literal["in-process", "elastic"]
     keys: tuple[str, ...] = ()
     replicas: bool = False
     cuda_only: bool = False
+    transforms_blocks: bool = True
 
     @property
     def elastic(self) -> bool:
@@ -57,7 +60,7 @@ class ModeTraits:
 
 MODES: dict[str, ModeTraits] = {
     "none": ModeTraits("in-process"),
-    "dp": ModeTraits("in-process", ("output_device", "dim"), replicas=True, cuda_only=True),
+    "dp": ModeTraits("in-process", ("output_device", "dim"), replicas=True, cuda_only=True, transforms_blocks=False),
     "ddp": ModeTraits("elastic", (*_ELASTIC_KEYS, "find_unused_parameters", "static_graph", "gradient_as_bucket_view")),
     "fsdp": ModeTraits("elastic", (*_ELASTIC_KEYS, "fsdp_blocks", "reshard_after_forward")),
 }

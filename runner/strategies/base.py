@@ -34,16 +34,57 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint
 
+from runner.errors import SpecError, SpecIssue
 from runner.spec.schema_parallel import MODES, ModeTraits
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
 from runner.strategies.state_dicts import load_state_dict_flexible, unwrap, unwrapped_state_dict
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import TrainSpec
 
 T = TypeVar("T")
+
+
+def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
+    """The modules sharded as one unit each, outermost first.
+
+    Args:
+        module: The user's model.
+        names: ``parallel.fsdp_blocks`` (class names), or ``None`` for each direct child with parameters.
+
+    Raises:
+        SpecError: (``parallel.fsdp_blocks``) a name that is no module class of the model, with a
+            did-you-mean over the model's class names.
+    """
+    if names is None:
+        return [child for child in module.children() if any(True for _ in child.parameters())]
+    present = sorted({type(m).__name__ for m in module.modules()})
+    for name in names:
+        if name not in present:
+            hint = did_you_mean(name, present, n=3)
+            message = with_hint(f"{name!r} is no module class of the model", hint)
+            message += f"; its classes are {', '.join(present)}"
+            raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
+    wanted = set(names)
+    return [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
+
+
+def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compile_blocks: bool) -> None:
+    """Apply ``train.activation_checkpointing`` (non-reentrant, composable: parameter names unchanged) to each
+    block and, with ``compile_blocks``, ``train.compile`` to each block in place (``nn.Module.compile``)."""
+    if train is None:
+        return
+    for block in blocks:
+        if train.activation_checkpointing:
+            checkpoint(block)
+        if compile_blocks and train.compile:
+            block.compile(backend=train.compile_backend)
 
 
 class Strategy(ABC):
@@ -117,11 +158,13 @@ class Strategy(ABC):
 
     # model ----------------------------------------------------------------
     @abstractmethod
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to :attr:`device` and wrap it for this mode.
 
         Args:
             module: The user's model.
+            train: ``[train]``: ``activation_checkpointing`` and ``compile`` are applied in the order
+                this mode needs (``None``: neither).
 
         Returns:
             The module to train with.

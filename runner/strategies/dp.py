@@ -32,6 +32,7 @@ from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
 
@@ -153,8 +154,10 @@ class DataParallelStrategy(SingleDevice):
         """The GPUs DataParallel spans."""
         return self.num_devices
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
+
+        ``train``'s compile and activation checkpointing do not apply (the schema refuses them under dp).
 
         Raises:
             DeviceError: This process sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``

@@ -35,43 +35,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from runner.errors import SpecError, SpecIssue
-from runner.spec.suggest import did_you_mean
-from runner.spec.wording import with_hint
+from runner.strategies.base import find_blocks, transform_blocks
 from runner.strategies.ddp import DDPStrategy
 from runner.strategies.state_dicts import fitted_state_dict, unwrap
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.launch.environment import LauncherEnvironment
+    from runner.spec.schema import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
-
-
-def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
-    """The modules sharded as one unit each, outermost first.
-
-    Args:
-        module: The user's model.
-        names: ``parallel.fsdp_blocks`` (class names), or ``None`` for each direct child with parameters.
-
-    Raises:
-        SpecError: (``parallel.fsdp_blocks``) a name that is no module class of the model, with a
-            did-you-mean over the model's class names.
-    """
-    if names is None:
-        return [child for child in module.children() if any(True for _ in child.parameters())]
-    present = sorted({type(m).__name__ for m in module.modules()})
-    for name in names:
-        if name not in present:
-            hint = did_you_mean(name, present, n=3)
-            message = with_hint(f"{name!r} is no module class of the model", hint)
-            message += f"; its classes are {', '.join(present)}"
-            raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
-    wanted = set(names)
-    return [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -102,19 +77,23 @@ class FSDPStrategy(DDPStrategy):
         self.policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         self._replica: nn.Module | None = None  # the evaluation replica, storage-less between evaluations
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to this rank's device and shard it: each block, then the root.
+
+        With ``train.activation_checkpointing`` and ``train.compile`` each block is checkpointed and
+        compiled before it is sharded (torchtitan's order); the root is not compiled.
 
         Raises:
             SpecError: ``parallel.fsdp_blocks`` names a class the model does not have.
         """
         self._need_setup()
-        blocks = find_blocks(module, self.parallel.fsdp_blocks)
+        find_blocks(module, self.parallel.fsdp_blocks)  # names checked before any work
         module = module.to(self.device)
         if self.parallel.sync_batchnorm and self.device.type == "cuda":
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-            blocks = find_blocks(module, self.parallel.fsdp_blocks)
         self._replica = _meta_copy(module)
+        blocks = find_blocks(module, self.parallel.fsdp_blocks)
+        transform_blocks(blocks, train, compile_blocks=True)
         kwargs: dict[str, Any] = {
             "mp_policy": self.policy,
             "reshard_after_forward": self.parallel.reshard_after_forward,

@@ -171,7 +171,7 @@ def build_parts(spec: ExperimentSpec, spec_dir: Path, strategy: Strategy) -> Tra
     model = _setup_model(spec, spec_dir, bundle)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     check_batchnorm_batches(model, spec, loaders, strategy.world_size, strategy.replicas)
-    wrapped = strategy.wrap(model)
+    wrapped = strategy.wrap(model, spec.train)
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
     optimizer, scheduler = _setup_optimizer(spec, raw_model, total_steps)

@@ -8,14 +8,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from runner.cli import main
 from runner.errors import SpecError
 from runner.launch.environment import LauncherEnvironment
+from runner.launch.prebuild import _compile_backend
 from runner.spec.active import inactive_keys
 from runner.spec.schema_parallel import MODES, ParallelSpec
 from runner.strategies.fsdp import FSDPStrategy, find_blocks
 from runner.strategies.registry import STRATEGIES, make_strategy
 from runner.strategies.single import SingleDevice
 from runner.strategies.state_dicts import StateDictMismatchError
+from tests.helpers import spec_text
 from tests.strategies.test_ddp import DIST_VARS, clean_dist_env, cpu_plan, free_port, make_spec  # noqa: F401
 
 
@@ -156,3 +159,37 @@ def test_bf16_maps_to_a_mixed_precision_policy(fsdp_one):
     strategy = FSDPStrategy(cpu_plan(spec), spec.parallel, LauncherEnvironment.detect({}), amp="bf16")
     assert strategy.policy.param_dtype == torch.bfloat16 and strategy.policy.reduce_dtype == torch.float32
     assert FSDPStrategy(cpu_plan(spec), spec.parallel, LauncherEnvironment.detect({})).policy.param_dtype is None
+
+
+def _train_spec(**train):
+    return make_spec(parallel={}).train.model_copy(update=train)
+
+
+@pytest.mark.parametrize("train", [{"activation_checkpointing": True}, {"compile": True, "compile_backend": "eager"}])
+def test_checkpointing_and_compile_keep_names_and_gradients_under_none_and_fsdp(fsdp_one, train):
+    torch.manual_seed(0)
+    reference = Net()
+    x = torch.randn(4, 8)
+    reference(x).sum().backward()
+    single = SingleDevice(cpu_plan(make_spec()))
+    strategy = fsdp_one()
+    for wrap in (single.wrap, strategy.wrap):
+        model = Net()
+        model.load_state_dict(reference.state_dict())
+        wrapped = wrap(model, _train_spec(**train))
+        assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in reference.named_parameters()]
+        wrapped(x).sum().backward()
+        grad = wrapped.head.weight.grad
+        torch.testing.assert_close(
+            grad.full_tensor() if hasattr(grad, "full_tensor") else grad, reference.head.weight.grad
+        )
+
+
+def test_compile_and_checkpointing_are_refused_under_dp_and_an_unknown_backend_exits_2(write_spec, capsys):
+    text = spec_text(train={"compile": True, "activation_checkpointing": True}, parallel={"mode": "dp"})
+    assert main(["validate", str(write_spec(text=text))]) == 2
+    err = capsys.readouterr().err
+    assert 'train.compile: compile cannot apply under mode = "dp"' in err and "train.activation_checkpointing" in err
+    with pytest.raises(SpecError) as caught:
+        _compile_backend("inductr")
+    assert caught.value.issues[0].key == "train.compile_backend" and '"inductor"' in caught.value.issues[0].message
