@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,18 @@ from runner.launch.environment import LauncherEnvironment
 from runner.strategies.registry import make_strategy
 from runner.training.checkpoint import load_latest
 from tests.helpers import elastic_run, spec_object
-from tests.launch.test_resume_integration import KEYS, _final_model, _histories, _interrupt, _runner, _write
+from tests.launch.test_resume_integration import (
+    KEYS,
+    STEPS_PER_EPOCH,
+    _final_model,
+    _histories,
+    _runner,
+    _start_until_marked,
+    _write,
+)
 from tests.launch.test_resume_integration import _runs as resume_runs
 
-pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
 
 FSDP = ["--set", 'parallel.mode="fsdp"', "--set", "parallel.nproc_per_node=2", "--set", "parallel.timeout_s=60"]
 
@@ -113,7 +122,10 @@ def test_a_run_stopped_on_two_processes_resumes_on_one_into_the_same_run(tmp_pat
     spec = _write(tmp_path, store, {"mode": "fsdp", "nproc_per_node": 2, "timeout_s": 60})
     done = _runner(tmp_path, str(spec), "--set", 'parallel.mode="none"')
     assert done.returncode == 0, done.stderr
-    assert _interrupt(tmp_path, spec).returncode == 130
+    stopping = _start_until_marked(tmp_path, spec, STEPS_PER_EPOCH + 1, "the run to reach epoch 2", timeout_s=280)
+    stopping.send_signal(signal.SIGTERM)
+    stopping.communicate(timeout=120)
+    assert stopping.returncode == 130
     resumed = _runner(tmp_path, str(spec), "--resume", "last", "--nproc-per-node", "1")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "process layout changed on resume (parallel.nproc_per_node 2 -> 1)" in resumed.stderr
