@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from runner.launch.environment import LauncherEnvironment
 from runner.strategies.registry import make_strategy
 from runner.training.checkpoint import load_latest
 from tests.helpers import elastic_run, spec_object
-from tests.launch.test_resume_integration import (
-    KEYS,
-    STEPS_PER_EPOCH,
-    _final_model,
-    _histories,
-    _runner,
-    _start_until_marked,
-    _write,
-)
-from tests.launch.test_resume_integration import _runs as resume_runs
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
 
@@ -118,24 +107,19 @@ def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes() -> None:
     assert per_rank[0] == per_rank[1] == pytest.approx(whole / 2, rel=0.01)
 
 
-def test_a_run_stopped_on_two_processes_resumes_on_one_into_the_same_run(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store, {"mode": "fsdp", "nproc_per_node": 2, "timeout_s": 60})
-    done = _runner(tmp_path, str(spec), "--set", 'parallel.mode="none"')
-    assert done.returncode == 0, done.stderr
-    stopping = _start_until_marked(tmp_path, spec, STEPS_PER_EPOCH + 1, "the run to reach epoch 2", timeout_s=280)
-    stopping.send_signal(signal.SIGTERM)
-    stopping.communicate(timeout=120)
-    assert stopping.returncode == 130
-    resumed = _runner(tmp_path, str(spec), "--resume", "last", "--nproc-per-node", "1")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "process layout changed on resume (parallel.nproc_per_node 2 -> 1)" in resumed.stderr
-    full, stopped = resume_runs(store)
-    assert MlflowClient(store).get_run(stopped.info.run_id).info.status == "FINISHED"
-    expected, got = _histories(store, full.info.run_id), _histories(store, stopped.info.run_id)
-    for key in KEYS:
-        assert [s for s, _ in got[key]] == [s for s, _ in expected[key]], key
-        for (step, va), (_, vb) in zip(got[key], expected[key], strict=True):
-            assert va == pytest.approx(vb, abs=1e-5), f"{key} at step {step}"
-    a, b = _final_model(store, full.info.run_id), _final_model(store, stopped.info.run_id)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
+def test_a_run_checkpointed_on_two_processes_resumes_on_one_into_the_same_run(write_spec, store: str, capsys) -> None:
+    spec = str(write_spec())
+    steps = ["--set", "checkpoint.every_n_steps=3", "--set", "optim.momentum=0.9"]
+    assert main(["exec", spec, *steps, "--set", "train.max_steps=6"]) == 0
+    assert main(["exec", spec, *steps, *FSDP, "--set", "train.max_steps=3"]) == 0
+    client, (_, sharded) = _runs(store)
+    capsys.readouterr()
+    more = ["--set", "train.max_steps=6", "--allow-spec-change", "train.max_steps"]
+    assert main(["exec", spec, *steps, *FSDP, *more, "--resume", sharded.info.run_id, "--nproc-per-node", "1"]) == 0
+    assert "process layout changed on resume (parallel.nproc_per_node 2 -> 1)" in capsys.readouterr().err
+    client, (single, resumed) = _runs(store)
+    assert resumed.info.run_id == sharded.info.run_id and resumed.info.status == "FINISHED"
+    a, b = _losses(client, single.info.run_id), _losses(client, resumed.info.run_id)
+    assert [s for s, _ in a] == [s for s, _ in b]
+    for (step, va), (_, vb) in zip(a, b, strict=True):
+        assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
