@@ -120,6 +120,6 @@ def test_a_run_checkpointed_on_two_processes_resumes_on_one_into_the_same_run(wr
     client, (single, resumed) = _runs(store)
     assert resumed.info.run_id == sharded.info.run_id and resumed.info.status == "FINISHED"
     a, b = _losses(client, single.info.run_id), _losses(client, resumed.info.run_id)
-    assert [s for s, _ in a] == [s for s, _ in b]
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     for (step, va), (_, vb) in zip(a, b, strict=True):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
