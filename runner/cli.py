@@ -114,7 +114,7 @@ def _add_exec(sub: _Commands) -> None:
 
 
 def _add_stored_run_commands(sub: _Commands) -> None:
-    """``runner resume RUN_ID``, ``runner reproduce RUN_ID``, ``runner diff A B``: from MLflow back to a run."""
+    """``runner resume``, ``reproduce``, ``export`` RUN_ID, ``runner diff A B``: from MLflow back to a run."""
     p = sub.add_parser("resume", help="continue a KILLED or FAILED run with the spec stored in it (no spec file)")
     p.add_argument("run_id", metavar="RUN_ID")
     _tracking_uri_arg(p)
@@ -127,6 +127,12 @@ def _add_stored_run_commands(sub: _Commands) -> None:
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
     )
     p.set_defaults(func=_reproduce)
+
+    p = sub.add_parser("export", help="write the model of a run's newest checkpoint as a plain PyTorch state dict")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
+    _tracking_uri_arg(p)
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("diff", help="compare two runs or spec files: spec keys, git commits, environment")
     p.add_argument("a", metavar="A", help="a run id or a spec file")
@@ -332,6 +338,12 @@ def _reproduce(args: argparse.Namespace) -> int:
     from runner.launch.reproduce import reproduce_run
 
     return _print_summary(reproduce_run(args.run_id, args.tracking_uri, run_name=args.run_name).summary())
+
+
+def _export(args: argparse.Namespace) -> int:
+    from runner.launch.resume import export_run
+
+    return _print_summary(export_run(args.run_id, args.tracking_uri, args.out))
 
 
 def _print_summary(summary: str) -> int:

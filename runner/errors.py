@@ -16,6 +16,7 @@ def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s text, for quoting it: torch's errors from C++ carry a stack trace below it."""
     return next((line for line in str(exc).splitlines() if line.strip()), "")
 
+
 _USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/@'\"]*@")
 _HTTP_TOKEN = re.compile(r"(?P<head>\bhttps?://)[^\s/:@'\"]+@")
 _QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key)=)[^&;\s'\"]*")

@@ -209,7 +209,7 @@ def make_plan(
             threads, source = threads_per_process(spec.devices.threads_per_process, env, inventory.cores, 1)
             devices = replace(devices, threads_per_process=threads, threads_from=source)
     launch = _launch_method(loaded, launcher, devices)
-    rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.mode == "ddp" else None
+    rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.traits.elastic else None
     uri = tracking_uri_of(loaded, tracking_uri)
     name = run_name_of(loaded, devices)
     return Plan(loaded, devices, uri, experiment_of(loaded), launch, launcher, name, rendezvous, slurm)
@@ -230,7 +230,7 @@ def experiment_of(loaded: LoadedSpec) -> str:
 def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
     """``tracking.run_name``, else ``<name> <mode>-<size> <changed values>`` (docs/design.md §6).
 
-    ``size`` is what the mode spans: 1 for none, dp's GPUs, ddp's world size; without a device
+    ``size`` is what the mode spans: 1 for none, dp's GPUs, the world size of ddp and fsdp; without a device
     plan (the machine cannot run the spec) the spec's own count, or ``?`` when only the machine knows.
     """
     from runner.spec.naming import default_run_name
@@ -242,16 +242,16 @@ def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
 
 
 def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
-    """Devices (dp) or processes (ddp) a run spans: the ``2`` of ``ddp-2``."""
+    """Devices (dp) or processes (ddp, fsdp) a run spans: the ``2`` of ``ddp-2``."""
     from runner.spec.rules import static_world_size
 
     spec = loaded.spec
-    mode = spec.parallel.mode
+    traits = spec.parallel.traits
     if devices is not None:
-        if mode == "ddp":
+        if traits.elastic:
             return devices.world_size
-        return max(1, len(devices.requested_ids)) if mode == "dp" else 1
-    if mode == "dp":
+        return max(1, len(devices.requested_ids)) if traits.replicas else 1
+    if traits.replicas:
         ids = spec.devices.ids
         return len(ids) if isinstance(ids, list) else "?"
     return static_world_size(spec) or "?"
@@ -265,16 +265,16 @@ def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: D
     """
     from runner.errors import UsageError
 
-    mode = loaded.spec.parallel.mode
+    mode, traits = loaded.spec.parallel.mode, loaded.spec.parallel.traits
     if not launcher.external:
-        return "elastic" if mode == "ddp" else "in-process"
+        return traits.launch
     outside = launcher.world_size
-    if mode != "ddp" and outside > 1:
+    if not traits.elastic and outside > 1:
         raise UsageError(
             f"{loaded.path}: started as one of {outside} workers (WORLD_SIZE={outside}) but parallel.mode = "
             f'"{mode}": set mode = "ddp" or start runner without torchrun'
         )
-    if mode == "ddp" and outside != devices.world_size:
+    if traits.elastic and outside != devices.world_size:
         raise UsageError(
             f"{loaded.path}: the launcher started WORLD_SIZE={outside} workers but the spec's world size is "
             f"{devices.world_size} (parallel.nnodes x nproc_per_node): make them agree"

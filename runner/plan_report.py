@@ -131,7 +131,7 @@ def describe_unrunnable(
     info = spec_facts(loaded, tracking_uri_of(loaded, None), experiment_of(loaded), run_name_of(loaded, None))
     ids = spec.devices.ids
     shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
-    launch: Launch = "elastic" if spec.parallel.mode == "ddp" else "in-process"
+    launch: Launch = spec.parallel.traits.launch
     info.update(devices=None, asked=f"accelerator {spec.devices.accelerator}, {shown_ids}", launch=launch, notes=[])
     info["missing"] = str(error)
     command = ["runner", "plan", shown or str(loaded.path)]
@@ -206,6 +206,8 @@ def find_fix(
 
 
 def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory) -> list[list[str]]:
+    from runner.spec.schema_parallel import MODES
+
     spec = loaded.spec
     own = {
         "parallel.backend": [["parallel.backend=gloo"]],
@@ -214,8 +216,7 @@ def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory
         "devices.ids": [["devices.ids=all"]],
         "parallel.nproc_per_node": [[f"parallel.nproc_per_node={len(inventory.gpus)}"]] if inventory.gpus else [],
     }.get(error.key, [])
-    mode = spec.parallel.mode
-    others = [m for m in ("none", "ddp") if m != mode]
+    others = [m for m, traits in MODES.items() if m != spec.parallel.mode and not traits.cuda_only]
     cpu = "devices.accelerator=cpu"
     return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from runner.devices.inventory import DEFAULT_ORDER, ORDER_VAR, VISIBLE_VAR, Inventory
 from runner.errors import DeviceError
 from runner.spec import rules
+from runner.spec.schema_parallel import MODES
 from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,16 +49,16 @@ class DevicePlan:
 
     Attributes:
         accelerator: ``"cuda"`` or ``"cpu"``.
-        mode: ``"none"``, ``"dp"`` or ``"ddp"``.
+        mode: ``parallel.mode`` (:data:`runner.spec.schema_parallel.MODES` says what it is).
         requested_ids: Chosen visible indices (the user's numbering); empty on CPU.
         visible: ``CUDA_VISIBLE_DEVICES`` entries of every visible GPU (inherited view).
         selected: ``CUDA_VISIBLE_DEVICES`` entries of the chosen GPUs, in order.
         names: Device names of the chosen GPUs.
         uuids: UUIDs of the chosen GPUs (``None`` when unknown).
-        nproc_per_node: Processes on this node (1 unless ddp).
-        nnodes: Nodes (1 unless ddp).
+        nproc_per_node: Processes on this node (1 for a one-process mode).
+        nnodes: Nodes (1 for a one-process mode).
         world_size: ``nnodes * nproc_per_node``.
-        backend: Process-group backend for ddp, else ``None``.
+        backend: Process-group backend of a mode of one process per device, else ``None``.
         global_batch: ``data.batch_size``: samples per optimizer step across all devices.
         per_device_batch: Samples each device sees in one forward pass (one
             micro-batch): dp's scatter split, ddp's per-rank batch, or ``[B]``.
@@ -72,7 +73,7 @@ class DevicePlan:
     """
 
     accelerator: Accelerator
-    mode: Literal["none", "dp", "ddp"]
+    mode: str
     requested_ids: list[int]
     visible: list[str]
     selected: list[str]
@@ -92,6 +93,11 @@ class DevicePlan:
     total_memory_bytes: list[int | None] = field(default_factory=list)
     threads_per_process: int = 1
     threads_from: str = "default"
+
+    @property
+    def replicas(self) -> bool:
+        """One process drives every chosen GPU (dp)."""
+        return MODES[self.mode].replicas
 
     def describe(self) -> dict[str, Any]:
         """Return a JSON-able summary for ``runner plan`` and MLflow.
@@ -127,7 +133,7 @@ class DevicePlan:
             "global_batch": self.global_batch,
             "grad_accum_steps": self.grad_accum_steps,
             "per_device_batch": list(self.per_device_batch),
-            "output_device": self.output_index if self.mode == "dp" else None,
+            "output_device": self.output_index if self.replicas else None,
             "env": dict(self.env),
             "notes": list(self.notes),
             "threads_per_process": self.threads_per_process,
@@ -324,14 +330,15 @@ def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Invent
             f"ids count the visible GPUs, not nvidia-smi's numbering",
             key="devices.ids",
         )
-    if mode == "none" and len(ids) > 1:
+    traits = MODES[mode]
+    if not traits.elastic and not traits.replicas and len(ids) > 1:  # one process, one device
         if dev.ids == "all":
-            notes.append(f"mode = none uses only device {ids[0]} of {len(ids)} visible")
+            notes.append(f"mode = {mode} uses only device {ids[0]} of {len(ids)} visible")
         else:  # what runs instead of a value that cannot apply (docs/design.md §10)
-            notes.append(f'devices.ids = {show(dev.ids)}: mode = "none" runs on one device, the first: {ids[0]}')
+            notes.append(f'devices.ids = {show(dev.ids)}: mode = "{mode}" runs on one device, the first: {ids[0]}')
         ids = ids[:1]
-    if mode == "dp" and len(ids) == 1:
-        notes.append("dp with one device runs unwrapped (no DataParallel)")
+    if traits.replicas and len(ids) == 1:
+        notes.append(f"{mode} with one device runs unwrapped (no DataParallel)")
     return ids
 
 
@@ -341,7 +348,7 @@ def _output_index(par: ParallelSpec, devices: DevicesSpec, ids: list[int]) -> in
     Raises:
         DeviceError: ``output_device`` is not one of the GPUs that ``ids = "all"`` chose.
     """
-    if par.mode != "dp" or par.output_device is None:
+    if "output_device" not in par.traits.keys or par.output_device is None:
         return 0
     if par.output_device not in ids:  # an id list was checked by the schema; "all" is known only here
         raise DeviceError(rules.output_device_not_chosen(par.output_device, ids), key="parallel.output_device")
@@ -356,14 +363,14 @@ class _Layout(NamedTuple):
 
 
 def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[int]) -> _Layout:
-    """Nodes, processes per node, world size and backend: one process unless ddp.
+    """Nodes, processes per node, world size and backend: one process unless one per device.
 
     Raises:
         DeviceError: ddp on CUDA whose ``nproc_per_node`` differs from the GPUs chosen here
             (when the spec alone fixes both, the schema has checked it).
     """
     par, dev = spec.parallel, spec.devices
-    if par.mode != "ddp":
+    if not par.traits.elastic:
         return _Layout(1, 1, 1, None)
     nproc = par.nproc_per_node if par.nproc_per_node is not None else (len(ids) if accelerator == "cuda" else 1)
     static = dev.accelerator == "cuda" and isinstance(dev.ids, list)
@@ -387,8 +394,8 @@ def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: l
     if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
         raise DeviceError(problem, key="data.batch_size")
     micro = batch // (world * accum)
-    mode = spec.parallel.mode
-    if mode == "dp" and len(ids) > 1:
+    traits = spec.parallel.traits
+    if traits.replicas and len(ids) > 1:
         per_device = chunk_sizes(micro, len(ids))
         idle = [ids[k] for k, size in enumerate(per_device) if size == 0]
         if idle:
@@ -396,4 +403,4 @@ def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: l
                 f"a micro-batch of {micro} leaves device(s) {idle} idle under dp (torch.chunk split {per_device})"
             )
         return per_device
-    return [micro] * layout.nproc_per_node if mode == "ddp" else [micro]
+    return [micro] * layout.nproc_per_node if traits.elastic else [micro]

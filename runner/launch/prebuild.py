@@ -11,7 +11,8 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
 * model: a built-in or torchvision model is built on the ``meta`` device (parameters without storage,
   so the size of the model costs nothing) with the dataset's shape and classes when the dataset was
   built, else its kwargs are checked by signature and type; an error on ``meta`` is confirmed by a build
-  on CPU before it is reported. A ``pkg.module:factory`` model is user code: it is only checked by
+  on CPU before it is reported; fsdp's ``parallel.fsdp_blocks`` must name module classes of that model. A
+  ``pkg.module:factory`` model is user code: it is only checked by
   signature and type, never called here, so a factory runs once per run (a sweep trial's warm worker
   builds it once) and its side effects (a file written, weights read) happen only in the worker;
 * optimizer: built over one stand-in parameter with the spec's arguments;
@@ -171,6 +172,8 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Mo
     from runner.training.models import check_model_name
 
     check_model_name(spec.model.name, spec_dir)
+    if spec.train.compile:
+        _compile_backend(spec.train.compile_backend)
     bundle = _dataset(spec, spec_dir)
     steps_per_epoch = None
     if bundle is not None:
@@ -178,6 +181,19 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Mo
     model = _unless_unbuildable_here(_model, spec, spec_dir, bundle)
     _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
     return model
+
+
+def _compile_backend(name: str) -> None:
+    """``train.compile_backend`` names a backend torch.compile knows (``torch._dynamo.list_backends``)."""
+    import torch._dynamo
+
+    from runner.spec.suggest import did_you_mean
+    from runner.spec.wording import with_hint
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        message = with_hint(f"{name!r} is no torch.compile backend", did_you_mean(name, known))
+        raise SpecError(SpecIssue(None, None, "train.compile_backend", f"{message}; known: {', '.join(known)}"))
 
 
 def _unless_unbuildable_here(step: Callable[..., Any], *args: Any) -> Any:
@@ -234,10 +250,14 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     shape, classes = bundle.info.input_shape, bundle.info.num_classes
     try:
         with torch.device("meta"):
-            return build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
+            model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
     except SpecError:
-        build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when it is real
-        return None
+        model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when real
+    if "fsdp_blocks" in spec.parallel.traits.keys:
+        from runner.strategies.fsdp import find_blocks
+
+        find_blocks(model, spec.parallel.fsdp_blocks)
+    return model
 
 
 def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) -> None:

@@ -4,7 +4,8 @@ A resumed run continues the same MLflow run from its newest usable checkpoint. `
 needs only the run id: the spec is the resolved one stored with the run (``spec/resolved.toml``),
 so the ``--set`` values it started with come along, and it is what an interrupted run prints.
 With ``exec --resume`` the spec may differ from the run's only in keys named by
-``--allow-spec-change``; each change is recorded.
+``--allow-spec-change`` and in the process layout (:data:`LAYOUT_KEYS`, e.g. ``--nproc-per-node 1``
+for a run stopped with 2 processes); each change is recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 RESUMABLE = ("KILLED", "FAILED", "RUNNING")  # RUNNING: its driver died without ending it
+# How many processes on which devices: a resume may change them without --allow-spec-change, since
+# the global batch and the data order do not depend on them (docs/design.md §2, §3, §8).
+LAYOUT_KEYS = (
+    "parallel.nproc_per_node",
+    "parallel.nnodes",
+    "parallel.node_rank",
+    "parallel.rdzv_endpoint",
+    "parallel.rdzv_id",
+    "devices.ids",
+)
 
 
 def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
@@ -244,7 +255,8 @@ def _check_resume(
         loaded.spec, accelerator
     )  # inert keys (docs/design.md §10) are no change, as in `runner diff`
     changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
-    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in allowed)]
+    free = (*allowed, *LAYOUT_KEYS)
+    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in free)]
     if unexpected:
         issues = [
             SpecIssue(
@@ -258,6 +270,13 @@ def _check_resume(
         ]
         raise SpecError(issues)
     notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
+    layout = [k for k in changed if k in LAYOUT_KEYS and k not in allowed]
+    if layout:
+        shown = ", ".join(f"{k} {saved.get(k)!r} -> {current.get(k)!r}" for k in layout)
+        notes.append(
+            f"process layout changed on resume ({shown}): the checkpoint holds the whole model and optimizer, "
+            "re-sharded or replicated as this run needs; the global batch and the data order are unchanged"
+        )
     if changed:
         notes.append("spec changed on resume: " + ", ".join(changed))
     state, train = found.payload["state"], loaded.spec.train
@@ -265,3 +284,48 @@ def _check_resume(
         train.max_steps is not None and state["global_step"] >= train.max_steps
     )
     return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
+
+
+def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
+    """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
+
+    The file loads in plain PyTorch, whatever mode trained the run (fsdp's shards are gathered
+    when the checkpoint is written): ``model.load_state_dict(torch.load(FILE))``.
+
+    Args:
+        run_id: The run.
+        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+        out: The file to write. Default: ``<run id>-step-<step>.pt`` in the working directory.
+
+    Returns:
+        What was written, for the user.
+
+    Raises:
+        UsageError: No such run, a run without runner's stored spec, or no usable checkpoint.
+    """
+    import os
+
+    import torch
+
+    from runner.tracking.stored import read_stored_run, store_uri
+    from runner.training.checkpoint import CheckpointError, default_checkpoint_dir, load_latest
+
+    uri = store_uri(tracking_uri)
+    spec = read_stored_run(uri, run_id).loaded().spec
+    directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    try:
+        found = load_latest(directory)
+    except CheckpointError as exc:
+        raise UsageError(f"run {run_id}: {exc}") from None
+    if found is None:
+        raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
+    step = found.payload["state"]["global_step"]
+    target = Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    torch.save(found.payload["model"], partial)
+    os.replace(partial, target)
+    return (
+        f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
+        "load it with model.load_state_dict(torch.load(FILE))"
+    )

@@ -12,7 +12,6 @@ the named steps of :mod:`runner.training.setup`.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import signal
 import threading
@@ -100,7 +99,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
     env = LauncherEnvironment.detect()  # the one read of the launcher's variables in a worker
     if env.external:  # a process of its own, started by the elastic launcher, torchrun or a scheduler
         die_with_parent(args.launcher_pid)
-    strategy = make_strategy(args.loaded.spec.parallel, args.plan, env)
+    strategy = make_strategy(args.loaded.spec.parallel, args.plan, env, args.loaded.spec.train.amp)
     stop = _StopFlag(announce=env.rank == 0)
     grace_s = args.loaded.spec.parallel.hang_grace_s
     watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
@@ -124,8 +123,6 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
         if watch is not None:
             watch.stop()
         stop.uninstall()
-        if strategy.mode == "ddp":
-            gc.collect()  # free DDP's reducer and its pending work before the process group goes
         strategy.teardown()
 
 
@@ -194,6 +191,8 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             parts, strategy, tracker, checkpointer, stop.is_set, sync_timing=args.sync_timing, epoch_end=epoch_end
         )
         fitted = setup.train(loop, spec, restored.state)
+        if spec.tracking.log_model:  # a collective where the parameters are sharded
+            parts.raw_model = strategy.full_module(parts.model)
         if logged_run is not None:
             _log_outputs(args, logged_run, tracker, parts, folder, fitted.state.global_step)
         return setup.finish(fitted, strategy, restored.resumed_from, notes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runner.spec.rules import DDP_ONLY, DP_ONLY
+from runner.spec.schema_parallel import ParallelSpec, modes_with
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.schema import ExperimentSpec
@@ -33,12 +33,13 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     """
     par, data = spec.parallel, spec.data
     out: dict[str, str] = {}
-    for mode, keys in (("dp", DP_ONLY), ("ddp", DDP_ONLY)):
-        if par.mode != mode:
-            out.update({f"parallel.{k}": f'{mode} only (mode = "{par.mode}")' for k in keys})
+    for key in [k for k in ParallelSpec.model_fields if k != "mode" and k not in par.traits.keys]:
+        out[f"parallel.{key}"] = f'{" and ".join(modes_with(key))} only (mode = "{par.mode}")'
     if spec.devices.accelerator == "cpu":
         out["devices.ids"] = 'GPU ids (accelerator = "cpu")'
     out.update(_data_inactive(data.dataset, data.val_fraction))
+    if not spec.train.compile:
+        out["train.compile_backend"] = "compile only (train.compile = false)"
     if spec.optim.name != "sgd":
         out["optim.momentum"] = f'sgd only (optim.name = "{spec.optim.name}")'
     return out

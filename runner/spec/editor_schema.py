@@ -225,18 +225,23 @@ def _file_rules() -> dict[str, list[Schema]]:
 
 def _root_rules() -> list[Schema]:
     """Rules across tables (:func:`runner.spec.rules.check_experiment`), for a file without ``extends``."""
+    from runner.spec.schema_parallel import MODES, modes_with
+
     on_cpu = {
         "required": ["devices"],
         "properties": {"devices": {"required": ["accelerator"], "properties": {"accelerator": {"const": "cpu"}}}},
     }
-    ddp = {"required": ["mode"], "properties": {"mode": {"const": "ddp"}}}
+
+    def under(key: str) -> Schema:  # the modes a key applies to; it is inactive under the others (§10)
+        return {"required": ["mode"], "properties": {"mode": {"enum": modes_with(key)}}}
+
     cuda_only = {
         "properties": {
             "parallel": {
-                "properties": {"mode": {"not": {"const": "dp"}}},
-                "allOf": [  # backend and sync_batchnorm are inactive under other modes (docs/design.md §10)
-                    {"if": ddp, "then": {"properties": {"backend": {"not": {"const": "nccl"}}}}},
-                    {"if": ddp, "then": {"properties": {"sync_batchnorm": {"const": False}}}},
+                "properties": {"mode": {"not": {"enum": [m for m, t in MODES.items() if t.cuda_only]}}},
+                "allOf": [
+                    {"if": under("backend"), "then": {"properties": {"backend": {"not": {"const": "nccl"}}}}},
+                    {"if": under("sync_batchnorm"), "then": {"properties": {"sync_batchnorm": {"const": False}}}},
                 ],
             },
             "train": {"properties": {"amp": {"not": {"const": "fp16"}}}},

@@ -4,7 +4,7 @@ Static rules (the spec alone decides) run inside validation: the table validator
 :mod:`runner.spec.schema` call the ``check_*`` functions here. Rules that need the machine
 (how many GPUs are visible, whether ``accelerator = "auto"`` found CUDA) are checked by
 :func:`runner.devices.resolve.resolve_devices`, which words them with the same functions
-(:func:`dp_needs_cuda`, :func:`nccl_needs_cuda`, :func:`batch_split_problem`, ...), so one rule
+(:func:`mode_needs_cuda`, :func:`nccl_needs_cuda`, :func:`batch_split_problem`, ...), so one rule
 reads the same whether ``runner validate`` or ``runner plan`` finds it. A rule is checked
 statically when the spec decides it, on the machine otherwise, never both for one spec.
 
@@ -28,22 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
     from runner.spec.schema_sweep import SweepParam
 
-DP_ONLY = ("output_device", "dim")
-DDP_ONLY = (
-    "backend",
-    "nproc_per_node",
-    "nnodes",
-    "node_rank",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "max_restarts",
-    "timeout_s",
-    "hang_grace_s",
-    "find_unused_parameters",
-    "static_graph",
-    "gradient_as_bucket_view",
-    "sync_batchnorm",
-)
 ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
 
 Problem = tuple[str, str]  # (dotted key, message)
@@ -60,13 +44,13 @@ class CrossFieldError(ValueError):
 # ----------------------------------------------------------------------------- wording shared with devices
 
 
-def dp_needs_cuda(why: str) -> str:
-    """``mode = "dp"`` on CPU; ``why`` says how the run ended up there (``accelerator = "cpu"``)."""
-    return f'mode = "dp" needs CUDA GPUs but {why}: use mode = "none", or "ddp" (backend gloo runs on CPU)'
+def mode_needs_cuda(mode: str, why: str) -> str:
+    """A CUDA-only mode (dp) on CPU; ``why`` says how the run ended up there (``accelerator = "cpu"``)."""
+    return f'mode = "{mode}" needs CUDA GPUs but {why}: use mode = "none", or "ddp" (backend gloo runs on CPU)'
 
 
 def nccl_needs_cuda(why: str) -> str:
-    """``backend = "nccl"`` on CPU; see :func:`dp_needs_cuda` for ``why``."""
+    """``backend = "nccl"`` on CPU; see :func:`mode_needs_cuda` for ``why``."""
     return f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")'
 
 
@@ -190,10 +174,10 @@ def check_devices(devices: DevicesSpec) -> None:
 
 
 def check_parallel(par: ParallelSpec) -> None:
-    """Rules inside ``[parallel]``: the rendezvous endpoint's form; node rank and nodes under ddp.
+    """Rules inside ``[parallel]``: the rendezvous endpoint's form; node rank and nodes where they apply.
 
     Options of another mode are inactive, not errors (docs/design.md §10): ``--set parallel.mode``
-    alone switches a spec between none, dp and ddp. Rules between ddp options apply under ddp only.
+    alone switches a spec among the modes. Rules between a mode's options apply under it only.
 
     ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`): inside a
     Slurm job step the endpoint comes from the node list.
@@ -205,7 +189,7 @@ def check_parallel(par: ParallelSpec) -> None:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f'rdzv_endpoint {par.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
-    if par.mode != "ddp":
+    if "nnodes" not in par.traits.keys:
         return
     if par.node_rank >= par.nnodes:
         raise ValueError(f"node_rank = {par.node_rank} must be < nnodes = {par.nnodes}")
@@ -260,11 +244,12 @@ def static_world_size(spec: ExperimentSpec) -> int | None:
 
     Returns:
         ``nnodes * nproc_per_node`` for ddp when it is known without looking at the
-        hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU), ``1`` for
-        none/dp (one process), ``None`` when the GPU count must be resolved first.
+        hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU) for a mode of one
+        process per device, ``1`` for none/dp (one process), ``None`` when the GPU count must be
+        resolved first.
     """
     par, dev = spec.parallel, spec.devices
-    if par.mode != "ddp":
+    if not par.traits.elastic:
         return 1
     if par.nproc_per_node is not None:
         return par.nnodes * par.nproc_per_node
@@ -282,6 +267,16 @@ def check_experiment(spec: ExperimentSpec) -> None:
         CrossFieldError: Every problem found, each at its own key.
     """
     problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
+    for key in ("compile", "activation_checkpointing"):
+        if getattr(spec.train, key) and not spec.parallel.traits.transforms_blocks:
+            why = "DataParallel copies the module onto every device at each forward"
+            problems.append(
+                (
+                    f"train.{key}",
+                    f'{key} cannot apply under mode = "{spec.parallel.mode}" ({why}): '
+                    'use mode = "none", "ddp" or "fsdp", or set it to false',
+                )
+            )
     if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
         problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:
@@ -303,13 +298,13 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
         why: Why the run is on CPU, completing each message.
     """
     par = spec.parallel
+    keys = par.traits.keys  # an inactive key is never a problem (docs/design.md §10)
     problems: list[Problem] = []
-    if par.mode == "dp":
-        problems.append(("parallel.mode", dp_needs_cuda(why)))
-    ddp = par.mode == "ddp"  # backend and sync_batchnorm are inactive under other modes (docs/design.md §10)
-    if ddp and par.backend == "nccl":
+    if par.traits.cuda_only:
+        problems.append(("parallel.mode", mode_needs_cuda(par.mode, why)))
+    if "backend" in keys and par.backend == "nccl":
         problems.append(("parallel.backend", nccl_needs_cuda(why)))
-    if ddp and par.sync_batchnorm:
+    if "sync_batchnorm" in keys and par.sync_batchnorm:
         problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(why)))
     if spec.train.amp == "fp16":
         problems.append(("train.amp", fp16_needs_cuda(why)))
@@ -327,9 +322,11 @@ def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []
-    if par.mode == "dp" and par.output_device is not None and ids is not None and par.output_device not in ids:
+    active = par.traits.keys
+    chosen = ids is not None and par.output_device in ids
+    if "output_device" in active and par.output_device is not None and ids is not None and not chosen:
         problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
-    nproc = par.nproc_per_node if par.mode == "ddp" and dev.accelerator == "cuda" else None
+    nproc = par.nproc_per_node if "nproc_per_node" in active and dev.accelerator == "cuda" else None
     if nproc is not None and ids is not None and nproc != len(ids):
         problems.append(("parallel.nproc_per_node", nproc_mismatch(nproc, ids, len(ids))))
     world = static_world_size(spec)

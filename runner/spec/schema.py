@@ -89,6 +89,26 @@ class TrainSpec(SpecTable):
     clip_grad_norm: float | None = Field(
         default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
     )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "torch.compile the model: the model under none, the wrapped model under ddp, each block before "
+            "sharding under fsdp; not under dp. Default: false."
+        ),
+    )
+    compile_backend: str = Field(
+        default="inductor",
+        min_length=1,
+        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()). Default: inductor.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each block's activations in backward instead of keeping them (non-reentrant "
+            "torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child "
+            "with parameters): less memory, about one more forward. Not under dp. Default: false."
+        ),
+    )
     on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
         default="stop",
         description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`. Default: stop.",

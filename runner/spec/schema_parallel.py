@@ -6,6 +6,7 @@ what needs the machine (visible GPUs, CUDA) is checked by :mod:`runner.devices.r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
@@ -13,8 +14,61 @@ from pydantic import Field
 from runner.spec import rules
 from runner.spec.table import SpecTable
 
-ParallelMode = Literal["none", "dp", "ddp"]
+ParallelMode = Literal["none", "dp", "ddp", "fsdp"]
 Accelerator = Literal["auto", "cuda", "cpu"]
+
+_ELASTIC_KEYS = (
+    "backend",
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+    "timeout_s",
+    "hang_grace_s",
+    "sync_batchnorm",
+)
+
+
+@dataclass(frozen=True)
+class ModeTraits:
+    """What the spec, device resolution and the launcher know of a mode (its strategy, under
+    :mod:`runner.strategies`, holds the rest); read without torch.
+
+    Attributes:
+        launch: ``"in-process"`` (one process drives the run) or ``"elastic"`` (torch's elastic
+            launcher, ``torchrun`` or a scheduler starts one process per device).
+        keys: The ``[parallel]`` keys besides ``mode`` that apply; the others are inactive (§10).
+        replicas: One process drives every chosen GPU (its size is the number of ids).
+        cuda_only: The mode cannot run on CPU.
+        transforms_blocks: ``train.compile`` and ``train.activation_checkpointing`` apply (not to
+            DataParallel, which copies the module onto every device at each forward).
+    """
+
+    launch: Literal["in-process", "elastic"]
+    keys: tuple[str, ...] = ()
+    replicas: bool = False
+    cuda_only: bool = False
+    transforms_blocks: bool = True
+
+    @property
+    def elastic(self) -> bool:
+        """One process per device."""
+        return self.launch == "elastic"
+
+
+MODES: dict[str, ModeTraits] = {
+    "none": ModeTraits("in-process"),
+    "dp": ModeTraits("in-process", ("output_device", "dim"), replicas=True, cuda_only=True, transforms_blocks=False),
+    "ddp": ModeTraits("elastic", (*_ELASTIC_KEYS, "find_unused_parameters", "static_graph", "gradient_as_bucket_view")),
+    "fsdp": ModeTraits("elastic", (*_ELASTIC_KEYS, "fsdp_blocks", "reshard_after_forward")),
+}
+
+
+def modes_with(key: str) -> list[str]:
+    """The modes that ``[parallel]`` key ``key`` applies to, in :data:`MODES` order."""
+    return [mode for mode, traits in MODES.items() if key in traits.keys]
 
 
 class DevicesSpec(SpecTable):
@@ -48,15 +102,17 @@ class DevicesSpec(SpecTable):
 class ParallelSpec(SpecTable):
     """``[parallel]``: how the model is replicated. Options of another mode are inactive, not errors.
 
-    Changing ``mode`` alone switches a spec between none, dp and ddp (docs/design.md §10): dp's and
-    ddp's options stay in the file, are shown as inactive by ``runner plan`` and are not logged.
+    Changing ``mode`` alone switches a spec among the modes (docs/design.md §10): the other modes'
+    options (:data:`MODES` says which apply) stay in the file, are shown as inactive by
+    ``runner plan`` and are not logged.
     """
 
     mode: ParallelMode = Field(
         default="none",
         description=(
-            "`none` (one device), `dp` (torch.nn.DataParallel, one process) or "
-            "`ddp` (DistributedDataParallel, one process per device). Default: none."
+            "`none` (one device), `dp` (torch.nn.DataParallel, one process), "
+            "`ddp` (DistributedDataParallel, one process per device) or `fsdp` (fully_shard: parameters, "
+            "gradients and optimizer state sharded over one process per device). Default: none."
         ),
     )
     # --- dp
@@ -66,35 +122,38 @@ class ParallelSpec(SpecTable):
     dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along. Default: 0.")
     # --- ddp
     backend: Literal["auto", "nccl", "gloo"] = Field(
-        default="auto", description="ddp only: process-group backend; auto = nccl on CUDA, gloo on CPU. Default: auto."
+        default="auto",
+        description="ddp and fsdp: process-group backend; auto = nccl on CUDA, gloo on CPU. Default: auto.",
     )
     nproc_per_node: int | None = Field(
         default=None,
         ge=1,
-        description="ddp only: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
+        description="ddp and fsdp: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
     )
-    nnodes: int = Field(default=1, ge=1, description="ddp only: number of nodes. Default: 1.")
-    node_rank: int = Field(default=0, ge=0, description="ddp only: rank of this node, 0 .. nnodes-1. Default: 0.")
+    nnodes: int = Field(default=1, ge=1, description="ddp and fsdp: number of nodes. Default: 1.")
+    node_rank: int = Field(default=0, ge=0, description="ddp and fsdp: rank of this node, 0 .. nnodes-1. Default: 0.")
     rdzv_endpoint: str | None = Field(
         default=None,
-        description="ddp only: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
+        description="ddp and fsdp: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
     )
     rdzv_id: str = Field(
         default="runner",
         min_length=1,
-        description="ddp only: rendezvous (job) id shared by all nodes. Default: runner.",
+        description="ddp and fsdp: rendezvous (job) id shared by all nodes. Default: runner.",
     )
-    max_restarts: int = Field(default=0, ge=0, description="ddp only: elastic restarts of failed workers. Default: 0.")
+    max_restarts: int = Field(
+        default=0, ge=0, description="ddp and fsdp: elastic restarts of failed workers. Default: 0."
+    )
     timeout_s: float = Field(
         default=1800.0,
         gt=0,
-        description="ddp only: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
+        description="ddp and fsdp: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
     )
     hang_grace_s: float = Field(
         default=10.0,
         gt=0,
         description=(
-            "ddp only: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
+            "ddp and fsdp: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
             "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait. Default: 10."
         ),
     )
@@ -109,7 +168,27 @@ class ParallelSpec(SpecTable):
         description="ddp only: gradients are views into the all-reduce buckets (saves memory). Default: false.",
     )
     sync_batchnorm: bool = Field(
-        default=False, description="ddp only, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
+        default=False, description="ddp and fsdp, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
+    )
+    # --- fsdp
+    fsdp_blocks: list[str] | None = Field(
+        default=None,
+        description=(
+            'fsdp only: class names of the modules sharded as one unit each (e.g. ["TransformerBlock"]), '
+            "before the root. Default: each direct child of the model that has parameters."
+        ),
+    )
+    reshard_after_forward: bool = Field(
+        default=True,
+        description=(
+            "fsdp only: free the gathered parameters after forward and gather them again for backward "
+            "(less memory, more communication). Default: true."
+        ),
     )
 
     rule = rules.check_parallel
+
+    @property
+    def traits(self) -> ModeTraits:
+        """What :attr:`mode` is: how it launches, which keys apply (:data:`MODES`)."""
+        return MODES[self.mode]

@@ -10,7 +10,12 @@ none      as is, on ``device``        ``device``          identity
 dp        ``torch.nn.DataParallel``   ``cuda:0``          identity (one process)
 ddp       ``DistributedDataParallel`` ``cuda:LOCAL_RANK`` torch.distributed
                                       or cpu
+fsdp      ``fully_shard`` (FSDP2)     as ddp              as ddp
 ========  ==========================  ==================  ========================
+
+What the spec and the launcher must know of a mode without torch (how it launches, which
+``[parallel]`` keys apply) is its :class:`~runner.spec.schema_parallel.ModeTraits` entry in
+:data:`~runner.spec.schema_parallel.MODES`, read here as :attr:`Strategy.traits`.
 
 Device indices are those after :func:`runner.devices.env.apply_device_env` has
 narrowed ``CUDA_VISIBLE_DEVICES``: the chosen GPUs are ``cuda:0 .. cuda:n-1``.
@@ -25,19 +30,61 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed._composable import checkpoint
 
-from runner.strategies.state_dicts import unwrap
+from runner.errors import SpecError, SpecIssue
+from runner.spec.schema_parallel import MODES, ModeTraits
+from runner.spec.suggest import did_you_mean
+from runner.spec.wording import with_hint
+from runner.strategies.state_dicts import load_state_dict_flexible, unwrap, unwrapped_state_dict
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import TrainSpec
 
 T = TypeVar("T")
+
+
+def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
+    """The modules sharded as one unit each, outermost first.
+
+    Args:
+        module: The user's model.
+        names: ``parallel.fsdp_blocks`` (class names), or ``None`` for each direct child with parameters.
+
+    Raises:
+        SpecError: (``parallel.fsdp_blocks``) a name that is no module class of the model, with a
+            did-you-mean over the model's class names.
+    """
+    if names is None:
+        return [child for child in module.children() if any(True for _ in child.parameters())]
+    present = sorted({type(m).__name__ for m in module.modules()})
+    for name in names:
+        if name not in present:
+            hint = did_you_mean(name, present, n=3)
+            message = with_hint(f"{name!r} is no module class of the model", hint)
+            message += f"; its classes are {', '.join(present)}"
+            raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
+    wanted = set(names)
+    return [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
+
+
+def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compile_blocks: bool) -> None:
+    """Apply ``train.activation_checkpointing`` (non-reentrant, composable: parameter names unchanged) to each
+    block and, with ``compile_blocks``, ``train.compile`` to each block in place (``nn.Module.compile``)."""
+    if train is None:
+        return
+    for block in blocks:
+        if train.activation_checkpointing:
+            checkpoint(block)
+        if compile_blocks and train.compile:
+            block.compile(backend=train.compile_backend)
 
 
 class Strategy(ABC):
@@ -47,7 +94,7 @@ class Strategy(ABC):
     Modelled on Lightning Fabric's ``Strategy`` (``strategies/strategy.py``).
 
     Attributes:
-        mode: ``"none"``, ``"dp"`` or ``"ddp"``.
+        mode: ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
         plan: The resolved device plan.
         device: Where inputs go.
         output_device: Where model outputs land (put loss targets here).
@@ -81,6 +128,16 @@ class Strategy(ABC):
         """Whether this is rank 0 (the process that logs and saves)."""
         return self.rank == 0
 
+    @property
+    def traits(self) -> ModeTraits:
+        """How this mode launches and which ``[parallel]`` keys apply to it."""
+        return MODES[self.mode]
+
+    @property
+    def replicas(self) -> int:
+        """Devices one process drives: dp's GPUs, else 1."""
+        return 1
+
     # lifecycle ------------------------------------------------------------
     @abstractmethod
     def setup(self) -> None:
@@ -101,11 +158,13 @@ class Strategy(ABC):
 
     # model ----------------------------------------------------------------
     @abstractmethod
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to :attr:`device` and wrap it for this mode.
 
         Args:
             module: The user's model.
+            train: ``[train]``: ``activation_checkpointing`` and ``compile`` are applied in the order
+                this mode needs (``None``: neither).
 
         Returns:
             The module to train with.
@@ -115,6 +174,10 @@ class Strategy(ABC):
         """Return the user's model inside the wrapper (for state dicts and optimizers' views)."""
         return unwrap(module)
 
+    def full_module(self, wrapped: nn.Module) -> nn.Module:
+        """The user's model holding all its parameters (to log it); a collective where they are sharded."""
+        return self.unwrap(wrapped)
+
     @abstractmethod
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         """Return the module to evaluate with (the wrapped one unless collectives would get in the way)."""
@@ -122,6 +185,31 @@ class Strategy(ABC):
     @abstractmethod
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
         """Context for micro-batches before the last one of a gradient-accumulation step (no gradient sync)."""
+
+    # state (Lightning Fabric's get_module_state_dict / get_optimizer_state) --------
+    def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
+        """The whole model's state dict, keys without wrapper prefixes, for a checkpoint.
+
+        A collective where the state is sharded: call it on every rank; only rank 0's answer is
+        whole (the others may get ``{}``). Tensors may stay on the device.
+        """
+        return unwrapped_state_dict(wrapped)
+
+    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole ``optimizer.state_dict()`` (parameters numbered in its order); as :meth:`model_state`."""
+        return optimizer.state_dict()
+
+    def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole state dict written by any mode (call on every rank).
+
+        Raises:
+            StateDictMismatchError: Keys are missing or unexpected, or a shape differs.
+        """
+        load_state_dict_flexible(wrapped, state)
+
+    def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load :meth:`optimizer_state`'s output, written by any mode (call on every rank)."""
+        optimizer.load_state_dict(state)
 
     # collectives ----------------------------------------------------------
     @abstractmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -15,12 +16,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.errors import DeviceError, TrainingError, UsageError
-from runner.strategies.base import Strategy
+from runner.strategies.base import Strategy, find_blocks, transform_blocks
 from runner.strategies.state_dicts import key_list, unwrap
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.launch.environment import LauncherEnvironment
+    from runner.spec.schema import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
 T = TypeVar("T")
@@ -183,6 +185,7 @@ class DDPStrategy(Strategy):
 
     def teardown(self) -> None:
         """Destroy the groups this strategy created; safe to call twice."""
+        gc.collect()  # free DDP's reducer and its pending work before the process group goes
         if dist.is_initialized():
             if self._owns_group:
                 dist.destroy_process_group()
@@ -191,20 +194,28 @@ class DDPStrategy(Strategy):
         self._flag_group = None
         self._owns_group = False
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        """Move ``module`` to this rank's device, convert BatchNorm if asked, wrap in DDP."""
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
+        """Move ``module`` to this rank's device, convert BatchNorm if asked, wrap in DDP.
+
+        With ``train.activation_checkpointing`` each block is checkpointed first; with ``train.compile``
+        the DDP module is compiled after wrapping (so DDP's buckets split the graph).
+        """
         self._need_setup()
         module = module.to(self.device)
         par = self.parallel
         if par.sync_batchnorm and self.device.type == "cuda":
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        return DistributedDataParallel(
+        transform_blocks(find_blocks(module, None), train, compile_blocks=False)
+        wrapped = DistributedDataParallel(
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=par.find_unused_parameters,
             static_graph=par.static_graph,
             gradient_as_bucket_view=par.gradient_as_bucket_view,
         )
+        if train is not None and train.compile:
+            wrapped.compile(backend=train.compile_backend)
+        return wrapped
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         """The unwrapped model: evaluation batches may be uneven across ranks, so no DDP hooks."""

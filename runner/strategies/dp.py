@@ -33,6 +33,7 @@ from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
 
@@ -151,8 +152,15 @@ class DataParallelStrategy(SingleDevice):
         self.num_devices = len(plan.requested_ids)
         self.output_device = torch.device("cuda", plan.output_index)
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    @property
+    def replicas(self) -> int:
+        """The GPUs DataParallel spans."""
+        return self.num_devices
+
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
+
+        ``train``'s compile and activation checkpointing do not apply (the schema refuses them under dp).
 
         Raises:
             DeviceError: This process sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``

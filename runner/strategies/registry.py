@@ -1,4 +1,4 @@
-"""Pick the strategy of a parallel mode (``none``, ``dp`` or ``ddp``) and build it from its own settings."""
+"""Pick the strategy of a parallel mode (``none``, ``dp``, ``ddp``, ``fsdp``) and build it from its own settings."""
 
 from __future__ import annotations
 
@@ -9,23 +9,27 @@ from runner.launch.environment import LauncherEnvironment
 from runner.strategies.base import Strategy
 from runner.strategies.ddp import DDPStrategy
 from runner.strategies.dp import DataParallelStrategy
+from runner.strategies.fsdp import FSDPStrategy
 from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.spec.schema_parallel import ParallelSpec
 
-_Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment], Strategy]
+_Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment, str], Strategy]
 
-_STRATEGIES: dict[str, _Builder] = {
-    "none": lambda parallel, plan, env: SingleDevice(plan),
-    "dp": lambda parallel, plan, env: DataParallelStrategy(plan, parallel),
-    "ddp": lambda parallel, plan, env: DDPStrategy(plan, parallel, env),
+STRATEGIES: dict[str, _Builder] = {
+    "none": lambda parallel, plan, env, amp: SingleDevice(plan),
+    "dp": lambda parallel, plan, env, amp: DataParallelStrategy(plan, parallel),
+    "ddp": lambda parallel, plan, env, amp: DDPStrategy(plan, parallel, env),
+    "fsdp": lambda parallel, plan, env, amp: FSDPStrategy(plan, parallel, env, amp),
 }
-MODES = tuple(_STRATEGIES)  # every parallel mode, in the order tools run them (none first: the baseline)
+MODES = tuple(STRATEGIES)  # every parallel mode, in the order bench and parity show them (none first: the baseline)
 
 
-def make_strategy(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment | None = None) -> Strategy:
+def make_strategy(
+    parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment | None = None, amp: str = "no"
+) -> Strategy:
     """Build the strategy for ``plan.mode``.
 
     Args:
@@ -33,9 +37,10 @@ def make_strategy(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnviron
         plan: From :func:`runner.devices.resolve.resolve_devices` (already applied to the environment).
         env: This process's place in its job, from :meth:`LauncherEnvironment.detect`; ``None``
             stands for a process that no launcher started (ddp's ``setup`` then refuses to run).
+        amp: ``train.amp`` (fsdp gathers its parameters in that dtype).
 
     Returns:
         A :class:`Strategy`; call ``setup()`` before use and ``teardown()`` in ``finally``.
     """
     launcher = LauncherEnvironment.detect({}) if env is None else env
-    return _STRATEGIES[plan.mode](parallel, plan, launcher)
+    return STRATEGIES[plan.mode](parallel, plan, launcher, amp)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
-from runner.strategies.base import Strategy
+from runner.strategies.base import Strategy, find_blocks, transform_blocks
+
+if TYPE_CHECKING:
+    from runner.spec.schema import TrainSpec
 
 T = TypeVar("T")
 
@@ -46,9 +49,13 @@ class SingleDevice(Strategy):
     def teardown(self) -> None:
         """Nothing to release."""
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        """Move ``module`` to :attr:`device`; no wrapper."""
-        return module.to(self.device)
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
+        """Move ``module`` to :attr:`device`; no wrapper. Checkpoints its blocks and compiles it as ``train`` asks."""
+        module = module.to(self.device)
+        transform_blocks(find_blocks(module, None), train, compile_blocks=False)
+        if train is not None and train.compile:
+            module.compile(backend=train.compile_backend)
+        return module
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         """The model itself."""

@@ -73,6 +73,26 @@ def key_list(keys: list[str]) -> str:
     return f"{shown}{more}" if keys else "none"
 
 
+def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without a ``module.``/``_orig_mod.`` prefix shared by all keys; keys checked against ``target``.
+
+    Raises:
+        StateDictMismatchError: Keys are missing or unexpected (both are listed).
+    """
+    sd = _strip_uniform_prefixes(state_dict)
+    expected = list(target.state_dict().keys())
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in set(expected)]
+    if missing or unexpected:
+        raise StateDictMismatchError(
+            f"state dict does not fit {type(target).__name__}: missing keys: {key_list(missing)}; "
+            f"unexpected keys: {key_list(unexpected)} (was it saved from another model or model.kwargs?)",
+            missing,
+            unexpected,
+        )
+    return sd
+
+
 def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
     """Load a state dict saved from any mode into a model in any mode, strictly.
 
@@ -88,17 +108,7 @@ def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -
             or a tensor's shape differs.
     """
     target = unwrap(module)
-    sd = _strip_uniform_prefixes(state_dict)
-    expected = list(target.state_dict().keys())
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in set(expected)]
-    if missing or unexpected:
-        raise StateDictMismatchError(
-            f"state dict does not fit {type(target).__name__}: missing keys: {key_list(missing)}; "
-            f"unexpected keys: {key_list(unexpected)} (was it saved from another model or model.kwargs?)",
-            missing,
-            unexpected,
-        )
+    sd = fitted_state_dict(target, state_dict)
     try:
         target.load_state_dict(sd, strict=True)
     except RuntimeError as exc:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, Interrupted, SpecError, UsageError
+from runner.spec.schema_parallel import MODES as MODE_TRAITS
 from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import reason
@@ -47,30 +48,21 @@ from runner.tools.bench_runs import Parent, record_child, record_parent, start_p
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
 
-MODES = ("none", "dp", "ddp")
+MODES = tuple(MODE_TRAITS)
 DEFAULT_OUT_DIR = "bench-results"
-# Options that only make sense for one mode, or for several nodes (the bench runs on one machine).
-_DP_KEYS = ("output_device", "dim")
-_DDP_KEYS = (
-    "backend",
-    "timeout_s",
-    "find_unused_parameters",
-    "static_graph",
-    "gradient_as_bucket_view",
-    "sync_batchnorm",
-)
+# Options for several nodes (the bench runs on one machine); those of another mode are dropped too.
 _MULTI_NODE_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
 
 
 def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[str, int]]:
-    """The ``(mode, n)`` pairs to measure, in run order: none, then dp, then ddp.
+    """The ``(mode, n)`` pairs to measure, in run order: none, then dp, then ddp, then fsdp.
 
     Args:
-        modes: Subset of ``none``, ``dp``, ``ddp``.
-        nprocs: Device counts (dp) / process counts (ddp); duplicates are ignored.
+        modes: Subset of :data:`MODES`.
+        nprocs: Device counts (dp) / process counts (ddp, fsdp); duplicates are ignored.
 
     Returns:
-        ``[("none", 1), ("dp", n) for n >= 2, ("ddp", n) ...]``.
+        ``[("none", 1), ("dp", n) for n >= 2, ("ddp", n) ..., ("fsdp", n) ...]``.
 
     Raises:
         UsageError: An unknown mode, an empty list or a count below 1.
@@ -84,12 +76,14 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
         raise UsageError(f"--nproc: expected positive device / process counts, e.g. 1,2; got {list(nprocs)}")
     counts = sorted(set(nprocs))
     out: list[tuple[str, int]] = []
-    if "none" in modes:
-        out.append(("none", 1))
-    if "dp" in modes:
-        out += [("dp", n) for n in counts if n >= 2]
-    if "ddp" in modes:
-        out += [("ddp", n) for n in counts]
+    for mode in (m for m in MODES if m in modes):
+        traits = MODE_TRAITS[mode]
+        if traits.elastic:
+            out += [(mode, n) for n in counts]
+        elif traits.replicas:
+            out += [(mode, n) for n in counts if n >= 2]
+        else:
+            out.append((mode, 1))
     return out
 
 
@@ -98,8 +92,8 @@ def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup:
 
     Args:
         data: ``LoadedSpec.data`` (after ``extends`` and ``--set``; not modified).
-        mode: ``none``, ``dp`` or ``ddp``.
-        n: Devices (dp) or processes (ddp); 1 for none.
+        mode: One of :data:`MODES`.
+        n: Devices (dp) or processes (ddp, fsdp); 1 for none.
         steps: Timed optimizer steps.
         warmup: Untimed optimizer steps before them.
 
@@ -107,13 +101,14 @@ def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup:
         A new dict, to validate with :func:`runner.spec.loading.spec_from_dict`.
     """
     d = copy.deepcopy(data)
-    par = {k: v for k, v in (d.get("parallel") or {}).items() if k not in _MULTI_NODE_KEYS}
-    if mode != "dp":
-        par = {k: v for k, v in par.items() if k not in _DP_KEYS}
-    if mode != "ddp":
-        par = {k: v for k, v in par.items() if k not in _DDP_KEYS}
+    traits = MODE_TRAITS[mode]
+    par = {
+        k: v
+        for k, v in (d.get("parallel") or {}).items()
+        if k not in _MULTI_NODE_KEYS and (k == "mode" or k in traits.keys)
+    }
     par["mode"] = mode
-    if mode == "ddp":
+    if traits.elastic:
         par["nproc_per_node"] = n
     d["parallel"] = par
     d.setdefault("devices", {})["ids"] = list(range(n))

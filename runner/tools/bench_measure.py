@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import median, noise, percentile, spread, steady, tail, throughput
 from runner.tools.bench_report import ConfigResult
 
@@ -62,7 +63,7 @@ def summarize(
     result.samples_per_s = throughput(samples, times)
     _step_figures(result, times, waits)
     on_cuda = any(str(w.device).startswith("cuda") for w in workers)
-    if on_cuda and result.mode != "ddp" and cuda_peaks:
+    if on_cuda and not MODES[result.mode].elastic and cuda_peaks:
         result.peak_memory_bytes = [int(b) for b in cuda_peaks]
         result.devices = [f"cuda:{i}" for i in range(len(cuda_peaks))]
     else:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from runner.errors import Interrupted
+from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import spread, steady, tail
 from runner.tools.bench_measure import combine, summarize
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
@@ -110,9 +111,9 @@ def repeats(
 
 
 def _jobs(config: Config) -> list[Job]:
-    """One repeat's job per rank; ddp ranks meet on a fresh local port."""
+    """One repeat's job per rank; the ranks of a mode of one process per device meet on a fresh local port."""
     assert config.loaded is not None and config.plan is not None  # runnable
-    ddp = config.result.mode == "ddp"
-    port = free_port() if ddp else 0
+    elastic = MODES[config.result.mode].elastic
+    port = free_port() if elastic else 0
     devices = config.plan.devices
-    return [Job(config.loaded, devices, rank, config.world_size, port, ddp) for rank in range(config.world_size)]
+    return [Job(config.loaded, devices, rank, config.world_size, port, elastic) for rank in range(config.world_size)]

@@ -290,7 +290,7 @@ def load_latest(directory: Path) -> LoadedCheckpoint | None:
 def build_payload(
     *,
     model_state: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: LRScheduler | None,
     scaler: Precision | None,
     state: TrainState,
@@ -303,8 +303,9 @@ def build_payload(
     """Assemble the dict that :func:`save_checkpoint` writes.
 
     Args:
-        model_state: ``unwrapped_state_dict(model)``: keys without ``module.``.
-        optimizer, scheduler, scaler: Their ``state_dict()`` is saved (scheduler and scaler may be ``None``;
+        model_state: ``strategy.model_state(model)``: the whole model, keys without ``module.``.
+        optimizer_state: ``strategy.optimizer_state(model, optimizer)``: the whole ``optimizer.state_dict()``.
+        scheduler, scaler: Their ``state_dict()`` is saved (both may be ``None``;
             a :class:`~runner.strategies.precision.Precision` without scaling saves ``None``).
         state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
         rng_states: One RNG-state dict per rank, indexed by rank.
@@ -318,7 +319,7 @@ def build_payload(
     return {
         "format": FORMAT_VERSION,
         "model": model_state,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "state": {

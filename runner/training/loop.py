@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted
 from runner.training.batches import CollatedBatch
@@ -179,6 +180,8 @@ def train_step(
     if clip_grad_norm is not None:
         parts.precision.unscale_(parts.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if isinstance(norm, DTensor):  # fsdp: the norm over sharded gradients, made whole (every rank takes part)
+            norm = norm.full_tensor()
     parts.precision.step(parts.optimizer)
     tally.end_step(norm)
     if parts.scheduler is not None and parts.scheduler_interval == "step":

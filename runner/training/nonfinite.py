@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from runner.errors import TrainingError
 
@@ -117,7 +118,7 @@ class NonFiniteGuard:
         """
         if not self.enabled:
             return True
-        params = [p.detach() for p in parameters]
+        params = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]  # this rank's shards
         if not params:
             return True
         local = torch.stack([torch.isfinite(p).all() for p in params]).all().logical_not()
@@ -153,4 +154,3 @@ def check_lr(optimizer: torch.optim.Optimizer, scheduler: object) -> None:
     if problem is not None:
         epoch = getattr(scheduler, "last_epoch", "?")
         raise TrainingError(f"{type(scheduler).__name__} after {epoch} step(s): {problem}; check scheduler.kwargs")
-

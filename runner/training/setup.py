@@ -27,7 +27,6 @@ from runner.errors import mask_secrets
 from runner.spec.dump import flatten_spec
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.precision import Precision
-from runner.strategies.state_dicts import load_state_dict_flexible, unwrapped_state_dict
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
@@ -188,9 +187,8 @@ def build_parts(
             for param in model.parameters():
                 param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
-    replicas = len(strategy.plan.requested_ids) if strategy.mode == "dp" else 1
-    check_batchnorm_batches(model, spec, loaders, strategy.world_size, replicas)
-    wrapped = strategy.wrap(model)
+    check_batchnorm_batches(model, spec, loaders, strategy.world_size, strategy.replicas)
+    wrapped = strategy.wrap(model, spec.train)
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
     optimizer, scheduler = _setup_optimizer(spec, raw_model, total_steps)
@@ -251,8 +249,8 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     if found is None:
         return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
     payload = found.payload
-    load_state_dict_flexible(parts.raw_model, payload["model"])
-    parts.optimizer.load_state_dict(payload["optimizer"])
+    strategy.load_model_state(parts.model, payload["model"])
+    strategy.load_optimizer_state(parts.model, parts.optimizer, payload["optimizer"])
     if parts.scheduler is not None and payload["scheduler"] is not None:
         parts.scheduler.load_state_dict(payload["scheduler"])
     parts.precision.load_state_dict(payload["scaler"])
@@ -302,13 +300,18 @@ class Checkpointer:
     def __call__(self, state: TrainState, reason: str) -> None:
         """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``."""
         rng_states = self.strategy.all_gather_object(capture_rng_state())
-        if self.writer and self.settings.enabled:
+        if not self.settings.enabled:
+            self.strategy.barrier()
+            return
+        model_state = self.strategy.model_state(self.parts.model)  # collectives where the state is sharded
+        optimizer_state = self.strategy.optimizer_state(self.parts.model, self.parts.optimizer)
+        if self.writer:
             # Metrics up to a checkpoint must be sent (or spooled) before it is written: a resume
             # continues from the checkpoint and only logs again what comes after it.
             self.tracker.flush()
             payload = ckpt.build_payload(
-                model_state=unwrapped_state_dict(self.parts.model),
-                optimizer=self.parts.optimizer,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
                 scheduler=self.parts.scheduler,
                 scaler=self.parts.precision,  # its state_dict() is None without scaling
                 state=state,

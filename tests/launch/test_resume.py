@@ -85,7 +85,7 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
     model = torch.nn.Linear(2, 2)
     payload = ckpt.build_payload(
         model_state=model.state_dict(),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        optimizer_state=torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
         scheduler=None,
         scaler=None,
         state=TrainState(epoch=1, global_step=5, batch_in_epoch=0),

@@ -98,12 +98,12 @@ def test_ddp_options_are_inactive_under_none_shown_by_plan_and_not_logged(capsys
     loaded = load_spec(DDP_SPEC, mode("none"))
     assert loaded.spec.parallel.nproc_per_node == 2  # kept as written, inert
     shown = set_inactive_keys(loaded.spec)
-    assert shown == {k: 'ddp only (mode = "none")' for k in ("parallel.nproc_per_node", "parallel.timeout_s")}
+    assert shown == {k: 'ddp and fsdp only (mode = "none")' for k in ("parallel.nproc_per_node", "parallel.timeout_s")}
     params = spec_params(loaded.spec)
     assert [k for k in params if k.startswith("parallel.")] == ["parallel.mode"]
     assert main(["plan", str(DDP_SPEC), "--set", 'parallel.mode="none"']) == 0
     out = capsys.readouterr().out
-    assert 'inactive       parallel.nproc_per_node, parallel.timeout_s: ddp only (mode = "none")' in out
+    assert 'inactive       parallel.nproc_per_node, parallel.timeout_s: ddp and fsdp only (mode = "none")' in out
     assert "world size     1 (1 node(s) x 1 process(es))" in out
 
 

@@ -26,7 +26,7 @@ CASES: dict[str, tuple[int | None, str, tuple[str, ...]]] = {
     "infinite_lr.toml": (9, "optim.lr", ("got inf", "expected a finite number")),
     "nan_in_kwargs.toml": (10, "optim.kwargs.eps", ("got nan", "expected finite numbers")),
     "inf_in_sweep.toml": (10, 'sweep.params."optim.lr".values', ("[0.1, -inf]", "holds inf or nan")),
-    "mode_typo.toml": (8, "parallel.mode", ('got "dpp"', '"none", "dp" or "ddp"', 'did you mean "dp"?')),
+    "mode_typo.toml": (8, "parallel.mode", ('got "dpp"', '"none", "dp", "ddp" or "fsdp"', 'did you mean "dp"?')),
     "ddp_batch_indivisible.toml": (6, "data.batch_size", ("batch_size = 10", "world size 4")),
     "nccl_on_cpu.toml": (11, "parallel.backend", ("nccl", "cpu", "gloo")),
     "sync_batchnorm_cpu.toml": (11, "parallel.sync_batchnorm", ("sync_batchnorm needs CUDA",)),

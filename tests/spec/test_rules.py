@@ -56,7 +56,7 @@ def on_cpu(spec: ExperimentSpec) -> ExperimentSpec:
 
 
 def test_dp_on_cpu_is_one_issue_from_the_schema():
-    assert issues(raw("dp", "cpu")) == [("parallel.mode", rules.dp_needs_cuda('accelerator = "cpu"'))]
+    assert issues(raw("dp", "cpu")) == [("parallel.mode", rules.mode_needs_cuda("dp", 'accelerator = "cpu"'))]
 
 
 def test_dp_when_auto_finds_no_gpu_is_one_device_error():

@@ -102,7 +102,7 @@ def test_configurations_order_and_dp_needs_two_devices() -> None:
 @pytest.mark.parametrize(
     "modes,nprocs,match",
     [
-        (["none", "fsdp"], [1], "subset of none,dp,ddp"),
+        (["none", "zero"], [1], "subset of none,dp,ddp,fsdp"),
         ([], [1], "--modes"),
         (["ddp"], [0], "--nproc"),
         (["ddp"], [], "--nproc"),
@@ -333,8 +333,8 @@ def test_chart_is_a_png(tmp_path: Path) -> None:
 
 def test_cli_refuses_unknown_modes_and_torchrun(write_spec, monkeypatch, capsys) -> None:
     spec = str(write_spec())
-    assert main(["bench", spec, "--modes", "none,fsdp"]) == 2
-    assert "fsdp" in capsys.readouterr().err
+    assert main(["bench", spec, "--modes", "none,zero"]) == 2
+    assert "zero" in capsys.readouterr().err
     assert main(["bench", spec, "--steps", "0"]) == 2
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

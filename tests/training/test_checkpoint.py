@@ -20,7 +20,7 @@ def _payload(step: int, value: float = 1.0) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return ckpt.build_payload(
         model_state=model.state_dict(),
-        optimizer=opt,
+        optimizer_state=opt.state_dict(),
         scheduler=None,
         scaler=None,
         state=TrainState(epoch=1, global_step=step, batch_in_epoch=0),

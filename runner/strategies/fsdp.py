@@ -1,0 +1,171 @@
+"""``mode = "fsdp"``: one process per device, ``fully_shard`` (FSDP2) on the blocks and then the root.
+
+Parameters, gradients and optimizer state are sharded over the ranks (dim 0, ``Shard(0)``
+DTensors). The process group, the launcher, the collectives and the stop decision are ddp's
+(:class:`~runner.strategies.ddp.DDPStrategy`); only the wrapping and the state differ.
+
+* Gradients are reduce-scattered as a mean over ranks, as DDP's all-reduce, so the global batch
+  means what it means in every mode (docs/design.md §2, §3).
+* ``train.amp`` maps to ``MixedPrecisionPolicy``: ``bf16``/``fp16`` gather the parameters in that
+  dtype for forward and backward and reduce gradients in float32; the sharded parameters and the
+  optimizer stay in float32.
+* Checkpoints hold the whole model and optimizer in the format of every other mode: the state is
+  gathered with ``torch.distributed.checkpoint.state_dict`` (``full_state_dict``, offloaded to
+  rank 0's CPU) and loaded back by re-sharding, so a run resumes on any process count or mode.
+* Evaluation may give the ranks different numbers of batches, which sharded forwards (one
+  all-gather per block) cannot follow: it runs on a replica that holds the gathered model for the
+  duration of the evaluation, as ddp evaluates its unwrapped replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from runner.strategies.base import find_blocks, transform_blocks
+from runner.strategies.ddp import DDPStrategy
+from runner.strategies.state_dicts import fitted_state_dict, unwrap
+
+if TYPE_CHECKING:
+    from runner.devices.resolve import DevicePlan
+    from runner.launch.environment import LauncherEnvironment
+    from runner.spec.schema import TrainSpec
+    from runner.spec.schema_parallel import ParallelSpec
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no storage)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+class FSDPStrategy(DDPStrategy):
+    """``mode = "fsdp"``: ``fully_shard`` on ``parallel.fsdp_blocks`` (or each child with parameters), then the root.
+
+    Args:
+        plan: The resolved device plan (accelerator, backend, processes per node).
+        parallel: The ``[parallel]`` table (``fsdp_blocks``, ``reshard_after_forward``, timeouts).
+        env: This process's place in the job, from ``LauncherEnvironment.detect()``.
+        amp: ``train.amp``: the parameter dtype of forward and backward.
+    """
+
+    mode = "fsdp"
+
+    def __init__(self, plan: DevicePlan, parallel: ParallelSpec, env: LauncherEnvironment, amp: str = "no") -> None:
+        super().__init__(plan, parallel, env)
+        dtype = _DTYPES.get(amp)
+        self.policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        self._replica: nn.Module | None = None  # the evaluation replica, storage-less between evaluations
+
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
+        """Move ``module`` to this rank's device and shard it: each block, then the root.
+
+        With ``train.activation_checkpointing`` and ``train.compile`` each block is checkpointed and
+        compiled before it is sharded (torchtitan's order); the root is not compiled.
+
+        Raises:
+            SpecError: ``parallel.fsdp_blocks`` names a class the model does not have.
+        """
+        self._need_setup()
+        find_blocks(module, self.parallel.fsdp_blocks)  # names checked before any work
+        module = module.to(self.device)
+        if self.parallel.sync_batchnorm and self.device.type == "cuda":
+            module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self._replica = _meta_copy(module)
+        blocks = find_blocks(module, self.parallel.fsdp_blocks)
+        transform_blocks(blocks, train, compile_blocks=True)
+        kwargs: dict[str, Any] = {
+            "mp_policy": self.policy,
+            "reshard_after_forward": self.parallel.reshard_after_forward,
+        }
+        for block in reversed(blocks):  # innermost first, so a nested block is sharded before its parent
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        """A replica holding the whole model, gathered now (a collective: every rank calls it at the same point)."""
+        assert self._replica is not None, "wrap() first"
+        full = get_model_state_dict(unwrap(wrapped), options=StateDictOptions(full_state_dict=True))
+        self._replica.load_state_dict(full, assign=True)
+        for name, buf in unwrap(wrapped).named_buffers():  # non-persistent buffers are in no state dict
+            owner, _, leaf = name.rpartition(".")
+            self._replica.get_submodule(owner)._buffers[leaf] = buf
+        return self._replica
+
+    def full_module(self, wrapped: nn.Module) -> nn.Module:
+        """The evaluation replica (:meth:`eval_module`): the whole model on every rank."""
+        return self.eval_module(wrapped)
+
+    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
+        """Keep unsharded gradients without reduce-scattering them (micro-batches before the last one)."""
+        return _no_gradient_sync(wrapped)
+
+    def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
+        """The whole model on rank 0's CPU (``{}`` on the other ranks); a collective."""
+        return get_model_state_dict(unwrap(wrapped), options=_GATHER)
+
+    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer on rank 0's CPU, numbered as ``optimizer.state_dict()`` numbers it; a collective."""
+        model = unwrap(wrapped)
+        gathered: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=_GATHER))
+        if not gathered:
+            return {}
+        ids = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+        groups = [{**g, "params": [ids[n] for n in g["params"]]} for g in gathered["param_groups"]]
+        return {"state": {ids[n]: s for n, s in gathered["state"].items()}, "param_groups": groups}
+
+    def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:
+        """Shard a whole state dict (from any mode) into the model: each rank keeps its shards."""
+        assert self._replica is not None, "wrap() first"
+        fitted = fitted_state_dict(self._replica, state)  # the keys checked and named as in every mode
+        set_model_state_dict(unwrap(wrapped), fitted, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Shard a whole ``optimizer.state_dict()`` (from any mode) into ``optimizer``."""
+        model = unwrap(wrapped)
+        names = _param_names(model, optimizer)
+        by_name: dict[str, Any] = {
+            "state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The model's names of the optimizer's parameters, in the optimizer's order (its state-dict numbering)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(wrapped: nn.Module) -> Iterator[None]:
+    module = unwrap(wrapped)
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

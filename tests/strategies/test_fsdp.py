@@ -1,0 +1,195 @@
+"""Tests for the fsdp strategy on CPU in a one-process gloo group, and the mode's spec declaration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from runner.cli import main
+from runner.errors import SpecError
+from runner.launch.environment import LauncherEnvironment
+from runner.launch.prebuild import _compile_backend
+from runner.spec.active import inactive_keys
+from runner.spec.schema_parallel import MODES, ParallelSpec
+from runner.strategies.fsdp import FSDPStrategy, find_blocks
+from runner.strategies.registry import STRATEGIES, make_strategy
+from runner.strategies.single import SingleDevice
+from runner.strategies.state_dicts import StateDictMismatchError
+from tests.helpers import spec_text
+from tests.strategies.test_ddp import DIST_VARS, clean_dist_env, cpu_plan, free_port, make_spec  # noqa: F401
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("scale", torch.full((width,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.blocks(x)))
+
+
+@pytest.fixture
+def fsdp_one(monkeypatch):
+    """A set-up FSDPStrategy in a one-process gloo group."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def make(**parallel):
+        spec = make_spec("fsdp", parallel={"timeout_s": 60.0, **parallel})
+        strategy = make_strategy(spec.parallel, cpu_plan(spec), LauncherEnvironment.detect())
+        strategy.setup()
+        return strategy
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_every_mode_has_a_strategy_and_a_declaration():
+    modes = ParallelSpec.model_fields["mode"].annotation.__args__
+    assert list(STRATEGIES) == list(MODES) == list(modes)
+
+
+def test_fsdp_keys_are_active_and_ddp_only_keys_inactive_under_fsdp():
+    spec = make_spec("fsdp", parallel={"fsdp_blocks": ["Block"], "find_unused_parameters": True, "dim": 1})
+    inactive = inactive_keys(spec)
+    assert inactive["parallel.find_unused_parameters"] == 'ddp only (mode = "fsdp")'
+    assert inactive["parallel.dim"] == 'dp only (mode = "fsdp")'
+    assert "parallel.fsdp_blocks" not in inactive and "parallel.timeout_s" not in inactive
+    assert inactive_keys(make_spec("ddp"))["parallel.fsdp_blocks"] == 'fsdp only (mode = "ddp")'
+    assert inactive_keys(make_spec())["parallel.timeout_s"] == 'ddp and fsdp only (mode = "none")'
+
+
+def test_fsdp_plan_is_one_process_per_device_with_gloo_on_cpu():
+    spec = make_spec("fsdp", parallel={"nproc_per_node": 2})
+    plan = cpu_plan(spec)
+    assert (plan.world_size, plan.backend, plan.per_device_batch) == (2, "gloo", [4, 4])
+
+
+def test_blocks_default_to_children_with_parameters_and_names_are_checked():
+    model = Net()
+    assert find_blocks(model, None) == [model.blocks, model.head]
+    assert find_blocks(model, ["Block"]) == list(model.blocks)
+    with pytest.raises(SpecError) as caught:
+        find_blocks(model, ["Blok"])
+    issue = caught.value.issues[0]
+    assert issue.key == "parallel.fsdp_blocks" and "'Blok'" in issue.message and '"Block"' in issue.message
+
+
+def test_wrap_shards_blocks_then_root_and_evaluates_like_the_model(fsdp_one):
+    strategy = fsdp_one(fsdp_blocks=["Block"])
+    torch.manual_seed(0)
+    reference = Net()
+    model = Net()
+    model.load_state_dict(reference.state_dict())
+    wrapped = strategy.wrap(model)
+    assert isinstance(wrapped, FSDPModule) and all(isinstance(b, FSDPModule) for b in wrapped.blocks)
+    assert not isinstance(wrapped.head, FSDPModule)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(strategy.eval_module(wrapped)(x), reference(x))
+        torch.testing.assert_close(wrapped(x), reference(x))
+
+
+def test_state_round_trips_in_the_format_of_mode_none(fsdp_one):
+    strategy = fsdp_one()
+    torch.manual_seed(0)
+    plain = Net()
+    model = Net()
+    model.load_state_dict(plain.state_dict())
+    wrapped = strategy.wrap(model)
+    opt = torch.optim.Adam(wrapped.parameters(), lr=0.1)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for m, o in ((wrapped, opt), (plain, plain_opt)):
+        m(x).sum().backward()
+        o.step()
+    single = SingleDevice(cpu_plan(make_spec()))
+    ours, theirs = strategy.optimizer_state(wrapped, opt), single.optimizer_state(plain, plain_opt)
+    assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+    torch.testing.assert_close(ours["state"][0]["exp_avg"], theirs["state"][0]["exp_avg"])
+    torch.testing.assert_close(strategy.model_state(wrapped), single.model_state(plain))
+
+    fresh = strategy.wrap(Net())
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    strategy.load_model_state(fresh, single.model_state(plain))
+    strategy.load_optimizer_state(fresh, fresh_opt, theirs)
+    torch.testing.assert_close(strategy.model_state(fresh), single.model_state(plain))
+    torch.testing.assert_close(
+        strategy.optimizer_state(fresh, fresh_opt)["state"][3]["exp_avg_sq"], theirs["state"][3]["exp_avg_sq"]
+    )
+    with pytest.raises(StateDictMismatchError, match="missing keys: head.bias"):
+        strategy.load_model_state(fresh, {k: v for k, v in single.model_state(plain).items() if k != "head.bias"})
+
+
+def test_no_sync_accumulates_gradients_as_the_plain_model(fsdp_one):
+    strategy = fsdp_one()
+    torch.manual_seed(0)
+    plain = Net()
+    model = Net()
+    model.load_state_dict(plain.state_dict())
+    wrapped = strategy.wrap(model)
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with strategy.no_sync(wrapped):
+        wrapped(x1).sum().backward()
+    wrapped(x2).sum().backward()
+    (plain(x1).sum() + plain(x2).sum()).backward()
+    torch.testing.assert_close(wrapped.head.weight.grad.full_tensor(), plain.head.weight.grad)
+
+
+def test_bf16_maps_to_a_mixed_precision_policy(fsdp_one):
+    spec = make_spec("fsdp")
+    strategy = FSDPStrategy(cpu_plan(spec), spec.parallel, LauncherEnvironment.detect({}), amp="bf16")
+    assert strategy.policy.param_dtype == torch.bfloat16 and strategy.policy.reduce_dtype == torch.float32
+    assert FSDPStrategy(cpu_plan(spec), spec.parallel, LauncherEnvironment.detect({})).policy.param_dtype is None
+
+
+def _train_spec(**train):
+    return make_spec(parallel={}).train.model_copy(update=train)
+
+
+@pytest.mark.parametrize("train", [{"activation_checkpointing": True}, {"compile": True, "compile_backend": "eager"}])
+def test_checkpointing_and_compile_keep_names_and_gradients_under_none_and_fsdp(fsdp_one, train):
+    torch.manual_seed(0)
+    reference = Net()
+    x = torch.randn(4, 8)
+    reference(x).sum().backward()
+    single = SingleDevice(cpu_plan(make_spec()))
+    strategy = fsdp_one()
+    for wrap in (single.wrap, strategy.wrap):
+        model = Net()
+        model.load_state_dict(reference.state_dict())
+        wrapped = wrap(model, _train_spec(**train))
+        assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in reference.named_parameters()]
+        wrapped(x).sum().backward()
+        grad = wrapped.head.weight.grad
+        torch.testing.assert_close(
+            grad.full_tensor() if hasattr(grad, "full_tensor") else grad, reference.head.weight.grad
+        )
+
+
+def test_compile_and_checkpointing_are_refused_under_dp_and_an_unknown_backend_exits_2(write_spec, capsys):
+    text = spec_text(train={"compile": True, "activation_checkpointing": True}, parallel={"mode": "dp"})
+    assert main(["validate", str(write_spec(text=text))]) == 2
+    err = capsys.readouterr().err
+    assert 'train.compile: compile cannot apply under mode = "dp"' in err and "train.activation_checkpointing" in err
+    with pytest.raises(SpecError) as caught:
+        _compile_backend("inductr")
+    assert caught.value.issues[0].key == "train.compile_backend" and '"inductor"' in caught.value.issues[0].message

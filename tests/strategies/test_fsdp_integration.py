@@ -1,0 +1,125 @@
+"""fsdp on CPU with gloo, two processes: parity with none, the memory it saves, export, resume on one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from runner.cli import main
+from runner.devices.inventory import Inventory
+from runner.devices.resolve import resolve_devices
+from runner.launch.environment import LauncherEnvironment
+from runner.strategies.registry import make_strategy
+from runner.training.checkpoint import load_latest
+from tests.helpers import elastic_run, spec_object
+
+pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
+
+FSDP = ["--set", 'parallel.mode="fsdp"', "--set", "parallel.nproc_per_node=2", "--set", "parallel.timeout_s=60"]
+
+
+def _runs(store: str):
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("tests")
+    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _losses(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+
+
+def test_none_and_fsdp_agree_and_the_export_loads_in_plain_pytorch(write_spec, store: str, tmp_path: Path) -> None:
+    spec = write_spec()
+    common = ["--set", "train.epochs=2", "--set", "data.shuffle=true", "--set", "optim.momentum=0.9"]
+    assert main(["exec", str(spec), *common]) == 0
+    assert main(["exec", str(spec), *common, *FSDP]) == 0
+    client, (single, sharded) = _runs(store)
+    assert sharded.info.status == "FINISHED" and sharded.data.params["parallel.mode"] == "fsdp"
+    a, b = _losses(client, single.info.run_id), _losses(client, sharded.info.run_id)
+    assert [s for s, _ in a] == [s for s, _ in b] and a
+    for (step, va), (_, vb) in zip(a, b, strict=True):
+        assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
+    assert single.data.metrics["val/loss"] == pytest.approx(sharded.data.metrics["val/loss"], abs=1e-5)
+
+    out = tmp_path / "exported.pt"
+    assert main(["export", sharded.info.run_id, "--tracking-uri", store, "--out", str(out)]) == 0
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints"
+    reference = load_latest(folder / single.info.run_id)
+    assert reference is not None
+    state = torch.load(out, weights_only=True)
+    assert state.keys() == reference.payload["model"].keys()
+    for key, value in state.items():
+        torch.testing.assert_close(value, reference.payload["model"][key], atol=1e-5, rtol=0)
+
+
+def test_fsdp_blocks_naming_no_class_of_the_model_exits_2(write_spec, store: str, capsys) -> None:
+    spec = write_spec()
+    code = main(["exec", str(spec), *FSDP, "--set", 'parallel.fsdp_blocks=["Linaer"]'])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "parallel.fsdp_blocks" in err and "'Linaer'" in err and '"Linear"' in err
+
+
+WIDTH, BLOCKS = 16, 4
+
+
+def _blocks_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(BLOCKS)))
+
+
+def _local_bytes(mode: str) -> int:
+    """Bytes of this rank's parameters and Adam state (local shards under fsdp) after one step."""
+    spec = spec_object(devices={"accelerator": "cpu"}, parallel={"mode": mode, "nproc_per_node": 2, "timeout_s": 60})
+    plan = resolve_devices(spec, {}, Inventory([], False))
+    strategy = make_strategy(spec.parallel, plan, LauncherEnvironment.detect())
+    strategy.setup()
+    try:
+        model = strategy.wrap(_blocks_model())
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(4, WIDTH)).sum().backward()
+        opt.step()
+
+        def local(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        tensors = [*model.parameters(), *(v for s in opt.state.values() for v in s.values() if v.dim() > 0)]
+        total = sum(local(t) for t in tensors)
+        strategy.barrier()
+        return total
+    finally:
+        strategy.teardown()
+
+
+def _fsdp_bytes() -> int:
+    return _local_bytes("fsdp")
+
+
+def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes() -> None:
+    whole = _local_bytes("none")
+    per_rank = elastic_run(_fsdp_bytes, 2, "fsdp-bytes")
+    assert whole == BLOCKS * (WIDTH * WIDTH + WIDTH) * 4 * 3  # params, exp_avg, exp_avg_sq in float32
+    assert per_rank[0] == per_rank[1] == pytest.approx(whole / 2, rel=0.01)
+
+
+def test_a_run_checkpointed_on_two_processes_resumes_on_one_into_the_same_run(write_spec, store: str, capsys) -> None:
+    spec = str(write_spec())
+    steps = ["--set", "checkpoint.every_n_steps=3", "--set", "optim.momentum=0.9"]
+    assert main(["exec", spec, *steps, "--set", "train.max_steps=6"]) == 0
+    assert main(["exec", spec, *steps, *FSDP, "--set", "train.max_steps=3"]) == 0
+    client, (_, sharded) = _runs(store)
+    capsys.readouterr()
+    more = ["--set", "train.max_steps=6", "--allow-spec-change", "train.max_steps"]
+    assert main(["exec", spec, *steps, *FSDP, *more, "--resume", sharded.info.run_id, "--nproc-per-node", "1"]) == 0
+    assert "process layout changed on resume (parallel.nproc_per_node 2 -> 1)" in capsys.readouterr().err
+    client, (single, resumed) = _runs(store)
+    assert resumed.info.run_id == sharded.info.run_id and resumed.info.status == "FINISHED"
+    a, b = _losses(client, single.info.run_id), _losses(client, resumed.info.run_id)
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
+    for (step, va), (_, vb) in zip(a, b, strict=True):
+        assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
