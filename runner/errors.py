@@ -176,7 +176,7 @@ def user_code_error(exc: BaseException, key: str | None = None) -> UserCodeError
     where = f"{last.f_code.co_filename}:{line}"
     summary = traceback.StackSummary.extract((f, n) for f, n in user[-_USER_FRAMES:])
     lines = [f"  {Path(s.filename).name}:{s.lineno} in {s.name}: {s.line}" for s in summary]
-    message = f"{key}: your code raised {type(exc).__name__}: {exc} (at {where}, in {last.f_code.co_name})"
+    message = f"{key}: your code raised {type(exc).__name__}: {first_line(exc)} (at {where}, in {last.f_code.co_name})"
     return UserCodeError("\n".join([message, "your frames (most recent call last):", *lines]))
 
 

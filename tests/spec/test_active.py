@@ -83,9 +83,9 @@ def test_a_suggestion_drops_the_override_it_replaces_and_keeps_the_others() -> N
     assert problem is not None and info["try"] is not None
     words = shlex.split(info["try"])
     assert words == [
-        "runner", "plan", "s.toml", "--unset", "devices.ids", "--set", "optim.lr=0.2",
+        "runner", "plan", "s.toml", "--set", "optim.lr=0.2",
         "--set", "parallel.mode=none", "--set", "devices.accelerator=cpu",
-    ]  # fmt: skip
+    ]  # fmt: skip  (the spec never wrote devices.ids, so its --unset changed nothing and is dropped)
     sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     fixed = load_spec(path, sets, ["devices.ids"])
     assert resolve_devices(fixed.spec, {}, NO_GPU).accelerator == "cpu" and fixed.spec.optim.lr == 0.2
@@ -228,7 +228,8 @@ def test_unset_removes_a_key_written_in_a_base_file_so_its_default_applies(tmp_p
     digits = REPO / "experiments" / "digits_mlp.toml"  # optim.momentum comes from base/digits.toml
     loaded = load_spec(digits, ["optim.lr=0.05"], ["optim.momentum", "devices.ids"])
     assert loaded.spec.optim.momentum == 0.0 and loaded.spec.devices.ids == "all" and loaded.spec.optim.lr == 0.05
-    assert loaded.command_line() == ["--unset", "optim.momentum", "--unset", "devices.ids", "--set", "optim.lr=0.05"]
+    # devices.ids is written in no file: its --unset changes nothing and is dropped
+    assert loaded.command_line() == ["--unset", "optim.momentum", "--set", "optim.lr=0.05"]
     assert load_spec(digits, [], ["train.clip_grad_norm"]).spec == load_spec(digits).spec  # not written: a no-op
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
-from runner.errors import SpecError
+from runner.errors import SpecError, UserCodeError
 from runner.spec.loading import load_spec
 from tests.helpers import MINIMAL, write_spec_file
 
@@ -158,8 +158,8 @@ def test_a_torch_error_is_quoted_by_its_first_line_only(tmp_path: Path, monkeypa
         raise TypeError(trace)
 
     monkeypatch.setattr(torch.nn, "Linear", overflow)
-    with pytest.raises(SpecError) as info:
+    with pytest.raises(UserCodeError) as info:  # the factory's own failure, located in the user's file
         build_model(spec_object(model={"name": "deep:build"}).model, tmp_path)
-    message = info.value.issues[0].message
-    assert "rejected the kwargs (none): Overflow when unpacking; signature: build(size=1)" in message
+    message = str(info.value)
+    assert "model.name: your code raised TypeError: Overflow when unpacking (at " in message
     assert "frame #" not in message and "Exception raised from" not in message

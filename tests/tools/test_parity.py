@@ -21,7 +21,7 @@ pytestmark = pytest.mark.created_store
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--modes", "none,ddq"], "--modes: expected a comma-separated subset of none,dp,ddp, got none,ddq"),
+        (["--modes", "none,ddq"], "--modes: expected a comma-separated subset of none,dp,ddp,fsdp, got none,ddq"),
         (["--modes", ","], "--modes: expected a comma-separated subset"),
         (["--steps", "0"], "--steps: expected at least 1 optimizer step, got 0"),
         (["--modes", "dp"], "--modes: dp-2 cannot run on this machine: dp needs 2 GPUs; this machine has "),
