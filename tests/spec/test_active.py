@@ -83,8 +83,15 @@ def test_a_suggestion_drops_the_override_it_replaces_and_keeps_the_others() -> N
     assert problem is not None and info["try"] is not None
     words = shlex.split(info["try"])
     assert words == [
-        "runner", "plan", "s.toml", "--set", "optim.lr=0.2",
-        "--set", "parallel.mode=none", "--set", "devices.accelerator=cpu",
+        "runner",
+        "plan",
+        "s.toml",
+        "--set",
+        "optim.lr=0.2",
+        "--set",
+        "parallel.mode=none",
+        "--set",
+        "devices.accelerator=cpu",
     ]  # fmt: skip  (the spec never wrote devices.ids, so its --unset changed nothing and is dropped)
     sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     fixed = load_spec(path, sets, ["devices.ids"])
