@@ -46,12 +46,23 @@ class RunnerError(Exception):
     exit_code: ClassVar[int] = 1
     heading: ClassVar[str] = "error"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by state, not by ``__init__``'s arguments: an error crosses from a training process to the driver."""
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
     def format_message(self) -> str:
         """The text ``runner`` prints after ``runner: `` (a message of several lines is indented below)."""
         text = mask_secrets(str(self))
         if "\n" not in text:
             return f"{self.heading}: {text}"
         return f"{self.heading}:\n" + "\n".join("  " + line for line in text.splitlines())
+
+
+def _rebuild(cls: type[RunnerError], args: tuple[Any, ...], state: dict[str, Any]) -> RunnerError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def spec_facts(
 ) -> dict[str, Any]:
     """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
     from runner.spec.active import set_inactive_keys
-    from runner.training.checkpoint import default_checkpoint_dir
+    from runner.spec.paths import default_checkpoint_dir
 
     spec = loaded.spec
     checkpoints = None

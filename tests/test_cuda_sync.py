@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from runner.launch.driver import exec_experiment
+from runner.launch.driver import ExecOptions, exec_experiment
 from runner.spec.loading import load_spec
 from runner.training import loop, setup
 from tests.helpers import spec_text
@@ -92,7 +92,7 @@ def test_no_device_sync_between_log_steps(tmp_path: Path, monkeypatch: pytest.Mo
     path = tmp_path / "sync.toml"
     path.write_text(_spec(log_every, tmp_path / "mlflow.db"), encoding="utf-8")
     try:
-        result = exec_experiment(load_spec(path))
+        result = exec_experiment(load_spec(path), ExecOptions(in_process=True))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     steps = result.history[-1][0]

@@ -28,12 +28,13 @@ def test_spec_notes_print_before_training_and_not_again_in_the_summary(
     path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
     seen_before_training: list[str] = []
 
-    def fake_training(plan, args, run_id):
+    def fake_training(plan, args, hangs, options, session):
+        session.handle("built", None, [])  # rank 0 reports its build: the driver prints the notes then
         seen_before_training.append(capsys.readouterr().err)
         worker = SimpleNamespace(rank=0, metrics={"val/loss": 0.5}, history=[], notes=[])
         return [worker]
 
-    monkeypatch.setattr(driver, "_run_to_the_end", fake_training)
+    monkeypatch.setattr(driver, "_launch", fake_training)
     result = driver.exec_experiment(load_spec(path))
     assert seen_before_training == ["runner: note: devices.ids = [0] is ignored: the run is on cpu\n"]
     assert result.notes == ["devices.ids = [0] is ignored: the run is on cpu"]
@@ -46,7 +47,12 @@ def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
     text = write_spec().read_text().replace('accelerator = "cpu"', 'accelerator = "cpu"\nids = [0]')
     path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
     worker = SimpleNamespace(rank=0, metrics={}, history=[], notes=[])
-    monkeypatch.setattr(driver, "_run_to_the_end", lambda plan, args, run_id: [worker])
+
+    def fake_training(plan, args, hangs, options, session):
+        session.handle("built", None, [])
+        return [worker]
+
+    monkeypatch.setattr(driver, "_launch", fake_training)
     result = driver.exec_experiment(load_spec(path), driver.ExecOptions(parent_run_id="p" * 32))
     assert capsys.readouterr().err == ""  # the trial prints no note: its tool reports
     assert "note: devices.ids = [0] is ignored: the run is on cpu" in result.summary()

@@ -1,8 +1,11 @@
 """Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
 
-The driver is the process that launches (docs/design.md, "run ownership"):
+The driver is the process that launches, and the only one that imports MLflow (docs/design.md §6, "The
+process model"): rank 0 reports its build to the driver's hub, the driver creates the run, and rank 0
+streams what the run records over the same pipe.
 
-* ``none`` / ``dp``: the worker runs in the driver's own process;
+* ``none`` / ``dp``: one child training process (:mod:`runner.launch.child`); ``ExecOptions.in_process``
+  trains in this process instead (sweeps, bench, parity);
 * ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
   (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
   with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
@@ -24,16 +27,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, TrainingError, mask_secrets
+from runner.errors import Interrupted, SpecError, TrackingError, TrainingError, mask_secrets
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.ending import Spooled
     from runner.launch.failures import HangReports
-    from runner.launch.handoff import Handoff
-    from runner.launch.worker import WorkerArgs, WorkerResult
+    from runner.launch.session import RunSession
+    from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+    from runner.training import WorkerResult
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class ExecOptions:
         dtype: ``"float64"`` trains the model, its inputs and its loss in that dtype (``runner parity``);
             ``None``: as built (float32).
         nudge: Nudge every initial weight up by one ulp of its dtype (``runner parity``'s control).
+        in_process: Train a single-process job (none, dp) in this process instead of a child process
+            (sweeps, bench and parity, whose trials reuse the process; tests). The hub still carries
+            everything the run records.
     """
 
     run_name: str | None = None
@@ -72,6 +79,7 @@ class ExecOptions:
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     dtype: str | None = None
     nudge: bool = False
+    in_process: bool = False
 
 
 @dataclass
@@ -129,55 +137,64 @@ class ExecResult:
 def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) -> ExecResult:
     """Run the experiment of ``loaded`` to the end and record it in MLflow.
 
-    Args:
-        loaded: The validated spec.
-        options: See :class:`ExecOptions`.
-
-    Returns:
-        The :class:`ExecResult` of a FINISHED run.
+    One path for every mode (docs/design.md, "Process model"): plan, check what needs no build (a resume whose
+    owner lives is refused here, before any training process starts), start the training processes while the
+    store opens, create the run once rank 0 reports the build, record what it sends, end the run.
 
     Raises:
-        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2);
-            no MLflow run is left behind.
+        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run
+            is left behind.
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
     from runner.launch.ending import Spooled
-    from runner.launch.handoff import Handoff
-    from runner.launch.prepare import NOT_YET, Prepared, apply_plan_env, prepare, worker_args
+    from runner.launch.prepare import apply_plan_env, before_launch
+    from runner.launch.session import RunSession
     from runner.plan import make_plan
 
     plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)
-    if plan.launch == "elastic":  # the workers start while the driver checks the parts and creates the run
-        apply_plan_env(plan)
-        made: list[Prepared] = []
-
-        def prepare_run(go_on: Callable[[], None]) -> WorkerArgs:
-            made.append(prepare(plan, options, go_on))
-            return worker_args(plan, options, made[0])
-
-        workers = _run_to_the_end(plan, worker_args(plan, options, NOT_YET), None, Handoff(prepare_run))
-        ready = made[0]
-    else:
-        ready = prepare(plan, options)
-        apply_plan_env(plan)
-        workers = _run_to_the_end(plan, worker_args(plan, options, ready), ready.run_id)
-    result, run_id = workers[0], ready.run_id
-    resume_notes = ready.resume.notes if ready.resume else []
+    options = _with_fluent_parent(plan, options)
+    resume = before_launch(plan, options)
+    session = RunSession(plan, options, resume) if plan.owns_run else None
+    apply_plan_env(plan)
+    workers = _run_to_the_end(plan, options, session)
+    result = workers[0]
+    run_id = session.run_id if session is not None else None
+    folder = session.checkpoint_dir if session is not None else ""
     return ExecResult(
-        spooled=Spooled.of(ready.checkpoint_dir) if run_id is not None and plan.owns_run else None,
+        spooled=Spooled.of(folder) if run_id is not None else None,
         run_id=run_id,
         status="FINISHED",
         metrics=result.metrics,
         tracking_uri=plan.tracking_uri,
         experiment=plan.experiment,
-        checkpoint_dir=ready.checkpoint_dir,
+        checkpoint_dir=folder,
         history=result.history,
-        notes=plan.notes + resume_notes + result.notes,
+        notes=plan.notes + (resume.notes if resume else []) + result.notes,
         workers=sorted(workers, key=lambda w: w.rank),
-        rank=ready.rank,
-        notes_shown=ready.shown,
+        rank=plan.launcher.rank if plan.launch == "external" else 0,
+        notes_shown=session.shown if session is not None else False,
     )
+
+
+def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
+    """A fluent MLflow run active on this thread is an error, or with ``options.nested`` the run's parent.
+
+    Checked here because the run is made on the hub's thread, which does not see this thread's fluent run.
+
+    Raises:
+        TrackingError: A fluent run is active and ``options.nested`` is false (exit 2, before anything starts).
+    """
+    import dataclasses
+
+    if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:
+        return options  # without mlflow imported, no fluent run can be active
+    from runner.tracking.runs import check_fluent_run
+
+    parent = check_fluent_run(options.nested)
+    if parent is None or options.parent_run_id is not None:
+        return options
+    return dataclasses.replace(options, parent_run_id=parent)
 
 
 def show_notes(notes: list[str]) -> None:
@@ -189,102 +206,70 @@ def show_notes(notes: list[str]) -> None:
         print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
 
 
-def _run_to_the_end(
-    plan: Plan, args: WorkerArgs, run_id: str | None, handoff: Handoff | None = None
-) -> list[WorkerResult]:
-    """Launch the workers and end the run with their outcome, when this process owns it (``args.run_id``).
-
-    ``run_id`` is the job's run, named in the interrupt hint on every rank. With a ``handoff`` the
-    driver's checks and the run are still being made on its thread while the workers start: its
-    failure is this job's error, and the run it made (if any) is the one ended here.
+def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None) -> list[WorkerResult]:
+    """Start the training processes and the hub, and end the run with their outcome (when this process owns it).
 
     Raises:
         Interrupted: SIGINT/SIGTERM; the run ends KILLED.
-        SpecError: A name or kwarg that only fails when built; the new run is deleted (a resumed
-            one ends FAILED), so no stray run is left.
+        SpecError, TrackingError: The build found a spec error, or the store could not be opened: no run exists.
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
+    from runner.launch.channel import Hub
     from runner.launch.elastic import is_signal, spec_error_of_child
-    from runner.launch.ending import end_run_or_spool
     from runner.launch.failures import JobContext, describe_failure, oom_kill_count
-    from runner.tracking import runs as tracking
+    from runner.launch.prepare import worker_args
 
-    loaded = plan.loaded
+    hub = Hub(session.handle, session.open_store) if session is not None else None
+    args = worker_args(plan, options, hub.address if hub is not None else None)
     status, error = "FAILED", None
     oom_before = oom_kill_count()
     hangs: HangReports = {}
+    if hub is not None:
+        hub.start()
     try:
-        workers = _launch(plan, args, hangs, handoff)
-        if handoff is not None:
-            args, run_id = _handed(handoff, args)
+        workers = _launch(plan, args, hangs, options, session)
+        _raise_unmade(session)
         status = "FINISHED"
         return workers
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
-        if handoff is not None:
-            args = handoff.finish() or args
-            run_id = args.run_id
-        raise _interrupted(getattr(exc, "signum", 2), plan, run_id, args.checkpoint_dir, hangs) from None
-    except _PreparationFailed as failed:
-        status, args = "DELETE", failed.made or args
-        raise failed.error from None
+        raise _interrupted(getattr(exc, "signum", 2), plan, session) from None
+    except (SpecError, TrackingError) as exc:
+        if session is None or session.run_id is None:
+            raise relocate_issues(exc, plan.loaded) if isinstance(exc, SpecError) else exc from None
+        error = str(exc)
+        raise TrainingError(error) from None
     except Exception as exc:
-        if handoff is not None:
-            try:
-                args, run_id = _handed(handoff, args, failed=True)
-            except _PreparationFailed as failed:  # a bad spec, which the workers also met
-                raise failed.error from None
+        _raise_unmade(session)
         if is_signal(exc):
             status = "KILLED"
-            raise _interrupted(getattr(exc, "sigval", 15), plan, run_id, args.checkpoint_dir, hangs) from None
-        bad_spec = exc if isinstance(exc, SpecError) else spec_error_of_child(exc)
-        if bad_spec is not None:
-            # A kwarg or name that only fails when built: still a bad spec (exit 2), and the run
-            # made for it is removed so that no stray run is left behind.
-            status = "DELETE"
-            raise relocate_issues(bad_spec, loaded) from None
-        error = describe_failure(exc, JobContext(loaded.spec.parallel.timeout_s, oom_before, hangs))
+            raise _interrupted(getattr(exc, "sigval", 15), plan, session, hangs) from None
+        bad_spec = spec_error_of_child(exc)
+        if bad_spec is not None and (session is None or session.run_id is None):
+            raise relocate_issues(bad_spec, plan.loaded) from None
+        error = describe_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
         raise TrainingError(error) from None
     finally:
-        owned, uri = args.run_id, plan.tracking_uri
-        if owned is not None and uri is not None:
-            if status == "DELETE" and not args.resume:
-                tracking.delete_run(uri, owned)
-            else:
-                end_run_or_spool(uri, owned, "FAILED" if status == "DELETE" else status, error, args.checkpoint_dir)
+        if hub is not None:
+            hub.stop()
+        if session is not None:
+            session.end(status, error)
 
 
-class _PreparationFailed(Exception):
-    """The driver's checks or its creation of the run failed while the workers started (they trained nothing)."""
-
-    def __init__(self, error: BaseException, made: WorkerArgs | None) -> None:
-        super().__init__(str(error))
-        self.error, self.made = error, made
-
-
-def _handed(handoff: Handoff, args: WorkerArgs, failed: bool = False) -> tuple[WorkerArgs, str | None]:
-    """The workers' arguments and the run once the driver's preparation is over (a run not made yet never is).
-
-    Raises:
-        _PreparationFailed: The preparation failed; with ``failed`` (the workers failed too) only when it
-            found a bad spec, which is then the job's error (exit 2) rather than what a worker made of it.
-    """
-    from runner.launch.handoff import Cancelled
-
-    made = handoff.finish()
-    error = handoff.error
-    if error is not None and not isinstance(error, Cancelled) and (not failed or isinstance(error, SpecError)):
-        raise _PreparationFailed(error, made)
-    return (made or args), (made.run_id if made is not None else None)
+def _raise_unmade(session: RunSession | None) -> None:
+    """Raise why the driver made no run: the spec error rank 0 found while building, or the store's error."""
+    if session is not None and session.build_error is not None:
+        raise session.build_error
+    if session is not None and session.store_error is not None:
+        raise session.store_error
 
 
-def _interrupted(
-    signum: int, plan: Plan, run_id: str | None, folder: str = "", hangs: HangReports | None = None
-) -> Interrupted:
+def _interrupted(signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
     from runner.launch.resume import resume_command
 
-    uri = plan.tracking_uri
+    uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
+    folder = session.checkpoint_dir if session is not None else ""
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
     return Interrupted(int(signum), run_id=run_id, command=command, checkpoint=checkpoint_note(folder, hangs or {}))
 
@@ -305,9 +290,9 @@ def checkpoint_note(folder: str, hangs: HangReports) -> str:
 
 
 def _launch(
-    plan: Plan, args: WorkerArgs, hangs: HangReports | None = None, handoff: Handoff | None = None
+    plan: Plan, args: WorkerArgs, hangs: HangReports, options: ExecOptions, session: RunSession | None
 ) -> list[WorkerResult]:
-    """Run the workers; return their results, the logging rank's first.
+    """Run the training processes; return their results, rank 0's first.
 
     ``hangs`` receives the reports of ranks that hung after a stop signal (elastic launch only).
     """
@@ -316,8 +301,14 @@ def _launch(
     if plan.launch == "elastic":
         from runner.launch.elastic import launch_elastic
 
-        return launch_elastic(plan, args, hangs, handoff)
+        return launch_elastic(plan, args, hangs)
+    if plan.launch == "in-process" and not options.in_process:
+        assert session is not None  # a single-process job's driver always owns its run
+        from runner.launch.child import run_child
+
+        return [run_child(args, session)]
     result = run_worker(args)
-    if result is None:  # torch's @record turns a worker's sys.exit(0) into None
+    if result is None:
+        _raise_unmade(session)
         raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
     return [result]

@@ -25,23 +25,18 @@ from runner.errors import SpecError, SpecIssue
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.failures import HangReports
-    from runner.launch.handoff import Handoff
-    from runner.launch.worker import WorkerArgs, WorkerResult
+    from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
+    from runner.training import WorkerResult
 
 
-def launch_elastic(
-    plan: Plan, args: WorkerArgs, hangs: HangReports | None = None, handoff: Handoff | None = None
-) -> list[WorkerResult]:
+def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
     """Run the workers of ``plan`` under the elastic launcher; return their results, the logging rank's first.
 
     Args:
         plan: The job's plan (it has a rendezvous for every elastic launch).
         args: What every worker gets; the launcher's pid and a report folder are added.
         hangs: Receives the reports of ranks that hung after a stop signal.
-        handoff: The driver's preparation of the run, started here as the workers start; they read
-            its outcome from :data:`runner.launch.handoff.RUN_FILE` in the launcher's folder.
-            Workers told that it failed return no result.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: A worker failed.
@@ -51,7 +46,6 @@ def launch_elastic(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
-    from runner.launch.handoff import RUN_FILE
 
     par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
     assert rdzv is not None  # the plan has one for every elastic launch
@@ -70,13 +64,8 @@ def launch_elastic(
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        run_file = Path(log_dir) / RUN_FILE
-        launched = dataclasses.replace(
-            args, launcher_pid=os.getpid(), report_dir=log_dir, run_file=str(run_file) if handoff else None
-        )
+        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
         quiet = quiet_launcher_logs()
-        if handoff is not None:
-            handoff.start(run_file)
         try:
             results = elastic_launch(config, run_and_leave_result)(launched)
         except Exception as exc:
@@ -99,9 +88,11 @@ _RESULT_FILE = "result-rank-{rank}.pkl"
 def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
     """The elastic workers' entry point: :func:`~runner.launch.worker.run_worker`, then its result left in
     ``args.report_dir`` for :func:`finished_despite`."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from runner.launch.worker import run_worker
 
-    result = run_worker(args)
+    result = record(run_worker)(args)  # the failure's traceback in the launcher's error file
     rank = os.environ.get("RANK", "0")
     if args.report_dir is not None:
         path = Path(args.report_dir) / _RESULT_FILE.format(rank=rank)

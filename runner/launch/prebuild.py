@@ -146,9 +146,8 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
         TrackingError: The default folder is beside a sqlite store whose folder cannot be written: the
             store's problem comes first (:func:`runner.tracking.uri.check_reachable` names the store folder).
     """
-    from runner.spec.paths import folder_problem
+    from runner.spec.paths import default_checkpoint_dir, folder_problem
     from runner.tracking.uri import check_reachable, sqlite_path
-    from runner.training.checkpoint import default_checkpoint_dir
 
     settings = loaded.spec.checkpoint
     if not settings.enabled:

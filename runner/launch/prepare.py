@@ -1,25 +1,22 @@
-"""What the driver does before its workers train: check the spec's parts, open the store, create or reopen the run.
+"""What the driver does around its training processes: the checks before they start, their arguments, the run.
 
-:func:`prepare` runs the checks that must pass before a run exists (a bad spec exits 2 and leaves
-no run, docs/design.md §1), then opens the run (:func:`open_run`). For ``none`` and ``dp`` the
-driver calls it before training in its own process; for ``ddp`` on a thread while the workers
-start (:mod:`runner.launch.handoff`).
+:func:`before_launch` runs what needs no build (a resume whose owner lives is refused there, before any
+training process starts); rank 0 checks and builds the parts (:func:`check_objectives`, then
+:mod:`runner.launch.prebuild`), and :func:`open_run` creates or reopens the run once it reports the build
+(:mod:`runner.launch.session`), so a spec error found while building leaves no run (docs/design.md §1).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.errors import SpecError, SpecIssue, TrackingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.channel import HubAddress
     from runner.launch.driver import ExecOptions
     from runner.launch.resume import ResumePoint
     from runner.launch.worker import WorkerArgs
@@ -27,68 +24,34 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What exists once the driver's checks passed.
+def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
+    """What the driver checks before any training process starts: the checkpoint folder, and the run to continue.
 
-    Attributes:
-        run_id: The run, or ``None`` (tracking off, or another process owns it).
-        resume: The run being continued and its notes, or ``None``.
-        checkpoint_dir: Folder of the run's checkpoints.
-        rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
-        shown: The notes were printed before training.
-    """
-
-    run_id: str | None
-    resume: ResumePoint | None
-    checkpoint_dir: str
-    rank: int
-    shown: bool
-
-
-NOT_YET = Prepared(None, None, "", rank=0, shown=False)  # the workers' arguments until the run exists
-
-
-def prepare(plan: Plan, options: ExecOptions, go_on: Callable[[], None] = lambda: None) -> Prepared:
-    """Check every part, open the store, find the run to resume, then create or reopen the run.
-
-    ``go_on`` is called just before the run is created; it raises to stop there (the launch ended).
+    A resume (``--resume``, a requeued Slurm job) opens the store here and is refused while its owner lives
+    (docs/design.md §12), so no training process is started for it.
 
     Raises:
-        SpecError, DeviceError, UsageError, TrackingError: before the run exists (exit 2).
+        SpecError, UsageError, TrackingError: exit 2, before anything started.
     """
-    from runner.launch.prebuild import check_checkpoint_folder, check_parts
+    from runner.launch.prebuild import check_checkpoint_folder
     from runner.launch.resume import prepare_resume
-    from runner.tracking.lookup import set_run_tags
+
+    check_checkpoint_folder(plan.loaded, plan.tracking_uri)
+    if options.resume is None:
+        return requeued_run(plan, plan.owns_run)
+    _open_store(plan, options)
+    return prepare_resume(plan, options)
+
+
+def _open_store(plan: Plan, options: ExecOptions) -> None:
     from runner.tracking.store import open_store
-    from runner.training.checkpoint import default_checkpoint_dir
 
-    loaded = plan.loaded
-    check_objectives(loaded)
-    plan = dataclasses.replace(plan, part_notes=tuple(check_parts(loaded, plan.devices.world_size)))
-    check_checkpoint_folder(loaded, plan.tracking_uri)
-    owner, uri = plan.owns_run, plan.tracking_uri
-    if uri is not None:
-        try:
-            open_store(uri)  # reachable, writable; a new sqlite store is created under its lock
-        except TrackingError as exc:
-            raise store_error_at(exc, loaded, options.tracking_uri) from None
-    resume = prepare_resume(plan, options) if options.resume is not None else requeued_run(plan, owner)
-    rank = plan.launcher.rank if plan.launch == "external" else 0
-    shown = rank == 0 and options.parent_run_id is None  # a sweep's or bench's trials report to their tool
-    if shown:  # before training, where the user looks first; workers print their own notes
-        from runner.launch.driver import show_notes
-
-        show_notes([*plan.notes, *(resume.notes if resume else [])])
-    go_on()
-    run_id = open_run(plan, options, owner, resume)
-    # Checkpoints are keyed by run id; ranks without one (other nodes, tracking off) adopt the
-    # logging rank's folder once the process group exists (see runner.launch.worker).
-    run_key = run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    checkpoint_dir = default_checkpoint_dir(uri, loaded.spec.checkpoint.dir, run_key)
-    if run_id is not None and owner and uri is not None:  # where the run's checkpoints and spool are
-        set_run_tags(uri, run_id, {"runner.checkpoint_dir": str(checkpoint_dir)})
-    return Prepared(run_id, resume, str(checkpoint_dir), rank, shown)
+    if plan.tracking_uri is None:
+        return
+    try:
+        open_store(plan.tracking_uri)  # reachable, writable; a new sqlite store is created under its lock
+    except TrackingError as exc:
+        raise store_error_at(exc, plan.loaded, options.tracking_uri) from None
 
 
 def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) -> TrackingError:
@@ -113,19 +76,20 @@ def apply_plan_env(plan: Plan) -> None:
         os.environ.update(plan.slurm.worker_env(os.environ))  # this task is now the worker torchrun would start
 
 
-def worker_args(plan: Plan, options: ExecOptions, ready: Prepared) -> WorkerArgs:
-    """What every worker gets: spec, devices, the run (the owner's workers only) and its checkpoint folder."""
+def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> WorkerArgs:
+    """What every worker gets: spec, devices, and where rank 0 reaches the driver (which hands down the run)."""
     from runner.launch.worker import WorkerArgs
 
     return WorkerArgs(
         loaded=plan.loaded,
         plan=plan.devices,
-        run_id=ready.run_id if plan.owns_run else None,
+        run_id=None,
         tracking_uri=plan.tracking_uri,
-        checkpoint_dir=ready.checkpoint_dir,
-        resume=ready.resume is not None or requeued(plan),
+        checkpoint_dir="",
+        resume=requeued(plan),
         sync_timing=options.sync_timing,
         epoch_end=options.epoch_end,
+        hub=hub,
         dtype=options.dtype,
         nudge=options.nudge,
     )

@@ -114,8 +114,9 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         SpecError: The spec differs from the run's in keys not allowed to change.
         CheckpointError: Every checkpoint of the run is damaged (exit 1).
     """
+    from runner.spec.paths import default_checkpoint_dir
     from runner.tracking import runs as tracking
-    from runner.training.checkpoint import CheckpointError, default_checkpoint_dir
+    from runner.training.checkpoint import CheckpointError
 
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
@@ -307,8 +308,9 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
 
     import torch
 
+    from runner.spec.paths import default_checkpoint_dir
     from runner.tracking.stored import read_stored_run, store_uri
-    from runner.training.checkpoint import CheckpointError, default_checkpoint_dir, load_latest
+    from runner.training.checkpoint import CheckpointError, load_latest
 
     uri = store_uri(tracking_uri)
     spec = read_stored_run(uri, run_id).loaded().spec

@@ -11,6 +11,7 @@ the named steps of :mod:`runner.training.setup`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -21,9 +22,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from runner.errors import Interrupted, RunnerError, user_code_error
+from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, user_code_error
+from runner.launch.channel import HandedRun, HubAddress, Link
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
+    from runner.training import WorkerResult
     from runner.training.data import DatasetInfo
-    from runner.training.setup import TrainingParts, WorkerResult
+    from runner.training.seeding import SeedInfo
+    from runner.training.setup import Restored, TrainingParts
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class WorkerArgs:
     Attributes:
         loaded: The :class:`runner.spec.loading.LoadedSpec`.
         plan: The :class:`runner.devices.resolve.DevicePlan` resolved by the driver.
-        run_id: The MLflow run to log into, or ``None`` (tracking off, or another node owns it).
+        run_id: The MLflow run when it exists before the workers start (never under ``runner exec``: the
+            driver makes it once rank 0 reports the build), else ``None``.
         tracking_uri: Absolute tracking URI, or ``None`` when tracking is off.
         checkpoint_dir: Folder of this run's checkpoints.
         resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
@@ -52,9 +55,9 @@ class WorkerArgs:
         launcher_pid: The process that started this worker (the driver, for the elastic launcher):
             the worker dies with it; ``None``: whatever process is the parent when the worker starts.
         report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
-        run_file: Where the driver hands over the run once it exists (:mod:`runner.launch.handoff`):
-            ``run_id``, ``checkpoint_dir`` and ``resume`` above are then read from it after the parts are
-            built. ``None``: they are final.
+        hub: Where rank 0 reaches the driver (:mod:`runner.launch.channel`): it reports the build there and
+            receives the run, the checkpoint folder and whether to resume, which replace ``run_id``,
+            ``checkpoint_dir`` and ``resume`` above. ``None``: no driver records anything (``runner bench``).
         dtype: The dtype the model, its inputs and its loss train in (``ExecOptions.dtype``), or ``None``.
         nudge: Nudge the initial weights by one ulp (``ExecOptions.nudge``).
     """
@@ -69,12 +72,11 @@ class WorkerArgs:
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     launcher_pid: int | None = None
     report_dir: str | None = None
-    run_file: str | None = None
+    hub: HubAddress | None = None
     dtype: str | None = None
     nudge: bool = False
 
 
-@record
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
     """Train one rank to the end (or to a stop signal).
 
@@ -82,8 +84,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
         args: See :class:`WorkerArgs`.
 
     Returns:
-        The rank's :class:`~runner.training.setup.WorkerResult`; ``None`` when the driver's checks failed
-        before the run existed (``args.run_file`` says so), and nothing was trained.
+        The rank's :class:`~runner.training.WorkerResult`; ``None`` when the driver made no run (a spec
+        error found while building, or the store failed), and nothing was trained.
 
     Raises:
         Interrupted: SIGINT/SIGTERM arrived; a checkpoint was written first.
@@ -97,19 +99,20 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
 
     apply_threads(args.plan)  # one rule for every mode, before any work (docs/design.md §4)
     env = LauncherEnvironment.detect()  # the one read of the launcher's variables in a worker
-    if env.external:  # a process of its own, started by the elastic launcher, torchrun or a scheduler
+    if env.external or args.launcher_pid is not None:  # a process of its own: it dies with the one that started it
         die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env, args.loaded.spec.train.amp)
     stop = _StopFlag(announce=env.rank == 0)
     grace_s = args.loaded.spec.parallel.hang_grace_s
     watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
+    link = Link(args.hub) if args.hub is not None and env.rank == 0 else None
     try:
         strategy.setup()
         stop.install()
         if watch is not None:
             watch.start()
         try:
-            result = _train(args, strategy, env, stop)
+            result = _train(args, strategy, env, stop, link)
         except RunnerError:
             raise
         except Exception as exc:  # an error in the user's model, data, loss or metric: their file and line
@@ -118,57 +121,69 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
                 raise
             raise located from exc
         strategy.barrier()  # every rank is done with collectives before any destroys the group
+        if link is not None and result is not None:
+            link.send("result", dataclasses.asdict(result))
         return result
+    except BaseException as exc:
+        if link is not None:
+            _report_failure(link, exc)
+        raise
     finally:
         if watch is not None:
             watch.stop()
         stop.uninstall()
         strategy.teardown()
+        if link is not None:
+            link.close()
 
 
-def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag) -> WorkerResult | None:
-    """Set up on an initialised strategy, resume if asked, fit, log the outputs; the setup steps are named.
+def _train(
+    args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag, link: Link | None
+) -> WorkerResult | None:
+    """Build, report the build to the driver, resume if asked, fit, send the outputs; the setup steps are named.
 
     Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
-    released when it returns, before the process group is destroyed. With ``args.run_file`` the
-    parts are built while the driver creates the run, then the run is read from the file; ``None``
-    is returned when the driver's checks failed.
+    released when it returns, before the process group is destroyed. Rank 0 talks to the driver's
+    hub (:mod:`runner.launch.channel`) when there is one; ``None`` is returned when the driver
+    made no run (a spec error found while building, or the store failed).
     """
-    from runner.tracking.spool import spool_path
-    from runner.tracking.system import start_system_metrics
-    from runner.tracking.trackers import make_tracker, skip_logged_steps
+    from runner.launch.channel import ChannelTracker
+    from runner.tracking.trackers import NullTracker
     from runner.training import setup
     from runner.training.seeding import seed_everything
 
-    spec, uri = args.loaded.spec, args.tracking_uri
+    spec = args.loaded.spec
     seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
-    parts = setup.build_parts(spec, args.loaded.path.parent, strategy, dtype=args.dtype, nudge=args.nudge)
-    if args.run_file is not None:
-        from runner.launch.handoff import wait_for_run
+    parts, handed = _build_and_report(args, strategy, link)
+    if parts is None:
+        return None
+    folder, is_log_rank = Path(handed.checkpoint_dir), strategy.rank == 0
+    restored = setup.restore(parts, strategy, folder, resume=handed.resume, restarted=env.restarted)
+    tracker: Tracker = NullTracker()
+    if link is not None:
+        resumed = restored.resumed_from is not None
+        continuing = handed.resume or env.restarted
+        restored.notes += link.ask("restored", restored.metrics_recorded, resumed, continuing)
+        tracker = ChannelTracker(link)
+    return _fit(args, strategy, parts, restored, tracker, handed, seed_info, stop, is_log_rank)
 
-        handed = wait_for_run(args.run_file)
-        if handed is None:
-            return None
-        args = dataclasses.replace(
-            args, run_id=handed.run_id, checkpoint_dir=handed.checkpoint_dir, resume=handed.resume, run_file=None
-        )
-    run_id, log_rank, checkpoint_dir = _agree_on_run(strategy, args.run_id, args.checkpoint_dir)
-    folder, is_log_rank = Path(checkpoint_dir), strategy.rank == log_rank
-    restored = setup.restore(parts, strategy, folder, resume=args.resume, restarted=env.restarted)
-    if is_log_rank and uri is not None and run_id is not None and (args.resume or env.restarted):
-        restored.notes += _adopt_spool(uri, run_id, folder, restored.metrics_recorded)
-    tracker = make_tracker(
-        uri,
-        run_id,
-        is_logger=is_log_rank,
-        flush_every_s=spec.tracking.flush_every_s,
-        spool=spool_path(folder),
-        first_seq=restored.metrics_recorded,
-    )
-    monitor = None
+
+def _fit(
+    args: WorkerArgs,
+    strategy: Strategy,
+    parts: TrainingParts,
+    restored: Restored,
+    tracker: Tracker,
+    handed: HandedRun,
+    seed_info: SeedInfo,
+    stop: _StopFlag,
+    is_log_rank: bool,
+) -> WorkerResult:
+    """Train on built and restored parts, then send the outputs and the result (rank 0)."""
+    from runner.training import setup
+
+    spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
-        if restored.resumed_from is not None:
-            tracker = skip_logged_steps(tracker, uri, run_id)
         notes = list(restored.notes)
         if spec.deterministic:
             settings = setup.describe_settings(seed_info)
@@ -178,13 +193,10 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
             from runner.launch.driver import show_notes
 
             show_notes(notes)
-        logged_run = run_id if is_log_rank else None
-        if logged_run is not None and restored.resumed_from is None and parts.data is not None:
-            _record_data(uri, logged_run, parts.data)
-        if logged_run is not None and spec.tracking.system_metrics:
-            monitor = start_system_metrics(uri, logged_run, resumed=restored.resumed_from is not None)
+        if is_log_rank and restored.resumed_from is None and parts.data is not None:
+            _send_data(tracker, parts.data)
         checkpointer = setup.Checkpointer(
-            parts, strategy, folder, args.loaded, run_id=run_id, writer=is_log_rank, tracker=tracker
+            parts, strategy, folder, args.loaded, run_id=handed.run_id, writer=is_log_rank, tracker=tracker
         )
         epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
         loop = setup.loop_parts(
@@ -193,50 +205,93 @@ def _train(args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop:
         fitted = setup.train(loop, spec, restored.state)
         if spec.tracking.log_model:  # a collective where the parameters are sharded
             parts.raw_model = strategy.full_module(parts.model)
-        if logged_run is not None:
-            _log_outputs(args, logged_run, tracker, parts, folder, fitted.state.global_step)
-        return setup.finish(fitted, strategy, restored.resumed_from, notes)
+        if is_log_rank:
+            _send_outputs(args, tracker, parts, folder, fitted.state.global_step)
+        result = setup.finish(fitted, strategy, restored.resumed_from, notes)
     finally:
-        if monitor is not None:
-            monitor.finish()
         tracker.close()
+    return result
 
 
-def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
-    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest.
+def _build_and_report(
+    args: WorkerArgs, strategy: Strategy, link: Link | None
+) -> tuple[TrainingParts | None, HandedRun]:
+    """Check and build the parts on every rank, agree on the outcome, and let rank 0 report it to the driver.
 
-    Values recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent.
+    The driver creates (or reopens) the run only once the parts are built, so a spec error found while
+    building leaves no run at all (docs/design.md §1). Every rank gets rank 0's :class:`HandedRun`.
+
+    Returns:
+        ``(parts, handed)``; ``parts`` is ``None`` when the driver made no run (the ranks train nothing).
+
+    Raises:
+        Exception: What this rank's build raised, other than a spec error (the run exists and ends FAILED).
     """
-    from runner.tracking.spool import send_spool, spool_path
+    from runner.launch.channel import HandedRun
+    from runner.training import setup
 
-    path = spool_path(folder)
-    sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
-    if sent is None:
-        return []
-    return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
+    parts, notes, spec_error, failure = None, [], None, None
+    try:  # rank 0 checks what needs no build, so that every rank builds (and meets wrap's collectives) or none
+        if strategy.rank == 0:
+            notes = _check_parts(args, strategy.world_size)
+    except SpecError as exc:
+        spec_error = exc
+    first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
+    if first_error is None:
+        try:
+            parts = setup.build_parts(
+                args.loaded.spec, args.loaded.path.parent, strategy, dtype=args.dtype, nudge=args.nudge
+            )
+        except SpecError as exc:
+            spec_error = exc
+        except Exception as exc:
+            failure = exc
+        first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
+    handed = HandedRun(args.run_id, args.checkpoint_dir, args.resume)
+    if link is not None:
+        handed = link.ask("built", first_error, notes)
+    handed = strategy.all_gather_object(handed)[0]
+    if first_error is not None and link is None and args.hub is None and strategy.rank == 0:
+        raise first_error  # no driver to report it to (runner bench's own processes)
+    if handed.abort or first_error is not None:
+        return None, handed
+    if failure is not None:
+        raise failure
+    return parts, handed
 
 
-def _record_data(uri: str | None, run_id: str, info: DatasetInfo) -> None:
-    """On the logging rank of a new run: the data as dataset inputs and the split fingerprint tag."""
-    from runner.tracking.datasets import DatasetRecord, record_data
+def _check_parts(args: WorkerArgs, world_size: int) -> list[str]:
+    """The checks that must pass before a run exists (loss and metrics, every part by build or signature)."""
+    from runner.launch.prebuild import check_parts
+    from runner.launch.prepare import check_objectives
 
-    if uri is None:
+    check_objectives(args.loaded)
+    return check_parts(args.loaded, world_size)
+
+
+def _report_failure(link: Link, exc: BaseException) -> None:
+    """Tell the driver what rank 0 failed of (the exception itself when it crosses a pipe, else its text)."""
+    import pickle
+
+    try:
+        error = exc if pickle.loads(pickle.dumps(exc)) is not None else None
+    except Exception:
+        error = TrainingError(f"{type(exc).__name__}: {exc}")
+    with contextlib.suppress(OSError, ValueError):
+        link.send("failed", error)
+
+
+def _send_data(tracker: Tracker, info: DatasetInfo) -> None:
+    """On the logging rank of a new run: the data's parts, for the driver to record as dataset inputs."""
+    send = getattr(tracker, "send", None)
+    if send is None:
         return
-    parts = [("train", "training", info.num_train, info.train_digest)]
-    if info.num_val and info.val_digest is not None:
-        parts.append(("val", "validation", info.num_val, info.val_digest))
-    records = [
-        DatasetRecord(f"{info.name} {part}", digest, context, count, info.source, info.input_shape)
-        for part, context, count, digest in parts
-    ]
-    record_data(uri, run_id, records, info.val_split_sha256)
+    fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape", "val_split_sha256")
+    send("data", {name: getattr(info, name) for name in fields})
 
 
-def _log_outputs(
-    args: WorkerArgs, run_id: str, tracker: Tracker, parts: TrainingParts, folder: Path, step: int
-) -> None:
-    """On the logging rank: upload the last checkpoint and the trained model to the run, as the spec asks."""
-    from runner.tracking.models import log_model
+def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, folder: Path, step: int) -> None:
+    """On the logging rank: the last checkpoint and the trained model, for the driver to upload as the spec asks."""
     from runner.training.checkpoint import list_checkpoints
 
     spec = args.loaded.spec
@@ -244,13 +299,24 @@ def _log_outputs(
         saved = list_checkpoints(folder)
         if saved:
             tracker.log_artifact(str(saved[-1]), "checkpoints")
-    if spec.tracking.log_model:
-        tracker.flush()  # the metrics of the last step are linked to the model: they must be in MLflow
+    send = getattr(tracker, "send", None)
+    if spec.tracking.log_model and send is not None:
+        import torch
+
         stats = parts.data.normalization if parts.data is not None else None
         example = parts.example_input()
         if stats is not None:  # the model takes samples before normalisation; it normalises them itself
             example = example * stats[1] + stats[0]
-        log_model(args.tracking_uri, run_id, parts.raw_model, example, step=step, normalization=stats)
+        example = {k: v.cpu() for k, v in example.items()} if isinstance(example, dict) else example.cpu()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f".model-{os.getpid()}.pt"
+        torch.save({"model": parts.raw_model.cpu(), "example": example}, path)
+        try:
+            tracker.flush()
+            send("model", str(path), step, stats)
+            tracker.flush()  # answered once the driver logged it
+        finally:
+            path.unlink(missing_ok=True)
 
 
 def _agreed_epoch_end(
@@ -265,21 +331,6 @@ def _agreed_epoch_end(
         return any(strategy.all_gather_object(answer))
 
     return epoch_end
-
-
-def _agree_on_run(strategy: Strategy, local_run_id: str | None, local_dir: str) -> tuple[str | None, int, str]:
-    """Find the run id, the rank that logs to it, and the checkpoint folder every rank uses.
-
-    On one node every rank already has the run id. With several nodes (or under torchrun)
-    only the workers whose driver created the run have it: all ranks gather ``(run id,
-    checkpoint folder)`` and the lowest rank holding a run id becomes the logging rank; its
-    folder is used by all (resuming on several nodes therefore needs a shared filesystem).
-    """
-    gathered = strategy.all_gather_object((local_run_id, local_dir))
-    for rank, (rid, folder) in enumerate(gathered):
-        if rid is not None:
-            return rid, rank, folder
-    return None, 0, gathered[0][1]
 
 
 STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (a second later) stops at once\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 
 def folder_problem(folder: Path) -> str | None:
@@ -38,3 +39,28 @@ def folder_problem(folder: Path) -> str | None:
         return f"{existing} does not let a folder be created in it ({exc.strerror or exc})"
     os.rmdir(probe)
     return None
+
+
+def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
+    """Folder for one run's checkpoints.
+
+    Args:
+        tracking_uri: The MLflow tracking URI; for a ``sqlite:///`` or file store the folder
+            sits next to it (``<store dir>/checkpoints/<run_key>``), otherwise in the working
+            directory.
+        spec_dir: ``checkpoint.dir`` from the spec (absolute), which replaces the base folder.
+        run_key: The MLflow run id (or a local id when tracking is off).
+
+    Returns:
+        An absolute path (not created).
+    """
+    if spec_dir:
+        return Path(spec_dir) / run_key
+    base = Path.cwd()
+    if tracking_uri:
+        parsed = urlparse(tracking_uri)
+        if parsed.scheme == "sqlite":
+            base = Path(tracking_uri[len("sqlite:///") :]).parent
+        elif parsed.scheme in ("", "file"):
+            base = Path(parsed.path).parent
+    return (base / "checkpoints" / run_key).resolve()

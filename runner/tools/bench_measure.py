@@ -13,7 +13,7 @@ from runner.tools.bench_figures import median, noise, percentile, spread, steady
 from runner.tools.bench_report import ConfigResult
 
 if TYPE_CHECKING:
-    from runner.training.setup import WorkerResult
+    from runner.training import WorkerResult
 
 
 class Ran(Protocol):

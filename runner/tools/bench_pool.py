@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.spec.loading import LoadedSpec
     from runner.tools.bench_report import BenchReport
-    from runner.training.setup import WorkerResult
+    from runner.training import WorkerResult
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 

@@ -17,7 +17,7 @@ from runner.tools.bench_runs import Parent, log_history, start_child
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
-    from runner.training.setup import WorkerResult
+    from runner.training import WorkerResult
 
 
 @dataclass

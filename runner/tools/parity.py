@@ -379,6 +379,7 @@ def _train(
         tags=(("runner.parity.config", result.config),),
         dtype=dtype,
         nudge=nudge,
+        in_process=True,  # parity's configurations reuse its process
     )
     done = exec_experiment(loaded, options)
     result.run_id = done.run_id

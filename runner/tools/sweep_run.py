@@ -147,6 +147,7 @@ def _execute(
         tags=trial_tags(point, study.name, trial.number),
         environ=setup.environ,
         epoch_end=pruning,
+        in_process=True,  # a trial reuses the sweep worker's process (its imports, its pool)
     )
     out = exec_experiment(loaded, options)
     stopped = out.workers[0].stopped_after_epoch if out.workers else None

@@ -84,7 +84,7 @@ def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
     return str(value) if value else None
 
 
-def _check_fluent_run(nested: bool) -> str | None:
+def check_fluent_run(nested: bool) -> str | None:
     """Raise when a fluent MLflow run is active and nesting was not asked for; return the parent id."""
     import mlflow
 
@@ -210,7 +210,7 @@ def start_run(
 
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
-    parent_run_id = _check_fluent_run(nested)
+    parent_run_id = check_fluent_run(nested)
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
     params_of, dump_spec = _spec_codec()

@@ -24,12 +24,26 @@ if TYPE_CHECKING:
 
 
 def _torch_versions() -> tuple[str, str]:
-    """``(torch version, CUDA version of the torch build or "none")`` without initialising CUDA."""
-    try:
-        import torch
-    except ImportError:
+    """``(torch version, CUDA version of the torch build or "none")``, read from ``torch/version.py`` without
+    importing torch (the driver of a none or dp job never does; docs/design.md §6)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    found = importlib.util.find_spec("torch")
+    if found is None or not found.submodule_search_locations:
         return "none", "none"
-    return str(torch.__version__), str(torch.version.cuda or "none")
+    values: dict[str, str] = {}
+    try:
+        tree = ast.parse((Path(next(iter(found.submodule_search_locations))) / "version.py").read_text())
+    except (OSError, SyntaxError):
+        return "unknown", "unknown"
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            values[target.id] = str(value.value) if value.value is not None else "none"
+    return values.get("__version__", "unknown"), values.get("cuda", "none")
 
 
 def _runner_version() -> str:

@@ -1,1 +1,37 @@
-"""What one rank does: the loop, its setup, data and loaders, models, optimizers, seeding, checkpoints."""
+"""What one rank does. :class:`WorkerResult` lives here, free of torch: it crosses to the driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerResult:
+    """What a worker returns (only the logging rank's is used by the driver).
+
+    Attributes:
+        rank: Global rank of the process.
+        metrics: Last value of every metric.
+        global_step: Optimizer steps taken at the end.
+        history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
+        resumed_from: Checkpoint file the run continued from, if any.
+        notes: Things the user should know (e.g. damaged checkpoints skipped).
+        step_times_s: Wall time of each optimizer step, seconds.
+        data_wait_s: Seconds of each step spent waiting for data.
+        peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
+            the process's peak resident set size.
+        device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
+        stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
+    """
+
+    rank: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    global_step: int = 0
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    resumed_from: str | None = None
+    notes: list[str] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    device: str = "cpu"
+    stopped_after_epoch: int | None = None

@@ -27,6 +27,7 @@ from runner.errors import mask_secrets
 from runner.spec.dump import flatten_spec
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.precision import Precision
+from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
@@ -49,38 +50,6 @@ if TYPE_CHECKING:
     from runner.tracking.trackers import Tracker
     from runner.training.data import DatasetBundle, DatasetInfo
     from runner.training.seeding import SeedInfo
-
-
-@dataclass
-class WorkerResult:
-    """What a worker returns (only the logging rank's is used by the driver).
-
-    Attributes:
-        rank: Global rank of the process.
-        metrics: Last value of every metric.
-        global_step: Optimizer steps taken at the end.
-        history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
-        resumed_from: Checkpoint file the run continued from, if any.
-        notes: Things the user should know (e.g. damaged checkpoints skipped).
-        step_times_s: Wall time of each optimizer step, seconds.
-        data_wait_s: Seconds of each step spent waiting for data.
-        peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
-            the process's peak resident set size.
-        device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
-        stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
-    """
-
-    rank: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    global_step: int = 0
-    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    resumed_from: str | None = None
-    notes: list[str] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    data_wait_s: list[float] = field(default_factory=list)
-    peak_memory_bytes: int = 0
-    device: str = "cpu"
-    stopped_after_epoch: int | None = None
 
 
 @dataclass

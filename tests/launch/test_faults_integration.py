@@ -178,19 +178,22 @@ def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_no
 # ----------------------------------------------------------------------------- item: the driver killed hard
 
 
-def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", [DDP, {"mode": "none"}], ids=["ddp-2", "none"])
+def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_path: Path, parallel: dict) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, DDP, epochs=100)
+    spec = _spec(tmp_path, uri, parallel, epochs=100)
     pids = tmp_path / "pids"
     pids.mkdir()
+    ranks = range(parallel.get("nproc_per_node", 1))
     driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.1"))
-    wait_for(lambda: len(list(pids.iterdir())) == 2, "both workers to train", proc=driver)
+    wait_for(lambda: len(list(pids.iterdir())) == len(ranks), "every training process to train", proc=driver)
     (run,) = _runs(uri)
     run_id = run.info.run_id
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), "--resume", run_id))
     assert code == 2 and f"still RUNNING in pid {driver.pid} on host" in err  # a live owner keeps its run
 
-    workers = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
+    workers = [int((pids / f"rank{r}").read_text()) for r in ranks]
+    assert driver.pid not in workers  # the driver trains nothing (docs/design.md §6)
     driver.send_signal(signal.SIGKILL)
     driver.communicate()
     # 30 s, well before a surviving worker would end its 100 epochs (no elapsed-time assert: a loaded machine)

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.launch.owner import Owner
+from runner.spec.paths import default_checkpoint_dir
 
 pytestmark = pytest.mark.created_store
 
@@ -94,7 +95,7 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
         spec_sha256="x",
         run_id=run_id,
     )
-    ckpt.save_checkpoint(ckpt.default_checkpoint_dir(store, None, run_id), payload, keep_last=2)
+    ckpt.save_checkpoint(default_checkpoint_dir(store, None, run_id), payload, keep_last=2)
     return run_id
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.spec.paths import default_checkpoint_dir
 from runner.training import checkpoint as ckpt
 from runner.training.loop import TrainState
 
@@ -103,8 +104,8 @@ def test_spec_changes_lists_changed_keys_and_ignores_tracking() -> None:
 
 def test_default_dir_sits_next_to_sqlite_store(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    assert ckpt.default_checkpoint_dir(uri, None, "abc") == (tmp_path / "store" / "checkpoints" / "abc").resolve()
-    assert ckpt.default_checkpoint_dir(uri, str(tmp_path / "ck"), "abc") == tmp_path / "ck" / "abc"
+    assert default_checkpoint_dir(uri, None, "abc") == (tmp_path / "store" / "checkpoints" / "abc").resolve()
+    assert default_checkpoint_dir(uri, str(tmp_path / "ck"), "abc") == tmp_path / "ck" / "abc"
 
 
 class _RunsCode:

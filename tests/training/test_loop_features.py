@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from runner.launch.driver import exec_experiment
+from runner.launch.driver import ExecOptions, exec_experiment
 from runner.spec.loading import load_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 def _run(write_spec, *sets: str):
     spec = write_spec()
     loaded = load_spec(spec, ["tracking.enabled=false", "checkpoint.enabled=false", *sets])
-    return exec_experiment(loaded)
+    return exec_experiment(loaded, ExecOptions(in_process=True))  # the loop's features, not the process model
 
 
 def _series(result, key: str) -> list[tuple[int, float]]:

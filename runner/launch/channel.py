@@ -1,0 +1,222 @@
+"""The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens.
+
+The driver is the only process that imports MLflow (docs/design.md, "Process model"). Rank 0 of the
+job connects to the driver's :class:`Hub` over a Unix socket (``multiprocessing.connection``, with a
+random key) and sends, in order:
+
+* ``built``: the parts were built (or the spec error found while building them); the driver then
+  creates or reopens the run and answers with the run id, the checkpoint folder and whether to resume;
+* ``restored``: what the checkpoint said (values recorded, resumed or not); the driver answers notes;
+* ``metrics``, ``tags``, ``artifact``, ``data``, ``model``: what the run records, without waiting;
+* ``flush`` and ``close``: answered once everything before them reached the store (or its spool);
+* ``result`` or ``failed``: how the rank ended.
+
+Neither side imports torch or mlflow here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from runner.errors import TrackingError
+
+ANSWERED = frozenset({"built", "restored", "flush", "close"})  # the kinds the hub answers
+
+
+@dataclass(frozen=True)
+class HubAddress:
+    """Where rank 0 reaches the driver's hub: a Unix socket path and the key that authenticates it."""
+
+    path: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class HandedRun:
+    """The driver's answer to ``built``: the run and its checkpoint folder, or ``None`` for both when it made none.
+
+    Attributes:
+        abort: The driver will not run this job (the build or the store failed); the ranks train nothing.
+    """
+
+    run_id: str | None
+    checkpoint_dir: str
+    resume: bool
+    abort: bool = False
+
+
+class Link:
+    """Rank 0's end of the pipe. Every method is safe to call from the training thread only."""
+
+    def __init__(self, address: HubAddress) -> None:
+        self._conn: Connection = Client(address.path, family="AF_UNIX", authkey=address.key)
+        self._lock = threading.Lock()
+
+    def send(self, kind: str, *payload: Any) -> None:
+        """Send a message that the hub does not answer; returns once it is written to the socket."""
+        with self._lock:
+            self._conn.send((kind, *payload))
+
+    def ask(self, kind: str, *payload: Any) -> Any:
+        """Send a message the hub answers and wait for the answer.
+
+        Raises:
+            TrackingError: The hub's answer was an error (its message is the hub's).
+        """
+        with self._lock:
+            self._conn.send((kind, *payload))
+            ok, answer = self._conn.recv()
+        if not ok:
+            raise TrackingError(answer)
+        return answer
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class ChannelTracker:
+    """The :class:`~runner.tracking.trackers.Tracker` of rank 0: everything goes to the driver over the link.
+
+    ``log_metrics``, ``set_tags`` and ``log_artifact`` write one small message to a local socket and
+    return; the driver's tracker buffers and sends it (:class:`~runner.tracking.mlflow_tracker.MlflowTracker`).
+    """
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
+        self._recorded = 0
+        self._closed = False
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not isinstance(step, int):
+            raise TypeError(f"step must be an int, not {type(step).__name__}")
+        self._check_open()
+        self._link.send("metrics", {k: float(v) for k, v in metrics.items()}, step)
+
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        self._check_open()
+        local = Path(path).resolve()
+        if not local.exists():
+            raise FileNotFoundError(f"artifact not found: {local}")
+        self._link.send("artifact", str(local), artifact_path)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self._check_open()
+        self._link.send("tags", dict(tags))
+
+    def flush(self) -> None:
+        self._check_open()
+        self._recorded = int(self._link.ask("flush"))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._recorded = int(self._link.ask("close"))
+
+    def send(self, kind: str, *payload: Any) -> None:
+        """Send another kind of message (``data``, ``model``) to the driver, in order with the rest."""
+        self._check_open()
+        self._link.send(kind, *payload)
+
+    def recorded(self) -> int:
+        """Metric values the run has numbered, as of the last :meth:`flush` (what a checkpoint records)."""
+        return self._recorded
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TrackingError("the tracker was closed")
+
+
+class Hub:
+    """The driver's end: a listening socket and one thread that serves rank 0's messages in order.
+
+    Args:
+        handle: Called on the hub's thread as ``handle(kind, *payload)`` for every message; its return
+            value answers the kinds in :data:`ANSWERED`, and an exception it raises answers them as an
+            error (a :class:`~runner.errors.RunnerError`'s message, else the exception's name and text).
+        before_accept: Called on the hub's thread before it waits for rank 0 (the driver opens the store there,
+            while the training processes import torch and build).
+    """
+
+    def __init__(
+        self, handle: Callable[..., Any], before_accept: Callable[[], None] = lambda: None, prefix: str = "runner-"
+    ) -> None:
+        self._handle, self._before = handle, before_accept
+        self.folder = tempfile.mkdtemp(prefix=prefix)
+        self.address = HubAddress(str(Path(self.folder) / "hub.sock"), secrets.token_bytes(16))
+        self._listener = Listener(self.address.path, family="AF_UNIX", authkey=self.address.key)
+        self._thread = threading.Thread(target=self._serve, name="runner-hub", daemon=True)
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None  # what the hub's thread itself died of
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, wait_s: float = 30.0) -> None:
+        """Stop listening and wait (at most ``wait_s``) for the last message to be handled; remove the folder."""
+        import shutil
+
+        self._stopped.set()
+        # A hub still waiting for rank 0 is woken by a connection of its own, made on a thread: it must not
+        # block this one when the hub is busy with rank 0's last messages.
+        threading.Thread(target=self._wake, name="runner-hub-wake", daemon=True).start()
+        self._thread.join(wait_s)
+        self._listener.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            Client(self.address.path, family="AF_UNIX", authkey=self.address.key).close()
+
+    def _serve(self) -> None:
+        try:
+            with contextlib.suppress(Exception):  # the handler keeps what went wrong for the answer to rank 0
+                self._before()
+            while not self._stopped.is_set():
+                try:
+                    conn = self._listener.accept()
+                except (AuthenticationError, EOFError, ConnectionError):
+                    continue  # a stranger without the key, or a peer gone before the handshake
+                except OSError:
+                    return
+                if self._stopped.is_set():
+                    conn.close()
+                    return
+                with conn:
+                    self._serve_one(conn)
+        except BaseException as exc:
+            self.error = exc
+
+    def _serve_one(self, conn: Connection) -> None:
+        while True:
+            try:
+                kind, *payload = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                answer = (True, self._handle(kind, *payload))
+            except Exception as exc:
+                if kind not in ANSWERED:
+                    raise
+                answer = (False, _message(exc))
+            if kind in ANSWERED:
+                try:
+                    conn.send(answer)
+                except OSError:
+                    return
+
+
+def _message(exc: BaseException) -> str:
+    from runner.errors import RunnerError
+
+    return str(exc) if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}"

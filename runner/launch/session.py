@@ -1,0 +1,270 @@
+"""The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends.
+
+:class:`RunSession` answers the messages of :mod:`runner.launch.channel` on the hub's thread. It is the
+only place that creates, reopens, records into and ends the run of ``runner exec`` (docs/design.md §6,
+"Process model"). The training processes never import MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.errors import SpecError, TrackingError
+from runner.launch.channel import HandedRun
+from runner.spec.loading import relocate_issues
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runner.launch.driver import ExecOptions
+    from runner.launch.resume import ResumePoint
+    from runner.plan import Plan
+    from runner.tracking.trackers import Tracker
+
+
+class RunSession:
+    """One job's run, made and recorded by the driver.
+
+    Args:
+        plan: The job's plan (it owns the run: ``plan.owns_run``).
+        options: ``runner exec``'s options.
+        resume: The run to continue (checked before any training process started), or ``None``.
+
+    Attributes:
+        run_id: The run, once created or reopened (``None`` before, and when tracking is off).
+        checkpoint_dir: Its checkpoint folder, once the run exists.
+        build_error: The spec error rank 0 reported instead of a build: no run was made.
+        store_error: Why the store could not be opened: no run was made.
+        result: Rank 0's result (a dict of :class:`~runner.training.WorkerResult` fields), once sent.
+        failure: What rank 0 reported it failed of, if it did.
+        shown: The notes were printed before training.
+    """
+
+    def __init__(self, plan: Plan, options: ExecOptions, resume: ResumePoint | None) -> None:
+        self.plan, self.options, self.resume = plan, options, resume
+        self.run_id: str | None = None
+        self.checkpoint_dir = ""
+        self.build_error: SpecError | None = None
+        self.store_error: TrackingError | None = None
+        self.result: dict[str, Any] | None = None
+        self.failure: BaseException | None = None
+        self.shown = False
+        self._tracker: Tracker | None = None
+        self._monitor: Any = None
+        self._deferred: BaseException | None = None
+        self._opened = resume is not None  # a resume opened the store before anything started
+
+    # -- the hub's hooks -------------------------------------------------------------------
+
+    def open_store(self, *, early: bool = True) -> None:
+        """Reach the store (a new sqlite store is created under its lock) while the training processes start.
+
+        A sqlite file that does not exist yet is created only once rank 0 reported the build (``early=False``),
+        so a spec error found while building leaves no store behind either.
+        """
+        from runner.launch.prepare import store_error_at
+
+        uri = self.plan.tracking_uri
+        if uri is None or self._opened or (early and _new_sqlite(uri)):
+            return
+        from runner.tracking.store import open_store
+
+        self._opened = True
+        try:
+            open_store(uri)
+        except TrackingError as exc:
+            self.store_error = store_error_at(exc, self.plan.loaded, self.options.tracking_uri)
+
+    def handle(self, kind: str, *payload: Any) -> Any:
+        """Answer one message of rank 0 (see :mod:`runner.launch.channel`)."""
+        if kind in ("metrics", "tags", "artifact", "data", "model"):
+            try:
+                return getattr(self, f"_{kind}")(*payload)
+            except Exception as exc:  # reported at the next flush, as a buffered tracker would
+                self._deferred = self._deferred or exc
+                return None
+        if kind in ("flush", "close") and self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
+        return getattr(self, f"_{kind}")(*payload)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _built(self, error: SpecError | None, notes: list[str]) -> HandedRun:
+        if error is not None:
+            self.build_error = relocate_issues(error, self.plan.loaded)
+            return HandedRun(None, "", False, abort=True)
+        self.open_store(early=False)
+        if self.store_error is not None:
+            return HandedRun(None, "", False, abort=True)
+        if self.checkpoint_dir:  # the elastic agent restarted the workers: the same run, from its checkpoint
+            return HandedRun(self.run_id, self.checkpoint_dir, True)
+        self.plan = dataclasses.replace(self.plan, part_notes=tuple(notes))
+        self._show_notes()
+        self._create()
+        return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or _requeued(self.plan))
+
+    def _create(self) -> None:
+        from runner.launch.prepare import open_run
+        from runner.spec.paths import default_checkpoint_dir
+
+        plan, uri = self.plan, self.plan.tracking_uri
+        self.run_id = open_run(plan, self.options, plan.owns_run, self.resume)
+        run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.checkpoint_dir = str(default_checkpoint_dir(uri, plan.loaded.spec.checkpoint.dir, run_key))
+        if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
+            from runner.tracking.lookup import set_run_tags
+
+            set_run_tags(uri, self.run_id, {"runner.checkpoint_dir": self.checkpoint_dir})
+
+    def _show_notes(self) -> None:
+        from runner.launch.driver import show_notes
+
+        rank = self.plan.launcher.rank if self.plan.launch == "external" else 0
+        self.shown = rank == 0 and self.options.parent_run_id is None  # trials report to their tool
+        if self.shown:
+            show_notes([*self.plan.notes, *(self.resume.notes if self.resume else [])])
+
+    def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
+        """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
+        from runner.tracking.spool import spool_path
+        from runner.tracking.trackers import make_tracker, skip_logged_steps
+
+        uri, run_id, spec = self.plan.tracking_uri, self.run_id, self.plan.loaded.spec
+        notes: list[str] = []
+        if uri is None or run_id is None:
+            return notes
+        folder = Path(self.checkpoint_dir)
+        if continuing:
+            notes += _adopt_spool(uri, run_id, folder, recorded)
+        tracker = make_tracker(
+            uri,
+            run_id,
+            is_logger=True,
+            flush_every_s=spec.tracking.flush_every_s,
+            spool=spool_path(folder),
+            first_seq=recorded,
+        )
+        self._tracker = skip_logged_steps(tracker, uri, run_id) if resumed else tracker
+        if spec.tracking.system_metrics:
+            from runner.tracking.system import start_system_metrics
+
+            self._monitor = start_system_metrics(uri, run_id, resumed=resumed)
+        return notes
+
+    def _metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._tracker is not None:
+            self._tracker.log_metrics(metrics, step)
+
+    def _tags(self, tags: dict[str, Any]) -> None:
+        if self._tracker is not None:
+            self._tracker.set_tags(tags)
+
+    def _artifact(self, path: str, artifact_path: str | None) -> None:
+        if self._tracker is not None:
+            self._tracker.log_artifact(path, artifact_path)
+
+    def _data(self, info: dict[str, Any]) -> None:
+        """Record the data as dataset inputs and the split fingerprint (a new run only)."""
+        from runner.tracking.datasets import DatasetRecord, record_data
+
+        uri, run_id = self.plan.tracking_uri, self.run_id
+        if uri is None or run_id is None:
+            return
+        parts = [("train", "training", info["num_train"], info["train_digest"])]
+        if info["num_val"] and info["val_digest"] is not None:
+            parts.append(("val", "validation", info["num_val"], info["val_digest"]))
+        records = [
+            DatasetRecord(f"{info['name']} {part}", digest, context, count, info["source"], tuple(info["input_shape"]))
+            for part, context, count, digest in parts
+        ]
+        record_data(uri, run_id, records, info["val_split_sha256"])
+
+    def _model(self, path: str, step: int, normalization: tuple[float, float] | None) -> None:
+        """Log the model rank 0 saved to ``path`` (``{"model": module, "example": input}``) with MLflow."""
+        import torch
+
+        from runner.tracking.models import log_model
+        from runner.training.models import make_importable
+
+        if self.plan.tracking_uri is None or self.run_id is None:
+            return
+        if self._tracker is not None:
+            self._tracker.flush()  # the last step's metrics are linked to the model: they must be in MLflow
+        make_importable(self.plan.loaded.path.parent)  # the user's model classes unpickle from there
+        saved = torch.load(path, weights_only=False)
+        log_model(
+            self.plan.tracking_uri,
+            self.run_id,
+            saved["model"],
+            saved["example"],
+            step=step,
+            normalization=normalization,
+        )
+
+    def _flush(self) -> int:
+        if self._tracker is None:
+            return 0
+        self._tracker.flush()
+        return _recorded(self._tracker)
+
+    def _close(self) -> int:
+        if self._monitor is not None:
+            monitor, self._monitor = self._monitor, None
+            monitor.finish()
+        if self._tracker is None:
+            return 0
+        tracker, self._tracker = self._tracker, None
+        tracker.close()
+        return _recorded(tracker)
+
+    def _result(self, result: dict[str, Any]) -> None:
+        self.result = result
+
+    def _failed(self, error: BaseException) -> None:
+        self.failure = error
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def end(self, status: str, error: str | None) -> None:
+        """Close what rank 0 left open and give the run its final status (kept in the spool while the store is away)."""
+        from runner.launch.ending import end_run_or_spool
+
+        with contextlib.suppress(Exception):  # the run's status matters more than a last batch the store refused
+            self._close()
+        uri = self.plan.tracking_uri
+        if self.run_id is not None and uri is not None and self.plan.owns_run:
+            end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
+
+
+def _new_sqlite(uri: str) -> bool:
+    """Whether ``uri`` is a sqlite store whose file does not exist yet."""
+    return uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists()
+
+
+def _recorded(tracker: Tracker) -> int:
+    count = getattr(tracker, "recorded", None)
+    return int(count()) if callable(count) else 0
+
+
+def _requeued(plan: Plan) -> bool:
+    from runner.launch.prepare import requeued
+
+    return requeued(plan)
+
+
+def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
+    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest.
+
+    Values recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent.
+    """
+    from runner.tracking.spool import send_spool, spool_path
+
+    path = spool_path(folder)
+    sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
+    if sent is None:
+        return []
+    return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
