@@ -302,8 +302,9 @@ def _launch(
         from runner.launch.elastic import launch_elastic
 
         return launch_elastic(plan, args, hangs)
-    if plan.launch == "in-process" and not options.in_process:
-        assert session is not None  # a single-process job's driver always owns its run
+    if session is not None and plan.launch != "elastic" and not options.in_process:
+        # none and dp; and rank 0 started by torchrun or a Slurm task per device, which thus stays its job's
+        # driver: the rank trains in a child that inherits its launcher's variables (docs/design.md §6)
         from runner.launch.child import run_child
 
         return [run_child(args, session)]

@@ -196,3 +196,25 @@ def test_the_driver_of_a_none_run_imports_neither_torch_nor_trains(tmp_path: Pat
     assert rc == 0, done.stderr
     assert not torch_in_driver and mlflow_in_driver  # the driver records the run; its child trained
     assert [p.read_text() for p in probe.glob("loss-*")] == ["clean"]
+
+
+def test_under_torchrun_rank_0_records_the_run_and_no_rank_that_trains_imports_mlflow(tmp_path: Path, store: str):
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    spec = _spec(tmp_path, store, {"mode": "ddp", "nproc_per_node": 2})
+    env = {**os.environ, "RUNNER_TEST_PROBE": str(probe)}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *rdzv, "-m", "runner", "exec"]
+    done = subprocess.run([*cmd, str(spec)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    notes = [p.read_text() for p in probe.glob("loss-*")]
+    assert notes == ["clean", "clean"]  # rank 0 trains in its driver's child; rank 1 in its own process
+    (run,) = _runs(store)
+    assert run.info.status == "FINISHED" and run.data.tags["runner.world_size"] == "2"
+    steps = [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == list(range(1, 6))
