@@ -114,3 +114,14 @@ def write_spec(tmp_path: Path, store: str) -> Callable[..., Path]:
         return path
 
     return write
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n``), every multi-process test runs on one worker, one at a time.
+
+    Each of them starts several processes that want both cores (DDP ranks, a tracking server, Slurm's
+    daemons); the single-process tests spread over the other workers beside them.
+    """
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            item.add_marker(pytest.mark.xdist_group("multi-process"))

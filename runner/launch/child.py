@@ -17,6 +17,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -49,7 +50,7 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     path.write_bytes(pickle.dumps(dataclasses.replace(args, launcher_pid=os.getpid())))
     oom_before = oom_kill_count()
     child = subprocess.Popen([sys.executable, "-m", "runner.launch.child", str(path)])
-    code = _wait_passing_signals(child)
+    code = _wait_passing_signals(child, lambda: session.store_error is not None)
     if session.result is not None and code == 0:
         return WorkerResult(**session.result)
     failure = session.failure
@@ -64,8 +65,12 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     raise TrainingError(f"the training process {ended_by(code, oom_before)}")
 
 
-def _wait_passing_signals(child: subprocess.Popen[bytes]) -> int:
-    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it."""
+def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool]) -> int:
+    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it.
+
+    Once ``pointless()`` (the store could not be opened: no run will be made) the child is killed rather than
+    left to import torch and build for nothing.
+    """
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):
@@ -75,12 +80,18 @@ def _wait_passing_signals(child: subprocess.Popen[bytes]) -> int:
     try:
         while True:
             try:
-                return child.wait()
+                return child.wait(timeout=_POLL_S)
+            except subprocess.TimeoutExpired:
+                if pointless():
+                    child.kill()
             except KeyboardInterrupt:  # a handler installed by someone else raised: keep waiting for the child
                 continue
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+_POLL_S = 0.1
 
 
 def main(argv: list[str] | None = None) -> int:
