@@ -92,6 +92,7 @@ def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_s
     assert "cannot tell whether it is alive: continuing" in note
 
 
+@pytest.mark.integration  # starts several processes: the driver's training child
 def test_a_new_run_records_its_owner(write_spec, ready_store: str) -> None:
     assert main(["exec", str(write_spec()), "--set", "train.epochs=1", "--set", f'tracking.uri="{ready_store}"']) == 0
     client = MlflowClient(ready_store)

@@ -24,6 +24,7 @@ def _line(path: Path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(text))
 
 
+@pytest.mark.integration  # starts several processes: the driver's training child
 def test_a_scheduler_kwarg_of_the_wrong_type_is_found_before_training(write_spec, tmp_path: Path, capsys) -> None:
     path = write_spec('[scheduler]\nname = "step"\nkwargs = { step_size = "ten" }\n')
     issue = _issue(path)
@@ -204,6 +205,7 @@ def test_a_file_in_the_way_of_checkpoint_dir_is_named_and_nothing_is_left_behind
     check_checkpoint_folder(load_spec(path, ("checkpoint.enabled=false",)), None)  # no checkpoints: not checked
 
 
+@pytest.mark.integration  # starts several processes: the driver's training child
 @pytest.mark.parametrize(
     ("table", "words"),
     [

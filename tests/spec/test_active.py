@@ -265,6 +265,7 @@ def test_gpu_only_keys_are_no_params_of_a_run_on_cpu_whatever_chose_it() -> None
     assert "parallel.sync_batchnorm" not in spec_params(cpu) and "parallel.backend" in spec_params(cpu)
 
 
+@pytest.mark.integration  # starts several processes: the driver's training child
 @pytest.mark.created_store
 def test_exec_of_a_sweep_spec_notes_that_sweep_is_ignored_and_logs_only_what_applies(
     write_spec, store, monkeypatch, capsys

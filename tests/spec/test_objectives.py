@@ -115,6 +115,7 @@ def _no_run(store: str) -> bool:
         return "runs" not in tables or db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
 
 
+@pytest.mark.integration  # starts several processes: the driver's training child
 @pytest.mark.parametrize(
     ("extra", "key", "fragment", "on_line"),
     [

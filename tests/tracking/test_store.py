@@ -88,6 +88,7 @@ def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
         open_store(f"sqlite:///{tmp_path}/m.db")
 
 
+@pytest.mark.integration  # starts several processes
 def test_another_client_creating_the_tables_at_the_same_moment_is_waited_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
