@@ -329,7 +329,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from runner.launch.resume import resume_run
+    from runner.launch.reproduce import resume_run
 
     return _print_summary(resume_run(args.run_id, args.tracking_uri).summary())
 
@@ -341,7 +341,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from runner.launch.resume import export_run
+    from runner.launch.reproduce import export_run
 
     return _print_summary(export_run(args.run_id, args.tracking_uri, args.out))
 

@@ -1,4 +1,4 @@
-"""Exception hierarchy: every error raised on purpose, each class carrying its exit status and heading.
+"""Exception hierarchy: every error raised on purpose, each class carrying its exit status and heading; notes.
 
 Exit status (docs/design.md): 0 success, 1 the training job failed, 2 bad spec, bad command line,
 missing devices or an unreachable tracking store (all found before training), 130 interrupted.
@@ -7,6 +7,7 @@ missing devices or an unreachable tracking store (all found before training), 13
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -250,3 +251,12 @@ class Interrupted(RunnerError):
     def format_message(self) -> str:
         """``interrupted: <hint>``: the run that was stopped and how to continue it."""
         return f"{self.heading}: {mask_secrets(self.hint())}"
+
+
+def show_notes(notes: list[str]) -> None:
+    """Print each note as ``runner: note: ...`` on standard error, before training (docs/design.md §10).
+
+    Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
+    """
+    for note in notes:
+        print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)

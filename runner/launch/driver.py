@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, SpecError, TrackingError, TrainingError, mask_secrets
+from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -197,15 +197,6 @@ def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
     return dataclasses.replace(options, parent_run_id=parent)
 
 
-def show_notes(notes: list[str]) -> None:
-    """Print each note as ``runner: note: ...`` on standard error, before training (docs/design.md §10).
-
-    Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
-    """
-    for note in notes:
-        print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
-
-
 def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None) -> list[WorkerResult]:
     """Start the training processes and the hub, and end the run with their outcome (when this process owns it).
 
@@ -266,7 +257,7 @@ def _raise_unmade(session: RunSession | None) -> None:
 
 def _interrupted(signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
-    from runner.launch.resume import resume_command
+    from runner.launch.owner import resume_command
 
     uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
     folder = session.checkpoint_dir if session is not None else ""

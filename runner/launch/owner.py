@@ -13,6 +13,7 @@ status kept there is applied instead of KILLED.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -117,8 +118,6 @@ class Settled:
     def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
         if self.marked_killed:
-            from runner.launch.resume import resume_command
-
             return (
                 f"{self.run_id}  KILLED   its owner ({who}) is gone and never ended it: marked KILLED; "
                 f"continue it with: {resume_command(self.run_id, self.uri)}"
@@ -202,3 +201,18 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
     if not running:
         return [f"no RUNNING run at {uri}"]
     return [f"{settle(uri, info.run_id).line()}  [{info.experiment}]" for info in running]
+
+
+def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
+    """The command that continues ``run_id``, as printed when a run is interrupted.
+
+    ``runner resume RUN_ID`` (or ``runner <verb> RUN_ID``), with ``--tracking-uri URI`` only when
+    the command run from here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say),
+    so it works as printed.
+    """
+    from runner.tracking.uri import default_tracking_uri
+
+    words = ["runner", verb, run_id]
+    if uri != default_tracking_uri():
+        words += ["--tracking-uri", uri]
+    return shlex.join(words)

@@ -1,8 +1,9 @@
 """Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
 
 A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[train]`` must exit 2 with
-``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. The driver calls
-:func:`check_parts` before it creates or reopens the run. What is built, and what only checked:
+``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. Rank 0 calls
+:func:`check_parts` before it reports its build, so before the run exists (docs/design.md §6). What is
+built, and what only checked:
 
 * dataset: ``sklearn.digits``, ``sklearn.diabetes`` and small ``synthetic`` sets are built (they
   live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
@@ -20,7 +21,7 @@ A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[tra
   ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
   :data:`DRY_RUN_STEPS` calls), so a value that only fails when the schedule is computed is found;
 * the training loaders: built on the built dataset (no batch is read). The loss and the metrics
-  are checked by :func:`runner.training.losses.check_objectives`, which the driver calls first.
+  are checked by :func:`check_objectives`, which rank 0 calls first.
 
 torch is imported inside the functions.
 """
@@ -412,3 +413,13 @@ def describe(expected: Any) -> str:
         inner = [plural.get(a, describe(a)) for a in args if a is not Ellipsis]
         return f"a list of {join_or(inner)}" if inner else "a list"
     return getattr(expected, "__name__", str(expected))
+
+
+def check_objectives(loaded: LoadedSpec) -> None:
+    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
+    from runner.training.losses import check_objectives as check_names
+
+    try:
+        check_names(loaded.spec, loaded.path.parent)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None

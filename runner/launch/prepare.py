@@ -1,9 +1,9 @@
 """What the driver does around its training processes: the checks before they start, their arguments, the run.
 
 :func:`before_launch` runs what needs no build (a resume whose owner lives is refused there, before any
-training process starts); rank 0 checks and builds the parts (:func:`check_objectives`, then
-:mod:`runner.launch.prebuild`), and :func:`open_run` creates or reopens the run once it reports the build
-(:mod:`runner.launch.session`), so a spec error found while building leaves no run (docs/design.md §1).
+training process starts); rank 0 checks and builds the parts (:mod:`runner.launch.prebuild`), and
+:func:`open_run` creates or reopens the run once it reports the build (:mod:`runner.launch.session`), so a
+spec error found while building leaves no run (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -93,16 +93,6 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
         dtype=options.dtype,
         nudge=options.nudge,
     )
-
-
-def check_objectives(loaded: LoadedSpec) -> None:
-    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
-    from runner.training.losses import check_objectives
-
-    try:
-        check_objectives(loaded.spec, loaded.path.parent)
-    except SpecError as exc:
-        raise relocate_issues(exc, loaded) from None
 
 
 def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:

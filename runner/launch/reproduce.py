@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from runner.errors import UsageError
+from runner.launch.resume import RESUMABLE
+
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
 
@@ -77,3 +80,80 @@ def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
     if info.dirty:
         out.append(f"the working tree {info.root} has uncommitted changes now")
     return out
+
+
+def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
+    """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``).
+
+    Args:
+        run_id: The run to continue.
+        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+
+    Returns:
+        The :class:`~runner.launch.driver.ExecResult` of the continued run.
+
+    Raises:
+        UsageError: No such run, a run without runner's stored spec, a FINISHED run, or no checkpoint
+            (exit 2; each message names the run and the store).
+        TrackingError: The store cannot be reached.
+        TrainingError, Interrupted: As :func:`runner.launch.driver.exec_experiment`.
+    """
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.tracking.stored import read_stored_run, store_uri
+
+    uri = store_uri(tracking_uri)
+    stored = read_stored_run(uri, run_id)
+    if stored.status == "FINISHED":
+        raise UsageError(
+            f"run {run_id} at {uri} already FINISHED: there is nothing to resume; "
+            f"`runner reproduce {run_id}` starts a new run from its spec"
+        )
+    if stored.status not in RESUMABLE:
+        raise UsageError(f"run {run_id} at {uri} is {stored.status}: only a KILLED or FAILED run can be resumed")
+    return exec_experiment(stored.loaded(), ExecOptions(resume=run_id, tracking_uri=uri))
+
+
+def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
+    """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
+
+    The file loads in plain PyTorch, whatever mode trained the run (fsdp's shards are gathered
+    when the checkpoint is written): ``model.load_state_dict(torch.load(FILE))``.
+
+    Args:
+        run_id: The run.
+        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
+        out: The file to write. Default: ``<run id>-step-<step>.pt`` in the working directory.
+
+    Returns:
+        What was written, for the user.
+
+    Raises:
+        UsageError: No such run, a run without runner's stored spec, or no usable checkpoint.
+    """
+    import os
+
+    import torch
+
+    from runner.spec.paths import default_checkpoint_dir
+    from runner.tracking.stored import read_stored_run, store_uri
+    from runner.training.checkpoint import CheckpointError, load_latest
+
+    uri = store_uri(tracking_uri)
+    spec = read_stored_run(uri, run_id).loaded().spec
+    directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    try:
+        found = load_latest(directory)
+    except CheckpointError as exc:
+        raise UsageError(f"run {run_id}: {exc}") from None
+    if found is None:
+        raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
+    step = found.payload["state"]["global_step"]
+    target = Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    torch.save(found.payload["model"], partial)
+    os.replace(partial, target)
+    return (
+        f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
+        "load it with model.load_state_dict(torch.load(FILE))"
+    )

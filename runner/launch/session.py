@@ -121,7 +121,7 @@ class RunSession:
             set_run_tags(uri, self.run_id, {"runner.checkpoint_dir": self.checkpoint_dir})
 
     def _show_notes(self) -> None:
-        from runner.launch.driver import show_notes
+        from runner.errors import show_notes
 
         rank = self.plan.launcher.rank if self.plan.launch == "external" else 0
         self.shown = rank == 0 and self.options.parent_run_id is None  # trials report to their tool

@@ -190,7 +190,7 @@ def _fit(
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
         if is_log_rank:
-            from runner.launch.driver import show_notes
+            from runner.errors import show_notes
 
             show_notes(notes)
         if is_log_rank and restored.resumed_from is None and parts.data is not None:
@@ -262,8 +262,7 @@ def _build_and_report(
 
 def _check_parts(args: WorkerArgs, world_size: int) -> list[str]:
     """The checks that must pass before a run exists (loss and metrics, every part by build or signature)."""
-    from runner.launch.prebuild import check_parts
-    from runner.launch.prepare import check_objectives
+    from runner.launch.prebuild import check_objectives, check_parts
 
     check_objectives(args.loaded)
     return check_parts(args.loaded, world_size)

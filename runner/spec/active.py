@@ -8,7 +8,7 @@ decision is the spec's alone, the same in every run of it, whatever the machine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.spec.schema_parallel import ParallelSpec, modes_with
 
@@ -29,7 +29,7 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     Returns:
         ``{dotted key: reason}``, e.g. ``{"parallel.backend": 'ddp only (mode = "none")'}``, whether
         or not the spec sets them: the resolved spec leaves their defaults out, and
-        :func:`active_params` drops them (and every key below them).
+        :func:`runner.spec.dump.active_params` drops them (and every key below them).
     """
     par, data = spec.parallel, spec.data
     out: dict[str, str] = {}
@@ -87,23 +87,6 @@ def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> d
         out.setdefault("devices.ids", "GPU ids (the run is on cpu)")
         out.setdefault("parallel.sync_batchnorm", "CUDA only (the run is on cpu)")
     return out
-
-
-def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, Any]:
-    """The flattened spec without its inactive keys: what a run logs as params, the same way in every run.
-
-    Args:
-        spec: A validated spec.
-        accelerator: The accelerator the run resolved to, or ``None`` (see :func:`run_inactive_keys`).
-
-    Returns:
-        Dotted key -> JSON-able value, as :func:`runner.spec.dump.flatten_spec`, minus every key that
-        :func:`run_inactive_keys` names (or that lies below one it names).
-    """
-    from runner.spec.dump import flatten_spec  # dump imports this module
-
-    inactive = run_inactive_keys(spec, accelerator)
-    return {k: v for k, v in flatten_spec(spec).items() if not is_inactive(k, inactive)}
 
 
 def set_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:

@@ -9,7 +9,7 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from runner.spec.active import inactive_keys, is_inactive
+from runner.spec.active import inactive_keys, is_inactive, run_inactive_keys
 from runner.spec.schema import ExperimentSpec
 
 
@@ -107,3 +107,19 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     return value
+
+
+def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, Any]:
+    """The flattened spec without its inactive keys: what a run logs as params, the same way in every run.
+
+    Args:
+        spec: A validated spec.
+        accelerator: The accelerator the run resolved to, or ``None`` (see
+            :func:`~runner.spec.active.run_inactive_keys`).
+
+    Returns:
+        Dotted key -> JSON-able value, as :func:`flatten_spec`, minus every key that
+        :func:`~runner.spec.active.run_inactive_keys` names (or that lies below one it names).
+    """
+    inactive = run_inactive_keys(spec, accelerator)
+    return {k: v for k, v in flatten_spec(spec).items() if not is_inactive(k, inactive)}

@@ -39,7 +39,7 @@ from runner.errors import DeviceError, Interrupted, SpecError, UsageError
 from runner.spec.schema_parallel import MODES as MODE_TRAITS
 from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
-from runner.tools.bench_measure import reason
+from runner.tools.bench_measure import probe_model_and_data, reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
 from runner.tools.bench_repeats import Config, measure_config, open_child
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
@@ -351,31 +351,6 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Co
     result.threads_per_process = plan.devices.threads_per_process
     result.thread_budget = plan.devices.threads_per_process * (plan.devices.nproc_per_node if mode == "ddp" else 1)
     return Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
-
-
-def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
-    """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
-
-    Returns:
-        ``(training samples, batch_statistics, dropout)``: whether the model holds batch-statistics
-        layers and random layers (:func:`runner.launch.prebuild.layer_kinds`).
-
-    Raises:
-        SpecError: The dataset or the model cannot be built from the spec.
-    """
-    import torch
-
-    from runner.launch.prebuild import layer_kinds
-    from runner.training.data import build_datasets
-    from runner.training.models import build_model
-
-    bundle = build_datasets(base.spec, base.path.parent)
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(
-            base.spec.model, base.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
-        )
-    batch_statistics, random = layer_kinds(model)
-    return bundle.info.num_train, bool(batch_statistics), bool(random)
 
 
 __all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "run_bench"]

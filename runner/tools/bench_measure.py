@@ -13,6 +13,7 @@ from runner.tools.bench_figures import median, noise, percentile, spread, steady
 from runner.tools.bench_report import ConfigResult
 
 if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
     from runner.training import WorkerResult
 
 
@@ -126,3 +127,28 @@ def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[
     result.step_time_p90_s = percentile(times, 90)
     total = sum(times)
     result.data_wait_fraction = sum(waits) / total if total > 0 else None
+
+
+def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
+    """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
+
+    Returns:
+        ``(training samples, batch_statistics, dropout)``: whether the model holds batch-statistics
+        layers and random layers (:func:`runner.launch.prebuild.layer_kinds`).
+
+    Raises:
+        SpecError: The dataset or the model cannot be built from the spec.
+    """
+    import torch
+
+    from runner.launch.prebuild import layer_kinds
+    from runner.training.data import build_datasets
+    from runner.training.models import build_model
+
+    bundle = build_datasets(base.spec, base.path.parent)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(
+            base.spec.model, base.path.parent, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes
+        )
+    batch_statistics, random = layer_kinds(model)
+    return bundle.info.num_train, bool(batch_statistics), bool(random)

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
-from runner.tools.bench_measure import reason
+from runner.tools.bench_measure import probe_model_and_data, reason
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -67,7 +67,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Probe:
-    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench.probe_model_and_data`)."""
+    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench_measure.probe_model_and_data`)."""
 
     loaded: LoadedSpec
 
@@ -272,7 +272,6 @@ def _chart(job: Chart) -> Any:
 
 def _probe(job: Probe) -> Any:
     """``(training samples, batch statistics, dropout)``, or the exception that building raised."""
-    from runner.tools.bench import probe_model_and_data
 
     try:
         return probe_model_and_data(job.loaded)

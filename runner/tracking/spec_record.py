@@ -24,7 +24,7 @@ OVERRIDES_TAG = "runner.overrides"
 def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
     """Return the MLflow params of a spec: the keys that apply, dotted, as strings within MLflow's limits.
 
-    Keys come from :func:`runner.spec.active.active_params`: another mode's options, another
+    Keys come from :func:`runner.spec.dump.active_params`: another mode's options, another
     dataset's keys and other inactive keys are left out (docs/design.md §10), so two runs differ in
     their params only where their training differs; ``None`` values are left out. Characters MLflow
     rejects in keys become ``_``; values longer than MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000)
@@ -36,7 +36,7 @@ def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[st
         accelerator: The accelerator the run resolved to (``"cpu"``: GPU-only keys are left out too),
             or ``None`` (:func:`runner.spec.active.run_inactive_keys`).
     """
-    from runner.spec.active import active_params
+    from runner.spec.dump import active_params
 
     limit = max_param_chars()
     return {

@@ -14,8 +14,8 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
 from runner.plan import make_plan
 from runner.plan_report import plan_or_problem
-from runner.spec.active import active_params, inactive_keys, set_inactive_keys
-from runner.spec.dump import dump_spec
+from runner.spec.active import inactive_keys, set_inactive_keys
+from runner.spec.dump import active_params, dump_spec
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tracking.spec_record import spec_params
 

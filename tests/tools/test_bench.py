@@ -160,7 +160,7 @@ def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(w
 
 
 def test_probe_counts_training_samples_and_detects_batch_statistics_layers(write_spec) -> None:
-    from runner.tools.bench import probe_model_and_data
+    from runner.tools.bench_measure import probe_model_and_data
 
     assert probe_model_and_data(load_spec(write_spec("", name="a.toml"))) == (72, False, False)
     bn = load_spec(

@@ -1,0 +1,88 @@
+"""No import cycle among runner's modules at run time, function-local imports included (docs/design.md, package map).
+
+Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The runner modules ``tree`` imports at run time (``from pkg import mod`` counts as ``pkg.mod``)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("runner"):
+                for alias in child.names:
+                    full = f"{child.module}.{alias.name}"
+                    found.add(full if full in modules else child.module)
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names if alias.name.startswith("runner"))
+            visit(child)
+
+    visit(tree)
+    return found & modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in (ROOT / "runner").rglob("*.py")}
+    modules = set(files)
+    graph = {name: _imports(ast.parse(path.read_text(encoding="utf-8")), modules) for name, path in files.items()}
+    return {name: targets - {name} for name, targets in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                strong(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            strong(node)
+    return found
+
+
+def test_runner_has_no_import_cycle():
+    found = cycles(import_graph())
+    assert found == [], "import cycles (move the shared code down, into the module both import):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
