@@ -9,14 +9,13 @@ warns first when the code may differ: another git commit, or a dirty working tre
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import UsageError
 from runner.launch.resume import RESUMABLE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pathlib import Path
-
     from runner.launch.driver import ExecResult
     from runner.tracking.stored import StoredRun
 
