@@ -186,11 +186,11 @@ part_cuda_tests() {  # every test file with a cuda mark but the sync-debug one (
     files=$(grep -l "mark.cuda" tests/*.py tests/*/*.py | grep -v test_cuda_sync.py)
     [ "$DRY" = 1 ] && files="$files tests/test_cuda_sync.py"
     # shellcheck disable=SC2086
-    "$PY" -m pytest -m cuda -p no:cacheprovider -q -rs --junitxml="$DETAIL/cuda-tests.xml" $files
+    "$PY" -m pytest -n 0 -m cuda -p no:cacheprovider -q -rs --junitxml="$DETAIL/cuda-tests.xml" $files
 }
 part_sync_debug() {
     [ "$DRY" = 1 ] && skip "dry run: cuda-tests collected it"
-    "$PY" -m pytest -p no:cacheprovider -q -rs --junitxml="$DETAIL/sync-debug.xml" tests/test_cuda_sync.py
+    "$PY" -m pytest -n 0 -p no:cacheprovider -q -rs --junitxml="$DETAIL/sync-debug.xml" tests/test_cuda_sync.py
 }
 part_none() { exec_run --set parallel.mode=none; }
 part_dp_1() {
