@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, TrackingError
 from runner.launch.channel import HandedRun
+from runner.launch.prepare import open_run, requeued, store_error_at
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,8 +66,6 @@ class RunSession:
         A sqlite file that does not exist yet is created only once rank 0 reported the build (``early=False``),
         so a spec error found while building leaves no store behind either.
         """
-        from runner.launch.prepare import store_error_at
-
         uri = self.plan.tracking_uri
         if uri is None or self._opened or (early and _new_sqlite(uri)):
             return
@@ -105,10 +104,9 @@ class RunSession:
         self.plan = dataclasses.replace(self.plan, part_notes=tuple(notes))
         self._show_notes()
         self._create()
-        return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or _requeued(self.plan))
+        return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
     def _create(self) -> None:
-        from runner.launch.prepare import open_run
         from runner.spec.paths import default_checkpoint_dir
 
         plan, uri = self.plan, self.plan.tracking_uri
@@ -248,12 +246,6 @@ def _new_sqlite(uri: str) -> bool:
 def _recorded(tracker: Tracker) -> int:
     count = getattr(tracker, "recorded", None)
     return int(count()) if callable(count) else 0
-
-
-def _requeued(plan: Plan) -> bool:
-    from runner.launch.prepare import requeued
-
-    return requeued(plan)
 
 
 def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:

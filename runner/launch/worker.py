@@ -251,7 +251,7 @@ def _build_and_report(
     if link is not None:
         handed = link.ask("built", first_error, notes)
     handed = strategy.all_gather_object(handed)[0]
-    if first_error is not None and link is None and args.hub is None and strategy.rank == 0:
+    if first_error is not None and args.hub is None and strategy.rank == 0:
         raise first_error  # no driver to report it to (runner bench's own processes)
     if handed.abort or first_error is not None:
         return None, handed
@@ -272,8 +272,9 @@ def _report_failure(link: Link, exc: BaseException) -> None:
     """Tell the driver what rank 0 failed of (the exception itself when it crosses a pipe, else its text)."""
     import pickle
 
+    error: BaseException = exc
     try:
-        error = exc if pickle.loads(pickle.dumps(exc)) is not None else None
+        pickle.loads(pickle.dumps(exc))  # some exceptions pickle but do not unpickle (a custom __init__)
     except Exception:
         error = TrainingError(f"{type(exc).__name__}: {exc}")
     with contextlib.suppress(OSError, ValueError):
