@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
-    from runner.training.data import DatasetInfo
+    from runner.training.data import DatasetBundle, DatasetInfo
     from runner.training.seeding import SeedInfo
     from runner.training.setup import Restored, TrainingParts
 
@@ -227,25 +227,19 @@ def _build_and_report(
     Raises:
         Exception: What this rank's build raised, other than a spec error (the run exists and ends FAILED).
     """
-    from runner.launch.channel import HandedRun
     from runner.training import setup
 
-    parts, notes, spec_error, failure = None, [], None, None
-    try:  # rank 0 checks what needs no build, so that every rank builds (and meets wrap's collectives) or none
-        if strategy.rank == 0:
-            notes = _check_parts(args, strategy.world_size)
-    except SpecError as exc:
-        spec_error = exc
+    spec, spec_dir = args.loaded.spec, args.loaded.path.parent
+    parts, (notes, bundle, spec_error, failure) = None, _check_or_load(args, strategy)
     first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
-    if first_error is None:
+    if first_error is None and failure is None:
         try:
-            parts = setup.build_parts(
-                args.loaded.spec, args.loaded.path.parent, strategy, dtype=args.dtype, nudge=args.nudge
-            )
+            parts = setup.build_parts(spec, spec_dir, strategy, dtype=args.dtype, nudge=args.nudge, bundle=bundle)
         except SpecError as exc:
             spec_error = exc
         except Exception as exc:
             failure = exc
+    if first_error is None:
         first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
     handed = HandedRun(args.run_id, args.checkpoint_dir, args.resume)
     if link is not None:
@@ -258,6 +252,30 @@ def _build_and_report(
     if failure is not None:
         raise failure
     return parts, handed
+
+
+def _check_or_load(
+    args: WorkerArgs, strategy: Strategy
+) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
+    """Rank 0 checks what needs no build, so that every rank builds (and meets wrap's collectives) or none;
+    meanwhile the other ranks load their data, which has no collective.
+
+    Returns:
+        ``(notes, datasets, spec error, failure)``: rank 0's notes; another rank's datasets; a spec error
+        found; another rank's failure, raised once the ranks agreed, as a failure of the build would be.
+    """
+    from runner.training.data import build_datasets
+
+    try:
+        if strategy.rank == 0:
+            return _check_parts(args, strategy.world_size), None, None, None
+        return [], build_datasets(args.loaded.spec, args.loaded.path.parent), None, None
+    except SpecError as exc:
+        return [], None, exc, None
+    except Exception as exc:
+        if strategy.rank == 0:
+            raise
+        return [], None, None, exc
 
 
 def _check_parts(args: WorkerArgs, world_size: int) -> list[str]:

@@ -9,7 +9,6 @@ from runner.launch.environment import LauncherEnvironment
 from runner.strategies.base import Strategy
 from runner.strategies.ddp import DDPStrategy
 from runner.strategies.dp import DataParallelStrategy
-from runner.strategies.fsdp import FSDPStrategy
 from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
@@ -18,11 +17,20 @@ if TYPE_CHECKING:
 
 _Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment, str], Strategy]
 
+
+def _fsdp(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
+    """FSDP2, imported here: ``torch.distributed.fsdp`` and ``torch.distributed.checkpoint`` cost the other modes'
+    workers about a second of start-up."""
+    from runner.strategies.fsdp import FSDPStrategy
+
+    return FSDPStrategy(plan, parallel, env, amp)
+
+
 STRATEGIES: dict[str, _Builder] = {
     "none": lambda parallel, plan, env, amp: SingleDevice(plan),
     "dp": lambda parallel, plan, env, amp: DataParallelStrategy(plan, parallel),
     "ddp": lambda parallel, plan, env, amp: DDPStrategy(plan, parallel, env),
-    "fsdp": lambda parallel, plan, env, amp: FSDPStrategy(plan, parallel, env, amp),
+    "fsdp": _fsdp,
 }
 MODES = tuple(STRATEGIES)  # every parallel mode, in the order bench and parity show them (none first: the baseline)
 

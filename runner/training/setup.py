@@ -120,7 +120,12 @@ def count_total_steps(steps_per_epoch: int, train_spec: TrainSpec) -> int:
 
 
 def build_parts(
-    spec: ExperimentSpec, spec_dir: Path, strategy: Strategy, dtype: str | None = None, nudge: bool = False
+    spec: ExperimentSpec,
+    spec_dir: Path,
+    strategy: Strategy,
+    dtype: str | None = None,
+    nudge: bool = False,
+    bundle: DatasetBundle | None = None,
 ) -> TrainingParts:
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
@@ -132,6 +137,7 @@ def build_parts(
             of a batch are cast to it, and the loss is kept in it; ``None``: as built.
         nudge: Move every initial parameter up by one ulp of its dtype (``torch.nextafter``), the smallest
             perturbation there is (``runner parity``'s control).
+        bundle: The datasets, when this process built them already (:func:`build_datasets` of ``spec``).
 
     Returns:
         The :class:`TrainingParts`.
@@ -141,7 +147,7 @@ def build_parts(
             build, dict samples without the ``data.target`` their loss or metrics need, or a model
             with BatchNorm layers that a 1-sample training batch would reach (``data.batch_size``).
     """
-    bundle = build_datasets(spec, spec_dir)
+    bundle = build_datasets(spec, spec_dir) if bundle is None else bundle
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
     on_target = any(r.output is None for r in (*metrics.train, *metrics.val))  # output metrics need no target
     check_target(bundle.info, spec, needs=loss.needs_target or metrics.counted_accuracy or on_target)

@@ -132,10 +132,12 @@ def test_finish_collects_the_worker_result(loaded) -> None:
     assert result.peak_memory_bytes > 0  # this process's peak resident set size
 
 
-def test_training_imports_neither_mlflow_nor_tracking() -> None:
+def test_training_imports_neither_mlflow_nor_tracking_nor_fsdp_outside_fsdp() -> None:
+    # fsdp and torch.distributed.checkpoint cost each ddp worker about a second of start-up
     code = (
-        "import sys, runner.training.setup, runner.launch.worker; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow' or m.startswith('runner.tracking')))"
+        "import sys, runner.training.setup, runner.launch.worker, runner.strategies.registry; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow' or m.startswith('runner.tracking')"
+        " or m.startswith(('torch.distributed.fsdp', 'torch.distributed.checkpoint', 'runner.strategies.fsdp'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True, timeout=120
