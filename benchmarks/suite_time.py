@@ -59,14 +59,19 @@ def _integration_ids() -> set[str]:
     return {line.strip() for line in done.stdout.splitlines() if "::" in line}
 
 
-def _test_times(report: Path) -> dict[str, float]:
-    """Per test id (``path::name[param]``), the seconds JUnit recorded (setup, call and teardown together)."""
+def _test_times(report: Path) -> tuple[dict[str, float], list[str]]:
+    """Per test id (``path::name[param]``), the seconds JUnit recorded (setup, call and teardown together);
+    and the ids of the tests that failed or erred."""
     times: dict[str, float] = {}
+    failed: list[str] = []
     for case in ET.parse(report).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
-        name = case.get("name", "")
-        times[f"{module}.py::{name}"] = float(case.get("time", 0.0))
-    return times
+        test = f"{module}.py::{case.get('name', '')}"
+        times[test] = float(case.get("time", 0.0))
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:  # with the end of its message: where it failed
+            failed.append(f"{test}: {(bad.get('message') or '')[-300:]}")
+    return times, failed
 
 
 def main() -> int:
@@ -86,9 +91,11 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as folder:
             report = Path(folder) / "junit.xml"
             suite_s, suite_line = _pytest("-q", f"--junitxml={report}")
-            times = _test_times(report)
+            times, failed = _test_times(report)
         met = "met" if suite_s <= SUITE_TARGET_S else "NOT met"
         print(f"whole suite: {suite_s:.1f} s (target <= {SUITE_TARGET_S:.0f} s: {met}); {suite_line}")
+        for test in failed:
+            print(f"  failed: {test}")
         integration = _integration_ids()
         spent = sum(times.values()) or 1.0
         multi = sum(t for test, t in times.items() if test in integration)
@@ -97,7 +104,7 @@ def main() -> int:
         print(f"the {args.slowest} slowest tests:")
         for test, seconds in sorted(times.items(), key=lambda kv: -kv[1])[: args.slowest]:
             print(f"  {seconds:7.1f} s  {test}")
-        out.update(suite_s=suite_s, integration_s=multi, integration_share=multi / spent, tests=times)
+        out.update(suite_s=suite_s, failed=failed, integration_s=multi, integration_share=multi / spent, tests=times)
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.json:

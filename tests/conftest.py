@@ -116,12 +116,23 @@ def write_spec(tmp_path: Path, store: str) -> Callable[..., Path]:
     return write
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n``), every multi-process test runs on one worker, one at a time.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under pytest-xdist (``-n``), the tests of one ``*_integration.py`` module run on one worker, one at a time.
 
-    Each of them starts several processes that want both cores (DDP ranks, a tracking server, Slurm's
-    daemons); the single-process tests spread over the other workers beside them.
+    So a module-scoped fixture that starts an expensive run (a DDP job, a server, a finished run to resume)
+    starts it once. Modules run beside each other; every other test is scheduled on its own. This replaces
+    ``--dist loadgroup`` (the project's default), whose marked groups do not reach the scheduler under pytest 9.
     """
-    for item in items:
-        if item.get_closest_marker("integration") is not None:
-            item.add_marker(pytest.mark.xdist_group("multi-process"))
+    from xdist.scheduler import LoadScheduling, LoadScopeScheduling
+
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    if config.getoption("markexpr") == "not integration":
+        return LoadScheduling(config, log)  # spreads the fast tier best: 52 s against 63 s by test
+
+    class ByIntegrationModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.endswith("_integration.py") else nodeid
+
+    return ByIntegrationModule(config, log)

@@ -103,6 +103,45 @@ def _start_until_marked(
     return proc
 
 
+ELASTIC, EVERY_2 = {**DDP, "max_restarts": 1}, {"every_n_steps": 2}
+
+
+def _finished_run(factory: pytest.TempPathFactory, created: Path, *spec: dict) -> Path:
+    """A folder with one finished run of ``_write``'s spec, its store given by a relative URI, so that a copy of
+    the folder is a store of its own: the tests that start from the same finished run share it."""
+    folder = factory.mktemp("finished")
+    shutil.copyfile(created, folder / "mlflow.db")
+    done = _runner(folder, str(_write(folder, "sqlite:///mlflow.db", *spec)))
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+@pytest.fixture(scope="module")
+def _finished_none(tmp_path_factory: pytest.TempPathFactory, _created_store: Path) -> Path:
+    return _finished_run(tmp_path_factory, _created_store)
+
+
+@pytest.fixture(scope="module")
+def _finished_ddp(tmp_path_factory: pytest.TempPathFactory, _created_store: Path) -> Path:
+    return _finished_run(tmp_path_factory, _created_store, ELASTIC, EVERY_2)
+
+
+def _copy(folder: Path, tmp_path: Path) -> tuple[Path, str]:
+    """``(spec, store)`` of this test's own copy of a finished run's folder."""
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    return tmp_path / "spec.toml", f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def finished(_finished_none: Path, tmp_path: Path) -> tuple[Path, str]:
+    return _copy(_finished_none, tmp_path)
+
+
+@pytest.fixture
+def finished_ddp(_finished_ddp: Path, tmp_path: Path) -> tuple[Path, str]:
+    return _copy(_finished_ddp, tmp_path)
+
+
 def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
     proc = _start_until_marked(tmp_path, spec, STEPS_PER_EPOCH + 1, "the run to reach epoch 2")
     proc.send_signal(signal.SIGTERM)
@@ -110,12 +149,10 @@ def _interrupt(tmp_path: Path, spec: Path) -> subprocess.Popen:
     return proc
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: str) -> None:
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, finished_ddp: tuple[Path, str]) -> None:
     # A ddp job: its ranks stop together and resume equal. The same on one device, resumed by the printed
     # command, is test_reproduce_integration.py::test_the_interrupt_message_is_runner_resume_and_works_as_printed.
-    spec = _write(tmp_path, store, DDP)
-    done = _runner(tmp_path, str(spec))
-    assert done.returncode == 0, done.stderr
+    spec, store = finished_ddp
     proc = _interrupt(tmp_path, spec)
     assert proc.returncode == 130
     full, stopped = _runs(store)
@@ -140,9 +177,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, store: st
         assert torch.equal(a[key], b[key]), key
 
 
-def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store)
-    assert _runner(tmp_path, str(spec)).returncode == 0
+def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, finished: tuple[Path, str]) -> None:
+    spec, store = finished
     (run,) = _runs(store)
     folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
     files = list_checkpoints(folder)
@@ -159,9 +195,10 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, stor
     assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
 
 
-def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store, checkpoint={"keep_last": 2})
-    assert _runner(tmp_path, str(spec)).returncode == 0
+def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(
+    tmp_path: Path, finished: tuple[Path, str]
+) -> None:
+    spec, store = finished
     (run,) = _runs(store)
     client = MlflowClient(store)
     client.set_terminated(run.info.run_id, "KILLED")
@@ -178,9 +215,8 @@ def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(tmp
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 
-def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store)
-    assert _runner(tmp_path, str(spec)).returncode == 0
+def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, finished: tuple[Path, str]) -> None:
+    spec, store = finished
     (run,) = _runs(store)
     edited = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "optim.lr=0.2", "--set", "seed=4")
     assert edited.returncode == 2
@@ -198,9 +234,10 @@ def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, store: str
     assert steps == [5, 10, 15, 20]
 
 
-def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(tmp_path: Path, store: str) -> None:
-    spec = _write(tmp_path, store, {**DDP, "max_restarts": 1}, {"every_n_steps": 2})
-    assert _runner(tmp_path, str(spec)).returncode == 0
+def test_elastic_restart_resumes_from_checkpoint_in_the_same_run(
+    tmp_path: Path, finished_ddp: tuple[Path, str]
+) -> None:
+    spec, store = finished_ddp
     crashed = _runner(tmp_path, str(spec), PROBE_MARKER=str(tmp_path / "crashed"), PROBE_AT="8", PROBE_CRASH="1")
     assert crashed.returncode == 0, crashed.stdout + crashed.stderr
     assert (tmp_path / "crashed").exists(), "the worker never crashed: the test tests nothing"
