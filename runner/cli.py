@@ -279,7 +279,7 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from runner.spec.validate import validate_files
+    from runner.spec.loading import validate_files
 
     return validate_files(args.files, args.dependents_in)
 

@@ -56,7 +56,7 @@ class Plan:
         launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
             for a per-device Slurm task, the worker its Slurm variables make it.
         run_name: The MLflow run name: ``tracking.run_name``, else the default of
-            :func:`runner.spec.naming.default_run_name` (``digits-mlp ddp-2 lr=0.05``).
+            :func:`runner.spec.dump.default_run_name` (``digits-mlp ddp-2 lr=0.05``).
         rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``;
             under torchrun, the spec's settings, which torchrun's own replace).
         slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
@@ -131,8 +131,8 @@ def spec_facts(
     loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str, accelerator: str | None = None
 ) -> dict[str, Any]:
     """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
-    from runner.spec.active import set_inactive_keys
-    from runner.spec.paths import default_checkpoint_dir
+    from runner.spec.dump import set_inactive_keys
+    from runner.spec.reading import default_checkpoint_dir
 
     spec = loaded.spec
     checkpoints = None
@@ -233,7 +233,7 @@ def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
     ``size`` is what the mode spans: 1 for none, dp's GPUs, the world size of ddp and fsdp; without a device
     plan (the machine cannot run the spec) the spec's own count, or ``?`` when only the machine knows.
     """
-    from runner.spec.naming import default_run_name
+    from runner.spec.dump import default_run_name
 
     spec = loaded.spec
     if spec.tracking.run_name:

@@ -120,7 +120,7 @@ def test_narrowing_selects_the_planned_card(form):
         f"""
         import json, os, torch
         from runner.devices.inventory import probe_inventory
-        from runner.devices.env import apply_device_env
+        from runner.devices.inventory import apply_device_env
         from runner.devices.resolve import resolve_devices
         from runner.spec.schema import ExperimentSpec
         spec = ExperimentSpec.model_validate({{"name": "t", "model": {{"name": "mlp"}},
@@ -145,7 +145,7 @@ def test_apply_refuses_after_real_cuda_init():
     res = run_child(
         """
         import json, torch
-        from runner.devices.env import apply_device_env
+        from runner.devices.inventory import apply_device_env
         from runner.devices.resolve import DevicePlan
         from runner.errors import DeviceError
         torch.cuda.init()
@@ -343,7 +343,7 @@ def test_ddp_nccl_stop_decision_never_synchronises_the_device(monkeypatch):
 
 @requires_gpus(1)
 def test_fp16_precision_scales_on_cuda():
-    from runner.strategies.precision import Precision
+    from runner.strategies.base import Precision
 
     device = torch.device("cuda", 0)
     precision = Precision("fp16", device)

@@ -8,7 +8,7 @@ Three steps, kept apart so the middle one is pure and testable without a GPU:
 2. :func:`resolve_devices` turns spec + environment + inventory into a
    :class:`DevicePlan` (accelerator, chosen devices, world size, backend,
    per-device batch) or raises :class:`~runner.errors.DeviceError`.
-3. :func:`runner.devices.env.apply_device_env` narrows ``CUDA_VISIBLE_DEVICES``
+3. :func:`runner.devices.inventory.apply_device_env` narrows ``CUDA_VISIBLE_DEVICES``
    to the chosen devices, so that inside this process and its children they are
    ``cuda:0 .. cuda:n-1``.
 

@@ -31,9 +31,8 @@ from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runner.launch.ending import Spooled
     from runner.launch.failures import HangReports
-    from runner.launch.session import RunSession
+    from runner.launch.session import RunSession, Spooled
     from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
@@ -147,9 +146,8 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
-    from runner.launch.ending import Spooled
     from runner.launch.prepare import apply_plan_env, before_launch
-    from runner.launch.session import RunSession
+    from runner.launch.session import RunSession, Spooled
     from runner.plan import make_plan
 
     plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)

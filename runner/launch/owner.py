@@ -146,7 +146,7 @@ def settle(uri: str, run_id: str) -> Settled:
         TrackingError: MLflow rejects a request.
     """
     from runner.tracking import runs as tracking
-    from runner.tracking.lookup import run_info
+    from runner.tracking.stored import run_info
 
     info = run_info(uri, run_id)
     owner = Owner.from_tags(info.tags)
@@ -186,10 +186,8 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
         UsageError: No such run, or no store at the URI (a read-only command creates none).
         TrackingError: The store cannot be used.
     """
-    from runner.tracking.lookup import running_runs
-    from runner.tracking.store import open_store
-    from runner.tracking.stored import STORE_HINT, store_uri
-    from runner.tracking.uri import local_store_missing
+    from runner.tracking.stored import STORE_HINT, running_runs, store_uri
+    from runner.tracking.uri import local_store_missing, open_store
 
     uri = store_uri(tracking_uri)
     if local_store_missing(uri):

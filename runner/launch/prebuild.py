@@ -147,7 +147,7 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
         TrackingError: The default folder is beside a sqlite store whose folder cannot be written: the
             store's problem comes first (:func:`runner.tracking.uri.check_reachable` names the store folder).
     """
-    from runner.spec.paths import default_checkpoint_dir, folder_problem
+    from runner.spec.reading import default_checkpoint_dir, folder_problem
     from runner.tracking.uri import check_reachable, sqlite_path
 
     settings = loaded.spec.checkpoint
@@ -187,8 +187,7 @@ def _compile_backend(name: str) -> None:
     """``train.compile_backend`` names a backend torch.compile knows (``torch._dynamo.list_backends``)."""
     import torch._dynamo
 
-    from runner.spec.suggest import did_you_mean
-    from runner.spec.wording import with_hint
+    from runner.spec.wording import did_you_mean, with_hint
 
     known = torch._dynamo.list_backends(exclude_tags=())
     if name not in known:

@@ -44,7 +44,7 @@ def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
 
 
 def _open_store(plan: Plan, options: ExecOptions) -> None:
-    from runner.tracking.store import open_store
+    from runner.tracking.uri import open_store
 
     if plan.tracking_uri is None:
         return
@@ -69,7 +69,7 @@ def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) 
 
 def apply_plan_env(plan: Plan) -> None:
     """Make the plan's devices (and a Slurm task's worker variables) this process's environment."""
-    from runner.devices.env import apply_device_env
+    from runner.devices.inventory import apply_device_env
 
     apply_device_env(plan.devices)
     if plan.slurm is not None and plan.slurm.kind == "per-device":
@@ -105,7 +105,7 @@ def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint 
     """
     from runner.launch.owner import Owner
     from runner.tracking import runs as tracking
-    from runner.tracking.lookup import set_run_tags
+    from runner.tracking.stored import set_run_tags
 
     if resume is not None:
         if owner:

@@ -133,7 +133,7 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
 
     import torch
 
-    from runner.spec.paths import default_checkpoint_dir
+    from runner.spec.reading import default_checkpoint_dir
     from runner.tracking.stored import read_stored_run, store_uri
     from runner.training.checkpoint import CheckpointError, load_latest
 

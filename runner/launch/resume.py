@@ -68,7 +68,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         SpecError: The spec differs from the run's in keys not allowed to change.
         CheckpointError: Every checkpoint of the run is damaged (exit 1).
     """
-    from runner.spec.paths import default_checkpoint_dir
+    from runner.spec.reading import default_checkpoint_dir
     from runner.tracking import runs as tracking
     from runner.training.checkpoint import CheckpointError
 
@@ -153,7 +153,7 @@ def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
     import time
 
     from runner.launch.owner import Owner
-    from runner.tracking.lookup import continuable_runs
+    from runner.tracking.stored import continuable_runs
 
     for info in continuable_runs(uri, experiment):
         owner = Owner.from_tags(info.tags)
@@ -178,7 +178,7 @@ def _check_resume(
     """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
 
     Keys that do not apply to the run on ``accelerator`` (another mode's options, ...:
-    :func:`runner.spec.active.run_inactive_keys`) are inert and never count as a change, as in
+    :func:`runner.spec.dump.run_inactive_keys`) are inert and never count as a change, as in
     ``runner diff`` and the run's params.
 
     Returns:
@@ -190,10 +190,8 @@ def _check_resume(
         CheckpointError: Every checkpoint of the run is damaged (exit 1).
         SpecError: The spec differs in keys not listed in ``allowed``.
     """
-    from runner.spec.active import is_inactive, run_inactive_keys
-    from runner.spec.dump import flatten_spec
-    from runner.spec.suggest import did_you_mean
-    from runner.spec.wording import with_hint
+    from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
+    from runner.spec.wording import did_you_mean, with_hint
     from runner.training.checkpoint import load_latest, spec_changes
 
     current = flatten_spec(loaded.spec)

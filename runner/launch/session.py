@@ -3,6 +3,8 @@
 :class:`RunSession` answers the messages of :mod:`runner.launch.channel` on the hub's thread. It is the
 only place that creates, reopens, records into and ends the run of ``runner exec`` (docs/design.md §6,
 "Process model"). The training processes never import MLflow.
+
+Also: how a run ends: its final status set in MLflow, or, while the tracking store does not answer, kept in its spool.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import contextlib
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, TrackingError
+from runner.errors import SpecError, TrackingError, mask_secrets
 from runner.launch.channel import HandedRun
 from runner.launch.prepare import open_run, requeued, store_error_at
 from runner.spec.loading import relocate_issues
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:
     from runner.launch.driver import ExecOptions
     from runner.launch.resume import ResumePoint
     from runner.plan import Plan
@@ -69,7 +72,7 @@ class RunSession:
         uri = self.plan.tracking_uri
         if uri is None or self._opened or (early and _new_sqlite(uri)):
             return
-        from runner.tracking.store import open_store
+        from runner.tracking.uri import open_store
 
         self._opened = True
         try:
@@ -107,14 +110,14 @@ class RunSession:
         return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
     def _create(self) -> None:
-        from runner.spec.paths import default_checkpoint_dir
+        from runner.spec.reading import default_checkpoint_dir
 
         plan, uri = self.plan, self.plan.tracking_uri
         self.run_id = open_run(plan, self.options, plan.owns_run, self.resume)
         run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.checkpoint_dir = str(default_checkpoint_dir(uri, plan.loaded.spec.checkpoint.dir, run_key))
         if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
-            from runner.tracking.lookup import set_run_tags
+            from runner.tracking.stored import set_run_tags
 
             set_run_tags(uri, self.run_id, {"runner.checkpoint_dir": self.checkpoint_dir})
 
@@ -148,7 +151,7 @@ class RunSession:
         )
         self._tracker = skip_logged_steps(tracker, uri, run_id) if resumed else tracker
         if spec.tracking.system_metrics:
-            from runner.tracking.system import start_system_metrics
+            from runner.tracking.mlflow_tracker import start_system_metrics
 
             self._monitor = start_system_metrics(uri, run_id, resumed=resumed)
         return notes
@@ -167,7 +170,7 @@ class RunSession:
 
     def _data(self, info: dict[str, Any]) -> None:
         """Record the data as dataset inputs and the split fingerprint (a new run only)."""
-        from runner.tracking.datasets import DatasetRecord, record_data
+        from runner.tracking.models import DatasetRecord, record_data
 
         uri, run_id = self.plan.tracking_uri, self.run_id
         if uri is None or run_id is None:
@@ -229,7 +232,6 @@ class RunSession:
 
     def end(self, status: str, error: str | None) -> None:
         """Close what rank 0 left open and give the run its final status (kept in the spool while the store is away)."""
-        from runner.launch.ending import end_run_or_spool
 
         with contextlib.suppress(Exception):  # the run's status matters more than a last batch the store refused
             self._close()
@@ -260,3 +262,68 @@ def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str
     if sent is None:
         return []
     return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
+
+
+@dataclass(frozen=True)
+class Spooled:
+    """What of a run waits in its spool file because the tracking store did not answer.
+
+    Attributes:
+        path: The spool file.
+        metrics: Metric values in it.
+        status: The final status kept in it, or ``None`` when the run's status was set.
+    """
+
+    path: str
+    metrics: int
+    status: str | None
+
+    @classmethod
+    def of(cls, checkpoint_dir: str | Path) -> Spooled | None:
+        """The run's spool, or ``None`` when nothing waits in it."""
+        from runner.tracking.spool import read, spool_path
+
+        path = spool_path(checkpoint_dir)
+        if not path.is_file():
+            return None
+        contents, _ = read(path)
+        if not contents.items and contents.end is None:
+            return None
+        return cls(str(path), len(contents.items), contents.end[0] if contents.end else None)
+
+    def describe(self, run_id: str | None) -> str:
+        """The end of the status line: what is only in the spool, and how it reaches MLflow."""
+        kept = [f"{self.metrics} metric values"] if self.metrics else []
+        if self.status:
+            kept.append(f"the status {self.status}")
+        return (
+            f" (the tracking store did not answer: {' and '.join(kept)} could only be spooled to {self.path}; "
+            f"`runner status {run_id}` sends them once it answers)"
+        )
+
+
+def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, checkpoint_dir: str) -> None:
+    """Give the run its final status; while the store does not answer, keep it in the run's spool instead.
+
+    ``runner status RUN_ID`` (or a resume) sets it later; a store that does not answer is not waited
+    for beyond one quick check (:func:`runner.tracking.uri.check_reachable`).
+    """
+    import sys
+
+    from runner.errors import TrackingError
+    from runner.tracking import runs as tracking
+    from runner.tracking.spool import append, spool_path
+    from runner.tracking.uri import check_reachable
+
+    try:
+        check_reachable(uri)
+        tracking.end_run(uri, run_id, status, error)
+    except TrackingError:
+        path = spool_path(checkpoint_dir)
+        append(path, end=(status, error))
+        print(
+            f"runner: the tracking store at {mask_secrets(uri)} did not answer: run {run_id}'s status {status} is "
+            f"kept in {path}; `runner status {run_id}` sets it once the store answers",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -92,9 +92,9 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
         SpecError: A name in the spec (model, dataset, kwargs) turned out not to build.
         Exception: Anything the training code raises; the driver marks the run FAILED.
     """
-    from runner.devices.env import apply_threads
+    from runner.devices.inventory import apply_threads
     from runner.launch.environment import LauncherEnvironment
-    from runner.launch.watch import HangWatch, die_with_parent
+    from runner.launch.failures import HangWatch, die_with_parent
     from runner.strategies.registry import make_strategy
 
     apply_threads(args.plan)  # one rule for every mode, before any work (docs/design.md §4)

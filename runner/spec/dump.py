@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from runner.spec.active import inactive_keys, is_inactive, run_inactive_keys
+from runner.spec.overrides import parse_key
 from runner.spec.schema import ExperimentSpec
+from runner.spec.schema_parallel import ParallelSpec, modes_with
+from runner.spec.wording import show
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
 
 
 def dump_spec(spec: ExperimentSpec) -> str:
     """Write a spec as TOML with every default that applies made explicit; it re-loads to an equal spec.
 
     ``None`` values and empty tables are left out. A default is written unless its key is
-    inactive (:func:`runner.spec.active.inactive_keys`: e.g. ddp's options under ``mode = "none"``)
+    inactive (:func:`runner.spec.dump.inactive_keys`: e.g. ddp's options under ``mode = "none"``)
     or writing it would change how the table validates. Inactive keys the spec sets are kept.
 
     Args:
@@ -115,11 +122,196 @@ def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[
     Args:
         spec: A validated spec.
         accelerator: The accelerator the run resolved to, or ``None`` (see
-            :func:`~runner.spec.active.run_inactive_keys`).
+            :func:`~runner.spec.dump.run_inactive_keys`).
 
     Returns:
         Dotted key -> JSON-able value, as :func:`flatten_spec`, minus every key that
-        :func:`~runner.spec.active.run_inactive_keys` names (or that lies below one it names).
+        :func:`~runner.spec.dump.run_inactive_keys` names (or that lies below one it names).
     """
     inactive = run_inactive_keys(spec, accelerator)
     return {k: v for k, v in flatten_spec(spec).items() if not is_inactive(k, inactive)}
+
+
+MAX_RUN_NAME_CHARS = 250  # MLflow stores run names in a column of 250 characters
+_IN_THE_MODE = ("parallel.mode",)  # already said by the mode part of the name
+
+
+def value_label(value: Any) -> str:
+    """A value as it reads in a run name: strings bare, the rest as TOML (``0.05``, ``true``, ``[0, 1]``)."""
+    if value is None:
+        return "unset"
+    return value if isinstance(value, str) else show(value, limit=40)
+
+
+def short_keys(keys: Sequence[str]) -> dict[str, str]:
+    """The label of each dotted key: its last part (``optim.lr`` -> ``lr``), or the whole key when two share it."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (tail if last.count(tail) == 1 else k) for k, tail in zip(keys, last, strict=True)}
+
+
+def values_label(values: Mapping[str, Any]) -> str:
+    """``lr=0.1 seed=0`` for ``{"optim.lr": 0.1, "seed": 0}``, keys shortened by :func:`short_keys`."""
+    labels = short_keys(list(values))
+    return " ".join(f"{labels[k]}={value_label(v)}" for k, v in values.items())
+
+
+def trial_run_name(values: Mapping[str, Any]) -> str:
+    """The MLflow run name of a sweep trial: its values, e.g. ``lr=0.1 seed=0`` (``trial`` when it has none).
+
+    Args:
+        values: Dotted key -> the trial's value, in the sweep's key order.
+    """
+    return _cut(values_label(values) or "trial")
+
+
+def default_run_name(loaded: LoadedSpec, mode: str, size: int | str) -> str:
+    """The default run name: spec name, ``<mode>-<size>``, and the values the command line changed.
+
+    Args:
+        loaded: The spec; ``loaded.overrides`` (``--set``) and ``loaded.unset`` (``--unset``) are the
+            command line's changes, named with the value they gave (a default for ``--unset``).
+        mode: ``none``, ``dp`` or ``ddp``.
+        size: Devices the run uses (dp's GPUs) or its world size (ddp): the ``2`` of ``ddp-2``
+            (``?`` while only the machine can say).
+
+    Returns:
+        E.g. ``digits-mlp ddp-2 lr=0.05``, at most 250 characters.
+    """
+    changed = {k: v for k, v in overridden_values(loaded).items() if k not in _IN_THE_MODE}
+    parts = [loaded.spec.name, f"{mode}-{size}", values_label(changed)]
+    return _cut(" ".join(p for p in parts if p))
+
+
+def overridden_values(loaded: LoadedSpec) -> dict[str, Any]:
+    """Dotted key -> validated value of every key the command line set or unset, in command-line order."""
+    keys: dict[str, str] = {}
+    for text in (*loaded.unset, *(o.partition("=")[0] for o in loaded.overrides)):
+        loc = parse_key(text)
+        if loc is not None:
+            key = ".".join(str(part) for part in loc)
+            keys.pop(key, None)
+            keys[key] = text
+    return {key: _value_at(loaded.spec, key.split(".")) for key in keys}
+
+
+def _value_at(model: BaseModel, parts: Iterable[str]) -> Any:
+    """The value of the validated spec at dotted ``parts`` (``None`` when unset)."""
+    value: Any = model
+    for part in parts:
+        if isinstance(value, BaseModel):
+            value = getattr(value, part, None)
+        elif isinstance(value, Mapping):
+            value = value.get(part)
+        else:
+            return None
+    if isinstance(value, BaseModel):
+        return {k: getattr(value, k) for k in value.model_fields_set}
+    return value
+
+
+def _cut(name: str) -> str:
+    return name if len(name) <= MAX_RUN_NAME_CHARS else name[: MAX_RUN_NAME_CHARS - 3] + "..."
+
+
+SYNTHETIC_ONLY = ("num_samples", "input_shape", "num_classes")
+FILE_DATASETS_ONLY = ("root",)  # torchvision.<Name> and imagefolder read files from data.root
+TORCHVISION_ONLY = ("download",)
+
+
+def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
+    """Dotted keys (or whole tables) of ``spec`` that do not apply to it, with the reason.
+
+    Args:
+        spec: A validated spec.
+
+    Returns:
+        ``{dotted key: reason}``, e.g. ``{"parallel.backend": 'ddp only (mode = "none")'}``, whether
+        or not the spec sets them: the resolved spec leaves their defaults out, and
+        :func:`runner.spec.dump.active_params` drops them (and every key below them).
+    """
+    par, data = spec.parallel, spec.data
+    out: dict[str, str] = {}
+    for key in [k for k in ParallelSpec.model_fields if k != "mode" and k not in par.traits.keys]:
+        out[f"parallel.{key}"] = f'{" and ".join(modes_with(key))} only (mode = "{par.mode}")'
+    if spec.devices.accelerator == "cpu":
+        out["devices.ids"] = 'GPU ids (accelerator = "cpu")'
+    out.update(_data_inactive(data.dataset, data.val_fraction))
+    if not spec.train.compile:
+        out["train.compile_backend"] = "compile only (train.compile = false)"
+    if spec.optim.name != "sgd":
+        out["optim.momentum"] = f'sgd only (optim.name = "{spec.optim.name}")'
+    return out
+
+
+def _data_inactive(dataset: str, val_fraction: float) -> dict[str, str]:
+    """``[data]`` keys of other datasets: synthetic's shapes, torchvision's download, the file root."""
+    out: dict[str, str] = {}
+    shown = f'dataset = "{dataset}"'
+    if dataset != "synthetic":
+        out.update({f"data.{k}": f"synthetic only ({shown})" for k in SYNTHETIC_ONLY})
+        if val_fraction == 0:
+            out["data.split_seed"] = "no split (val_fraction = 0)"
+    if not dataset.startswith("torchvision."):
+        out.update({f"data.{k}": f"torchvision datasets only ({shown})" for k in TORCHVISION_ONLY})
+        if dataset != "imagefolder":
+            out.update({f"data.{k}": f"torchvision and imagefolder only ({shown})" for k in FILE_DATASETS_ONLY})
+    return out
+
+
+def is_inactive(key: str, inactive: dict[str, str]) -> bool:
+    """Whether dotted ``key`` is one of ``inactive`` or lies below one of them."""
+    return any(key == k or key.startswith(k + ".") for k in inactive)
+
+
+def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
+    """:func:`inactive_keys` and what does not apply to a run of ``runner exec``: the keys params and diffs leave out.
+
+    Besides the spec's own inactive keys: ``[sweep]`` (``runner exec`` ignores it; ``runner sweep``
+    logs it on its parent run), and on the CPU the GPU-only keys ``devices.ids`` and
+    ``parallel.sync_batchnorm`` (SyncBatchNorm has no CPU kernel), also when ``accelerator = "auto"``
+    resolved to the CPU, as the plan's note about ``devices.ids`` says.
+
+    Args:
+        spec: A validated spec.
+        accelerator: The accelerator the run resolved to (``"cpu"`` or ``"cuda"``), or ``None`` when
+            unknown (the spec's own ``devices.accelerator`` decides; ``"auto"`` keeps the GPU keys).
+
+    Returns:
+        ``{dotted key: reason}``.
+    """
+    out = inactive_keys(spec)
+    out["sweep"] = "runner sweep only (runner exec ignores [sweep])"
+    if "cpu" in (accelerator, spec.devices.accelerator):
+        out.setdefault("devices.ids", "GPU ids (the run is on cpu)")
+        out.setdefault("parallel.sync_batchnorm", "CUDA only (the run is on cpu)")
+    return out
+
+
+def set_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
+    """The inactive keys the spec actually sets (not only their defaults), for ``runner plan``.
+
+    Returns:
+        ``{dotted key: reason}`` for each key of :func:`run_inactive_keys` written in the spec or on the
+        command line.
+    """
+    written = _written_keys(spec)
+    inactive = run_inactive_keys(spec, accelerator)
+    return {k: why for k, why in inactive.items() if any(w == k or w.startswith(k + ".") for w in written)}
+
+
+def _written_keys(spec: ExperimentSpec) -> set[str]:
+    """Dotted keys set explicitly (``model_fields_set``) in every table of ``spec``."""
+    from pydantic import BaseModel
+
+    found: set[str] = set()
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        for name in model.model_fields_set:
+            value = getattr(model, name)
+            key = f"{prefix}{name}"
+            found.add(key)
+            if isinstance(value, BaseModel):
+                walk(value, key + ".")
+
+    walk(spec, "")
+    return found

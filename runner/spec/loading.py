@@ -3,24 +3,31 @@
 The steps live apart: :mod:`runner.spec.reading` (TOML and ``extends`` -> dict and key origins),
 :mod:`runner.spec.overrides` (``--set``), :mod:`runner.spec.messages` (wording pydantic's errors);
 this module validates and places every problem at ``FILE:LINE: dotted.key``.
+
+Also: ``runner validate``: check spec files one by one (with the specs that extend them) and report each.
+
+Also: which spec files build on which: the ``extends`` chains, so that editing a base re-checks the specs on top of it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from runner.errors import SpecError
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from runner.errors import SpecError, SpecIssue
+from runner.errors import SpecIssue
 from runner.spec.dump import spec_sha256
 from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
@@ -284,11 +291,131 @@ def _origin_of(provenance: Provenance, loc: Loc, top: Path) -> Origin:
 def _required_keys(model: type[BaseModel] = ExperimentSpec, prefix: str = "") -> list[str]:
     """Dotted keys a spec must set, e.g. ``name``, ``model.name``, ``data.batch_size``."""
     keys = []
-    for name, field in model.model_fields.items():
-        if field.is_required():
-            ann = field.annotation
+    for name, info in model.model_fields.items():
+        if info.is_required():
+            ann = info.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 keys += _required_keys(ann, f"{prefix}{name}.")
             else:
                 keys.append(prefix + name)
     return keys
+
+
+EXIT_OK = 0
+
+
+def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> int:
+    """Validate ``files``; a file extended by specs under ``dependents_in`` is checked through them.
+
+    Args:
+        files: Spec files as named on the command line.
+        dependents_in: Folders whose specs are also checked when their ``extends`` chain reaches a
+            file of ``files`` (:func:`runner.spec.loading.plan_validation`); empty: ``files`` alone.
+
+    Returns:
+        The exit status: 0 when every file is valid, else the ``exit_code`` of :class:`SpecError` (2).
+    """
+    checked: list[str | Path] = list(files)
+    if dependents_in:
+        from runner.spec.loading import plan_validation
+
+        plan = plan_validation(files, dependents_in)
+        for base, users in plan.bases.items():
+            print(f"base  {base}: checked through {len(users)} spec(s) that extend it")
+        checked = list(plan.files)
+    status = EXIT_OK
+    for path in checked:  # every file is checked, so one run reports all bad files
+        try:
+            load_spec(path)
+            print(f"ok    {path}")
+        except SpecError as exc:
+            status = exc.exit_code
+            print(f"error {path}", file=sys.stdout)
+            print(_indent(str(exc)), file=sys.stderr)
+    return status
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+def extends_chain(path: Path) -> set[Path]:
+    """Every file ``path`` builds on through ``extends``, transitively, as real paths.
+
+    Files that cannot be read or parsed, and cycles, end the chain there: ``runner validate``
+    reports them; this only answers which files a spec reaches.
+
+    Args:
+        path: A spec file.
+
+    Returns:
+        The real paths of the bases (``path`` itself excluded unless a cycle leads back to it).
+    """
+    seen: set[Path] = set()
+    todo = [Path(os.path.realpath(path))]
+    while todo:
+        current = todo.pop()
+        for base in _extends_of(current):
+            real = Path(os.path.realpath(current.parent / base))
+            if real not in seen:
+                seen.add(real)
+                todo.append(real)
+    return seen
+
+
+def _extends_of(path: Path) -> list[str]:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    value = raw.get("extends")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+@dataclass
+class ValidationPlan:
+    """What ``runner validate --dependents-in`` checks.
+
+    Attributes:
+        files: The specs to validate, in order: the changed files that are not bases, then the
+            specs that extend a changed file.
+        bases: Changed files that other specs extend, each with the specs that extend it.
+    """
+
+    files: list[Path] = field(default_factory=list)
+    bases: dict[Path, list[Path]] = field(default_factory=dict)
+
+
+def plan_validation(changed: Sequence[str | Path], folders: Iterable[str | Path]) -> ValidationPlan:
+    """The changed files plus every spec under ``folders`` whose ``extends`` chain reaches one of them.
+
+    Args:
+        changed: Spec files named on the command line (by pre-commit: the staged ones).
+        folders: Where the specs that may extend them live (searched recursively for ``*.toml``).
+
+    Returns:
+        The :class:`ValidationPlan`; paths keep the form they were given or found in.
+    """
+    given = [Path(p) for p in changed]
+    real = {Path(os.path.realpath(p)): p for p in given}
+    candidates = sorted({p for folder in folders for p in Path(folder).rglob("*.toml") if p.is_file()})
+    plan = ValidationPlan()
+    dependents: list[Path] = []
+    for candidate in candidates:
+        reached = extends_chain(candidate) & set(real)
+        for base in sorted(reached):
+            plan.bases.setdefault(real[base], []).append(candidate)
+        if reached and Path(os.path.realpath(candidate)) not in real:
+            dependents.append(candidate)
+    plan.files = [p for p in given if p not in plan.bases] + dependents
+    return plan

@@ -14,8 +14,7 @@ from runner.spec.locate import Loc, format_key
 from runner.spec.objectives import MOVED
 from runner.spec.rules import CrossFieldError
 from runner.spec.schema import ExperimentSpec
-from runner.spec.suggest import did_you_mean, suggest
-from runner.spec.wording import join_or, show, with_hint
+from runner.spec.wording import did_you_mean, join_or, show, suggest, with_hint
 
 
 def annotation_at(loc: Sequence[str | int]) -> Any:

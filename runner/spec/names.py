@@ -16,8 +16,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from runner.spec.suggest import did_you_mean
-from runner.spec.wording import with_hint
+from runner.spec.wording import did_you_mean, with_hint
 
 BUILTIN_MODELS = ("mlp", "cnn")
 BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")

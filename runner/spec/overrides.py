@@ -27,8 +27,7 @@ from runner.spec.locate import Loc, format_key
 from runner.spec.messages import annotation_at, unwrap_optional
 from runner.spec.reading import PATH_KEYS, Origin, Provenance, SpecTree, forget
 from runner.spec.schema import ExperimentSpec
-from runner.spec.suggest import did_you_mean
-from runner.spec.wording import show, with_hint
+from runner.spec.wording import did_you_mean, show, with_hint
 
 ORIGIN = "--set"
 UNSET = "--unset"

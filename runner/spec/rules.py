@@ -23,10 +23,9 @@ from runner.errors import mask_secrets
 from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runner.spec.schema import ExperimentSpec, OptimSpec, TrackingSpec
+    from runner.spec.schema import ExperimentSpec, OptimSpec, SweepParam, TrackingSpec
     from runner.spec.schema_data import DataSpec
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
-    from runner.spec.schema_sweep import SweepParam
 
 ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
 

@@ -11,7 +11,7 @@ also inside ``kwargs`` and sweep values); every table forbids unknown keys and i
 The root :class:`ExperimentSpec` and ``[optim]``, ``[scheduler]``, ``[train]``, ``[tracking]`` and
 ``[checkpoint]`` are here; the other tables have a module each: :mod:`runner.spec.schema_data`
 (``[model]``, ``[data]``), :mod:`runner.spec.schema_parallel` (``[devices]``, ``[parallel]``),
-:mod:`runner.spec.schema_sweep` (``[sweep]``), :mod:`runner.spec.objectives` (``[loss]``,
+:mod:`runner.spec.schema` (``[sweep]``), :mod:`runner.spec.objectives` (``[loss]``,
 ``[metrics]``); their base is :class:`runner.spec.table.SpecTable`.
 """
 
@@ -25,8 +25,7 @@ from runner.spec import rules
 from runner.spec.objectives import LossSpec, MetricsSpec
 from runner.spec.schema_data import DataSpec, ModelSpec
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
-from runner.spec.schema_sweep import SweepSpec
-from runner.spec.table import INT64_LIMIT, SpecTable
+from runner.spec.table import INT64_LIMIT, UINT32_LIMIT, SpecTable
 
 
 class OptimSpec(SpecTable):
@@ -230,3 +229,67 @@ class ExperimentSpec(SpecTable):
     sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
 
     rule = rules.check_experiment
+
+
+class SweepParam(SpecTable):
+    """One swept key in ``[sweep.params]``: explicit values or a numeric range."""
+
+    values: list[Any] | None = Field(default=None, min_length=1, description="Explicit values to try.")
+    low: float | None = Field(default=None, description="Lower bound of a sampled range (random and tpe).")
+    high: float | None = Field(default=None, description="Upper bound of a sampled range (random and tpe).")
+    distribution: Literal["uniform", "log_uniform", "int_uniform"] = Field(
+        default="uniform", description="How a range is sampled. Default: uniform."
+    )
+
+    rule = rules.check_sweep_param
+
+
+class SweepSpec(SpecTable):
+    """``[sweep]``: many trials of one spec, searched by Optuna (see ``runner sweep``, docs/design.md §16)."""
+
+    method: Literal["grid", "random", "tpe"] = Field(
+        default="grid",
+        description="Optuna sampler: grid (GridSampler, every combination), random (RandomSampler) or tpe "
+        "(TPESampler). Default: grid.",
+    )
+    trials: int | None = Field(
+        default=None,
+        ge=1,
+        description="Trials in total, over every worker (random and tpe: required; grid: at most the grid size). "
+        "Default: the grid size.",
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=UINT32_LIMIT,
+        description="Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState). Default: 0.",
+    )
+    metric: str = Field(default="val/accuracy", description="Metric that ranks trials. Default: val/accuracy.")
+    goal: Literal["max", "min"] = Field(
+        default="max", description="Whether a larger or smaller metric is better. Default: max."
+    )
+    pruner: Literal["none", "median", "hyperband"] = Field(
+        default="none",
+        description="Stop poor trials early on the per-epoch metric: none, median (MedianPruner) or hyperband "
+        "(HyperbandPruner). Default: none.",
+    )
+    pruner_startup_trials: int = Field(
+        default=5, ge=0, description="median only: trials that finish before any is pruned. Default: 5."
+    )
+    pruner_warmup_epochs: int = Field(
+        default=0, ge=0, description="Epochs every trial trains before it may be pruned. Default: 0."
+    )
+    storage: str | None = Field(
+        default=None,
+        description="Optuna storage URL of the study, shared by every worker, e.g. "
+        "`postgresql+psycopg://user@host/db`. Default: sqlite `optuna.db` next to the MLflow store.",
+    )
+    study: str | None = Field(
+        default=None,
+        description="Optuna study name; workers with the same name and storage share one sweep. "
+        "Default: the spec name and a hash of the trial spec and the sweep.",
+    )
+    params: dict[str, SweepParam] = Field(
+        default_factory=dict,
+        description='Dotted spec key -> values or range, e.g. `"optim.lr" = { values = [0.1, 0.01] }`.',
+    )

@@ -41,9 +41,16 @@ from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import probe_model_and_data, reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool
-from runner.tools.bench_repeats import Config, measure_config, open_child
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
-from runner.tools.bench_runs import Parent, record_child, record_parent, start_parent
+from runner.tools.bench_runs import (
+    Config,
+    Parent,
+    measure_config,
+    open_child,
+    record_child,
+    record_parent,
+    start_parent,
+)
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec

@@ -122,7 +122,7 @@ class WarmPool:
         """Start every missing worker; returns at once (they import torch in the background)."""
         import multiprocessing
 
-        from runner.devices.env import scoped_environ
+        from runner.devices.inventory import scoped_environ
 
         ctx = multiprocessing.get_context("spawn")
         with scoped_environ(self.env):  # a spawned child copies the environment when it starts

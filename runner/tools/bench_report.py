@@ -1,7 +1,7 @@
 """The result of ``runner bench``: one row per configuration, the comparison against ``none``, table and JSON.
 
 The figures and their definitions are in :mod:`runner.tools.bench_figures`; the chart in
-:mod:`runner.tools.bench_chart`.
+:mod:`runner.tools.bench_figures`.
 """
 
 from __future__ import annotations

@@ -52,8 +52,7 @@ class Side:
 
 def _spec_keys(spec: ExperimentSpec, accelerator: str | None) -> tuple[dict[str, Any], frozenset[str]]:
     """The keys a run of ``spec`` on ``accelerator`` logs as params, and those that do not apply to it."""
-    from runner.spec.active import run_inactive_keys
-    from runner.spec.dump import active_params
+    from runner.spec.dump import active_params, run_inactive_keys
 
     return active_params(spec, accelerator), frozenset(run_inactive_keys(spec, accelerator))
 

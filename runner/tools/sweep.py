@@ -29,8 +29,7 @@ from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_p
 from runner.tools.sweep_report import SweepReport, first_line, write_plots
 from runner.tools.sweep_run import TrialSetup, work
 from runner.tools.sweep_space import SweepDefinition, study_name
-from runner.tools.sweep_storage import GRACE_S, HEARTBEAT_S, StorageError, default_storage_url, open_storage
-from runner.tools.sweep_store import SweepStore
+from runner.tools.sweep_store import GRACE_S, HEARTBEAT_S, StorageError, SweepStore, default_storage_url, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (
     prepare_trials,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
-from runner.spec.schema_sweep import SweepParam, SweepSpec
+from runner.spec.schema import SweepParam, SweepSpec
 from runner.spec.table import UINT32_LIMIT
 from runner.tools.sweep_space import SweepDefinition
 
@@ -164,8 +164,8 @@ def trial_names(loaded: LoadedSpec) -> list[str]:
         UsageError: As :func:`build_definition`.
         SpecError: As :func:`build_definition`.
     """
+    from runner.spec.dump import trial_run_name
     from runner.spec.locate import locate_keys
-    from runner.spec.naming import trial_run_name
 
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
     if definition.method == "grid":

@@ -102,8 +102,7 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
     from runner.tools.sweep_run import work
-    from runner.tools.sweep_storage import open_storage
-    from runner.tools.sweep_store import SweepStore
+    from runner.tools.sweep_store import SweepStore, open_storage
     from runner.tools.sweep_study import SweepStudy
 
     code, me = 0, config.index

@@ -134,7 +134,7 @@ def _execute(
     """Load the trial's spec and run it with ``runner exec``'s driver; tag the run when the pruner stopped it."""
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.spec.loading import load_spec
-    from runner.tools.sweep_prune import OptunaPruning
+    from runner.tools.sweep_trials import OptunaPruning
 
     definition = study.definition
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra], setup.unset))

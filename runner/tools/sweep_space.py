@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from runner.spec.naming import trial_run_name
-from runner.spec.schema_sweep import SweepParam
+from runner.spec.dump import trial_run_name
+from runner.spec.schema import SweepParam
 
 if TYPE_CHECKING:
     import optuna
@@ -138,7 +138,7 @@ class Trial:
         return [f"{key}={toml_value(value)}" for key, value in self.values.items()]
 
     def run_name(self) -> str:
-        """The MLflow run name: the values, e.g. ``lr=0.1 seed=0`` (:func:`runner.spec.naming.trial_run_name`)."""
+        """The MLflow run name: the values, e.g. ``lr=0.1 seed=0`` (:func:`runner.spec.dump.trial_run_name`)."""
         return trial_run_name(self.values)
 
     def label(self) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from runner.errors import UsageError, mask_secrets
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
-from runner.tools.sweep_storage import HEARTBEAT_S, StorageError, make_pruner, make_sampler
+from runner.tools.sweep_store import HEARTBEAT_S, StorageError, make_pruner, make_sampler
 
 if TYPE_CHECKING:
     import optuna

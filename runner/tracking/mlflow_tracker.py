@@ -3,6 +3,8 @@
 What the training thread calls lives here; the sender thread's side in :mod:`runner.tracking.sender`.
 
 mlflow is imported inside functions, never when this module is imported.
+
+Also: mLflow system metrics (CPU, memory, GPU) recorded beside a run's training metrics.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from runner.errors import TrackingError
 from runner.tracking import spool as spool_file
 from runner.tracking.sender import Artifact, BatchSender, Tags
 from runner.tracking.spool import Item
-from runner.tracking.values import METRICS_PER_BATCH, param_value
+from runner.tracking.tags import METRICS_PER_BATCH, param_value
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
 
 log = logging.getLogger(__name__)
 
@@ -330,3 +335,21 @@ class MlflowTracker(BatchSender):
         raise TrackingError(
             f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}{detail}"
         ) from cause
+
+
+def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemMetricsMonitor:
+    """Start MLflow's system metrics monitor for ``run_id``; see ``mlflow.system_metrics``.
+
+    Args:
+        uri: Tracking URI of the run.
+        run_id: The run.
+        resumed: The run continues an earlier job: MLflow resumes the step numbering.
+
+    Returns:
+        The started ``SystemMetricsMonitor``; call ``finish()`` when training ends.
+    """
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, tracking_uri=uri, resume_logging=resumed)
+    monitor.start()
+    return monitor

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from runner.errors import TrackingError, mask_secrets
 from runner.tracking.runs import ensure_experiment, mark_failed_quietly
-from runner.tracking.values import METRICS_PER_BATCH, PARAMS_PER_BATCH
+from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -65,7 +65,7 @@ def _record(run: Run) -> RunRecord:
 def _client(uri: str) -> MlflowClient:
     from mlflow.tracking import MlflowClient
 
-    from runner.tracking.store import open_store
+    from runner.tracking.uri import open_store
 
     open_store(uri)  # the first use of a new sqlite store creates it, under its lock
     return MlflowClient(tracking_uri=uri)

@@ -19,11 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, mask_secrets
 from runner.tracking.gitinfo import git_info
-from runner.tracking.spec_record import spec_artifacts, spec_params
-from runner.tracking.store import open_store
-from runner.tracking.tags import git_artifacts, run_tags
-from runner.tracking.uri import resolve_tracking_uri, sqlite_path
-from runner.tracking.values import PARAMS_PER_BATCH
+from runner.tracking.tags import PARAMS_PER_BATCH, git_artifacts, run_tags, spec_artifacts, spec_params
+from runner.tracking.uri import open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:
     from mlflow.entities import Param
@@ -179,9 +176,9 @@ def start_run(
     Creates the experiment (``spec.tracking.experiment``, else ``spec.name``) when
     missing, then one run with an explicit id (MLflow's fluent active run is neither used
     nor changed). Logs the keys of the spec that apply as params (batches of 100;
-    :func:`runner.tracking.spec_record.spec_params`) and the plan's ``runner.threads_per_process``; tags from
+    :func:`runner.tracking.tags.spec_params`) and the plan's ``runner.threads_per_process``; tags from
     :func:`runner.tracking.tags.run_tags`; artifacts ``spec/<spec file name>`` (the file's
-    own text) and every file it extends (:func:`runner.tracking.spec_record.spec_artifacts`),
+    own text) and every file it extends (:func:`runner.tracking.tags.spec_artifacts`),
     ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked
     files differ from HEAD and ``git/untracked.txt`` when untracked files exist, in the git
     repository that contains the spec file. If logging fails after the run was created,

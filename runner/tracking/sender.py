@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from runner.tracking import spool as spool_file
 from runner.tracking.spool import Item
-from runner.tracking.values import PARAMS_PER_BATCH
+from runner.tracking.tags import PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from runner.errors import TrackingError
-from runner.tracking.values import METRICS_PER_BATCH
+from runner.tracking.tags import METRICS_PER_BATCH
 
 SPOOL_NAME = "metrics-spool.jsonl"
 

@@ -1,20 +1,31 @@
 """Provenance of a new run: its tags (source, git, versions, host, devices) and its git artifacts.
 
 Neither mlflow nor torch is imported when this module is imported.
+
+Also: how values and names are written to MLflow: param strings, safe keys, length limits, batch sizes.
+
+Also: what a run records about its spec: the params that apply, the spec files (self-contained), the overrides.
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
+import json
+import os
+import re
+import shlex
 import socket
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from runner.tracking.gitinfo import git_diff
-from runner.tracking.spec_record import OVERRIDES_TAG, overrides_text
-from runner.tracking.values import max_tag_chars, param_value, shorten
+
+if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
+
 
 NOTES_TAG = "runner.notes"
 
@@ -181,3 +192,124 @@ def git_artifacts(info: GitInfo | None) -> dict[str, str]:
         more = info.untracked_count - len(info.untracked)
         out["git/untracked.txt"] = "\n".join(info.untracked) + (f"\n[... and {more} more]" if more > 0 else "") + "\n"
     return out
+
+
+PARAMS_PER_BATCH = 100  # MLflow's limit for params (and tags) in one log_batch request
+METRICS_PER_BATCH = 1000  # MLflow's limit for metrics in one log_batch request
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def param_value(value: Any) -> str:
+    """Render one flattened spec value as an MLflow param string, stably.
+
+    ``True`` -> ``"true"``, ``1`` -> ``"1"``, ``1.0`` -> ``"1.0"`` (floats use ``repr``),
+    lists and tables -> JSON, strings unchanged.
+
+    Args:
+        value: A JSON-able scalar, list or dict.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def safe_key(key: str) -> str:
+    """Replace the characters MLflow rejects in param, tag and metric names with ``_``.
+
+    MLflow accepts letters, digits, ``_``, ``-``, ``.``, ``/``, spaces and ``:``
+    (``mlflow.utils.validation``); ``model.kwargs.hidden|x`` becomes ``model.kwargs.hidden_x``.
+    """
+    return _BAD_KEY_CHARS.sub("_", key)
+
+
+def shorten(text: str, limit: int, where: str) -> str:
+    """Cut ``text`` to ``limit`` characters with a marker saying how long it was and where the rest is.
+
+    Args:
+        text: The value.
+        limit: Most characters kept, marker included.
+        where: Where the full text can be found, e.g. ``"artifact spec/resolved.toml"``.
+    """
+    if len(text) <= limit:
+        return text
+    marker = f"...[truncated from {len(text)} chars; full text in {where}]"
+    return text[: max(0, limit - len(marker))] + marker
+
+
+def max_tag_chars() -> int:
+    """MLflow's limit on the length of a tag value (``MAX_TAG_VAL_LENGTH``, 8000 in MLflow 3)."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    return int(MAX_TAG_VAL_LENGTH)
+
+
+def max_param_chars() -> int:
+    """MLflow's limit on the length of a param value (``MAX_PARAM_VAL_LENGTH``, 6000 in MLflow 3)."""
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    return int(MAX_PARAM_VAL_LENGTH)
+
+
+RESOLVED = "spec/resolved.toml"
+PLAN = "spec/plan.json"
+OVERRIDES_TAG = "runner.overrides"
+
+
+def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
+    """Return the MLflow params of a spec: the keys that apply, dotted, as strings within MLflow's limits.
+
+    Keys come from :func:`runner.spec.dump.active_params`: another mode's options, another
+    dataset's keys and other inactive keys are left out (docs/design.md §10), so two runs differ in
+    their params only where their training differs; ``None`` values are left out. Characters MLflow
+    rejects in keys become ``_``; values longer than MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000)
+    are shortened with a marker pointing at the ``spec/resolved.toml`` artifact, which holds the
+    whole spec.
+
+    Args:
+        spec: An ``ExperimentSpec``.
+        accelerator: The accelerator the run resolved to (``"cpu"``: GPU-only keys are left out too),
+            or ``None`` (:func:`runner.spec.dump.run_inactive_keys`).
+    """
+    from runner.spec.dump import active_params
+
+    limit = max_param_chars()
+    return {
+        safe_key(key): shorten(param_value(value), limit, f"artifact {RESOLVED}")
+        for key, value in active_params(spec, accelerator).items()
+        if value is not None
+    }
+
+
+def spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> dict[str, str]:
+    """Artifact path -> text of a new run's spec: every file read, the resolved spec and the plan.
+
+    The spec file and each file it ``extends`` are stored under ``spec/`` at their paths relative
+    to the folder that holds them all (``spec/digits_mlp.toml``, ``spec/base/digits.toml``), so the
+    logged spec loads on its own. A file that would be called ``resolved.toml`` or ``plan.json``
+    there is stored as ``source-<name>``.
+
+    Args:
+        loaded: The spec; ``loaded.sources`` lists the files read (the spec file alone when empty).
+        resolved_toml: :func:`runner.spec.dump.dump_spec` of the spec.
+        plan_json: The plan description as JSON.
+    """
+    sources = list(loaded.sources) or [(Path(loaded.path), loaded.source_text)]
+    root = Path(os.path.commonpath([str(Path(p).parent) for p, _ in sources]))
+    out: dict[str, str] = {}
+    for path, text in sources:
+        relative = PurePosixPath(Path(path).relative_to(root).as_posix())
+        if str(relative) in ("resolved.toml", "plan.json"):
+            relative = relative.with_name(f"source-{relative.name}")
+        out[f"spec/{relative}"] = text
+    out[RESOLVED] = resolved_toml
+    out[PLAN] = plan_json
+    return out
+
+
+def overrides_text(loaded: LoadedSpec) -> str:
+    """The command line's changes to the spec file, as shell words: ``--set optim.lr=0.05 --unset devices.ids``."""
+    return shlex.join(loaded.command_line())

@@ -39,7 +39,7 @@ from runner.errors import RunnerError
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from runner.strategies.precision import Precision
+    from runner.strategies.base import Precision
     from runner.training.loop import TrainState
 
 FORMAT_VERSION = 2  # 2: read with weights_only=True, records the metrics logged before it
@@ -280,7 +280,7 @@ def build_payload(
         model_state: ``strategy.model_state(model)``: the whole model, keys without ``module.``.
         optimizer_state: ``strategy.optimizer_state(model, optimizer)``: the whole ``optimizer.state_dict()``.
         scheduler, scaler: Their ``state_dict()`` is saved (both may be ``None``;
-            a :class:`~runner.strategies.precision.Precision` without scaling saves ``None``).
+            a :class:`~runner.strategies.base.Precision` without scaling saves ``None``).
         state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
         rng_states: One RNG-state dict per rank, indexed by rank.
         spec_flat: The flattened spec (dotted keys), to report what changed on resume.

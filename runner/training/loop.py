@@ -3,7 +3,7 @@
 The loop reads top to bottom in the order zero_grad -> forward -> loss -> backward ->
 clip -> step -> schedule -> log. It never asks which parallel mode it runs under: the
 :class:`runner.strategies.base.Strategy` supplies wrapping, ``no_sync``, the collectives and
-the stop decision, the :class:`runner.strategies.precision.Precision` supplies autocast and
+the stop decision, the :class:`runner.strategies.base.Precision` supplies autocast and
 gradient scaling, and it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
 
 Loss normalisation (docs/design.md §2-§3): every micro-batch loss is the sum of its per-sample
@@ -28,6 +28,8 @@ single process after step ``k``, and several processes at the first of those poi
 checkpoint), so a request during an epoch's last step stops before its evaluation, as one during
 evaluation stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
 :class:`~runner.errors.Interrupted`.
+
+Also: peak memory of one rank: the CUDA allocator's peak on its device, else the process's peak resident set.
 """
 
 from __future__ import annotations
@@ -342,3 +344,26 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
 
 
 __all__ = ["FitResult", "LoopParts", "TrainState", "end_epoch", "evaluate", "fit", "train_step"]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes() or 0
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
+
+    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed worker
+    does not inherit the peak of the process that started it.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -39,8 +39,7 @@ from runner.spec.names import (
     torchvision_bare,
     unknown_model,
 )
-from runner.spec.suggest import did_you_mean
-from runner.spec.wording import with_hint
+from runner.spec.wording import did_you_mean, with_hint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

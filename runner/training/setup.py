@@ -25,16 +25,15 @@ from torch import nn
 
 from runner.errors import mask_secrets
 from runner.spec.dump import flatten_spec
+from runner.strategies.base import Precision
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
-from runner.strategies.precision import Precision
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
 from runner.training.loaders import Loaders, build_loaders, check_batchnorm_batches
-from runner.training.loop import FitResult, LoopParts, TrainState, fit
+from runner.training.loop import FitResult, LoopParts, TrainState, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, Loss, build_loss
-from runner.training.memory import peak_memory_bytes
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
 from runner.training.optim import build_optimizer, build_scheduler, scheduler_interval

@@ -20,8 +20,7 @@ from runner.training.metrics import MetricPlan
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from runner.strategies.base import Strategy
-    from runner.strategies.precision import Precision
+    from runner.strategies.base import Precision, Strategy
     from runner.tracking.trackers import Tracker
     from runner.training.loaders import Loaders
     from runner.training.losses import Loss
@@ -88,7 +87,7 @@ class LoopParts:
         loaders: The :class:`runner.training.loaders.Loaders` of this rank.
         tracker: Where rank 0 sends metrics (a ``NullTracker`` on other ranks).
         total_steps: Optimizer steps of the whole run: ``min(steps_per_epoch * epochs, max_steps)``.
-        precision: Autocast and gradient scaling (:class:`runner.strategies.precision.Precision`).
+        precision: Autocast and gradient scaling (:class:`runner.strategies.base.Precision`).
         io: How batches reach the model and where the prediction is in its output.
         metrics: The train and validation metrics (:class:`~runner.training.metrics.MetricPlan`).
         on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).

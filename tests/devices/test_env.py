@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from runner.devices.env import scoped_environ
+from runner.devices.inventory import scoped_environ
 
 
 def test_scoped_environ_sets_then_restores_and_removes_what_was_unset(monkeypatch) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.devices.env import apply_device_env, apply_threads
-from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
+from runner.devices.inventory import GpuInfo, Inventory, apply_device_env, apply_threads, probe_inventory
 from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices, threads_per_process
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
@@ -405,7 +404,7 @@ def test_apply_refuses_after_cuda_init(monkeypatch):
 def test_resolving_and_applying_never_import_torch():
     code = (
         "import sys\n"
-        "from runner.devices import env as device_env, inventory, resolve as devices\n"
+        "from runner.devices import inventory as device_env, inventory, resolve as devices\n"
         "inv = inventory.Inventory([inventory.GpuInfo(0, 'x')], True)\n"
         "assert device_env.cuda_initialized() is False\n"
         "env = {}\n"

@@ -244,7 +244,7 @@ def test_a_store_folder_that_cannot_be_written_is_named_before_the_checkpoint_fo
     import os
     import tempfile
 
-    import runner.spec.paths
+    import runner.spec.reading
     import runner.tracking.uri
 
     spec = write_spec()  # the store and the default checkpoints/ both in tmp_path
@@ -259,7 +259,7 @@ def test_a_store_folder_that_cannot_be_written_is_named_before_the_checkpoint_fo
         return real_mkdtemp(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(runner.tracking.uri.os, "access", access)
-    monkeypatch.setattr(runner.spec.paths.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(runner.spec.reading.tempfile, "mkdtemp", mkdtemp)
     assert main(["exec", str(spec)]) == 2
     err = capsys.readouterr().err
     assert f"folder {tmp_path} is not writable (sqlite writes a journal" in err

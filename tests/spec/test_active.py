@@ -14,10 +14,9 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
 from runner.plan import make_plan
 from runner.plan_report import plan_or_problem
-from runner.spec.active import inactive_keys, set_inactive_keys
-from runner.spec.dump import active_params, dump_spec
+from runner.spec.dump import active_params, dump_spec, inactive_keys, set_inactive_keys
 from runner.spec.loading import load_spec, spec_from_dict
-from runner.tracking.spec_record import spec_params
+from runner.tracking.tags import spec_params
 
 REPO = Path(__file__).parents[2]
 SHIPPED = sorted((REPO / "experiments").glob("*.toml"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.cli import main
-from runner.spec.dependents import extends_chain, plan_validation
+from runner.spec.loading import extends_chain, plan_validation
 
 FULL = (
     'name = "{name}"\n\n[model]\nname = "mlp"\n\n[data]\ndataset = "synthetic"\nbatch_size = 8\n\n[optim]\nlr = 0.1\n'

@@ -19,16 +19,18 @@ from runner.cli import main
 from runner.errors import SpecError
 from runner.spec.dump import dump_spec
 from runner.spec.editor_schema import (
+    BEGIN,
+    END,
     GENERATED,
     SCHEMA_FILE,
     TAPLO_FILE,
     json_schema,
+    markdown_reference,
     schema_text,
     taplo_config,
     write_editor_files,
 )
 from runner.spec.loading import load_spec
-from runner.spec.reference import BEGIN, END, markdown_reference
 
 REPO = Path(__file__).parents[2]
 ASSETS = Path(__file__).parents[1] / "assets"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.spec.reference import BEGIN, END, markdown_reference
+from runner.spec.editor_schema import BEGIN, END, markdown_reference
 from runner.spec.schema import ExperimentSpec
 
 README = Path(__file__).parents[2] / "README.md"

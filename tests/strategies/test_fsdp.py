@@ -12,7 +12,7 @@ from runner.cli import main
 from runner.errors import SpecError
 from runner.launch.environment import LauncherEnvironment
 from runner.launch.prebuild import _compile_backend
-from runner.spec.active import inactive_keys
+from runner.spec.dump import inactive_keys
 from runner.spec.schema_parallel import MODES, ParallelSpec
 from runner.strategies.fsdp import FSDPStrategy, find_blocks
 from runner.strategies.registry import STRATEGIES, make_strategy

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.devices.env import apply_threads
-from runner.devices.inventory import Inventory
+from runner.devices.inventory import Inventory, apply_threads
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.strategies.precision import Precision
+from runner.strategies.base import Precision
 
 CPU = torch.device("cpu")
 

@@ -483,7 +483,7 @@ def test_ddp1_far_below_none_and_noisy_rows_are_flagged_in_table_chart_and_json(
 
 
 def test_repeats_stop_once_steady_or_at_the_budget(monkeypatch) -> None:
-    from runner.tools import bench_repeats as bench
+    from runner.tools import bench_runs as bench
     from runner.tools.bench_pool import Reply
 
     def worker(times: list[float]) -> SimpleNamespace:

@@ -13,7 +13,7 @@ from runner.cli import main
 from runner.errors import SpecError, UsageError, mask_secrets
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
-from runner.spec.schema_sweep import SweepParam, SweepSpec
+from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
 from runner.tools.sweep_define import build_definition as _build
@@ -28,7 +28,7 @@ from runner.tools.sweep_space import (
     study_name,
     toml_value,
 )
-from runner.tools.sweep_storage import default_storage_url, make_sampler
+from runner.tools.sweep_store import default_storage_url, make_sampler
 from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
 
 
@@ -605,7 +605,7 @@ def test_every_enqueued_grid_point_can_be_told_down_to_the_last(grid: list[str])
 
 
 def test_a_worker_that_dies_after_its_trial_finished_leaves_the_result_standing(tmp_path) -> None:
-    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
 
     definition = build_definition(None, grid=["seed=0,1"])

@@ -273,9 +273,9 @@ def test_a_worker_process_that_dies_fails_its_trial_and_another_takes_over(flaky
 def test_a_trial_whose_worker_stopped_beating_is_run_again(tmp_path: Path, monkeypatch) -> None:
     import time
 
-    import runner.tools.sweep_storage as storage_module
+    import runner.tools.sweep_store as storage_module
     from runner.tools.sweep_define import build_definition
-    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
 
     monkeypatch.setattr(storage_module, "GRACE_S", 1)
@@ -305,7 +305,7 @@ def test_a_worker_that_finds_only_silent_running_trials_says_when_to_take_them_o
     import runner.tools.sweep as sweep_module
     from runner.errors import RunnerError
     from runner.tools.sweep_define import build_definition
-    from runner.tools.sweep_storage import open_storage
+    from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
     from tests.helpers import wait_for
 

@@ -15,7 +15,6 @@ import pytest
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
-from runner.tracking.lookup import continuable_runs
 from runner.tracking.runs import (
     RunHandle,
     delete_run,
@@ -26,6 +25,7 @@ from runner.tracking.runs import (
     run_status,
     start_run,
 )
+from runner.tracking.stored import continuable_runs
 
 SPEC = """\
 name = "demo"

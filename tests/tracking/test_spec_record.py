@@ -14,8 +14,8 @@ from runner.errors import UsageError
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.tracking.runs import start_run
-from runner.tracking.spec_record import spec_artifacts
 from runner.tracking.stored import read_stored_run
+from runner.tracking.tags import spec_artifacts
 
 REPO = Path(__file__).parents[2]
 NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])

@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.errors import TrackingError
-from runner.launch.ending import Spooled, end_run_or_spool
+from runner.launch.session import Spooled, end_run_or_spool
 from runner.tracking import spool
 from runner.tracking.mlflow_tracker import MlflowTracker
 

@@ -1,4 +1,4 @@
-"""Tests of runner.tracking.store: the first open of a sqlite store under its lock, and half-migrated stores refused."""
+"""Tests of runner.tracking.uri: the first open of a sqlite store under its lock, and half-migrated stores refused."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from runner.errors import TrackingError
-from runner.tracking import store as store_module
-from runner.tracking.store import open_store
+from runner.tracking import uri as store_module
+from runner.tracking.uri import open_store
 
 
 @pytest.fixture(autouse=True)

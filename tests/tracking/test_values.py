@@ -1,8 +1,8 @@
-"""Tests of runner.tracking.values: how values and names are written to MLflow."""
+"""Tests of runner.tracking.tags: how values and names are written to MLflow."""
 
 from __future__ import annotations
 
-from runner.tracking.values import max_param_chars, max_tag_chars, param_value, safe_key, shorten
+from runner.tracking.tags import max_param_chars, max_tag_chars, param_value, safe_key, shorten
 
 
 def test_param_value_is_stable():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.spec.paths import default_checkpoint_dir
+from runner.spec.reading import default_checkpoint_dir
 from runner.training import checkpoint as ckpt
 from runner.training.loop import TrainState
 

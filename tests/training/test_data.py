@@ -12,9 +12,8 @@ from PIL import Image
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
-from runner.training.data import build_datasets
+from runner.training.data import build_datasets, split_indices
 from runner.training.loaders import build_loaders
-from runner.training.splits import split_indices
 from tests.helpers import spec_object
 
 ASSETS = Path(__file__).parents[1] / "assets"

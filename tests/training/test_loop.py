@@ -22,9 +22,8 @@ from runner.errors import Interrupted, TrainingError
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.objectives import MetricsSpec
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.base import Strategy
+from runner.strategies.base import Precision, Strategy
 from runner.strategies.ddp import DDPStrategy
-from runner.strategies.precision import Precision
 from runner.strategies.single import SingleDevice
 from runner.training.data import build_datasets
 from runner.training.loaders import build_loaders

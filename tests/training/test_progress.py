@@ -13,7 +13,7 @@ from torch import nn
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.precision import Precision
+from runner.strategies.base import Precision
 from runner.strategies.single import SingleDevice
 from runner.tracking.trackers import NullTracker
 from runner.training import progress as progress_module
