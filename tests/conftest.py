@@ -30,7 +30,8 @@ def _snapshot() -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Start every test without launcher/MLflow variables, restore them after, and leave no process group."""
+    """Start every test without launcher/MLflow variables, restore them after, and leave no process group, no
+    active MLflow run and no tracking URI set through MLflow's fluent API."""
     before = _snapshot()
     for key in before:
         monkeypatch.delenv(key, raising=False)
@@ -51,6 +52,7 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
         while mlflow.active_run() is not None:
             mlflow.end_run()
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # unset: the next test's store is its own
     except ImportError:  # pragma: no cover
         pass
 

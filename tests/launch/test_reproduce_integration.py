@@ -96,13 +96,13 @@ def test_the_logged_model_is_a_logged_model_with_the_normalisation_inside(tmp_pa
     assert linked["val/accuracy"] == pytest.approx(run.data.metrics["val/accuracy"])  # linked to the run's metrics
     import mlflow
 
-    info = mlflow.models.get_model_info(f"models:/{model.model_id}")
-    assert info.signature.inputs.inputs[0].shape == (-1, 1, 8, 8) and info.saved_input_example_info is not None
-    mlflow.set_tracking_uri(store)
+    mlflow.set_tracking_uri(store)  # models:/ URIs resolve in the fluent API's store: this test's, whatever ran before
     try:
+        info = mlflow.models.get_model_info(f"models:/{model.model_id}")
         loaded_model = mlflow.pytorch.load_model(f"models:/{model.model_id}")
     finally:
         mlflow.set_tracking_uri(None)
+    assert info.signature.inputs.inputs[0].shape == (-1, 1, 8, 8) and info.saved_input_example_info is not None
     bundle = build_datasets(load_spec(spec).spec, spec.parent)
     mean, std = bundle.info.normalization
     raw = bundle.val.x * std + mean  # pixels in [0, 1], as sklearn's digits / 16
