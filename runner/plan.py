@@ -32,7 +32,6 @@ class Rendezvous:
     Attributes:
         endpoint: ``host:port`` (``None``: a free port on localhost, for one node).
         run_id: The rendezvous id every node shares (``parallel.rdzv_id``, or the Slurm job id).
-        nnodes: Nodes of the job.
         node_rank: This node's rank; node 0 hosts the rendezvous store.
     """
 
@@ -50,7 +49,6 @@ class Plan:
         loaded: The spec and where it came from.
         devices: Where it runs on this machine.
         tracking_uri: Absolute MLflow tracking URI, or ``None`` when tracking is off.
-        experiment: MLflow experiment name.
         launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
             ``"external"`` (already a worker of torchrun or a scheduler).
         launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
@@ -168,7 +166,6 @@ def make_plan(
     """Resolve devices, launch method, tracking target and run name of ``loaded``.
 
     Args:
-        loaded: The validated spec.
         env: Environment to resolve against (default ``os.environ``).
         inventory: Device inventory (default: probed without initialising CUDA).
         tracking_uri: The store to use instead of the spec's (``runner resume`` continues a run

@@ -118,7 +118,6 @@ def describe_unrunnable(
     """What ``runner plan`` shows for a spec this machine cannot run: the spec's facts, what is missing, a fix.
 
     Args:
-        loaded: The spec.
         error: Why it cannot run here (from :func:`make_plan`).
         fix: Extra command-line arguments that make it run here (:func:`find_fix`), or ``None``.
         shown: The spec file as the user named it (for the command to try). Default: its absolute path.
@@ -235,7 +234,6 @@ def show_plan(
     and a working fix.
 
     Args:
-        loaded: The spec.
         shown: The spec file as the user named it (for the command to try).
         as_json: Print :meth:`Plan.describe` as JSON instead of text.
         with_spec: Also print the resolved spec as TOML, every default included.

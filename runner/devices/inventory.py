@@ -259,7 +259,6 @@ def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.en
     Guide, "CUDA Environment Variables"), hence the check below.
 
     Args:
-        plan: The resolved plan.
         environ: Environment to change (default: this process's).
 
     Raises:

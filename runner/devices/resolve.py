@@ -62,7 +62,6 @@ class DevicePlan:
         global_batch: ``data.batch_size``: samples per optimizer step across all devices.
         per_device_batch: Samples each device sees in one forward pass (one
             micro-batch): dp's scatter split, ddp's per-rank batch, or ``[B]``.
-        grad_accum_steps: Micro-batches per optimizer step.
         output_index: dp only: position of ``parallel.output_device`` within the chosen ids.
         env: Variables to set in this process and its children.
         notes: Warnings worth showing, e.g. ``"dp with one device runs unwrapped"``.
@@ -178,10 +177,6 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
     devices past the last chunk get nothing (10 over 4 -> ``[3, 3, 3, 1]``,
     9 over 4 -> ``[3, 3, 3, 0]``).
 
-    Args:
-        total: Samples in the batch.
-        parts: Devices.
-
     Returns:
         A list of ``parts`` sizes summing to ``total``.
     """
@@ -199,7 +194,6 @@ def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inv
     """Decide where a spec runs on this machine (pure: reads nothing else).
 
     Args:
-        spec: The validated spec.
         env: The environment runner started with (for ``CUDA_VISIBLE_DEVICES`` and
             ``CUDA_DEVICE_ORDER``).
         inventory: GPUs visible at start, from :func:`probe_inventory` (or a fake one).

@@ -87,11 +87,7 @@ class ExecResult:
 
     Attributes:
         run_id: The MLflow run (``None`` when tracking is off).
-        status: ``FINISHED`` (failures raise instead).
         metrics: Final metrics from the logging rank.
-        tracking_uri: Where the run is stored.
-        experiment: MLflow experiment name.
-        checkpoint_dir: Folder of the run's checkpoints.
         history: ``(step, metrics)`` pairs from the logging rank.
         notes: Messages for the user (devices, resume, skipped checkpoints).
         workers: Every rank's result on this node, by rank.

@@ -108,9 +108,6 @@ class SlurmJob:
     def first_host(self, expand: Callable[[str], list[str]] | None = None) -> str:
         """The first host of the step's node list: where rank 0 and the rendezvous run.
 
-        Args:
-            expand: Expands a hostlist; default :func:`expand_nodelist`.
-
         Raises:
             ValueError: The node list is empty or malformed.
         """
@@ -134,7 +131,6 @@ class SlurmJob:
         Args:
             world_size: The spec's world size (``parallel.nnodes * nproc_per_node``; 1 for none/dp).
             nproc_per_node: Processes per node the spec asks for.
-            nnodes: The spec's ``parallel.nnodes``.
 
         Raises:
             ValueError: Neither layout fits; the message names the numbers on both sides.
@@ -163,9 +159,7 @@ class SlurmLayout:
 
     Attributes:
         kind: ``"per-device"``, ``"per-node"`` or ``"batch"``.
-        job: The Slurm job.
         nnodes: Nodes of the job's process group.
-        node_rank: This node's rank (``SLURM_NODEID``).
         world_size: Processes in the job's process group.
         rank: This task's global rank (``"per-device"``: ``SLURM_PROCID``; else 0, the launcher's).
     """
@@ -251,9 +245,6 @@ class LauncherEnvironment:
         torchrun's variables come first: a worker the elastic agent started inside a Slurm job
         is that agent's worker. Slurm's are read into :attr:`slurm` and become ranks only
         through :meth:`SlurmJob.layout`, which needs the spec.
-
-        Args:
-            env: The environment to read.
 
         Returns:
             The :class:`LauncherEnvironment`; unset variables take the single-process defaults.

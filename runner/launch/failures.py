@@ -62,7 +62,6 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
 
     Args:
         exc: What the launcher raised (``ChildFailedError`` with ``failures``) or any exception.
-        context: See :class:`JobContext`.
 
     Returns:
         E.g. ``rank 1 was killed by signal 9 (SIGKILL, exit code -9); ...``, ``rank 1 hung: ...``,

@@ -34,8 +34,6 @@ class Owner:
     """The process that owns a run.
 
     Attributes:
-        host: ``socket.gethostname()`` of its machine.
-        pid: Its process id.
         start_time: When it started, seconds since the epoch.
     """
 
@@ -89,7 +87,6 @@ class Settled:
     """A run after :func:`settle`.
 
     Attributes:
-        run_id: The run.
         status: Its MLflow status now (``KILLED`` when it was just marked so).
         owner: The recorded owner, or ``None``.
         liveness: The owner's liveness (``unknown`` without an owner).
@@ -136,10 +133,6 @@ class Settled:
 
 def settle(uri: str, run_id: str) -> Settled:
     """Check the owner of a run and mark the run KILLED when it is RUNNING and its owner is gone on this host.
-
-    Args:
-        uri: Tracking URI of the run.
-        run_id: The run.
 
     Raises:
         UsageError: No such run.

@@ -55,7 +55,6 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> list[str]:
     """Build or check every part of ``loaded`` (see the module docstring) before any run exists.
 
     Args:
-        loaded: The validated spec.
         world_size: Processes of the job (for the training loaders' step layout).
 
     Returns:
@@ -139,7 +138,6 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
     """Check that the run's checkpoints can be written, before the run exists (``checkpoint.dir`` or its default).
 
     Args:
-        loaded: The validated spec.
         tracking_uri: The run's store: the default folder is ``checkpoints/`` beside a sqlite store.
 
     Raises:
@@ -302,7 +300,6 @@ def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     Args:
         fn: A function or a class (its ``__init__`` is read).
         args: Positional arguments the caller passes before the kwargs.
-        kwargs: The spec's kwargs.
         key: Dotted key of the kwargs table, e.g. ``scheduler.kwargs``.
 
     Raises:

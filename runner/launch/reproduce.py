@@ -26,7 +26,6 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
     """Start a new run from the spec stored with ``run_id`` and train it to the end.
 
     Args:
-        run_id: The run to repeat.
         tracking_uri: Its store, where the new run goes too. Default: ``$MLFLOW_TRACKING_URI``,
             else ``./mlflow.db``.
         run_name: Name of the new run. Default: the original's, followed by ``(reproduced)``.
@@ -85,7 +84,6 @@ def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
     """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``).
 
     Args:
-        run_id: The run to continue.
         tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
 
     Returns:
@@ -119,7 +117,6 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     when the checkpoint is written): ``model.load_state_dict(torch.load(FILE))``.
 
     Args:
-        run_id: The run.
         tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
         out: The file to write. Default: ``<run id>-step-<step>.pt`` in the working directory.
 

@@ -40,8 +40,6 @@ class ResumePoint:
     """A run to continue, checked against its newest checkpoint.
 
     Attributes:
-        run_id: The MLflow run.
-        uri: Its tracking URI.
         changes: Allowed spec changes, ``{dotted key: [old value, new value]}``.
         notes: What to tell the user (the checkpoint used, keys changed).
     """

@@ -34,7 +34,6 @@ class RunSession:
 
     Args:
         plan: The job's plan (it owns the run: ``plan.owns_run``).
-        options: ``runner exec``'s options.
         resume: The run to continue (checked before any training process started), or ``None``.
 
     Attributes:
@@ -269,8 +268,6 @@ class Spooled:
     """What of a run waits in its spool file because the tracking store did not answer.
 
     Attributes:
-        path: The spool file.
-        metrics: Metric values in it.
         status: The final status kept in it, or ``None`` when the run's status was set.
     """
 

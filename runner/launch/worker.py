@@ -42,12 +42,10 @@ class WorkerArgs:
     """Everything a worker needs, picklable so it crosses the ``spawn`` boundary.
 
     Attributes:
-        loaded: The :class:`runner.spec.loading.LoadedSpec`.
         plan: The :class:`runner.devices.resolve.DevicePlan` resolved by the driver.
         run_id: The MLflow run when it exists before the workers start (never under ``runner exec``: the
             driver makes it once rank 0 reports the build), else ``None``.
         tracking_uri: Absolute tracking URI, or ``None`` when tracking is off.
-        checkpoint_dir: Folder of this run's checkpoints.
         resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
         sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
         epoch_end: Decides on the logging rank after each epoch whether to stop there (a sweep's
@@ -79,9 +77,6 @@ class WorkerArgs:
 
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
     """Train one rank to the end (or to a stop signal).
-
-    Args:
-        args: See :class:`WorkerArgs`.
 
     Returns:
         The rank's :class:`~runner.training.WorkerResult`; ``None`` when the driver made no run (a spec

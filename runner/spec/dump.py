@@ -27,9 +27,6 @@ def dump_spec(spec: ExperimentSpec) -> str:
     inactive (:func:`runner.spec.dump.inactive_keys`: e.g. ddp's options under ``mode = "none"``)
     or writing it would change how the table validates. Inactive keys the spec sets are kept.
 
-    Args:
-        spec: A validated spec.
-
     Returns:
         TOML text, keys in schema order.
     """
@@ -47,9 +44,6 @@ def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
     Tables (including dict-valued ``kwargs``) become dotted keys (``model.kwargs.num_classes``);
     lists stay lists; dates and times become ISO strings; ``None`` values are omitted.
     Values come from the validated spec, so ``lr = 1`` appears as ``1.0``.
-
-    Args:
-        spec: A validated spec.
 
     Returns:
         Dict from dotted key to a JSON-serialisable value, in schema order.
@@ -120,7 +114,6 @@ def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[
     """The flattened spec without its inactive keys: what a run logs as params, the same way in every run.
 
     Args:
-        spec: A validated spec.
         accelerator: The accelerator the run resolved to, or ``None`` (see
             :func:`~runner.spec.dump.run_inactive_keys`).
 
@@ -221,9 +214,6 @@ TORCHVISION_ONLY = ("download",)
 def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     """Dotted keys (or whole tables) of ``spec`` that do not apply to it, with the reason.
 
-    Args:
-        spec: A validated spec.
-
     Returns:
         ``{dotted key: reason}``, e.g. ``{"parallel.backend": 'ddp only (mode = "none")'}``, whether
         or not the spec sets them: the resolved spec leaves their defaults out, and
@@ -272,7 +262,6 @@ def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> d
     resolved to the CPU, as the plan's note about ``devices.ids`` says.
 
     Args:
-        spec: A validated spec.
         accelerator: The accelerator the run resolved to (``"cpu"`` or ``"cuda"``), or ``None`` when
             unknown (the spec's own ``devices.accelerator`` decides; ``"auto"`` keeps the GPU keys).
 

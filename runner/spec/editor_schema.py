@@ -122,9 +122,6 @@ def write_editor_files(folder: str | Path) -> list[Path]:
     A ``.taplo.toml`` that this function did not write (no generated header) is left alone, and
     so is a README without the reference markers of :mod:`runner.spec.editor_schema`.
 
-    Args:
-        folder: Usually the repository root.
-
     Returns:
         The files written, in order.
     """

@@ -83,7 +83,6 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
     value, and text that is not valid TOML is taken as a string.
 
     Args:
-        path: The spec file.
         overrides: ``dotted.key=value`` strings from ``--set``, applied in order.
         unset: Dotted keys from ``--unset``; a key the schema does not know is an issue (did-you-mean).
 
@@ -123,7 +122,6 @@ def load_resolved_text(text: str, path: Path, shown: str) -> LoadedSpec:
     factory imports (``pkg.module:factory``) are taken from.
 
     Args:
-        text: The TOML text.
         path: Absolute path of the run's original spec file (it need not exist any more).
         shown: What messages call the text, e.g. ``run 3f2a...: spec/resolved.toml``.
 
@@ -148,7 +146,6 @@ def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
     """Validate a raw spec dict (no ``extends``, no path resolution).
 
     Args:
-        d: The spec as parsed TOML.
         origin: Name shown in error messages in place of a file.
 
     Returns:
@@ -208,7 +205,6 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
     """Line of the spec file where dotted ``key`` (or its nearest written ancestor) is written.
 
     Args:
-        loaded: The spec.
         key: Dotted key such as ``parallel.mode``; empty for none.
 
     Returns:
@@ -350,9 +346,6 @@ def extends_chain(path: Path) -> set[Path]:
 
     Files that cannot be read or parsed, and cycles, end the chain there: ``runner validate``
     reports them; this only answers which files a spec reaches.
-
-    Args:
-        path: A spec file.
 
     Returns:
         The real paths of the bases (``path`` itself excluded unless a cycle leads back to it).

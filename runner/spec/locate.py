@@ -29,9 +29,6 @@ def locate_keys(text: str) -> dict[Loc, int]:
     is assumed to be valid TOML (parse it with tomllib first); on anything unexpected
     the scan stops and returns what it has found so far.
 
-    Args:
-        text: The TOML document.
-
     Returns:
         Dict from key path (tuple of str keys and int array indices) to line number.
     """
@@ -45,7 +42,6 @@ def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
     """Return the line of ``loc``, else of its nearest located ancestor, else 1.
 
     Args:
-        lines: Result of :func:`locate_keys`.
         loc: Key path, e.g. ``("parallel", "mode")``.
 
     Returns:

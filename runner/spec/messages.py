@@ -29,9 +29,6 @@ def explain_errors(errors: Iterable[Mapping[str, Any]]) -> list[tuple[Loc, str]]
     did-you-mean; a :class:`~runner.spec.schema.CrossFieldError` gives one pair per problem at its
     own key; union alternatives (``ids = [0, 1]`` or ``"all"``) are folded into one message.
 
-    Args:
-        errors: ``ValidationError.errors()``.
-
     Returns:
         One ``(loc, message)`` per problem, in the order pydantic reported them.
     """

@@ -105,7 +105,6 @@ def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> s
     Args:
         batch: ``data.batch_size``, samples per optimizer step across all ranks.
         world_size: Processes (1 for none and dp).
-        grad_accum_steps: Micro-batches per optimizer step.
 
     Returns:
         ``None`` when it divides, else the message (at ``data.batch_size``) with the nearest fix.
@@ -293,7 +292,6 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
     The schema calls it for ``accelerator = "cpu"``; device resolution for ``"auto"`` that found no GPU.
 
     Args:
-        spec: The validated spec.
         why: Why the run is on CPU, completing each message.
     """
     par = spec.parallel

@@ -54,10 +54,8 @@ def close_matches(word: str, choices: Iterable[str] | Mapping[str, str], n: int 
     """Return up to ``n`` choices close to ``word``, ignoring case; an exact match ignoring case comes alone.
 
     Args:
-        word: What the user wrote.
         choices: The valid names; or a mapping from the text to match against to the name to
             suggest (e.g. ``{"resnet18": "torchvision.resnet18"}`` to match bare builder names).
-        n: Most suggestions returned.
 
     Returns:
         The suggested names, closest first (``difflib.get_close_matches`` with cutoff 0.6).
@@ -76,7 +74,6 @@ def suggest(candidates: Sequence[str], render: Callable[[str], str] = show) -> s
     """Return ``did you mean "a" or "b"?`` for ``candidates`` (empty text when there are none).
 
     Args:
-        candidates: Names to offer, best first.
         render: How each is written: :func:`~runner.spec.wording.show` (quoted, the default) for
             names and values, ``str`` for dotted keys.
     """
@@ -97,7 +94,6 @@ def did_you_mean(
     Args:
         word: What the user wrote (non-strings are compared as ``str(word)``).
         choices: Valid names, or a mapping as in :func:`close_matches`.
-        n: Most suggestions.
         render: How each suggestion is written (see :func:`suggest`).
     """
     return suggest(close_matches(str(word), choices, n), render)

@@ -55,7 +55,6 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
     """The modules sharded as one unit each, outermost first.
 
     Args:
-        module: The user's model.
         names: ``parallel.fsdp_blocks`` (class names), or ``None`` for each direct child with parameters.
 
     Raises:
@@ -95,8 +94,6 @@ class Strategy(ABC):
 
     Attributes:
         mode: ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
-        plan: The resolved device plan.
-        device: Where inputs go.
         output_device: Where model outputs land (put loss targets here).
     """
 
@@ -162,7 +159,6 @@ class Strategy(ABC):
         """Move ``module`` to :attr:`device` and wrap it for this mode.
 
         Args:
-            module: The user's model.
             train: ``[train]``: ``activation_checkpointing`` and ``compile`` are applied in the order
                 this mode needs (``None``: neither).
 
@@ -261,7 +257,6 @@ class Precision:
       refuse fp16 elsewhere; off CUDA it stays disabled).
 
     Args:
-        amp: ``train.amp``.
         device: Where the forward pass runs (``strategy.device``); its type is the autocast device type.
 
     Attributes:

@@ -281,7 +281,6 @@ class DDPStrategy(Strategy):
 
         Args:
             flag: Whether a stop was requested on this rank.
-            settle: Ask the other ranks now.
 
         Returns:
             The same value on every rank.

@@ -79,7 +79,6 @@ def combine_replica_losses(losses: Sequence[torch.Tensor], sizes: Sequence[int],
 
     Args:
         losses: One scalar per replica, the mean over that replica's chunk.
-        sizes: Samples of each replica's chunk.
         device: Where the combined loss goes (the output device); gradients flow back to the replicas.
     """
     total = sum(loss.to(device) * n for loss, n in zip(losses, sizes, strict=True))

@@ -65,7 +65,6 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
     """The ``(mode, n)`` pairs to measure, in run order: none, then dp, then ddp, then fsdp.
 
     Args:
-        modes: Subset of :data:`MODES`.
         nprocs: Device counts (dp) / process counts (ddp, fsdp); duplicates are ignored.
 
     Returns:
@@ -99,10 +98,7 @@ def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup:
 
     Args:
         data: ``LoadedSpec.data`` (after ``extends`` and ``--set``; not modified).
-        mode: One of :data:`MODES`.
         n: Devices (dp) or processes (ddp, fsdp); 1 for none.
-        steps: Timed optimizer steps.
-        warmup: Untimed optimizer steps before them.
 
     Returns:
         A new dict, to validate with :func:`runner.spec.loading.spec_from_dict`.
@@ -141,7 +137,6 @@ def run_bench(
     """Measure the spec at ``path`` under every configuration and record one parent MLflow run.
 
     Args:
-        path: The spec file.
         overrides: ``--set`` overrides, applied to every configuration.
         unset: ``--unset`` keys removed from the spec before ``overrides``, as for ``runner exec``.
         modes: Parallel modes to compare (``none``, ``dp``, ``ddp``).

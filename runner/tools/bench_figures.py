@@ -89,7 +89,6 @@ def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: float | Non
     """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline.
 
     Args:
-        samples_per_s: Throughput of the configuration.
         baseline_samples_per_s: Throughput of ``none`` (one device), or ``None``.
         n: Devices (dp) or processes (ddp) of the configuration.
     """
@@ -128,9 +127,7 @@ def loss_check(
 
     Args:
         loss: Final ``train/loss`` of the configuration.
-        baseline: Final ``train/loss`` of ``none``.
         not_comparable: From :func:`comparability`; when set it is returned as is.
-        tolerance: Relative tolerance.
         agreed_through: Last step up to which the loss curves agreed (see :func:`agrees_through`).
         last_step: The final step, shown with ``agreed_through``.
 
@@ -169,7 +166,6 @@ def noise(spread_value: float | None, tail_value: float | None) -> list[str]:
 
     Args:
         spread_value: From :func:`spread` (``None``: one repeat, not yet known).
-        tail_value: From :func:`tail`.
 
     Returns:
         Short reasons, e.g. ``["repeats differ by 23% (limit 10%)", "p90 is 2.2x p50 (limit 1.5x)"]``.

@@ -42,11 +42,9 @@ def summarize(
     """Fill ``result`` from an :class:`runner.launch.driver.ExecResult` of ``warmup + steps`` steps.
 
     Args:
-        result: The row to fill.
         exec_result: One training: ``workers`` holds every rank (an ``ExecResult`` has this shape).
         batch_sizes: Global samples of each optimizer step of an epoch (cycled over epochs).
         warmup: Steps to leave out of the timing.
-        steps: Steps to time.
         cuda_peaks: Allocator peak of every CUDA device of an in-process (none/dp) run, bytes.
     """
     workers = sorted(exec_result.workers, key=lambda w: w.rank)
@@ -97,7 +95,6 @@ def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
     losses are the first repeat's (every repeat trains the same steps from the same seed).
 
     Args:
-        result: The configuration's row.
         repeats: At least one summarized repeat, in order.
     """
     first = repeats[0]

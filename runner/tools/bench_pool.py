@@ -49,8 +49,6 @@ class Job:
     """One repeat of one configuration on one rank (picklable).
 
     Attributes:
-        loaded: The configuration's spec.
-        plan: Its device plan.
         rank: This process's rank, ``0 .. world_size - 1``.
         world_size: Processes of the repeat (1 for none and dp).
         master_port: Rendezvous port on 127.0.0.1 (ddp only).

@@ -37,18 +37,15 @@ class ConfigResult:
         n: Devices (none, dp) or processes (ddp).
         status: ``ok``, ``skipped`` (cannot run on this machine) or ``failed`` (unexpected error).
         reason: Why it was skipped or how it failed.
-        run_id: The child MLflow run.
         devices: Device of every rank (ddp) or the devices used (none, dp), e.g. ``["cuda:0", "cuda:1"]``.
         timed_steps: Optimizer steps timed (after warm-up) in one repeat.
         timed_samples: Samples in those steps (all ranks together).
         samples_per_s: Median over the repeats (see :mod:`runner.tools.bench_figures`).
         step_time_median_s: Median timed step time over all repeats, seconds.
         step_time_p90_s: 90th percentile timed step time over all repeats, seconds.
-        data_wait_fraction: 0..1, over all repeats.
         repeats: Repeats measured (each a whole training of warm-up + timed steps).
         repeat_samples_per_s: samples/s of each repeat, in order (the chart's error bar spans them).
         spread: (largest - smallest) / median of ``repeat_samples_per_s``; ``None`` with one repeat.
-        tail: step p90 / step p50.
         steady: Whether spread and tail are within their limits; ``False`` means the repeats ran
             out first and the figures are noisy.
         noise: Why the figures are not to be trusted as they are (empty when they are).
@@ -238,22 +235,16 @@ class BenchReport:
 
     Attributes:
         spec: Absolute path of the spec file.
-        name: The spec's ``name``.
         accelerator: ``cuda`` or ``cpu`` (of the configurations that ran; ``cpu`` when none did).
         global_batch_size: ``data.batch_size`` (samples per optimizer step).
-        steps: Timed optimizer steps per repeat.
         warmup: Untimed optimizer steps run first in each repeat.
-        min_repeats: Repeats every configuration gets.
         max_repeats: Repeats at most, while its figures are not steady.
         batch_statistics: The model has batch-statistics layers (``_BatchNorm``): losses are not compared.
         dropout: The model has active dropout layers: losses are not compared.
         loss_tolerance: Relative tolerance of the loss comparison.
         configs: One :class:`ConfigResult` per configuration, in run order.
         parent_run_id: The MLflow run holding the configurations as child runs (``None`` with tracking off).
-        tracking_uri: Where it is stored.
         experiment: MLflow experiment of the parent and child runs: ``<experiment>/bench``.
-        json_path: The written ``bench.json``.
-        png_path: The written ``bench.png``.
         recommendation: :func:`recommend`'s line, printed last and tagged ``runner.bench.recommendation``.
     """
 

@@ -49,11 +49,8 @@ class ModeResult:
         config: ``none``, ``<mode>-<n>`` or ``control``.
         mode: The parallel mode it ran under.
         n: Devices (dp) or processes (ddp); 1 for none.
-        run_id: Its child MLflow run.
-        losses: ``{step: train/loss}``.
         params: Final parameters by name (float64 on CPU; not in the JSON).
         loss_deltas: ``{step: |train/loss - none's|}``.
-        max_loss_delta: Largest of them.
         max_param_delta: Largest |Δ| of a final parameter against none's.
         first_beyond: First step whose |Δ train/loss| exceeds the tolerance (``None``: none does).
         status: ``ok``, ``skipped`` (not asked for and cannot run here) or ``failed``.

@@ -116,7 +116,6 @@ def build_definition(
 
     Args:
         sweep: The spec's ``[sweep]`` table, or ``None``.
-        cli: The command-line flags.
         spec_file: The spec file, for error locations.
         key_lines: :func:`runner.spec.locate.locate_keys` of that file, for line numbers.
 

@@ -66,11 +66,7 @@ class WorkerConfig:
 
     Attributes:
         index: Worker number, 0-based (names its log file).
-        url: The study's storage URL.
-        study: The study name.
         definition: The sweep definition (JSON form).
-        tracking_uri: The MLflow store.
-        experiment: The MLflow experiment.
         setup: The trials' base spec, environment and this worker's extra ``--set`` (its GPU).
         env: Variables set in the process before anything else runs (device view, CPU threads).
         log: File that takes the process's output (several workers at once), or ``None``.
@@ -266,9 +262,6 @@ class Progress:
     """One line per finished trial: ``[sweep 2/4] trial 1 (optim.lr=0.01): FINISHED val/accuracy=0.93``.
 
     Args:
-        say: Receives each line.
-        total: Trials in the sweep.
-        metric: The metric shown.
         done: Trials already finished (earlier runs of a resumed sweep, other workers).
     """
 

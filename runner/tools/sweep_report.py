@@ -24,11 +24,6 @@ class SweepReport:
     Attributes:
         definition: What was swept (method, keys, budget, seed, metric, goal).
         trials: One result per trial, by index.
-        parent_run_id: The parent MLflow run.
-        tracking_uri: Where the runs are stored.
-        experiment: MLflow experiment name.
-        notes: Things worth telling the user.
-        study: The Optuna study name.
         storage: The Optuna storage URL (without password).
     """
 
@@ -131,9 +126,7 @@ def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple
     """Optuna's optimization-history and parameter-importance plots as PNG files (``optuna.visualization.matplotlib``).
 
     Args:
-        trials: Every trial of the study.
         goal: ``"max"`` or ``"min"``.
-        folder: Where the files go.
 
     Returns:
         ``(files written, notes)``: a plot Optuna cannot draw (e.g. importances with fewer than

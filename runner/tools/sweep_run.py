@@ -30,7 +30,6 @@ class TrialSetup:
     """What every trial of one worker shares.
 
     Attributes:
-        path: The spec file.
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
         environ: The environment trials are planned against (:func:`runner.tools.sweep_trials.trial_environ`).
         extra: ``--set`` strings after the trial's values (a warm worker's GPU: ``devices.ids=[k]``).
@@ -56,8 +55,6 @@ def work(
     """Run WAITING trials of ``study`` until none is left (or ``max_trials`` ran).
 
     Args:
-        study: The sweep's study.
-        store: The sweep's MLflow store.
         setup: The trials' base spec and environment.
         report: Receives each result as its trial ends.
         max_trials: Stop after this many trials (``None``: until the queue is empty).

@@ -42,7 +42,6 @@ class SweepDefinition:
         params: Swept dotted keys in a stable order (spec order, then command line), each
             with explicit values or a range.
         trials: Trials in total over every worker (grid: at most the grid size).
-        seed: Seed of the sampler.
         metric: Metric that ranks trials, e.g. ``val/accuracy``; also the one the pruner watches.
         goal: ``"max"`` or ``"min"``.
         pruner: ``"none"``, ``"median"`` or ``"hyperband"``.

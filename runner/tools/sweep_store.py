@@ -41,10 +41,6 @@ class SweepStore:
 
     Nothing touches the store before a method that needs it is called, so trials can be
     validated before anything is written.
-
-    Args:
-        uri: Tracking URI.
-        experiment: Experiment name.
     """
 
     def __init__(self, uri: str, experiment: str):
@@ -73,9 +69,6 @@ class SweepStore:
         """Create the parent run: the definition as params (and tag), the study, ``sweep.json`` and the spec file.
 
         Args:
-            base: The base spec.
-            overrides: Its ``--set`` strings.
-            definition: What the sweep searches.
             study: The Optuna study name (tag ``runner.sweep.study``).
             storage: The storage URL without password (tag ``runner.sweep.storage``).
         """

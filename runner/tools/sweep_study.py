@@ -39,14 +39,7 @@ ATTR_RESULT = "runner.result"  # on a trial: its run, status, error, metric
 
 
 class SweepStudy:
-    """The sweep's study in its storage, and the trials in it.
-
-    Args:
-        study: The Optuna study.
-        storage: Its storage.
-        url: The storage URL.
-        definition: What the sweep searches.
-    """
+    """The sweep's study in its storage, and the trials in it."""
 
     def __init__(self, study: optuna.Study, storage: RDBStorage, url: str, definition: SweepDefinition):
         self.study, self.storage, self.url, self.definition = study, storage, url, definition
@@ -82,9 +75,6 @@ class SweepStudy:
         """Create the study and its trials, or join it when another worker already did.
 
         Args:
-            storage: The opened storage.
-            url: Its URL.
-            name: The study name.
             definition: What the sweep searches; a joined study must have the same.
             found: Called once by the worker that creates the study; creates the MLflow parent
                 run and returns its id.

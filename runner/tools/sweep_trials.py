@@ -30,9 +30,6 @@ SCHEDULER_PREFIXES = ("SLURM_",)
 def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
     """Return ``loaded`` as a plain experiment: its ``[sweep]`` table removed, hash recomputed.
 
-    Args:
-        loaded: A :class:`runner.spec.loading.LoadedSpec`.
-
     Raises:
         SpecError: Cannot happen for a spec that validated with its ``[sweep]`` table.
     """
@@ -99,9 +96,7 @@ def prepare_trials(
     """Load, validate and plan every trial before any runs; collect every problem.
 
     Args:
-        path: The spec file.
         overrides: Base ``--set`` strings; each trial's own values are applied after them.
-        trials: The trials.
         environ: The environment to plan against (default: :func:`trial_environ`).
         in_file: Swept keys whose values come from the spec's ``[sweep.params]`` (see
             :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
@@ -168,7 +163,6 @@ def trial_tags(trial: Trial, study: str | None = None, number: int | None = None
     """MLflow tags of a trial's child run: index, values (JSON), ``sweep.<key>`` per swept key, the study and attempt.
 
     Args:
-        trial: The trial.
         study: The Optuna study name (tag ``runner.sweep.study``).
         number: The Optuna trial number of this attempt (tag ``runner.sweep.optuna_trial``).
     """
@@ -265,8 +259,6 @@ class OptunaPruning:
     """Report ``metric`` of each epoch as the trial's intermediate value (step = epoch) and return the pruner's verdict.
 
     Args:
-        url: The study's storage URL.
-        study_name: The study.
         trial_number: The trial's number in the study.
         definition: The sweep definition's JSON (metric, pruner and its settings).
         trial: The live Optuna trial when the epochs run in this process (not pickled).

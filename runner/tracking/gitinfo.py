@@ -138,7 +138,6 @@ def git_diff(info: GitInfo, max_bytes: int = 5 * 1024 * 1024) -> str:
     """Return ``git diff HEAD`` (staged and unstaged changes to tracked files) of a working tree.
 
     Args:
-        info: The working tree, from :func:`git_info`.
         max_bytes: Keep at most this many bytes of the diff; a marker line says when it was cut.
 
     Returns:

@@ -59,7 +59,6 @@ class MlflowTracker(BatchSender):
     lost and reported, as without a spool.
 
     Args:
-        uri: Tracking URI.
         run_id: The run to log to (created by :func:`runner.tracking.runs.start_run`).
         flush_every_s: Longest time, in seconds, a metric waits in the buffer.
         max_batch: Metrics per request (capped at MLflow's limit of 1000).
@@ -341,8 +340,6 @@ def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemM
     """Start MLflow's system metrics monitor for ``run_id``; see ``mlflow.system_metrics``.
 
     Args:
-        uri: Tracking URI of the run.
-        run_id: The run.
         resumed: The run continues an earlier job: MLflow resumes the step numbering.
 
     Returns:

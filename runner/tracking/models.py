@@ -39,9 +39,7 @@ def with_normalization(
     the saved model needs torch and torchvision only to load.
 
     Args:
-        model: The trained network, on CPU.
         normalization: ``(mean, std)`` of the training data, or ``None`` when it was not normalised.
-        channels: Channels ``C`` of one input.
     """
     if normalization is None:
         return model
@@ -87,8 +85,6 @@ def log_model(
     traceable forward, which user models need not have).
 
     Args:
-        uri: Tracking URI of the run.
-        run_id: The run.
         model: The unwrapped ``nn.Module``; moved to CPU and put in eval mode.
         example: One input before normalisation, shape ``(1, *input_shape)``, or a dict of such tensors for
             a model that takes dict batches (``forward(**batch)``): the input example, and with the
@@ -147,10 +143,8 @@ class DatasetRecord:
     """One part of a run's data, as MLflow shows it.
 
     Attributes:
-        name: E.g. ``sklearn.digits train``.
         digest: Short digest of the part (dataset settings and members).
         context: ``training`` or ``validation`` (input tag ``mlflow.data.context``).
-        num_samples: Samples in the part.
         source: Where the samples are read from (a folder, ``sklearn.datasets.load_digits``, a factory).
         input_shape: Shape of one sample, e.g. ``(1, 8, 8)``.
     """
@@ -167,8 +161,6 @@ def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_s
     """Log the parts of a run's data as dataset inputs and tag the validation split's fingerprint.
 
     Args:
-        uri: Tracking URI of the run.
-        run_id: The run.
         records: The parts to log (training first).
         val_split_sha256: Hex SHA-256 of the validation split, or ``None`` (no tag).
 

@@ -32,13 +32,8 @@ class RunRecord:
     """A run as read back from the store.
 
     Attributes:
-        run_id: MLflow run id.
-        experiment_id: Its experiment.
         status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
         start_time_ms: Start time, milliseconds since the Unix epoch.
-        tags: Tag key -> value.
-        params: Param key -> value.
-        metrics: Metric key -> latest value.
     """
 
     run_id: str
@@ -125,9 +120,6 @@ def create_parent_run(
     run is ended FAILED before the error is raised.
 
     Args:
-        uri: Tracking URI.
-        experiment: Experiment name.
-        run_name: Display name of the run.
         tags: Tags given at creation (values within MLflow's length limit).
         params: Params (logged in batches of 100).
         texts: Artifact path -> text, each logged with ``MlflowClient.log_text``.
@@ -178,9 +170,6 @@ def child_runs(
     """Every run of ``experiment_id`` whose ``mlflow.parentRunId`` is ``parent_run_id``, oldest first.
 
     Args:
-        uri: Tracking URI.
-        experiment_id: The experiment searched.
-        parent_run_id: The parent run.
         tags: Only children with these tag values (e.g. a sweep's ``runner.sweep.optuna_trial``).
 
     Raises:
@@ -238,15 +227,9 @@ def record_summary(
     """Record what a parent (or a finished child) run sums up: figures, params, tags and files.
 
     Args:
-        uri: Tracking URI.
-        run_id: The run.
         metrics: Metric key -> value, logged once at ``step``, timestamped now.
         params: Param key -> value (a param cannot change once logged).
-        tags: Tag key -> value.
-        texts: Artifact path -> text.
-        files: Local files uploaded as artifacts.
         files_dir: Folder of ``files`` inside the run's artifacts. Default: the root.
-        step: Step of the metrics.
 
     Raises:
         TrackingError: MLflow rejects a request.

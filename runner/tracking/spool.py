@@ -45,7 +45,6 @@ class SpoolContents:
     """What a spool file holds.
 
     Attributes:
-        items: Metric values, by ``seq``.
         tags: Tags, later values replacing earlier ones.
         end: ``(status, error)`` of a run end that could not be sent, or ``None``.
     """
@@ -69,8 +68,6 @@ def append(
     """Append records to the spool at ``path`` (created with its folder) and fsync it; returns the values written.
 
     Args:
-        path: The spool file.
-        items: Metric values.
         tags: Tags to record, or ``None``.
         end: ``(status, error)`` of a run end to record, or ``None``.
 
@@ -134,7 +131,6 @@ class Sent:
     """What :func:`send_spool` did.
 
     Attributes:
-        metrics: Metric values sent.
         skipped: Values not sent: the run already holds their step, or (on resume) they come after the checkpoint.
         ended: The run status that was applied, or ``None``.
     """
@@ -150,9 +146,6 @@ def send_spool(
     """Send what a spool holds to the run, then remove the file; ``None`` when there is no spool file.
 
     Args:
-        uri: Tracking URI of the run.
-        run_id: The run.
-        path: Its spool file.
         before_seq: Resume: send only values recorded before the checkpoint (``seq < before_seq``); the
             others are computed again after it.
         apply_end: Set the recorded final status (``runner status``); a resume continues the run instead.

@@ -32,13 +32,9 @@ class StoredRun:
     """What runner recorded about one run.
 
     Attributes:
-        run_id: The MLflow run id.
         uri: The tracking URI it was read from.
         status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
-        run_name: Its display name.
-        experiment_id: Its MLflow experiment.
         tags: Every tag of the run (git commit and dirty state, torch version, devices, ...).
-        resolved_text: The artifact ``spec/resolved.toml``.
         spec_path: The spec file the run was started from (absolute; it may be gone).
         plan: The artifact ``spec/plan.json`` (empty when missing).
     """
@@ -71,10 +67,6 @@ def store_uri(given: str | None) -> str:
 
 def read_stored_run(uri: str, run_id: str) -> StoredRun:
     """Read run ``run_id`` and the spec runner stored with it.
-
-    Args:
-        uri: Absolute tracking URI.
-        run_id: The run.
 
     Returns:
         The :class:`StoredRun`.
@@ -164,11 +156,7 @@ class RunInfo:
     """What a run says about itself.
 
     Attributes:
-        run_id: The run.
         status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
-        tags: Its tags.
-        experiment: Name of its experiment.
-        run_name: Its display name.
         start_time_ms: When it started, milliseconds since the epoch (MLflow's unit).
     """
 

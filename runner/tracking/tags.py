@@ -133,12 +133,9 @@ def run_tags(
     arguments (when there are any) and ``runner.notes`` the plan's notes, one a line.
 
     Args:
-        loaded: A ``LoadedSpec``.
         plan_description: ``Plan.describe()`` or ``DevicePlan.describe()``; ``devices[*].name`` (or
             ``names``), ``world_size``, ``accelerator``, ``mode`` and ``notes`` are read when present.
         info: :class:`runner.tracking.gitinfo.GitInfo` of the repository holding the spec, or ``None``.
-        extra_tags: Tags that override all others.
-        parent_run_id: Set ``mlflow.parentRunId`` (nested runs).
 
     Returns:
         Tag key -> string value (values cut to MLflow's ``MAX_TAG_VAL_LENGTH``).
@@ -230,8 +227,6 @@ def shorten(text: str, limit: int, where: str) -> str:
     """Cut ``text`` to ``limit`` characters with a marker saying how long it was and where the rest is.
 
     Args:
-        text: The value.
-        limit: Most characters kept, marker included.
         where: Where the full text can be found, e.g. ``"artifact spec/resolved.toml"``.
     """
     if len(text) <= limit:
@@ -270,7 +265,6 @@ def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[st
     whole spec.
 
     Args:
-        spec: An ``ExperimentSpec``.
         accelerator: The accelerator the run resolved to (``"cpu"``: GPU-only keys are left out too),
             or ``None`` (:func:`runner.spec.dump.run_inactive_keys`).
     """
@@ -294,8 +288,6 @@ def spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> di
 
     Args:
         loaded: The spec; ``loaded.sources`` lists the files read (the spec file alone when empty).
-        resolved_toml: :func:`runner.spec.dump.dump_spec` of the spec.
-        plan_json: The plan description as JSON.
     """
     sources = list(loaded.sources) or [(Path(loaded.path), loaded.source_text)]
     root = Path(os.path.commonpath([str(Path(p).parent) for p, _ in sources]))

@@ -182,11 +182,6 @@ def make_tracker(
 def skip_logged_steps(tracker: Tracker, uri: str | None, run_id: str | None) -> Tracker:
     """Wrap ``tracker`` so that a resumed run does not log a step its metric history already holds.
 
-    Args:
-        tracker: The rank's tracker.
-        uri: Tracking URI of the run.
-        run_id: The resumed run.
-
     Returns:
         ``tracker`` itself for a :class:`NullTracker` or an untracked run, else a :class:`SkipLoggedSteps`.
 

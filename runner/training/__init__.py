@@ -10,8 +10,6 @@ class WorkerResult:
     """What a worker returns (only the logging rank's is used by the driver).
 
     Attributes:
-        rank: Global rank of the process.
-        metrics: Last value of every metric.
         global_step: Optimizer steps taken at the end.
         history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
         resumed_from: Checkpoint file the run continued from, if any.

@@ -57,7 +57,6 @@ class LoadedCheckpoint:
     """A checkpoint read back from disk.
 
     Attributes:
-        path: The file it came from.
         payload: The saved dict (see :func:`build_payload`).
         skipped: Newer files that were damaged and skipped, with the reason, newest first.
     """
@@ -76,7 +75,6 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
 
     Args:
         directory: The run's checkpoint folder (created if missing).
-        payload: From :func:`build_payload`.
         keep_last: Number of checkpoints to keep (>= 1); older ones are deleted after the write.
 
     Returns:

@@ -59,9 +59,7 @@ class DatasetInfo:
     Attributes:
         input_shape: Shape of one sample ``x``, e.g. ``(1, 8, 8)`` (of a dict sample: its first input tensor).
         num_classes: Number of classes (labels are ``0 .. num_classes - 1``); 0 if unknown.
-        num_train: Training samples.
         num_val: Validation samples (0 without validation).
-        name: ``data.dataset``.
         target_shape: Shape of one sample's target, e.g. ``()`` for a class index.
         keys: The keys of a dict sample (empty for ``(x, y)`` pairs).
         val_split_sha256: Hex SHA-256 of the sorted validation indices (``"3,17,..."``), or of the
@@ -181,7 +179,6 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
     """Build the train and validation datasets of ``spec.data``.
 
     Args:
-        spec: The validated spec.
         spec_dir: Folder of the spec file: ``data.root`` and factory imports are relative to it.
 
     Returns:
@@ -235,7 +232,6 @@ def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[lis
     the first entries of ``torch.randperm(num_samples)`` under ``torch.Generator().manual_seed(seed)``.
 
     Args:
-        num_samples: Samples to split.
         val_fraction: Fraction held out, in ``[0, 1)``.
         seed: Seed of the permutation (``data.split_seed``, not ``seed``).
 

@@ -53,8 +53,6 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
     grad_accum_steps``: the schema and device resolution check that once, before any process starts.
 
     Args:
-        spec: The :class:`~runner.spec.schema.ExperimentSpec`.
-        bundle: Datasets from :func:`runner.training.data.build_datasets`.
         rank: Global rank of this process (0 for ``none``/``dp``).
         world_size: Number of processes (1 for ``none``/``dp``).
 
@@ -111,7 +109,6 @@ def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> 
 
     Args:
         loaders: The step layout (``global_batch_sizes``, ``micro_batch``).
-        world_size: Processes.
         replicas: DataParallel replicas (1 without dp); a micro-batch is cut as ``torch.chunk`` cuts it.
 
     Returns:

@@ -151,7 +151,6 @@ def train_step(
     world_size`` (module docstring) before ``precision.backward``.
 
     Args:
-        parts: See :class:`LoopParts`.
         batches: This epoch's iterator over collated micro-batches (``(x, y)`` or dicts).
         global_size: Samples of this optimizer step over all ranks and micro-batches.
         clip_grad_norm: Largest global L2 norm of the gradients, or ``None`` for no clipping.

@@ -52,11 +52,7 @@ def _named_parameters(function: Callable[..., Any]) -> set[str]:
 
 
 class Loss:
-    """A loss as the loop calls it: ``loss(out, batch, io)`` is the sum over the micro-batch's samples.
-
-    Args:
-        name: ``loss.name``.
-    """
+    """A loss as the loop calls it: ``loss(out, batch, io)`` is the sum over the micro-batch's samples."""
 
     needs_target = True
 
@@ -162,10 +158,6 @@ def _wide(value: torch.Tensor) -> torch.Tensor:
 
 def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
     """Build the loss of ``[loss]``.
-
-    Args:
-        loss_spec: The ``[loss]`` table.
-        spec_dir: Spec folder, for ``pkg.module:function`` names.
 
     Returns:
         The :class:`Loss`.

@@ -49,7 +49,6 @@ class MetricRecipe:
     Attributes:
         name: Logged name after the scope's prefix, e.g. ``accuracy``.
         key: The spec key it comes from, e.g. ``metrics.val[1]`` (``metrics`` for a default metric).
-        make: Returns a fresh ``torchmetrics.Metric``.
         output: The entry of forward's output it averages (``{ output = "aux_loss" }``), else ``None``:
             it takes the prediction and the target.
     """
@@ -81,7 +80,6 @@ class MetricSet:
     """The metrics of one scope (``train/``, ``train/step_`` or ``val/``), on one device.
 
     Args:
-        recipes: What to make.
         prefix: Put before each name when logged, e.g. ``"val/"``.
         device: Where the states live (the strategy's output device, next to predictions and targets).
     """
@@ -211,9 +209,7 @@ def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | 
     sums (no metric object, no per-step update, no collective of its own, no torchmetrics import).
 
     Args:
-        spec: The validated spec.
         info: What the data is like (classes, target shape).
-        spec_dir: Spec folder, for ``pkg.module:Factory`` names.
 
     Returns:
         The :class:`MetricPlan`.

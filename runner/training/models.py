@@ -162,10 +162,6 @@ def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
 
     Imports a factory's module (and checks the attribute) but never calls it.
 
-    Args:
-        name: ``model.name`` from the spec.
-        spec_dir: Spec folder, for ``pkg.module:factory`` names.
-
     Raises:
         SpecError: Unknown name (with a did-you-mean), or a factory that cannot be imported.
     """
@@ -211,8 +207,6 @@ def build_mlp(
     """Build a multi-layer perceptron for inputs of any shape (flattened).
 
     Args:
-        in_features: Features of one flattened sample.
-        num_classes: Output logits per sample.
         hidden: Hidden layer widths, e.g. ``[128, 64]``; ``[]`` gives a linear model.
         dropout: Dropout probability after each hidden ReLU, in ``[0, 1)``.
 
@@ -249,8 +243,6 @@ def build_cnn(
     """Build a small convolutional classifier for images of any size.
 
     Args:
-        in_channels: Image channels ``C``.
-        num_classes: Output logits per sample.
         width: Channels of the first conv block (then ``2*width``, ``4*width``).
         batch_norm: Add BatchNorm2d after each conv (makes results depend on how the batch is split).
 
@@ -299,8 +291,6 @@ def build_model(
     when no pretrained ``weights`` are asked for. Factories get only their kwargs.
 
     Args:
-        model_spec: The ``[model]`` table.
-        spec_dir: Spec folder, for ``pkg.module:factory`` names.
         input_shape: Shape of one sample, e.g. ``(1, 8, 8)`` (``DatasetInfo.input_shape``).
         num_classes: Classes of the dataset (``DatasetInfo.num_classes``; 0 or ``None``: unknown).
 

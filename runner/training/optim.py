@@ -34,7 +34,6 @@ def build_optimizer(
     """Create the ``torch.optim`` optimizer of ``[optim]`` over ``params``.
 
     Args:
-        optim_spec: The ``[optim]`` table.
         params: Parameters (or parameter groups) of the unwrapped model.
 
     Returns:

@@ -25,7 +25,6 @@ class Progress:
         style: ``"auto"`` (bar on a TTY, lines otherwise), ``"bar"``, ``"lines"`` or ``"off"``.
         total: Optimizer steps the run will take.
         enabled: False on non-zero ranks: nothing is printed.
-        initial: Steps already done (resume).
         every_s: Minimum seconds between two plain lines.
     """
 

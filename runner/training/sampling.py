@@ -43,9 +43,7 @@ def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, wor
     """Return the size of every global batch (optimizer step) of one epoch.
 
     Args:
-        num_samples: Training samples ``N``.
         global_batch: Samples per optimizer step across all ranks ``B``.
-        drop_last: Drop the final incomplete batch.
         world_size: Ranks ``W``; a final batch smaller than ``W`` is always dropped.
 
     Returns:
@@ -73,11 +71,6 @@ def rank_batch_size(global_size: int, world_size: int, rank: int) -> int:
     and the rank sizes sum to ``global_size``. The loop divides each rank's summed per-sample loss by
     ``global_size / world_size`` so that DDP's gradient average equals the exact global mean.
 
-    Args:
-        global_size: Samples in the global batch.
-        world_size: Ranks ``W``.
-        rank: This rank, ``0 <= rank < W``.
-
     Returns:
         ``len(range(rank, global_size, world_size))``.
 
@@ -93,8 +86,6 @@ def micro_batch_sizes(global_size: int, world_size: int, rank: int, micro_batch:
 
     Args:
         global_size: Samples in the global batch of the step.
-        world_size: Ranks ``W``.
-        rank: This rank.
         micro_batch: The DataLoader batch size ``B / (W * grad_accum_steps)``.
 
     Returns:
@@ -114,10 +105,7 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) ->
     """Return the epoch's order of sample indices, identical to ``DistributedSampler``'s.
 
     Args:
-        num_samples: Samples ``N``.
-        seed: Base seed (``spec.seed``).
         epoch: Epoch number; the generator is seeded ``seed + epoch``.
-        shuffle: ``False`` gives ``range(N)``.
 
     Returns:
         A permutation of ``range(N)`` as a list of ints.
@@ -137,9 +125,7 @@ class EpochSampler(Sampler[int]):
     Call :meth:`set_epoch` before every epoch.
 
     Args:
-        num_samples: Training samples ``N``.
         world_size: Ranks ``W`` (1 for ``none`` and ``dp``).
-        rank: This rank.
         seed: Base seed; epoch ``e`` uses ``seed + e``.
         shuffle: Shuffle every epoch (else the natural order).
         global_batch: Samples per optimizer step across all ranks (a multiple of ``W``).
@@ -224,11 +210,6 @@ class EvalSampler(Sampler[int]):
 
     Ranks may get counts differing by one; metrics must be summed (not averaged per rank)
     across ranks, and evaluation must not run collectives per batch.
-
-    Args:
-        num_samples: Validation samples.
-        world_size: Ranks ``W``.
-        rank: This rank.
 
     Raises:
         ValueError: If ``rank`` is out of range.

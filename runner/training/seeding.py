@@ -62,8 +62,6 @@ def loader_generator(seed: int, rank: int, epoch: int = 0) -> torch.Generator:
     """Return the ``torch.Generator`` for a rank's DataLoader (it seeds the workers).
 
     Args:
-        seed: ``spec.seed``.
-        rank: Global rank.
         epoch: Epoch; reseed with a new epoch each epoch for resumable worker seeds.
 
     Returns:

@@ -58,14 +58,12 @@ class TrainingParts:
     Attributes:
         model: The wrapped model (``strategy.wrap`` applied).
         raw_model: The user's model inside it (state dicts, the optimizer, model logging).
-        optimizer: Over ``raw_model``'s parameters.
         scheduler: The LR scheduler, or ``None``.
         scheduler_interval: When it steps: ``"step"`` or ``"epoch"``.
         precision: Autocast and gradient scaling of ``train.amp``.
         loss: The summed loss of a micro-batch (:mod:`runner.training.losses`).
         io: How batches reach the model and where its prediction is (:class:`~runner.training.batches.BatchIO`).
         metrics: The train and validation metrics of ``[metrics]``.
-        loaders: This rank's DataLoaders.
         total_steps: Optimizer steps of the run (:func:`count_total_steps`).
         train_set: The training dataset (its first sample is the model's example input).
         data: What the data is: sizes, split fingerprint, digests, normalisation (for the run's records).
@@ -129,7 +127,6 @@ def build_parts(
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
     Args:
-        spec: The validated spec.
         spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
         strategy: After ``setup()``: it gives the rank, the world size and the device.
         dtype: A torch dtype name (``"float64"``): the model's floating tensors and every floating tensor
@@ -204,9 +201,7 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     (when the world size is unchanged).
 
     Args:
-        parts: From :func:`build_parts`; loaded in place.
         strategy: The set-up strategy (rank and world size).
-        folder: This run's checkpoint folder.
         resume: ``runner exec --resume``: say so when there is nothing to resume from.
         restarted: The elastic agent restarted the workers (continue from the checkpoint).
 
@@ -244,8 +239,6 @@ class Checkpointer:
 
     Args:
         parts: The parts whose state is saved.
-        strategy: The set-up strategy.
-        folder: This run's checkpoint folder.
         loaded: The loaded spec (``[checkpoint]`` settings, the flattened spec and its SHA-256 go in each file).
         run_id: The MLflow run the checkpoints belong to, or ``None``.
         writer: Whether this rank writes (the logging rank).

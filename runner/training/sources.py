@@ -348,7 +348,6 @@ def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
     """The class or factory that builds ``data.dataset`` from files, found without calling it.
 
     Args:
-        name: ``data.dataset``.
         spec_dir: Folder of the spec file (factory imports are relative to it).
 
     Returns:

@@ -56,7 +56,6 @@ class FitResult:
     """What :func:`fit` returns on every rank.
 
     Attributes:
-        state: The final :class:`TrainState`.
         metrics: Last value of every metric (rank-reduced), e.g. ``val/accuracy``.
         history: ``(step, metrics)`` pairs in logging order (kept for tests and bench).
         step_times_s: Wall time of each optimizer step of this run, in seconds (data included).
@@ -84,7 +83,6 @@ class LoopParts:
         scheduler: Optional LR scheduler; ``scheduler_interval`` says when it steps.
         scheduler_interval: ``"step"`` (after every optimizer step) or ``"epoch"``.
         loss: The summed loss of a micro-batch, ``loss(out, batch, io) -> scalar`` (:mod:`runner.training.losses`).
-        loaders: The :class:`runner.training.loaders.Loaders` of this rank.
         tracker: Where rank 0 sends metrics (a ``NullTracker`` on other ranks).
         total_steps: Optimizer steps of the whole run: ``min(steps_per_epoch * epochs, max_steps)``.
         precision: Autocast and gradient scaling (:class:`runner.strategies.base.Precision`).

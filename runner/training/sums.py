@@ -78,7 +78,6 @@ class Tally:
     """What the loop adds up: since the last ``train/loss`` log (across epochs) and over the epoch in progress.
 
     Attributes:
-        window: Sums since the last log.
         window_metrics: Train metrics since the last log (``train/step_<name>``).
         epoch_metrics: Train metrics of the epoch (``train/<name>``).
         guard: Checks for non-finite losses and gradient norms (``train.on_nonfinite``).
