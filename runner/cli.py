@@ -8,16 +8,18 @@ own ``exit_code``; :func:`main` maps them with one ``except``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from runner import __version__
 from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, mask_secrets
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
+
 
 EXIT_OK = 0
 _T = TypeVar("_T")
@@ -321,7 +323,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from runner.launch.owner import status_lines
+    from runner.launch.resume import status_lines
 
     for line in status_lines(args.tracking_uri, args.run_id):
         print(mask_secrets(line))
@@ -360,7 +362,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from runner.tools.report import print_report
+    from runner.cli import print_report
     from runner.tools.sweep import CommandLine, run_sweep
 
     flags = CommandLine(
@@ -381,8 +383,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from runner.cli import print_report
     from runner.tools.bench import run_bench
-    from runner.tools.report import print_report
 
     report = run_bench(
         args.file,
@@ -400,8 +402,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _parity(args: argparse.Namespace) -> int:
+    from runner.cli import print_report
     from runner.tools.parity import run_parity
-    from runner.tools.report import print_report
 
     modes = _csv(args.modes, str) if args.modes is not None else None
     report = run_parity(_load(args), modes=modes, steps=args.steps)
@@ -453,3 +455,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+class ToolReport(Protocol):
+    """A sweep's or a bench's report: a table, its JSON, and how many parts (trials, configurations) failed."""
+
+    @property
+    def failed(self) -> int: ...
+
+    def table(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def print_report(report: ToolReport, *, as_json: bool, failure: str) -> bool:
+    """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error.
+
+    Returns:
+        Whether part of the report failed (the command then exits 1).
+    """
+    print(mask_secrets(json.dumps(report.to_json(), indent=2) if as_json else report.table()))
+    if report.failed:
+        print(f"runner: {mask_secrets(failure)}", file=sys.stderr)
+        return True
+    return False

@@ -21,8 +21,7 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import TrainingError
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.dp import DataParallelStrategy
-from runner.strategies.registry import make_strategy
+from runner.strategies.registry import DataParallelStrategy, make_strategy
 from tests.helpers import elastic_run, spec_object
 
 pytestmark = pytest.mark.cuda

@@ -190,7 +190,7 @@ def test_kwargs_that_do_not_build_under_ddp_exit_2_and_leave_no_run(write_spec, 
 
 def test_interrupt_message_says_how_to_resume(tmp_path, monkeypatch) -> None:
     from runner.errors import Interrupted
-    from runner.launch.owner import resume_command
+    from runner.launch.resume import resume_command
 
     hint = Interrupted(15, run_id="abc").hint()
     assert hint.endswith("Continue it with: runner resume abc")  # the spec and its --set values are in the run

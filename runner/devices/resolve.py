@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from runner.devices.inventory import DEFAULT_ORDER, ORDER_VAR, VISIBLE_VAR, Inventory
-from runner.errors import DeviceError
+from runner.errors import DeviceError, show
 from runner.spec import rules
 from runner.spec.schema_parallel import MODES
-from runner.spec.wording import show
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.schema import ExperimentSpec

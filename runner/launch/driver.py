@@ -4,7 +4,7 @@ The driver is the process that launches, and the only one that imports MLflow (d
 process model"): rank 0 reports its build to the driver's hub, the driver creates the run, and rank 0
 streams what the run records over the same pipe.
 
-* ``none`` / ``dp``: one child training process (:mod:`runner.launch.child`); ``ExecOptions.in_process``
+* ``none`` / ``dp``: one child training process (:mod:`runner.launch.elastic`); ``ExecOptions.in_process``
   trains in this process instead (sweeps, bench, parity);
 * ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
   (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
@@ -251,7 +251,7 @@ def _raise_unmade(session: RunSession | None) -> None:
 
 def _interrupted(signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
-    from runner.launch.owner import resume_command
+    from runner.launch.resume import resume_command
 
     uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
     folder = session.checkpoint_dir if session is not None else ""
@@ -290,7 +290,7 @@ def _launch(
     if session is not None and plan.launch != "elastic" and not options.in_process:
         # none and dp; and rank 0 started by torchrun or a Slurm task per device, which thus stays its job's
         # driver: the rank trains in a child that inherits its launcher's variables (docs/design.md §6)
-        from runner.launch.child import run_child
+        from runner.launch.elastic import run_child
 
         return [run_child(args, session)]
     result = run_worker(args)

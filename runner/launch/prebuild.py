@@ -36,9 +36,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from runner.errors import SpecError, SpecIssue, first_line
+from runner.errors import SpecError, SpecIssue, first_line, join_or, show
 from runner.spec.loading import relocate_issues
-from runner.spec.wording import join_or, show
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -166,8 +165,8 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
 
 def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Module | None:
     """The checks of :func:`check_parts`; returns the model built on ``meta``, or ``None``."""
-    from runner.training.loaders import build_loaders
     from runner.training.models import check_model_name
+    from runner.training.sampling import build_loaders
 
     check_model_name(spec.model.name, spec_dir)
     if spec.train.compile:
@@ -185,7 +184,7 @@ def _compile_backend(name: str) -> None:
     """``train.compile_backend`` names a backend torch.compile knows (``torch._dynamo.list_backends``)."""
     import torch._dynamo
 
-    from runner.spec.wording import did_you_mean, with_hint
+    from runner.errors import did_you_mean, with_hint
 
     known = torch._dynamo.list_backends(exclude_tags=())
     if name not in known:
@@ -261,9 +260,9 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
     """Build the optimizer over a stand-in parameter, then the scheduler, and step it as the run would."""
     import torch
 
-    from runner.training.nonfinite import lr_problem
-    from runner.training.optim import build_optimizer, build_scheduler, scheduler_class, scheduler_interval
+    from runner.training.losses import build_optimizer, build_scheduler, scheduler_class, scheduler_interval
     from runner.training.setup import count_total_steps
+    from runner.training.sums import lr_problem
 
     optimizer = build_optimizer(spec.optim, [torch.nn.Parameter(torch.zeros(1))])
     if spec.scheduler is None:

@@ -98,12 +98,12 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
 def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
     """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
 
-    The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.owner`).
+    The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.resume`).
 
     Returns:
         The run id, or ``None`` when tracking is off or another process owns the run.
     """
-    from runner.launch.owner import Owner
+    from runner.launch.resume import Owner
     from runner.tracking import runs as tracking
     from runner.tracking.stored import set_run_tags
 

@@ -61,7 +61,7 @@ def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
     Returns:
         One warning per difference (empty when commit and clean state agree).
     """
-    from runner.tracking.gitinfo import git_info
+    from runner.tracking.tags import git_info
 
     was_commit = stored.tags.get("mlflow.source.git.commit")
     was_dirty = stored.tags.get("runner.git.dirty") == "true"

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from runner.errors import show
 from runner.spec.overrides import parse_key
 from runner.spec.schema import ExperimentSpec
 from runner.spec.schema_parallel import ParallelSpec, modes_with
-from runner.spec.wording import show
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec

@@ -33,8 +33,8 @@ from runner.spec.locate import Loc, format_key, locate_keys
 from runner.spec.messages import explain_errors
 from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
 from runner.spec.reading import Origin, Provenance, read_tree
+from runner.spec.rules import INT64_LIMIT
 from runner.spec.schema import ExperimentSpec
-from runner.spec.table import INT64_LIMIT
 
 
 @dataclass(frozen=True)

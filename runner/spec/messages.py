@@ -10,11 +10,11 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from runner.errors import did_you_mean, join_or, show, suggest, with_hint
 from runner.spec.locate import Loc, format_key
 from runner.spec.objectives import MOVED
 from runner.spec.rules import CrossFieldError
 from runner.spec.schema import ExperimentSpec
-from runner.spec.wording import did_you_mean, join_or, show, suggest, with_hint
 
 
 def annotation_at(loc: Sequence[str | int]) -> Any:

@@ -1,7 +1,7 @@
 """Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories.
 
 Built-in names are the tables below. torchvision's builder and dataset names come from
-:mod:`runner.spec.torchvision_names`, generated from the installed torchvision by
+``torchvision_names.json`` beside this module, generated from the installed torchvision by
 ``python -m runner.training.models`` (a test checks that it matches); when another torchvision
 version is installed, a name missing from that list is left to ``runner exec``, which asks torchvision.
 A ``pkg.module:factory`` name is checked for a module that can be found where ``runner exec`` looks
@@ -11,18 +11,21 @@ checked when the module is imported (:func:`runner.training.models.resolve_facto
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-from runner.spec.wording import did_you_mean, with_hint
+from runner.errors import did_you_mean, with_hint
 
 BUILTIN_MODELS = ("mlp", "cnn")
 BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
 NOT_DATASETS = frozenset({"VisionDataset", "DatasetFolder", "ImageFolder", "wrap_dataset_for_transforms_v2"})
 _TV_PREFIXES = ("torchvision.models.", "torchvision.")
-GENERATED = Path(__file__).with_name("torchvision_names.py")
+GENERATED = Path(__file__).with_name("torchvision_names.json")
 
 
 def torchvision_bare(name: str) -> str | None:
@@ -33,21 +36,24 @@ def torchvision_bare(name: str) -> str | None:
     return None
 
 
+@functools.cache
+def generated() -> dict[str, Any]:
+    """``{"version", "models", "datasets"}`` of :data:`GENERATED`."""
+    data: dict[str, Any] = json.loads(GENERATED.read_text(encoding="utf-8"))
+    return data
+
+
 def torchvision_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """torchvision's model builder names and dataset class names, sorted, as generated."""
-    from runner.spec import torchvision_names as generated
-
-    return generated.MODELS, generated.DATASETS
+    return tuple(generated()["models"]), tuple(generated()["datasets"])
 
 
 def _installed_differs() -> bool:
     """Whether the installed torchvision is not the version the generated list was made from."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from runner.spec import torchvision_names as generated
-
     try:
-        return version("torchvision").partition("+")[0] != generated.VERSION
+        return version("torchvision").partition("+")[0] != generated()["version"]
     except PackageNotFoundError:
         return False
 

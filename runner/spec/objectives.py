@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
-from runner.spec.table import SpecTable
-from runner.spec.wording import did_you_mean, show, with_hint
+from runner.errors import did_you_mean, show, with_hint
+from runner.spec.rules import SpecTable
 
 BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits", "nll", "model")
 BUILTIN_METRICS = ("accuracy", "top_k_accuracy", "f1", "precision", "recall", "auroc", "mae", "mse", "r2")

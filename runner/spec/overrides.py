@@ -22,12 +22,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from runner.errors import SpecIssue
+from runner.errors import SpecIssue, did_you_mean, show, with_hint
 from runner.spec.locate import Loc, format_key
 from runner.spec.messages import annotation_at, unwrap_optional
 from runner.spec.reading import PATH_KEYS, Origin, Provenance, SpecTree, forget
 from runner.spec.schema import ExperimentSpec
-from runner.spec.wording import did_you_mean, show, with_hint
 
 ORIGIN = "--set"
 UNSET = "--unset"

@@ -22,9 +22,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from runner.errors import SpecIssue
+from runner.errors import SpecIssue, show
 from runner.spec.locate import Loc, format_key, line_of, locate_keys
-from runner.spec.wording import show
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the
 # file that wrote them (``--set`` values against the working directory).

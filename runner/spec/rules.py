@@ -15,17 +15,18 @@ and is reported at that key: ``FILE:LINE: data.batch_size: batch_size = 10 is no
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
-from runner.errors import mask_secrets
-from runner.spec.wording import show
+from pydantic import BaseModel, ConfigDict, model_validator
 
-if TYPE_CHECKING:  # pragma: no cover
-    from runner.spec.schema import ExperimentSpec, OptimSpec, SweepParam, TrackingSpec
-    from runner.spec.schema_data import DataSpec
+from runner.errors import mask_secrets, show
+
+if TYPE_CHECKING:
+    from runner.spec.schema import DataSpec, ExperimentSpec, OptimSpec, SweepParam, TrackingSpec
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
+
 
 ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
 
@@ -368,3 +369,23 @@ def _has_non_finite(value: Any) -> bool:
     if isinstance(value, (list, dict)):
         return any(_has_non_finite(v) for v in (value.values() if isinstance(value, dict) else value))
     return False
+
+
+INT64_LIMIT = 2**63
+"""Exclusive upper bound of a seed or size passed to torch as a C ``int64`` (``seed + epoch`` stays below ``2**64``)."""
+UINT32_LIMIT = 2**32
+"""Exclusive upper bound of a seed passed to ``numpy.random.RandomState`` (Optuna's samplers)."""
+
+
+class SpecTable(BaseModel):
+    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
+    rule: ClassVar[Callable[[Any], None] | None] = None  # a runner.spec.rules check_* of this table
+
+    @model_validator(mode="after")
+    def _check_rule(self) -> SpecTable:
+        rule = type(self).rule
+        if rule is not None:
+            rule(self)
+        return self

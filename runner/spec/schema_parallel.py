@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from runner.spec import rules
-from runner.spec.table import SpecTable
+from runner.spec.rules import SpecTable
 
 ParallelMode = Literal["none", "dp", "ddp", "fsdp"]
 Accelerator = Literal["auto", "cuda", "cpu"]

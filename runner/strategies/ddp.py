@@ -16,8 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.errors import DeviceError, TrainingError, UsageError
-from runner.strategies.base import Strategy, find_blocks, transform_blocks
-from runner.strategies.state_dicts import key_list, unwrap
+from runner.strategies.base import Strategy, find_blocks, key_list, transform_blocks, unwrap
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan

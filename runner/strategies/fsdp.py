@@ -35,9 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from runner.strategies.base import find_blocks, transform_blocks
+from runner.strategies.base import find_blocks, fitted_state_dict, transform_blocks, unwrap
 from runner.strategies.ddp import DDPStrategy
-from runner.strategies.state_dicts import fitted_state_dict, unwrap
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan

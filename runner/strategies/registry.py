@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel
+
+from runner.errors import DeviceError, TrainingError
 from runner.launch.environment import LauncherEnvironment
-from runner.strategies.base import Strategy
+from runner.strategies.base import Strategy, find_blocks, transform_blocks
 from runner.strategies.ddp import DDPStrategy
-from runner.strategies.dp import DataParallelStrategy
-from runner.strategies.single import SingleDevice
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
+    from runner.spec.schema import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
+
 
 _Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment, str], Strategy]
 
@@ -52,3 +61,228 @@ def make_strategy(
     """
     launcher = LauncherEnvironment.detect({}) if env is None else env
     return STRATEGIES[plan.mode](parallel, plan, launcher, amp)
+
+
+T = TypeVar("T")
+
+
+class SingleDevice(Strategy):
+    """``mode = "none"``: one process, one device (``cuda:0`` after narrowing, or cpu).
+
+    There are no peers: the collectives return their input and the stop decision is
+    answered at once (a request seen after step ``k`` stops training after step ``k``).
+
+    Args:
+        plan: The resolved device plan (its accelerator picks ``cuda:0`` or cpu).
+    """
+
+    mode = "none"
+
+    @property
+    def rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Always 1."""
+        return 1
+
+    def setup(self) -> None:
+        """Nothing to prepare for one process."""
+
+    def teardown(self) -> None:
+        """Nothing to release."""
+
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
+        """Move ``module`` to :attr:`device`; no wrapper. Checkpoints its blocks and compiles it as ``train`` asks."""
+        module = module.to(self.device)
+        transform_blocks(find_blocks(module, None), train, compile_blocks=False)
+        if train is not None and train.compile:
+            module.compile(backend=train.compile_backend)
+        return module
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        """The model itself."""
+        return wrapped
+
+    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
+        """Nothing to skip: a null context."""
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself (the sum over one process)."""
+        return tensor
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+    def broadcast_object(self, obj: T) -> T:
+        """``obj`` itself."""
+        return obj
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """``[obj]``."""
+        return [obj]
+
+    def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
+        """``flag`` itself, at once, whatever ``settle`` says."""
+        return flag
+
+
+def check_gatherable(output: Any, path: str = "output") -> None:
+    """Check that DataParallel can gather a model output from its replicas.
+
+    Gatherable: a tensor, ``None``, or dicts / lists / tuples (named tuples too)
+    of gatherable values.
+
+    Args:
+        output: What ``forward`` returned (on one replica).
+        path: Name used in the message for ``output`` itself.
+
+    Raises:
+        TrainingError: Names the first value that cannot be gathered, e.g.
+            ``output['aux'] is a str``.
+    """
+    if output is None or isinstance(output, torch.Tensor):
+        return
+    if isinstance(output, dict):
+        for key, value in output.items():
+            check_gatherable(value, f"{path}[{key!r}]")
+        return
+    if isinstance(output, (list, tuple)):
+        for pos, value in enumerate(output):
+            check_gatherable(value, f"{path}[{pos}]")
+        return
+    raise TrainingError(
+        f'{path} is a {type(output).__name__}: parallel.mode = "dp" can only gather tensors (or dicts, lists '
+        f'and tuples of tensors) from its replicas; return tensors from forward, or use mode = "none" or "ddp"'
+    )
+
+
+def as_gatherable(output: Any) -> Any:
+    """A dataclass output as a dict of its fields (shallow); anything else as it is."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    return output
+
+
+def combine_replica_losses(losses: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The mean loss of a micro-batch from its replicas' mean losses: ``sum(n_i * loss_i) / sum(n_i)``.
+
+    Args:
+        losses: One scalar per replica, the mean over that replica's chunk.
+        device: Where the combined loss goes (the output device); gradients flow back to the replicas.
+    """
+    total = sum(loss.to(device) * n for loss, n in zip(losses, sizes, strict=True))
+    return torch.as_tensor(total, device=device) / sum(sizes)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+class _GatherCheckedDataParallel(DataParallel):
+    """DataParallel with runner's output contract (module docstring): dataclasses, replica losses, clear errors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunk_sizes: list[int] = []  # samples per replica of the call in progress (set by scatter)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int | torch.device]) -> Any:
+        scattered, scattered_kwargs = super().scatter(inputs, kwargs, device_ids)
+        self._chunk_sizes = [_chunk_size(i, k, self.dim) for i, k in zip(scattered, scattered_kwargs, strict=False)]
+        return scattered, scattered_kwargs
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        outputs = [as_gatherable(o) for o in outputs]
+        check_gatherable(outputs[0])
+        sizes = self._chunk_sizes if len(self._chunk_sizes) == len(outputs) else [1] * len(outputs)
+        device = torch.device("cuda", output_device) if isinstance(output_device, int) else output_device
+        if all(_is_scalar(o) for o in outputs):
+            return combine_replica_losses(outputs, sizes, device)
+        scalars = [k for k, v in outputs[0].items() if _is_scalar(v)] if isinstance(outputs[0], dict) else []
+        if scalars and all(isinstance(o, dict) and all(_is_scalar(o.get(k)) for k in scalars) for o in outputs):
+            rest = super().gather([{k: v for k, v in o.items() if k not in scalars} for o in outputs], output_device)
+            means = {k: combine_replica_losses([o[k] for o in outputs], sizes, device) for k in scalars}
+            return {k: means[k] if k in means else rest[k] for k in outputs[0]}
+        return super().gather(outputs, output_device)
+
+
+def _chunk_size(inputs: Any, kwargs: Any, dim: int) -> int:
+    """Samples of one replica's chunk: the size along ``dim`` of its first tensor argument."""
+    for value in [*inputs, *(kwargs or {}).values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > dim:
+            return int(value.shape[dim])
+    return 1
+
+
+def _count_batchnorm(module: nn.Module) -> int:
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+class DataParallelStrategy(SingleDevice):
+    """``mode = "dp"``: one process drives every chosen GPU through ``torch.nn.DataParallel``.
+
+    The whole micro-batch is loaded on ``cuda:0``; DataParallel scatters it along
+    ``parallel.dim`` (``torch.chunk``), runs one replica per chunk and gathers the
+    outputs on ``parallel.output_device``. With one device the model runs unwrapped.
+    Still one process: the layout, the collectives and the stop decision are those of
+    :class:`~runner.strategies.registry.SingleDevice`; only the wrapping differs.
+
+    Args:
+        plan: The resolved device plan (a CUDA plan: the schema and device resolution
+            refuse dp on CPU); ``plan.output_index`` places the gathered outputs.
+        parallel: The ``[parallel]`` table (``dim``).
+    """
+
+    mode = "dp"
+
+    def __init__(self, plan: DevicePlan, parallel: ParallelSpec) -> None:
+        super().__init__(plan)
+        self.dim = parallel.dim
+        self.num_devices = len(plan.requested_ids)
+        self.output_device = torch.device("cuda", plan.output_index)
+
+    @property
+    def replicas(self) -> int:
+        """The GPUs DataParallel spans."""
+        return self.num_devices
+
+    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
+        """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
+
+        ``train``'s compile and activation checkpointing do not apply (the schema refuses them under dp).
+
+        Raises:
+            DeviceError: This process sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``
+                was not narrowed before CUDA started).
+        """
+        module = module.to(self.device)
+        if self.num_devices == 1:
+            return module
+        seen = torch.cuda.device_count()
+        if seen < self.num_devices:
+            raise DeviceError(
+                f"dp planned {self.num_devices} GPUs ({self.plan.selected}) but torch sees {seen}: "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+            )
+        bn = _count_batchnorm(module)
+        if bn:
+            warnings.warn(
+                f"model has {bn} BatchNorm layer(s): under dp their running statistics come from the first "
+                f'replica\'s chunk only; use parallel.mode = "ddp" with sync_batchnorm = true for exact statistics',
+                UserWarning,
+                stacklevel=2,
+            )
+        return _GatherCheckedDataParallel(
+            module,
+            device_ids=list(range(self.num_devices)),
+            output_device=self.plan.output_index,
+            dim=self.dim,
+        )

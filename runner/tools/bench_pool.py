@@ -24,13 +24,16 @@ import gc
 import os
 import socket
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
 from runner.tools.bench_measure import probe_model_and_data, reason
+from runner.tools.bench_report import BenchReport, ConfigResult, note_of
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
     from runner.tools.bench_report import BenchReport
     from runner.training import WorkerResult
+
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -72,7 +76,7 @@ class Probe:
 
 @dataclass(frozen=True)
 class Chart:
-    """Draw ``bench.png`` (:func:`runner.tools.bench_chart.write_chart`) once measuring is over."""
+    """Draw ``bench.png`` (:func:`runner.tools.bench_pool.write_chart`) once measuring is over."""
 
     report: BenchReport
     path: Path
@@ -260,7 +264,7 @@ def serve(conn: Connection) -> None:
 
 def _chart(job: Chart) -> Any:
     """The chart's path, or the exception drawing it raised."""
-    from runner.tools.bench_chart import write_chart
+    from runner.tools.bench_pool import write_chart
 
     try:
         return write_chart(job.report, job.path)
@@ -342,3 +346,73 @@ def _cuda_peaks() -> list[int]:
     if torch is None or not torch.cuda.is_initialized():
         return []
     return [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
+
+
+def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:
+    """``(below, above)`` the bar: from the median samples/s to the slowest and the fastest repeat, times ``scale``."""
+    rates = c.repeat_samples_per_s
+    if c.status != "ok" or not rates or c.samples_per_s is None:
+        return 0.0, 0.0
+    return (c.samples_per_s - min(rates)) * scale, (max(rates) - c.samples_per_s) * scale
+
+
+def write_chart(report: BenchReport, path: Path) -> Path:
+    """Draw samples/s and scaling efficiency per configuration, with spreads and notes, into a PNG (Agg backend).
+
+    Skipped and failed configurations appear as empty slots labelled with their status.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    configs = report.configs
+    names = [c.config for c in configs] or ["(none)"]
+    ok = [c.status == "ok" for c in configs] or [False]
+    speed = [(c.samples_per_s or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
+    base = next((c.samples_per_s for c in configs if c.mode == "none" and c.status == "ok"), None)
+    eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
+    speed_err = [error_bars(c) for c in configs] or [(0.0, 0.0)]
+    eff_err = [error_bars(c, 100 / (c.n * base)) if base else (0.0, 0.0) for c in configs] or [(0.0, 0.0)]
+    notes = [(i, note_of(c)) for i, c in enumerate(configs) if c.status == "ok" and note_of(c)]
+    noisy = {i for i, c in enumerate(configs) if c.noise}
+    wrapped = [textwrap.fill(f"[{k}] {configs[i].config}: {text}", 150) for k, (i, text) in enumerate(notes, 1)]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    fig = Figure(figsize=(max(7.0, 3.2 * len(names)), 4.4 + 0.22 * lines), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    x = list(range(len(names)))
+    marks = {i: f" [{k}]" for k, (i, _) in enumerate(notes, 1)}
+    for ax, values, errors, color, fmt in (
+        (ax1, speed, speed_err, "tab:blue", "{:.0f}"),
+        (ax2, eff, eff_err, "tab:green", "{:.0f}%"),
+    ):
+        bars = ax.bar(x, values, color=[color if good else "lightgrey" for good in ok])
+        for i, bar in enumerate(bars):
+            if i in noisy:
+                bar.set_hatch("//")
+        ax.errorbar(x, values, yerr=list(zip(*errors, strict=True)), fmt="none", ecolor="black", capsize=4)
+        ax.set_xticks(x, [n + marks.get(i, "") for i, n in enumerate(names)])
+        top = max([v + e[1] for v, e in zip(values, errors, strict=False)] + [1.0])
+        for i, (v, good) in enumerate(zip(values, ok, strict=False)):
+            label = fmt.format(v) if good else _status(report, i)
+            ax.text(i, v + errors[i][1] + top * 0.01, label, ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, top * 1.15)
+    ax1.set_title("throughput (samples/s, median of repeats; bars: slowest-fastest)", fontsize=9)
+    ax2.axhline(100, color="black", linewidth=0.8, linestyle="--")
+    ax2.set_title("scaling efficiency vs none (%)", fontsize=9)
+    fig.suptitle(
+        f"runner bench: {report.name} - {report.accelerator}, global batch {report.global_batch_size}, "
+        f"{report.steps} timed steps, {report.min_repeats}-{report.max_repeats} repeats (hatched: noisy)",
+        fontsize=10,
+    )
+    if wrapped:
+        fig.supxlabel("\n".join(wrapped), fontsize=7, ha="left", x=0.01)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _status(report: BenchReport, i: int) -> str:
+    return report.configs[i].status if i < len(report.configs) else ""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.spec.wording import show
+from runner.errors import show
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
@@ -91,7 +91,7 @@ def _spec_side(loaded: LoadedSpec) -> Side:
 
     from runner.errors import DeviceError
     from runner.plan import make_plan
-    from runner.tracking.gitinfo import git_info
+    from runner.tracking.tags import git_info
 
     info = git_info(loaded.path)
     git = {

@@ -25,10 +25,17 @@ from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
 from runner.tools.sweep_define import CommandLine, build_definition
-from runner.tools.sweep_jobs import Progress, WorkerConfig, WorkerPool, device_pool, sigterm_interrupts, swept_devices
-from runner.tools.sweep_report import SweepReport, first_line, write_plots
-from runner.tools.sweep_run import TrialSetup, work
-from runner.tools.sweep_space import SweepDefinition, study_name
+from runner.tools.sweep_jobs import (
+    Progress,
+    TrialSetup,
+    WorkerConfig,
+    WorkerPool,
+    device_pool,
+    sigterm_interrupts,
+    swept_devices,
+    work,
+)
+from runner.tools.sweep_space import SweepDefinition, SweepReport, first_line, study_name, write_plots
 from runner.tools.sweep_store import GRACE_S, HEARTBEAT_S, StorageError, SweepStore, default_storage_url, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
+from runner.spec.rules import UINT32_LIMIT
 from runner.spec.schema import SweepParam, SweepSpec
-from runner.spec.table import UINT32_LIMIT
 from runner.tools.sweep_space import SweepDefinition
 
 if TYPE_CHECKING:  # pragma: no cover

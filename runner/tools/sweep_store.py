@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from runner.errors import mask_secrets
-from runner.tools.sweep_report import SweepReport
-from runner.tools.sweep_space import SweepDefinition
+from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
 

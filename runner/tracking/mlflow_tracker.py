@@ -1,6 +1,6 @@
 """The MLflow tracker: one run's metrics, tags and artifacts, buffered for a background thread, spooled when needed.
 
-What the training thread calls lives here; the sender thread's side in :mod:`runner.tracking.sender`.
+What the training thread calls lives here; the sender thread's side in :mod:`runner.tracking.spool`.
 
 mlflow is imported inside functions, never when this module is imported.
 
@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError
 from runner.tracking import spool as spool_file
-from runner.tracking.sender import Artifact, BatchSender, Tags
-from runner.tracking.spool import Item
+from runner.tracking.spool import Artifact, BatchSender, Item, Tags
 from runner.tracking.tags import METRICS_PER_BATCH, param_value
 
 if TYPE_CHECKING:

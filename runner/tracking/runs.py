@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, mask_secrets
-from runner.tracking.gitinfo import git_info
-from runner.tracking.tags import PARAMS_PER_BATCH, git_artifacts, run_tags, spec_artifacts, spec_params
+from runner.tracking.tags import PARAMS_PER_BATCH, git_artifacts, git_info, run_tags, spec_artifacts, spec_params
 from runner.tracking.uri import open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:

@@ -223,7 +223,7 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
     """The runs of ``experiment`` that ``runner exec`` of its spec could continue, newest first.
 
     Candidates are KILLED, FAILED or RUNNING (a RUNNING run is continued only when its owner is
-    gone, which :mod:`runner.launch.owner` decides). Not candidates: FINISHED runs, the parent runs
+    gone, which :mod:`runner.launch.resume` decides). Not candidates: FINISHED runs, the parent runs
     of sweeps and benches (tags ``runner.sweep`` / ``runner.bench`` = ``parent``) and child runs
     (trials, bench configurations: tag ``mlflow.parentRunId``).
 

@@ -1,4 +1,4 @@
-"""Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.training.loaders`).
+"""Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.training.sampling`).
 
 A sample is an ``(x, y)`` pair (``x`` a tensor of ``DatasetInfo.input_shape``, ``y`` the target)
 or a dict of tensors (``data.target`` names the target key; docs/design.md §13). Sources
@@ -48,8 +48,7 @@ from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset, load_source, source_text
 
 if TYPE_CHECKING:
-    from runner.spec.schema import ExperimentSpec
-    from runner.spec.schema_data import DataSpec
+    from runner.spec.schema import DataSpec, ExperimentSpec
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def _first_sample(
     if isinstance(sample, dict):
         keys = tuple(str(k) for k in sample)
         if target is not None and target not in sample:
-            from runner.spec.wording import did_you_mean, with_hint
+            from runner.errors import did_you_mean, with_hint
 
             message = f"{name} yields dicts with keys {list(keys)}, none of them {target!r}"
             raise spec_issue("data.target", with_hint(message, did_you_mean(target, keys)))

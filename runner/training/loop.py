@@ -13,7 +13,7 @@ optimizer step across all ranks and micro-batches. DDP averages gradients over r
 gradient is exactly that of the mean loss over the global batch, also for uneven final batches
 and with gradient accumulation. This is what makes ``none`` and ``ddp`` runs of one spec agree
 step by step. Batches and forward: :mod:`~runner.training.batches`; metrics:
-:mod:`~runner.training.metrics`; ``train.on_nonfinite``: :mod:`~runner.training.nonfinite`.
+:mod:`~runner.training.metrics`; ``train.on_nonfinite``: :mod:`~runner.training.sums`.
 
 Steady state: between ``train/loss`` logs a step makes no collective and reads nothing back
 from the device; the running sums, the non-finite check and the default train accuracy stay on
@@ -43,13 +43,19 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted
-from runner.training.batches import CollatedBatch
+from runner.training.batches import CollatedBatch, FitResult, LoopParts, TrainState
 from runner.training.metrics import MetricSet
-from runner.training.nonfinite import NonFiniteGuard, check_lr
-from runner.training.progress import Progress
 from runner.training.sampling import rank_batch_size
-from runner.training.state import FitResult, LoopParts, TrainState
-from runner.training.sums import RunningSums, Tally, accuracy_of, count_correct, mean_loss
+from runner.training.sums import (
+    NonFiniteGuard,
+    Progress,
+    RunningSums,
+    Tally,
+    accuracy_of,
+    check_lr,
+    count_correct,
+    mean_loss,
+)
 
 if TYPE_CHECKING:
     from runner.spec.schema import CheckpointSpec, TrainSpec

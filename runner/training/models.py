@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue, first_line, user_code_error
+from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, user_code_error, with_hint
 from runner.spec.names import (
     BUILTIN_MODELS,
     GENERATED,
@@ -39,12 +40,11 @@ from runner.spec.names import (
     torchvision_bare,
     unknown_model,
 )
-from runner.spec.wording import did_you_mean, with_hint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from runner.spec.schema_data import ModelSpec
+    from runner.spec.schema import ModelSpec
 
 
 def spec_issue(key: str, message: str) -> SpecError:
@@ -127,7 +127,7 @@ def installed_torchvision_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def write_torchvision_names(path: Path = GENERATED) -> Path:
-    """Write :mod:`runner.spec.torchvision_names` (what ``runner validate`` knows) from the installed torchvision.
+    """Write ``runner/spec/torchvision_names.json`` (what ``runner validate`` knows) from the installed torchvision.
 
     Run ``python -m runner.training.models`` after installing another torchvision.
 
@@ -138,18 +138,8 @@ def write_torchvision_names(path: Path = GENERATED) -> Path:
 
     models, datasets = installed_torchvision_names()
 
-    def lines(names: tuple[str, ...]) -> str:
-        return "".join(f'    "{n}",\n' for n in names)
-
-    path.write_text(
-        '"""torchvision\'s model builders and dataset classes, as the installed torchvision lists them (generated).\n\n'
-        "Regenerate after installing another torchvision: ``python -m runner.training.models``.\n"
-        '"""\n\n'
-        f'VERSION = "{version("torchvision").partition("+")[0]}"\n'
-        f"MODELS = (\n{lines(models)})\n"
-        f"DATASETS = (\n{lines(datasets)})\n",
-        encoding="utf-8",
-    )
+    data = {"version": version("torchvision").partition("+")[0], "models": models, "datasets": datasets}
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return path
 
 

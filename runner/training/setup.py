@@ -31,12 +31,11 @@ from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets
-from runner.training.loaders import Loaders, build_loaders, check_batchnorm_batches
 from runner.training.loop import FitResult, LoopParts, TrainState, fit, peak_memory_bytes
-from runner.training.losses import BuiltinLoss, Loss, build_loss
+from runner.training.losses import BuiltinLoss, Loss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
-from runner.training.optim import build_optimizer, build_scheduler, scheduler_interval
+from runner.training.sampling import Loaders, build_loaders, check_batchnorm_batches
 from runner.training.seeding import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:

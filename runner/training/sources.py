@@ -22,7 +22,7 @@ from runner.spec.names import NOT_DATASETS, unknown_dataset
 from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue
 
 if TYPE_CHECKING:
-    from runner.spec.schema_data import DataSpec
+    from runner.spec.schema import DataSpec
 
 IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
 

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from runner.errors import TrainingError
 from runner.training.metrics import MetricPlan, MetricSet
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from runner.strategies.base import Strategy
-    from runner.training.batches import Batch, BatchIO, ModelOutput
-    from runner.training.nonfinite import NonFiniteGuard
-    from runner.training.state import MetricStates
+    from runner.training.batches import Batch, BatchIO, MetricStates, ModelOutput
 
 
 class RunningSums:
     """Running sums kept on the device (float64) and reduced on demand, in one collective.
 
     Entries: ``[loss sum, clipped gradient-norm sum, samples, correct predictions, predicted
-    targets]``. The norm sum is non-finite once a step's norm was (:mod:`runner.training.nonfinite`
+    targets]``. The norm sum is non-finite once a step's norm was (:mod:`runner.training.sums`
     reads it, and the loss sum, where they are reduced anyway); the last two give the default
     ``train/accuracy`` without a metric object (``MetricPlan.counted_accuracy``).
 
@@ -155,3 +161,219 @@ class Tally:
         """The train metrics' states, summed over ranks (a collective): ``{"window": ..., "epoch": ...}``."""
         epoch = self.epoch_metrics.state() if self.epoch is not None else None
         return {"window": self.window_metrics.state(), "epoch": epoch}
+
+
+class Progress:
+    """Shows training progress on rank 0.
+
+    Args:
+        style: ``"auto"`` (bar on a TTY, lines otherwise), ``"bar"``, ``"lines"`` or ``"off"``.
+        total: Optimizer steps the run will take.
+        enabled: False on non-zero ranks: nothing is printed.
+        every_s: Minimum seconds between two plain lines.
+    """
+
+    def __init__(self, style: str, total: int, *, enabled: bool = True, initial: int = 0, every_s: float = 10.0):
+        self.enabled = enabled and style != "off"
+        self.total = total
+        self.done = initial
+        self.every_s = every_s
+        self.samples = 0
+        self._start = time.perf_counter()
+        self._excluded_s = 0.0  # seconds spent in phases (evaluation), left out of samples/s
+        self._last_line = 0.0
+        self._values = ""
+        self._bar: tqdm | None = None
+        use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())
+        if self.enabled and use_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                unit="step",
+                dynamic_ncols=True,
+                leave=False,
+                desc="train",
+                file=sys.stderr,
+            )
+
+    @property
+    def samples_per_s(self) -> float:
+        """Global training samples per second of training time so far (0 before the first step)."""
+        elapsed = time.perf_counter() - self._start - self._excluded_s
+        return self.samples / elapsed if elapsed > 0 and self.samples else 0.0
+
+    def update(self, n: int = 1, *, samples: int = 0) -> None:
+        """Advance by ``n`` optimizer steps that trained on ``samples`` global samples."""
+        self.done += n
+        self.samples += samples
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(n)
+
+    def show(self, **values: Any) -> None:
+        """Display the latest values (loss, epoch, ...): as the bar's postfix or as a plain line."""
+        if not self.enabled:
+            return
+        self._values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self.every_s or self.done >= self.total:
+            self._last_line = now
+            print(f"step {self.done}/{self.total} {self._postfix()}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Show ``name`` (e.g. ``"validating"``) as the phase while the block runs, then ``train`` again.
+
+        The block's time is left out of samples/s.
+        """
+        start = time.perf_counter()
+        if self.enabled and self._bar is None:
+            print(f"step {self.done}/{self.total} {name}", file=sys.stderr, flush=True)
+        if self._bar is not None:
+            self._bar.set_description_str(name, refresh=True)
+        try:
+            yield
+        finally:
+            self._excluded_s += time.perf_counter() - start
+            if self._bar is not None:
+                self._bar.set_description_str("train", refresh=True)
+
+    def close(self) -> None:
+        """Remove the bar (plain lines need no closing)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _postfix(self) -> str:
+        rate = f"samples/s={self.samples_per_s:.4g}" if self.samples else ""
+        return " ".join(part for part in (self._values, rate) if part)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+HINT = (
+    'lower optim.lr, set train.clip_grad_norm, use train.amp = "bf16" instead of fp16, or look for inf/nan in '
+    'the data; train.on_nonfinite = "warn" goes on regardless'
+)
+
+
+class NonFiniteGuard:
+    """Finds the first non-finite step of a ``train/loss`` window (see the module docstring).
+
+    Args:
+        mode: ``train.on_nonfinite``: ``"stop"``, ``"warn"`` or ``"ignore"``.
+        device: Where the window's sums live (the strategy's output device).
+        step: Optimizer steps taken before this run of the loop (``TrainState.global_step``).
+        scaling: fp16 gradient scaling is on: the gradient norm is not checked (the scaler skips inf steps).
+        window: Most steps between two ``train/loss`` logs (``train.log_every_n_steps``).
+    """
+
+    def __init__(self, mode: str, device: torch.device, step: int, scaling: bool = False, window: int = 1) -> None:
+        self.mode = mode
+        self.device = device
+        self.enabled = mode != "ignore"
+        self.check_grads = self.enabled and not scaling
+        self._start = step  # global step before the window's first step
+        self._taken = 0  # steps of the window in the trail
+        self._reported = step  # bad steps up to here were reported (warn)
+        if self.enabled:
+            self._trail = torch.zeros((max(1, window), 2), dtype=torch.float64, device=device)
+
+    def end_step(self, window_sums: torch.Tensor) -> None:
+        """After each optimizer step: keep the window's running ``[loss sum, norm sum]`` (a device copy)."""
+        if self.enabled and self._taken < len(self._trail):
+            self._trail[self._taken].copy_(window_sums[:2])
+        self._taken += 1
+
+    def new_window(self) -> None:
+        """The window's sums start afresh (after a ``train/loss`` log)."""
+        self._start += self._taken
+        self._taken = 0
+
+    def _first_bad(self) -> tuple[int, int] | None:
+        """``(step, 0 for the loss or 1 for the norm)`` of this rank's first unreported bad step (a host read)."""
+        rows = self._trail[: min(self._taken, len(self._trail))].tolist()
+        for i, row in enumerate(rows):
+            step = self._start + i + 1
+            for what, value in enumerate(row):
+                if not math.isfinite(value) and step > self._reported:
+                    return step, what
+        return None
+
+    def check(self, sums: list[float], strategy: Strategy, where: str) -> None:
+        """Act on reduced running sums (``[loss, norm sum, ...]``, the same on every rank).
+
+        Gathers every rank's first bad step (a collective, only when something was not finite).
+
+        Raises:
+            TrainingError: ``mode = "stop"``; names the first non-finite step and what was not finite.
+        """
+        if not self.enabled or all(math.isfinite(v) for v in sums[:2]):
+            return
+        firsts = [f for f in strategy.all_gather_object(self._first_bad()) if f is not None]
+        if not firsts:
+            return  # already reported (warn)
+        step, kind = min(firsts)
+        what = ("the loss", "the gradient norm")[kind]
+        if self.mode == "stop":
+            raise TrainingError(
+                f'train.on_nonfinite = "stop": {what} was not finite at step {step} (found at {where}); '
+                f"no checkpoint holds the non-finite weights: {HINT}"
+            )
+        if strategy.is_main:
+            print(
+                f'runner: warning: {what} was not finite at step {step} (train.on_nonfinite = "warn")', file=sys.stderr
+            )
+        self._reported = self._start + self._taken
+
+    def weights_finite(self, parameters: Iterable[torch.Tensor], strategy: Strategy, step: int) -> bool:
+        """Whether every weight is finite on every rank (a collective); before a checkpoint.
+
+        Raises:
+            TrainingError: ``mode = "stop"`` and some weight is not finite.
+        """
+        if not self.enabled:
+            return True
+        params = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]  # this rank's shards
+        if not params:
+            return True
+        local = torch.stack([torch.isfinite(p).all() for p in params]).all().logical_not()
+        bad = strategy.all_reduce_sum(local.to(torch.float64).reshape(1)).item() > 0
+        if not bad:
+            return True
+        if self.mode == "stop":
+            raise TrainingError(f'train.on_nonfinite = "stop": the weights are not finite at step {step}: {HINT}')
+        if strategy.is_main:
+            print(
+                f"runner: warning: no checkpoint at step {step}: the weights are not finite; the last one is kept",
+                file=sys.stderr,
+            )
+        return False
+
+
+def lr_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the optimizer's learning rates cannot train (one is negative, inf or nan), or ``None``."""
+    for i, group in enumerate(optimizer.param_groups):
+        lr = float(group["lr"])  # a Python float, or a 0-d tensor for a tensor lr: no device sync on the CPU
+        if not math.isfinite(lr) or lr < 0:
+            return f"the learning rate of parameter group {i} became {lr:g}: it must stay finite and >= 0"
+    return None
+
+
+def check_lr(optimizer: torch.optim.Optimizer, scheduler: object) -> None:
+    """Stop training when the scheduler drove a learning rate negative or non-finite (every ``on_nonfinite``).
+
+    Raises:
+        TrainingError: Naming the scheduler and the learning rate (exit 1, the run FAILED).
+    """
+    problem = lr_problem(optimizer)
+    if problem is not None:
+        epoch = getattr(scheduler, "last_epoch", "?")
+        raise TrainingError(f"{type(scheduler).__name__} after {epoch} step(s): {problem}; check scheduler.kwargs")

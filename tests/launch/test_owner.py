@@ -10,8 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.errors import UsageError
-from runner.launch.owner import Owner, settle
-from runner.launch.resume import claim_run
+from runner.launch.resume import Owner, claim_run, settle
 
 
 def _dead_pid() -> int:

@@ -62,7 +62,7 @@ def test_a_learning_rate_gone_negative_while_training_stops_it() -> None:
     import torch
 
     from runner.errors import TrainingError
-    from runner.training.nonfinite import check_lr
+    from runner.training.sums import check_lr
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=-3.0)

@@ -10,7 +10,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.owner import Owner
+from runner.launch.resume import Owner
 from tests.helpers import spec_dict, toml_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

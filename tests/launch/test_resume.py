@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.owner import Owner
+from runner.launch.resume import Owner
 from runner.spec.reading import default_checkpoint_dir
 
 pytestmark = pytest.mark.created_store

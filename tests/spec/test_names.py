@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import SpecError
-from runner.spec import names, torchvision_names
+from runner.spec import names
 from runner.spec.loading import load_spec, spec_from_dict
 from tests.helpers import SMALL
 
@@ -34,15 +34,16 @@ def test_the_generated_list_is_the_installed_torchvisions() -> None:
     from runner.training.models import installed_torchvision_names
 
     assert names.torchvision_names() == installed_torchvision_names()
-    assert version("torchvision").partition("+")[0] == torchvision_names.VERSION
-    assert "resnet18" in torchvision_names.MODELS and "MNIST" in torchvision_names.DATASETS
-    assert not names.NOT_DATASETS & set(torchvision_names.DATASETS)
+    generated = names.generated()
+    assert version("torchvision").partition("+")[0] == generated["version"]
+    assert "resnet18" in generated["models"] and "MNIST" in generated["datasets"]
+    assert not names.NOT_DATASETS & set(generated["datasets"])
 
 
 def test_the_generator_writes_what_is_committed(tmp_path: Path) -> None:
     from runner.training.models import write_torchvision_names
 
-    written = write_torchvision_names(tmp_path / "names.py")
+    written = write_torchvision_names(tmp_path / "names.json")
     assert written.read_text() == names.GENERATED.read_text()
 
 
@@ -113,10 +114,11 @@ def test_a_factory_module_is_found_without_being_imported(tmp_path: Path) -> Non
 def test_names_the_list_lacks_are_left_to_exec_under_another_torchvision(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    monkeypatch.setattr(torchvision_names, "MODELS", ())
+    empty = {**names.generated(), "models": []}
+    monkeypatch.setattr(names, "generated", lambda: empty)
     with pytest.raises(SpecError, match="unknown model"):
         load_spec(_spec(tmp_path, "torchvision.resnet18"))
-    monkeypatch.setattr(torchvision_names, "VERSION", "0.0.1")
+    monkeypatch.setattr(names, "generated", lambda: {**empty, "version": "0.0.1"})
     assert load_spec(_spec(tmp_path, "torchvision.resnet18")).spec.model.name == "torchvision.resnet18"
 
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import SpecError
+from runner.errors import SpecError, close_matches, did_you_mean, join_or, show, suggest, with_hint
 from runner.spec.loading import load_spec
-from runner.spec.wording import close_matches, did_you_mean, join_or, show, suggest, with_hint
 from tests.helpers import SMALL, spec_text
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -74,14 +73,12 @@ def test_no_other_module_matches_or_words_its_own_did_you_mean():
     root = Path(__file__).parents[2] / "runner"
     own = re.compile(r"difflib|get_close_matches|[\"'] ?\(?did you mean")
     offenders = [
-        str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "wording.py" and own.search(p.read_text())
+        str(p.relative_to(root)) for p in root.rglob("*.py") if p.name != "errors.py" and own.search(p.read_text())
     ]
     assert offenders == []
 
 
 def test_suggest_imports_nothing_heavy():
-    code = (
-        "import sys, runner.spec.wording; print(sorted(m for m in ('torch', 'mlflow', 'pydantic') if m in sys.modules))"
-    )
+    code = "import sys, runner.errors; print(sorted(m for m in ('torch', 'mlflow', 'pydantic') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

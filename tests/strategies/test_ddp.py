@@ -19,11 +19,15 @@ from runner.launch.environment import LauncherEnvironment
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
+from runner.strategies.base import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
 from runner.strategies.ddp import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
-from runner.strategies.dp import DataParallelStrategy, _GatherCheckedDataParallel, check_gatherable
-from runner.strategies.registry import make_strategy
-from runner.strategies.single import SingleDevice
-from runner.strategies.state_dicts import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
+from runner.strategies.registry import (
+    DataParallelStrategy,
+    SingleDevice,
+    _GatherCheckedDataParallel,
+    check_gatherable,
+    make_strategy,
+)
 from tests.helpers import spec_object
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

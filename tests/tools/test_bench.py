@@ -14,7 +14,6 @@ from runner.cli import main
 from runner.errors import UsageError
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tools.bench import bench_spec_data, configurations
-from runner.tools.bench_chart import write_chart
 from runner.tools.bench_figures import (
     NOT_COMPARABLE,
     agrees_through,
@@ -26,6 +25,7 @@ from runner.tools.bench_figures import (
     throughput,
 )
 from runner.tools.bench_measure import final_loss, summarize
+from runner.tools.bench_pool import write_chart
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -475,7 +475,7 @@ def test_ddp1_far_below_none_and_noisy_rows_are_flagged_in_table_chart_and_json(
     assert rows["ddp-2"]["steady"] is False and rows["ddp-2"]["repeat_samples_per_s"] == [900.0, 1200.0, 1500.0]
     assert "step_times_s" not in rows["none"] and "spread" in data["definitions"]
 
-    from runner.tools.bench_chart import error_bars
+    from runner.tools.bench_pool import error_bars
 
     assert error_bars(ddp2) == (300.0, 300.0) and error_bars(dp) == (0.0, 0.0)
     path = write_chart(report, tmp_path / "bench.png")

@@ -18,9 +18,9 @@ from runner.tools.sweep import run_sweep
 from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
 from runner.tools.sweep_define import build_definition as _build
 from runner.tools.sweep_jobs import device_pool
-from runner.tools.sweep_report import SweepReport
 from runner.tools.sweep_space import (
     SweepDefinition,
+    SweepReport,
     Trial,
     TrialResult,
     decode_choice,
@@ -657,7 +657,7 @@ def test_a_taken_over_trials_old_run_ends_killed(ready_store: str) -> None:
 def test_take_over_ends_the_old_runs_of_the_trials_it_enqueues_again() -> None:
     from types import SimpleNamespace
 
-    from runner.tools.sweep_run import take_over
+    from runner.tools.sweep_jobs import take_over
 
     ended = []
     store = SimpleNamespace(kill_taken_over=lambda parent, numbers: ended.append((parent, numbers)))

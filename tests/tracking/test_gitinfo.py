@@ -1,4 +1,4 @@
-"""Tests of runner.tracking.gitinfo against throw-away repositories made with the git CLI."""
+"""Tests of runner.tracking.tags against throw-away repositories made with the git CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.tracking.gitinfo import GitInfo, git_diff, git_info
+from runner.tracking.tags import GitInfo, git_diff, git_info
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git executable")
 

@@ -15,15 +15,19 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import SpecError, TrainingError
 from runner.spec.loading import spec_from_dict
-from runner.strategies.dp import _chunk_size, _GatherCheckedDataParallel, as_gatherable, combine_replica_losses
-from runner.strategies.single import SingleDevice
+from runner.strategies.registry import (
+    SingleDevice,
+    _chunk_size,
+    _GatherCheckedDataParallel,
+    as_gatherable,
+    combine_replica_losses,
+)
 from runner.training.batches import BatchIO
 from runner.training.data import DatasetInfo
-from runner.training.loaders import build_loaders, check_batchnorm_batches, one_sample_batches
 from runner.training.losses import build_loss
 from runner.training.metrics import MetricSet, build_metric_plan
-from runner.training.nonfinite import NonFiniteGuard
-from runner.training.sums import RunningSums
+from runner.training.sampling import build_loaders, check_batchnorm_batches, one_sample_batches
+from runner.training.sums import NonFiniteGuard, RunningSums
 
 CPU = torch.device("cpu")
 Pair = namedtuple("Pair", "logits aux")

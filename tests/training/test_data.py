@@ -1,4 +1,4 @@
-"""Tests for runner.training.data and runner.training.loaders: dataset sources, the seeded split and per-rank loaders."""
+"""Tests for runner.training.data and runner.training.sampling: dataset sources, the seeded split and per-rank loaders."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from runner.errors import SpecError
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
 from runner.training.data import build_datasets, split_indices
-from runner.training.loaders import build_loaders
+from runner.training.sampling import build_loaders
 from tests.helpers import spec_object
 
 ASSETS = Path(__file__).parents[1] / "assets"

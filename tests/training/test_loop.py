@@ -24,12 +24,12 @@ from runner.spec.objectives import MetricsSpec
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.base import Precision, Strategy
 from runner.strategies.ddp import DDPStrategy
-from runner.strategies.single import SingleDevice
+from runner.strategies.registry import SingleDevice
 from runner.training.data import build_datasets
-from runner.training.loaders import build_loaders
 from runner.training.loop import LoopParts, TrainState, fit
 from runner.training.losses import build_loss
 from runner.training.metrics import build_metric_plan
+from runner.training.sampling import build_loaders
 from runner.training.setup import count_total_steps
 from tests.helpers import MINIMAL, spec_object
 

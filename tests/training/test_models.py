@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from runner.errors import SpecError
-from runner.spec.schema_data import ModelSpec
+from runner.spec.schema import ModelSpec
 from runner.training.models import build_model, check_model_name
 
 ASSETS = Path(__file__).parents[1] / "assets"

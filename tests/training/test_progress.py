@@ -14,16 +14,16 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.base import Precision
-from runner.strategies.single import SingleDevice
+from runner.strategies.registry import SingleDevice
 from runner.tracking.trackers import NullTracker
-from runner.training import progress as progress_module
+from runner.training import sums as progress_module
 from runner.training.data import build_datasets
-from runner.training.loaders import build_loaders
 from runner.training.loop import LoopParts, fit
 from runner.training.losses import build_loss
 from runner.training.metrics import build_metric_plan
-from runner.training.progress import Progress
+from runner.training.sampling import build_loaders
 from runner.training.setup import count_total_steps
+from runner.training.sums import Progress
 
 SPEC = {
     "name": "progress",

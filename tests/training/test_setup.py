@@ -12,7 +12,7 @@ import torch
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.loading import load_spec
-from runner.strategies.single import SingleDevice
+from runner.strategies.registry import SingleDevice
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
 from runner.training.loop import FitResult, TrainState
 from runner.training.seeding import SeedInfo
