@@ -194,7 +194,9 @@ def _add_bench(sub: _Commands) -> None:
     _spec_args(p)
     _unset_arg(p)
     p.add_argument(
-        "--modes", default="none,dp,ddp", metavar="M1,M2", help="parallel modes to compare (default none,dp,ddp)"
+        "--modes",
+        metavar="M1,M2",
+        help="parallel modes to compare (default: every mode, none,dp,ddp,fsdp; what cannot run here is skipped)",
     )
     p.add_argument(
         "--nproc", default="1,2", metavar="N1,N2", help="ddp process counts / dp device counts (default 1,2)"
@@ -355,14 +357,13 @@ def _print_summary(summary: str) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from runner.tools.diff import show_diff
+    from runner.launch.reproduce import show_diff
 
     show_diff(args.a, args.b, args.tracking_uri, as_json=args.json)
     return EXIT_OK
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from runner.cli import print_report
     from runner.tools.sweep import CommandLine, run_sweep
 
     flags = CommandLine(
@@ -383,14 +384,14 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from runner.cli import print_report
+    from runner.spec.schema_parallel import MODES
     from runner.tools.bench import run_bench
 
     report = run_bench(
         args.file,
         _overrides(args),
         args.unset,
-        modes=_csv(args.modes, str),
+        modes=_csv(args.modes, str) if args.modes is not None else tuple(MODES),
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
@@ -402,7 +403,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _parity(args: argparse.Namespace) -> int:
-    from runner.cli import print_report
     from runner.tools.parity import run_parity
 
     modes = _csv(args.modes, str) if args.modes is not None else None

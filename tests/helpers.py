@@ -182,7 +182,11 @@ class MlflowServer:
             "--artifacts-destination", str(self.folder / "server-artifacts"),
         ]  # fmt: skip
         with open(self.folder / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env = {
+                **os.environ,
+                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            }  # no job runner: runs and artifacts only
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         wait_for(self._healthy, "the mlflow server to answer", timeout_s=timeout_s)
 
     def _healthy(self) -> bool:

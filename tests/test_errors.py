@@ -144,6 +144,8 @@ def test_exec_summary_is_printed_by_rank_0_only():
         "  val/loss               0.25",
         "open the UI: mlflow ui --backend-store-uri sqlite:///m.db",
     ]
+    result.startup_s = 3.04
+    assert "start-up: 3.0 s to the end of the first step (metric time_to_first_step_s)" in result.summary().splitlines()
     result.metrics = {"val/a_rather_long_custom_metric_name": 1.0, "train/loss": 0.5}
     values = [line.rsplit(" ", 1) for line in result.summary().splitlines() if line.startswith("  ")]
     assert len({len(head) for head, _ in values}) == 1  # one column, however long the names

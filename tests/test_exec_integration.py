@@ -72,6 +72,10 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert _history(client, run.info.run_id, "val/accuracy")[-1][0] == 4 * 23
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "spec")}
     assert "spec/resolved.toml" in artifacts and "spec/spec.toml" in artifacts
+    # start-up: from this process's start (pytest's, here) to the end of the first step, logged once and printed
+    (startup,) = _history(client, run.info.run_id, "time_to_first_step_s")
+    assert startup[0] == 1 and startup[1] > 0
+    assert f"start-up: {startup[1]:.1f} s to the end of the first step" in out
 
 
 def test_same_seed_same_metrics_other_seed_differs(write_spec, store: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +10,7 @@ from runner.devices.inventory import Inventory
 from runner.launch import driver
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
+from runner.training import WorkerResult
 
 REPO = Path(__file__).parents[1]
 NO_GPU = Inventory([], False, None, "no GPU", [])
@@ -31,7 +31,7 @@ def test_spec_notes_print_before_training_and_not_again_in_the_summary(
     def fake_training(plan, args, hangs, options, session):
         session.handle("built", None, [])  # rank 0 reports its build: the driver prints the notes then
         seen_before_training.append(capsys.readouterr().err)
-        worker = SimpleNamespace(rank=0, metrics={"val/loss": 0.5}, history=[], notes=[])
+        worker = WorkerResult(rank=0, metrics={"val/loss": 0.5})
         return [worker]
 
     monkeypatch.setattr(driver, "_launch", fake_training)
@@ -46,7 +46,7 @@ def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
 ) -> None:
     text = write_spec().read_text().replace('accelerator = "cpu"', 'accelerator = "cpu"\nids = [0]')
     path = write_spec(text=text.replace("[tracking]", "[tracking]\nenabled = false"), name="ids.toml")
-    worker = SimpleNamespace(rank=0, metrics={}, history=[], notes=[])
+    worker = WorkerResult(rank=0)
 
     def fake_training(plan, args, hangs, options, session):
         session.handle("built", None, [])

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
+from runner.training import STARTUP_METRIC
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.failures import HangReports
@@ -64,6 +65,8 @@ class ExecOptions:
         in_process: Train a single-process job (none, dp) in this process instead of a child process
             (sweeps, bench and parity, whose trials reuse the process; tests). The hub still carries
             everything the run records.
+        started_at: Clock time (``time.time()``) that start-up is measured from, to the end of the first
+            optimizer step; ``None``: when this process started (a command's one run).
     """
 
     run_name: str | None = None
@@ -79,6 +82,7 @@ class ExecOptions:
     dtype: str | None = None
     nudge: bool = False
     in_process: bool = False
+    started_at: float | None = None
 
 
 @dataclass
@@ -95,6 +99,8 @@ class ExecResult:
         notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
         spooled: Metric values (and whether the final status) that could not reach the tracking
             store and wait in the run's spool file (docs/design.md §12).
+        startup_s: Seconds from ``ExecOptions.started_at`` to the end of the first optimizer step of this
+            process's training (``None``: no step was taken).
     """
 
     run_id: str | None
@@ -109,6 +115,7 @@ class ExecResult:
     rank: int = 0
     notes_shown: bool = False
     spooled: Spooled | None = None
+    startup_s: float | None = None
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -122,6 +129,8 @@ class ExecResult:
         lines.append(f"status: {self.status}" + (self.spooled.describe(self.run_id) if self.spooled else ""))
         if self.run_id:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
+        if self.startup_s is not None:
+            lines.append(f"start-up: {self.startup_s:.1f} s to the end of the first step (metric {STARTUP_METRIC})")
         width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
         lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
         if self.tracking_uri:
@@ -142,10 +151,11 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
-    from runner.launch.prepare import apply_plan_env, before_launch
-    from runner.launch.session import RunSession, Spooled
+    from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch
     from runner.plan import make_plan
 
+    if options.started_at is None:
+        options = replace(options, started_at=process_started_at())
     plan = make_plan(loaded, env=options.environ, tracking_uri=options.tracking_uri)
     options = _with_fluent_parent(plan, options)
     resume = before_launch(plan, options)
@@ -168,7 +178,15 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         workers=sorted(workers, key=lambda w: w.rank),
         rank=plan.launcher.rank if plan.launch == "external" else 0,
         notes_shown=session.shown if session is not None else False,
+        startup_s=result.startup_s,
     )
+
+
+def process_started_at() -> float:
+    """Clock time this process started (interpreter start-up and imports included)."""
+    import psutil
+
+    return float(psutil.Process().create_time())
 
 
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
@@ -202,7 +220,7 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
     from runner.launch.channel import Hub
     from runner.launch.elastic import is_signal, spec_error_of_child
     from runner.launch.failures import JobContext, describe_failure, oom_kill_count
-    from runner.launch.prepare import worker_args
+    from runner.launch.session import worker_args
 
     hub = Hub(session.handle, session.open_store) if session is not None else None
     args = worker_args(plan, options, hub.address if hub is not None else None)

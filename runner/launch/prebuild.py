@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from runner.errors import SpecError, SpecIssue, first_line, join_or, show
 from runner.spec.loading import relocate_issues
+from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -50,24 +51,25 @@ DRY_RUN_STEPS = 1000
 SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic dataset is built here
 
 
-def check_parts(loaded: LoadedSpec, world_size: int) -> list[str]:
+def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], DatasetBundle | None]:
     """Build or check every part of ``loaded`` (see the module docstring) before any run exists.
 
     Args:
         world_size: Processes of the job (for the training loaders' step layout).
 
     Returns:
-        Notes on what makes this spec's results differ between modes (:func:`difference_notes`).
+        Notes on what makes this spec's results differ between modes (:func:`difference_notes`), and the
+        datasets when they were built (cheap ones), for the training to use rather than build again.
 
     Raises:
         SpecError: A part that does not build or an argument of the wrong type, placed at
             ``FILE:LINE`` of its key in the spec file.
     """
     try:
-        model = _check(loaded.spec, loaded.path.parent, world_size)
+        model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
     except SpecError as exc:
         raise relocate_issues(exc, loaded) from None
-    return difference_notes(model, loaded.spec) if model is not None else []
+    return (difference_notes(model, loaded.spec) if model is not None else []), bundle
 
 
 def known_differences(loaded: LoadedSpec) -> list[str]:
@@ -111,14 +113,15 @@ def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
     CUDA), random layers under any mode but ``none``.
     """
     mode = spec.parallel.mode
-    if mode == "none":
+    if mode == REFERENCE_MODE:
         return []
     batch, random = layer_kinds(model)
     notes = []
-    if batch and not (mode == "ddp" and spec.parallel.sync_batchnorm):
+    syncs = "sync_batchnorm" in MODES[mode].keys
+    if batch and not (syncs and spec.parallel.sync_batchnorm):
         fix = (
             "set parallel.sync_batchnorm = true (CUDA) for batch statistics over the global batch"
-            if mode == "ddp"
+            if syncs
             else "mode none, or ddp with parallel.sync_batchnorm = true, normalises over the global batch"
         )
         notes.append(
@@ -163,8 +166,10 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
     raise relocate_issues(SpecError(SpecIssue(None, None, "checkpoint.dir", message)), loaded)
 
 
-def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Module | None:
-    """The checks of :func:`check_parts`; returns the model built on ``meta``, or ``None``."""
+def _check(
+    spec: ExperimentSpec, spec_dir: Path, world_size: int
+) -> tuple[torch.nn.Module | None, DatasetBundle | None]:
+    """The checks of :func:`check_parts`; returns the model built on ``meta`` and the datasets, where built."""
     from runner.training.models import check_model_name
     from runner.training.sampling import build_loaders
 
@@ -177,7 +182,7 @@ def _check(spec: ExperimentSpec, spec_dir: Path, world_size: int) -> torch.nn.Mo
         steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
     model = _unless_unbuildable_here(_model, spec, spec_dir, bundle)
     _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
-    return model
+    return model, bundle
 
 
 def _compile_backend(name: str) -> None:

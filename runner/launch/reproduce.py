@@ -8,16 +8,21 @@ warns first when the code may differ: another git commit, or a dirty working tre
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import UsageError
+from runner.errors import UsageError, show
 from runner.launch.resume import RESUMABLE
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:
     from runner.launch.driver import ExecResult
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
     from runner.tracking.stored import StoredRun
+
 
 REPRODUCED_FROM_TAG = "runner.reproduced_from"
 
@@ -132,7 +137,7 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
 
     from runner.spec.reading import default_checkpoint_dir
     from runner.tracking.stored import read_stored_run, store_uri
-    from runner.training.checkpoint import CheckpointError, load_latest
+    from runner.training.checkpoint import CheckpointError, load_latest, whole_model
 
     uri = store_uri(tracking_uri)
     spec = read_stored_run(uri, run_id).loaded().spec
@@ -147,9 +152,186 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     target = Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
-    torch.save(found.payload["model"], partial)
+    torch.save(whole_model(found), partial)
     os.replace(partial, target)
     return (
         f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
         "load it with model.load_state_dict(torch.load(FILE))"
     )
+
+
+ABSENT = "(absent)"
+_ENV_TAGS = {
+    "torch": "runner.torch_version",
+    "cuda": "runner.cuda_version",
+    "devices": "runner.devices",
+    "world size": "runner.world_size",
+    "accelerator": "runner.accelerator",
+    "host": "runner.hostname",
+}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a diff.
+
+    Attributes:
+        label: ``run <id> (<name>)`` or ``spec <path>``.
+        spec: The keys of the spec that apply (dotted key -> value), as a run logs them as params.
+        inactive: The keys that do not apply to it (another mode's options, ...).
+        git: ``commit`` and ``dirty`` of the code (``?`` when unknown).
+        environment: torch and CUDA versions, devices, world size, accelerator, host.
+    """
+
+    label: str
+    spec: dict[str, Any]
+    inactive: frozenset[str] = frozenset()
+    git: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def _spec_keys(spec: ExperimentSpec, accelerator: str | None) -> tuple[dict[str, Any], frozenset[str]]:
+    """The keys a run of ``spec`` on ``accelerator`` logs as params, and those that do not apply to it."""
+    from runner.spec.dump import active_params, run_inactive_keys
+
+    return active_params(spec, accelerator), frozenset(run_inactive_keys(spec, accelerator))
+
+
+def side_of(arg: str, tracking_uri: str | None = None) -> Side:
+    """A spec file when ``arg`` names an existing file, else a run id looked up at the store.
+
+    Raises:
+        UsageError: Neither an existing file nor a run of the store (the message names the store).
+        SpecError: The spec file (or a run's stored spec) does not validate.
+    """
+    from runner.spec.loading import load_spec
+    from runner.tracking.stored import read_stored_run, store_uri
+
+    path = Path(arg)
+    if path.is_file():
+        return _spec_side(load_spec(path))
+    if path.suffix == ".toml":
+        from runner.errors import UsageError
+
+        raise UsageError(f"{arg}: spec file not found (give a spec file or a run id)")
+    stored = read_stored_run(store_uri(tracking_uri), arg)
+    tags = stored.tags
+    git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
+    environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}
+    label = f"run {stored.run_id}" + (f" ({stored.run_name})" if stored.run_name else "")
+    accelerator = tags.get("runner.accelerator")
+    return Side(label, *_spec_keys(stored.loaded().spec, accelerator), git, environment)
+
+
+def _spec_side(loaded: LoadedSpec) -> Side:
+    """A spec file now: its flattened spec, its repository's git state, this machine's environment."""
+    import socket
+
+    import torch
+
+    from runner.errors import DeviceError
+    from runner.plan import make_plan
+    from runner.tracking.tags import git_info
+
+    info = git_info(loaded.path)
+    git = {
+        "commit": (info.commit or "?") if info else "?",
+        "dirty": ("true" if info.dirty else "false") if info else "?",
+    }
+    environment = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda or "none")}
+    accelerator = None
+    try:
+        devices = make_plan(loaded).devices
+        environment.update(
+            devices=", ".join(devices.names) or "cpu",
+            **{"world size": str(devices.world_size), "accelerator": devices.accelerator},
+        )
+        accelerator = devices.accelerator
+    except DeviceError as exc:
+        environment["devices"] = f"cannot run here ({exc.message})"
+    environment["host"] = socket.gethostname()
+    words = " ".join(loaded.command_line())
+    return Side(
+        f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec, accelerator), git, environment
+    )
+
+
+def diff_sides(a: Side, b: Side) -> dict[str, Any]:
+    """The differences of two sides.
+
+    Returns:
+        ``{"a": label, "b": label, "spec": {key: [a, b]}, "commits": [a, b], "git": {...},
+        "environment": {...}}``: ``commits`` names both sides' code (``1a2b3c4d5e6f dirty``); the
+        other sections hold only the entries that differ (a key missing on one side is ``"(absent)"``).
+    """
+    inert = {
+        k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
+    }
+    return {
+        "a": a.label,
+        "b": b.label,
+        "spec": _differing(a.spec, b.spec, skip=inert),
+        "commits": [_git_text(a.git), _git_text(b.git)],
+        "git": _differing(a.git, b.git),
+        "environment": _differing(a.environment, b.environment, unknown="?"),
+    }
+
+
+def _differing(
+    a: dict[str, Any], b: dict[str, Any], unknown: str | None = None, skip: set[str] | None = None
+) -> dict[str, list[Any]]:
+    """Keys whose values differ; ``skip``: keys that apply on one side only (another mode's options)."""
+    out: dict[str, list[Any]] = {}
+    for key in [*a, *(k for k in b if k not in a)]:
+        left, right = a.get(key, ABSENT), b.get(key, ABSENT)
+        if left != right and unknown not in (left, right) and key not in (skip or set()):
+            out[key] = [left, right]
+    return out
+
+
+def show_diff(a: str, b: str, tracking_uri: str | None = None, *, as_json: bool = False) -> None:
+    """``runner diff A B``: print what differs between two runs or spec files, as text or JSON.
+
+    Args:
+        a: A run id or a spec file.
+        b: A run id or a spec file.
+        tracking_uri: The MLflow store holding the runs (default: as :func:`side_of`).
+        as_json: Print :func:`diff_sides` as JSON instead of :func:`format_diff`.
+
+    Raises:
+        UsageError: A side is neither an existing file nor a run of the store.
+        SpecError: A spec file (or a run's stored spec) does not validate.
+    """
+    result = diff_sides(side_of(a, tracking_uri), side_of(b, tracking_uri))
+    print(json.dumps(result, indent=2) if as_json else format_diff(result))
+
+
+def format_diff(result: dict[str, Any]) -> str:
+    """The differences as text: the two sides, then spec keys, git and environment, each as a table."""
+    lines = [f"A: {result['a']}", f"B: {result['b']}"]
+    same = "same" if not result["git"] else "differ"
+    lines.append(f"commits: A {result['commits'][0]}, B {result['commits'][1]} ({same})")
+    for title in ("spec", "git", "environment"):
+        rows = result[title]
+        if not rows:
+            lines.append(f"{title}: same")
+            continue
+        lines.append(f"{title}: {len(rows)} difference(s)")
+        width = max(len(k) for k in rows)
+        shown = {k: [_text(v) for v in pair] for k, pair in rows.items()}
+        left = max(len(pair[0]) for pair in shown.values())
+        lines += [f"  {k:<{width}}  {pair[0]:<{left}}  {pair[1]}" for k, pair in shown.items()]
+    return "\n".join(lines)
+
+
+def _git_text(git: dict[str, str]) -> str:
+    """``1a2b3c4d5e6f dirty``, ``1a2b3c4d5e6f clean`` or ``no git commit``."""
+    commit = git.get("commit", "?")
+    if commit == "?":
+        return "no git commit"
+    state = {"true": " dirty", "false": " clean"}.get(git.get("dirty", "?"), "")
+    return f"{commit[:12]}{state}"
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else show(value)

@@ -207,24 +207,15 @@ def _check_resume(
         if not any(k == key or k.startswith(key + ".") for k in known):
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
-    inactive = run_inactive_keys(
-        loaded.spec, accelerator
-    )  # inert keys (docs/design.md §10) are no change, as in `runner diff`
+    inactive = run_inactive_keys(loaded.spec, accelerator)  # inert keys (§10) are no change, as in `runner diff`
     changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
     free = (*allowed, *LAYOUT_KEYS)
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in free)]
     if unexpected:
-        issues = [
-            SpecIssue(
-                loaded.path,
-                None,
-                key,
-                f"differs from the resumed run: was {saved.get(key)!r}, now {current.get(key)!r} "
-                f"(undo it, or pass --allow-spec-change {key})",
-            )
-            for key in unexpected
-        ]
-        raise SpecError(issues)
+        was = "differs from the resumed run: was {!r}, now {!r} (undo it, or pass --allow-spec-change {})"
+        raise SpecError(
+            [SpecIssue(loaded.path, None, k, was.format(saved.get(k), current.get(k), k)) for k in unexpected]
+        )
     notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
     layout = [k for k in changed if k in LAYOUT_KEYS and k not in allowed]
     if layout:

@@ -32,8 +32,7 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
-    from runner.training.data import DatasetBundle, DatasetInfo
-    from runner.training.seeding import SeedInfo
+    from runner.training.data import DatasetBundle, DatasetInfo, SeedInfo
     from runner.training.setup import Restored, TrainingParts
 
 
@@ -58,6 +57,7 @@ class WorkerArgs:
             ``checkpoint_dir`` and ``resume`` above. ``None``: no driver records anything (``runner bench``).
         dtype: The dtype the model, its inputs and its loss train in (``ExecOptions.dtype``), or ``None``.
         nudge: Nudge the initial weights by one ulp (``ExecOptions.nudge``).
+        started_at: ``ExecOptions.started_at``: where the loop's ``time_to_first_step_s`` counts from.
     """
 
     loaded: LoadedSpec
@@ -73,6 +73,7 @@ class WorkerArgs:
     hub: HubAddress | None = None
     dtype: str | None = None
     nudge: bool = False
+    started_at: float | None = None
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
@@ -145,7 +146,7 @@ def _train(
     from runner.launch.channel import ChannelTracker
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
-    from runner.training.seeding import seed_everything
+    from runner.training.data import seed_everything
 
     spec = args.loaded.spec
     seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
@@ -195,7 +196,14 @@ def _fit(
         )
         epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
         loop = setup.loop_parts(
-            parts, strategy, tracker, checkpointer, stop.is_set, sync_timing=args.sync_timing, epoch_end=epoch_end
+            parts,
+            strategy,
+            tracker,
+            checkpointer,
+            stop.is_set,
+            sync_timing=args.sync_timing,
+            epoch_end=epoch_end,
+            started_at=args.started_at,
         )
         fitted = setup.train(loop, spec, restored.state)
         if spec.tracking.log_model:  # a collective where the parameters are sharded
@@ -256,14 +264,14 @@ def _check_or_load(
     meanwhile the other ranks load their data, which has no collective.
 
     Returns:
-        ``(notes, datasets, spec error, failure)``: rank 0's notes; another rank's datasets; a spec error
-        found; another rank's failure, raised once the ranks agreed, as a failure of the build would be.
+        ``(notes, datasets, spec error, failure)``: rank 0's notes; the datasets (rank 0: where its checks built
+        them); a spec error found; another rank's failure, raised once the ranks agreed, as a build's would be.
     """
     from runner.training.data import build_datasets
 
     try:
         if strategy.rank == 0:
-            return _check_parts(args, strategy.world_size), None, None, None
+            return *_check_parts(args, strategy.world_size), None, None
         return [], build_datasets(args.loaded.spec, args.loaded.path.parent), None, None
     except SpecError as exc:
         return [], None, exc, None
@@ -273,7 +281,7 @@ def _check_or_load(
         return [], None, None, exc
 
 
-def _check_parts(args: WorkerArgs, world_size: int) -> list[str]:
+def _check_parts(args: WorkerArgs, world_size: int) -> tuple[list[str], DatasetBundle | None]:
     """The checks that must pass before a run exists (loss and metrics, every part by build or signature)."""
     from runner.launch.prebuild import check_objectives, check_parts
 
@@ -311,7 +319,8 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
     if spec.checkpoint.enabled and spec.checkpoint.log_to_mlflow:
         saved = list_checkpoints(folder)
         if saved:
-            tracker.log_artifact(str(saved[-1]), "checkpoints")
+            newest = saved[-1]  # a sharded checkpoint is a folder: its files go under its name
+            tracker.log_artifact(str(newest), f"checkpoints/{newest.name}" if newest.is_dir() else "checkpoints")
     send = getattr(tracker, "send", None)
     if spec.tracking.log_model and send is not None:
         import torch

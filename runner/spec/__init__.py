@@ -1,7 +1,7 @@
 """What was asked: the spec schema and its rules, reading TOML and ``extends``, ``--set``, messages, dumping.
 
 One module per step: :mod:`~runner.spec.schema` (the root table, the loop's tables and ``[sweep]``) with
-:mod:`~runner.spec.schema`, :mod:`~runner.spec.schema_parallel` and :mod:`~runner.spec.objectives`
+:mod:`~runner.spec.schema`, :mod:`~runner.spec.schema_parallel` and :mod:`~runner.spec.names`
 (the other tables) on the base :mod:`~runner.spec.rules`, and :mod:`~runner.spec.rules` (rules between
 keys); :mod:`~runner.spec.reading` (files -> dict, key origins, the folders a spec names),
 :mod:`~runner.spec.overrides` (``--set``), :mod:`~runner.spec.loading` (validation into located issues,

@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 
 from runner.errors import did_you_mean, join_or, show, suggest, with_hint
 from runner.spec.locate import Loc, format_key
-from runner.spec.objectives import MOVED
+from runner.spec.names import MOVED
 from runner.spec.rules import CrossFieldError
 from runner.spec.schema import ExperimentSpec
 

@@ -16,10 +16,15 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import posixpath
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from runner.errors import did_you_mean, with_hint
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+
+from runner.errors import did_you_mean, show, with_hint
+from runner.spec.rules import SpecTable
 
 BUILTIN_MODELS = ("mlp", "cnn")
 BUILTIN_DATASETS = ("sklearn.digits", "sklearn.diabetes", "synthetic", "imagefolder")
@@ -157,3 +162,181 @@ def factory_problem(target: str, spec_dir: Path | None) -> str | None:
         )
         + f" (check the spelling, or put {top} next to the spec file)"
     )
+
+
+BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits", "nll", "model")
+BUILTIN_METRICS = ("accuracy", "top_k_accuracy", "f1", "precision", "recall", "auroc", "mae", "mse", "r2")
+CLASSIFICATION_LOSSES = ("cross_entropy", "nll")  # without [metrics]: train/accuracy and val/accuracy
+RESERVED_METRICS = ("loss", "epoch_loss")  # runner's own train/loss, train/epoch_loss, val/loss
+LOG_AS = "log_as"  # entry key that names the logged metric; every other key is an argument
+OUTPUT = "output"  # entry key naming a scalar of forward's output to log (e.g. an auxiliary loss)
+MOVED = {  # keys that moved to [loss], with the hint an old spec gets
+    ("train", "loss"): 'the loss moved to its own table: write [loss] name = "..."',
+    ("train", "label_smoothing"): "moved to [loss]: write kwargs = { label_smoothing = ... } there",
+}
+_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_MLFLOW_NAME = re.compile(r"^[/\w.\- ]*$")  # MLflow's metric key characters (its portable set: no colon)
+_MLFLOW_MAX = 250
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` has the form ``pkg.module:attr`` (``attr`` may be dotted)."""
+    return bool(_PATH.match(name))
+
+
+def _check_name(name: str, builtins: tuple[str, ...], what: str, path_form: str) -> str:
+    if name in builtins or is_import_path(name):
+        return name
+    expected = f"a built-in {what} ({', '.join(builtins)}) or {show(path_form)}"
+    hint = did_you_mean(name, builtins)
+    if ":" in name:
+        hint = hint or f'an import path is written "pkg.module:{path_form.rpartition(":")[2]}"'
+    raise ValueError(with_hint(f"got {show(name)}; expected {expected}", hint))
+
+
+class LossSpec(SpecTable):
+    """``[loss]``: the loss the optimizer minimises (docs/design.md §3, §13)."""
+
+    name: str = Field(
+        default="cross_entropy",
+        min_length=1,
+        description=(
+            "Loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, nll (torch.nn losses), `model` (forward "
+            "gets the targets and returns the loss, or an object with a `loss` entry) or `pkg.module:function` "
+            "(gets `(prediction, target)`, returns the mean over its samples). Default: cross_entropy."
+        ),
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Keyword arguments of the loss, e.g. `{ label_smoothing = 0.1 }` or `{ pos_weight = [2.0] }` "
+            "(lists become tensors); runner chooses the reduction. Default: none."
+        ),
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        return _check_name(name, BUILTIN_LOSSES, "loss", "pkg.module:function")
+
+    @model_validator(mode="after")
+    def _kwargs_fit(self) -> LossSpec:
+        if "reduction" in self.kwargs:
+            raise ValueError(
+                "kwargs sets reduction: runner reduces every loss itself (a sample-weighted mean, "
+                "docs/design.md §3); remove it"
+            )
+        if self.name == "model" and self.kwargs:
+            raise ValueError('kwargs are not used with name = "model" (the model computes its loss): remove them')
+        return self
+
+
+def metric_name(entry: str | dict[str, Any]) -> str:
+    """The ``name`` of a ``[metrics]`` entry: the entry itself, or its ``name`` key."""
+    return entry if isinstance(entry, str) else str(entry.get("name", ""))
+
+
+def metric_args(entry: str | dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``[metrics]`` entry: every key but ``name``, ``log_as`` and ``output``."""
+    return {} if isinstance(entry, str) else {k: v for k, v in entry.items() if k not in ("name", LOG_AS, OUTPUT)}
+
+
+def logged_name(entry: str | dict[str, Any]) -> str:
+    """The name an entry is logged under (after ``train/`` or ``val/``).
+
+    ``log_as`` when given, else the ``output`` entry's name, else a built-in's name, else the last part
+    of the import path's attribute (``"my_metrics:MacroF1"`` is logged as ``MacroF1``).
+    """
+    if isinstance(entry, dict) and isinstance(entry.get(LOG_AS), str):
+        return str(entry[LOG_AS])
+    if isinstance(entry, dict) and isinstance(entry.get(OUTPUT), str):
+        return str(entry[OUTPUT])
+    return metric_name(entry).rpartition(":")[2].rpartition(".")[2]
+
+
+def mlflow_name_problem(name: str) -> str | None:
+    """Why MLflow would reject the metric key ``name`` (``None`` when it accepts it).
+
+    The rules of ``mlflow.utils.validation._validate_metric_name``: alphanumerics, ``_``, ``-``,
+    ``.``, spaces and ``/`` (colons only off Windows, so they are refused here), at most 250
+    characters, and no path that normalises to another name (``a//b``, ``a/./b``, ``a/``).
+    """
+    if not _MLFLOW_NAME.match(name):
+        return "MLflow metric names may only hold letters, digits, _, -, ., spaces and /"
+    if len(name) > _MLFLOW_MAX:
+        return f"MLflow metric names have at most {_MLFLOW_MAX} characters"
+    norm = posixpath.normpath(name)
+    if norm != name or norm.startswith(("..", "/")):
+        return f"MLflow treats metric names as paths and {name!r} is not a plain one (it reads as {norm!r})"
+    return None
+
+
+def _check_entry(entry: str | dict[str, Any]) -> str | dict[str, Any]:
+    name = entry if isinstance(entry, str) else entry.get("name")
+    if isinstance(entry, dict) and OUTPUT in entry:
+        _check_output_entry(entry)
+    elif not isinstance(name, str) or not name:
+        raise ValueError(
+            f'got {show(entry)}; expected a metric name, a table with name = "..." and its arguments, '
+            'or { output = "..." } (a scalar of forward\'s output)'
+        )
+    else:
+        _check_name(name, BUILTIN_METRICS, "metric", "pkg.module:Factory")
+    if isinstance(entry, dict) and LOG_AS in entry and not isinstance(entry[LOG_AS], str):
+        raise ValueError(f"got log_as = {show(entry[LOG_AS])}; expected the name to log the metric under (a string)")
+    logged = logged_name(entry)
+    problem = mlflow_name_problem(f"val/{logged}")
+    if problem:
+        raise ValueError(f'{show(logged)} cannot be a metric name: {problem}; set log_as = "..." to rename it')
+    if logged in RESERVED_METRICS:
+        raise ValueError(
+            f'{show(logged)} is runner\'s own loss metric: set log_as = "..." to log it under another name'
+        )
+    return entry
+
+
+def _check_output_entry(entry: dict[str, Any]) -> None:
+    """``{ output = "aux_loss" }`` (and ``log_as``): a scalar of forward's output, logged as its mean."""
+    if not isinstance(entry[OUTPUT], str) or not entry[OUTPUT]:
+        raise ValueError(
+            f"got output = {show(entry[OUTPUT])}; expected the key or attribute of a scalar in forward's output"
+        )
+    extra = sorted(set(entry) - {OUTPUT, LOG_AS})
+    if extra:
+        raise ValueError(
+            f'got {show(entry)}; an output metric takes output = "..." and log_as only: remove {", ".join(extra)}'
+        )
+
+
+MetricEntry = Annotated[str | dict[str, Any], AfterValidator(_check_entry)]
+
+
+class MetricsSpec(SpecTable):
+    """``[metrics]``: torchmetrics metrics computed on the training and validation batches (docs/design.md §13)."""
+
+    train: list[MetricEntry] = Field(
+        default_factory=list,
+        description=(
+            "Metrics of the training batches, logged as `train/<name>` per epoch and `train/step_<name>` every "
+            "log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, "
+            'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), '
+            '`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of '
+            "forward's output, logged as its mean over the samples. Default: none."
+        ),
+    )
+    val: list[MetricEntry] = Field(
+        default_factory=list,
+        description="Metrics of the validation split, logged as `val/<name>`; entries as for `train`. Default: none.",
+    )
+
+    @field_validator("train", "val")
+    @classmethod
+    def _distinct(cls, entries: list[str | dict[str, Any]], info: ValidationInfo) -> list[str | dict[str, Any]]:
+        seen: set[str] = set()
+        for entry in entries:
+            logged = logged_name(entry)
+            names = {logged, f"step_{logged}"} if info.field_name == "train" else {logged}
+            if names & seen:
+                raise ValueError(f'{show(logged)} is logged twice: give one of the entries log_as = "..."')
+            seen |= names
+        return entries

@@ -11,7 +11,7 @@ also inside ``kwargs`` and sweep values); every table forbids unknown keys and i
 The root :class:`ExperimentSpec` and ``[optim]``, ``[scheduler]``, ``[train]``, ``[tracking]`` and
 ``[checkpoint]`` are here; the other tables have a module each: :mod:`runner.spec.schema`
 (``[model]``, ``[data]``), :mod:`runner.spec.schema_parallel` (``[devices]``, ``[parallel]``),
-:mod:`runner.spec.schema` (``[sweep]``), :mod:`runner.spec.objectives` (``[loss]``,
+:mod:`runner.spec.schema` (``[sweep]``), :mod:`runner.spec.names` (``[loss]``,
 ``[metrics]``); their base is :class:`runner.spec.rules.SpecTable`.
 """
 
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from runner.spec import names, rules
-from runner.spec.objectives import LossSpec, MetricsSpec
+from runner.spec.names import LossSpec, MetricsSpec
 from runner.spec.rules import INT64_LIMIT, UINT32_LIMIT, SpecTable
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 

@@ -66,6 +66,10 @@ MODES: dict[str, ModeTraits] = {
 }
 
 
+REFERENCE_MODE = "none"
+"""The mode every other is compared with (one process, one device): bench's efficiency and parity's losses."""
+
+
 def modes_with(key: str) -> list[str]:
     """The modes that ``[parallel]`` key ``key`` applies to, in :data:`MODES` order."""
     return [mode for mode, traits in MODES.items() if key in traits.keys]

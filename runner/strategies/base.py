@@ -98,6 +98,7 @@ class Strategy(ABC):
     """
 
     mode: ClassVar[str]
+    sharded_checkpoints: ClassVar[bool] = False  # checkpoints are folders of every rank's shards (DCP), not files
 
     def __init__(self, plan: DevicePlan) -> None:
         self.plan = plan
@@ -206,6 +207,20 @@ class Strategy(ABC):
     def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load :meth:`optimizer_state`'s output, written by any mode (call on every rank)."""
         optimizer.load_state_dict(state)
+
+    def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"model", "optimizer"}`` of ``torch.distributed.checkpoint.state_dict.get_state_dict``: this rank's
+        shards under fsdp, whole tensors in the other modes (a sharded checkpoint loads into either)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(unwrap(wrapped), optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def set_sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Put :meth:`sharded_state`'s dicts, filled from a checkpoint, into the model and the optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(unwrap(wrapped), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     # collectives ----------------------------------------------------------
     @abstractmethod

@@ -9,9 +9,10 @@ DTensors). The process group, the launcher, the collectives and the stop decisio
 * ``train.amp`` maps to ``MixedPrecisionPolicy``: ``bf16``/``fp16`` gather the parameters in that
   dtype for forward and backward and reduce gradients in float32; the sharded parameters and the
   optimizer stay in float32.
-* Checkpoints hold the whole model and optimizer in the format of every other mode: the state is
-  gathered with ``torch.distributed.checkpoint.state_dict`` (``full_state_dict``, offloaded to
-  rank 0's CPU) and loaded back by re-sharding, so a run resumes on any process count or mode.
+* Checkpoints stay sharded: each rank writes its own shards of the model and optimizer through
+  ``torch.distributed.checkpoint`` into the step's folder (:func:`runner.training.checkpoint.save_sharded`);
+  no rank holds the whole state. DCP reshards on load, so a run resumes on any process count or mode;
+  a whole-state checkpoint of another mode loads through :meth:`FSDPStrategy.load_model_state`.
 * Evaluation may give the ranks different numbers of batches, which sharded forwards (one
   all-gather per block) cannot follow: it runs on a replica that holds the gathered model for the
   duration of the evaluation, as ddp evaluates its unwrapped replica.
@@ -69,6 +70,7 @@ class FSDPStrategy(DDPStrategy):
     """
 
     mode = "fsdp"
+    sharded_checkpoints = True
 
     def __init__(self, plan: DevicePlan, parallel: ParallelSpec, env: LauncherEnvironment, amp: str = "no") -> None:
         super().__init__(plan, parallel, env)
@@ -141,7 +143,14 @@ class FSDPStrategy(DDPStrategy):
         set_model_state_dict(unwrap(wrapped), fitted, options=StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Shard a whole ``optimizer.state_dict()`` (from any mode) into ``optimizer``."""
+        """Shard a whole ``optimizer.state_dict()`` (from any mode) into ``optimizer``.
+
+        A state without tensors (plain SGD keeps none) has nothing to shard: torch's loader would fail on it
+        ("Expected device to be set"), so its groups and values are loaded as they are.
+        """
+        if not any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in state["state"].values() for v in s.values()):
+            optimizer.load_state_dict(state)
+            return
         model = unwrap(wrapped)
         names = _param_names(model, optimizer)
         by_name: dict[str, Any] = {

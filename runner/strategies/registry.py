@@ -41,7 +41,6 @@ STRATEGIES: dict[str, _Builder] = {
     "ddp": lambda parallel, plan, env, amp: DDPStrategy(plan, parallel, env),
     "fsdp": _fsdp,
 }
-MODES = tuple(STRATEGIES)  # every parallel mode, in the order bench and parity show them (none first: the baseline)
 
 
 def make_strategy(

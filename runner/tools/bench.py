@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, Interrupted, SpecError, UsageError
-from runner.spec.schema_parallel import MODES as MODE_TRAITS
+from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import probe_model_and_data, reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool, write_chart
@@ -54,7 +54,6 @@ from runner.tools.bench_runs import (
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
 
-MODES = tuple(MODE_TRAITS)
 DEFAULT_OUT_DIR = "bench-results"
 # Options for several nodes (the bench runs on one machine); those of another mode are dropped too.
 _MULTI_NODE_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
@@ -72,17 +71,13 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
     Raises:
         UsageError: An unknown mode, an empty list or a count below 1.
     """
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise UsageError(
-            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes) or 'nothing'}"
-        )
+    check_modes(modes)
     if not nprocs or any(n < 1 for n in nprocs):
         raise UsageError(f"--nproc: expected positive device / process counts, e.g. 1,2; got {list(nprocs)}")
     counts = sorted(set(nprocs))
     out: list[tuple[str, int]] = []
     for mode in (m for m in MODES if m in modes):
-        traits = MODE_TRAITS[mode]
+        traits = MODES[mode]
         if traits.elastic:
             out += [(mode, n) for n in counts]
         elif traits.replicas:
@@ -90,6 +85,14 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
         else:
             out.append((mode, 1))
     return out
+
+
+def check_modes(modes: Sequence[str]) -> None:
+    """``--modes`` of bench and parity: a non-empty subset of the modes; UsageError otherwise."""
+    if not modes or any(m not in MODES for m in modes):
+        raise UsageError(
+            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes) or 'nothing'}"
+        )
 
 
 def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -103,7 +106,7 @@ def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup:
         A new dict, to validate with :func:`runner.spec.loading.spec_from_dict`.
     """
     d = copy.deepcopy(data)
-    traits = MODE_TRAITS[mode]
+    traits = MODES[mode]
     par = {
         k: v
         for k, v in (d.get("parallel") or {}).items()
@@ -126,29 +129,18 @@ def run_bench(
     overrides: Sequence[str] = (),
     unset: Sequence[str] = (),
     *,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = tuple(MODES),
     nprocs: Sequence[int] = (1, 2),
     steps: int = 20,
     warmup: int = 3,
     repeats: tuple[int, int] = (2, 4),
     out_dir: str | Path | None = None,
 ) -> BenchReport:
-    """Measure the spec at ``path`` under every configuration and record one parent MLflow run.
-
-    Args:
-        overrides: ``--set`` overrides, applied to every configuration.
-        unset: ``--unset`` keys removed from the spec before ``overrides``, as for ``runner exec``.
-        modes: Parallel modes to compare (``none``, ``dp``, ``ddp``).
-        nprocs: dp device counts and ddp process counts (see :func:`configurations`).
-        steps: Timed optimizer steps per repeat (>= 1).
-        warmup: Untimed optimizer steps first in each repeat (>= 0).
-        repeats: ``(min, max)`` repeats per configuration: at least ``min``, more while the
-            figures are not steady, at most ``max``.
-        out_dir: Folder for ``bench.json`` and ``bench.png`` (default ``./bench-results``).
-
-    Returns:
-        The :class:`~runner.tools.bench_report.BenchReport`; ``report.failed`` counts configurations
-        that failed while training.
+    """Measure the spec at ``path`` under every configuration (:func:`configurations` of ``modes`` and
+    ``nprocs``) and record one parent MLflow run. Each repeat takes ``warmup`` untimed steps, then ``steps``
+    timed ones; ``repeats = (min, max)``: more than ``min`` while the figures are not steady. ``bench.json``
+    and ``bench.png`` go to ``out_dir`` (default ``./bench-results``); ``report.failed`` counts the
+    configurations that failed while training.
 
     Raises:
         UsageError: Bad arguments, or started under torchrun (the bench launches its own workers).
@@ -165,9 +157,7 @@ def run_bench(
         raise UsageError(f"--repeats MIN:MAX needs 1 <= MIN <= MAX, got {repeats[0]}:{repeats[1]}")
     pairs = configurations(modes, nprocs)
     if launched_externally(os.environ):
-        raise UsageError(
-            "runner bench starts its own workers: run it directly, not under torchrun or a scheduler's launcher"
-        )
+        raise UsageError("runner bench starts its own workers: run it directly, not under torchrun or a scheduler")
     base = load_spec(path, overrides, unset)
     configs = [_prepare(base, mode, n, steps, warmup) for mode, n in pairs]
     runnable = [c for c in configs if c.loaded is not None]
@@ -187,18 +177,23 @@ def run_bench(
             answers = [pool.collect(rank) for rank in range(pool.size)] if runnable else [probe_model_and_data(base)]
             _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
         except BaseException:
-            if parent is not None:  # a model or dataset that does not build: a bad spec, no stray run
-                from runner.tracking.runs import delete_run
-
-                for config in runnable:
-                    if config.child_run_id is not None:
-                        delete_run(parent.uri, config.child_run_id)
-                delete_run(parent.uri, parent.run_id)
+            _delete_runs(parent, runnable)  # a model or dataset that does not build: a bad spec, no stray run
             raise
         _run_under_parent(runnable, report, parent, out, pool)
     finally:
         pool.close()
     return report
+
+
+def _delete_runs(parent: Parent | None, runnable: Sequence[Config]) -> None:
+    """Delete the parent run and its child runs."""
+    from runner.tracking.runs import delete_run
+
+    if parent is not None:
+        for config in runnable:
+            if config.child_run_id is not None:
+                delete_run(parent.uri, config.child_run_id)
+        delete_run(parent.uri, parent.run_id)
 
 
 def _pool_for(runnable: Sequence[Config]) -> WarmPool:
@@ -350,7 +345,9 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Co
         result.status, result.reason = "skipped", reason(exc)
         return Config(result)
     result.threads_per_process = plan.devices.threads_per_process
-    result.thread_budget = plan.devices.threads_per_process * (plan.devices.nproc_per_node if mode == "ddp" else 1)
+    result.thread_budget = plan.devices.threads_per_process * (
+        plan.devices.nproc_per_node if MODES[mode].elastic else 1
+    )
     return Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
+from runner.spec.schema_parallel import REFERENCE_MODE
 from runner.tools.bench_measure import probe_model_and_data, reason
 from runner.tools.bench_report import BenchReport, ConfigResult, note_of
 
@@ -373,7 +374,7 @@ def write_chart(report: BenchReport, path: Path) -> Path:
     names = [c.config for c in configs] or ["(none)"]
     ok = [c.status == "ok" for c in configs] or [False]
     speed = [(c.samples_per_s or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
-    base = next((c.samples_per_s for c in configs if c.mode == "none" and c.status == "ok"), None)
+    base = next((c.samples_per_s for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
     eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
     speed_err = [error_bars(c) for c in configs] or [(0.0, 0.0)]
     eff_err = [error_bars(c, 100 / (c.n * base)) if base else (0.0, 0.0) for c in configs] or [(0.0, 0.0)]

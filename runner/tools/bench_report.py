@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tools.bench_figures import (
     DDP1_FLOOR,
     LOSS_TOLERANCE,
@@ -100,7 +101,7 @@ _NOT_IN_JSON = ("train_losses", "step_times_s", "data_wait_s")
 
 def config_id(mode: str, n: int) -> str:
     """``none`` for mode none, else ``<mode>-<n>`` (``dp-2``, ``ddp-4``)."""
-    return "none" if mode == "none" else f"{mode}-{n}"
+    return mode if mode == REFERENCE_MODE else f"{mode}-{n}"
 
 
 def finish_comparisons(
@@ -113,7 +114,7 @@ def finish_comparisons(
         not_comparable: From :func:`comparability` (losses are then reported, not compared).
         tolerance: Relative tolerance of the loss comparison.
     """
-    base = next((c for c in configs if c.mode == "none" and c.status == "ok"), None)
+    base = next((c for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
     for c in configs:
         if c.status != "ok":
             continue
@@ -150,7 +151,7 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
             f"efficiency {eff:.0%} is above 100% by more than the measured spread ({margin:.0%}): a measurement "
             f"problem, not a result; likely cause: {_likely_cause(c, base)}"
         ]
-    if c.mode == "ddp" and c.n == 1 and eff < DDP1_FLOOR:
+    if MODES[c.mode].elastic and c.n == 1 and eff < DDP1_FLOOR:
         extra = (c.step_time_median_s or 0.0) - (base.step_time_median_s or 0.0)
         return [
             f"ddp-1 at {eff:.0%} of none: DDP's fixed cost per step (about {extra * 1e3:.2g} ms here) "
@@ -172,7 +173,7 @@ def recommend(configs: Sequence[ConfigResult]) -> str:
         ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``, or
         ``recommend: inconclusive — ...``.
     """
-    base = next((c for c in configs if c.mode == "none" and c.status == "ok" and c.samples_per_s), None)
+    base = next((c for c in configs if c.mode == REFERENCE_MODE and c.status == "ok" and c.samples_per_s), None)
     if base is None:
         return "recommend: inconclusive — none was not measured, so there is no baseline to compare with"
     agree = [c for c in configs if c.status == "ok" and c.samples_per_s and c.loss_check in ("ok", "baseline")]
@@ -404,7 +405,7 @@ def _row(c: ConfigResult) -> list[str]:
         _num(c.step_time_p90_s, "{:.2f}", 1e3),
         _num(c.data_wait_fraction, "{:.1f}%", 100),
         mem,
-        f"{c.n if c.mode == 'ddp' else 1}x{c.threads_per_process}" if c.threads_per_process else "-",
+        f"{c.n if MODES[c.mode].elastic else 1}x{c.threads_per_process}" if c.threads_per_process else "-",
         _num(c.scaling_efficiency, "{:.0f}%", 100),
         _num(c.final_loss, "{:.6f}"),
         note_of(c),

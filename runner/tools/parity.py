@@ -1,7 +1,7 @@
 """``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``.
 
 Each configuration (``none``, then ``<mode>-2`` for every other mode of
-:data:`runner.strategies.registry.MODES` this machine runs) is a ``runner exec`` of the same spec with
+:data:`runner.spec.schema_parallel.MODES` this machine runs) is a ``runner exec`` of the same spec with
 ``deterministic = true``, the same seed (so the same initial weights and batch order, docs/design.md
 §3 and §7), ``train.max_steps = steps``, ``train.log_every_n_steps = 1`` and the model, its inputs and
 its loss in float64 (:attr:`runner.launch.driver.ExecOptions.dtype`; float32 when ``none`` does not
@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, SpecError, TrainingError, UsageError
+from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
+from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 
 if TYPE_CHECKING:
     import torch
@@ -45,16 +47,9 @@ FLOOR = {"float64": 1e-10, "float32": 1e-6}  # relative to the size of the value
 class ModeResult:
     """One configuration's run and how far it is from ``none``'s.
 
-    Attributes:
-        config: ``none``, ``<mode>-<n>`` or ``control``.
-        mode: The parallel mode it ran under.
-        n: Devices (dp) or processes (ddp); 1 for none.
-        params: Final parameters by name (float64 on CPU; not in the JSON).
-        loss_deltas: ``{step: |train/loss - none's|}``.
-        max_param_delta: Largest |Δ| of a final parameter against none's.
-        first_beyond: First step whose |Δ train/loss| exceeds the tolerance (``None``: none does).
-        status: ``ok``, ``skipped`` (not asked for and cannot run here) or ``failed``.
-        reason: Why it was skipped or how it failed.
+    ``config`` is ``none``, ``<mode>-<n>`` or ``control``; ``params`` the final parameters by name (float64 on
+    CPU; not in the JSON); ``first_beyond`` the first step whose |Δ train/loss| exceeds the tolerance;
+    ``status`` ``ok``, ``skipped`` (not asked for and cannot run here, ``reason`` says why) or ``failed``.
     """
 
     config: str
@@ -173,34 +168,19 @@ def _params_differ(m: ModeResult, report: ParityReport) -> bool:
 
 
 def tolerance(precision: str, growth: float, scale: float) -> float:
-    """How far a mode may be from ``none`` by rounding alone.
-
-    Args:
-        precision: ``float64`` or ``float32``.
-        growth: The control's largest |Δ| against ``none`` (its perturbation is :data:`PERTURBATION`).
-        scale: The size of the values compared (at least 1), for the summation-order floor.
-
-    Returns:
-        The control's growth scaled to the precision's rounding (``EPS / PERTURBATION``) times a margin,
-        at least the floor; the growth itself when the control saturated (grew to the size of the values:
-        then rounding cannot be told from a mode difference below it).
-    """
+    """How far a mode may be from ``none`` by rounding alone: the control's ``growth`` (its largest |Δ|)
+    scaled to ``precision``'s rounding (``EPS / PERTURBATION``) times a margin, at least the floor relative
+    to ``scale`` (the size of the values); the growth itself when the control saturated (grew to the size
+    of the values: then rounding cannot be told from a mode difference below it)."""
     scaled = growth * EPS[precision] / PERTURBATION * MARGIN[precision]
     saturated = growth if growth >= 0.1 * scale else 0.0
     return max(scaled, FLOOR[precision] * scale, saturated)
 
 
 def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps: int | None = None) -> ParityReport:
-    """Run ``none``, the control and every other mode asked for, compare them and record the verdict.
-
-    Args:
-        loaded: The user's spec (with its ``--set``/``--unset``).
-        modes: Modes to compare with ``none`` (which always runs); ``None``: every mode this machine runs.
-        steps: Optimizer steps of each run (``None``: the spec's whole run, at most :data:`DEFAULT_STEPS`;
-            fewer when the spec's epochs end first).
-
-    Returns:
-        The :class:`ParityReport`; ``report.failed`` counts the modes that differ from ``none``.
+    """Run ``none``, the control and every other mode in ``modes`` (``None``: every mode this machine runs) for
+    ``steps`` optimizer steps each (``None``: the spec's whole run, at most :data:`DEFAULT_STEPS`), compare them
+    and record the verdict; ``report.failed`` counts the modes that differ from ``none``.
 
     Raises:
         UsageError: An unknown mode, a named mode this machine cannot run, ``steps < 1``, or started
@@ -255,30 +235,26 @@ _Config = tuple[str, str, int, "LoadedSpec"]  # (config id, mode, n, its spec)
 def _configurations(
     loaded: LoadedSpec, modes: Sequence[str] | None, steps: int, folder: Path
 ) -> tuple[LoadedSpec, list[_Config], list[ModeResult]]:
-    """``none``'s spec, the other configurations that run here, and the skipped ones (not named in ``modes``).
-
-    Raises:
-        UsageError: An unknown mode, or a named one that cannot run here (naming what is missing).
-    """
+    """``none``'s spec, the other configurations that run here, and the skipped ones (not named in ``modes``);
+    UsageError for an unknown mode, or a named one that cannot run here (naming what is missing)."""
     from runner.devices.inventory import probe_inventory
-    from runner.strategies.registry import MODES
+    from runner.tools.bench import check_modes
 
-    unknown = [m for m in modes or () if m not in MODES]
-    if unknown or (modes is not None and not modes):
-        raise UsageError(
-            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes or ())}"
-        )
+    if modes is not None:
+        check_modes(modes)
     gpus = len(probe_inventory(os.environ).gpus)
     cpu = gpus < 2 or loaded.spec.devices.accelerator == "cpu"  # every configuration on the same kind of device
-    base = _mode_spec(loaded, "none", 1, steps, cpu, folder)
+    base = _mode_spec(loaded, REFERENCE_MODE, 1, steps, cpu, folder)
     others: list[_Config] = []
     skipped: list[ModeResult] = []
-    for mode in [m for m in MODES if m != "none" and (modes is None or m in modes)]:
+    for mode in [m for m in MODES if m != REFERENCE_MODE and (modes is None or m in modes)]:
         config = f"{mode}-2"
         try:
             others.append((config, mode, 2, _mode_spec(loaded, mode, 2, steps, cpu, folder)))
         except (SpecError, DeviceError) as exc:
-            why = f"{mode} needs 2 GPUs; this machine has {gpus}" if mode == "dp" else " ".join(str(exc).split())
+            why = (
+                f"{mode} needs 2 GPUs; this machine has {gpus}" if MODES[mode].replicas else " ".join(str(exc).split())
+            )
             if modes is not None:
                 raise UsageError(f"--modes: {config} cannot run on this machine: {why}") from None
             skipped.append(ModeResult(config, mode, 2, status="skipped", reason=why))
@@ -286,11 +262,8 @@ def _configurations(
 
 
 def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, folder: Path) -> LoadedSpec:
-    """The spec of one configuration: ``runner bench``'s derivation, plus determinism, checkpoints, ``/parity``.
-
-    Raises:
-        SpecError, DeviceError: It does not validate, or this machine cannot run it.
-    """
+    """The spec of one configuration: ``runner bench``'s derivation, plus determinism, checkpoints, ``/parity``;
+    SpecError or DeviceError when it does not validate or this machine cannot run it."""
     import copy
     import dataclasses
 
@@ -298,6 +271,7 @@ def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, fol
     from runner.spec.dump import spec_sha256
     from runner.spec.loading import spec_from_dict
     from runner.tools.bench import bench_spec_data
+    from runner.tools.bench_report import config_id
 
     data = bench_spec_data(loaded.data, mode, n, steps, 0)
     train, original = data["train"], loaded.data.get("train", {})
@@ -309,8 +283,7 @@ def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, fol
     data["deterministic"] = True
     if cpu:
         data["devices"]["accelerator"] = "cpu"
-    config = "none" if mode == "none" else f"{mode}-{n}"
-    data["checkpoint"] = {"dir": str(folder / config), "every_n_steps": steps, "keep_last": 1}
+    data["checkpoint"] = {"dir": str(folder / config_id(mode, n)), "every_n_steps": steps, "keep_last": 1}
     tracking = data.setdefault("tracking", {})
     tracking.update(log_model=False, experiment=f"{loaded.spec.tracking.experiment or loaded.spec.name}/parity")
     spec = spec_from_dict(data, origin=str(loaded.path))
@@ -346,7 +319,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
     except TrainingError as exc:
         if report.reference is not None:
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         report.precision = "float32"
         report.notes.append(f"the model does not train in float64 ({first}): every configuration ran in float32")
         _train(none, base, parent, None)
@@ -368,7 +341,7 @@ def _train(
 ) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
     from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.training.checkpoint import load_latest
+    from runner.training.checkpoint import load_latest, whole_model
 
     options = ExecOptions(
         run_name=f"{result.config} parity {loaded.spec.name}",
@@ -377,12 +350,13 @@ def _train(
         dtype=dtype,
         nudge=nudge,
         in_process=True,  # parity's configurations reuse its process
+        started_at=time.time(),
     )
     done = exec_experiment(loaded, options)
     result.run_id = done.run_id
     result.losses = {step: m["train/loss"] for step, m in done.history if "train/loss" in m}
     found = load_latest(Path(done.checkpoint_dir))
-    state = found.payload["model"] if found is not None else {}
+    state = whole_model(found) if found is not None else {}
     result.params = {k: v.double() for k, v in state.items() if v.is_floating_point()}
 
 
@@ -416,18 +390,19 @@ def _delta(a: float | None, b: float | None) -> float:
 
 
 def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
-    """The known causes of a mode difference this spec has (docs/design.md §3): BatchNorm without
-    ``parallel.sync_batchnorm``, random layers, a loss that returns a per-rank mean; else what to look for.
-
-    The model is built on the ``meta`` device in this process (a factory is called once more).
-    """
+    """The known causes of a mode difference this spec has (docs/design.md §3), else what to look for; the
+    model is built on the ``meta`` device in this process (a factory is called once more)."""
     from runner.launch.prebuild import layer_kinds
 
     spec = loaded.spec
     model = _meta_model(loaded)
     batch, random = layer_kinds(model) if model is not None else ([], [])
     causes = []
-    synced = spec.parallel.sync_batchnorm and spec.devices.accelerator != "cpu" and set(modes) == {"ddp"}
+    synced = (
+        spec.parallel.sync_batchnorm
+        and spec.devices.accelerator != "cpu"
+        and all("sync_batchnorm" in MODES[m].keys for m in modes)
+    )
     if batch and not synced:
         causes.append(
             f"{', '.join(batch)} without parallel.sync_batchnorm: under {', '.join(modes)} each device normalises "
@@ -484,11 +459,8 @@ def _record(report: ParityReport, parent: tuple[str, str], folder: Path) -> None
             log_history(uri, m.run_id, deltas)
     plot = write_plot(report, folder / "parity.png")
     text = report.table()
-    tags = {
-        "runner.parity.verdict": report.verdict(),
-        "runner.parity.precision": report.precision,
-        "runner.parity.summary": text[:5000],
-    }
+    tags = {"runner.parity.verdict": report.verdict(), "runner.parity.precision": report.precision}
+    tags["runner.parity.summary"] = text[:5000]
     record_summary(
         uri,
         run_id,

@@ -68,40 +68,22 @@ def run_sweep(
 ) -> SweepReport:
     """Run a sweep's trials (those no worker has run) as child runs of its parent MLflow run.
 
-    Every trial spec (every grid point; for random and tpe, every value and range end) is
-    loaded and validated, the devices resolved, before the study or the parent run exists,
-    so a bad value fails the sweep at once. A trial that fails while training is recorded as
-    FAILED and the sweep goes on. The worker that finds no trial left and none running in
-    other workers ends the parent run, with the best trial and Optuna's plots.
-
-    Args:
-        path: The spec file; its ``[sweep]`` table (if any) is the default definition.
-        overrides: ``--set`` strings applied to every trial before the trial's own values.
-        unset: ``--unset`` keys removed from the spec before ``overrides``, as for ``runner exec``.
-        cli: The sweep's command-line flags (``--grid``, ``--random``, ``--method``, ``--trials``, ...);
-            ``None``: the spec's ``[sweep]`` alone.
-        jobs: Trials running at once in this worker (>= 1); more than one runs them in warm
-            worker processes and spreads single-GPU trials over the spec's devices.
-        storage: Optuna storage URL (``--storage``). Default: ``[sweep] storage``, else sqlite
-            next to the MLflow store.
-        study: Study name (``--study``). Default: ``[sweep] study``, else one derived from the
-            trial spec and the definition.
-        log: Receives one progress line per trial. Default: standard error.
-        processes: Run trials in warm worker processes even where they could run in this one
-            (CPU, ``jobs = 1``): a trial that crashes its process cannot take the sweep down.
-
-    Returns:
-        The :class:`SweepReport` of every trial of the study.
+    Every trial spec (every grid point; for random and tpe, every value and range end) is validated and its
+    devices resolved before the study or the parent run exists, so a bad value fails the sweep at once. A trial
+    that fails while training is recorded FAILED and the sweep goes on. The worker that finds no trial left and
+    none running elsewhere ends the parent run, with the best trial and Optuna's plots. ``cli`` holds the
+    command line's flags (``None``: the spec's ``[sweep]`` alone); ``jobs > 1`` runs trials in warm worker
+    processes spread over the spec's devices, as ``processes`` does for one (a crashing trial cannot take the
+    sweep down); ``storage`` and ``study`` default to ``[sweep]``'s, else sqlite beside the MLflow store and a
+    name derived from the trial spec and the definition; ``log`` gets one line per trial (default stderr).
 
     Raises:
-        SpecError: The spec, the sweep definition, a trial or ``[sweep] storage`` is invalid
-            (every problem, each naming its trial or line); no run is created.
-        UsageError: Bad command-line entries, tracking disabled, ``--storage`` that cannot be
-            opened, or a study of that name searching another sweep.
-        DeviceError: A trial asks for devices this machine does not have.
-        TrackingError: The tracking store cannot be used.
-        Interrupted: Stopped by SIGINT/SIGTERM; the running trials are enqueued again and, when
-            no other worker runs trials, the parent run is KILLED.
+        SpecError: The spec, the definition, a trial or ``[sweep] storage`` is invalid; no run is created.
+        UsageError: Bad command-line entries, tracking disabled, a ``--storage`` that cannot be opened, or a
+            study of that name searching another sweep.
+        DeviceError, TrackingError: A trial's devices are missing; the store cannot be used.
+        Interrupted: SIGINT/SIGTERM; running trials are enqueued again and, when no other worker runs
+            trials, the parent run is KILLED.
     """
     from runner.spec.loading import load_spec
     from runner.spec.locate import locate_keys
@@ -115,13 +97,7 @@ def run_sweep(
     lines = locate_keys(base.source_text)
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
-    flags = cli or CommandLine()
-    in_file, on_cli = swept_in_file(base, flags.grid, flags.random), swept_on_cli(flags.grid, flags.random)
-    checks = trials_to_check(definition)
-    plans = [
-        plan
-        for _, plan in prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli, unset=base.unset)
-    ]
+    plans = _checked_trials(base, definition, cli or CommandLine(), environ)
     store = SweepStore.for_spec(base.spec)
     store.check()
     opened, report = _open_study(base, definition, store, storage, study, lines)
@@ -138,6 +114,16 @@ def run_sweep(
     report.trials = opened.results(since=started)
     _finish(report, opened, store)
     return report
+
+
+def _checked_trials(
+    base: LoadedSpec, definition: SweepDefinition, flags: CommandLine, environ: dict[str, str]
+) -> list[Plan]:
+    """The plans of the trials to check (every grid point, every value and range end), each validated."""
+    in_file, on_cli = swept_in_file(base, flags.grid, flags.random), swept_on_cli(flags.grid, flags.random)
+    checks = trials_to_check(definition)
+    prepared = prepare_trials(base.path, base.overrides, checks, environ, in_file, on_cli, unset=base.unset)
+    return [plan for _, plan in prepared]
 
 
 def _open_study(

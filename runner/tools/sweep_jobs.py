@@ -16,6 +16,7 @@ import queue as queue_module
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -401,6 +402,7 @@ def _execute(
         environ=setup.environ,
         epoch_end=pruning,
         in_process=True,  # a trial reuses the sweep worker's process (its imports, its pool)
+        started_at=time.time(),  # a trial's start-up counts from the trial's start, not the sweep's
     )
     out = exec_experiment(loaded, options)
     stopped = out.workers[0].stopped_after_epoch if out.workers else None

@@ -168,35 +168,22 @@ def start_run(
 ) -> RunHandle:
     """Create the MLflow run of an experiment and record its spec, provenance and plan.
 
-    Creates the experiment (``spec.tracking.experiment``, else ``spec.name``) when
-    missing, then one run with an explicit id (MLflow's fluent active run is neither used
-    nor changed). Logs the keys of the spec that apply as params (batches of 100;
-    :func:`runner.tracking.tags.spec_params`) and the plan's ``runner.threads_per_process``; tags from
-    :func:`runner.tracking.tags.run_tags`; artifacts ``spec/<spec file name>`` (the file's
-    own text) and every file it extends (:func:`runner.tracking.tags.spec_artifacts`),
-    ``spec/resolved.toml``, ``spec/plan.json``, and ``git/diff.patch`` when tracked
-    files differ from HEAD and ``git/untracked.txt`` when untracked files exist, in the git
-    repository that contains the spec file. If logging fails after the run was created,
+    Creates the experiment when missing, then one run with an explicit id (MLflow's fluent active run is
+    neither used nor changed). Logs the keys of the spec that apply as params (batches of 100) and the plan's
+    ``runner.threads_per_process``; tags from :func:`runner.tracking.tags.run_tags`; artifacts ``spec/``
+    (the file, every file it extends, ``resolved.toml``, ``plan.json``) and ``git/`` (``diff.patch``,
+    ``untracked.txt``) of the repository holding the spec. If logging fails after the run was created,
     the run is marked FAILED before the error is raised.
 
-    Args:
-        loaded: A ``runner.spec.loading.LoadedSpec`` (``spec``, ``path``, ``source_text``, ``sha256``).
-        plan_description: JSON-able description of the device plan (``DevicePlan.describe()``).
-        run_name: Display name (the driver passes the plan's, :func:`runner.plan.run_name_of`). Default:
-            ``spec.tracking.run_name``, else MLflow's generated name.
-        extra_tags: Further tags; they override every other tag.
-        uri: Tracking URI. Default: :func:`runner.tracking.uri.resolve_tracking_uri` of the spec.
-        nested: Allow a fluent MLflow run to be active and record it as this run's parent.
-        experiment: The experiment's name. Default: ``spec.tracking.experiment``, else ``spec.name``.
-
-    Returns:
-        The new run's :class:`RunHandle`; the run is RUNNING until :func:`end_run`.
+    ``plan_description`` is ``DevicePlan.describe()``; ``run_name`` defaults to ``spec.tracking.run_name``, else
+    MLflow's generated name; ``extra_tags`` override every other tag; ``uri`` defaults to the spec's; ``nested``
+    allows a fluent MLflow run to be active and records it as the parent; ``experiment`` defaults to
+    ``spec.tracking.experiment``, else ``spec.name``. The run is RUNNING until :func:`end_run`.
 
     Raises:
         TrackingError: A fluent run is active and ``nested`` is false, the store is not
             reachable, the experiment is deleted, or MLflow rejects a request.
     """
-    from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -205,20 +192,7 @@ def start_run(
     parent_run_id = check_fluent_run(nested)
     open_store(uri)
     # Everything that can fail without the network is computed before the run exists.
-    params_of, dump_spec = _spec_codec()
-    # Credentials in a URI (tracking.uri, a --set of it, a database URL) never leave the process.
-    params = [Param(k, mask_secrets(v)) for k, v in params_of(spec, _accelerator(plan_description)).items()]
-    threads = _planned(plan_description, "threads_per_process")
-    if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
-        params.append(Param(THREADS_PARAM, str(threads)))
-    plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
-    texts = spec_artifacts(loaded, dump_spec(spec), plan_json)
-    info = git_info(loaded.path)
-    texts.update(git_artifacts(info))
-    texts = {name: mask_secrets(text) for name, text in texts.items()}
-    tags = {
-        k: mask_secrets(str(v)) for k, v in run_tags(loaded, plan_description, info, extra_tags, parent_run_id).items()
-    }
+    params, texts, tags = _what_the_run_records(loaded, plan_description, extra_tags, parent_run_id)
     run_name = mask_secrets(run_name or spec.tracking.run_name or "") or None
     experiment_name = experiment or spec.tracking.experiment or spec.name
 
@@ -240,6 +214,25 @@ def start_run(
         run_name=run.info.run_name or "",
         artifact_uri=run.info.artifact_uri or "",
     )
+
+
+def _what_the_run_records(
+    loaded: LoadedSpec, plan_description: Mapping[str, Any], extra_tags: Mapping[str, Any] | None, parent: str | None
+) -> tuple[list[Param], dict[str, str], dict[str, str]]:
+    """``(params, text artifacts, tags)`` of a new run, credentials masked: they never leave the process."""
+    from mlflow.entities import Param
+
+    params_of, dump_spec = _spec_codec()
+    params = [Param(k, mask_secrets(v)) for k, v in params_of(loaded.spec, _accelerator(plan_description)).items()]
+    threads = _planned(plan_description, "threads_per_process")
+    if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
+        params.append(Param(THREADS_PARAM, str(threads)))
+    plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
+    texts = spec_artifacts(loaded, dump_spec(loaded.spec), plan_json)
+    info = git_info(loaded.path)
+    texts.update(git_artifacts(info))
+    tags = run_tags(loaded, plan_description, info, extra_tags, parent)
+    return params, {k: mask_secrets(v) for k, v in texts.items()}, {k: mask_secrets(str(v)) for k, v in tags.items()}
 
 
 def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param], texts: Mapping[str, str]) -> None:

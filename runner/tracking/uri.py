@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from runner.errors import TrackingError, mask_secrets
+from runner.errors import TrackingError, first_line, mask_secrets
 from runner.spec.rules import file_store_problem
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ def _check_database(uri: str, timeout_s: float) -> None:
         finally:
             engine.dispose()
     except Exception as exc:  # ArgumentError (malformed), NoSuchModuleError / ImportError (driver), OperationalError
-        reason = mask_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        reason = mask_secrets(first_line(exc))
         fix = (
             f"install the {dialect} driver, or name an installed one in the URI ({dialect}+DRIVER://...)"
             if isinstance(exc, ImportError) or type(exc).__name__ == "NoSuchModuleError"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STARTUP_METRIC = "time_to_first_step_s"
+"""Seconds from the command's start (``ExecOptions.started_at``) to the end of the first optimizer step."""
+
 
 @dataclass
 class WorkerResult:
@@ -20,6 +23,7 @@ class WorkerResult:
             the process's peak resident set size.
         device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
         stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
+        startup_s: :data:`STARTUP_METRIC` of this rank, or ``None`` (no step, or no start time given).
     """
 
     rank: int
@@ -33,3 +37,4 @@ class WorkerResult:
     peak_memory_bytes: int = 0
     device: str = "cpu"
     stopped_after_epoch: int | None = None
+    startup_s: float | None = None

@@ -285,6 +285,7 @@ class FitResult:
         data_wait_s: Of each step's time, seconds spent waiting for the DataLoader.
         stopped_after_epoch: The epoch after which ``LoopParts.epoch_end`` stopped training
             (e.g. a sweep's pruner), or ``None`` when it ran to the end.
+        startup_s: Seconds from ``LoopParts.started_at`` to the end of this fit's first step, or ``None``.
     """
 
     state: TrainState
@@ -293,6 +294,7 @@ class FitResult:
     step_times_s: list[float] = field(default_factory=list)
     data_wait_s: list[float] = field(default_factory=list)
     stopped_after_epoch: int | None = None
+    startup_s: float | None = None
 
 
 @dataclass
@@ -318,6 +320,8 @@ class LoopParts:
         epoch_end: Called on every rank after each complete epoch (its metrics logged, its
             checkpoint written) as ``epoch_end(epoch, metrics)``; returning True ends training
             there, normally. Every rank must return the same answer.
+        started_at: Clock time (``time.time()``) the command started; the loop then logs
+            ``time_to_first_step_s`` at its first step. ``None``: not measured.
     """
 
     model: nn.Module
@@ -336,3 +340,4 @@ class LoopParts:
     should_stop: Callable[[], bool] = lambda: False
     sync_timing: bool = False
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    started_at: float | None = None

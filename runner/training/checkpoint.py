@@ -5,7 +5,9 @@ model state (no ``module.`` prefix), optimizer, scheduler, grad scaler, the
 :class:`runner.training.loop.TrainState` (epoch, global step, batches consumed in the epoch) and
 the RNG states of every rank, plus the flattened spec and its SHA-256.
 
-Files are ``step-00000123.pt`` in the run's checkpoint folder. Each is written to a
+Files are ``step-00000123.pt`` in the run's checkpoint folder; a mode that shards its state (fsdp) writes
+a folder ``step-00000123/`` instead (:func:`save_sharded`): each rank's shards of the model and optimizer
+through ``torch.distributed.checkpoint`` (DCP), beside ``meta.pt``, the rest of the payload. Each file is written to a
 temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
 atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint. Beside each one a
 digest file ``step-00000123.pt.sha256`` (``sha256sum`` format: one line per file, so a checkpoint
@@ -17,7 +19,8 @@ A checkpoint holds only tensors and plain values (numbers, strings, lists, dicts
 tensors) and is read with ``torch.load(weights_only=True)``, which rebuilds those and nothing else
 (PyTorch docs, ``torch.load``: "weights_only"). A file that carries any other pickled object is
 refused, not executed, so a checkpoint folder on a shared filesystem cannot run code on the nodes
-that resume from it. Files of another format version are refused with the reason.
+that resume from it. Files of another format version are refused with the reason. DCP's own
+``.metadata`` is a pickle: it is read with an unpickler that builds DCP's metadata classes and nothing else.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import io
 import os
 import pickle
 import re
+import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, first_line
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -43,7 +48,8 @@ if TYPE_CHECKING:
     from runner.training.loop import TrainState
 
 FORMAT_VERSION = 2  # 2: read with weights_only=True, records the metrics logged before it
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")
+META = "meta.pt"  # in a sharded checkpoint's folder: the payload without the model and optimizer
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -84,9 +90,7 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
         CheckpointError: ``payload`` holds something other than tensors and plain values.
         OSError: The folder is not writable or the disk is full (no partial file is left).
     """
-    problem = plain_problem(payload)
-    if problem is not None:
-        raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) would refuse: {problem}")
+    _check_plain(payload)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{payload['state']['global_step']:08d}.pt"
     buffer = io.BytesIO()
@@ -99,10 +103,69 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    for old in list_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
-        digest_path(old).unlink(missing_ok=True)
+    _rotate(directory, keep_last)
     return final
+
+
+def save_sharded(
+    directory: Path,
+    sharded: dict[str, Any],
+    payload: dict[str, Any] | None,
+    global_step: int,
+    keep_last: int,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write ``step-<global_step>/`` with every rank's shards of ``sharded`` (a collective: call on every rank).
+
+    ``sharded`` is ``{"model": ..., "optimizer": ...}`` of ``get_state_dict`` (DTensor shards under fsdp); no rank
+    gathers the whole state. The writing rank passes ``payload`` (the rest, :func:`build_payload` with empty model
+    and optimizer; the others ``None``): it prepares a ``.partial`` folder, adds ``meta.pt``, writes the digest
+    of every file, renames the folder into place and keeps the newest ``keep_last`` checkpoints.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    final = directory / f"step-{global_step:08d}"
+    partial = directory / f".{final.name}.partial"
+    if payload is not None:
+        _check_plain(payload)
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    barrier()  # the folder exists before any rank writes into it
+    dcp.save(sharded, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
+    if payload is not None:
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        _write_atomic(partial, buffer.getbuffer(), final=partial / META)
+        files = sorted(p for p in partial.rglob("*") if p.is_file())
+        write_digest(final, {f"{final.name}/{p.relative_to(partial).as_posix()}": _sha256(p) for p in files})
+        if final.exists():  # an epoch's checkpoint at the step of a step checkpoint
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(directory)
+        _rotate(directory, keep_last)
+    return final
+
+
+def _check_plain(payload: dict[str, Any]) -> None:
+    problem = plain_problem(payload)
+    if problem is not None:
+        raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) would refuse: {problem}")
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _rotate(directory: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (files or folders) with their digests."""
+    for old in list_checkpoints(directory)[:-keep_last]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
 
 
 def digest_path(checkpoint: Path) -> Path:
@@ -145,11 +208,10 @@ def verify_digest(checkpoint: Path) -> None:
         change = sorted(names ^ set(recorded))
         raise CheckpointError(f"{checkpoint}: damaged: its files differ from the ones recorded at save ({change})")
     for name, sha in sorted(recorded.items()):
-        with (base / name).open("rb") as fh:
-            if hashlib.file_digest(fh, "sha256").hexdigest() != sha:
-                raise CheckpointError(
-                    f"{checkpoint}: damaged: the SHA-256 of {name} differs from the one recorded when it was saved"
-                )
+        if _sha256(base / name) != sha:
+            raise CheckpointError(
+                f"{checkpoint}: damaged: the SHA-256 of {name} differs from the one recorded when it was saved"
+            )
 
 
 def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None) -> Path:
@@ -205,7 +267,8 @@ def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint file with ``torch.load(weights_only=True)``.
+    """Load and check one checkpoint file with ``torch.load(weights_only=True)`` (of a sharded checkpoint's folder,
+    its ``meta.pt``, after every file's digest is checked; the shards load with :func:`load_sharded`).
 
     Raises:
         CheckpointError: The file is truncated or damaged (its digest differs from the one written at
@@ -214,7 +277,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     """
     verify_digest(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path / META if path.is_dir() else path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         objects = sorted(set(_GLOBAL.findall(str(exc)))) or ["an object that is not a tensor or plain value"]
         raise CheckpointError(
@@ -233,6 +296,71 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if version != FORMAT_VERSION or "model" not in payload:
         raise CheckpointError(f"{path}: not a runner checkpoint (format {FORMAT_VERSION} expected)")
     return payload
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch sizes, dtypes and layouts, and paths; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module.startswith("torch.distributed.checkpoint.") or (module, name) in {
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("collections", "OrderedDict"),
+        }
+        if allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused: the DCP metadata holds {module}.{name}")
+
+
+def _reader(folder: Path) -> Any:
+    """DCP's ``FileSystemReader`` of ``folder``, reading ``.metadata`` with :class:`_MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with (folder / ".metadata").open("rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(folder)
+
+
+def load_sharded(folder: Path, state: dict[str, Any]) -> None:
+    """Fill ``state`` (``{"model", "optimizer"}`` of ``get_state_dict``, plain or sharded) from a sharded checkpoint,
+    resharded to this job's layout (a collective under a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=_reader(folder))
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
+
+
+def _dcp_error(exc: BaseException) -> str:
+    """The cause of a DCP failure: each rank's, where DCP wrapped them (its ``CheckpointException``)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return first_line(exc)
+    causes = {rank: getattr(e, "exception", None) or e for rank, e in failures.items()}
+    return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
+
+
+def whole_model(found: LoadedCheckpoint) -> dict[str, torch.Tensor]:
+    """The model state dict of a checkpoint, whole and on CPU; a sharded one is read without a process group."""
+    if not found.path.is_dir():
+        return dict(found.payload["model"])
+    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    try:
+        state = _load_state_dict_from_keys({"model"}, storage_reader=_reader(found.path))
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{found.path}: the shards do not load ({_dcp_error(exc)})") from None
+    return dict(state["model"])
 
 
 def load_latest(directory: Path) -> LoadedCheckpoint | None:

@@ -43,6 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted
+from runner.training import STARTUP_METRIC
 from runner.training.batches import CollatedBatch, FitResult, LoopParts, TrainState
 from runner.training.metrics import MetricSet
 from runner.training.sampling import rank_batch_size
@@ -70,16 +71,9 @@ def fit(
 ) -> FitResult:
     """Train for ``train_spec.epochs`` epochs, at most ``parts.total_steps`` optimizer steps.
 
-    Args:
-        parts: The model, strategy, optimizer, data and tracker (see :class:`LoopParts`).
-        train_spec: The ``[train]`` table (:class:`runner.spec.schema.TrainSpec`).
-        state: Where to start; ``None`` starts from scratch. A resumed state skips the global
-            batches of the current epoch that were already consumed.
-        checkpoint_spec: The ``[checkpoint]`` table (``every_n_epochs``, ``every_n_steps``);
-            ``None`` writes no step or epoch checkpoints.
-
-    Returns:
-        A :class:`FitResult`; metrics are reduced over ranks and identical on every rank.
+    ``state`` is where to start (``None``: from scratch; a resumed state skips the global batches of its
+    epoch already consumed); ``checkpoint_spec`` ``None`` writes no step or epoch checkpoints. The result's
+    metrics are reduced over ranks and identical on every rank.
 
     Raises:
         Interrupted: A stop signal arrived (the module docstring says at which step it takes
@@ -107,22 +101,7 @@ def fit(
             resumed_epoch_sums = None
             batches = _start_epoch(parts, state)
             while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
-                global_size = loaders.global_batch_sizes[state.batch_in_epoch]
-                step_start = time.perf_counter()
-                waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
-                report.result.step_times_s.append(time.perf_counter() - step_start)
-                report.result.data_wait_s.append(waited)
-                state.global_step += 1
-                state.batch_in_epoch += 1
-                tally.epoch_samples += global_size
-                progress.update(1, samples=global_size)
-                logged = state.global_step % every_n_logs == 0
-                if logged:
-                    tally.window = _log_window(parts, state, tally, report)
-                saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
-                if saved:
-                    _checkpoint(parts, state, "step", tally)
-                _stop_if_asked(parts, state, tally, settle=logged or saved)
+                _step(parts, batches, state, tally, report, train_spec, every_n_steps)
             epoch_time_s = time.perf_counter() - epoch_start
             _stop_if_asked(parts, state, tally, settle=True)
             if not end_epoch(parts, train_spec, state, tally, report, epoch_time_s=epoch_time_s):
@@ -295,6 +274,44 @@ class _Report:
         self.result.metrics.update(metrics)
         self.result.history.append((step, dict(metrics)))
         self.tracker.log_metrics(metrics, step=step)  # a NullTracker except on the logging rank
+
+
+def _step(
+    parts: LoopParts,
+    batches: Iterator[CollatedBatch],
+    state: TrainState,
+    tally: Tally,
+    report: _Report,
+    train_spec: TrainSpec,
+    every_n_steps: int | None,
+) -> None:
+    """One optimizer step of :func:`fit` and what follows it: its timing, the log, the checkpoint, the stop check."""
+    global_size = parts.loaders.global_batch_sizes[state.batch_in_epoch]
+    step_start = time.perf_counter()
+    waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
+    report.result.step_times_s.append(time.perf_counter() - step_start)
+    report.result.data_wait_s.append(waited)
+    if len(report.result.step_times_s) == 1 and parts.started_at is not None:
+        _log_startup(parts, report.result, state.global_step + 1)
+    state.global_step += 1
+    state.batch_in_epoch += 1
+    tally.epoch_samples += global_size
+    report.progress.update(1, samples=global_size)
+    logged = state.global_step % train_spec.log_every_n_steps == 0
+    if logged:
+        tally.window = _log_window(parts, state, tally, report)
+    saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
+    if saved:
+        _checkpoint(parts, state, "step", tally)
+    _stop_if_asked(parts, state, tally, settle=logged or saved)
+
+
+def _log_startup(parts: LoopParts, result: FitResult, step: int) -> None:
+    """Record the time from the command's start to the end of the first step (kept out of the history:
+    it is a timing, like ``samples_per_s``, but differs between otherwise identical runs)."""
+    assert parts.started_at is not None
+    result.startup_s = time.time() - parts.started_at
+    parts.tracker.log_metrics({STARTUP_METRIC: result.startup_s}, step=step)
 
 
 def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]:

@@ -28,7 +28,7 @@ from runner.training.models import resolve_factory, spec_issue
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from runner.spec.objectives import LossSpec
+    from runner.spec.names import LossSpec
     from runner.spec.schema import ExperimentSpec, OptimSpec, SchedulerSpec
     from runner.training.batches import Batch, BatchIO, ModelOutput
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.errors import TrainingError, first_line, user_code_error
-from runner.spec.objectives import CLASSIFICATION_LOSSES, logged_name, metric_args, metric_name
+from runner.spec.names import CLASSIFICATION_LOSSES, logged_name, metric_args, metric_name
 from runner.training.models import resolve_factory, spec_issue
 
 if TYPE_CHECKING:

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from runner.training.data import loader_generator, worker_init_fn
 from runner.training.models import spec_issue
-from runner.training.seeding import loader_generator, worker_init_fn
 
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
@@ -142,7 +142,7 @@ class EpochSampler(Sampler[int]):
         global_batch: Samples per optimizer step across all ranks (a multiple of ``W``).
         drop_last: Drop the final incomplete global batch.
         generator: Optional DataLoader generator (it seeds the workers) that :meth:`set_epoch`
-            reseeds with ``runner.training.seeding.derive_seed(seed, rank, epoch)``, so worker seeds
+            reseeds with ``runner.training.data.derive_seed(seed, rank, epoch)``, so worker seeds
             depend on (seed, rank, epoch) only and a resumed run reproduces them.
 
     Raises:
@@ -185,7 +185,7 @@ class EpochSampler(Sampler[int]):
         """
         self.epoch = epoch
         if self.generator is not None:
-            from runner.training.seeding import derive_seed
+            from runner.training.data import derive_seed
 
             self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
 

@@ -30,13 +30,12 @@ from runner.strategies.ddp import describe_unused_parameters_error, is_unused_pa
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
-from runner.training.data import build_datasets
+from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
 from runner.training.loop import FitResult, LoopParts, TrainState, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, Loss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
 from runner.training.sampling import Loaders, build_loaders, check_batchnorm_batches
-from runner.training.seeding import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -46,8 +45,7 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec, TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
-    from runner.training.data import DatasetBundle, DatasetInfo
-    from runner.training.seeding import SeedInfo
+    from runner.training.data import DatasetBundle, DatasetInfo, SeedInfo
 
 
 @dataclass
@@ -148,14 +146,8 @@ def build_parts(
     check_target(bundle.info, spec, needs=loss.needs_target or metrics.counted_accuracy or on_target)
     if isinstance(loss, BuiltinLoss):
         loss.dataset_classes = bundle.info.num_classes
-    model = _setup_model(spec, spec_dir, bundle)
     cast = getattr(torch, dtype) if dtype is not None else None
-    if cast is not None:
-        model = model.to(cast)
-    if nudge:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
+    model = _setup_model(spec, spec_dir, bundle, cast, nudge)
     loaders = build_loaders(spec, bundle, strategy.rank, strategy.world_size)
     check_batchnorm_batches(model, spec, loaders, strategy.world_size, strategy.replicas)
     wrapped = strategy.wrap(model, spec.train)
@@ -179,10 +171,20 @@ def build_parts(
     )
 
 
-def _setup_model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle) -> nn.Module:
-    """The user's model, initialised identically on every rank (seeded with ``spec.seed``)."""
+def _setup_model(
+    spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle, cast: torch.dtype | None, nudge: bool
+) -> nn.Module:
+    """The user's model, initialised identically on every rank (seeded with ``spec.seed``), cast and nudged."""
     torch.manual_seed(spec.seed)
-    return build_model(spec.model, spec_dir, input_shape=bundle.info.input_shape, num_classes=bundle.info.num_classes)
+    info = bundle.info
+    model = build_model(spec.model, spec_dir, input_shape=info.input_shape, num_classes=info.num_classes)
+    if cast is not None:
+        model = model.to(cast)
+    if nudge:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
+    return model
 
 
 def _setup_optimizer(
@@ -217,8 +219,13 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     if found is None:
         return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
     payload = found.payload
-    strategy.load_model_state(parts.model, payload["model"])
-    strategy.load_optimizer_state(parts.model, parts.optimizer, payload["optimizer"])
+    if found.path.is_dir():  # a sharded checkpoint: every rank reads the shards its layout needs
+        state = strategy.sharded_state(parts.model, parts.optimizer)
+        ckpt.load_sharded(found.path, state)
+        strategy.set_sharded_state(parts.model, parts.optimizer, state)
+    else:
+        strategy.load_model_state(parts.model, payload["model"])
+        strategy.load_optimizer_state(parts.model, parts.optimizer, payload["optimizer"])
     if parts.scheduler is not None and payload["scheduler"] is not None:
         parts.scheduler.load_state_dict(payload["scheduler"])
     parts.precision.load_state_dict(payload["scaler"])
@@ -269,8 +276,14 @@ class Checkpointer:
         if not self.settings.enabled:
             self.strategy.barrier()
             return
-        model_state = self.strategy.model_state(self.parts.model)  # collectives where the state is sharded
-        optimizer_state = self.strategy.optimizer_state(self.parts.model, self.parts.optimizer)
+        sharded = self.strategy.sharded_checkpoints
+        if sharded:  # every rank writes its own shards: nothing is gathered
+            model_state, optimizer_state = {}, {}
+            shards = self.strategy.sharded_state(self.parts.model, self.parts.optimizer)
+        else:  # the whole state on the writing rank
+            model_state = self.strategy.model_state(self.parts.model)
+            optimizer_state = self.strategy.optimizer_state(self.parts.model, self.parts.optimizer)
+        payload = None
         if self.writer:
             # Metrics up to a checkpoint must be sent (or spooled) before it is written: a resume
             # continues from the checkpoint and only logs again what comes after it.
@@ -287,7 +300,11 @@ class Checkpointer:
                 run_id=self.run_id,
                 metrics_recorded=_recorded(self.tracker),
             )
-            ckpt.save_checkpoint(self.folder, payload, self.settings.keep_last)
+        keep = self.settings.keep_last
+        if sharded:
+            ckpt.save_sharded(self.folder, shards, payload, state.global_step, keep, self.strategy.barrier)
+        elif payload is not None:
+            ckpt.save_checkpoint(self.folder, payload, keep)
         self.strategy.barrier()
 
 
@@ -306,6 +323,7 @@ def loop_parts(
     *,
     sync_timing: bool = False,
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None,
+    started_at: float | None = None,
 ) -> LoopParts:
     """Assemble the loop's :class:`~runner.training.loop.LoopParts` from the built parts."""
     return LoopParts(
@@ -325,6 +343,7 @@ def loop_parts(
         should_stop=should_stop,
         sync_timing=sync_timing,
         epoch_end=epoch_end,
+        started_at=started_at,
     )
 
 
@@ -362,4 +381,5 @@ def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, note
         peak_memory_bytes=peak_memory_bytes(strategy.device),
         device=str(strategy.device),
         stopped_after_epoch=fitted.stopped_after_epoch,
+        startup_s=fitted.startup_s,
     )

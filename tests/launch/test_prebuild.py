@@ -283,7 +283,7 @@ def test_known_mode_differences_are_noted_before_training(write_spec, sets, note
     from runner.launch.prebuild import known_differences
 
     loaded = load_spec(write_spec(), sets)
-    notes = check_parts(loaded, world_size=2)
+    notes, _ = check_parts(loaded, world_size=2)
     assert notes == known_differences(loaded)
     assert [n for n in notes if note is not None and n.startswith(note)] == notes
 

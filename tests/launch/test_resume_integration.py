@@ -270,3 +270,29 @@ def test_second_ctrl_c_exits_at_once(tmp_path: Path, store: str) -> None:
     assert proc.returncode == 130, log.read_text()
     (run,) = _runs(store)
     assert run.info.status == "KILLED"
+
+
+def test_sigterm_under_fsdp_leaves_shards_ends_killed_and_resumes_on_one_process_equal(
+    tmp_path: Path, finished: tuple[Path, str]
+) -> None:
+    # The preemption path under fsdp: each rank writes its shards at the stop; one process continues from them.
+    _, store = finished  # a finished none run of the same spec: the reference
+    fsdp = _write(tmp_path, store, {**DDP, "mode": "fsdp"}, EVERY_2, name="fsdp.toml")
+    proc = _interrupt(tmp_path, fsdp)
+    assert proc.returncode == 130, proc.stdout
+    reference, stopped = _runs(store)
+    assert stopped.info.status == "KILLED"
+    run_id = stopped.info.run_id
+    saved = list_checkpoints(tmp_path / "checkpoints" / run_id)
+    assert saved and all(path.is_dir() for path in saved)  # no file with the whole state
+    assert sorted(p.name for p in saved[-1].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert load_latest(saved[-1].parent).payload["model"] == {}  # meta.pt holds no weights
+
+    resumed = _runner(tmp_path, str(fsdp), "--resume", run_id, "--nproc-per-node", "1")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert MlflowClient(store).get_run(run_id).info.status == "FINISHED"
+    expected, got = _histories(store, reference.info.run_id), _histories(store, run_id)
+    for key in ("train/loss", "val/loss"):
+        assert [s for s, _ in got[key]] == [s for s, _ in expected[key]], key
+        for (step, a), (_, b) in zip(got[key], expected[key], strict=True):
+            assert a == pytest.approx(b, abs=1e-5), f"{key} at step {step}"

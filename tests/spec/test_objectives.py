@@ -6,7 +6,7 @@ import pytest
 
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
-from runner.spec.objectives import logged_name, mlflow_name_problem
+from runner.spec.names import logged_name, mlflow_name_problem
 
 
 def _issues(write_spec, extra: str) -> list[str]:

@@ -192,3 +192,107 @@ def test_compile_and_checkpointing_are_refused_under_dp_and_an_unknown_backend_e
     with pytest.raises(SpecError) as caught:
         _compile_backend("inductr")
     assert caught.value.issues[0].key == "train.compile_backend" and '"inductor"' in caught.value.issues[0].message
+
+
+def _payload(step: int) -> dict:
+    from runner.training.checkpoint import FORMAT_VERSION
+
+    return {"format": FORMAT_VERSION, "model": {}, "optimizer": {}, "state": {"global_step": step}, "rng": []}
+
+
+def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_back(fsdp_one, tmp_path):
+    from runner.training import checkpoint as ckpt
+
+    strategy = fsdp_one()
+    torch.manual_seed(0)
+    wrapped = strategy.wrap(Net())
+    opt = torch.optim.Adam(wrapped.parameters(), lr=0.1)
+    wrapped(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    folder = tmp_path / "ck"
+    for step in (1, 2, 3):  # keep_last = 2: the oldest folder and its digest go
+        ckpt.save_sharded(folder, strategy.sharded_state(wrapped, opt), _payload(step), step, 2, strategy.barrier)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step-00000002",
+        "step-00000002.sha256",
+        "step-00000003",
+        "step-00000003.sha256",
+    ]
+    newest = folder / "step-00000003"
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    found = ckpt.load_latest(folder)
+    assert found is not None and found.path == newest and found.payload["state"]["global_step"] == 3
+    whole = strategy.model_state(wrapped)  # gathered, as the none mode holds it
+    exported = ckpt.whole_model(found)  # what `runner export` writes: no process group needed
+    assert exported.keys() == whole.keys()
+    for key, value in whole.items():
+        assert torch.equal(exported[key], value), key
+
+    single = SingleDevice(cpu_plan(make_spec()))  # a sharded checkpoint resumes under none
+    plain = Net()
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    state = single.sharded_state(plain, plain_opt)
+    ckpt.load_sharded(newest, state)
+    single.set_sharded_state(plain, plain_opt, state)
+    for key, value in whole.items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    gathered = strategy.optimizer_state(wrapped, opt)
+    assert torch.equal(plain_opt.state_dict()["state"][0]["exp_avg"], gathered["state"][0]["exp_avg"])
+
+    fresh = strategy.wrap(Net())  # and back into fsdp
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    state = strategy.sharded_state(fresh, fresh_opt)
+    ckpt.load_sharded(newest, state)
+    strategy.set_sharded_state(fresh, fresh_opt, state)
+    for key, value in strategy.model_state(fresh).items():
+        assert torch.equal(value, whole[key]), key
+
+
+def test_a_damaged_shard_or_a_metadata_that_would_run_code_is_never_loaded(fsdp_one, tmp_path):
+    import os
+    import pickle
+
+    from runner.training import checkpoint as ckpt
+
+    strategy = fsdp_one()
+    wrapped = strategy.wrap(Net())
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    folder = tmp_path / "ck"
+    for step in (1, 2):
+        ckpt.save_sharded(folder, strategy.sharded_state(wrapped, opt), _payload(step), step, 5, strategy.barrier)
+    shard = folder / "step-00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged in place: same size, same name
+    shard.write_bytes(bytes(data))
+    found = ckpt.load_latest(folder)
+    assert found is not None and found.path.name == "step-00000001"  # the previous good one
+    ((skipped, reason),) = found.skipped
+    assert skipped.name == "step-00000002" and "SHA-256 of step-00000002/__0_0.distcp differs" in reason
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    metadata = folder / "step-00000001" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Exploit()))  # and its digest rewritten, as whoever can write the folder can
+    digests = {f"step-00000001/{p.name}": ckpt._sha256(p) for p in (folder / "step-00000001").iterdir()}
+    ckpt.write_digest(folder / "step-00000001", digests)
+    state = strategy.sharded_state(wrapped, opt)
+    with pytest.raises(ckpt.CheckpointError, match=r"refused: the DCP metadata holds (posix|os)\.system"):
+        ckpt.load_sharded(folder / "step-00000001", state)
+
+
+def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one):
+    # plain SGD keeps no tensor state: torch's full-state loader failed on it ("Expected device to be set"),
+    # which ended an fsdp run FAILED when it resumed from a checkpoint of the digits example
+    strategy = fsdp_one()
+    plain = Net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    plain(torch.randn(4, 8)).sum().backward()
+    plain_opt.step()
+    saved = plain_opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.0125  # as a schedule would have left it
+    fresh = strategy.wrap(Net())
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
+    strategy.load_optimizer_state(fresh, fresh_opt, saved)
+    assert fresh_opt.param_groups[0]["lr"] == 0.0125

@@ -1,4 +1,4 @@
-"""fsdp on CPU with gloo, two processes: parity with none, the memory it saves, export, resume on one process."""
+"""fsdp on CPU with gloo: parity with none, the memory it saves, export, resume on 1, 2 and 3 processes."""
 
 from __future__ import annotations
 
@@ -107,16 +107,24 @@ def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes() -> None:
     assert per_rank[0] == per_rank[1] == pytest.approx(whole / 2, rel=0.01)
 
 
-def test_a_run_checkpointed_on_two_processes_resumes_on_one_into_the_same_run(write_spec, store: str, capsys) -> None:
+def test_a_sharded_checkpoint_resumes_on_any_process_count_into_the_same_run(write_spec, store: str, capsys) -> None:
+    # fsdp 1 -> 2 -> 3 -> 1 processes, one resume each, every one through DCP's resharding; none is the reference.
     spec = str(write_spec())
-    steps = ["--set", "checkpoint.every_n_steps=3", "--set", "optim.momentum=0.9"]
+    steps = ["--set", "checkpoint.every_n_steps=1", "--set", "optim.momentum=0.9", "--set", "data.batch_size=12"]
     assert main(["exec", spec, *steps, "--set", "train.max_steps=6"]) == 0
-    assert main(["exec", spec, *steps, *FSDP, "--set", "train.max_steps=3"]) == 0
+    assert main(["exec", spec, *steps, *FSDP, "--set", "train.max_steps=2", "--nproc-per-node", "1"]) == 0
     client, (_, sharded) = _runs(store)
-    capsys.readouterr()
-    more = ["--set", "train.max_steps=6", "--allow-spec-change", "train.max_steps"]
-    assert main(["exec", spec, *steps, *FSDP, *more, "--resume", sharded.info.run_id, "--nproc-per-node", "1"]) == 0
-    assert "process layout changed on resume (parallel.nproc_per_node 2 -> 1)" in capsys.readouterr().err
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / sharded.info.run_id
+    for count, until in ((2, 4), (3, 5), (1, 6)):
+        capsys.readouterr()
+        more = ["--set", f"train.max_steps={until}", "--allow-spec-change", "train.max_steps"]
+        resume = ["--resume", sharded.info.run_id, "--nproc-per-node", str(count)]
+        assert main(["exec", spec, *steps, *FSDP, *more, *resume]) == 0
+        assert "process layout changed on resume (parallel.nproc_per_node" in capsys.readouterr().err
+        newest = load_latest(folder)
+        assert newest is not None and newest.path.name == f"step-{until:08d}" and newest.path.is_dir()
+        shards = sorted(p.name for p in newest.path.iterdir() if p.suffix == ".distcp")
+        assert shards == [f"__{rank}_0.distcp" for rank in range(count)]  # one per rank, none holds the whole
     client, (single, resumed) = _runs(store)
     assert resumed.info.run_id == sharded.info.run_id and resumed.info.status == "FINISHED"
     a, b = _losses(client, single.info.run_id), _losses(client, resumed.info.run_id)

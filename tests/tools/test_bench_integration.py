@@ -57,8 +57,10 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
     for name, row in rows.items():
         assert row["status"] == "ok", (name, row["reason"])
         assert row["timed_steps"] == 5 and row["timed_samples"] > 0
-        for key in ("samples_per_s", "step_time_median_s", "step_time_p90_s", "scaling_efficiency", "final_loss"):
+        for key in ("samples_per_s", "step_time_median_s", "step_time_p90_s", "final_loss"):
             assert row[key] is not None and row[key] > 0, (name, key, row[key])
+        # on a busy machine an efficiency beyond 100 % and the spread is withdrawn, and the row says why
+        assert (row["scaling_efficiency"] or 0) > 0 or "a measurement problem" in " ".join(row["noise"]), (name, row)
         assert row["step_time_p90_s"] >= row["step_time_median_s"]
         assert 0 <= row["data_wait_fraction"] < 1
         assert len(row["peak_memory_bytes"]) == row["n"] and min(row["peak_memory_bytes"]) > 0

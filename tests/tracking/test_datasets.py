@@ -6,8 +6,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.errors import TrackingError
-from runner.tracking import models as datasets
-from runner.tracking.models import DatasetRecord, record_data
+from runner.tracking import stored as datasets
+from runner.tracking.stored import DatasetRecord, record_data
 
 RECORD = DatasetRecord("synthetic train", "abc123", "training", 72, "synthetic", (8,))
 

@@ -20,7 +20,7 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import Interrupted, TrainingError
 from runner.launch.environment import LauncherEnvironment
-from runner.spec.objectives import MetricsSpec
+from runner.spec.names import MetricsSpec
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.base import Precision, Strategy
 from runner.strategies.ddp import DDPStrategy
@@ -413,3 +413,27 @@ def test_between_log_steps_a_step_makes_no_collective_and_reads_nothing_back(
     due = {s for s in range(1, 16) if s % 3 == 0 or s % 4 == 0 or s % STEPS_PER_EPOCH == 0}
     assert {s for s, _ in calls} == due, calls  # collectives only at a log step, a checkpoint or an epoch's end
     assert set(reads) <= due | {0}, sorted(set(reads) - due)
+
+
+def test_the_first_step_logs_the_time_since_the_command_started_once_and_only_when_asked() -> None:
+    import time
+
+    spec = make_spec()
+    tracker = RecordingTracker()
+    parts = make_parts(spec, tracker)
+    parts.started_at = time.time() - 100.0  # the command started 100 s ago
+    result = fit(parts, spec.train, checkpoint_spec=None)
+    assert tracker.steps_of("time_to_first_step_s") == [1]
+    (logged,) = tracker.values_of("time_to_first_step_s")
+    assert result.startup_s == logged and 100.0 <= logged < 100.0 + 600.0
+    assert all("time_to_first_step_s" not in m for _, m in result.history)  # a timing, kept out of the history
+
+    resumed = RecordingTracker()
+    again = make_parts(spec, resumed)
+    again.started_at = time.time()
+    fit(again, spec.train, TrainState(epoch=1, global_step=STEPS_PER_EPOCH))
+    assert resumed.steps_of("time_to_first_step_s") == [STEPS_PER_EPOCH + 1]  # the first step this process takes
+
+    untimed = RecordingTracker()
+    assert fit(make_parts(spec, untimed), spec.train, checkpoint_spec=None).startup_s is None
+    assert untimed.steps_of("time_to_first_step_s") == []

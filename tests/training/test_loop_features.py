@@ -105,3 +105,20 @@ def test_deterministic_mode_is_reproducible(write_spec) -> None:
     assert any("torch.use_deterministic_algorithms=True" in note for note in a.notes)
     assert torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
+
+
+def test_rank_0_builds_its_datasets_once_for_the_checks_and_the_training(write_spec, monkeypatch) -> None:
+    from runner.training import data
+
+    built = []
+    build = data.build_datasets
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(data, "build_datasets", counting)
+    monkeypatch.setattr("runner.training.setup.build_datasets", counting)
+    result = _run(write_spec, "train.max_steps=1")
+    assert result.workers[0].global_step == 1
+    assert len(built) == 1  # the prebuild checks' datasets are the training's

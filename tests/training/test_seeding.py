@@ -1,4 +1,4 @@
-"""Tests for runner.training.seeding: seeds, determinism switches, worker seeds and RNG state round trips."""
+"""Tests for runner.training.data: seeds, determinism switches, worker seeds and RNG state round trips."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from runner.training.seeding import (
+from runner.training.data import (
     CUBLAS_WORKSPACE_CONFIG,
     capture_rng_state,
     derive_seed,

@@ -14,8 +14,8 @@ from runner.devices.resolve import resolve_devices
 from runner.spec.loading import load_spec
 from runner.strategies.registry import SingleDevice
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
+from runner.training.data import SeedInfo
 from runner.training.loop import FitResult, TrainState
-from runner.training.seeding import SeedInfo
 from runner.training.setup import (
     Checkpointer,
     build_parts,

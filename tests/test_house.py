@@ -1,0 +1,68 @@
+"""The size budget of the package (docs/design.md, package map): modules, lines, module and function lengths,
+and no mode name compared outside ``runner/strategies/`` and the mode table. Each check runs on a small fake
+tree too, so it is shown to fail when it should."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "runner"
+MAX_MODULES = 73  # on the way to 70: lower it as modules merge, never raise it
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+MODE_TABLE = {"strategies", "spec/schema_parallel.py"}
+_MODE_COMPARED = re.compile(
+    r"""mode\w*\s*(==|!=|in)\s*[({\[]?["'](none|dp|ddp|fsdp)["']|["'](none|dp|ddp|fsdp)["']\s*(==|!=)\s*\w*mode"""
+)
+
+
+def long_functions(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def long_modules(root: Path) -> list[str]:
+    lengths = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in sorted(root.rglob("*.py"))}
+    return [f"{p.relative_to(root)} ({n} lines)" for p, n in lengths.items() if n > MAX_MODULE_LINES]
+
+
+def mode_names_compared(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in MODE_TABLE or rel.split("/")[0] in MODE_TABLE:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if _MODE_COMPARED.search(line.split("#")[0]):
+                found.append(f"{rel}:{number}: {line.strip()}")
+    return found
+
+
+def test_the_package_keeps_its_size_budget() -> None:
+    assert len(list(ROOT.rglob("*.py"))) <= MAX_MODULES
+    assert long_modules(ROOT) == []
+    assert long_functions(ROOT) == []
+
+
+def test_no_mode_name_is_compared_outside_the_strategies_and_the_mode_table() -> None:
+    assert mode_names_compared(ROOT) == []
+
+
+def test_each_check_reports_what_crosses_it(tmp_path: Path) -> None:
+    (tmp_path / "tools").mkdir()
+    body = "".join(f"    x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "tools" / "long.py").write_text(f"def f():\n{body}" + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "tools" / "modes.py").write_text('def g(mode):\n    return mode == "ddp"\n')
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "ok.py").write_text('def h(mode):\n    return mode == "ddp"\n')
+    assert long_functions(tmp_path) == [f"tools/long.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_modules(tmp_path) == [f"tools/long.py ({MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines)"]
+    assert mode_names_compared(tmp_path) == ['tools/modes.py:2: return mode == "ddp"']
