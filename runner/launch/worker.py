@@ -205,7 +205,13 @@ def _fit(
             epoch_end=epoch_end,
             started_at=args.started_at,
         )
-        fitted = setup.train(loop, spec, restored.state)
+        try:
+            fitted = setup.train(loop, spec, restored.state)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure or stop is what the run ends with
+                checkpointer.wait()
+            raise
+        checkpointer.wait()  # the last background save is in place before the run ends
         if spec.tracking.log_model:  # a collective where the parameters are sharded
             parts.raw_model = strategy.full_module(parts.model)
         if is_log_rank:

@@ -186,6 +186,13 @@ class CheckpointSpec(SpecTable):
     log_to_mlflow: bool = Field(
         default=False, description="Also log the final checkpoint as an MLflow artifact. Default: false."
     )
+    async_save: bool = Field(
+        default=False,
+        description=(
+            "fsdp: write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) "
+            "while training goes on; the run waits for the last one before it ends. Default: false."
+        ),
+    )
 
 
 class ExperimentSpec(SpecTable):

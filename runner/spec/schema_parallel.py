@@ -44,6 +44,8 @@ class ModeTraits:
         cuda_only: The mode cannot run on CPU.
         transforms_blocks: ``train.compile`` and ``train.activation_checkpointing`` apply (not to
             DataParallel, which copies the module onto every device at each forward).
+        shards_state: Each rank holds a shard of the model and optimizer; checkpoints keep them sharded, and
+            ``checkpoint.async_save`` applies.
     """
 
     launch: Literal["in-process", "elastic"]
@@ -51,6 +53,7 @@ class ModeTraits:
     replicas: bool = False
     cuda_only: bool = False
     transforms_blocks: bool = True
+    shards_state: bool = False
 
     @property
     def elastic(self) -> bool:
@@ -62,7 +65,7 @@ MODES: dict[str, ModeTraits] = {
     "none": ModeTraits("in-process"),
     "dp": ModeTraits("in-process", ("output_device", "dim"), replicas=True, cuda_only=True, transforms_blocks=False),
     "ddp": ModeTraits("elastic", (*_ELASTIC_KEYS, "find_unused_parameters", "static_graph", "gradient_as_bucket_view")),
-    "fsdp": ModeTraits("elastic", (*_ELASTIC_KEYS, "fsdp_blocks", "reshard_after_forward")),
+    "fsdp": ModeTraits("elastic", (*_ELASTIC_KEYS, "fsdp_blocks", "reshard_after_forward"), shards_state=True),
 }
 
 

@@ -98,7 +98,6 @@ class Strategy(ABC):
     """
 
     mode: ClassVar[str]
-    sharded_checkpoints: ClassVar[bool] = False  # checkpoints are folders of every rank's shards (DCP), not files
 
     def __init__(self, plan: DevicePlan) -> None:
         self.plan = plan
@@ -207,6 +206,16 @@ class Strategy(ABC):
     def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load :meth:`optimizer_state`'s output, written by any mode (call on every rank)."""
         optimizer.load_state_dict(state)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Checkpoints are folders of every rank's shards (DCP), not files (the mode's ``shards_state``)."""
+        return MODES[self.mode].shards_state
+
+    def save_group(self) -> Any:
+        """The process group of background checkpoint saves (their collectives must not meet training's on
+        the same group); ``None`` without a process group. Created on first call: call on every rank."""
+        return None
 
     def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model", "optimizer"}`` of ``torch.distributed.checkpoint.state_dict.get_state_dict``: this rank's

@@ -104,6 +104,7 @@ class DDPStrategy(Strategy):
         self._layout: _Layout | None = None
         self._owns_group = False
         self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
+        self._save_group: Any = None  # CPU gloo group of background checkpoint saves, made when needed
         self._stopping = False  # the stop decision, final once True
 
     def _need_setup(self) -> _Layout:
@@ -188,9 +189,11 @@ class DDPStrategy(Strategy):
         if dist.is_initialized():
             if self._owns_group:
                 dist.destroy_process_group()
-            elif self._flag_group is not None:
-                dist.destroy_process_group(self._flag_group)
-        self._flag_group = None
+            else:
+                for group in (self._flag_group, self._save_group):
+                    if group is not None:
+                        dist.destroy_process_group(group)
+        self._flag_group = self._save_group = None
         self._owns_group = False
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
@@ -242,6 +245,13 @@ class DDPStrategy(Strategy):
         buf = tensor.detach().to(self._collective_device(), copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         return buf.to(tensor.device)
+
+    def save_group(self) -> Any:
+        """A gloo group of every rank for background checkpoint saves, created on the first call."""
+        if self._save_group is None:
+            timeout = timedelta(seconds=self.parallel.timeout_s)
+            self._save_group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._save_group
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""

@@ -70,7 +70,6 @@ class FSDPStrategy(DDPStrategy):
     """
 
     mode = "fsdp"
-    sharded_checkpoints = True
 
     def __init__(self, plan: DevicePlan, parallel: ParallelSpec, env: LauncherEnvironment, amp: str = "no") -> None:
         super().__init__(plan, parallel, env)

@@ -114,13 +114,18 @@ def save_sharded(
     global_step: int,
     keep_last: int,
     barrier: Callable[[], None],
-) -> Path:
+    *,
+    background: Any = None,
+) -> PendingSave | None:
     """Write ``step-<global_step>/`` with every rank's shards of ``sharded`` (a collective: call on every rank).
 
     ``sharded`` is ``{"model": ..., "optimizer": ...}`` of ``get_state_dict`` (DTensor shards under fsdp); no rank
     gathers the whole state. The writing rank passes ``payload`` (the rest, :func:`build_payload` with empty model
     and optimizer; the others ``None``): it prepares a ``.partial`` folder, adds ``meta.pt``, writes the digest
     of every file, renames the folder into place and keeps the newest ``keep_last`` checkpoints.
+
+    With ``background`` (a process group of its own, or ``True`` without one) the shards are copied and written by
+    ``dcp.async_save`` while the caller goes on; the returned :class:`PendingSave` finishes the checkpoint.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -132,19 +137,51 @@ def save_sharded(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     barrier()  # the folder exists before any rank writes into it
-    dcp.save(sharded, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
-    if payload is not None:
+    pending = PendingSave(final, partial, payload, keep_last)
+    if background is None:
+        dcp.save(sharded, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
+        pending.finish()
+        return None
+    group = None if background is True else background
+    pending.future = dcp.async_save(sharded, checkpoint_id=partial, process_group=group)
+    return pending
+
+
+class PendingSave:
+    """A sharded checkpoint being written; :meth:`finish` waits for it and puts it in place (the writing rank).
+
+    A save that failed is named by :meth:`finish` and never used: its ``.partial`` folder is never listed.
+    """
+
+    def __init__(self, final: Path, partial: Path, payload: dict[str, Any] | None, keep_last: int) -> None:
+        self.final, self.partial, self.payload, self.keep_last = final, partial, payload, keep_last
+        self.future: Any = None
+
+    def finish(self) -> None:
+        """Wait for the shards, then (writing rank) add ``meta.pt`` and the digest and rename the folder;
+        CheckpointError, naming the checkpoint, when the background save failed on this rank."""
+        if self.future is not None:
+            import torch.distributed.checkpoint as dcp
+
+            try:
+                self.future.result()
+            except (Exception, dcp.CheckpointException) as exc:
+                raise CheckpointError(
+                    f"checkpoint {self.final.name} was not saved ({_dcp_error(exc)}); it is not used"
+                ) from None
+        if self.payload is None:
+            return
+        final, partial = self.final, self.partial
         buffer = io.BytesIO()
-        torch.save(payload, buffer)
+        torch.save(self.payload, buffer)
         _write_atomic(partial, buffer.getbuffer(), final=partial / META)
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         write_digest(final, {f"{final.name}/{p.relative_to(partial).as_posix()}": _sha256(p) for p in files})
         if final.exists():  # an epoch's checkpoint at the step of a step checkpoint
             shutil.rmtree(final)
         os.replace(partial, final)
-        _fsync_dir(directory)
-        _rotate(directory, keep_last)
-    return final
+        _fsync_dir(final.parent)
+        _rotate(final.parent, self.keep_last)
 
 
 def _check_plain(payload: dict[str, Any]) -> None:

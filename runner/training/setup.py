@@ -269,43 +269,66 @@ class Checkpointer:
         self.run_id, self.writer, self.tracker = run_id, writer, tracker
         flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
         self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
+        self.background: Any = None  # where sharded checkpoints are saved while training goes on
+        if self.settings.enabled and self.settings.async_save and strategy.sharded_checkpoints:
+            self.background = strategy.save_group() or True  # a collective: every rank constructs this
+        self.pending: ckpt.PendingSave | None = None
 
     def __call__(self, state: TrainState, reason: str) -> None:
-        """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``."""
+        """Save ``state`` (a collective: call on every rank). ``reason`` is ``"step"``, ``"epoch"`` or ``"signal"``;
+        a signal's checkpoint is written before the call returns, the others in the background where asked."""
         rng_states = self.strategy.all_gather_object(capture_rng_state())
         if not self.settings.enabled:
             self.strategy.barrier()
             return
-        sharded = self.strategy.sharded_checkpoints
-        if sharded:  # every rank writes its own shards: nothing is gathered
-            model_state, optimizer_state = {}, {}
-            shards = self.strategy.sharded_state(self.parts.model, self.parts.optimizer)
-        else:  # the whole state on the writing rank
-            model_state = self.strategy.model_state(self.parts.model)
-            optimizer_state = self.strategy.optimizer_state(self.parts.model, self.parts.optimizer)
-        payload = None
-        if self.writer:
-            # Metrics up to a checkpoint must be sent (or spooled) before it is written: a resume
-            # continues from the checkpoint and only logs again what comes after it.
-            self.tracker.flush()
-            payload = ckpt.build_payload(
-                model_state=model_state,
-                optimizer_state=optimizer_state,
-                scheduler=self.parts.scheduler,
-                scaler=self.parts.precision,  # its state_dict() is None without scaling
-                state=state,
-                rng_states=rng_states,
-                spec_flat=self.spec_flat,
-                spec_sha256=self.spec_sha256,
-                run_id=self.run_id,
-                metrics_recorded=_recorded(self.tracker),
+        keep, model, optimizer = self.settings.keep_last, self.parts.model, self.parts.optimizer
+        if self.strategy.sharded_checkpoints:  # every rank writes its own shards: nothing is gathered
+            shards = self.strategy.sharded_state(model, optimizer)
+            payload = self._payload(state, rng_states, {}, {})
+            self.wait()  # one background save at a time, in step order
+            background = self.background if reason != "signal" else None
+            barrier = self.strategy.barrier
+            self.pending = ckpt.save_sharded(
+                self.folder, shards, payload, state.global_step, keep, barrier, background=background
             )
-        keep = self.settings.keep_last
-        if sharded:
-            ckpt.save_sharded(self.folder, shards, payload, state.global_step, keep, self.strategy.barrier)
-        elif payload is not None:
-            ckpt.save_checkpoint(self.folder, payload, keep)
+        else:  # the whole state on the writing rank
+            whole = self.strategy.model_state(model), self.strategy.optimizer_state(model, optimizer)
+            payload = self._payload(state, rng_states, *whole)
+            if payload is not None:
+                ckpt.save_checkpoint(self.folder, payload, keep)
         self.strategy.barrier()
+
+    def wait(self) -> None:
+        """Finish the background save in flight, if any (every rank; the run's end and a stop call it too).
+
+        Raises:
+            CheckpointError: It failed: the checkpoint is named and never used.
+        """
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish()
+
+    def _payload(
+        self, state: TrainState, rng_states: list[dict[str, Any]], model: dict[str, Any], optimizer: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """What the writing rank saves (``None`` on the others)."""
+        if not self.writer:
+            return None
+        # Metrics up to a checkpoint must be sent (or spooled) before it is written: a resume
+        # continues from the checkpoint and only logs again what comes after it.
+        self.tracker.flush()
+        return ckpt.build_payload(
+            model_state=model,
+            optimizer_state=optimizer,
+            scheduler=self.parts.scheduler,
+            scaler=self.parts.precision,  # its state_dict() is None without scaling
+            state=state,
+            rng_states=rng_states,
+            spec_flat=self.spec_flat,
+            spec_sha256=self.spec_sha256,
+            run_id=self.run_id,
+            metrics_recorded=_recorded(self.tracker),
+        )
 
 
 def _recorded(tracker: Tracker) -> int:

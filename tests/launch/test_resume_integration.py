@@ -16,6 +16,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from runner.cli import main
 from runner.launch.worker import STOPPING
 from runner.training.checkpoint import list_checkpoints, load_latest
 from tests.helpers import ASSETS, wait_for, write_spec_file
@@ -215,17 +216,22 @@ def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 
-def test_resume_with_edited_spec_exits_2_listing_keys(tmp_path: Path, finished: tuple[Path, str]) -> None:
+def test_resume_with_edited_spec_exits_2_listing_keys(
+    tmp_path: Path, finished: tuple[Path, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec, store = finished
     (run,) = _runs(store)
-    edited = _runner(tmp_path, str(spec), "--resume", run.info.run_id, "--set", "optim.lr=0.2", "--set", "seed=4")
-    assert edited.returncode == 2
-    assert "optim.lr" in edited.stderr and "seed" in edited.stderr and "Traceback" not in edited.stderr
-    finished = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
-    assert finished.returncode == 2 and "already FINISHED" in finished.stderr
+    monkeypatch.chdir(tmp_path)  # the refusals in this process: they start no training, so no new process is needed
+
+    def refused(*args: str) -> str:
+        assert main(["exec", str(spec), "--resume", run.info.run_id, *args]) == 2
+        return capsys.readouterr().err
+
+    edited = refused("--set", "optim.lr=0.2", "--set", "seed=4")
+    assert "optim.lr" in edited and "seed" in edited and "Traceback" not in edited
+    assert "already FINISHED" in refused()
     more_epochs = ("--resume", run.info.run_id, "--set", "train.epochs=4", "--allow-spec-change")
-    typo = _runner(tmp_path, str(spec), *more_epochs, "train.epoch")
-    assert typo.returncode == 2 and "did you mean train.epochs" in typo.stderr
+    assert "did you mean train.epochs" in refused(*more_epochs[2:], "train.epoch")
     allowed = _runner(tmp_path, str(spec), *more_epochs, "train.epochs")
     assert allowed.returncode == 0, allowed.stderr
     again = MlflowClient(store).get_run(run.info.run_id)
@@ -276,16 +282,19 @@ def test_sigterm_under_fsdp_leaves_shards_ends_killed_and_resumes_on_one_process
     tmp_path: Path, finished: tuple[Path, str]
 ) -> None:
     # The preemption path under fsdp: each rank writes its shards at the stop; one process continues from them.
+    # The checkpoints before it are saved in the background (checkpoint.async_save); the stop's is not.
     _, store = finished  # a finished none run of the same spec: the reference
-    fsdp = _write(tmp_path, store, {**DDP, "mode": "fsdp"}, EVERY_2, name="fsdp.toml")
+    fsdp = _write(tmp_path, store, {**DDP, "mode": "fsdp"}, {**EVERY_2, "async_save": True}, name="fsdp.toml")
     proc = _interrupt(tmp_path, fsdp)
     assert proc.returncode == 130, proc.stdout
     reference, stopped = _runs(store)
     assert stopped.info.status == "KILLED"
     run_id = stopped.info.run_id
     saved = list_checkpoints(tmp_path / "checkpoints" / run_id)
-    assert saved and all(path.is_dir() for path in saved)  # no file with the whole state
-    assert sorted(p.name for p in saved[-1].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert len(saved) >= 2 and all(path.is_dir() for path in saved)  # no file with the whole state
+    for path in saved:  # the background saves before the stop are complete, as the stop's own is
+        assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert not list((tmp_path / "checkpoints" / run_id).glob(".*.partial"))
     assert load_latest(saved[-1].parent).payload["model"] == {}  # meta.pt holds no weights
 
     resumed = _runner(tmp_path, str(fsdp), "--resume", run_id, "--nproc-per-node", "1")

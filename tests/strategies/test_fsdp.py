@@ -296,3 +296,43 @@ def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one):
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
     strategy.load_optimizer_state(fresh, fresh_opt, saved)
     assert fresh_opt.param_groups[0]["lr"] == 0.0125
+
+
+def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_and_never_used(
+    fsdp_one, tmp_path, monkeypatch
+):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from runner.training import checkpoint as ckpt
+
+    strategy = fsdp_one()
+    wrapped = strategy.wrap(Net())
+    opt = torch.optim.Adam(wrapped.parameters(), lr=0.1)
+    wrapped(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    folder, group = tmp_path / "ck", strategy.save_group()
+    pending = ckpt.save_sharded(
+        folder, strategy.sharded_state(wrapped, opt), _payload(1), 1, 2, strategy.barrier, background=group
+    )
+    assert pending is not None
+    before = {k: v.clone() for k, v in strategy.model_state(wrapped).items()}
+    with torch.no_grad():
+        for p in wrapped.parameters():  # training goes on: the save holds the state it was given
+            p.add_(1.0)
+    pending.finish()
+    found = ckpt.load_latest(folder)
+    assert found is not None and found.path.name == "step-00000001"
+    for key, value in ckpt.whole_model(found).items():
+        assert torch.equal(value, before[key]), key
+
+    def fail(*_args, **_kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)
+    pending = ckpt.save_sharded(
+        folder, strategy.sharded_state(wrapped, opt), _payload(2), 2, 2, strategy.barrier, background=group
+    )
+    assert pending is not None
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step-00000002 was not saved .*No space left"):
+        pending.finish()
+    assert [p.name for p in ckpt.list_checkpoints(folder)] == ["step-00000001"]  # the failed one is never used
