@@ -7,7 +7,7 @@ keys); :mod:`~runner.spec.reading` (files -> dict, key origins, the folders a sp
 :mod:`~runner.spec.overrides` (``--set``), :mod:`~runner.spec.loading` (validation into located issues,
 which specs extend a file, ``runner validate``), :mod:`~runner.spec.messages` with
 :mod:`~runner.errors` (how problems are worded, did-you-mean), :mod:`~runner.spec.dump` (TOML, flat
-keys, hash, the keys that apply, run names), :mod:`~runner.spec.locate` (key lines) and
+keys, hash, the keys that apply, run names), :mod:`~runner.spec.messages` (key lines) and
 :mod:`~runner.spec.editor_schema` (the JSON Schema for editors, ``.taplo.toml``, the Markdown reference).
 Imports neither torch nor mlflow, so ``runner validate`` answers on any laptop.
 """

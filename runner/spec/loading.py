@@ -29,8 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from runner.errors import SpecIssue
 from runner.spec.dump import spec_sha256
-from runner.spec.locate import Loc, format_key, locate_keys
-from runner.spec.messages import explain_errors
+from runner.spec.messages import Loc, explain_errors, format_key, locate_keys
 from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
 from runner.spec.reading import Origin, Provenance, read_tree
 from runner.spec.rules import INT64_LIMIT

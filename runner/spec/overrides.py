@@ -23,8 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecIssue, did_you_mean, show, with_hint
-from runner.spec.locate import Loc, format_key
-from runner.spec.messages import annotation_at, unwrap_optional
+from runner.spec.messages import Loc, annotation_at, format_key, unwrap_optional
 from runner.spec.reading import PATH_KEYS, Origin, Provenance, SpecTree, forget
 from runner.spec.schema import ExperimentSpec
 

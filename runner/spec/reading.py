@@ -23,7 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecIssue, show
-from runner.spec.locate import Loc, format_key, line_of, locate_keys
+from runner.spec.messages import Loc, format_key, line_of, locate_keys
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the
 # file that wrote them (``--set`` values against the working directory).

@@ -86,7 +86,7 @@ def run_sweep(
             trials, the parent run is KILLED.
     """
     from runner.spec.loading import load_spec
-    from runner.spec.locate import locate_keys
+    from runner.spec.messages import locate_keys
 
     say = log or _stderr
     if jobs < 1:

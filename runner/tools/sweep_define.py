@@ -117,7 +117,7 @@ def build_definition(
     Args:
         sweep: The spec's ``[sweep]`` table, or ``None``.
         spec_file: The spec file, for error locations.
-        key_lines: :func:`runner.spec.locate.locate_keys` of that file, for line numbers.
+        key_lines: :func:`runner.spec.messages.locate_keys` of that file, for line numbers.
 
     Raises:
         UsageError: A malformed or repeated command-line entry, nothing to sweep, a forbidden
@@ -164,7 +164,7 @@ def trial_names(loaded: LoadedSpec) -> list[str]:
         SpecError: As :func:`build_definition`.
     """
     from runner.spec.dump import trial_run_name
-    from runner.spec.locate import locate_keys
+    from runner.spec.messages import locate_keys
 
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
     if definition.method == "grid":

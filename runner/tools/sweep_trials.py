@@ -198,7 +198,7 @@ def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) 
         base: The spec (with its ``[sweep]`` table).
         grid, random: The ``--grid`` and ``--random`` entries (``KEY=...``).
     """
-    from runner.spec.locate import locate_keys
+    from runner.spec.messages import locate_keys
 
     if base.spec.sweep is None:
         return {}

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
 from runner.errors import SpecError
 from runner.spec.dump import dump_spec, flatten_spec
 from runner.spec.loading import LoadedSpec, load_spec, spec_from_dict
-from runner.spec.locate import format_key, line_of, locate_keys
+from runner.spec.messages import format_key, line_of, locate_keys
 from tests.helpers import SMALL, spec_text
 
 ASSETS = Path(__file__).parents[1] / "assets"

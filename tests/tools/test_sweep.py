@@ -185,7 +185,7 @@ def test_bad_definitions_are_usage_errors(kwargs: dict, fragment: str) -> None:
 def test_a_range_in_a_grid_sweep_is_a_spec_error_with_its_line(write_spec) -> None:
     path = write_spec('[sweep]\n[sweep.params."optim.lr"]\nlow = 0.001\nhigh = 0.1\n')
     loaded = load_spec(path)
-    from runner.spec.locate import locate_keys
+    from runner.spec.messages import locate_keys
 
     with pytest.raises(SpecError) as info:
         build_definition(loaded.spec.sweep, spec_file=path, key_lines=locate_keys(loaded.source_text))
