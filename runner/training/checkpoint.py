@@ -115,7 +115,8 @@ def save_sharded(
     keep_last: int,
     barrier: Callable[[], None],
     *,
-    background: Any = None,
+    background: bool = False,
+    group: Any = None,
 ) -> PendingSave | None:
     """Write ``step-<global_step>/`` with every rank's shards of ``sharded`` (a collective: call on every rank).
 
@@ -124,8 +125,8 @@ def save_sharded(
     and optimizer; the others ``None``): it prepares a ``.partial`` folder, adds ``meta.pt``, writes the digest
     of every file, renames the folder into place and keeps the newest ``keep_last`` checkpoints.
 
-    With ``background`` (a process group of its own, or ``True`` without one) the shards are copied and written by
-    ``dcp.async_save`` while the caller goes on; the returned :class:`PendingSave` finishes the checkpoint.
+    With ``background`` the shards are copied and written by ``dcp.async_save`` (on ``group``, a process group of
+    its own; ``None``: the default one) while the caller goes on; the returned :class:`PendingSave` finishes it.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -138,11 +139,10 @@ def save_sharded(
         partial.mkdir()
     barrier()  # the folder exists before any rank writes into it
     pending = PendingSave(final, partial, payload, keep_last)
-    if background is None:
+    if not background:
         dcp.save(sharded, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
         pending.finish()
         return None
-    group = None if background is True else background
     pending.future = dcp.async_save(sharded, checkpoint_id=partial, process_group=group)
     return pending
 

@@ -269,9 +269,9 @@ class Checkpointer:
         self.run_id, self.writer, self.tracker = run_id, writer, tracker
         flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
         self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
-        self.background: Any = None  # where sharded checkpoints are saved while training goes on
-        if self.settings.enabled and self.settings.async_save and strategy.sharded_checkpoints:
-            self.background = strategy.save_group() or True  # a collective: every rank constructs this
+        # sharded checkpoints saved while training goes on, on a group of their own (made here: a collective)
+        self.background = self.settings.enabled and self.settings.async_save and strategy.sharded_checkpoints
+        self.group = strategy.save_group() if self.background else None
         self.pending: ckpt.PendingSave | None = None
 
     def __call__(self, state: TrainState, reason: str) -> None:
@@ -286,10 +286,10 @@ class Checkpointer:
             shards = self.strategy.sharded_state(model, optimizer)
             payload = self._payload(state, rng_states, {}, {})
             self.wait()  # one background save at a time, in step order
-            background = self.background if reason != "signal" else None
+            background = self.background and reason != "signal"
             barrier = self.strategy.barrier
             self.pending = ckpt.save_sharded(
-                self.folder, shards, payload, state.global_step, keep, barrier, background=background
+                self.folder, shards, payload, state.global_step, keep, barrier, background=background, group=self.group
             )
         else:  # the whole state on the writing rank
             whole = self.strategy.model_state(model), self.strategy.optimizer_state(model, optimizer)

@@ -312,7 +312,7 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
     opt.step()
     folder, group = tmp_path / "ck", strategy.save_group()
     pending = ckpt.save_sharded(
-        folder, strategy.sharded_state(wrapped, opt), _payload(1), 1, 2, strategy.barrier, background=group
+        folder, strategy.sharded_state(wrapped, opt), _payload(1), 1, 2, strategy.barrier, background=True, group=group
     )
     assert pending is not None
     before = {k: v.clone() for k, v in strategy.model_state(wrapped).items()}
@@ -330,7 +330,7 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
 
     monkeypatch.setattr(FileSystemWriter, "write_data", fail)
     pending = ckpt.save_sharded(
-        folder, strategy.sharded_state(wrapped, opt), _payload(2), 2, 2, strategy.barrier, background=group
+        folder, strategy.sharded_state(wrapped, opt), _payload(2), 2, 2, strategy.barrier, background=True, group=group
     )
     assert pending is not None
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step-00000002 was not saved .*No space left"):
