@@ -22,7 +22,7 @@ def first_line(exc: BaseException) -> str:
     return next((line for line in str(exc).splitlines() if line.strip()), "")
 
 
-_USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/@'\"]*@")
+_USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/]*@")
 _HTTP_TOKEN = re.compile(r"(?P<head>\bhttps?://)[^\s/:@'\"]+@")
 _QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key)=)[^&;\s'\"]*")
 
@@ -32,7 +32,8 @@ def mask_secrets(text: str) -> str:
 
     ``http://alice:s3cret@host`` -> ``http://alice:***@host``, ``postgresql://u:pw@h/db`` ->
     ``postgresql://u:***@h/db``, a bare user of an http(s) URL (a token: ``https://TOKEN@host``) ->
-    ``https://***@host``, and ``?password=``/``token=``/... query values. The one masking used for
+    ``https://***@host``, and ``?password=``/``token=``/... query values. A password runs to the authority's
+    last ``@`` (``'`` and an unencoded ``@`` included, as ``urllib.parse`` reads it). The one masking used for
     every URI runner records, prints or puts in a message (tracking URI, Optuna storage URL).
     """
     text = _USER_PASSWORD.sub(r"\g<head>:***@", text)

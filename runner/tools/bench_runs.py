@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from runner.errors import Interrupted
+from runner.errors import Interrupted, mask_secrets
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import spread, steady, tail
 from runner.tools.bench_measure import combine, summarize
@@ -52,7 +52,7 @@ def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -
         uri=uri,
         experiment=report.experiment,
     )
-    report.parent_run_id, report.tracking_uri = handle.run_id, uri
+    report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
     return Parent(uri, handle.run_id, report.experiment)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
+from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line, mask_secrets
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ def _start_parent(base: LoadedSpec, report: ParityReport) -> tuple[str, str] | N
     description = {"mode": "parity", "parity": {"configurations": configs, "steps": report.steps}}
     tags = {"runner.parity": "parent", "runner.parity.configs": ",".join(configs)}
     handle = start_run(base, description, run_name=f"parity-{report.name}", extra_tags=tags, uri=uri)
-    report.parent_run_id, report.tracking_uri = handle.run_id, uri
+    report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
     report.experiment = base.spec.tracking.experiment or base.spec.name
     return uri, handle.run_id
 

@@ -25,6 +25,9 @@ from tests.helpers import write_spec_file
         ("postgresql://h/db?user=u&password=pw", "postgresql://h/db?user=u&password=***"),
         ("postgresql://user@h/db", "postgresql://user@h/db"),
         ("sqlite:////tmp/a.db", "sqlite:////tmp/a.db"),
+        ("http://dan:it's@n0t@h:1/api", "http://dan:***@h:1/api"),
+        ("uri = 'postgresql://u:p@ss@h/db' here", "uri = 'postgresql://u:***@h/db' here"),
+        ("{'uri': 'http://h:5000', 'to': 'a@b'}", "{'uri': 'http://h:5000', 'to': 'a@b'}"),
         ('at "http://alice:s3cret@h:1/api": refused', 'at "http://alice:***@h:1/api": refused'),
     ],
 )

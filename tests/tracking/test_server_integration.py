@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -113,31 +114,37 @@ def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server)
     host = mlflow_server.url.removeprefix("http://")
     spec = write_spec_file(tmp_path / "creds.toml", name="creds", train={"epochs": 1}, tracking={"experiment": "c"})
     given = f'tracking.uri="http://alice:s3cret@{host}"'
+    quoted = f"tracking.uri=\"http://dan:it's@n0t@{host}\""  # a quote and an unencoded @, as urllib reads them
     printed = [_runner(tmp_path, "plan", str(spec), "--set", given)]
     printed.append(_runner(tmp_path, *exec_args(spec, given)))
     printed.append(_runner(tmp_path, *exec_args(spec), MLFLOW_TRACKING_URI=f"http://bob:t0psecret@{host}"))
     printed.append(_runner(tmp_path, *exec_args(spec, 'tracking.uri="postgresql://carol:pgs3cret@127.0.0.1:1/db"')))
-    assert [p.returncode for p in printed] == [0, 0, 0, 2], [p.stderr for p in printed]
-    secrets = ("s3cret", "t0psecret", "pgs3cret")
+    bench = ("bench", str(spec), "--modes", "none", "--steps", "2", "--warmup", "1", "--repeats", "1:1")
+    printed.append(_runner(tmp_path, *bench, "--out", str(tmp_path / "bench"), "--set", quoted))
+    assert [p.returncode for p in printed] == [0, 0, 0, 2, 0], [p.stderr for p in printed]
+    secrets = ("s3cret", "t0psecret", "pgs3cret", "it's", "s@n0t", "n0t@", "it%27s")
     for proc in printed:
         for secret in secrets:
             assert secret not in proc.stdout + proc.stderr, (secret, proc.stdout, proc.stderr)
     assert "alice:***@" in printed[0].stdout and "bob:***@" in printed[2].stdout
     assert "carol:***@127.0.0.1:1" in printed[3].stderr
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["tracking_uri"] == f"http://dan:***@{host}"
 
     client = MlflowClient(mlflow_server.url)
     runs = client.search_runs([client.get_experiment_by_name("c").experiment_id])
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    runs += client.search_runs([client.get_experiment_by_name("c/bench").experiment_id])
+    assert len(runs) == 4, [r.info.run_name for r in runs]  # the bench's parent and its one configuration
     for run in runs:
         fields = [run.info.run_name, *run.data.params.items(), *run.data.tags.items()]
         downloaded = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id)))
         fields += [p.read_bytes().decode(errors="replace") for p in downloaded.rglob("*") if p.is_file()]
         assert {"spec/plan.json", "spec/resolved.toml"} <= {
             p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*")
-        }
+        } or run.data.tags.get("runner.bench") == "parent"
         for secret in secrets:
             assert not [f for f in fields if secret in str(f)], secret
-    for path in tmp_path.rglob("*"):  # the server's store and artifacts, checkpoints, spools
+    for path in tmp_path.rglob("*"):  # the server's store and artifacts, checkpoints, spools, bench.json
         if path.is_file():
             data = path.read_bytes()
             assert not [s for s in secrets if s.encode() in data], path
