@@ -114,7 +114,7 @@ def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server)
     host = mlflow_server.url.removeprefix("http://")
     spec = write_spec_file(tmp_path / "creds.toml", name="creds", train={"epochs": 1}, tracking={"experiment": "c"})
     given = f'tracking.uri="http://alice:s3cret@{host}"'
-    quoted = f"tracking.uri=\"http://dan:it's@n0t@{host}\""  # a quote and an unencoded @, as urllib reads them
+    quoted = f'tracking.uri="http://dan:it\'s@n0t@{host}"'  # a quote and an unencoded @, as urllib reads them
     printed = [_runner(tmp_path, "plan", str(spec), "--set", given)]
     printed.append(_runner(tmp_path, *exec_args(spec, given)))
     printed.append(_runner(tmp_path, *exec_args(spec), MLFLOW_TRACKING_URI=f"http://bob:t0psecret@{host}"))
