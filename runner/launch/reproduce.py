@@ -9,10 +9,13 @@ warns first when the code may differ: another git commit, or a dirty working tre
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from runner.errors import UsageError, show
 from runner.launch.resume import RESUMABLE
@@ -115,6 +118,45 @@ def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
     return exec_experiment(stored.loaded(), ExecOptions(resume=run_id, tracking_uri=uri))
 
 
+def _export_target(target: Path) -> Path:
+    """``target`` when writing there replaces nothing but a regular file.
+
+    Raises:
+        UsageError: It is a folder, a link, a device, a FIFO or a socket (exit 2).
+    """
+    try:
+        mode = os.lstat(target).st_mode
+    except FileNotFoundError:
+        return target
+    except OSError as exc:
+        raise UsageError(f"--out {target}: cannot write there ({exc.strerror}); name a writable path") from None
+    if stat.S_ISREG(mode):
+        return target
+    kind = "a folder" if stat.S_ISDIR(mode) else "a link" if stat.S_ISLNK(mode) else "not a regular file"
+    fix = f"name a file in it, e.g. --out {target / 'model.pt'}" if stat.S_ISDIR(mode) else "name another path"
+    raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
+
+
+def _write_replacing(target: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write`` into a hidden ``.NAME.partial`` beside ``target``, then rename it over ``target``.
+
+    Raises:
+        UsageError: The folder cannot be made or written (exit 2); no partial file is left.
+    """
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "wb") as handle:
+            write(handle)
+        os.replace(partial, target)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc}); name a writable path") from None
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
     """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
 
@@ -131,17 +173,15 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     Raises:
         UsageError: No such run, a run without runner's stored spec, or no usable checkpoint.
     """
-    import os
-
     import torch
 
-    from runner.spec.reading import default_checkpoint_dir
-    from runner.tracking.stored import read_stored_run, store_uri
+    from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
     from runner.training.checkpoint import CheckpointError, load_latest, whole_model
 
     uri = store_uri(tracking_uri)
-    spec = read_stored_run(uri, run_id).loaded().spec
-    directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    stored = read_stored_run(uri, run_id)
+    spec = stored.loaded().spec
+    directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
     try:
         found = load_latest(directory)
     except CheckpointError as exc:
@@ -149,11 +189,8 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     if found is None:
         raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
-    target = Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
-    torch.save(whole_model(found), partial)
-    os.replace(partial, target)
+    target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
+    _write_replacing(target, lambda handle: torch.save(whole_model(found), handle))
     return (
         f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
         "load it with model.load_state_dict(torch.load(FILE))"

@@ -71,8 +71,8 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         SpecError: The spec differs from the run's in keys not allowed to change.
         CheckpointError: Every checkpoint of the run is damaged (exit 1).
     """
-    from runner.spec.reading import default_checkpoint_dir
     from runner.tracking import runs as tracking
+    from runner.tracking.stored import run_checkpoint_dir
     from runner.training.checkpoint import CheckpointError
 
     uri, spec = plan.tracking_uri, plan.loaded.spec
@@ -80,7 +80,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
     run_id, chosen = _resolve_resume(uri, plan.experiment, options.resume)
     claimed = claim_run(uri, run_id) if plan.owns_run else []
-    directory = default_checkpoint_dir(uri, spec.checkpoint.dir, run_id)
+    directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
     try:
         changes, complete, notes = _check_resume(
             plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator
@@ -371,8 +371,9 @@ def settle(uri: str, run_id: str) -> Settled:
 def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
     """Send what the run's spool kept (its folder is tag ``runner.checkpoint_dir``), or ``None`` without one."""
     from runner.tracking.spool import send_spool, spool_path
+    from runner.tracking.stored import CHECKPOINT_DIR_TAG
 
-    folder = tags.get("runner.checkpoint_dir")
+    folder = tags.get(CHECKPOINT_DIR_TAG)
     return send_spool(uri, run_id, spool_path(folder)) if folder else None
 
 

@@ -113,15 +113,17 @@ class RunSession:
 
     def _create(self) -> None:
         from runner.spec.reading import default_checkpoint_dir
+        from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir, set_run_tags
 
-        plan, uri = self.plan, self.plan.tracking_uri
+        plan, uri, spec_dir = self.plan, self.plan.tracking_uri, self.plan.loaded.spec.checkpoint.dir
         self.run_id = open_run(plan, self.options, plan.owns_run, self.resume)
         run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self.checkpoint_dir = str(default_checkpoint_dir(uri, plan.loaded.spec.checkpoint.dir, run_key))
+        if self.resume is not None and self.run_id is not None and uri is not None:  # where its checkpoints are
+            self.checkpoint_dir = str(run_checkpoint_dir(uri, self.run_id, spec_dir))
+        else:
+            self.checkpoint_dir = str(default_checkpoint_dir(uri, spec_dir, run_key))
         if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
-            from runner.tracking.stored import set_run_tags
-
-            set_run_tags(uri, self.run_id, {"runner.checkpoint_dir": self.checkpoint_dir})
+            set_run_tags(uri, self.run_id, {CHECKPOINT_DIR_TAG: self.checkpoint_dir})
 
     def _show_notes(self) -> None:
         from runner.errors import show_notes

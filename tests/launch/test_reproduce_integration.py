@@ -175,8 +175,9 @@ def test_the_interrupt_message_is_runner_resume_and_works_as_printed(store: str,
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)  # the resumed model, bit for bit
 
 
-def test_resume_refuses_finished_unknown_and_foreign_runs(write_spec, store: str, capsys) -> None:
+def test_resume_refuses_finished_unknown_and_foreign_runs(write_spec, store: str, tmp_path: Path, capsys) -> None:
     finished = exec_ok(store, str(write_spec()), "--set", "train.epochs=1")
+    _export_replaces_only_a_regular_file(finished, tmp_path, capsys)
     capsys.readouterr()
     assert main(["resume", finished]) == 2
     assert f"run {finished} at {store} already FINISHED" in capsys.readouterr().err
@@ -190,6 +191,27 @@ def test_resume_refuses_finished_unknown_and_foreign_runs(write_spec, store: str
         assert f"run {foreign} at {store} has no spec stored by runner" in capsys.readouterr().err
     assert main(["resume", finished, "--tracking-uri", f"{store}-missing"]) == 2
     assert "there is no tracking store there" in capsys.readouterr().err
+
+
+def _export_replaces_only_a_regular_file(run_id: str, tmp_path: Path, capsys) -> None:
+    """``runner export --out`` refuses a folder, a link, a FIFO and a device, and leaves no partial file."""
+    capsys.readouterr()
+    folder, fifo, link, plain = tmp_path / "folder", tmp_path / "fifo", tmp_path / "link", tmp_path / "plain.pt"
+    folder.mkdir()
+    os.mkfifo(fifo)
+    plain.write_text("old")
+    link.symlink_to(plain)
+    refused = {folder: "is a folder", fifo: "is not a regular file", link: "is a link"}
+    refused |= {Path("/dev/null"): "is not a regular file", plain / "x.pt": "cannot write there"}
+    for out, says in refused.items():
+        assert main(["export", run_id, "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err
+        assert f"--out {out}" in err and says in err and "Traceback" not in err, err
+    assert folder.is_dir() and not any(folder.iterdir()) and fifo.is_fifo() and link.is_symlink()
+    assert Path("/dev/null").is_char_device() and plain.read_text() == "old"
+    assert not list(tmp_path.glob(".*.partial")), list(tmp_path.iterdir())
+    assert main(["export", run_id, "--out", str(plain)]) == 0  # a regular file is replaced
+    assert torch.load(plain, weights_only=True).keys()
 
 
 # ----------------------------------------------------------------------------- reproduce, diff

@@ -148,3 +148,31 @@ def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server)
         if path.is_file():
             data = path.read_bytes()
             assert not [s for s in secrets if s.encode() in data], path
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_served_run_resumes_and_exports_from_another_directory(tmp_path, mlflow_server):
+    """Checkpoints are found through the run's tag ``runner.checkpoint_dir``, not the working directory."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    spec = write_spec_file(tmp_path / "away.toml", name="away", train={"epochs": 1}, tracking={"experiment": "a"})
+    uri = f'tracking.uri="{mlflow_server.url}"'
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert _runner(tmp_path, *exec_args(spec, uri)).returncode == 0
+    client = MlflowClient(mlflow_server.url)
+    (run,) = client.search_runs([client.get_experiment_by_name("a").experiment_id])
+    folder = Path(run.data.tags["runner.checkpoint_dir"])
+    assert folder.parent == tmp_path / "checkpoints" and any(folder.iterdir())
+
+    exported = _runner(elsewhere, "export", run.info.run_id, "--tracking-uri", mlflow_server.url, "--out", "m.pt")
+    assert exported.returncode == 0, exported.stderr
+    assert torch.load(elsewhere / "m.pt", weights_only=True).keys()
+    more = ("train.epochs=2", "--allow-spec-change", "train.epochs", "--resume", run.info.run_id)
+    resumed = _runner(elsewhere, *exec_args(spec, uri, *more[:1]), *more[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step-" in resumed.stdout + resumed.stderr, resumed.stdout
+    assert not (elsewhere / "checkpoints").exists()  # the run's own folder holds the new checkpoints too
+    assert client.get_run(run.info.run_id).data.tags["runner.checkpoint_dir"] == str(folder)
