@@ -202,20 +202,20 @@ CHECKPOINT_DIR_TAG = "runner.checkpoint_dir"
 def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mapping[str, str] | None = None) -> Path:
     """Where ``run_id`` keeps its checkpoints, from any working directory.
 
-    The run's tag ``runner.checkpoint_dir`` (set when it was created) names the folder; a run without
-    the tag, or whose tagged folder is gone while the default one exists (a store moved with its
-    checkpoints), uses :func:`runner.spec.reading.default_checkpoint_dir`.
+    :func:`runner.spec.reading.default_checkpoint_dir` when that folder exists (beside a sqlite store, it
+    moves with a copy of the store), else the run's tag ``runner.checkpoint_dir``, set when it was created
+    (a server's run resumed or exported from another directory).
 
     Raises:
         UsageError, TrackingError: As :func:`run_info`, when ``tags`` is not given.
     """
     from runner.spec.reading import default_checkpoint_dir
 
-    tagged = (run_info(uri, run_id).tags if tags is None else tags).get(CHECKPOINT_DIR_TAG)
     default = default_checkpoint_dir(uri, spec_dir, run_id)
-    if tagged and (Path(tagged).is_dir() or not default.is_dir()):
-        return Path(tagged)
-    return default
+    if default.is_dir():
+        return default
+    tagged = (run_info(uri, run_id).tags if tags is None else tags).get(CHECKPOINT_DIR_TAG)
+    return Path(tagged) if tagged else default
 
 
 def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
