@@ -144,6 +144,11 @@ def test_exec_summary_is_printed_by_rank_0_only():
         "  val/loss               0.25",
         "open the UI: mlflow ui --backend-store-uri sqlite:///m.db",
     ]
+    result.experiment_id = "3"  # the run's page, in the UI's training view (MLflow 3 opens GenAI without it)
+    assert result.summary().splitlines()[-1] == (
+        "open the run: mlflow ui --backend-store-uri sqlite:///m.db, "
+        "then http://127.0.0.1:5000/#/experiments/3/runs/r1?workflowType=machine_learning"
+    )
     result.startup_s = 3.04
     assert "start-up: 3.0 s to the end of the first step (metric time_to_first_step_s)" in result.summary().splitlines()
     result.metrics = {"val/a_rather_long_custom_metric_name": 1.0, "train/loss": 0.5}

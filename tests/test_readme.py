@@ -64,7 +64,14 @@ def test_a_cpu_only_user_sees_the_cpu_install_before_any_command_and_the_test_co
     assert [x for x in lines if x.startswith("python3 -m venv")][2] == test_command  # README's second command
 
 
-def test_readme_names_the_mlflow_3_training_view_and_the_runs_list_url() -> None:
+def test_every_ui_link_in_readme_and_docs_opens_the_training_view() -> None:
+    """MLflow 3.17's UI opens the GenAI view unless the link asks for the training view (issue: UI links)."""
+    import re
+
+    texts = [README, *(p.read_text() for p in (REPO / "docs").glob("*.md"))]
+    links = [m for text in texts for m in re.findall(r"#/experiments/(?:<[^>]*>|[^\s<>`)])*", text)]
+    assert len(links) >= 2, links
+    assert [link for link in links if not link.endswith("?workflowType=machine_learning")] == []
     assert "mlflow.experimentKind = custom_model_development" in README
-    assert "http://127.0.0.1:5000/#/experiments/<id>/runs" in README
+    assert "http://127.0.0.1:5000/#/experiments/<id>/runs/<run_id>?workflowType=machine_learning" in README
     assert "<experiment>/bench" in README

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
+from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,6 +117,7 @@ class ExecResult:
     notes_shown: bool = False
     spooled: Spooled | None = None
     startup_s: float | None = None
+    experiment_id: str = ""
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -133,7 +135,9 @@ class ExecResult:
             lines.append(f"start-up: {self.startup_s:.1f} s to the end of the first step (metric {STARTUP_METRIC})")
         width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
         lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
-        if self.tracking_uri:
+        if self.tracking_uri and self.run_id and self.experiment_id:
+            lines.append(ui_line(self.tracking_uri, self.experiment_id, self.run_id))
+        elif self.tracking_uri:
             lines.append(f"open the UI: mlflow ui --backend-store-uri {self.tracking_uri}")
         return "\n".join(lines)
 
@@ -153,6 +157,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     """
     from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch
     from runner.plan import make_plan
+    from runner.tracking.runs import experiment_id_of
 
     if options.started_at is None:
         options = replace(options, started_at=process_started_at())
@@ -179,6 +184,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         rank=plan.launcher.rank if plan.launch == "external" else 0,
         notes_shown=session.shown if session is not None else False,
         startup_s=result.startup_s,
+        experiment_id=experiment_id_of(plan.tracking_uri, run_id) if plan.tracking_uri and run_id else "",
     )
 
 

@@ -140,7 +140,7 @@ def parse_key(text: str) -> Loc | None:
     """Parse a TOML dotted key (``optim.lr``, ``sweep.params."optim.lr"``); ``None`` if it is not one."""
     try:
         parsed: Any = tomllib.loads(f"{text.strip()} = 0")
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # the parser recurses once per level of nesting
         return None
     loc: Loc = ()
     while isinstance(parsed, dict):
@@ -155,7 +155,7 @@ def _override_value(loc: Loc, text: str) -> Any:
     """Parse ``text`` as a TOML value; not-TOML text, or any scalar for a string key, stays a string."""
     try:
         parsed = tomllib.loads(f"v = {text}")
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         return text
     if set(parsed) != {"v"}:
         return text

@@ -67,37 +67,57 @@ def fp16_needs_cuda(why: str) -> str:
 BARE_TRACKING_URIS = ("databricks", "databricks-uc", "uc")
 
 
-def file_store_problem(uri: str) -> str | None:
-    """Why ``uri`` cannot be the tracking store (empty, a file store, ``sqlite://`` without a path), or ``None``.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
 
-    MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
-    ``MLFLOW_ALLOW_FILE_STORE=true``; runner records runs in a database or on a tracking server only.
 
-    Args:
-        uri: A tracking URI as written (``file:./mlruns``, ``./mlruns``, ``sqlite:///mlflow.db``, ...).
+def store_uri_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be the tracking store, or ``None``.
+
+    Refused: empty; a file store (MLflow 3 keeps it in maintenance mode and opens one only with
+    ``MLFLOW_ALLOW_FILE_STORE=true``); sqlite without a file (``sqlite://``, ``sqlite:///``,
+    ``:memory:``: the runs would vanish with the process); a scheme that is no tracking store
+    (``mlflow-artifacts:``, ``s3:``) unless a plugin registers it (entry points ``mlflow.tracking_store``).
 
     Returns:
-        The message, ending in the fix (a sqlite URI), or ``None`` when ``uri`` is not a file store.
+        The message, ending in the fix, or ``None``.
     """
     text = uri.strip()
-    scheme = urlsplit(text).scheme
+    scheme = urlsplit(text).scheme.lower()
+    example = '"sqlite:///mlflow.db"'
     if not text:
         return (
             f"{show(uri)} is empty: remove the key (to use $MLFLOW_TRACKING_URI, else ./mlflow.db), or name a "
-            'store, e.g. "sqlite:///mlflow.db"'
+            f"store, e.g. {example}"
         )
-    if scheme == "sqlite" and not text.startswith("sqlite:///"):
-        path = text[len("sqlite:") :].lstrip("/") or "mlflow.db"
+    if scheme == "sqlite":
+        path = text[len("sqlite:") :].lstrip("/").partition("?")[0]
+        memory = not path or path.startswith(":memory:")
+        if text.startswith("sqlite:///") and not memory:
+            return None
+        what = "an in-memory database: its runs would vanish when runner ends" if memory else "not a database file"
+        path = "mlflow.db" if memory else path
         return (
-            f"{show(mask_secrets(text))} is not a sqlite database file: write three slashes and the path, "
+            f"{show(mask_secrets(text))} is {what}: write three slashes and the path, "
             f'"sqlite:///{path}" (relative to here) or "sqlite:////abs/{path}"'
         )
-    if text in BARE_TRACKING_URIS or (len(scheme) > 1 and scheme != "file"):
+    if text in BARE_TRACKING_URIS or scheme.partition("+")[0] in TRACKING_SCHEMES or scheme in _plugin_schemes():
         return None
+    if len(scheme) > 1 and scheme != "file":
+        return (
+            f"{show(mask_secrets(text))}: {scheme}: is not a tracking store (an artifact store, or unknown): name a "
+            f"tracking server (http://HOST:PORT) or a database, e.g. {example}"
+        )
     return (
         f"{show(text)} is a file store, which MLflow 3 no longer opens: use a database, "
-        'e.g. "sqlite:///mlflow.db" (`mlflow migrate-filestore` moves existing runs into one), or a tracking server'
+        f"e.g. {example} (`mlflow migrate-filestore` moves existing runs into one), or a tracking server"
     )
+
+
+def _plugin_schemes() -> set[str]:
+    """URI schemes that installed MLflow plugins serve as tracking stores."""
+    from importlib.metadata import entry_points
+
+    return {entry.name.lower() for entry in entry_points(group="mlflow.tracking_store")}
 
 
 def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
@@ -213,7 +233,7 @@ def check_tracking(tracking: TrackingSpec) -> None:
     Raises:
         ValueError: ``uri`` is empty, malformed or names a file store.
     """
-    if tracking.uri is not None and (problem := file_store_problem(tracking.uri)):
+    if tracking.uri is not None and (problem := store_uri_problem(tracking.uri)):
         raise ValueError(f"uri = {problem}")
 
 

@@ -24,6 +24,7 @@ from runner.tools.bench_figures import (
     loss_check,
     scaling_efficiency,
 )
+from runner.tracking.uri import ui_line
 
 MIB = 1024 * 1024
 
@@ -264,6 +265,7 @@ class BenchReport:
     parent_run_id: str | None = None
     tracking_uri: str | None = None
     experiment: str = ""
+    experiment_id: str = ""
     json_path: str | None = None
     png_path: str | None = None
     recommendation: str = ""
@@ -356,9 +358,8 @@ class BenchReport:
         else:
             foot.append(f"final losses compared with none at relative tolerance {self.loss_tolerance:g}")
         if self.parent_run_id:
-            foot.append(
-                f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}"
-            )
+            foot.append(f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r})")
+            foot.append(ui_line(self.tracking_uri or "", self.experiment_id, self.parent_run_id))
         if self.json_path or self.png_path:
             foot.append(f"files: {self.json_path}  {self.png_path}")
         if self.recommendation:

@@ -53,6 +53,7 @@ def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -
         experiment=report.experiment,
     )
     report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
+    report.experiment_id = handle.experiment_id
     return Parent(uri, handle.run_id, report.experiment)
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line, mask_secrets
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
+from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +86,7 @@ class ParityReport:
     parent_run_id: str | None = None
     tracking_uri: str | None = None
     experiment: str = ""
+    experiment_id: str = ""
 
     @property
     def differing(self) -> list[ModeResult]:
@@ -111,9 +113,8 @@ class ParityReport:
         lines += [f"  likely cause: {cause}" for cause in (self.causes if differ else [])]
         lines += [f"  note: {note}" for note in self.notes]
         if self.parent_run_id:
-            lines.append(
-                f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r}) at {self.tracking_uri}"
-            )
+            lines.append(f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r})")
+            lines.append(ui_line(self.tracking_uri or "", self.experiment_id, self.parent_run_id))
         return "\n".join(lines)
 
     def _line(self, m: ModeResult) -> str:
@@ -305,6 +306,7 @@ def _start_parent(base: LoadedSpec, report: ParityReport) -> tuple[str, str] | N
     tags = {"runner.parity": "parent", "runner.parity.configs": ",".join(configs)}
     handle = start_run(base, description, run_name=f"parity-{report.name}", extra_tags=tags, uri=uri)
     report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
+    report.experiment_id = handle.experiment_id
     report.experiment = base.spec.tracking.experiment or base.spec.name
     return uri, handle.run_id
 

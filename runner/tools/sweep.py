@@ -155,7 +155,9 @@ def _open_study(
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     parent = opened.parent_run_id
-    return opened, SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, mask_secrets(url))
+    report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, mask_secrets(url))
+    report.experiment_id = store.experiment_id()
+    return opened, report
 
 
 def _open_storage(

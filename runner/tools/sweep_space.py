@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from runner.spec.dump import trial_run_name
 from runner.spec.schema import SweepParam
+from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
     import optuna
@@ -259,6 +260,7 @@ class SweepReport:
     notes: list[str] = field(default_factory=list)
     study: str = ""
     storage: str = ""
+    experiment_id: str = ""
 
     @property
     def failed(self) -> int:
@@ -311,7 +313,10 @@ class SweepReport:
             if t.status != "FINISHED" and t.error:
                 lines.append(f"trial {t.index} {t.status}: {first_line(t.error)}")
         lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"compare the trials: mlflow ui --backend-store-uri {self.tracking_uri}")
+        if self.experiment_id:
+            lines.append(ui_line(self.tracking_uri, self.experiment_id, what="the trials (tick them, then Compare)"))
+        else:
+            lines.append(f"compare the trials: mlflow ui --backend-store-uri {self.tracking_uri}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

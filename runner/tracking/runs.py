@@ -324,6 +324,16 @@ def run_status(uri: str, run_id: str) -> str:
     return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.status)
 
 
+def experiment_id_of(uri: str, run_id: str) -> str:
+    """The id of ``run_id``'s experiment, or ``""`` when the store does not say (a link is then left out)."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id)
+    except Exception:  # only for a printed link: the run's own outcome is already recorded
+        return ""
+
+
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
     """Id of the newest run of ``experiment`` whose tag ``key`` equals ``value`` (e.g. a Slurm job's run), or ``None``.
 

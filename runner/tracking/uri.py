@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from runner.errors import TrackingError, first_line, mask_secrets
-from runner.spec.rules import file_store_problem
+from runner.spec.rules import store_uri_problem
 
 if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
@@ -74,7 +74,7 @@ def resolve_tracking_uri(
 
     Raises:
         TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
-            is rejected when the spec is validated, :func:`runner.spec.rules.file_store_problem`).
+            is rejected when the spec is validated, :func:`runner.spec.rules.store_uri_problem`).
     """
     return _resolve(spec.tracking.uri, env, cwd)
 
@@ -101,7 +101,7 @@ def _resolve(given: str | None, env: Mapping[str, str] | None, cwd: str | os.Pat
     raw = (given or "").strip()
     if not raw:
         raw = env.get("MLFLOW_TRACKING_URI", "").strip()
-        problem = file_store_problem(raw) if raw else None
+        problem = store_uri_problem(raw) if raw else None
         if problem is not None:
             raise TrackingError(
                 f"MLFLOW_TRACKING_URI={mask_secrets(raw)}: {problem} (set the variable to one, or unset it to log "
@@ -282,7 +282,7 @@ def _check_http(uri: str, timeout_s: float) -> None:
 
 
 LOCK_TIMEOUT_S = 300.0  # a first migration takes seconds; a lock held longer is a stuck process
-OPEN_ATTEMPTS = 6  # a concurrent creator's migration takes seconds: 0.5 + 1 + 2 + 4 + 8 s of waiting
+OPEN_ATTEMPTS = 6  # a concurrent creator's migration takes seconds
 _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engine; tables exist from then on)
 
 
@@ -309,10 +309,10 @@ def open_store(uri: str) -> None:
 
         lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
         try:
-            with lock:
-                refuse_half_migrated(path)
-                _first_open(uri)
-                refuse_half_migrated(path)  # what a concurrent creator left must be a whole schema
+            with lock:  # other MLflow clients (`mlflow ui`, a notebook) do not take it: wait while they migrate
+                _refuse_half_migrated_when_still(path)
+                _first_open(uri, path)
+                _refuse_half_migrated_when_still(path)  # what a concurrent creator left must be a whole schema
         except Timeout:
             raise TrackingError(
                 f"tracking store {uri}: another process has held {lock.lock_file} for over {LOCK_TIMEOUT_S:.0f} s "
@@ -321,11 +321,12 @@ def open_store(uri: str) -> None:
     _opened.add(uri)
 
 
-def _first_open(uri: str) -> None:
+def _first_open(uri: str, path: Path | None = None) -> None:
     """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError.
 
-    A schema being created by another client at the same moment ("already exists", "database is
-    locked") is waited for: up to :data:`OPEN_ATTEMPTS` tries with doubling pauses.
+    A schema being created or upgraded by another client at the same moment ("already exists",
+    "database is locked", "out-of-date database schema" while the file still changes) is waited for:
+    up to :data:`OPEN_ATTEMPTS` tries, each after the sqlite file has been still for :data:`STILL_S`.
     """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -336,11 +337,52 @@ def _first_open(uri: str) -> None:
             return
         except Exception as exc:  # MlflowException, sqlalchemy / alembic errors of a damaged database
             text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
-            racing = "already exists" in text or "database is locked" in text
+            racing = any(sign in text for sign in ("already exists", "database is locked", "out-of-date database"))
             if not racing or attempt == OPEN_ATTEMPTS - 1:
                 first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
                 raise TrackingError(f"MLflow cannot open the tracking store {uri}: {first[:500]}") from None
-            time.sleep(0.5 * 2**attempt)
+            if path is None or not wait_until_still(path):
+                time.sleep(0.5 * 2**attempt)
+
+
+def _refuse_half_migrated_when_still(path: Path) -> None:
+    """:func:`refuse_half_migrated`, judged again once a client that is migrating the file has finished."""
+    try:
+        refuse_half_migrated(path)
+    except TrackingError:
+        if not wait_until_still(path):
+            raise
+        refuse_half_migrated(path)
+
+
+STILL_S = 2.0  # MLflow's schema migrations change the sqlite file many times a second while they run
+
+
+def wait_until_still(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> bool:
+    """Wait until the sqlite database at ``path`` (and its journal) has not changed for :data:`STILL_S` seconds.
+
+    Another MLflow client creating or upgrading the schema changes it many times a second; what is
+    still afterwards is what that client left. Returns whether it changed at all while watched.
+    """
+
+    def signature() -> tuple[tuple[int, int], ...]:
+        found = []
+        for file in (path, path.with_name(path.name + "-journal"), path.with_name(path.name + "-wal")):
+            try:
+                info = file.stat()
+                found.append((info.st_mtime_ns, info.st_size))
+            except FileNotFoundError:
+                found.append((0, -1))
+        return tuple(found)
+
+    start = last_change = time.monotonic()
+    seen, changed = signature(), False
+    while time.monotonic() - last_change < STILL_S and time.monotonic() - start < timeout_s:
+        time.sleep(0.1)
+        now = signature()
+        if now != seen:
+            seen, changed, last_change = now, True, time.monotonic()
+    return changed
 
 
 def refuse_half_migrated(path: Path) -> None:
@@ -384,3 +426,24 @@ def refuse_half_migrated(path: Path) -> None:
 def _schema_version(db: sqlite3.Connection) -> str | None:
     row = db.execute("SELECT version_num FROM alembic_version").fetchone()
     return str(row[0]) if row else None
+
+
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def ui_line(uri: str, experiment_id: str, run_id: str | None = None, what: str = "the run") -> str:
+    """How to open a run (or an experiment's runs list) in the MLflow UI's training view, for the user.
+
+    MLflow 3's UI opens an experiment in its GenAI view unless the link asks for the training view
+    (``?workflowType=machine_learning`` after the hash route; the browser then remembers the choice).
+    A tracking server's link leaves out its credentials; a local store needs ``mlflow ui`` first.
+    """
+    parts = urlsplit(uri)
+    served = parts.scheme in ("http", "https")
+    base = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", "")) if served else LOCAL_UI
+    route = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
+    link = f"{base.rstrip('/')}/{route}?{TRAINING_VIEW}"
+    if served:
+        return f"open {what}: {link}"
+    return f"open {what}: mlflow ui --backend-store-uri {mask_secrets(uri)}, then {link}"

@@ -194,3 +194,24 @@ def test_spec_from_dict_reports_keys():
     assert issue.key == "data.batch_size" and str(info.value).startswith(
         "sweep: data.batch_size: required key is missing"
     )
+
+
+DEEP = {
+    "arrays": "[" * 2000 + "]" * 2000,
+    "tables": "{a = " * 2000 + "1" + "}" * 2000,
+    "both": "[{a = " * 999 + "1" + "}]" * 999,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEEP))
+def test_deep_nesting_is_refused_at_its_line_before_the_parser_recurses(tmp_path: Path, kind: str):
+    path = tmp_path / "deep.toml"
+    brackets = "[" * 40  # in a string and a comment: not nesting
+    value = f'description = "{brackets}"  # {brackets}\n[model]\nkwargs.x = {DEEP[kind]}'
+    text = spec_text(SMALL, name="deep").replace("[model]", value, 1)
+    path.write_text(text, encoding="utf-8")
+    (issue,) = _error(path).issues
+    line = text.splitlines().index(f"kwargs.x = {DEEP[kind]}") + 1
+    assert (issue.line, issue.key) == (line, "model.kwargs.x"), issue
+    assert "nest more than 32 levels" in issue.message
+    _assert_clean(str(issue))

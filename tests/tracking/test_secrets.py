@@ -52,6 +52,12 @@ def spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     [
         ("sqlite://relative.db", '"sqlite:///relative.db" (relative to here)'),
         ("", "is empty: remove the key"),
+        (
+            "sqlite:///",
+            'an in-memory database: its runs would vanish when runner ends: write three slashes and the path, "sqlite:///mlflow.db"',
+        ),
+        ("sqlite:///:memory:", "an in-memory database"),
+        ("mlflow-artifacts://u:pgs3cret@127.0.0.1:1/x", "mlflow-artifacts: is not a tracking store"),
         ("postgresql://carol:pgs3cret@127.0.0.1:1/db", "cannot open the tracking store postgresql://carol:***@"),
         ("mysql+nosuchdriver://carol:pgs3cret@127.0.0.1:1/db", "install the mysql driver"),
         ("mssql+nosuchdriver://carol:pgs3cret@127.0.0.1:1/db", "install the mssql driver"),

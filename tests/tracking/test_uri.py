@@ -141,3 +141,30 @@ def test_a_file_store_in_the_environment_names_the_variable(write_spec, monkeypa
     assert main(["plan", str(path)]) == 2
     for fine in ("sqlite:///x.db", "http://127.0.0.1:5000", "databricks", "postgresql://u@h/db"):
         assert resolve_tracking_uri(spec_with_uri(None), env={"MLFLOW_TRACKING_URI": fine})
+
+
+@pytest.mark.parametrize(
+    ("uri", "run_id", "line"),
+    [
+        (
+            "http://alice:s3cret@127.0.0.1:5000/",
+            "r1",
+            "open the run: http://127.0.0.1:5000/#/experiments/7/runs/r1?workflowType=machine_learning",
+        ),
+        (
+            "https://h.example/mlflow",
+            None,
+            "open the run: https://h.example/mlflow/#/experiments/7/runs?workflowType=machine_learning",
+        ),
+        (
+            "postgresql://u:pw@h/db",
+            "r1",
+            "open the run: mlflow ui --backend-store-uri postgresql://u:***@h/db, "
+            "then http://127.0.0.1:5000/#/experiments/7/runs/r1?workflowType=machine_learning",
+        ),
+    ],
+)
+def test_every_ui_link_asks_for_the_training_view_and_carries_no_credentials(uri, run_id, line) -> None:
+    from runner.tracking.uri import ui_line
+
+    assert ui_line(uri, "7", run_id) == line
