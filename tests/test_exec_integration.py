@@ -62,6 +62,11 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert run.data.tags["runner.devices"] == "cpu" and run.data.tags["runner.accelerator"] == "cpu"
     assert run.data.tags["runner.world_size"] == "1"
     assert run.data.metrics["val/accuracy"] > 0.9
+    busy = run.data.tags["runner.host_busy"]  # how busy the host was, beside the speed figures
+    assert run.data.tags["runner.host_load"].startswith(
+        {"true": "busy: 1-min load", "false": "quiet: 1-min load"}[busy]
+    )
+    assert ("host: busy: 1-min load" in out) == (busy == "true")
     for key in ("train/loss", "val/loss", "val/accuracy", "train/accuracy", "lr", "samples_per_s", "epoch_time_s"):
         history = _history(client, run.info.run_id, key)
         assert history, key

@@ -70,6 +70,56 @@ def affinity_cores() -> int:
 
 
 @dataclass(frozen=True)
+class HostLoad:
+    """How busy the host was over a run: the 1-minute load average at its start and end, and CPU steal.
+
+    Attributes:
+        steal: Share of CPU time the hypervisor gave to other guests between the two readings
+            (``/proc/stat``), or ``None`` where the host does not report it.
+    """
+
+    start: float
+    end: float
+    cores: int
+    steal: float | None = None
+
+    @staticmethod
+    def read() -> tuple[float, tuple[int, int] | None]:
+        """The 1-minute load average now and ``/proc/stat``'s (steal, total) CPU ticks, for :meth:`since`."""
+        try:
+            with open("/proc/stat") as stat:
+                ticks = [int(x) for x in stat.readline().split()[1:]]
+            counters: tuple[int, int] | None = (ticks[7] if len(ticks) > 7 else 0, sum(ticks))
+        except (OSError, ValueError):
+            counters = None
+        return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), counters
+
+    @classmethod
+    def since(cls, started: tuple[float, tuple[int, int] | None]) -> HostLoad:
+        """The load from a reading at the run's start (:meth:`read`) to now."""
+        end, counters = cls.read()
+        steal = None
+        if started[1] is not None and counters is not None and counters[1] > started[1][1]:
+            steal = (counters[0] - started[1][0]) / (counters[1] - started[1][1])
+        return cls(started[0], end, affinity_cores(), steal if steal else None)
+
+    def busy(self, used: int) -> bool:
+        """Whether other work competed with the run: the load exceeded the ``used`` cores, or CPU was stolen."""
+        return max(self.start, self.end) > min(used, self.cores) or (self.steal or 0.0) > 0.05
+
+    def describe(self, used: int) -> str:
+        """``busy: 1-min load 3.4 at the start, 2.1 at the end, on 2 cores; the run used 2 (...)``."""
+        steal = f", {self.steal:.0%} CPU steal" if self.steal and self.steal >= 0.005 else ""
+        text = (
+            f"1-min load {self.start:.1f} at the start, {self.end:.1f} at the end{steal}, on {self.cores} cores; "
+            f"the run used {min(used, self.cores)}"
+        )
+        if self.busy(used):
+            return f"busy: {text}: other work competed for the CPU, so speed figures are low and noisy"
+        return f"quiet: {text}"
+
+
+@dataclass(frozen=True)
 class Inventory:
     """The GPUs visible when runner starts.
 

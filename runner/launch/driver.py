@@ -22,11 +22,13 @@ Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from runner.devices.inventory import HostLoad
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
 from runner.tracking.uri import ui_line
@@ -118,6 +120,7 @@ class ExecResult:
     spooled: Spooled | None = None
     startup_s: float | None = None
     experiment_id: str = ""
+    host_note: str = ""
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -135,6 +138,8 @@ class ExecResult:
             lines.append(f"start-up: {self.startup_s:.1f} s to the end of the first step (metric {STARTUP_METRIC})")
         width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
         lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
+        if self.host_note:
+            lines.append(f"host: {self.host_note} (tag runner.host_load)")
         if self.tracking_uri and self.run_id and self.experiment_id:
             lines.append(ui_line(self.tracking_uri, self.experiment_id, self.run_id))
         elif self.tracking_uri:
@@ -166,9 +171,11 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     resume = before_launch(plan, options)
     session = RunSession(plan, options, resume) if plan.owns_run else None
     apply_plan_env(plan)
+    load_before = HostLoad.read()
     workers = _run_to_the_end(plan, options, session)
     result = workers[0]
     run_id = session.run_id if session is not None else None
+    host = _record_host_load(plan, run_id, HostLoad.since(load_before))
     folder = session.checkpoint_dir if session is not None else ""
     return ExecResult(
         spooled=Spooled.of(folder) if run_id is not None else None,
@@ -185,7 +192,21 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         notes_shown=session.shown if session is not None else False,
         startup_s=result.startup_s,
         experiment_id=experiment_id_of(plan.tracking_uri, run_id) if plan.tracking_uri and run_id else "",
+        host_note=host,
     )
+
+
+def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
+    """Tag the run with how busy the host was (``runner.host_load``, ``runner.host_busy``); the note when busy."""
+    used = plan.devices.nproc_per_node * plan.devices.threads_per_process
+    text = load.describe(used)
+    if run_id is not None and plan.tracking_uri is not None:
+        from runner.tracking.stored import set_run_tags
+
+        busy = load.busy(used)
+        with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
+            set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
+    return text if load.busy(used) else ""
 
 
 def process_started_at() -> float:
@@ -257,6 +278,8 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         if bad_spec is not None and (session is None or session.run_id is None):
             raise relocate_issues(bad_spec, plan.loaded) from None
         error = describe_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
+        if getattr(exc, "ranks_log", None):
+            error += f"\nthe ranks' full tracebacks: {exc.ranks_log}"  # type: ignore[attr-defined]
         raise TrainingError(error) from None
     finally:
         if hub is not None:

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -71,12 +72,16 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
         launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
-        quiet = quiet_launcher_logs()
+        quiet = quiet_launcher_logs(
+            Path(tempfile.gettempdir()) / f"runner-ranks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        )
         try:
             results = elastic_launch(config, run_and_leave_result)(launched)
         except Exception as exc:
             results = finished_despite(exc, Path(log_dir), plan.devices.nproc_per_node)
             if results is None:
+                if quiet.written:
+                    exc.ranks_log = str(quiet.path)  # type: ignore[attr-defined]  # named by the failure message
                 raise
         finally:
             restore_launcher_logs(quiet)

@@ -191,23 +191,36 @@ def read_hang_reports(folder: Path) -> HangReports:
 
 
 class QuietCollectiveTimeouts(logging.Filter):
-    """Drops the launcher's log records about a collective timeout and its SIGTERM/SIGKILL of the other ranks.
+    """Moves the launcher's error records off the terminal into a log file, whose path the failure message names.
 
-    They repeat the failed rank's torch traceback; :func:`describe_failure` says what happened instead.
+    They are a worker's whole traceback, torch's frames and runner's included (76 lines for one error in
+    user code), the collective timeout that repeats it, and the SIGTERM/SIGKILL of the other ranks;
+    :func:`describe_failure` says in a few lines what happened instead.
+
+    Attributes:
+        path: The log file, made at the first record moved (``written``).
     """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path, self.written = path, False
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if "via signal SIGTERM" in text or "forcefully exiting via SIGKILL" in text:
-            return False
         if record.exc_info:
             text += logging.Formatter().formatException(record.exc_info)
-        return not COLLECTIVE_TIMEOUT.search(text)
+        ending = "via signal SIGTERM" in text or "forcefully exiting via SIGKILL" in text
+        if record.levelno < logging.ERROR and not ending and not COLLECTIVE_TIMEOUT.search(text):
+            return True
+        with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {record.levelname} {record.name}: {text}\n")
+            self.written = True
+        return False
 
 
-def quiet_launcher_logs() -> QuietCollectiveTimeouts:
+def quiet_launcher_logs(path: Path) -> QuietCollectiveTimeouts:
     """Install :class:`QuietCollectiveTimeouts` on torch's launcher loggers (undo: :func:`restore_launcher_logs`)."""
-    quiet = QuietCollectiveTimeouts()
+    quiet = QuietCollectiveTimeouts(path)
     for name in _LAUNCHER_LOGGERS:
         for logger in _loggers_under(name):
             logger.addFilter(quiet)

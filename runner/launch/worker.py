@@ -370,7 +370,7 @@ class _StopFlag:
     A second SIGINT more than one second after the first raises ``KeyboardInterrupt`` at once
     (a terminal Ctrl-C reaches the launcher and every worker together, and the launcher
     forwards it again, so signals within one second count as one). With ``announce`` (rank 0)
-    the first signal prints :data:`STOPPING` to stderr.
+    a first SIGINT prints :data:`STOPPING` to stderr.
     """
 
     def __init__(self, announce: bool = False) -> None:
@@ -402,7 +402,7 @@ class _StopFlag:
         if self._first is None:
             self._first = now
             self.signum = signum
-            if self._announce:
+            if self._announce and signum == signal.SIGINT:  # a SIGTERM also comes from the launcher when a peer failed
                 os.write(2, STOPPING.encode())  # not print(): the main thread may be inside a write to stderr
         self._event.set()
 

@@ -64,17 +64,11 @@ def resolve_tracking_uri(
     path is resolved once against ``cwd`` (MLflow's own convention), so worker processes
     started elsewhere log to the same store.
 
-    Args:
-        spec: An ``ExperimentSpec`` (only ``spec.tracking.uri`` is read).
-        env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
-        cwd: Folder relative paths are taken from. Default: the current directory.
-
     Returns:
         An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
 
     Raises:
-        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store (a spec's ``tracking.uri`` that does
-            is rejected when the spec is validated, :func:`runner.spec.rules.store_uri_problem`).
+        TrackingError: ``MLFLOW_TRACKING_URI`` is no store (:func:`runner.spec.rules.store_uri_problem`).
     """
     return _resolve(spec.tracking.uri, env, cwd)
 
@@ -85,12 +79,8 @@ def default_tracking_uri(env: Mapping[str, str] | None = None, cwd: str | os.Pat
     It is where ``runner resume``, ``reproduce``, ``diff`` and ``status`` look for a run id without
     ``--tracking-uri``.
 
-    Args:
-        env: Environment to read ``MLFLOW_TRACKING_URI`` from. Default: ``os.environ``.
-        cwd: Folder relative paths are taken from. Default: the current directory.
-
     Raises:
-        TrackingError: ``MLFLOW_TRACKING_URI`` names a file store.
+        TrackingError: ``MLFLOW_TRACKING_URI`` is no store.
     """
     return _resolve(None, env, cwd)
 
@@ -310,7 +300,14 @@ def open_store(uri: str) -> None:
         lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
         try:
             with lock:  # other MLflow clients (`mlflow ui`, a notebook) do not take it: wait while they migrate
-                _refuse_half_migrated_when_still(path)
+                if not _holds_a_schema(path):
+                    _create_aside(uri, path)
+                try:
+                    _refuse_half_migrated_when_still(path)
+                except TrackingError:
+                    if not _holds_nothing(path):
+                        raise
+                    _create_aside(uri, path)  # other clients broke a new store racing each other: nothing is lost
                 _first_open(uri, path)
                 _refuse_half_migrated_when_still(path)  # what a concurrent creator left must be a whole schema
         except Timeout:
@@ -319,6 +316,51 @@ def open_store(uri: str) -> None:
                 "while creating the store; stop it, or remove the lock file if no runner or mlflow process is left"
             ) from None
     _opened.add(uri)
+
+
+def _holds_a_schema(path: Path) -> bool:
+    """Whether the sqlite file at ``path`` exists and has MLflow's tables (whole or not)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    try:
+        with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'experiments'").fetchone()[0] > 0
+    except sqlite3.DatabaseError:
+        return True  # not ours to judge here: refuse_half_migrated names what is wrong with it
+
+
+def _create_aside(uri: str, path: Path) -> None:
+    """Create and migrate a new store in a hidden file beside ``path``, then move it into place whole.
+
+    Another MLflow client that opens ``path`` meanwhile (`mlflow ui`, a notebook) would otherwise migrate
+    the same new file at the same moment, and two alembic migrations of one sqlite file can leave it
+    broken. What such a client made at ``path`` in the meantime, holding nothing yet, is replaced.
+    """
+    aside = path.with_name(f".{path.name}.{os.getpid()}.creating")
+    query = uri.partition("?")[2]
+    try:
+        _first_open(f"sqlite:///{aside}" + (f"?{query}" if query else ""))
+        if _holds_nothing(path):  # else a store appeared meanwhile and is in use: it is opened as it is
+            os.replace(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _holds_nothing(path: Path) -> bool:
+    """Whether ``path`` is missing, empty, or an MLflow store with no run, model or experiment of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return True
+    counts = {"runs": 0, "registered_models": 0, "experiments": 1}  # the most each may hold; 1: "Default"
+    try:
+        with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            return all(
+                db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] <= most
+                for table, most in counts.items()
+                if table in tables
+            )
+    except sqlite3.DatabaseError:
+        return False  # not an MLflow store: never replaced
 
 
 def _first_open(uri: str, path: Path | None = None) -> None:

@@ -96,15 +96,14 @@ def fit(
     every_n_steps = checkpoint_spec.every_n_steps if checkpoint_spec is not None else None
     try:
         while state.epoch < train_spec.epochs and state.global_step < parts.total_steps:
-            epoch_start = time.perf_counter()
+            progress.start_epoch()
             tally.start_epoch(RunningSums(strategy.output_device, resumed_epoch_sums))
             resumed_epoch_sums = None
             batches = _start_epoch(parts, state)
             while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
                 _step(parts, batches, state, tally, report, train_spec, every_n_steps)
-            epoch_time_s = time.perf_counter() - epoch_start
             _stop_if_asked(parts, state, tally, settle=True)
-            if not end_epoch(parts, train_spec, state, tally, report, epoch_time_s=epoch_time_s):
+            if not end_epoch(parts, train_spec, state, tally, report):
                 break  # max_steps reached mid-epoch
             state.epoch += 1
             state.batch_in_epoch = 0
@@ -184,8 +183,6 @@ def end_epoch(
     state: TrainState,
     tally: Tally,
     report: _Report,
-    *,
-    epoch_time_s: float,
 ) -> bool:
     """Log the epoch's metrics (evaluating when due) and step a per-epoch scheduler.
 
@@ -208,8 +205,8 @@ def end_epoch(
     metrics = {
         "train/epoch_loss": mean_loss(sums),
         "epoch": float(state.epoch),
-        "epoch_time_s": epoch_time_s,
-        "samples_per_s": tally.epoch_samples / epoch_time_s if epoch_time_s > 0 else 0.0,
+        "epoch_time_s": report.progress.epoch_seconds,
+        "samples_per_s": report.progress.samples_per_s,  # the progress line's figure: one definition
     }
     metrics.update(tally.accuracy(sums, "train/"))
     metrics.update(tally.epoch_metrics.compute())
@@ -295,7 +292,6 @@ def _step(
         _log_startup(parts, report.result, state.global_step + 1)
     state.global_step += 1
     state.batch_in_epoch += 1
-    tally.epoch_samples += global_size
     report.progress.update(1, samples=global_size)
     logged = state.global_step % train_spec.log_every_n_steps == 0
     if logged:
@@ -335,7 +331,8 @@ def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Repo
     metrics.update(tally.accuracy(sums, "train/step_"))
     metrics.update(tally.window_metrics.compute())
     report.log(metrics, state.global_step)
-    report.progress.show(epoch=state.epoch, loss=loss)
+    finished_epoch = state.batch_in_epoch == 0 and state.epoch > 0  # the run's last step, after its epoch ended
+    report.progress.show(epoch=state.epoch - finished_epoch, loss=loss)
     tally.guard.new_window()
     return RunningSums(parts.strategy.output_device)
 

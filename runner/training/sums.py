@@ -89,7 +89,6 @@ class Tally:
         guard: Checks for non-finite losses and gradient norms (``train.on_nonfinite``).
         counted_accuracy: Whether the default ``train/accuracy`` is counted in the sums.
         epoch: Sums of the epoch in progress; ``None`` between epochs.
-        epoch_samples: Global samples of this run's steps of the epoch.
     """
 
     window: RunningSums
@@ -98,11 +97,9 @@ class Tally:
     guard: NonFiniteGuard
     counted_accuracy: bool = False
     epoch: RunningSums | None = None
-    epoch_samples: int = 0
 
     def start_epoch(self, sums: RunningSums) -> None:
         self.epoch = sums
-        self.epoch_samples = 0
 
     @classmethod
     def start(
@@ -178,7 +175,7 @@ class Progress:
         self.total = total
         self.done = initial
         self.every_s = every_s
-        self.samples = 0
+        self.samples = 0  # global samples of the epoch in progress
         self._start = time.perf_counter()
         self._excluded_s = 0.0  # seconds spent in phases (evaluation), left out of samples/s
         self._last_line = 0.0
@@ -198,10 +195,20 @@ class Progress:
                 file=sys.stderr,
             )
 
+    def start_epoch(self) -> None:
+        """Count samples and seconds from here: an epoch's rate is the one definition of samples/s."""
+        self.samples, self._start, self._excluded_s = 0, time.perf_counter(), 0.0
+
+    @property
+    def epoch_seconds(self) -> float:
+        """Seconds of training since :meth:`start_epoch`, phases (evaluation) left out: metric ``epoch_time_s``."""
+        return time.perf_counter() - self._start - self._excluded_s
+
     @property
     def samples_per_s(self) -> float:
-        """Global training samples per second of training time so far (0 before the first step)."""
-        elapsed = time.perf_counter() - self._start - self._excluded_s
+        """Global training samples per second of the epoch so far (0 before its first step): the progress
+        line's figure and, at the epoch's end, metric ``samples_per_s``."""
+        elapsed = self.epoch_seconds
         return self.samples / elapsed if elapsed > 0 and self.samples else 0.0
 
     def update(self, n: int = 1, *, samples: int = 0) -> None:

@@ -17,3 +17,16 @@ def test_scoped_environ_sets_then_restores_and_removes_what_was_unset(monkeypatc
         raise RuntimeError  # restored on the way out of an error too
     assert os.environ["RUNNER_TEST_KEPT"] == "before"
     assert "RUNNER_TEST_NEW" not in os.environ
+
+
+def test_host_load_says_busy_when_the_load_exceeds_the_cores_the_run_used() -> None:
+    from runner.devices.inventory import HostLoad
+
+    quiet = HostLoad(start=0.3, end=1.9, cores=2)
+    assert not quiet.busy(2) and quiet.describe(2).startswith("quiet: 1-min load 0.3 at the start, 1.9 at the end")
+    crowded = HostLoad(start=3.4, end=4.0, cores=2)
+    assert crowded.busy(2) and crowded.describe(8).startswith("busy: ") and "the run used 2" in crowded.describe(8)
+    assert HostLoad(start=0.1, end=0.2, cores=4, steal=0.2).describe(1).startswith("busy: ")
+    load, counters = HostLoad.read()
+    assert load >= 0 and (counters is None or counters[1] >= counters[0] >= 0)
+    assert HostLoad.since((load, counters)).cores >= 1

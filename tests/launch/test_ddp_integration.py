@@ -102,7 +102,12 @@ def test_one_rank_failing_fails_the_job_fast(write_spec, store: str, tmp_path: P
     elapsed = time.monotonic() - start
     assert code == 1
     assert elapsed < 200  # bounded well inside the test's own timeout, however loaded the machine
-    assert "exploded on purpose" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one message: the rank, the cause, the user's file and line, and a log file with the full tracebacks
+    assert "rank 1 failed" in err and "exploded on purpose" in err and "failing_factory.py:" in err, err
+    assert "Traceback" not in err and "Ctrl-C" not in err and len(err.splitlines()) < 12, err
+    log = Path(err.rpartition("the ranks' full tracebacks: ")[2].strip())
+    assert "Traceback" in log.read_text() and "exploded on purpose" in log.read_text()
     _, runs = _runs(store)
     assert [r.info.status for r in runs] == ["FAILED"]
 

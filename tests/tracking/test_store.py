@@ -47,7 +47,10 @@ def _break(path: Path, sql: str) -> None:
 def test_a_half_migrated_store_is_refused_with_the_fix_and_left_alone(
     ready_store: str, tmp_path: Path, sql: str, found: str
 ) -> None:
+    from mlflow.tracking import MlflowClient
+
     uri, path = ready_store, Path(ready_store[len("sqlite:///") :])
+    MlflowClient(uri).create_experiment("kept")  # something in it: not a new store to start afresh
     _break(path, sql)
     before = _digest(path)
     with pytest.raises(TrackingError) as info:
@@ -69,13 +72,28 @@ def test_a_half_migrated_store_with_runs_says_so(ready_store: str) -> None:
         open_store(uri)
 
 
+def test_a_new_store_that_other_clients_left_half_migrated_and_empty_is_made_whole(ready_store: str) -> None:
+    """Two other clients racing each other on a new file broke it before runner came: it holds nothing; replaced."""
+    from mlflow.tracking import MlflowClient
+
+    uri, path = ready_store, Path(ready_store[len("sqlite:///") :])
+    _break(path, "CREATE TABLE _alembic_tmp_tags (x INTEGER)")
+    open_store(uri)
+    store_module.refuse_half_migrated(path)  # whole now
+    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".creating")] == []
+
+
 def test_exec_on_a_half_migrated_store_exits_2_without_a_traceback(
     write_spec, store: str, _created_store: Path, capsys
 ) -> None:
+    from mlflow.tracking import MlflowClient
+
     from runner.cli import main
 
     path = Path(store[len("sqlite:///") :])
     shutil.copyfile(_created_store, path)
+    MlflowClient(store).create_experiment("kept")
     _break(path, "CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
     assert main(["exec", str(write_spec())]) == 2
     err = capsys.readouterr().err
@@ -113,10 +131,51 @@ def test_another_client_creating_the_tables_at_the_same_moment_is_waited_for(
     monkeypatch.setattr(db_utils, "_initialize_tables", raced)
     monkeypatch.setattr(store_module.time, "sleep", lambda s: None)
     open_store(uri)
-    assert len(calls) == 1  # the second open found the other client's complete schema
+    assert len(calls) == 2  # runner's own schema, made aside, was tried again and completed
     from mlflow.tracking import MlflowClient
 
     assert MlflowClient(uri).search_experiments()[0].name == "Default"
+    store_module.refuse_half_migrated(tmp_path / "fresh.db")
+
+
+@pytest.mark.integration  # starts several processes
+@pytest.mark.timeout(1200)  # about 20 s a try on 2 cores; STORE_RACE_TRIES=20 takes 7 minutes
+def test_mlflow_clients_opening_a_store_runner_is_creating_never_break_it(tmp_path: Path) -> None:
+    """`runner exec` on a new sqlite file while two other MLflow clients open it (as `mlflow ui` or a notebook do).
+
+    Two alembic migrations of one new sqlite file can break it (seen: 2 tries of 2 asked the user to move
+    the store aside). STORE_RACE_TRIES sets the tries (2 here; the note of the change ran 20).
+    """
+    import os
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers import REPO, wait_for, write_spec_file
+
+    tries = int(os.environ.get("STORE_RACE_TRIES", "2"))
+    spec = write_spec_file(tmp_path / "spec.toml", train={"max_steps": 2}, checkpoint={"enabled": False})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for attempt in range(tries):
+        folder = tmp_path / f"try-{attempt}"
+        folder.mkdir()
+        uri = f"sqlite:///{folder}/mlflow.db"
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "runner", "exec", str(spec), "--set", f'tracking.uri="{uri}"'],
+            cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        code = f"from mlflow.tracking import MlflowClient; MlflowClient({uri!r}).search_experiments()"
+        if attempt % 2:  # every other try: the others start once runner has begun to create the store
+            wait_for(lambda f=folder: any(f.iterdir()), "runner to touch the store", proc=runner)
+        others = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
+        out, _ = runner.communicate(timeout=300)
+        for other in others:
+            other.wait(timeout=300)
+        assert runner.returncode == 0, (attempt, out[-2000:])
+        (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("tests").experiment_id])
+        assert run.info.status == "FINISHED"
+        store_module.refuse_half_migrated(folder / "mlflow.db")
 
 
 def test_a_store_that_keeps_failing_is_one_line_not_an_sql_dump(

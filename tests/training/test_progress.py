@@ -62,6 +62,17 @@ def test_samples_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch
     assert shown.samples_per_s == pytest.approx(64 / 3.0)  # 4 s, of which 1 s validating
 
 
+def test_samples_per_s_is_the_epochs_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One definition for the progress line and metric ``samples_per_s``: this epoch's samples over its seconds."""
+    clock = iter([0.0, 10.0, 12.0, 12.0])  # start, epoch 2 starts, read epoch_seconds, read the rate
+    monkeypatch.setattr(progress_module.time, "perf_counter", lambda: next(clock))
+    shown = Progress("off", 10)
+    shown.update(5, samples=1000)  # epoch 1, at whatever rate
+    shown.start_epoch()
+    shown.update(1, samples=64)
+    assert shown.epoch_seconds == 2.0 and shown.samples_per_s == pytest.approx(32.0)
+
+
 def test_bar_shows_samples_per_s_and_the_validation_phase(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = on_screen(monkeypatch)
     bar = Progress("bar", 4)
@@ -133,3 +144,30 @@ def test_fit_shows_its_samples_per_s_and_each_evaluation(monkeypatch: pytest.Mon
     frames = screen.frames()
     assert any(f.startswith("validating") for f in frames)
     assert any("samples/s=" in f for f in frames if f.startswith("train"))
+
+
+def test_the_last_progress_line_shows_the_last_epoch_not_one_past_it(capsys) -> None:
+    train = {"epochs": 2, "progress": "lines", "log_every_n_steps": 3}  # 8 steps: step 8 is logged after the loop
+    spec = ExperimentSpec.model_validate({**SPEC, "train": train})
+    strategy = SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
+    bundle = build_datasets(spec, None)
+    loaders = build_loaders(spec, bundle, 0, 1)
+    model = nn.Linear(4, 2)
+    parts = LoopParts(
+        model=model,
+        strategy=strategy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        scheduler=None,
+        scheduler_interval="epoch",
+        loss=build_loss(spec.loss, None),
+        metrics=build_metric_plan(spec, bundle.info, None),
+        loaders=loaders,
+        tracker=NullTracker(),
+        total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),
+        precision=Precision("no", strategy.device),
+    )
+    fit(parts, spec.train)
+    lines = capsys.readouterr().err.splitlines()
+    shown = [int(m) for line in lines for m in re.findall(r"epoch=(\d+)", line)]
+    assert lines[-1].startswith("step 8/8 epoch=1 loss="), lines
+    assert max(shown) == 1, lines
