@@ -247,3 +247,16 @@ def test_a_default_spec_trains_without_importing_torchmetrics_torchvision_or_mat
     assert done.stdout.strip().splitlines()[-1] == "[]"
     _, (run,) = _runs(store)
     assert run.data.metrics["val/accuracy"] > 0 and "train/accuracy" in run.data.metrics
+
+
+def test_the_first_example_learns_well_and_agrees_under_ddp(store: str, capsys) -> None:
+    """README's first command: val/accuracy >= 0.96, and its ddp-2 twin within 1e-4 in val/loss (docs/design.md §3)."""
+    experiments = Path(__file__).parents[1] / "experiments"
+    uri = f'tracking.uri="{store}"'
+    assert main(exec_args(experiments / "digits_mlp.toml", uri)) == 0
+    assert main(exec_args(experiments / "digits_mlp_ddp.toml", uri)) == 0
+    assert "val/accuracy           0.97" in capsys.readouterr().out
+    client, (single, ddp) = _runs(store, "digits")
+    assert single.data.metrics["val/accuracy"] >= 0.96
+    assert ddp.data.params["parallel.mode"] == "ddp" and ddp.data.params["parallel.nproc_per_node"] == "2"
+    assert abs(single.data.metrics["val/loss"] - ddp.data.metrics["val/loss"]) < 1e-4
