@@ -393,6 +393,8 @@ def _has_non_finite(value: Any) -> bool:
 
 INT64_LIMIT = 2**63
 """Exclusive upper bound of a seed or size passed to torch as a C ``int64`` (``seed + epoch`` stays below ``2**64``)."""
+INT32_LIMIT = 2**31
+"""Exclusive upper bound of a batch size: torch's samplers and kernels index a batch with a C ``int``."""
 UINT32_LIMIT = 2**32
 """Exclusive upper bound of a seed passed to ``numpy.random.RandomState`` (Optuna's samplers)."""
 

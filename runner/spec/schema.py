@@ -25,7 +25,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from runner.spec import names, rules
 from runner.spec.names import LossSpec, MetricsSpec
-from runner.spec.rules import INT64_LIMIT, UINT32_LIMIT, SpecTable
+from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
@@ -375,13 +375,14 @@ class DataSpec(SpecTable):
     )
     batch_size: int = Field(
         ge=1,
+        lt=INT32_LIMIT,
         description=(
             "GLOBAL batch size: samples per optimizer step across all devices and processes. "
             "dp scatters it; ddp loads batch_size / world_size per rank (must divide)."
         ),
     )
     eval_batch_size: int | None = Field(
-        default=None, ge=1, description="Global batch size for evaluation. Default: `batch_size`."
+        default=None, ge=1, lt=INT32_LIMIT, description="Global batch size for evaluation. Default: `batch_size`."
     )
     val_fraction: float = Field(
         default=0.2,
@@ -405,7 +406,9 @@ class DataSpec(SpecTable):
     drop_last: bool = Field(
         default=False, description="Drop the last incomplete training batch of each epoch. Default: false."
     )
-    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank. Default: 0.")
+    num_workers: int = Field(
+        default=0, ge=0, le=256, description="DataLoader worker processes per rank (at most 256). Default: 0."
+    )
     pin_memory: bool = Field(
         default=False, description="Pin host memory for faster host-to-GPU copies. Default: false."
     )

@@ -264,6 +264,8 @@ def build_cnn(
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value >= 2**31:
+        raise ValueError(f"{name} must be below 2**31 (a layer that wide does not fit in any memory), got {value}")
 
 
 def build_model(
@@ -310,7 +312,7 @@ def build_model(
         located = user_code_error(exc, "model.name") if ":" in name else None  # the factory's own failure
         if located is not None:
             raise located from exc
-        if not isinstance(exc, (TypeError, ValueError)):
+        if not isinstance(exc, (TypeError, ValueError, RuntimeError)):  # RuntimeError: sizes torch cannot allocate
             raise
         raise _bad_kwargs(name, builder, kwargs, exc) from None
     if not isinstance(model, torch.nn.Module):

@@ -36,6 +36,11 @@ def _line_of(text: str, key: str) -> int:
         ({"data": {"num_samples": 2**63}}, "data.num_samples", "expected a value >= 1 and < 9223372036854775808"),
         ({"data": {"input_shape": [2, HUGE]}}, "data.input_shape[1]", "expected a value < 9223372036854775808"),
         ({"sweep": {"seed": 2**32}}, "sweep.seed", "expected a value >= 0 and < 4294967296 (2**32)"),
+        # 2**63 - 1 passes as an int64 but failed after the run existed (a FAILED run, no key named; or, for
+        # num_workers, a DataLoader that forked until the machine stalled)
+        ({"data": {"batch_size": 2**63 - 1}}, "data.batch_size", "expected a value >= 1 and < 2147483648 (2**31)"),
+        ({"data": {"eval_batch_size": 2**63 - 1}}, "data.eval_batch_size", "< 2147483648 (2**31)"),
+        ({"data": {"num_workers": 2**63 - 1}}, "data.num_workers", "expected a value >= 0 and <= 256"),
     ],
 )
 def test_out_of_range_integers_are_located_with_their_range(
@@ -163,3 +168,16 @@ def test_a_torch_error_is_quoted_by_its_first_line_only(tmp_path: Path, monkeypa
     message = str(info.value)
     assert "model.name: your code raised TypeError: Overflow when unpacking (at " in message
     assert "frame #" not in message and "Exception raised from" not in message
+
+
+def test_a_layer_too_wide_for_any_memory_exits_2_at_model_kwargs_before_any_run(tmp_path: Path, capsys) -> None:
+    path = write_spec_file(tmp_path / "s.toml", MINIMAL, model={"name": "mlp", "kwargs": {"hidden": [2**63 - 1]}})
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.kwargs" in err and "hidden must be below 2**31" in err and "Traceback" not in err, err
+    from mlflow.tracking import MlflowClient
+
+    experiment = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_experiment_by_name("tests")
+    assert experiment is None or not MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
+        [experiment.experiment_id], run_view_type=3
+    )  # no run, not even a deleted one
