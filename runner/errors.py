@@ -226,6 +226,25 @@ def _key_of(frame: Any) -> str:
     return _KEYS.get(Path(frame.f_code.co_filename).name, "data.dataset")
 
 
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"
+
+
+def stop_code(signum: int, rank: int) -> int:
+    """One int for "signal ``signum`` reached ``rank``", so that a MAX all-reduce agrees on one (lowest rank wins)."""
+    return (signum << 16) | (0xFFFF - rank)
+
+
+def stop_origin(code: int) -> tuple[int, int]:
+    """``(signum, rank)`` of a :func:`stop_code`."""
+    return code >> 16, 0xFFFF - (code & 0xFFFF)
+
+
 class Interrupted(RunnerError):
     """The job was stopped by SIGINT or SIGTERM; exit status 130 (128 + SIGINT, as shells report it)."""
 
@@ -233,13 +252,20 @@ class Interrupted(RunnerError):
     heading = "interrupted"
 
     def __init__(
-        self, signum: int = 2, run_id: str | None = None, command: str | None = None, checkpoint: str | None = None
+        self,
+        signum: int = 2,
+        run_id: str | None = None,
+        command: str | None = None,
+        checkpoint: str | None = None,
+        rank: int | None = None,
     ):
         self.signum = signum
         self.run_id = run_id
         self.command = command
         self.checkpoint = checkpoint  # which checkpoint exists, e.g. "a checkpoint was written at the stop (...)"
-        super().__init__(f"interrupted by signal {signum}")
+        self.rank = rank  # the rank the signal reached, in a job of several
+        where = f" at rank {rank}" if rank is not None else ""
+        super().__init__(f"interrupted by signal {signum} ({_signal_name(signum)}){where}")
 
     def hint(self) -> str:
         """What to tell the user: the run that was stopped and the command that continues it.
@@ -247,11 +273,13 @@ class Interrupted(RunnerError):
         The command is ``command`` when given (``runner resume RUN_ID``, as the driver words it), else
         ``runner resume RUN_ID``: the run's stored spec is continued, with its ``--set`` values.
         """
+        where = f" at rank {self.rank}" if self.rank is not None else ""
+        by = f"{_signal_name(self.signum)}{where}"
         if self.run_id or self.command:
             command = self.command or f"runner resume {self.run_id}"
-            killed = f"run {self.run_id} is KILLED; " if self.run_id else ""
+            killed = f"run {self.run_id} is KILLED ({by}); " if self.run_id else ""
             return f"{killed}{self.checkpoint or 'a checkpoint was written'}. Continue it with: {command}"
-        return "stopped"
+        return f"stopped ({by})"
 
     def format_message(self) -> str:
         """``interrupted: <hint>``: the run that was stopped and how to continue it."""

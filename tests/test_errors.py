@@ -56,7 +56,8 @@ def test_messages_have_their_heading():
     assert stopped.startswith("interrupted: run r1 is KILLED") and stopped.endswith(": runner resume r1")
     elsewhere = Interrupted(15, run_id="r1", command="runner resume r1 --tracking-uri sqlite:////x.db")
     assert elsewhere.format_message().endswith("Continue it with: runner resume r1 --tracking-uri sqlite:////x.db")
-    assert Interrupted().format_message() == "interrupted: stopped"
+    assert Interrupted().format_message() == "interrupted: stopped (SIGINT)"
+    assert Interrupted(15, rank=1).format_message() == "interrupted: stopped (SIGTERM at rank 1)"
 
 
 def test_device_error_names_its_key_and_can_be_placed():
@@ -80,7 +81,7 @@ class _Custom(RunnerError):
         (DeviceError("no GPU", key="devices.accelerator"), 2, "runner: error: devices.accelerator: no GPU"),
         (TrackingError("store down"), 2, "runner: error: store down"),
         (TrainingError("rank 0 failed"), 1, "runner: training failed: rank 0 failed"),
-        (Interrupted(15), 130, "runner: interrupted: stopped"),
+        (Interrupted(15), 130, "runner: interrupted: stopped (SIGTERM)"),
         (_Custom("seven"), 7, "runner: custom: seven"),
         (KeyboardInterrupt(), 130, "runner: interrupted"),
     ],

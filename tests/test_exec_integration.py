@@ -256,7 +256,7 @@ def test_the_first_example_learns_well_and_agrees_under_ddp(store: str, capsys) 
     assert main(exec_args(experiments / "digits_mlp.toml", uri)) == 0
     assert main(exec_args(experiments / "digits_mlp_ddp.toml", uri)) == 0
     assert "val/accuracy           0.97" in capsys.readouterr().out
-    client, (single, ddp) = _runs(store, "digits")
+    _, (single, ddp) = _runs(store, "digits")
     assert single.data.metrics["val/accuracy"] >= 0.96
     assert ddp.data.params["parallel.mode"] == "ddp" and ddp.data.params["parallel.nproc_per_node"] == "2"
     assert abs(single.data.metrics["val/loss"] - ddp.data.metrics["val/loss"]) < 1e-4

@@ -246,7 +246,7 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
     """
     from runner.launch.channel import Hub
     from runner.launch.elastic import is_signal, spec_error_of_child
-    from runner.launch.failures import JobContext, describe_failure, oom_kill_count
+    from runner.launch.failures import JobContext, describe_failure, interruption, oom_kill_count
     from runner.launch.session import worker_args
 
     hub = Hub(session.handle, session.open_store) if session is not None else None
@@ -271,9 +271,11 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         raise TrainingError(error) from None
     except Exception as exc:
         _raise_unmade(session)
-        if is_signal(exc):
+        stopped = interruption(exc)  # a signal to one rank: every rank stopped after the checkpoint
+        if is_signal(exc) or stopped is not None:
             status = "KILLED"
-            raise _interrupted(getattr(exc, "sigval", 15), plan, session, hangs) from None
+            signum, rank = stopped or (getattr(exc, "sigval", 15), None)
+            raise _interrupted(signum, plan, session, hangs, rank) from None
         bad_spec = spec_error_of_child(exc)
         if bad_spec is not None and (session is None or session.run_id is None):
             raise relocate_issues(bad_spec, plan.loaded) from None
@@ -296,14 +298,17 @@ def _raise_unmade(session: RunSession | None) -> None:
         raise session.store_error
 
 
-def _interrupted(signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None) -> Interrupted:
+def _interrupted(
+    signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None, rank: int | None = None
+) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
     from runner.launch.resume import resume_command
 
     uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
     folder = session.checkpoint_dir if session is not None else ""
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
-    return Interrupted(int(signum), run_id=run_id, command=command, checkpoint=checkpoint_note(folder, hangs or {}))
+    note = checkpoint_note(folder, hangs or {})
+    return Interrupted(int(signum), run_id=run_id, command=command, checkpoint=note, rank=rank)
 
 
 def checkpoint_note(folder: str, hangs: HangReports) -> str:

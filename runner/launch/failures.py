@@ -83,6 +83,23 @@ def describe_failure(exc: BaseException, context: JobContext) -> str:
     return f"rank {rank} {ended_by(int(failure.exitcode), context.oom_kills_before)}"
 
 
+_INTERRUPTED = re.compile(r"runner\.errors\.Interrupted: interrupted by signal (\d+)(?: \(\w+\))?(?: at rank (\d+))?")
+
+
+def interruption(exc: BaseException) -> tuple[int, int | None] | None:
+    """``(signal, rank)`` when the ranks of a failed job stopped on a signal (after their checkpoint), else ``None``.
+
+    A stop signal sent to one rank reaches every rank through the stop decision; the ranks then end
+    with :class:`~runner.errors.Interrupted`, which the launcher reports as failures.
+    """
+    failures: dict[int, Any] = getattr(exc, "failures", None) or {}
+    found = [_INTERRUPTED.search(python_error(f)) for f in failures.values()]
+    if not found or not any(found):
+        return None
+    first = next(m for m in found if m is not None)
+    return int(first.group(1)), (int(first.group(2)) if first.group(2) else None)
+
+
 def python_error(failure: ProcessFailure) -> str:
     """The Python error a failed rank recorded (``Type: message``), or ``""`` when it left none.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, user_code_error
+from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, stop_code, user_code_error
 from runner.launch.channel import HandedRun, HubAddress, Link
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
     if env.external or args.launcher_pid is not None:  # a process of its own: it dies with the one that started it
         die_with_parent(args.launcher_pid)
     strategy = make_strategy(args.loaded.spec.parallel, args.plan, env, args.loaded.spec.train.amp)
-    stop = _StopFlag(announce=env.rank == 0)
+    stop = _StopFlag(announce=env.rank == 0, rank=env.rank)
     grace_s = args.loaded.spec.parallel.hang_grace_s
     watch = HangWatch(env.rank, args.report_dir, grace_s) if env.external else None
     link = Link(args.hub) if args.hub is not None and env.rank == 0 else None
@@ -200,7 +200,7 @@ def _fit(
             strategy,
             tracker,
             checkpointer,
-            stop.is_set,
+            stop.code,
             sync_timing=args.sync_timing,
             epoch_end=epoch_end,
             started_at=args.started_at,
@@ -373,8 +373,8 @@ class _StopFlag:
     a first SIGINT prints :data:`STOPPING` to stderr.
     """
 
-    def __init__(self, announce: bool = False) -> None:
-        self._announce = announce
+    def __init__(self, announce: bool = False, rank: int = 0) -> None:
+        self._announce, self._rank, self.signum = announce, rank, 0
         self._event = threading.Event()
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
@@ -392,6 +392,10 @@ class _StopFlag:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def code(self) -> int:
+        """0, or the :func:`~runner.errors.stop_code` of the first signal and this rank (the loop's ``should_stop``)."""
+        return stop_code(self.signum, self._rank) if self._event.is_set() else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         import time

@@ -248,15 +248,18 @@ class Strategy(ABC):
     def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank."""
 
+    stop_code: int = 0  # the agreed stop: 0, or a runner.errors.stop_code (the signal and the rank it reached)
+
     @abstractmethod
-    def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
+    def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
         """Whether every rank stops now, given this rank's stop ``flag`` (True on all ranks or on none).
 
         Like Lightning Fabric's ``reduce_boolean_decision`` with ``all=False`` (any rank's
         True counts), but never on the hot path where there are peers to ask.
 
         Args:
-            flag: Whether a stop was requested on this rank (e.g. a signal arrived).
+            flag: 0, or this rank's :func:`stop_code` (a signal arrived); the largest code of the ranks
+                is kept as ``stop_code``.
             settle: False after a step between log steps: a strategy with peers answers from what
                 was agreed so far, without a collective. True at log steps, checkpoints and epoch
                 boundaries: answer for this ``flag`` on every rank before returning.

@@ -275,7 +275,7 @@ class DDPStrategy(Strategy):
         dist.all_gather_object(out, obj)
         return out
 
-    def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
+    def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
         """Whether every rank stops now: True once any rank passed ``flag = True`` to a settling call.
 
         * ``settle=False`` (after a step between log steps, the hot path): no collective; the
@@ -296,7 +296,8 @@ class DDPStrategy(Strategy):
         """
         self._need_setup()
         if settle and not self._stopping:
-            buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            buf = torch.tensor([int(flag)], dtype=torch.int64)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._flag_group)
-            self._stopping = bool(buf.item())
+            self.stop_code = int(buf.item())
+            self._stopping = bool(self.stop_code)
         return self._stopping

@@ -129,9 +129,10 @@ class SingleDevice(Strategy):
         """``[obj]``."""
         return [obj]
 
-    def reduce_stop_decision(self, flag: bool, *, settle: bool = False) -> bool:
+    def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
         """``flag`` itself, at once, whatever ``settle`` says."""
-        return flag
+        self.stop_code = max(self.stop_code, int(flag))
+        return bool(flag)
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:

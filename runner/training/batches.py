@@ -314,7 +314,7 @@ class LoopParts:
         io: How batches reach the model and where the prediction is in its output.
         metrics: The train and validation metrics (:class:`~runner.training.metrics.MetricPlan`).
         on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).
-        should_stop: Returns True when a stop signal arrived on this rank.
+        should_stop: 0, or the stop code (:func:`runner.errors.stop_code`) once a signal arrived on this rank.
         sync_timing: Synchronise the device at the end of every step so that step times are
             exact on CUDA (``runner bench``); costs a little throughput, so off by default.
         epoch_end: Called on every rank after each complete epoch (its metrics logged, its
@@ -337,7 +337,7 @@ class LoopParts:
     io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
     metrics: MetricPlan = field(default_factory=MetricPlan)
     on_checkpoint: Callable[[TrainState, str], None] | None = None
-    should_stop: Callable[[], bool] = lambda: False
+    should_stop: Callable[[], int] = lambda: 0
     sync_timing: bool = False
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     started_at: float | None = None

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from runner.errors import Interrupted
+from runner.errors import Interrupted, stop_origin
 from runner.training import STARTUP_METRIC
 from runner.training.batches import CollatedBatch, FitResult, LoopParts, TrainState
 from runner.training.metrics import MetricSet
@@ -341,7 +341,8 @@ def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle:
     """When the strategy's stop decision says so: checkpoint with reason ``"signal"``, then raise ``Interrupted``."""
     if parts.strategy.reduce_stop_decision(parts.should_stop(), settle=settle):
         _checkpoint(parts, state, "signal", tally)
-        raise Interrupted()
+        signum, rank = stop_origin(parts.strategy.stop_code)
+        raise Interrupted(signum or 2, rank=rank if parts.strategy.world_size > 1 and signum else None)
 
 
 def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) -> None:

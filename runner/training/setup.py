@@ -342,7 +342,7 @@ def loop_parts(
     strategy: Strategy,
     tracker: Tracker,
     on_checkpoint: Callable[[TrainState, str], None],
-    should_stop: Callable[[], bool],
+    should_stop: Callable[[], int],
     *,
     sync_timing: bool = False,
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None,

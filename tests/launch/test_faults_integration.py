@@ -208,6 +208,25 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
     assert MlflowClient(uri).get_run(run_id).info.status == "KILLED"
 
 
+@pytest.mark.parametrize(("rank", "sig"), [(0, signal.SIGTERM), (1, signal.SIGINT)], ids=["term-rank0", "int-rank1"])
+def test_a_stop_signal_to_one_rank_ends_the_run_killed_naming_the_signal_and_rank(
+    tmp_path: Path, rank: int, sig: signal.Signals
+) -> None:
+    """It ended FAILED with exit 1, named signal 2 for a SIGTERM, and blamed rank 1 when rank 0 got it."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, uri, DDP, epochs=100)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.05"))
+    wait_for(lambda: len(list(pids.iterdir())) == 2, "both ranks to train", proc=driver)
+    os.kill(int((pids / f"rank{rank}").read_text()), sig)
+    code, _, err = _finish(driver)
+    (run,) = _runs(uri)
+    assert code == 130, err
+    assert f"is KILLED ({sig.name} at rank {rank}); a checkpoint was written at the stop" in err, err
+    assert MlflowClient(uri).get_run(run.info.run_id).info.status == "KILLED"
+
+
 # ----------------------------------------------------------------------------- item: a hung rank
 
 
