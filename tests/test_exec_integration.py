@@ -62,6 +62,8 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert run.data.tags["runner.devices"] == "cpu" and run.data.tags["runner.accelerator"] == "cpu"
     assert run.data.tags["runner.world_size"] == "1"
     assert run.data.metrics["val/accuracy"] > 0.9
+    cuda = run.data.tags["runner.cuda_version"]  # the torch build's, said so on a CPU run
+    assert cuda == "none" or cuda.endswith(" (of the torch build; this run used no GPU)"), cuda
     busy = run.data.tags["runner.host_busy"]  # how busy the host was, beside the speed figures
     assert run.data.tags["runner.host_load"].startswith(
         {"true": "busy: 1-min load", "false": "quiet: 1-min load"}[busy]

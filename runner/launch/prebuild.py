@@ -274,10 +274,11 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
         return
     check_call(scheduler_class(spec.scheduler), (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
     total = count_total_steps(steps_per_epoch, spec.train) if steps_per_epoch is not None else None
-    scheduler = build_scheduler(spec.scheduler, optimizer, total or spec.train.max_steps or 1, spec.train.epochs)
+    stand_in = total or spec.train.max_steps or DRY_RUN_STEPS  # the data not built here: the run's length unknown
+    scheduler = build_scheduler(spec.scheduler, optimizer, stand_in, spec.train.epochs)
     assert scheduler is not None  # spec.scheduler is set
     per_step = scheduler_interval(spec.scheduler) == "step"
-    calls = (total if per_step else spec.train.epochs) if total is not None else 2
+    calls = (total if per_step else spec.train.epochs) if total is not None else min(2, stand_in)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing is trained here
         try:

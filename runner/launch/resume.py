@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.errors import SpecError, SpecIssue, UsageError
+from runner.errors import SpecError, SpecIssue, UsageError, show
 
 if TYPE_CHECKING:
     from runner.launch.driver import ExecOptions
@@ -83,7 +83,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
     try:
         changes, complete, notes = _check_resume(
-            plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator
+            plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator, run_id
         )
     except _NoCheckpoint as exc:
         again = resume_command(run_id, uri, "reproduce")
@@ -175,8 +175,28 @@ class _NoCheckpoint(UsageError):
     """The run has no checkpoint to continue from."""
 
 
+def _spec_changed(
+    loaded: LoadedSpec, saved: dict[str, Any], current: dict[str, Any], keys: list[str], run_id: str
+) -> SpecError:
+    """The refusal of a resume whose spec differs from the run's in ``keys``: which --set to repeat, or how not to."""
+    again = f"`runner resume {run_id}` continues it with its own spec and --set values, " if run_id else ""
+    return SpecError(
+        [
+            SpecIssue(
+                loaded.path,
+                None,
+                k,
+                f"differs from the resumed run: was {show(saved.get(k))}, now {show(current.get(k))}: repeat "
+                f"--set {k}={show(saved.get(k))} if the run was started with it; {again}or pass "
+                f"--allow-spec-change {k} to train on with the new value",
+            )
+            for k in keys
+        ]
+    )
+
+
 def _check_resume(
-    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None
+    loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
 
@@ -212,10 +232,7 @@ def _check_resume(
     free = (*allowed, *LAYOUT_KEYS)
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in free)]
     if unexpected:
-        was = "differs from the resumed run: was {!r}, now {!r} (undo it, or pass --allow-spec-change {})"
-        raise SpecError(
-            [SpecIssue(loaded.path, None, k, was.format(saved.get(k), current.get(k), k)) for k in unexpected]
-        )
+        raise _spec_changed(loaded, saved, current, unexpected, run_id)
     notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
     layout = [k for k in changed if k in LAYOUT_KEYS and k not in allowed]
     if layout:
@@ -235,6 +252,7 @@ def _check_resume(
 
 Liveness = Literal["alive", "gone", "unknown"]
 TAGS = ("runner.owner.host", "runner.owner.pid", "runner.owner.start_time")
+_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%f"
 _SAME_START_S = 0.5  # create times of one process agree to the clock tick; a reused pid differs by more
 
 
@@ -260,14 +278,22 @@ class Owner:
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> Owner | None:
         """The owner recorded in a run's tags, or ``None`` when there is none (runs made before owners were)."""
+        from datetime import UTC, datetime
+
         try:
-            return cls(tags[TAGS[0]], int(tags[TAGS[1]]), float(tags[TAGS[2]]))
+            text = tags[TAGS[2]]
+            when = datetime.strptime(text.rstrip("Z"), _TIME_FORMAT).replace(tzinfo=UTC) if "T" in text else None
+            started = when.timestamp() if when is not None else float(text)  # older runs: seconds since the epoch
+            return cls(tags[TAGS[0]], int(tags[TAGS[1]]), started)
         except (KeyError, ValueError):
             return None
 
     def tags(self) -> dict[str, str]:
-        """The run tags that record this owner."""
-        return dict(zip(TAGS, (self.host, str(self.pid), f"{self.start_time:.2f}"), strict=True))
+        """The run tags that record this owner; the start time in UTC, ISO 8601, to the hundredth of a second."""
+        from datetime import UTC, datetime
+
+        started = datetime.fromtimestamp(self.start_time, UTC).strftime(_TIME_FORMAT)[:-4] + "Z"
+        return dict(zip(TAGS, (self.host, str(self.pid), started), strict=True))
 
     def liveness(self) -> Liveness:
         """``alive``; ``gone`` (no such process, a zombie, another process under the pid); ``unknown`` (other host)."""

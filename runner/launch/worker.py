@@ -183,7 +183,9 @@ def _fit(
         notes = list(restored.notes)
         if spec.deterministic:
             settings = setup.describe_settings(seed_info)
-            notes.append(f"deterministic mode: {settings}")
+            if settings not in _SHOWN_SETTINGS:  # parity and sweeps train several runs in one process: said once
+                notes.append(f"deterministic mode: {settings}")
+                _SHOWN_SETTINGS.add(settings)
             tracker.set_tags({"runner.deterministic_settings": settings})
         if is_log_rank:
             from runner.errors import show_notes
@@ -361,6 +363,7 @@ def _agreed_epoch_end(
     return epoch_end
 
 
+_SHOWN_SETTINGS: set[str] = set()
 STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (a second later) stops at once\n"
 
 

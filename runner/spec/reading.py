@@ -221,6 +221,10 @@ def _syntax_hint(source: str, what: str) -> str:
         return "each key and each [table] may be written only once"
     if what.startswith("Unclosed"):
         return "close it with the matching bracket or quote"
+    if what.startswith("Illegal character '\\n'") and source.count('"') % 2:
+        return 'close the string with " on the same line, or write """...""" for text of several lines'
+    if what.startswith("Expected ']' at the end of a table declaration"):
+        return f"close the table name with ]: {source.strip().split()[0].rstrip(']')}]"
     key, eq, value = source.partition("=")
     value = value.split("#", 1)[0].strip() if eq else ""
     if m := re.fullmatch(r"([+-]?)\.(\d[\d_]*(?:[eE][+-]?\d+)?)", value):

@@ -61,8 +61,9 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
         SpecError: (``parallel.fsdp_blocks``) a name that is no module class of the model, with a
             did-you-mean over the model's class names.
     """
-    if names is None:
-        return [child for child in module.children() if any(True for _ in child.parameters())]
+    if names is None:  # a child that shares a parameter with another (tied weights) stays with the root's unit
+        children = [child for child in module.children() if any(True for _ in child.parameters())]
+        return [child for child in children if not _shares_parameters(child, children)]
     present = sorted({type(m).__name__ for m in module.modules()})
     for name in names:
         if name not in present:
@@ -71,7 +72,31 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
             message += f"; its classes are {', '.join(present)}"
             raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
     wanted = set(names)
-    return [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
+    blocks = [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
+    for block in blocks:
+        if _shares_parameters(block, [b for b in blocks if not _nested(b, block)]):
+            raise SpecError(
+                SpecIssue(
+                    None,
+                    None,
+                    "parallel.fsdp_blocks",
+                    f"a {type(block).__name__} block shares a parameter with another block (tied weights), which "
+                    "FSDP cannot shard apart: leave that class out of fsdp_blocks, or fsdp_blocks = [] shards "
+                    "the model as one unit",
+                )
+            )
+    return blocks
+
+
+def _shares_parameters(block: nn.Module, others: list[nn.Module]) -> bool:
+    """Whether ``block`` holds a parameter that one of ``others`` (``block`` itself aside) holds too."""
+    own = {id(p) for p in block.parameters()}
+    return any(id(p) in own for other in others if other is not block for p in other.parameters())
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    """Whether one of ``a`` and ``b`` contains the other (a nested block shares its parent's parameters)."""
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compile_blocks: bool) -> None:

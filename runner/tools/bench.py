@@ -28,6 +28,7 @@ parent run ends FAILED.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -35,7 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, Interrupted, SpecError, UsageError
+from runner.devices.inventory import HostLoad
+from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, UsageError
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
 from runner.tools.bench_measure import probe_model_and_data, reason
@@ -185,6 +187,18 @@ def run_bench(
     return report
 
 
+def _host_load(load: HostLoad, parent: Parent | None) -> str:
+    """How busy the host was while the configurations ran, for the report and the parent's tags."""
+    text = load.describe(load.cores)  # the largest configuration uses every core
+    if parent is not None:
+        from runner.tracking.stored import set_run_tags
+
+        with contextlib.suppress(TrackingError):
+            tags = {"runner.host_load": text, "runner.host_busy": str(load.busy(load.cores)).lower()}
+            set_run_tags(parent.uri, parent.run_id, tags)
+    return text
+
+
 def _delete_runs(parent: Parent | None, runnable: Sequence[Config]) -> None:
     """Delete the parent run and its child runs."""
     from runner.tracking.runs import delete_run
@@ -295,6 +309,7 @@ def _measure_all(
     runnable: Sequence[Config], report: BenchReport, parent: Parent | None, out: Path, pool: WarmPool
 ) -> None:
     """Measure every runnable configuration, compare them with ``none``, write and record the results."""
+    started = HostLoad.read()
     for i, config in enumerate(runnable, 1):
         try:
             measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
@@ -306,6 +321,7 @@ def _measure_all(
                     if later.child_run_id is not None:
                         end_run(parent.uri, later.child_run_id, "KILLED")
             raise
+    report.host_load = _host_load(HostLoad.since(started), parent)
     not_comparable = comparability(report.batch_statistics, report.dropout)
     finish_comparisons(report.configs, not_comparable=not_comparable, tolerance=LOSS_TOLERANCE)
     report.recommendation = recommend(report.configs)

@@ -269,6 +269,7 @@ class BenchReport:
     json_path: str | None = None
     png_path: str | None = None
     recommendation: str = ""
+    host_load: str = ""  # how busy the host was while the configurations ran (HostLoad.describe)
 
     @property
     def failed(self) -> int:
@@ -362,6 +363,8 @@ class BenchReport:
             foot.append(ui_line(self.tracking_uri or "", self.experiment_id, self.parent_run_id))
         if self.json_path or self.png_path:
             foot.append(f"files: {self.json_path}  {self.png_path}")
+        if self.host_load.startswith("busy"):
+            foot.append(f"host: {self.host_load}")
         if self.recommendation:
             foot.append(self.recommendation)
         return "\n".join([head, "", *lines, "", *foot])

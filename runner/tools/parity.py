@@ -1,20 +1,8 @@
 """``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``.
 
-Each configuration (``none``, then ``<mode>-2`` for every other mode of
-:data:`runner.spec.schema_parallel.MODES` this machine runs) is a ``runner exec`` of the same spec with
-``deterministic = true``, the same seed (so the same initial weights and batch order, docs/design.md
-§3 and §7), ``train.max_steps = steps``, ``train.log_every_n_steps = 1`` and the model, its inputs and
-its loss in float64 (:attr:`runner.launch.driver.ExecOptions.dtype`; float32 when ``none`` does not
-train in float64). Its per-step ``train/loss`` comes from the run's history, its final parameters
-from the checkpoint written at the last step.
-
-The **control** is ``none`` in float32 with every initial weight nudged up by one float32 ulp (a
-relative :data:`PERTURBATION` at most, :attr:`runner.launch.driver.ExecOptions.nudge`), compared
-with ``none`` in float32 (``none-float32``): how far that grows is how much the spec amplifies
-float32 rounding (what float32 runs of it differ by across modes), and sets the tolerance of the
-comparison (:func:`tolerance`). Every run is a child of one parent run in the experiment
-``<experiment>/parity``, which gets the verdict (tags ``runner.parity.*``) and a plot of per-step
-|Δ train/loss| (``parity/parity.png``).
+Each configuration is a ``runner exec`` of the same spec, deterministic, same seed, ``max_steps = steps``,
+float64 (float32 when ``none`` does not train in it); the **control** (``none`` in float32 with every
+initial weight nudged by one ulp) sets the tolerance. Semantics: docs/design.md §17.
 """
 
 from __future__ import annotations
@@ -427,7 +415,8 @@ def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
 
 
 def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
-    """The spec's model built on ``meta`` (no storage), or ``None`` when it cannot be built so."""
+    """The spec's model built on ``meta`` (no storage), else on the CPU (a model whose construction computes on
+    its weights cannot be built on ``meta``), or ``None`` when it cannot be built at all."""
     import torch
 
     from runner.training.data import build_datasets
@@ -436,10 +425,15 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
     spec, folder = loaded.spec, loaded.path.parent
     try:
         info = build_datasets(spec, folder).info
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            return build_model(spec.model, folder, input_shape=info.input_shape, num_classes=info.num_classes)
     except Exception:
         return None
+    for device in ("meta", "cpu"):
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                return build_model(spec.model, folder, input_shape=info.input_shape, num_classes=info.num_classes)
+        except Exception:
+            continue
+    return None
 
 
 def _record(report: ParityReport, parent: tuple[str, str], folder: Path) -> None:

@@ -106,19 +106,42 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(obj) if not n.startswith("_")]
-            message = with_hint(f"module {module_name!r} has no attribute {attr!r}", did_you_mean(part, names, n=3))
-            raise spec_issue(key, message) from None
+            hint = did_you_mean(part, names, n=3)
+            if not hint:  # nothing close: the callables it does define, and where it was read from
+                callables = ", ".join([n for n in names if callable(getattr(obj, n, None))][:10]) or "no callable"
+                hint = f"{getattr(module, '__file__', module_name)} defines {callables}"
+            raise spec_issue(key, with_hint(f"module {module_name!r} has no attribute {attr!r}", hint)) from None
         obj = getattr(obj, part)
     if not callable(obj):
         raise spec_issue(key, f"{target!r} is a {type(obj).__name__}, not a callable factory")
     return obj
 
 
-def installed_torchvision_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The installed torchvision's model builder names and dataset class names, sorted (imports torchvision)."""
-    import torchvision.datasets
-    import torchvision.models
+def torchvision_package(key: str = "model.name") -> Any:
+    """``torchvision``, its models and datasets imported.
 
+    Raises:
+        SpecError: At ``key``: torchvision is missing, or broken (e.g. built for another torch).
+    """
+    try:
+        import torchvision
+        import torchvision.datasets
+        import torchvision.models
+    except Exception as exc:  # a mismatched build fails with RuntimeError ("operator torchvision::nms does not exist")
+        import torch
+
+        raise spec_issue(
+            key,
+            f"torchvision cannot be imported ({type(exc).__name__}: {first_line(exc)}): install the torchvision "
+            f"built for torch {torch.__version__}, from the index torch came from "
+            "(pip install --force-reinstall torchvision==<the matching version>)",
+        ) from None
+    return torchvision
+
+
+def installed_torchvision_names(key: str = "model.name") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The installed torchvision's model builder names and dataset class names, sorted (imports torchvision)."""
+    torchvision = torchvision_package(key)
     datasets = (n for n in torchvision.datasets.__all__ if n not in NOT_DATASETS)
     return (
         tuple(sorted(torchvision.models.list_models())),
@@ -364,8 +387,7 @@ def _torchvision_builder(
     bare = torchvision_bare(name)
     if bare is None or bare not in installed_torchvision_names()[0]:
         raise _unknown_model(name)
-    from torchvision import models
-
+    models = torchvision_package().models
     builder = models.get_model_builder(bare)
     kwargs.setdefault("weights", None)
     if "weights_backbone" in _parameters(builder):

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from runner.errors import first_line, user_code_error
 from runner.spec.names import NOT_DATASETS, unknown_dataset
-from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue
+from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue, torchvision_package
 
 if TYPE_CHECKING:
     from runner.spec.schema import DataSpec
@@ -169,7 +169,7 @@ def _root(data: DataSpec, spec_dir: Path | str | None) -> Path:
 
 
 def _unknown_dataset(name: str) -> Exception:
-    return spec_issue("data.dataset", unknown_dataset(name, installed_torchvision_names()[1]))
+    return spec_issue("data.dataset", unknown_dataset(name, installed_torchvision_names("data.dataset")[1]))
 
 
 def _expected_path(cls: type, root: Path) -> Path:
@@ -180,7 +180,7 @@ def _expected_path(cls: type, root: Path) -> Path:
 
 
 def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
-    import torchvision.datasets as tvd
+    tvd = torchvision_package("data.dataset").datasets
 
     cls_name = data.dataset[len("torchvision.") :]
     cls: Any = getattr(tvd, cls_name, None)
@@ -361,7 +361,7 @@ def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
         return None
     if ":" in name:
         return resolve_factory(name, spec_dir, "data.dataset")
-    import torchvision.datasets as tvd
+    tvd = torchvision_package("data.dataset").datasets
 
     if name == "imagefolder":
         return tvd.ImageFolder

@@ -228,3 +228,19 @@ def test_unused_parameters_error_names_them_and_the_spec_key(write_spec, store: 
     err = capsys.readouterr().err
     assert "spare_head.weight" in err and "parallel.find_unused_parameters" in err
     assert main(["exec", str(spec), *_sets([*sets, "parallel.find_unused_parameters=true"])]) == 0
+
+
+def test_a_dataset_factory_that_raises_under_ddp_is_one_message_and_a_failed_run(
+    write_spec, store: str, tmp_path: Path, capsys
+) -> None:
+    """It left a soft-deleted RUNNING run with artifacts, and a torch traceback. User code failing is a training
+    failure (exit 1, the run FAILED, the cause at the user's file and line), as for a model's forward."""
+    (tmp_path / "bad_data.py").write_text("def make(**kwargs):\n    raise ValueError('no such shard: train-0007')\n")
+    spec = write_spec()
+    code = main(["exec", str(spec), *_sets([*DDP, 'data.dataset="bad_data:make"', "data.kwargs={}"])])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "no such shard: train-0007" in err and "bad_data.py:2" in err and "Traceback" not in err, err
+    client = MlflowClient(store)
+    runs = [r for e in client.search_experiments(view_type=3) for r in client.search_runs([e.experiment_id], "", 3)]
+    assert [(r.info.status, r.info.lifecycle_stage) for r in runs] == [("FAILED", "active")]

@@ -106,3 +106,15 @@ def test_status_without_a_store_says_so_and_creates_none(tmp_path, capsys) -> No
     err = capsys.readouterr().err
     assert f"no tracking store at sqlite:///{tmp_path / 'mlflow.db'}" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_owners_start_time_is_a_readable_utc_time_and_older_numbers_still_read() -> None:
+    me = Owner.this_process()
+    recorded = me.tags()["runner.owner.start_time"]
+    import re
+
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d\dZ", recorded), recorded
+    back = Owner.from_tags(me.tags())
+    assert back is not None and abs(back.start_time - me.start_time) < 0.01 and back.liveness() == "alive"
+    older = Owner.from_tags({**me.tags(), "runner.owner.start_time": f"{me.start_time:.2f}"})
+    assert older is not None and abs(older.start_time - me.start_time) < 0.01

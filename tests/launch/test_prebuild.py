@@ -49,6 +49,15 @@ def test_a_schedule_that_fails_only_when_stepped_is_found(write_spec) -> None:
     assert "Tried to step 4 times" in issue.message
 
 
+def test_a_one_cycle_schedule_is_not_blamed_when_the_run_length_is_unknown() -> None:
+    """A dataset not built before the run (a factory) left the length unknown: OneCycleLR was sized to 1 step."""
+    from runner.launch.prebuild import _optimizer_and_scheduler
+    from tests.helpers import spec_object
+
+    spec = spec_object(scheduler={"name": "onecycle", "kwargs": {"pct_start": 0.2}})
+    _optimizer_and_scheduler(spec, None)  # no SpecError: "Tried to step 2 times ... total steps is 1"
+
+
 @pytest.mark.parametrize("gamma", ["-3", "-0.5"])
 def test_a_schedule_that_drives_the_learning_rate_negative_or_non_finite_is_found(write_spec, gamma: str) -> None:
     path = write_spec(f'[scheduler]\nname = "step"\nkwargs = {{ step_size = 2, gamma = {gamma} }}\n')

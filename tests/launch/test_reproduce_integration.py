@@ -90,7 +90,7 @@ def test_the_logged_model_is_a_logged_model_with_the_normalisation_inside(tmp_pa
     run = client.get_run(run_id)
     (model,) = client.search_logged_models([run.info.experiment_id])
     assert (
-        model.source_run_id == run_id and model.name == "model" and model.params["optim.lr"] == "0.05"
+        model.source_run_id == run_id and model.name == "model" and model.params["optim.lr"] == "0.2"
     )  # experiments/base/digits.toml
     linked = {m.key: m.value for m in model.metrics or []}
     assert linked["val/accuracy"] == pytest.approx(run.data.metrics["val/accuracy"])  # linked to the run's metrics

@@ -115,6 +115,10 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
     with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
         prepare_resume(make_plan(changed), ExecOptions(resume=run_id))
     assert "nproc_per_node" not in str(caught.value)
+    text = str(caught.value)  # which --set to repeat, and the command that needs none
+    assert "was 0.1, now 0.5: repeat --set optim.lr=0.1 if the run was started with it" in text, text
+    assert f"`runner resume {run_id}` continues it with its own spec and --set values" in text
+    assert "--allow-spec-change optim.lr" in text
 
 
 def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, monkeypatch):

@@ -215,3 +215,17 @@ def test_deep_nesting_is_refused_at_its_line_before_the_parser_recurses(tmp_path
     assert (issue.line, issue.key) == (line, "model.kwargs.x"), issue
     assert "nest more than 32 levels" in issue.message
     _assert_clean(str(issue))
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "fix"),
+    [
+        ('name = "x"\n[model]\nname = "mlp\n', 3, 'close the string with " on the same line'),
+        ('name = "x"\n[model\nname = "mlp"\n', 2, "close the table name with ]: [model]"),
+    ],
+)
+def test_a_toml_slip_gets_its_fix(tmp_path: Path, text: str, line: int, fix: str) -> None:
+    path = tmp_path / "slip.toml"
+    path.write_text(text, encoding="utf-8")
+    (issue,) = _error(path).issues
+    assert issue.line == line and "invalid TOML" in issue.message and fix in issue.message, issue

@@ -336,3 +336,30 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step-00000002 was not saved .*No space left"):
         pending.finish()
     assert [p.name for p in ckpt.list_checkpoints(folder)] == ["step-00000001"]  # the failed one is never used
+
+
+class Tied(nn.Module):
+    """A language-model shape: the output head shares the embedding's weight (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.embed(x))))
+
+
+def test_tied_weights_stay_with_the_root_by_default_and_named_blocks_that_tie_are_refused(fsdp_one):
+    """fsdp's default blocks failed on a tied embedding after the run existed, with advice no key could follow."""
+    model = Tied()
+    assert find_blocks(model, None) == [model.body]  # embed and head share a weight: the root's unit holds it
+    with pytest.raises(SpecError, match=r"parallel\.fsdp_blocks: .*tied weights.*fsdp_blocks = \[\] shards"):
+        find_blocks(model, ["Embedding", "Linear"])
+    torch.manual_seed(0)
+    wrapped = fsdp_one().wrap(model)
+    x = torch.tensor([[1, 2, 3]])
+    wrapped(x).sum().backward()  # trains: one step's gradients reach the shared weight
+    assert model.embed.weight.grad is not None

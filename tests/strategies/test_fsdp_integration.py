@@ -62,6 +62,9 @@ def test_fsdp_blocks_naming_no_class_of_the_model_exits_2(write_spec, store: str
     err = capsys.readouterr().err
     assert code == 2
     assert "parallel.fsdp_blocks" in err and "'Linaer'" in err and '"Linear"' in err
+    assert "Traceback" not in err
+    client = MlflowClient(store)  # no run left behind, not even a deleted one
+    assert all(not client.search_runs([e.experiment_id], run_view_type=3) for e in client.search_experiments())
 
 
 WIDTH, BLOCKS = 16, 4

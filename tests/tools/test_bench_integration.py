@@ -79,6 +79,8 @@ def test_bench_none_vs_ddp_agrees_on_losses_and_records_one_parent(
     assert parent.info.status == "FINISHED" and parent.data.tags["runner.bench"] == "parent"
     assert report["recommendation"].startswith(("recommend: none — ", "recommend: ddp-", "recommend: inconclusive — "))
     assert parent.data.tags["runner.bench.recommendation"] == report["recommendation"]
+    assert report["host_load"].startswith(("quiet: 1-min load", "busy: 1-min load"))  # beside the speed figures
+    assert parent.data.tags["runner.host_busy"] == str(report["host_load"].startswith("busy")).lower()
     children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
     by_config = {r.data.tags["runner.bench.config"]: r for r in children}
     assert set(by_config) == {"none", "ddp-1", "ddp-2"}

@@ -123,3 +123,20 @@ def test_likely_causes_without_a_known_one_say_what_to_look_for(tmp_path) -> Non
         "none of the known ones (BatchNorm, dropout, a per-rank mean loss): look for layers or a loss that use "
         "the batch split, the rank or random numbers"
     ]
+
+
+def test_likely_causes_name_batchnorm_of_a_model_that_cannot_be_built_on_meta(tmp_path) -> None:
+    """It said "none of the known ones": the meta build failed and nothing else was tried."""
+    from tests.helpers import write_spec_file
+
+    (tmp_path / "norm_models.py").write_text(
+        "import torch\n\n\ndef build(**kwargs):\n"
+        "    model = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8),"
+        " torch.nn.Linear(8, 3))\n"
+        "    assert float(model[1].weight.abs().sum()) > 0  # reads its weights: impossible on meta\n"
+        "    return model\n"
+    )
+    data = {"dataset": "synthetic", "num_samples": 32, "input_shape": [1, 8, 8], "num_classes": 3, "batch_size": 8}
+    spec = write_spec_file(tmp_path / "s.toml", data=data, model={"name": "norm_models:build", "kwargs": {}})
+    causes = likely_causes(load_spec(spec), ["ddp"])
+    assert any(c.startswith("BatchNorm1d without parallel.sync_batchnorm") for c in causes), causes

@@ -245,3 +245,29 @@ def test_an_error_in_the_users_code_names_their_file_line_and_the_spec_key(tmp_p
     assert located is not None
     assert str(located).startswith("loss.name: your code raised IndexError")
     assert f"{path}:{_line_of(BUGGY, 'target[:, 5]')}, in loss" in str(located)
+
+
+@pytest.mark.parametrize(("attr", "says"), [("biuld", 'did you mean "build"?'), ("xyz", "defines ")])
+def test_a_missing_factory_names_a_fix(tmp_path: Path, attr: str, says: str) -> None:
+    from runner.training.models import resolve_factory
+
+    (tmp_path / "mine_models.py").write_text("def build():\n    return None\n\nWIDTH = 3\n")
+    with pytest.raises(SpecError) as info:
+        resolve_factory(f"mine_models:{attr}", tmp_path, "model.name")
+    text = str(info.value)
+    assert f"has no attribute {attr!r}" in text and says in text, text
+    if attr == "xyz":
+        assert "mine_models.py defines build" in text and "WIDTH" not in text
+
+
+def test_a_broken_torchvision_is_a_spec_error_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It passed `runner validate` (which reads a list of names) and crashed `exec` with a 42-line traceback."""
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision` now fails, as a broken build does
+    with pytest.raises(SpecError) as info:
+        build_model(ModelSpec(name="torchvision.resnet18"), None, input_shape=(3, 32, 32), num_classes=10)
+    text = str(info.value)
+    assert (
+        text.startswith("model.name: torchvision cannot be imported (ModuleNotFoundError") and "built for torch" in text
+    )
