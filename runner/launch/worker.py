@@ -183,14 +183,13 @@ def _fit(
         notes = list(restored.notes)
         if spec.deterministic:
             settings = setup.describe_settings(seed_info)
-            if settings not in _SHOWN_SETTINGS:  # parity and sweeps train several runs in one process: said once
-                notes.append(f"deterministic mode: {settings}")
-                _SHOWN_SETTINGS.add(settings)
+            notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
-        if is_log_rank:
+        if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
             from runner.errors import show_notes
 
-            show_notes(notes)
+            show_notes([note for note in notes if note not in _SHOWN_NOTES])
+            _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
         if is_log_rank and restored.resumed_from is None and parts.data is not None:
             _send_data(tracker, parts.data)
         checkpointer = setup.Checkpointer(
@@ -363,7 +362,7 @@ def _agreed_epoch_end(
     return epoch_end
 
 
-_SHOWN_SETTINGS: set[str] = set()
+_SHOWN_NOTES: set[str] = set()  # deterministic-mode notes this process printed already
 STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (a second later) stops at once\n"
 
 

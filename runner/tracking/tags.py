@@ -158,7 +158,7 @@ def run_tags(
     if info is not None:
         tags.update(_git_tags(info))
     tags.update(_device_tags(plan_description))
-    if plan_description.get("accelerator", "cuda") != "cuda" and cuda_version not in ("none", "unknown"):
+    if tags.get("runner.accelerator", "cuda") != "cuda" and cuda_version not in ("none", "unknown"):
         tags["runner.cuda_version"] = f"{cuda_version} (of the torch build; this run used no GPU)"
     if loaded.overrides or loaded.unset:
         tags[OVERRIDES_TAG] = overrides_text(loaded)

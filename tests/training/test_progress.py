@@ -110,6 +110,29 @@ def test_other_ranks_and_off_print_nothing(capsys) -> None:
     assert capsys.readouterr().err == ""
 
 
+def _fitted(spec: ExperimentSpec) -> LoopParts:
+    """``fit`` a linear model on ``spec``'s synthetic data, on the CPU; its parts."""
+    strategy = SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
+    bundle = build_datasets(spec, None)
+    loaders = build_loaders(spec, bundle, 0, 1)
+    model = nn.Linear(4, 2)
+    parts = LoopParts(
+        model=model,
+        strategy=strategy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        scheduler=None,
+        scheduler_interval="epoch",
+        loss=build_loss(spec.loss, None),
+        metrics=build_metric_plan(spec, bundle.info, None),
+        loaders=loaders,
+        tracker=NullTracker(),
+        total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),
+        precision=Precision("no", strategy.device),
+    )
+    fit(parts, spec.train)
+    return parts
+
+
 def test_fit_shows_its_samples_per_s_and_each_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = on_screen(monkeypatch)
     phases: list[str] = []
@@ -121,24 +144,7 @@ def test_fit_shows_its_samples_per_s_and_each_evaluation(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(Progress, "phase", spy)
     spec = ExperimentSpec.model_validate(SPEC)
-    strategy = SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
-    bundle = build_datasets(spec, None)
-    loaders = build_loaders(spec, bundle, 0, 1)
-    model = nn.Linear(4, 2)
-    parts = LoopParts(
-        model=model,
-        strategy=strategy,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        scheduler=None,
-        scheduler_interval="epoch",
-        loss=build_loss(spec.loss, None),
-        metrics=build_metric_plan(spec, bundle.info, None),
-        loaders=loaders,
-        tracker=NullTracker(),
-        total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),
-        precision=Precision("no", strategy.device),
-    )
-    fit(parts, spec.train)
+    parts = _fitted(spec)
     per_epoch = parts.loaders.steps_per_epoch
     assert phases == [f"validating@{per_epoch * (e + 1)}" for e in range(spec.train.epochs)]
     frames = screen.frames()
@@ -149,24 +155,7 @@ def test_fit_shows_its_samples_per_s_and_each_evaluation(monkeypatch: pytest.Mon
 def test_the_last_progress_line_shows_the_last_epoch_not_one_past_it(capsys) -> None:
     train = {"epochs": 2, "progress": "lines", "log_every_n_steps": 3}  # 8 steps: step 8 is logged after the loop
     spec = ExperimentSpec.model_validate({**SPEC, "train": train})
-    strategy = SingleDevice(resolve_devices(spec, {}, Inventory([], False)))
-    bundle = build_datasets(spec, None)
-    loaders = build_loaders(spec, bundle, 0, 1)
-    model = nn.Linear(4, 2)
-    parts = LoopParts(
-        model=model,
-        strategy=strategy,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        scheduler=None,
-        scheduler_interval="epoch",
-        loss=build_loss(spec.loss, None),
-        metrics=build_metric_plan(spec, bundle.info, None),
-        loaders=loaders,
-        tracker=NullTracker(),
-        total_steps=count_total_steps(loaders.steps_per_epoch, spec.train),
-        precision=Precision("no", strategy.device),
-    )
-    fit(parts, spec.train)
+    _fitted(spec)
     lines = capsys.readouterr().err.splitlines()
     shown = [int(m) for line in lines for m in re.findall(r"epoch=(\d+)", line)]
     assert lines[-1].startswith("step 8/8 epoch=1 loss="), lines
