@@ -199,14 +199,13 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
     """Tag the run with how busy the host was (``runner.host_load``, ``runner.host_busy``); the note when busy."""
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
-    text = load.describe(used)
+    text, busy = load.describe(used), load.busy(used)
     if run_id is not None and plan.tracking_uri is not None:
         from runner.tracking.stored import set_run_tags
 
-        busy = load.busy(used)
         with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
             set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
-    return text if load.busy(used) else ""
+    return text if busy else ""
 
 
 def process_started_at() -> float:
