@@ -4,7 +4,8 @@ Two pairs are measured, each side as a fresh process, alternating (plain, runner
 so that both see the same load:
 
 * ``none``: ``runner exec experiments/digits_mlp.toml --set train.max_steps=1`` against a plain
-  script that imports torch, loads the scikit-learn digits, splits them 80/20, builds the same MLP
+  script that imports torch, loads the scikit-learn digits (reading scikit-learn's data file, as runner does,
+  without importing scikit-learn), splits them 80/20, builds the same MLP
   (64 -> 128 -> 64 -> 10), takes one SGD step with momentum on a batch of 64 and evaluates the
   validation split;
 * ``ddp``: ``runner exec experiments/digits_mlp_ddp.toml --set train.max_steps=1`` (2 processes)
@@ -60,11 +61,14 @@ SPECS = {"none": "experiments/digits_mlp.toml", "ddp": "experiments/digits_mlp_d
 PLAIN = textwrap.dedent(
     '''
     """One SGD step of the digits MLP, written by hand (under torchrun: DDP over gloo)."""
+    import gzip
+    import importlib.util
     import os
+    from pathlib import Path
 
+    import numpy as np
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
 
     ddp = "RANK" in os.environ
     if ddp:
@@ -73,10 +77,12 @@ PLAIN = textwrap.dedent(
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     torch.manual_seed(0)
-    digits = load_digits()
-    x = torch.as_tensor(digits.images, dtype=torch.float32).div_(16.0).flatten(1)
+    sklearn = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])
+    with gzip.open(sklearn / "datasets" / "data" / "digits.csv.gz", "rt") as f:  # what load_digits reads
+        table = torch.from_numpy(np.loadtxt(f, delimiter=","))
+    x = table[:, :-1].to(torch.float32).div_(16.0)
     x = (x - x.mean()) / x.std()
-    y = torch.as_tensor(digits.target)
+    y = table[:, -1].to(torch.long)
     order = torch.randperm(len(x))
     n_val = int(0.2 * len(x))
     val, train = order[:n_val], order[n_val:]

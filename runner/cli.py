@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from runner import __version__
-from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, mask_secrets
+from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, exit_quickly, mask_secrets
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -453,8 +453,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
+def console() -> None:
+    """The ``runner`` console script and ``python -m runner``: :func:`main`, then exit with its status.
+
+    :func:`exit_quickly` spares the interpreter's teardown its walk over every object torch and mlflow made.
+    """
+    exit_quickly(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console()
 
 
 class ToolReport(Protocol):

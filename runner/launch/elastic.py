@@ -114,6 +114,9 @@ def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
         import atexit
 
         atexit.register(os.abort)
+    import gc
+
+    gc.freeze()  # this process ends next: its teardown skips torch's objects (runner.errors.exit_quickly)
     return result
 
 
@@ -245,4 +248,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runner.errors import exit_quickly
+
+    exit_quickly(main())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
 from runner.training.data import build_datasets, split_indices
 from runner.training.sampling import build_loaders
+from runner.training.sources import load_source, sklearn_table
 from tests.helpers import spec_object
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -59,6 +62,32 @@ def test_digits_resize_and_channels():
     x, _ = bundle.train[5]
     assert x.shape == (3, 32, 32)
     assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2])
+
+
+def test_bundled_sets_equal_scikit_learns_loaders_and_do_not_import_it():
+    """The digits and diabetes are read from scikit-learn's data files, value for value as its loaders give them."""
+    from sklearn.datasets import load_diabetes, load_digits
+
+    digits, _, _, _ = load_source(make_spec(dataset="sklearn.digits", kwargs={"normalize": False}).data, None)
+    bunch = load_digits()
+    assert torch.equal(digits.x, torch.as_tensor(bunch.images, dtype=torch.float32).div_(16.0).unsqueeze(1))
+    assert torch.equal(digits.y, torch.as_tensor(bunch.target))
+    diabetes, _, _, _ = load_source(make_spec(dataset="sklearn.diabetes", kwargs={"standardize": False}).data, None)
+    raw = load_diabetes(scaled=False)
+    assert torch.equal(diabetes.x, torch.as_tensor(raw.data, dtype=torch.float32))
+    assert torch.equal(diabetes.y, torch.as_tensor(raw.target, dtype=torch.float32))
+    code = (
+        "import sys; from runner.training.sources import sklearn_table; "
+        "t = sklearn_table('digits.csv.gz', ','); print(tuple(t.shape), 'sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["(1797,", "65)", "False"]
+
+
+def test_a_missing_scikit_learn_data_file_is_a_spec_error_with_the_fix():
+    with pytest.raises(SpecError) as err:
+        sklearn_table("no_such_set.csv.gz")
+    assert only_issue(err).key == "data.dataset" and "pip install scikit-learn" in str(err.value)
 
 
 def test_digits_rejects_unknown_kwargs():
