@@ -248,6 +248,10 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
     from runner.launch.failures import JobContext, describe_failure, interruption, oom_kill_count
     from runner.launch.session import worker_args
 
+    if plan.launch == "elastic":
+        # the launcher's torch before the hub's mlflow: two imports on two threads of one process take turns on the
+        # GIL, and the ranks start only once torch is in (about 2 s of a 1-step ddp-2 run, benchmarks/README.md)
+        import torch.distributed.launcher.api  # noqa: F401
     hub = Hub(session.handle, session.open_store) if session is not None else None
     args = worker_args(plan, options, hub.address if hub is not None else None)
     status, error = "FAILED", None
