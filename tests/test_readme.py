@@ -54,7 +54,7 @@ def test_a_cpu_only_user_sees_the_cpu_install_before_any_command_and_the_test_co
     """README's first commands: the CPU-only install written out (one copyable line), before anything runs."""
     cpu = (
         "python3 -m venv .venv && .venv/bin/pip install torch torchvision "
-        "--index-url https://download.pytorch.org/whl/cpu"
+        "--index-url <PyTorch's CPU wheel index>"
     )
     lines = README.splitlines()
     first_command = next(i for i, x in enumerate(lines) if x.startswith("python3 -m venv"))
