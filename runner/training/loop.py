@@ -22,11 +22,12 @@ the device until a log step, a checkpoint or the epoch's end reduces them in one
 Stopping: after every optimizer step the loop asks
 :meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop, settling it (the
 ranks agree, a collective where there are peers) only at log steps, step checkpoints and the end
-of an epoch's steps. A request seen after step ``k`` (e.g. SIGTERM during step ``k``) stops a
-single process after step ``k``, and several processes at the first of those points from step
-``k`` on. The decision is settled again at the epoch boundary (after evaluation and the epoch
-checkpoint), so a request during an epoch's last step stops before its evaluation, as one during
-evaluation stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
+of an epoch's steps. At a log step the ranks' requests ride in the logged sums' reduction, so the
+decision's own collective runs there only when some rank asked. A request seen after step ``k``
+(e.g. SIGTERM during step ``k``) stops a single process after step ``k``, and several processes at
+the first of those points from step ``k`` on. The decision is settled again at the epoch boundary
+(after evaluation and the epoch checkpoint), so a request during an epoch's last step stops before
+its evaluation, as one during evaluation stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
 :class:`~runner.errors.Interrupted`.
 
 Also: peak memory of one rank: the CUDA allocator's peak on its device, else the process's peak resident set.
@@ -115,7 +116,7 @@ def fit(
                 report.result.stopped_after_epoch = state.epoch - 1
                 break
         if report.result.step_times_s and state.global_step % train_spec.log_every_n_steps:
-            tally.window = _log_window(parts, state, tally, report)  # the last step, when its log was not due
+            tally.window, _ = _log_window(parts, state, tally, report)  # the last step, when its log was not due
     finally:
         progress.close()
     return report.result
@@ -293,13 +294,13 @@ def _step(
     state.global_step += 1
     state.batch_in_epoch += 1
     report.progress.update(1, samples=global_size)
-    logged = state.global_step % train_spec.log_every_n_steps == 0
-    if logged:
-        tally.window = _log_window(parts, state, tally, report)
+    asked = False  # whether some rank had been asked to stop at this step's log
+    if state.global_step % train_spec.log_every_n_steps == 0:
+        tally.window, asked = _log_window(parts, state, tally, report)
     saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
     if saved:
         _checkpoint(parts, state, "step", tally)
-    _stop_if_asked(parts, state, tally, settle=logged or saved)
+    _stop_if_asked(parts, state, tally, settle=asked or saved)
 
 
 def _log_startup(parts: LoopParts, result: FitResult, step: int) -> None:
@@ -318,13 +319,19 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]
     return iter(parts.loaders.train)
 
 
-def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> RunningSums:
-    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log; return fresh sums.
+def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> tuple[RunningSums, bool]:
+    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log.
 
     Called every ``log_every_n_steps`` steps and after the run's last step (when that log was not due), so
     every run logs ``train/loss`` at its last step, also one shorter than ``log_every_n_steps``.
+
+    Returns:
+        Fresh sums, and whether any rank had been asked to stop (the same on every rank: it rides in the sums'
+        reduction, one collective for both; under ddp-2 on gloo a second collective per log step cost about 10 %
+        of a step with per-step logging, benchmarks/README.md).
     """
-    sums = tally.window.reduced_sums(parts.strategy)
+    sums = tally.window.reduced_sums(parts.strategy, stop_asked=bool(parts.should_stop()))
+    asked = sums.pop() > 0
     tally.guard.check(sums, parts.strategy, f"the train/loss log of step {state.global_step}")
     loss = mean_loss(sums)
     metrics = {"train/loss": loss, "lr": parts.optimizer.param_groups[0]["lr"]}
@@ -334,7 +341,7 @@ def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Repo
     finished_epoch = state.batch_in_epoch == 0 and state.epoch > 0  # the run's last step, after its epoch ended
     report.progress.show(epoch=state.epoch - finished_epoch, loss=loss)
     tally.guard.new_window()
-    return RunningSums(parts.strategy.output_device)
+    return RunningSums(parts.strategy.output_device), asked
 
 
 def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle: bool) -> None:

@@ -58,9 +58,11 @@ class RunningSums:
         self.sums[3] += correct
         self.sums[4] += total
 
-    def reduced_sums(self, strategy: Strategy) -> list[float]:
-        """The sums over ranks (a collective), as floats."""
-        return strategy.all_reduce_sum(self.sums.clone()).tolist()
+    def reduced_sums(self, strategy: Strategy, stop_asked: bool | None = None) -> list[float]:
+        """The sums over ranks (a collective), as floats; with ``stop_asked``, one more entry at the end: how many
+        ranks were asked to stop, in the same collective."""
+        local = self.sums if stop_asked is None else torch.cat([self.sums, self.sums.new_tensor([float(stop_asked)])])
+        return strategy.all_reduce_sum(local.clone()).tolist()
 
 
 def mean_loss(sums: list[float]) -> float:

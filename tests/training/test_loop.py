@@ -413,6 +413,8 @@ def test_between_log_steps_a_step_makes_no_collective_and_reads_nothing_back(
     due = {s for s in range(1, 16) if s % 3 == 0 or s % 4 == 0 or s % STEPS_PER_EPOCH == 0}
     assert {s for s, _ in calls} == due, calls  # collectives only at a log step, a checkpoint or an epoch's end
     assert set(reads) <= due | {0}, sorted(set(reads) - due)
+    log_only = [3, 6, 9]  # neither a checkpoint nor an epoch's end: the stop requests ride in the sums' reduction
+    assert [[name for s, name in calls if s == step] for step in log_only] == [["all_reduce"]] * 3, calls
 
 
 def test_the_first_step_logs_the_time_since_the_command_started_once_and_only_when_asked() -> None:
