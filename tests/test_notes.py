@@ -56,3 +56,27 @@ def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
     result = driver.exec_experiment(load_spec(path), driver.ExecOptions(parent_run_id="p" * 32))
     assert capsys.readouterr().err == ""  # the trial prints no note: its tool reports
     assert "note: devices.ids = [0] is ignored: the run is on cpu" in result.summary()
+
+
+@pytest.mark.created_store
+def test_the_printed_link_of_a_new_run_names_its_experiment_without_asking_the_store_again(
+    write_spec, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver created the run, so it knows the experiment: no store call after training for the link."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.tracking import runs
+
+    def built_and_done(plan, args, hangs, options, session):
+        session.handle("built", None, [])
+        return [WorkerResult(rank=0, metrics={"val/loss": 0.5})]
+
+    def asked(uri: str, run_id: str) -> str:
+        raise AssertionError("the store was asked for the experiment of the run the driver created")
+
+    monkeypatch.setattr(driver, "_launch", built_and_done)
+    monkeypatch.setattr(runs, "experiment_id_of", asked)
+    result = driver.exec_experiment(load_spec(write_spec()))
+    assert result.run_id is not None
+    assert result.experiment_id == MlflowClient(store).get_run(result.run_id).info.experiment_id != ""
+    assert f"#/experiments/{result.experiment_id}/runs/{result.run_id}" in result.summary()

@@ -52,10 +52,7 @@ def test_the_names_example_is_the_real_message(tmp_path: Path, capsys, monkeypat
 
 def test_a_cpu_only_user_sees_the_cpu_install_before_any_command_and_the_test_command_is_unchanged() -> None:
     """README's first commands: the CPU-only install written out (one copyable line), before anything runs."""
-    cpu = (
-        "python3 -m venv .venv && .venv/bin/pip install torch torchvision "
-        "--index-url <PyTorch's CPU wheel index>"
-    )
+    cpu = "python3 -m venv .venv && .venv/bin/pip install torch torchvision --index-url <PyTorch's CPU wheel index>"
     lines = README.splitlines()
     first_command = next(i for i, x in enumerate(lines) if x.startswith("python3 -m venv"))
     assert lines[first_command] == cpu

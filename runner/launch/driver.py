@@ -162,7 +162,6 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     """
     from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch
     from runner.plan import make_plan
-    from runner.tracking.runs import experiment_id_of
 
     if options.started_at is None:
         options = replace(options, started_at=process_started_at())
@@ -191,9 +190,18 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         rank=plan.launcher.rank if plan.launch == "external" else 0,
         notes_shown=session.shown if session is not None else False,
         startup_s=result.startup_s,
-        experiment_id=experiment_id_of(plan.tracking_uri, run_id) if plan.tracking_uri and run_id else "",
+        experiment_id=_experiment_id(plan, session),
         host_note=host,
     )
+
+
+def _experiment_id(plan: Plan, session: RunSession | None) -> str:
+    """The run's experiment id for the printed link: known when the driver created the run, else asked of the store."""
+    from runner.tracking.runs import experiment_id_of
+
+    if session is None or session.run_id is None or not plan.tracking_uri:
+        return ""
+    return session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
 
 
 def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:

@@ -52,6 +52,7 @@ class RunSession:
     def __init__(self, plan: Plan, options: ExecOptions, resume: ResumePoint | None) -> None:
         self.plan, self.options, self.resume = plan, options, resume
         self.run_id: str | None = None
+        self.experiment_id = ""  # known when this process created the run (for the printed link)
         self.checkpoint_dir = ""
         self.build_error: SpecError | None = None
         self.store_error: TrackingError | None = None
@@ -116,7 +117,7 @@ class RunSession:
         from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir, set_run_tags
 
         plan, uri, spec_dir = self.plan, self.plan.tracking_uri, self.plan.loaded.spec.checkpoint.dir
-        self.run_id = open_run(plan, self.options, plan.owns_run, self.resume)
+        self.run_id, self.experiment_id = open_run(plan, self.options, plan.owns_run, self.resume)
         run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         if self.resume is not None and self.run_id is not None and uri is not None:  # where its checkpoints are
             self.checkpoint_dir = str(run_checkpoint_dir(uri, self.run_id, spec_dir))
@@ -403,13 +404,14 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
     )
 
 
-def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> str | None:
+def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> tuple[str | None, str]:
     """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
 
     The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.resume`).
 
     Returns:
-        The run id, or ``None`` when tracking is off or another process owns the run.
+        ``(run id, experiment id)``: the run id is ``None`` when tracking is off or another process owns the run;
+        the experiment id is ``""`` unless the run was created here.
     """
     from runner.launch.resume import Owner
     from runner.tracking import runs as tracking
@@ -420,11 +422,11 @@ def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint 
             spec_change = json.dumps(resume.changes) if resume.changes else None
             tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
             set_run_tags(resume.uri, resume.run_id, Owner.this_process().tags())  # docs/design.md §12
-        return resume.run_id
+        return resume.run_id, ""
     if not owner or plan.tracking_uri is None:
-        return None
+        return None, ""
     if plan.launch == "external" and plan.launcher.run_id:
-        return plan.launcher.run_id
+        return plan.launcher.run_id, ""
     tags = {**dict(options.tags), **Owner.this_process().tags()}
     if plan.slurm is not None:
         tags[SLURM_JOB_TAG] = plan.slurm.job.job_id
@@ -438,7 +440,7 @@ def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint 
         uri=plan.tracking_uri,
         nested=options.nested,
     )
-    return handle.run_id
+    return handle.run_id, handle.experiment_id
 
 
 SLURM_JOB_TAG = "runner.slurm.job_id"
