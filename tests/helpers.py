@@ -8,6 +8,7 @@ table: a table's dict is merged into the base's table, and ``None`` removes a ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -160,6 +161,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listening_addresses(pid: int) -> set[str]:
+    """Local addresses of every TCP socket that process ``pid`` or any process below it listens on."""
+    import psutil
+
+    root = psutil.Process(pid)
+    found: set[str] = set()
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
+            found |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def assert_loopback_only(pid: int, what: str) -> None:
+    """A server a test starts listens, and listens on 127.0.0.1 (or ::1) only: never on every interface."""
+    found = listening_addresses(pid)
+    assert found and found <= {"127.0.0.1", "::1"}, f"{what} listens on {sorted(found)}: bind 127.0.0.1 only"
+
+
 class MlflowServer:
     """A real ``mlflow server`` on 127.0.0.1 (its own process group) that a test may stop and start again.
 
@@ -188,6 +207,7 @@ class MlflowServer:
             }  # no job runner: runs and artifacts only
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         wait_for(self._healthy, "the mlflow server to answer", timeout_s=timeout_s)
+        assert_loopback_only(self.proc.pid, "the test mlflow server")
 
     def _healthy(self) -> bool:
         import requests

@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
+from tests.helpers import assert_loopback_only
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
 
@@ -167,6 +169,7 @@ class Slurm:
     conf: Path
     env: dict[str, str]
     ports: tuple[int, int]  # slurmctld's, slurmd's
+    pids: tuple[int, ...]  # the daemons'
 
     def srun(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -253,7 +256,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
             with open(folder / f"{cmd[0]}.out", "wb") as out:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
         _wait_until_idle(env, procs, folder)
-        yield Slurm(conf, env, (ctld, node))
+        yield Slurm(conf, env, (ctld, node), tuple(p.pid for p in procs))
     finally:
         _stop(procs)
 
@@ -274,24 +277,11 @@ def _wait_until_idle(env: dict[str, str], procs: list[subprocess.Popen], folder:
         pause = min(1.0, pause * 2)
 
 
-def _listeners(port: int) -> set[str]:
-    """Local addresses listening on TCP ``port`` (IPv4 and IPv6), from /proc/net/tcp*."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, _, hex_port = local.partition(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                raw = bytes.fromhex(address)
-                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # each 32-bit word is host order
-                found.add(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)))
-    return found
-
-
 def test_the_slurm_daemons_listen_on_loopback_only(slurm: Slurm, tmp_path: Path) -> None:
     """Root daemons with auth/none on every interface would run any host's jobs as root."""
-    for port in slurm.ports:
-        assert _listeners(port) and _listeners(port) <= {"127.0.0.1", "::1"}, (port, _listeners(port))
+    for pid in slurm.pids:  # every socket they listen on, their configured ports among them
+        assert_loopback_only(pid, "a test Slurm daemon")
+    assert set(slurm.ports) <= {c.laddr.port for pid in slurm.pids for c in psutil.Process(pid).net_connections("inet")}
     done = slurm.srun("-n", "1", "true", cwd=tmp_path)
     assert done.returncode == 0, done.stderr  # and jobs still run
 

@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import TrackingError
 from runner.tracking.uri import check_reachable
-from tests.helpers import write_spec_file
+from tests.helpers import assert_loopback_only, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -130,6 +130,7 @@ def postgres() -> Iterator[Postgres]:
             _wait(ready, proc, log, "postgres")
         except RuntimeError as exc:
             pytest.skip(f"PostgreSQL cannot start: {exc}")
+        assert_loopback_only(proc.pid, "the test PostgreSQL")
         for database in ("mlflow", "optuna"):
             created = [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", database]
             subprocess.run(created, check=True, capture_output=True)
@@ -164,6 +165,7 @@ def team_server(postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) ->
 
     try:
         _wait(ready, proc, log, "mlflow server")
+        assert_loopback_only(proc.pid, "the team's mlflow server")
         yield url
     finally:
         _stop(proc)
