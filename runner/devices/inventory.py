@@ -118,6 +118,17 @@ class HostLoad:
             return f"busy: {text}: other work competed for the CPU, so speed figures are low and noisy"
         return f"quiet: {text}"
 
+    def advice(self, used: int, threads: int, accelerator: str) -> str:
+        """What to change when a CPU run with ``threads`` intra-op threads per process was ``busy``, else ``""``.
+
+        The thread rule stays fixed whatever the load (the thread count can change a run's arithmetic, and reruns
+        are bit-identical); beside one busy neighbour a lone process's median step was 0.59x as long with 1 thread
+        as with 2, its 90th percentile 18 ms against 113 ms (benchmarks/threads.py, docs/design.md §3).
+        """
+        if accelerator != "cpu" or threads < 2 or not self.busy(used):
+            return ""
+        return f"on a shared CPU one intra-op thread stalls less than {threads}: devices.threads_per_process = 1"
+
 
 @dataclass(frozen=True)
 class Inventory:

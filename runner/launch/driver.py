@@ -213,7 +213,8 @@ def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
 
         with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
             set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
-    return text if busy else ""
+    advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)
+    return (f"{text}; {advice}" if advice else text) if busy else ""
 
 
 def process_started_at() -> float:

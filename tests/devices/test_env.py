@@ -27,6 +27,9 @@ def test_host_load_says_busy_when_the_load_exceeds_the_cores_the_run_used() -> N
     crowded = HostLoad(start=3.4, end=4.0, cores=2)
     assert crowded.busy(2) and crowded.describe(8).startswith("busy: ") and "the run used 2" in crowded.describe(8)
     assert HostLoad(start=0.1, end=0.2, cores=4, steal=0.2).describe(1).startswith("busy: ")
+    advice = "on a shared CPU one intra-op thread stalls less than 2: devices.threads_per_process = 1"
+    assert crowded.advice(2, 2, "cpu") == advice  # measured: benchmarks/threads.py
+    assert crowded.advice(2, 1, "cpu") == crowded.advice(2, 2, "cuda") == quiet.advice(2, 2, "cpu") == ""
     load, counters = HostLoad.read()
     assert load >= 0 and (counters is None or counters[1] >= counters[0] >= 0)
     assert HostLoad.since((load, counters)).cores >= 1
