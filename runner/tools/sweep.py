@@ -111,8 +111,7 @@ def run_sweep(
     setup = TrialSetup(base.path, base.overrides, environ, unset=base.unset)
     run = lambda: _run_trials(opened, store, setup, base, plans, jobs, progress, processes)  # noqa: E731
     _run_to_the_end(report, opened, store, run)
-    report.trials = opened.results(since=started)
-    _finish(report, opened, store)
+    _finish(report, opened, store, since=started)
     return report
 
 
@@ -311,14 +310,19 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
         raise
 
 
-def _finish(report: SweepReport, study: SweepStudy, store: SweepStore) -> None:
-    """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish."""
+def _finish(report: SweepReport, study: SweepStudy, store: SweepStore, since: float) -> None:
+    """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish.
+
+    The trials' results are read after the pending count: read before it, a trial that another worker ended in
+    between still showed RUNNING, and the parent ended FAILED with every trial complete.
+    """
+    pending = study.pending()
+    report.trials = study.results(since=since)
     metric = report.definition.metric
     if report.best is None and any(t.status == "FINISHED" for t in report.trials):
         report.notes.append(
             f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
-    pending = study.pending()
     silent = study.silent_for() if pending and not study.counts().get("WAITING") else []
     if silent and min(silent) > 3 * HEARTBEAT_S:  # no live worker beats for them: theirs are likely gone
         wait = max(0.0, GRACE_S - min(silent))

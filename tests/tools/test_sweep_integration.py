@@ -318,8 +318,35 @@ def test_a_worker_that_finds_only_silent_running_trials_says_when_to_take_them_o
     wait_for(lambda: min(study.silent_for()) > 0.3, "the trials' heartbeats to age", timeout_s=30)
     report = SimpleNamespace(definition=SimpleNamespace(metric="m"), best=None, trials=[], notes=[])
     with pytest.raises(RunnerError, match=r"unfinished: 2 trial\(s\) are RUNNING with no heartbeat") as info:
-        sweep_module._finish(report, study, store=None)  # type: ignore[arg-type]
+        sweep_module._finish(report, study, store=None, since=0.0)  # type: ignore[arg-type]
     assert info.value.exit_code != 0
     assert "can be taken over 60 s after their last heartbeat, at " in str(info.value) and "run `runner " in str(
         info.value
     )
+
+
+def test_a_trial_another_worker_ends_just_before_the_last_check_counts_as_finished(tmp_path: Path) -> None:
+    """Seen once with two workers on PostgreSQL: every trial COMPLETE, yet the parent run ended FAILED. The worker
+    had read the results while the other's last trial still ran, and the pending count after that trial ended."""
+    from types import SimpleNamespace
+
+    import runner.tools.sweep as sweep_module
+    from runner.tools.sweep_define import build_definition
+    from runner.tools.sweep_space import SweepReport, TrialResult
+    from runner.tools.sweep_store import open_storage
+    from runner.tools.sweep_study import SweepStudy
+
+    definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    mine, theirs = study.next_trial(), study.next_trial()
+    assert mine is not None and theirs is not None
+    study.tell(mine, TrialResult(0, {"seed": 0}, "run0", "FINISHED", 0.5))
+    report = SweepReport(definition, study.results(), parent_run_id="p", tracking_uri="", experiment="e")
+    # read as the worker read them before the fix: "theirs" still runs
+    assert [t.status for t in report.trials] == ["FINISHED", "RUNNING"]
+    study.tell(theirs, TrialResult(1, {"seed": 1}, "run1", "FINISHED", 0.4))  # the other worker ends its trial
+    ended: list[tuple[str, str | None]] = []
+    store = SimpleNamespace(end=lambda run_id, status, error, *_: ended.append((status, error)))
+    sweep_module._finish(report, study, store, since=0.0)  # type: ignore[arg-type]
+    assert ended == [("FINISHED", None)] and [t.status for t in report.trials] == ["FINISHED", "FINISHED"]
