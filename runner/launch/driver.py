@@ -139,7 +139,7 @@ class ExecResult:
         width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
         lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
         if self.host_note:
-            lines.append(f"host: {self.host_note} (tag runner.host_load)")
+            lines.append(f"host: {self.host_note}")
         if self.tracking_uri and self.run_id and self.experiment_id:
             lines.append(ui_line(self.tracking_uri, self.experiment_id, self.run_id))
         elif self.tracking_uri:
@@ -214,7 +214,7 @@ def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
         with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
             set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
     advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)
-    return (f"{text}; {advice}" if advice else text) if busy else ""
+    return f"{text} (tag runner.host_load)" + (f"; {advice}" if advice else "") if busy else ""
 
 
 def process_started_at() -> float:

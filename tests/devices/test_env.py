@@ -33,3 +33,22 @@ def test_host_load_says_busy_when_the_load_exceeds_the_cores_the_run_used() -> N
     load, counters = HostLoad.read()
     assert load >= 0 and (counters is None or counters[1] >= counters[0] >= 0)
     assert HostLoad.since((load, counters)).cores >= 1
+
+
+def test_a_busy_cpu_run_with_several_threads_is_told_that_one_thread_stalls_less() -> None:
+    from types import SimpleNamespace
+
+    from runner.devices.inventory import HostLoad
+    from runner.launch.driver import _record_host_load
+
+    def plan(threads: int, accelerator: str = "cpu") -> object:
+        devices = SimpleNamespace(nproc_per_node=1, threads_per_process=threads, accelerator=accelerator)
+        return SimpleNamespace(devices=devices, tracking_uri=None)
+
+    busy, quiet = HostLoad(start=3.4, end=4.0, cores=2), HostLoad(start=0.2, end=0.3, cores=2)
+    note = _record_host_load(plan(2), None, busy)  # type: ignore[arg-type]
+    assert note.startswith("busy: 1-min load 3.4") and note.endswith(
+        "(tag runner.host_load); on a shared CPU one intra-op thread stalls less than 2: devices.threads_per_process = 1"
+    )
+    assert _record_host_load(plan(1), None, busy).endswith("(tag runner.host_load)")  # type: ignore[arg-type]
+    assert _record_host_load(plan(2), None, quiet) == ""  # type: ignore[arg-type]
