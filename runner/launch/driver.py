@@ -213,8 +213,10 @@ def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
 
         with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
             set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
+    if not busy:
+        return ""
     advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)
-    return f"{text} (tag runner.host_load)" + (f"; {advice}" if advice else "") if busy else ""
+    return f"{text} (tag runner.host_load)" + (f"; {advice}" if advice else "")
 
 
 def process_started_at() -> float:

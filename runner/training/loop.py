@@ -27,8 +27,8 @@ decision's own collective runs there only when some rank asked. A request seen a
 (e.g. SIGTERM during step ``k``) stops a single process after step ``k``, and several processes at
 the first of those points from step ``k`` on. The decision is settled again at the epoch boundary
 (after evaluation and the epoch checkpoint), so a request during an epoch's last step stops before
-its evaluation, as one during evaluation stops at the boundary. Stopping writes a ``"signal"`` checkpoint, then raises
-:class:`~runner.errors.Interrupted`.
+its evaluation, as one during evaluation stops at the boundary. Stopping writes a ``"signal"``
+checkpoint, then raises :class:`~runner.errors.Interrupted`.
 
 Also: peak memory of one rank: the CUDA allocator's peak on its device, else the process's peak resident set.
 """

@@ -61,8 +61,10 @@ class RunningSums:
     def reduced_sums(self, strategy: Strategy, stop_asked: bool | None = None) -> list[float]:
         """The sums over ranks (a collective), as floats; with ``stop_asked``, one more entry at the end: how many
         ranks were asked to stop, in the same collective."""
-        local = self.sums if stop_asked is None else torch.cat([self.sums, self.sums.new_tensor([float(stop_asked)])])
-        return strategy.all_reduce_sum(local.clone()).tolist()
+        if stop_asked is None:
+            return strategy.all_reduce_sum(self.sums.clone()).tolist()
+        asked = self.sums.new_tensor([float(stop_asked)])
+        return strategy.all_reduce_sum(torch.cat([self.sums, asked])).tolist()  # cat makes the copy
 
 
 def mean_loss(sums: list[float]) -> float:
