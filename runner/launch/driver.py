@@ -212,7 +212,8 @@ def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
         from runner.tracking.stored import set_run_tags
 
         with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
-            set_run_tags(plan.tracking_uri, run_id, {"runner.host_load": text, "runner.host_busy": str(busy).lower()})
+            tags = {"runner.host_load": load.summary(used), "runner.host_busy": str(busy).lower()}
+            set_run_tags(plan.tracking_uri, run_id, tags, {"host load": text})
     if not busy:
         return ""
     advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)

@@ -255,7 +255,7 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
     tags = stored.tags
     git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
     environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}
-    environment["cuda"] = environment["cuda"].split(" (")[0]  # "13.0 (of the torch build; ...)" on a CPU run
+    environment["cuda"] = environment["cuda"].split(" (")[0]  # "13.0 (torch build; no GPU used)" on a CPU run
     label = f"run {stored.run_id}" + (f" ({stored.run_name})" if stored.run_name else "")
     accelerator = tags.get("runner.accelerator")
     return Side(label, *_spec_keys(stored.loaded().spec, accelerator), git, environment)

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, mask_secrets
-from runner.tracking.tags import PARAMS_PER_BATCH, git_artifacts, git_info, run_tags, spec_artifacts, spec_params
+from runner.tracking.tags import (
+    PARAMS_PER_BATCH,
+    git_artifacts,
+    git_info,
+    run_tags,
+    spec_artifacts,
+    spec_params,
+    tag_run,
+)
 from runner.tracking.uri import open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:
@@ -251,6 +259,12 @@ def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param
         raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
+def error_summary(error: str) -> str:
+    """The line of an error that names it: a traceback's last line (``Type: message``), else the first line."""
+    lines = [line for line in error.strip().splitlines() if line.strip()] or [""]
+    return lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
+
+
 def _error_tag(error: str) -> str:
     """Keep both ends of a long error (a traceback ends with the exception message)."""
     text = error.strip()
@@ -267,8 +281,9 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
 
     Args:
         status: ``"FINISHED"``, ``"FAILED"`` or ``"KILLED"``.
-        error: What went wrong (message or traceback); stored in full as artifact
-            ``error.txt`` and, cut to both ends of about 1000 characters, as tag ``runner.error``.
+        error: What went wrong (message or traceback); stored in full as artifact ``error.txt``, cut to both
+            ends of about 1000 characters in the run's description, and its naming line (:func:`error_summary`)
+            as tag ``runner.error``.
 
     Raises:
         ValueError: ``status`` is not a terminal status.
@@ -276,14 +291,13 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
     """
     if status not in TERMINAL_STATUSES:
         raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
-    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     error = mask_secrets(error) if error else error
     try:
         if error:
-            client.log_batch(run_id, tags=[RunTag("runner.error", _error_tag(error))], synchronous=True)
+            tag_run(client, run_id, {"runner.error": error_summary(error)}, {"error": _error_tag(error)})
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
         client.set_terminated(run_id, status)
     except Exception as exc:
@@ -378,7 +392,7 @@ def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
         count = int(client.get_run(run_id).data.tags.get("runner.resume.count", "0")) + 1
         client.set_tag(run_id, "runner.resume.count", str(count))
         if spec_change:
-            client.set_tag(run_id, "runner.resume.spec_change", spec_change)
+            tag_run(client, run_id, {"runner.resume.spec_change": spec_change}, {"spec change": spec_change})
     except Exception as exc:
         raise TrackingError(f"could not reopen MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 

@@ -278,17 +278,18 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
     ]
 
 
-def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
-    """Set tags on a run (replacing earlier values).
+def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None) -> None:
+    """Set tags on a run (replacing earlier values) and add ``remarks`` to its description (``tags.tag_run``).
 
     Raises:
         TrackingError: MLflow rejects the request.
     """
-    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
+    from runner.tracking.tags import tag_run
+
     try:
-        MlflowClient(tracking_uri=uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+        tag_run(MlflowClient(tracking_uri=uri), run_id, tags, remarks)
     except Exception as exc:
         raise TrackingError(f"could not tag MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 

@@ -2,9 +2,8 @@
 
 Neither mlflow nor torch is imported when this module is imported.
 
-Also: how values and names are written to MLflow: param strings, safe keys, length limits, batch sizes.
-
-Also: what a run records about its spec: the params that apply, the spec files (self-contained), the overrides.
+Also: how values and names are written to MLflow (param strings, safe keys, length limits, one-line tags, the run's
+description) and what a run records about its spec (the params that apply, the spec files, the overrides).
 """
 
 from __future__ import annotations
@@ -21,17 +20,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+
+from runner.errors import mask_secrets
 
 if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
 
 
 NOTES_TAG = "runner.notes"
-
-if TYPE_CHECKING:
-    from runner.spec.loading import LoadedSpec
+DESCRIPTION_TAG = "mlflow.note.content"  # the run's description: Markdown at the top of its page in the MLflow UI
+# The longest runner.* tag value, one line: MLflow's UI cuts a tag chip and a column at their width; the full text
+# goes to the run's description (description_with). The two paths, which resume and export read, are kept whole.
+COLUMN_CHARS = 80
+_REMARKS_HEADING = "#### runner"
+_REMARK = re.compile(r"^\*\*([^*\n]+)\*\*: ?", re.MULTILINE)
 
 
 def _torch_versions() -> tuple[str, str]:
@@ -39,7 +44,6 @@ def _torch_versions() -> tuple[str, str]:
     importing torch (the driver of a none or dp job never does; docs/design.md §6)."""
     import ast
     import importlib.util
-    from pathlib import Path
 
     found = importlib.util.find_spec("torch")
     if found is None or not found.submodule_search_locations:
@@ -159,20 +163,60 @@ def run_tags(
         tags.update(_git_tags(info))
     tags.update(_device_tags(plan_description))
     if tags.get("runner.accelerator", "cuda") != "cuda" and cuda_version not in ("none", "unknown"):
-        tags["runner.cuda_version"] = f"{cuda_version} (of the torch build; this run used no GPU)"
+        tags["runner.cuda_version"] = f"{cuda_version} (torch build; no GPU used)"
+    remarks = {}
     if loaded.overrides or loaded.unset:
-        tags[OVERRIDES_TAG] = overrides_text(loaded)
+        tags[OVERRIDES_TAG] = remarks["overrides"] = overrides_text(loaded)
     notes = _notes(plan_description)
     if notes:
-        tags[NOTES_TAG] = "\n".join(notes)
-    if spec.description:
-        tags["mlflow.note.content"] = spec.description
+        tags[NOTES_TAG] = "; ".join(notes)
+        remarks["notes"] = "\n".join(f"- {n}" for n in notes) if len(notes) > 1 else notes[0]
+    if spec.description or remarks:
+        tags[DESCRIPTION_TAG] = description_with(spec.description or "", remarks)
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     tags.update(spec.tags)
     tags.update(extra_tags or {})
     limit = max_tag_chars()
-    return {k: shorten(param_value(v), limit, "the run's artifacts") for k, v in tags.items()}
+    return column_tags({k: shorten(param_value(v), limit, "the run's artifacts") for k, v in tags.items()})
+
+
+def column_value(text: str, limit: int = COLUMN_CHARS) -> str:
+    """``text`` on one line (runs of whitespace become one space), cut to ``limit`` characters ending in "…"."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def column_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    """``tags`` with every ``runner.*`` value but the two paths made a :func:`column_value`; other keys unchanged."""
+    whole = ("runner.spec.path", "runner.checkpoint_dir")
+    return {k: column_value(v) if k.startswith("runner.") and k not in whole else v for k, v in tags.items()}
+
+
+def description_with(description: str, remarks: Mapping[str, str]) -> str:
+    """A run's description (Markdown) with runner's remarks under a ``#### runner`` heading after the user's text.
+
+    The full texts whose tags hold a :func:`column_value` (notes, overrides, host load, error, spec change) are kept
+    here. A remark replaces the one of the same label (a resumed run records its latest host load).
+
+    Args:
+        description: The description tag's current value: the spec's ``description``, then earlier remarks.
+        remarks: Label -> text; a text of several lines goes into a code block unless it is a Markdown list.
+    """
+    head, found, earlier = ("\n\n" + description).rpartition(f"\n\n{_REMARKS_HEADING}\n")
+    own, earlier = (head[2:], earlier) if found else (description, "")
+    parts = _REMARK.split(earlier)
+    kept = {label: text.strip() for label, text in zip(parts[1::2], parts[2::2], strict=True)}
+    for label, raw in remarks.items():
+        text = raw.strip()
+        multiline = "\n" in text and not text.startswith("- ")
+        kept[label] = "```\n" + text.replace("```", "'''") + "\n```" if multiline else text
+    if not kept:
+        return own
+    body = "\n\n".join(
+        f"**{label}**:" + ("\n" if text.startswith(("- ", "```")) else " ") + text for label, text in kept.items()
+    )
+    return f"{own}\n\n{_REMARKS_HEADING}\n{body}" if own else f"{_REMARKS_HEADING}\n{body}"
 
 
 def git_artifacts(info: GitInfo | None) -> dict[str, str]:
@@ -378,18 +422,6 @@ def _git(cwd: Path, *args: str, max_bytes: int | None = None) -> str | None:
     return out.decode("utf-8", errors="replace")
 
 
-def _strip_credentials(url: str) -> str:
-    """Remove ``user:password@`` from an URL (tokens are often embedded in https remotes)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.scheme in ("http", "https") and "@" in parts.netloc:
-        host = parts.netloc.rsplit("@", 1)[1]
-        return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-    return url
-
-
 def git_info(path: str | os.PathLike[str]) -> GitInfo | None:
     """Describe the git working tree that contains ``path``.
 
@@ -418,7 +450,7 @@ def git_info(path: str | os.PathLike[str]) -> GitInfo | None:
     others = _git(root, "ls-files", "--others", "--exclude-standard", "-z")
     untracked_all = [f for f in (others or "").split("\0") if f]
     remote = _git(root, "remote", "get-url", "origin")
-    remote_url = _strip_credentials(remote.strip()) if remote and remote.strip() else None
+    remote_url = mask_secrets(remote.strip()) if remote and remote.strip() else None  # tokens in https remotes
     return GitInfo(
         root=root,
         commit=commit,
@@ -449,3 +481,20 @@ def git_diff(info: GitInfo, max_bytes: int = 5 * 1024 * 1024) -> str:
             return ""
         base = empty.strip()
     return _git(info.root, "diff", "--no-color", "--no-ext-diff", base, max_bytes=max_bytes) or ""
+
+
+def tag_run(
+    client: MlflowClient, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None
+) -> None:
+    """Set ``tags`` (``runner.*`` values as :func:`column_value`) and add ``remarks`` to the run's description.
+
+    Raises:
+        mlflow.exceptions.MlflowException: The store rejects a request.
+    """
+    from mlflow.entities import RunTag
+
+    values = column_tags(tags)
+    if remarks:
+        current = client.get_run(run_id).data.tags.get(DESCRIPTION_TAG, "")
+        values[DESCRIPTION_TAG] = shorten(description_with(current, remarks), max_tag_chars(), "the run's artifacts")
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in values.items()], synchronous=True)

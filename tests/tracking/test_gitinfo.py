@@ -116,12 +116,12 @@ def test_repository_without_commits(tmp_path):
     assert '+name = "a"' in git_diff(info)
 
 
-def test_remote_credentials_are_removed(tmp_path):
+def test_remote_credentials_are_masked(tmp_path):
     repo = make_repo(tmp_path / "repo")
     git(repo, "remote", "add", "origin", "https://user:s3cret@example.com/org/proj.git")
     info = git_info(repo)
     assert info is not None
-    assert info.remote_url == "https://example.com/org/proj.git"
+    assert info.remote_url == "https://user:***@example.com/org/proj.git"  # by runner.errors.mask_secrets
 
 
 def test_diff_is_capped(tmp_path):

@@ -82,6 +82,19 @@ def test_the_notes_of_the_plan_are_tagged(write_spec, shared) -> None:
     assert "runner.overrides" in run.data.tags
     plain = MlflowClient(store).get_run(started(load_spec(write_spec()), store))
     assert "runner.notes" not in plain.data.tags and "runner.overrides" not in plain.data.tags
+    assert "mlflow.note.content" not in plain.data.tags  # no description, no remarks
+
+
+def test_long_texts_go_to_the_description_and_their_tags_stay_one_short_line(write_spec, shared) -> None:
+    sets = ["devices.ids=[0, 1]", 'description="why"', *(f"train.epochs={n}" for n in range(1, 12))]
+    loaded = load_spec(write_spec(), sets)
+    tags = MlflowClient(shared).get_run(started(loaded, shared)).data.tags
+    overrides = "--set 'devices.ids=[0, 1]' --set 'description=\"why\"' --set train.epochs=1"
+    assert tags["runner.overrides"].startswith(overrides) and tags["runner.overrides"].endswith("…")
+    assert len(tags["runner.overrides"]) == 80  # cut for the UI's chip and column ...
+    description = tags["mlflow.note.content"]  # ... and whole on the run's page, after the spec's description
+    assert description.startswith("why\n\n#### runner\n**overrides**: " + overrides)
+    assert description.endswith("train.epochs=11\n\n**notes**: devices.ids = [0, 1] is ignored: the run is on cpu")
 
 
 def test_artifact_names_of_sources_outside_the_spec_folder_and_of_clashing_names(tmp_path: Path) -> None:
