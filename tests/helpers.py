@@ -72,6 +72,36 @@ SMALL: dict[str, Any] = {
 DDP_2: dict[str, Any] = {"mode": "ddp", "nproc_per_node": 2}
 
 
+# A user module for the process-model tests (RUNNER_TEST_PROBE names a folder): ``probes:model`` (an MLP) and
+# ``probes:loss`` (cross-entropy) note, once per process, in file ``trains-<pid>``, whether the process that runs
+# forward and backward holds mlflow; ``probes:model`` also notes which process built it (``built-<pid>``).
+PROBES = """
+import os, sys
+from pathlib import Path
+
+import torch
+
+
+def _note(*_):
+    mine = Path(os.environ["RUNNER_TEST_PROBE"]) / f"trains-{os.getpid()}"
+    if not mine.exists():
+        held = any(name == "mlflow" or name.startswith("mlflow.") for name in sys.modules)
+        mine.write_text("mlflow" if held else "clean")
+
+
+def loss(output, target):
+    _note()
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def model(in_features=8, num_classes=3):
+    (Path(os.environ["RUNNER_TEST_PROBE"]) / f"built-{os.getpid()}").touch()
+    net = torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(), torch.nn.Linear(16, num_classes))
+    net.register_forward_pre_hook(_note)
+    return net
+"""
+
+
 def spec_dict(base: Mapping[str, Any] = MINIMAL, **changes: Any) -> dict[str, Any]:
     """``base`` with ``changes``: a dict merges into the table of that name, ``None`` removes the key or table."""
     out: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.devices.resolve import threads_per_process
 from runner.training.checkpoint import load_latest
+from tests.helpers import PROBES
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
 
@@ -42,22 +43,51 @@ def _final_params(store: str, run_id: str) -> dict[str, torch.Tensor]:
     return found.payload["model"]
 
 
-def test_none_and_ddp_agree_step_by_step(write_spec, store: str) -> None:
+def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_mlflow(
+    write_spec, store: str, tmp_path: Path, monkeypatch
+) -> None:
+    """One job three ways: ``none``, ddp-2 launched by runner, ddp-2 under torchrun. Each is one FINISHED run whose
+    steps are logged once (only rank 0 logs); losses and final weights agree. The process model (docs/design.md §6):
+    every process that runs backward is a training process without mlflow; the driver (this process) trains nothing.
+    """
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    monkeypatch.setenv("RUNNER_TEST_PROBE", str(probe))
+    (tmp_path / "probes.py").write_text(PROBES, encoding="utf-8")
     spec = write_spec()
-    common = ["train.epochs=3", "data.shuffle=true", "optim.momentum=0.9"]
+    model = ['model.name="probes:model"', "model.kwargs={in_features = 8, num_classes = 3}"]
+    common = ["train.epochs=3", "data.shuffle=true", "optim.momentum=0.9", *model]
     assert main(["exec", str(spec), *_sets(common)]) == 0
+    assert len(list(probe.glob("trains-*"))) == 1  # the none run's one training process
     assert main(["exec", str(spec), *_sets(common + DDP)]) == 0
-    client, (single, ddp) = _runs(store)
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *rdzv, "-m", "runner", "exec"]
+    done = subprocess.run(
+        [*torchrun, str(spec), *_sets(common + DDP)], env=_env(), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    client, (single, ddp, launched) = _runs(store)
     a = [(m.step, m.value) for m in client.get_metric_history(single.info.run_id, "train/loss")]
     b = [(m.step, m.value) for m in client.get_metric_history(ddp.info.run_id, "train/loss")]
-    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 15
-    for (step, va), (_, vb) in zip(a, b, strict=False):
+    c = [(m.step, m.value) for m in client.get_metric_history(launched.info.run_id, "train/loss")]
+    # 72 training samples / global batch 16 -> 5 steps per epoch (4 full + 8), 3 epochs; a step logged twice would
+    # mean that more than one rank logs
+    assert [s for s, _ in a] == [s for s, _ in b] == [s for s, _ in c] == list(range(1, 16))
+    for (step, va), (_, vb), (_, vc) in zip(a, b, c, strict=True):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
+        assert vb == pytest.approx(vc, abs=1e-6), f"step {step} under torchrun"
     pa, pb = _final_params(store, single.info.run_id), _final_params(store, ddp.info.run_id)
     assert pa.keys() == pb.keys()
     for key in pa:
         torch.testing.assert_close(pa[key], pb[key], atol=1e-5, rtol=0)
     assert single.data.metrics["val/accuracy"] == pytest.approx(ddp.data.metrics["val/accuracy"], abs=1e-9)
+    for run in (single, ddp, launched):
+        assert run.info.status == "FINISHED" and run.data.params["model.name"] == "probes:model"
+        assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["synthetic train", "synthetic val"]
+    assert [r.data.tags["runner.world_size"] for r in (single, ddp, launched)] == ["1", "2", "2"]
+    notes = {p.name: p.read_text() for p in probe.glob("trains-*")}
+    assert len(notes) == 5 and set(notes.values()) == {"clean"}, notes  # 1 + 2 + 2 processes ran backward
+    assert f"trains-{os.getpid()}" not in notes  # nor did the driver: under torchrun rank 0's runs in its child
     cores = len(os.sched_getaffinity(0))  # one thread rule for every mode, recorded in each run
     for run, processes in ((single, 1), (ddp, 2)):
         expect = threads_per_process(0, os.environ, cores, processes)[0]
@@ -157,48 +187,6 @@ def test_two_nodes_on_one_machine_make_one_run(write_spec, store: str, tmp_path:
     assert runs[0].data.tags["runner.world_size"] == "2"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert steps == list(range(1, 11))
-
-
-def test_ddp_two_processes_one_finished_run_and_the_same_under_torchrun(write_spec, store: str, tmp_path: Path) -> None:
-    spec = write_spec()
-    assert main(["exec", str(spec), *_sets(DDP)]) == 0
-    client, runs = _runs(store)
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["runner.world_size"] == "2"
-    history = client.get_metric_history(run.info.run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert steps == sorted(set(steps)), "a metric step was logged twice: more than one rank logs"
-    # 72 training samples / global batch 16 -> 5 steps per epoch (4 full + 8), 2 epochs
-    assert steps == list(range(1, 11))
-
-    # the same job under torchrun: one more run, the same losses
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "localhost:0",
-        "-m",
-        "runner",
-        "exec",
-        str(spec),
-        *_sets(DDP),
-    ]
-    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    client, runs = _runs(store)
-    assert len(runs) == 2
-    first, second = runs
-    assert second.info.status == "FINISHED"
-    a = [m.value for m in client.get_metric_history(first.info.run_id, "train/loss")]
-    b = [m.value for m in client.get_metric_history(second.info.run_id, "train/loss")]
-    assert a == pytest.approx(b, abs=1e-6)
 
 
 UNUSED = """
