@@ -87,15 +87,6 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert f"start-up: {startup[1]:.1f} s to the end of the first step" in out
 
 
-def test_same_seed_same_metrics_other_seed_differs(write_spec, store: str) -> None:
-    for seed, name in ((0, "a.toml"), (0, "b.toml"), (1, "c.toml")):
-        assert main(["exec", str(write_spec(text=digits(store, seed=seed), name=name))]) == 0
-    client, runs = _runs(store)
-    a, b, c = (_history(client, r.info.run_id, "train/loss") for r in runs)
-    assert a == b
-    assert a != c
-
-
 def test_unreachable_tracking_server_fails_before_training(write_spec, tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,27 +144,6 @@ def test_unknown_model_exits_2_without_a_run(write_spec, store: str, capsys) -> 
     assert main(["exec", str(spec), "--set", 'model.name="torchvision.resnet19"']) == 2
     assert "resnet18" in capsys.readouterr().err
     assert _runs(store, "tests")[1] == []
-
-
-def test_model_and_checkpoint_artifacts_when_asked(write_spec, store: str) -> None:
-    spec = write_spec()
-    sets = [
-        "tracking.log_model=true",
-        "checkpoint.log_to_mlflow=true",
-        "tracking.system_metrics=true",
-        "train.epochs=1",
-    ]
-    assert main(exec_args(spec, *sets)) == 0
-    client, (run,) = _runs(store, "tests")
-    assert run.info.status == "FINISHED"
-    assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == ["checkpoints/step-00000005.pt"]
-    import mlflow
-    import torch
-
-    mlflow.set_tracking_uri(store)
-    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
-    assert model(torch.zeros(2, 8)).shape == (2, 3)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,13 @@ def test_seeds_share_the_validation_split_and_the_runs_say_so(write_spec, store:
     spec = str(write_spec())
     first, second = exec_ok(store, spec, "--set", "seed=0"), exec_ok(store, spec, "--set", "seed=1")
     other = exec_ok(store, spec, "--set", "data.split_seed=5")
+    again = exec_ok(store, spec, "--set", "seed=0")
     client = MlflowClient(store)
+
+    def losses(run: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in client.get_metric_history(run, "train/loss")]
+
+    assert losses(first) == losses(again) != losses(second)  # the same seed, the same metrics; another differs
     tag = {r: client.get_run(r).data.tags["runner.data.val_split_sha256"] for r in (first, second, other)}
     assert tag[first] == tag[second] != tag[other]
     loaded = load_spec(spec)
@@ -83,11 +89,13 @@ def test_the_logged_model_is_a_logged_model_with_the_normalisation_inside(tmp_pa
     base = REPO / "experiments" / "digits_mlp.toml"
     spec.write_text(
         f'extends = "{base}"\n[tracking]\nuri = "{store}"\nexperiment = "tests"\nlog_model = true\n'
-        '[train]\nepochs = 1\nprogress = "off"\n'
+        'system_metrics = true\n[checkpoint]\nlog_to_mlflow = true\n[train]\nepochs = 1\nprogress = "off"\n'
     )
     run_id = exec_ok(store, str(spec))
     client = MlflowClient(store)
     run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "model/MLmodel" in {a.path for a in client.list_artifacts(run_id, "model")}
+    assert [a.path for a in client.list_artifacts(run_id, "checkpoints")] == ["checkpoints/step-00000023.pt"]
     (model,) = client.search_logged_models([run.info.experiment_id])
     assert (
         model.source_run_id == run_id and model.name == "model" and model.params["optim.lr"] == "0.2"
@@ -100,9 +108,11 @@ def test_the_logged_model_is_a_logged_model_with_the_normalisation_inside(tmp_pa
     try:
         info = mlflow.models.get_model_info(f"models:/{model.model_id}")
         loaded_model = mlflow.pytorch.load_model(f"models:/{model.model_id}")
+        from_run = mlflow.pytorch.load_model(f"runs:/{run_id}/model")  # the run's artifact path works as well
     finally:
         mlflow.set_tracking_uri(None)
     assert info.signature.inputs.inputs[0].shape == (-1, 1, 8, 8) and info.saved_input_example_info is not None
+    assert from_run(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
     bundle = build_datasets(load_spec(spec).spec, spec.parent)
     mean, std = bundle.info.normalization
     raw = bundle.val.x * std + mean  # pixels in [0, 1], as sklearn's digits / 16
