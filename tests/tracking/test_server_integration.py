@@ -41,6 +41,17 @@ def mlflow_server(tmp_path):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """An `mlflow server` for the tests that leave it running, started once (its store: ``server.folder``)."""
+    server = MlflowServer(tmp_path_factory.mktemp("served"))
+    try:
+        server.start(timeout_s=SERVER_START_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_run_over_http_then_server_goes_away(tmp_path, mlflow_server, monkeypatch):
@@ -107,10 +118,11 @@ def _runner(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server):
+def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, shared_server):
     """A password in tracking.uri (--set or MLFLOW_TRACKING_URI) is in no run field, artifact, file or printed line."""
     from mlflow.tracking import MlflowClient
 
+    mlflow_server = shared_server
     host = mlflow_server.url.removeprefix("http://")
     spec = write_spec_file(tmp_path / "creds.toml", name="creds", train={"epochs": 1}, tracking={"experiment": "c"})
     given = f'tracking.uri="http://alice:s3cret@{host}"'
@@ -145,7 +157,7 @@ def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server)
         } or run.data.tags.get("runner.bench") == "parent"
         for secret in secrets:
             assert not [f for f in fields if secret in str(f)], secret
-    for path in tmp_path.rglob("*"):  # the server's store and artifacts, checkpoints, spools, bench.json
+    for path in [*tmp_path.rglob("*"), *mlflow_server.folder.rglob("*")]:  # checkpoints, bench.json, the store
         if path.is_file():
             data = path.read_bytes()
             assert not [s for s in secrets if s.encode() in data], path
@@ -153,8 +165,9 @@ def test_credentials_in_the_tracking_uri_leave_no_trace(tmp_path, mlflow_server)
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_served_run_resumes_and_exports_from_another_directory(tmp_path, mlflow_server):
+def test_a_served_run_resumes_and_exports_from_another_directory(tmp_path, shared_server):
     """Checkpoints are found through the run's tag ``runner.checkpoint_dir``, not the working directory."""
+    mlflow_server = shared_server
     import torch
     from mlflow.tracking import MlflowClient
 
