@@ -1,5 +1,8 @@
 """The process model (docs/design.md, "Process model"): MLflow lives in the driver alone, the run is created after the
-build, and checks that need no build (a resume whose owner lives, the checkpoint folder) come before any process starts."""
+build, and checks that need no build (a resume whose owner lives, the checkpoint folder) come before any process starts.
+
+That no process that runs backward holds mlflow is checked on the agreement runs (with ``helpers.PROBES``): none, ddp-2
+and torchrun in tests/launch/test_ddp_integration.py, fsdp-2 in tests/strategies/test_fsdp_integration.py."""
 
 from __future__ import annotations
 
@@ -43,27 +46,6 @@ def _runs(store: str) -> list:
     if experiment is None:
         return []
     return client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL)
-
-
-def test_no_fsdp_process_that_runs_backward_imports_mlflow(tmp_path: Path, store: str, monkeypatch):
-    """none, ddp-2 and ddp-2 under torchrun: test_ddp_integration.py's agreement test, on the same probes."""
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    monkeypatch.setenv("RUNNER_TEST_PROBE", str(probe))
-    assert main(["exec", str(_spec(tmp_path, store, MODES["fsdp-2"]))]) == 0
-    notes = {p.name: p.read_text() for p in probe.glob("trains-*")}
-    assert len(notes) == 2, notes  # every training process ran backward
-    assert set(notes.values()) == {"clean"}, notes
-    import os
-
-    assert f"trains-{os.getpid()}" not in notes  # the driver (this process) trained nothing
-    (run,) = _runs(store)
-    assert run.info.status == "FINISHED"
-    client = MlflowClient(store)
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert steps == list(range(1, 6))  # 72 training samples, batch 16: 5 steps, each logged through the pipe
-    assert run.data.params["loss.name"] == "probes:loss"
-    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["synthetic train", "synthetic val"]
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp-2"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.strategies.registry import make_strategy
 from runner.training.checkpoint import load_latest
-from tests.helpers import elastic_run, spec_object
+from tests.helpers import PROBES, elastic_run, spec_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
 
@@ -32,15 +33,30 @@ def _losses(client: MlflowClient, run_id: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
 
 
-def test_none_and_fsdp_agree_and_the_export_loads_in_plain_pytorch(write_spec, store: str, tmp_path: Path) -> None:
+def test_none_and_fsdp_agree_and_the_export_loads_in_plain_pytorch(
+    write_spec, store: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Also the process model under fsdp: the two processes that run backward hold no mlflow, the driver trains
+    nothing (none, ddp-2 and torchrun: tests/launch/test_ddp_integration.py)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    monkeypatch.setenv("RUNNER_TEST_PROBE", str(probe))
+    (tmp_path / "probes.py").write_text(PROBES, encoding="utf-8")
     spec = write_spec()
     common = ["--set", "train.epochs=2", "--set", "data.shuffle=true", "--set", "optim.momentum=0.9"]
+    common += ["--set", 'model.name="probes:model"', "--set", "model.kwargs={in_features = 8, num_classes = 3}"]
+    common += ["--set", 'loss.name="probes:loss"']
     assert main(["exec", str(spec), *common]) == 0
     assert main(["exec", str(spec), *common, *FSDP]) == 0
     client, (single, sharded) = _runs(store)
     assert sharded.info.status == "FINISHED" and sharded.data.params["parallel.mode"] == "fsdp"
+    assert sharded.data.params["loss.name"] == "probes:loss"
+    assert [d.dataset.name for d in sharded.inputs.dataset_inputs] == ["synthetic train", "synthetic val"]
+    notes = {p.name: p.read_text() for p in probe.glob("trains-*")}
+    assert len(notes) == 3 and set(notes.values()) == {"clean"}, notes  # 1 + 2 training processes
+    assert f"trains-{os.getpid()}" not in notes
     a, b = _losses(client, single.info.run_id), _losses(client, sharded.info.run_id)
-    assert [s for s, _ in a] == [s for s, _ in b] and a
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 11))  # 5 steps an epoch, each logged once
     for (step, va), (_, vb) in zip(a, b, strict=True):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
     assert single.data.metrics["val/loss"] == pytest.approx(sharded.data.metrics["val/loss"], abs=1e-5)
