@@ -134,7 +134,7 @@ def run_tags(
     """Build the tags of a new run: provenance, environment, spec tags, then ``extra_tags``.
 
     Besides provenance, ``runner.overrides`` holds the command line's ``--set`` / ``--unset``
-    arguments (when there are any) and ``runner.notes`` the plan's notes, one a line.
+    arguments (when there are any) and ``runner.notes`` the plan's notes; whole in the description.
 
     Args:
         plan_description: ``Plan.describe()`` or ``DevicePlan.describe()``; ``devices[*].name`` (or

@@ -285,7 +285,8 @@ def test_exec_of_a_sweep_spec_notes_that_sweep_is_ignored_and_logs_only_what_app
     params = run.data.params
     assert not [k for k in params if k.startswith(("sweep.", "devices.ids"))]
     assert "optim.lr" in params and "devices.accelerator" in params
-    assert "[sweep] is ignored by runner exec" in run.data.tags["runner.notes"]
+    assert run.data.tags["runner.notes"].startswith("devices.ids = [0] is ignored: the run is on cpu; [sweep] is")
+    assert "- [sweep] is ignored by runner exec" in run.data.tags["mlflow.note.content"]  # whole, on the run's page
     other = write_spec('[sweep]\nparams = { "optim.lr" = { values = [0.5] } }\n', text=text, name="other.toml")
     capsys.readouterr()
     assert main(["diff", run.info.run_id, str(other), "--json"]) == 0
