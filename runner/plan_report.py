@@ -8,13 +8,14 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import mask_secrets
+from runner.errors import first_line, mask_secrets
 from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
     from runner.errors import DeviceError
     from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
 
 
 _LAUNCH_TEXT = {
@@ -227,6 +228,7 @@ def show_plan(
     as_json: bool = False,
     with_spec: bool = False,
     sweep_trials: Callable[[LoadedSpec], list[str]] | None = None,
+    memory: bool = True,
 ) -> None:
     """``runner plan``: print the plan (as JSON with ``as_json``, with the resolved spec with ``with_spec``).
 
@@ -237,6 +239,7 @@ def show_plan(
         shown: The spec file as the user named it (for the command to try).
         as_json: Print :meth:`Plan.describe` as JSON instead of text.
         with_spec: Also print the resolved spec as TOML, every default included.
+        memory: Also estimate the memory per device of every mode (:func:`estimate_memory`; imports torch).
         sweep_trials: Names a spec's sweep trials (``runner.tools.sweep_define.trial_names``, passed in by
             the command line: the core does not import the tools); used when the spec has ``[sweep]``.
 
@@ -248,15 +251,222 @@ def show_plan(
     from runner.launch.prebuild import known_differences
     from runner.spec.dump import dump_spec
 
-    info, problem = plan_or_problem(loaded, env=os.environ, inventory=probe_inventory(os.environ), shown=shown)
+    inventory = probe_inventory(os.environ)
+    info, problem = plan_or_problem(loaded, env=os.environ, inventory=inventory, shown=shown)
     info["notes"] = [*info.get("notes", []), *known_differences(loaded)]
     if loaded.spec.sweep is not None and sweep_trials is not None:
         info["trials"] = sweep_trials(loaded)  # the trials say what [sweep] does: no note that exec ignores it
         info["notes"] = [n for n in info.get("notes", []) if not n.startswith("[sweep]")]
         info.get("inactive", {}).pop("sweep", None)
-    print(mask_secrets(json.dumps(info, indent=2) if as_json else format_plan(info)))
+    text = format_plan(info)
+    if memory:
+        info["memory"] = estimate_memory(loaded, _devices_of(loaded, info, inventory))
+        gpus = [(g.name, g.total_memory_bytes) for g in inventory.gpus]
+        text += "\n" + "\n".join(format_memory(info["memory"], gpus, loaded.spec))
+    print(mask_secrets(json.dumps(info, indent=2) if as_json else text))
     if with_spec:
         print(f"\n# resolved spec ({loaded.path})")
         print(mask_secrets(dump_spec(loaded.spec)), end="")
     if problem is not None:
         raise problem  # after the plan: what is missing, and the command that runs here
+
+
+# ----------------------------------------------------------------------------- memory per device, per mode
+
+_KINDS = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations"}
+
+
+def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
+    """Bytes per device of one training step of the spec's model, batch and optimizer, in each mode.
+
+    Two steps (the second, with the optimizer's state, is measured) run under ``FakeTensorMode`` and torch's
+    ``MemTracker``: tensors have shapes and no storage, so nothing is allocated and no GPU is needed. Measured
+    once at the global batch (``none``) and once at the per-device batch; the modes then differ by what each
+    keeps (docs/design.md §3): dp's device 0 also holds the whole input batch it scatters and the outputs it
+    gathers, and alone the optimizer state; ddp adds its gradient buckets (one more copy of the gradients
+    unless ``parallel.gradient_as_bucket_view``); fsdp keeps 1/n of the parameters, gradients and optimizer
+    state, plus the largest block unsharded (gathered parameters twice with prefetch, and its gradients).
+    The loss stands in as cross-entropy on class targets, else a mean (its own memory is small).
+
+    Args:
+        devices: Devices of the multi-device modes (n).
+
+    Returns:
+        ``{"devices": n, "global_batch": b, "modes": {mode: [{"device": "0", "params": bytes, ..., "peak":
+        bytes}, ...]}}``; ``{"error": why}`` when the step cannot run on fake tensors (a factory that reads
+        weights, data-dependent control flow, a dataset whose shape is known only once it is read).
+    """
+    try:
+        whole = fake_step(loaded, loaded.spec.data.batch_size)
+        local = fake_step(loaded, -(-loaded.spec.data.batch_size // devices))
+    except Exception as exc:  # user code under fake tensors: any error means "cannot estimate", never a failure
+        return {"error": f"{type(exc).__name__}: {first_line(exc)}"}
+    n, bucket = devices, 0 if getattr(loaded.spec.parallel, "gradient_as_bucket_view", False) else local["grad_bytes"]
+    fsdp = {k: local[k] // n for k in ("params", "grads", "optimizer")}
+    fsdp_peak = local["peak"] - sum(local[k] - fsdp[k] for k in fsdp) + 3 * local["largest_block"]
+    others = {**local, "optimizer": 0, "peak": local["peak"] - local["optimizer"]}
+    modes: dict[str, list[dict[str, Any]]] = {
+        "none": [{"device": "0", **whole}],
+        "dp": [
+            {"device": "0", **local, "peak": local["peak"] + whole["input_bytes"] + whole["output_bytes"]},
+            {"device": f"1-{n - 1}" if n > 2 else "1", **others},
+        ],
+        "ddp": [{"device": "each", **local, "grads": local["grads"] + bucket, "peak": local["peak"] + bucket}],
+        "fsdp": [{"device": "each", **local, **fsdp, "peak": fsdp_peak}],
+    }
+    shown = ("params", "grads", "optimizer", "activations", "peak")
+    return {
+        "devices": n,
+        "global_batch": loaded.spec.data.batch_size,
+        "modes": {
+            m: [{"device": r["device"], **{k: int(r[k]) for k in shown}} for r in rows] for m, rows in modes.items()
+        },
+    }
+
+
+def _devices_of(loaded: LoadedSpec, info: Mapping[str, Any], inventory: Inventory) -> int:
+    """n of the multi-device modes: the plan's devices, else those the spec asks for, else the visible GPUs, else 2."""
+    planned = len((info.get("devices") or {}).get("per_device_batch") or ())
+    ids = loaded.spec.devices.ids
+    asked = (len(ids) if isinstance(ids, list) else 0) or getattr(loaded.spec.parallel, "nproc_per_node", 0) or 0
+    return next(n for n in (planned, asked, len(inventory.gpus), 2) if n > 1)
+
+
+def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True) -> dict[str, int]:
+    """Peak bytes by kind of the second of two training steps of ``batch`` samples, and the sizes the modes use.
+
+    Args:
+        fake: Under ``FakeTensorMode`` (nothing allocated); ``False`` runs the same steps on real CPU tensors,
+            the measurement the estimate is checked against.
+    """
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from runner.strategies.base import find_blocks, transform_blocks
+    from runner.training.losses import build_optimizer
+    from runner.training.models import build_model
+
+    spec, shape, classes = loaded.spec, *_sample_shape(loaded)
+    amp = spec.train.amp != "no"
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        model = build_model(spec.model, loaded.path.parent, input_shape=shape, num_classes=classes)
+        blocks = find_blocks(model, getattr(spec.parallel, "fsdp_blocks", None))
+        transform_blocks(blocks, spec.train, compile_blocks=False)
+        optimizer = build_optimizer(spec.optim, [p for p in model.parameters() if p.requires_grad])
+        x, y = torch.randn(batch, *shape), torch.randint(0, max(classes, 1), (batch,))
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for step in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    out = model(x)
+                    if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor
+                        out = next(iter(out.values())) if isinstance(out, dict) else out[0]
+                loss = torch.nn.functional.cross_entropy(out.float(), y) if classes else out.float().pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    found = {_KINDS[str(k).rsplit(".", 1)[-1]]: int(v) for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in _KINDS}
+    found["activations"] += int(peak.get(next(k for k in peak if str(k).endswith("TEMP")), 0))
+
+    def size(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    found.update(
+        peak=int(peak["Total"]),
+        grad_bytes=size(p for p in model.parameters() if p.requires_grad),
+        largest_block=max((size(b.parameters()) for b in blocks), default=size(model.parameters())),
+        input_bytes=size([x]),
+        output_bytes=size([out]),
+    )
+    return found
+
+
+def _sample_shape(loaded: LoadedSpec) -> tuple[tuple[int, ...], int]:
+    """``(input shape, classes)`` of one sample, from the spec (synthetic) or the built data (scikit-learn's).
+
+    Raises:
+        ValueError: Samples whose shape is known only once the dataset is read.
+    """
+    from runner.training.sources import IN_MEMORY
+
+    data = loaded.spec.data
+    if data.dataset == "synthetic":
+        return tuple(data.input_shape), data.num_classes
+    if data.dataset not in IN_MEMORY:
+        raise ValueError(f"the shape of a {data.dataset} sample is known only once the data is read")
+    from runner.training.data import build_datasets
+
+    info = build_datasets(loaded.spec, loaded.path.parent).info
+    return tuple(info.input_shape), info.num_classes
+
+
+def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | None]], spec: ExperimentSpec) -> list[str]:
+    """The memory table of ``runner plan``: MiB per device and mode; whether each fits the smallest visible GPU.
+
+    When the spec's own mode does not fit, a line names what would: fsdp, a global batch whose activations fit
+    (activations grow with the batch; the rest does not), activation checkpointing.
+
+    Args:
+        gpus: ``(name, total bytes or None)`` of each visible GPU.
+    """
+    if "error" in memory:
+        return [_row("memory", f"not estimated: {memory['error']}")]
+    smallest = min((total for _, total in gpus if total), default=None)
+    top = max(row["peak"] for rows in memory["modes"].values() for row in rows)
+    unit, size = next(
+        (u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= 10 * b or u == "KiB"
+    )
+    head = f"per device, {unit}, for a global batch of {memory['global_batch']} on n = {memory['devices']} (estimate)"
+    lines = [
+        _row("memory", head),
+        _row(
+            "",
+            f"{'mode':<6} {'device':<7}{'params':>9}{'grads':>9}{'optim':>9}"
+            f"{'activ.':>10}{'peak':>10}" + ("  fits" if smallest else ""),
+        ),
+    ]
+    for name, rows in memory["modes"].items():
+        for row in rows:
+            mib = [row[k] / size for k in ("params", "grads", "optimizer", "activations", "peak")]
+            figures = "".join(f"{v:>{w}.1f}" for v, w in zip(mib, (9, 9, 9, 10, 10), strict=True))
+            fits = f"  {_margin(smallest - row['peak'])}" if smallest else ""
+            lines.append(
+                _row("", f"{name + ('*' if name == spec.parallel.mode else ''):<6} {row['device']:<7}{figures}{fits}")
+            )
+    if not gpus:
+        return [*lines, _row("fits", "no GPU visible here: nothing to compare with (* the spec's mode)")]
+    if smallest is None:
+        return [*lines, _row("fits", "the GPUs' memory is unknown (NVML did not say)")]
+    lines.append(_row("fits", f"against the smallest visible GPU, {smallest / 2**30:.1f} GiB (* the spec's mode)"))
+    worst = max(memory["modes"][spec.parallel.mode], key=lambda r: r["peak"])
+    if worst["peak"] > smallest:
+        lines.append(_row("", "to fit: " + "; ".join(_switches(memory, worst, smallest, spec))))
+    return lines
+
+
+def _margin(spare: int) -> str:
+    return f"yes, {spare / 2**30:.1f} GiB spare" if spare >= 0 else f"no, {-spare / 2**30:.1f} GiB over"
+
+
+def _switches(memory: Mapping[str, Any], worst: Mapping[str, int], total: int, spec: ExperimentSpec) -> list[str]:
+    """What would make the spec's mode fit ``total`` bytes: fsdp, a smaller global batch, activation checkpointing."""
+    found = []
+    from runner.spec.schema_parallel import MODES, REFERENCE_MODE
+
+    sharded = next(name for name, traits in MODES.items() if traits.shards_state)
+    if not spec.parallel.traits.shards_state and memory["modes"][sharded][0]["peak"] <= total:
+        found.append(f'parallel.mode = "{sharded}"')
+    n = 1 if spec.parallel.mode == REFERENCE_MODE else memory["devices"]  # activations were measured per device
+    fixed, per_sample = worst["peak"] - worst["activations"], worst["activations"] / -(-memory["global_batch"] // n)
+    if fixed < total and per_sample > 0:
+        found.append(f"data.batch_size = {int((total - fixed) / per_sample) * n} or less")
+    if not spec.train.activation_checkpointing:
+        found.append("train.activation_checkpointing = true")
+    return found or ["nothing runner can switch: a larger GPU"]

@@ -83,3 +83,66 @@ def test_plan_describes_itself(tmp_path: Path):
 
 def gpu_free() -> Inventory:
     return Inventory([GpuInfo(0, "x")], False, None, "fake", [])
+
+
+# ----------------------------------------------------------------------------- memory per device (runner plan)
+
+
+def _cnn(tmp_path: Path, **extra: object):
+    """A small CNN with Adam, so every kind of memory is there: parameters, gradients, optimizer state, activations."""
+    spec = spec_text(
+        SMALL,
+        compact=True,
+        model={"name": "cnn"},
+        data={
+            "dataset": "synthetic",
+            "batch_size": 32,
+            "num_samples": 64,
+            "input_shape": [3, 16, 16],
+            "num_classes": 5,
+        },
+        optim={"name": "adam", "lr": 0.01},
+        tracking={"enabled": False},
+        **extra,
+    )
+    path = tmp_path / "cnn.toml"
+    path.write_text(spec, encoding="utf-8")
+    return load_spec(path)
+
+
+def test_the_fake_step_estimate_is_within_5_percent_of_a_real_step(tmp_path: Path) -> None:
+    from runner.plan_report import fake_step
+
+    loaded = _cnn(tmp_path)
+    estimate, real = fake_step(loaded, 32), fake_step(loaded, 32, fake=False)  # MemTracker on real CPU tensors
+    for kind in ("params", "grads", "optimizer", "activations", "peak"):
+        assert estimate[kind] == pytest.approx(real[kind], rel=0.05), kind
+    assert estimate["optimizer"] == pytest.approx(2 * estimate["params"], rel=0.01)  # Adam: two moments a parameter
+
+
+def test_the_modes_keep_what_each_keeps(tmp_path: Path) -> None:
+    from runner.plan_report import estimate_memory
+
+    memory = estimate_memory(_cnn(tmp_path), 4)
+    (none,), (dp0, dp_rest), (ddp,), (fsdp,) = (memory["modes"][m] for m in ("none", "dp", "ddp", "fsdp"))
+    assert memory["devices"] == 4 and dp_rest["device"] == "1-3"
+    assert dp0["activations"] == ddp["activations"] < none["activations"]  # 8 samples a device against 32
+    assert dp_rest["optimizer"] == 0 < dp0["optimizer"] and dp0["peak"] > dp_rest["peak"]  # device 0 steps alone
+    assert ddp["grads"] > none["grads"] and ddp["peak"] > dp_rest["peak"]  # the gradient buckets
+    assert fsdp["params"] == ddp["params"] // 4 and fsdp["optimizer"] == ddp["optimizer"] // 4
+
+
+def test_the_table_says_what_fits_and_which_switch_would(tmp_path: Path) -> None:
+    from runner.plan_report import estimate_memory, format_memory
+
+    loaded = _cnn(tmp_path)
+    memory = estimate_memory(loaded, 2)
+    peak = memory["modes"]["none"][0]["peak"]
+    lines = format_memory(memory, [], loaded.spec)
+    assert "no GPU visible here" in lines[-1] and not any("spare" in line for line in lines)
+    roomy = "\n".join(format_memory(memory, [("A", 10 * peak), ("B", 20 * peak)], loaded.spec))
+    assert "against the smallest visible GPU" in roomy and roomy.count("GiB spare") == 5 and "to fit" not in roomy
+    tight = format_memory(memory, [("A", int(peak * 0.9))], loaded.spec)[-1]
+    assert tight.strip().startswith("to fit:") and "data.batch_size = " in tight
+    assert "train.activation_checkpointing = true" in tight
+    assert "not estimated" in format_memory({"error": "ValueError: x"}, [], loaded.spec)[0]

@@ -29,6 +29,16 @@ def test_the_plan_example_is_the_real_plan(capsys, monkeypatch: pytest.MonkeyPat
     assert out.splitlines() == _example(f"runner plan {spec} --set parallel.mode=none")
 
 
+def test_the_memory_table_of_the_dp_example_is_the_real_estimate(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(REPO)
+    assert main(["plan", "experiments/resnet_dp.toml"]) == 2  # no GPU here: the plan, its memory, then the fix
+    out = capsys.readouterr().out.splitlines()
+    table = out[next(i for i, x in enumerate(out) if x.startswith("  memory")) :]
+    example = _example("runner plan experiments/resnet_dp.toml          # on a machine without GPUs")
+    assert table == example[1 : example.index("runner: error:")]
+
+
 def test_the_bad_input_example_is_the_real_message(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     example = _example("runner validate bad.toml")
     lines = {int(m.group(1)): m.group(2) for m in (re.match(r"  bad\.toml:(\d+): (\S+):", x) for x in example) if m}

@@ -8,6 +8,7 @@ Also: opening the tracking store: the first open of a sqlite store, which create
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import time
@@ -373,6 +374,8 @@ def _first_open(uri: str, path: Path | None = None) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
     for attempt in range(OPEN_ATTEMPTS):
         try:
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import sqlite3
 from pathlib import Path
@@ -23,11 +24,15 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_first_open_creates_the_store_beside_its_lock(tmp_path: Path) -> None:
+def test_first_open_creates_the_store_beside_its_lock(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
+    for name in ("mlflow.store.db.utils", "alembic"):  # as in a fresh process: their INFO lines would print
+        logging.getLogger(name).setLevel(logging.NOTSET)
     uri = f"sqlite:///{tmp_path}/new.db"
     open_store(uri)
+    printed = capfd.readouterr()
+    assert "database tables" not in printed.out + printed.err  # MLflow's INFO lines while it makes its tables
     assert (tmp_path / "new.db").is_file() and (tmp_path / "new.db.lock").exists()
     assert MlflowClient(uri).search_experiments()[0].name == "Default"
 
