@@ -318,6 +318,7 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     return {
         "devices": n,
         "global_batch": loaded.spec.data.batch_size,
+        "flops_per_step": whole["flops"],
         "modes": {
             m: [{"device": r["device"], **{k: int(r[k]) for k in shown}} for r in rows] for m, rows in modes.items()
         },
@@ -344,6 +345,7 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True) -> dict[str,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
 
     from runner.strategies.base import find_blocks, transform_blocks
     from runner.training.losses import build_optimizer
@@ -357,16 +359,17 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True) -> dict[str,
         transform_blocks(blocks, spec.train, compile_blocks=False)
         optimizer = build_optimizer(spec.optim, [p for p in model.parameters() if p.requires_grad])
         x, y = torch.randn(batch, *shape), torch.randint(0, max(classes, 1), (batch,))
-        tracker = MemTracker()
+        tracker, flops = MemTracker(), FlopCounterMode(display=False)  # FLOPs of forward and backward
         tracker.track_external(model, optimizer)
         with tracker:
             for step in range(2):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                    out = model(x)
-                    if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor
-                        out = next(iter(out.values())) if isinstance(out, dict) else out[0]
-                loss = torch.nn.functional.cross_entropy(out.float(), y) if classes else out.float().pow(2).mean()
-                loss.backward()
+                with flops if step == 0 else contextlib.nullcontext():  # the measured step runs without it
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        out = model(x)
+                        if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor
+                            out = next(iter(out.values())) if isinstance(out, dict) else out[0]
+                    loss = torch.nn.functional.cross_entropy(out.float(), y) if classes else out.float().pow(2).mean()
+                    loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 if step == 0:
@@ -382,6 +385,7 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True) -> dict[str,
         peak=int(peak["Total"]),
         grad_bytes=size(p for p in model.parameters() if p.requires_grad),
         largest_block=max((size(b.parameters()) for b in blocks), default=size(model.parameters())),
+        flops=int(flops.get_total_flops()),  # of the first step: forward and backward
         input_bytes=size([x]),
         output_bytes=size([out]),
     )
@@ -440,6 +444,14 @@ def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | Non
             lines.append(
                 _row("", f"{name + ('*' if name == spec.parallel.mode else ''):<6} {row['device']:<7}{figures}{fits}")
             )
+    flops = memory["flops_per_step"]
+    scale, prefix = next(
+        (10**e, p) for e, p in ((15, "P"), (12, "T"), (9, "G"), (6, "M"), (0, "")) if flops >= 10**e or not e
+    )
+    where = "forward and backward, torch.utils.flop_counter"
+    lines.append(
+        _row("flops", f"{flops / scale:.3g} {prefix}FLOP a step of {memory['global_batch']} samples ({where})")
+    )
     if not gpus:
         return [*lines, _row("fits", "no GPU visible here: nothing to compare with (* the spec's mode)")]
     if smallest is None:

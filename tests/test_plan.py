@@ -118,6 +118,7 @@ def test_the_fake_step_estimate_is_within_5_percent_of_a_real_step(tmp_path: Pat
     for kind in ("params", "grads", "optimizer", "activations", "peak"):
         assert estimate[kind] == pytest.approx(real[kind], rel=0.05), kind
     assert estimate["optimizer"] == pytest.approx(2 * estimate["params"], rel=0.01)  # Adam: two moments a parameter
+    assert estimate["flops"] == real["flops"] > 0  # torch.utils.flop_counter counts the same ops on fake tensors
 
 
 def test_the_modes_keep_what_each_keeps(tmp_path: Path) -> None:
