@@ -3,17 +3,20 @@
 Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
 two can never disagree. The launcher's environment is read here, once, through
 :class:`runner.launch.environment.LauncherEnvironment`; inside a Slurm job step the layout of
-its tasks is decided here too (docs/design.md §15). What ``runner plan`` prints is
-:mod:`runner.plan_report`.
+its tasks is decided here too (docs/design.md §15). For a spec this machine cannot run:
+what is missing, and the ``--set`` arguments that run it here, tried before they are offered
+(:func:`plan_or_problem`). What ``runner plan`` prints is :mod:`runner.plan_report`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from runner.errors import DeviceError
 from runner.launch.environment import LauncherEnvironment, SlurmLayout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -185,7 +188,7 @@ def make_plan(
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices, threads_per_process
-    from runner.errors import DeviceError, UsageError
+    from runner.errors import UsageError
     from runner.spec.loading import key_line
 
     env = os.environ if env is None else env
@@ -338,3 +341,108 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
         )
         raise relocate_issues(SpecError(SpecIssue(None, None, "parallel.nnodes", message)), loaded)  # line or flag
     return Rendezvous(par.rdzv_endpoint, par.rdzv_id, par.nnodes, par.node_rank)
+
+
+def describe_unrunnable(
+    loaded: LoadedSpec, error: DeviceError, fix: list[str] | None, shown: str | None = None
+) -> dict[str, Any]:
+    """What ``runner plan`` shows for a spec this machine cannot run: the spec's facts, what is missing, a fix.
+
+    Args:
+        error: Why it cannot run here (from :func:`make_plan`).
+        fix: Extra command-line arguments that make it run here (:func:`find_fix`), or ``None``.
+        shown: The spec file as the user named it (for the command to try). Default: its absolute path.
+
+    Returns:
+        A dict like :meth:`Plan.describe`, with ``devices = None``, ``asked`` (the devices the spec
+        asks for), ``missing`` (the error) and ``try`` (the whole command with the fix, or ``None``).
+    """
+    spec = loaded.spec
+    info = spec_facts(loaded, tracking_uri_of(loaded, None), experiment_of(loaded), run_name_of(loaded, None))
+    ids = spec.devices.ids
+    shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
+    launch: Launch = spec.parallel.traits.launch
+    info.update(devices=None, asked=f"accelerator {spec.devices.accelerator}, {shown_ids}", launch=launch, notes=[])
+    info["missing"] = str(error)
+    command = ["runner", "plan", shown or str(loaded.path)]
+    info["try"] = shlex.join([*command, *_command_line_without(loaded, fix), *fix]) if fix else None
+    return info
+
+
+def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
+    """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way.
+
+    A suggestion never repeats the user's override with another value (``--set parallel.mode=dp
+    --set parallel.mode=ddp``): the later one would win anyway, so the spec it runs is the same.
+    """
+    import dataclasses
+
+    from runner.spec.overrides import parse_key
+
+    fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}
+    kept = tuple(o for o in loaded.overrides if parse_key(o.partition("=")[0]) not in fixed)
+    return dataclasses.replace(loaded, overrides=kept).command_line()
+
+
+def plan_or_problem(
+    loaded: LoadedSpec, *, env: Mapping[str, str], inventory: Inventory, shown: str | None = None
+) -> tuple[dict[str, Any], DeviceError | None]:
+    """What ``runner plan`` prints, and why this machine cannot run the spec (``None`` when it can).
+
+    Returns:
+        ``(Plan.describe(), None)``, or ``(describe_unrunnable(...), error)`` where ``error`` says
+        what is missing and, on its last line, the command that runs here (found by :func:`find_fix`).
+
+    Raises:
+        UsageError: As :func:`make_plan` (launcher variables).
+    """
+    try:
+        return make_plan(loaded, env=env, inventory=inventory).describe(), None
+    except DeviceError as exc:
+        info = describe_unrunnable(loaded, exc, find_fix(loaded, exc, env=env, inventory=inventory), shown)
+        message = exc.message + (f"\nthis runs here: {info['try']}" if info["try"] else "")
+        return info, DeviceError(message, exc.key, exc.file, exc.line)
+
+
+def find_fix(
+    loaded: LoadedSpec, error: DeviceError, *, env: Mapping[str, str], inventory: Inventory
+) -> list[str] | None:
+    """The first ``--set`` arguments that make ``loaded`` run on this machine, tried for real, or ``None``.
+
+    Candidates: a change of the key the error names (``backend = "gloo"``, ``ids = "all"``, ...),
+    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ``none`` first: one
+    process, as dp is; ddp of one process is none with a process group). Each
+    is loaded with the spec's own ``--set``/``--unset`` and resolved against ``inventory``: a
+    suggestion is printed only when the spec then validates and its devices resolve.
+
+    Returns:
+        E.g. ``["--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu"]``.
+    """
+    from runner.devices.resolve import resolve_devices
+    from runner.errors import SpecError
+    from runner.spec.loading import load_spec
+
+    for candidate in _fix_candidates(loaded, error, inventory):
+        try:
+            changed = load_spec(loaded.path, [*loaded.overrides, *candidate], loaded.unset)
+            resolve_devices(changed.spec, env, inventory)
+        except (SpecError, DeviceError):
+            continue
+        return [word for item in candidate for word in ("--set", item)]
+    return None
+
+
+def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory) -> list[list[str]]:
+    from runner.spec.schema_parallel import MODES
+
+    spec = loaded.spec
+    own = {
+        "parallel.backend": [["parallel.backend=gloo"]],
+        "parallel.sync_batchnorm": [["parallel.sync_batchnorm=false"]],
+        "train.amp": [["train.amp=bf16"], ["train.amp=no"]],
+        "devices.ids": [["devices.ids=all"]],
+        "parallel.nproc_per_node": [[f"parallel.nproc_per_node={len(inventory.gpus)}"]] if inventory.gpus else [],
+    }.get(error.key, [])
+    others = [m for m, traits in MODES.items() if m != spec.parallel.mode and not traits.cuda_only]
+    cpu = "devices.accelerator=cpu"
+    return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]

@@ -1,19 +1,19 @@
-"""What ``runner plan`` prints: the plan as text, and for a spec this machine cannot run, what is missing and a fix."""
+"""What ``runner plan`` prints: the plan as text, and the memory each device holds in every mode (an estimate from
+fake tensors) with the FLOPs of a step. What cannot run here, and the fix, are found in :mod:`runner.plan`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import first_line, mask_secrets
-from runner.plan import Launch, experiment_of, make_plan, run_name_of, spec_facts, tracking_uri_of
+from runner.plan import plan_or_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
-    from runner.errors import DeviceError
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
 
@@ -113,114 +113,6 @@ def _slurm_line(slurm: dict[str, Any]) -> str:
     return f"job {slurm['job_id']}, {text} (SLURM_NTASKS={slurm['ntasks']}, SLURM_NNODES={slurm['nnodes']}){requeued}"
 
 
-def describe_unrunnable(
-    loaded: LoadedSpec, error: DeviceError, fix: list[str] | None, shown: str | None = None
-) -> dict[str, Any]:
-    """What ``runner plan`` shows for a spec this machine cannot run: the spec's facts, what is missing, a fix.
-
-    Args:
-        error: Why it cannot run here (from :func:`make_plan`).
-        fix: Extra command-line arguments that make it run here (:func:`find_fix`), or ``None``.
-        shown: The spec file as the user named it (for the command to try). Default: its absolute path.
-
-    Returns:
-        A dict like :meth:`Plan.describe`, with ``devices = None``, ``asked`` (the devices the spec
-        asks for), ``missing`` (the error) and ``try`` (the whole command with the fix, or ``None``).
-    """
-    spec = loaded.spec
-    info = spec_facts(loaded, tracking_uri_of(loaded, None), experiment_of(loaded), run_name_of(loaded, None))
-    ids = spec.devices.ids
-    shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
-    launch: Launch = spec.parallel.traits.launch
-    info.update(devices=None, asked=f"accelerator {spec.devices.accelerator}, {shown_ids}", launch=launch, notes=[])
-    info["missing"] = str(error)
-    command = ["runner", "plan", shown or str(loaded.path)]
-    info["try"] = shlex.join([*command, *_command_line_without(loaded, fix), *fix]) if fix else None
-    return info
-
-
-def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
-    """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way.
-
-    A suggestion never repeats the user's override with another value (``--set parallel.mode=dp
-    --set parallel.mode=ddp``): the later one would win anyway, so the spec it runs is the same.
-    """
-    import dataclasses
-
-    from runner.spec.overrides import parse_key
-
-    fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}
-    kept = tuple(o for o in loaded.overrides if parse_key(o.partition("=")[0]) not in fixed)
-    return dataclasses.replace(loaded, overrides=kept).command_line()
-
-
-def plan_or_problem(
-    loaded: LoadedSpec, *, env: Mapping[str, str], inventory: Inventory, shown: str | None = None
-) -> tuple[dict[str, Any], DeviceError | None]:
-    """What ``runner plan`` prints, and why this machine cannot run the spec (``None`` when it can).
-
-    Returns:
-        ``(Plan.describe(), None)``, or ``(describe_unrunnable(...), error)`` where ``error`` says
-        what is missing and, on its last line, the command that runs here (found by :func:`find_fix`).
-
-    Raises:
-        UsageError: As :func:`make_plan` (launcher variables).
-    """
-    from runner.errors import DeviceError as _DeviceError
-
-    try:
-        return make_plan(loaded, env=env, inventory=inventory).describe(), None
-    except _DeviceError as exc:
-        info = describe_unrunnable(loaded, exc, find_fix(loaded, exc, env=env, inventory=inventory), shown)
-        message = exc.message + (f"\nthis runs here: {info['try']}" if info["try"] else "")
-        return info, _DeviceError(message, exc.key, exc.file, exc.line)
-
-
-def find_fix(
-    loaded: LoadedSpec, error: DeviceError, *, env: Mapping[str, str], inventory: Inventory
-) -> list[str] | None:
-    """The first ``--set`` arguments that make ``loaded`` run on this machine, tried for real, or ``None``.
-
-    Candidates: a change of the key the error names (``backend = "gloo"``, ``ids = "all"``, ...),
-    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ``none`` first: one
-    process, as dp is; ddp of one process is none with a process group). Each
-    is loaded with the spec's own ``--set``/``--unset`` and resolved against ``inventory``: a
-    suggestion is printed only when the spec then validates and its devices resolve.
-
-    Returns:
-        E.g. ``["--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu"]``.
-    """
-    from runner.devices.resolve import resolve_devices
-    from runner.errors import DeviceError as _DeviceError
-    from runner.errors import SpecError
-    from runner.spec.loading import load_spec
-
-    for candidate in _fix_candidates(loaded, error, inventory):
-        try:
-            changed = load_spec(loaded.path, [*loaded.overrides, *candidate], loaded.unset)
-            resolve_devices(changed.spec, env, inventory)
-        except (SpecError, _DeviceError):
-            continue
-        return [word for item in candidate for word in ("--set", item)]
-    return None
-
-
-def _fix_candidates(loaded: LoadedSpec, error: DeviceError, inventory: Inventory) -> list[list[str]]:
-    from runner.spec.schema_parallel import MODES
-
-    spec = loaded.spec
-    own = {
-        "parallel.backend": [["parallel.backend=gloo"]],
-        "parallel.sync_batchnorm": [["parallel.sync_batchnorm=false"]],
-        "train.amp": [["train.amp=bf16"], ["train.amp=no"]],
-        "devices.ids": [["devices.ids=all"]],
-        "parallel.nproc_per_node": [[f"parallel.nproc_per_node={len(inventory.gpus)}"]] if inventory.gpus else [],
-    }.get(error.key, [])
-    others = [m for m, traits in MODES.items() if m != spec.parallel.mode and not traits.cuda_only]
-    cpu = "devices.accelerator=cpu"
-    return [*own, [cpu], *([f"parallel.mode={m}", cpu] for m in others)]
-
-
 def show_plan(
     loaded: LoadedSpec,
     *,
@@ -273,7 +165,13 @@ def show_plan(
 
 # ----------------------------------------------------------------------------- memory per device, per mode
 
-_KINDS = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations"}
+_KINDS = {  # torch's kinds of memory (MemTracker's, then FSDPMemTracker's) -> the table's columns
+    **{k: "params" for k in ("PARAM", "SHARDED_PARAM", "UNSHARDED_PARAM", "ALL_GATHER")},
+    **{k: "grads" for k in ("GRAD", "SHARDED_GRAD", "UNSHARDED_GRAD", "REDUCE_SCATTER")},
+    **{k: "activations" for k in ("ACT", "TEMP", "INP")},
+    "BUFFER": "buffers",
+    "OPT": "optimizer",
+}
 
 
 def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
@@ -284,9 +182,9 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     once at the global batch (``none``) and once at the per-device batch; the modes then differ by what each
     keeps (docs/design.md §3): dp's device 0 also holds the whole input batch it scatters and the outputs it
     gathers, and alone the optimizer state; ddp adds its gradient buckets (one more copy of the gradients
-    unless ``parallel.gradient_as_bucket_view``); fsdp keeps 1/n of the parameters, gradients and optimizer
-    state, plus the largest block unsharded (gathered parameters twice with prefetch, and its gradients).
-    The loss stands in as cross-entropy on class targets, else a mean (its own memory is small).
+    unless ``parallel.gradient_as_bucket_view``). fsdp is measured: the model sharded as the run shards it,
+    over a fake process group of n ranks, under ``FSDPMemTracker`` (shards, all-gather and reduce-scatter
+    buffers). The loss stands in as cross-entropy on class targets, else a mean (its own memory is small).
 
     Args:
         devices: Devices of the multi-device modes (n).
@@ -299,11 +197,10 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     try:
         whole = fake_step(loaded, loaded.spec.data.batch_size)
         local = fake_step(loaded, -(-loaded.spec.data.batch_size // devices))
+        sharded = fake_step(loaded, -(-loaded.spec.data.batch_size // devices), shards=devices)
     except Exception as exc:  # user code under fake tensors: any error means "cannot estimate", never a failure
         return {"error": f"{type(exc).__name__}: {first_line(exc)}"}
     n, bucket = devices, 0 if getattr(loaded.spec.parallel, "gradient_as_bucket_view", False) else local["grad_bytes"]
-    fsdp = {k: local[k] // n for k in ("params", "grads", "optimizer")}
-    fsdp_peak = local["peak"] - sum(local[k] - fsdp[k] for k in fsdp) + 3 * local["largest_block"]
     others = {**local, "optimizer": 0, "peak": local["peak"] - local["optimizer"]}
     modes: dict[str, list[dict[str, Any]]] = {
         "none": [{"device": "0", **whole}],
@@ -312,7 +209,7 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
             {"device": f"1-{n - 1}" if n > 2 else "1", **others},
         ],
         "ddp": [{"device": "each", **local, "grads": local["grads"] + bucket, "peak": local["peak"] + bucket}],
-        "fsdp": [{"device": "each", **local, **fsdp, "peak": fsdp_peak}],
+        "fsdp": [{"device": "each", **sharded}],
     }
     shown = ("params", "grads", "optimizer", "activations", "peak")
     return {
@@ -333,63 +230,118 @@ def _devices_of(loaded: LoadedSpec, info: Mapping[str, Any], inventory: Inventor
     return next(n for n in (planned, asked, len(inventory.gpus), 2) if n > 1)
 
 
-def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True) -> dict[str, int]:
+def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1) -> dict[str, int]:
     """Peak bytes by kind of the second of two training steps of ``batch`` samples, and the sizes the modes use.
 
     Args:
         fake: Under ``FakeTensorMode`` (nothing allocated); ``False`` runs the same steps on real CPU tensors,
             the measurement the estimate is checked against.
+        shards: Above 1, the model is sharded as fsdp shards it, over a fake process group of that size, and
+            measured by torch's ``FSDPMemTracker``: the figures are one rank's.
     """
     import contextlib
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
 
     from runner.strategies.base import find_blocks, transform_blocks
+    from runner.strategies.fsdp import mixed_precision, shard
     from runner.training.losses import build_optimizer
     from runner.training.models import build_model
 
     spec, shape, classes = loaded.spec, *_sample_shape(loaded)
-    amp = spec.train.amp != "no"
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    with (
+        _process_group(shards, fake) as mesh,
+        FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+    ):
         model = build_model(spec.model, loaded.path.parent, input_shape=shape, num_classes=classes)
         blocks = find_blocks(model, getattr(spec.parallel, "fsdp_blocks", None))
         transform_blocks(blocks, spec.train, compile_blocks=False)
+        grad_bytes = _bytes(p for p in model.parameters() if p.requires_grad)
+        if mesh is not None:
+            shard(
+                model,
+                blocks,
+                mixed_precision(spec.train.amp),
+                getattr(spec.parallel, "reshard_after_forward", True),
+                mesh,
+            )
         optimizer = build_optimizer(spec.optim, [p for p in model.parameters() if p.requires_grad])
         x, y = torch.randn(batch, *shape), torch.randint(0, max(classes, 1), (batch,))
-        tracker, flops = MemTracker(), FlopCounterMode(display=False)  # FLOPs of forward and backward
-        tracker.track_external(model, optimizer)
-        with tracker:
-            for step in range(2):
-                with flops if step == 0 else contextlib.nullcontext():  # the measured step runs without it
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                        out = model(x)
-                        if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor
-                            out = next(iter(out.values())) if isinstance(out, dict) else out[0]
-                    loss = torch.nn.functional.cross_entropy(out.float(), y) if classes else out.float().pow(2).mean()
-                    loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if step == 0:
-                    tracker.reset_mod_stats()
+        tracker = FSDPMemTracker(model, optimizer) if mesh is not None else MemTracker()
+        if mesh is None:
+            tracker.track_external(model, optimizer)
+        out, flops = _two_steps(model, optimizer, tracker, x, y if classes else None, spec.train.amp != "no")
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    found = {_KINDS[str(k).rsplit(".", 1)[-1]]: int(v) for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in _KINDS}
-    found["activations"] += int(peak.get(next(k for k in peak if str(k).endswith("TEMP")), 0))
+    found = dict.fromkeys(("params", "buffers", "grads", "optimizer", "activations"), 0)
+    for kind, value in peak.items():
+        name = _KINDS.get(str(kind).rsplit(".", 1)[-1])
+        if name is not None:
+            found[name] += int(value)
+    found.update(peak=int(peak["Total"]), grad_bytes=grad_bytes, flops=flops)
+    return {**found, "input_bytes": _bytes([x]), "output_bytes": _bytes([out])}
 
-    def size(tensors: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
 
-    found.update(
-        peak=int(peak["Total"]),
-        grad_bytes=size(p for p in model.parameters() if p.requires_grad),
-        largest_block=max((size(b.parameters()) for b in blocks), default=size(model.parameters())),
-        flops=int(flops.get_total_flops()),  # of the first step: forward and backward
-        input_bytes=size([x]),
-        output_bytes=size([out]),
-    )
-    return found
+def _two_steps(model: Any, optimizer: Any, tracker: Any, x: Any, y: Any, amp: bool) -> tuple[Any, int]:
+    """Two training steps under ``tracker``, whose statistics start again after the first; returns the last output
+    and the FLOPs of the first step's forward and backward (``FlopCounterMode`` keeps tensors of its own, so the
+    measured step runs without it). The loss stands in as cross-entropy on class targets ``y``, else a mean."""
+    import contextlib
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = FlopCounterMode(display=False)
+    with tracker:
+        for step in range(2):
+            with flops if step == 0 else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    out = model(x)
+                    if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor
+                        out = next(iter(out.values())) if isinstance(out, dict) else out[0]
+                loss = torch.nn.functional.cross_entropy(out.float(), y) if y is not None else out.float().pow(2).mean()
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    return out, int(flops.get_total_flops())
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextlib.contextmanager
+def _process_group(size: int, fake: bool) -> Iterator[Any]:
+    """A device mesh of ``size`` ranks (none below 2): over a fake process group, destroyed on exit; for a real
+    step (``fake`` false), over the caller's process group (a test's gloo ranks).
+
+    The ``fake`` backend and ``FakeStore`` (``torch.testing._internal.distributed.fake_pg``, what torch's own
+    memory-tracker tests use) answer every collective without another process; this process is rank 0.
+
+    Raises:
+        RuntimeError: A fake group is asked for where a process group is initialised already.
+    """
+    if size < 2:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not fake:
+        yield init_device_mesh("cpu", (size,))
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a process group is initialised in this process already")
+    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        dist.destroy_process_group()
 
 
 def _sample_shape(loaded: LoadedSpec) -> tuple[tuple[int, ...], int]:

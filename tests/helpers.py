@@ -23,6 +23,7 @@ from subprocess import Popen
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +101,19 @@ def model(in_features=8, num_classes=3):
     net.register_forward_pre_hook(_note)
     return net
 """
+
+
+def memory_spec(folder: Path, **changes: Any) -> LoadedSpec:
+    """A small CNN with Adam on synthetic 3x16x16 images (batch 32): every kind of memory is there, for the estimate."""
+    from runner.spec.loading import load_spec
+
+    data = {"dataset": "synthetic", "batch_size": 32, "num_samples": 64, "input_shape": [3, 16, 16], "num_classes": 5}
+    body = spec_text(
+        SMALL, compact=True, model={"name": "cnn"}, data=data, optim={"name": "adam", "lr": 0.01}, **changes
+    )
+    path = folder / "cnn.toml"
+    path.write_text(body, encoding="utf-8")
+    return load_spec(path)
 
 
 def spec_dict(base: Mapping[str, Any] = MINIMAL, **changes: Any) -> dict[str, Any]:

@@ -49,6 +49,27 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
 
+def mixed_precision(amp: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``train.amp``: parameters in its dtype for forward and backward, gradients reduced in fp32."""
+    dtype = _DTYPES.get(amp)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
+
+def shard(
+    module: nn.Module, blocks: list[nn.Module], policy: MixedPrecisionPolicy, reshard: bool, mesh: Any = None
+) -> None:
+    """``fully_shard`` each block (innermost first, so a nested block is sharded before its parent), then the root.
+
+    Args:
+        reshard: ``parallel.reshard_after_forward``.
+        mesh: The device mesh; ``None``: the default process group's (``runner plan`` passes a fake one).
+    """
+    kwargs: dict[str, Any] = {"mp_policy": policy, "reshard_after_forward": reshard, "mesh": mesh}
+    for block in reversed(blocks):
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+
+
 def _meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers live on the meta device (no storage)."""
     memo: dict[int, Any] = {}
@@ -73,8 +94,7 @@ class FSDPStrategy(DDPStrategy):
 
     def __init__(self, plan: DevicePlan, parallel: ParallelSpec, env: LauncherEnvironment, amp: str = "no") -> None:
         super().__init__(plan, parallel, env)
-        dtype = _DTYPES.get(amp)
-        self.policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        self.policy = mixed_precision(amp)
         self._replica: nn.Module | None = None  # the evaluation replica, storage-less between evaluations
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
@@ -94,13 +114,7 @@ class FSDPStrategy(DDPStrategy):
         self._replica = _meta_copy(module)
         blocks = find_blocks(module, self.parallel.fsdp_blocks)
         transform_blocks(blocks, train, compile_blocks=True)
-        kwargs: dict[str, Any] = {
-            "mp_policy": self.policy,
-            "reshard_after_forward": self.parallel.reshard_after_forward,
-        }
-        for block in reversed(blocks):  # innermost first, so a nested block is sharded before its parent
-            fully_shard(block, **kwargs)
-        fully_shard(module, **kwargs)
+        shard(module, blocks, self.policy, self.parallel.reshard_after_forward)
         return module
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:

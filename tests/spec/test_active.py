@@ -12,8 +12,7 @@ from runner.cli import main
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
-from runner.plan import make_plan
-from runner.plan_report import plan_or_problem
+from runner.plan import make_plan, plan_or_problem
 from runner.spec.dump import active_params, dump_spec, inactive_keys, set_inactive_keys
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tracking.tags import spec_params

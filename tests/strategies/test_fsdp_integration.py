@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.strategies.registry import make_strategy
 from runner.training.checkpoint import load_latest
-from tests.helpers import PROBES, elastic_run, spec_object
+from tests.helpers import PROBES, elastic_run, memory_spec, spec_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
 
@@ -91,8 +92,9 @@ def _blocks_model() -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(BLOCKS)))
 
 
-def _local_bytes(mode: str) -> int:
-    """Bytes of this rank's parameters and Adam state (local shards under fsdp) after one step."""
+def _local_bytes(mode: str, measure: bool = False) -> tuple[int, dict[str, int] | None]:
+    """Bytes of this rank's parameters and Adam state (local shards under fsdp) after one step; with ``measure``,
+    also runner plan's fsdp step on real tensors over this job's ranks (``FSDPMemTracker``)."""
     spec = spec_object(devices={"accelerator": "cpu"}, parallel={"mode": mode, "nproc_per_node": 2, "timeout_s": 60})
     plan = resolve_devices(spec, {}, Inventory([], False))
     strategy = make_strategy(spec.parallel, plan, LauncherEnvironment.detect())
@@ -110,20 +112,32 @@ def _local_bytes(mode: str) -> int:
         tensors = [*model.parameters(), *(v for s in opt.state.values() for v in s.values() if v.dim() > 0)]
         total = sum(local(t) for t in tensors)
         strategy.barrier()
-        return total
+        if not measure:
+            return total, None
+        from runner.plan_report import fake_step
+
+        with tempfile.TemporaryDirectory() as folder:
+            return total, fake_step(memory_spec(Path(folder)), 16, fake=False, shards=2)
     finally:
         strategy.teardown()
 
 
-def _fsdp_bytes() -> int:
-    return _local_bytes("fsdp")
+def _fsdp_bytes() -> tuple[int, dict[str, int] | None]:
+    return _local_bytes("fsdp", measure=True)
 
 
-def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes() -> None:
-    whole = _local_bytes("none")
+def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes(tmp_path: Path) -> None:
+    """And runner plan's fsdp-2 row (fake tensors, a fake process group) is within 5 % of a real rank's step."""
+    from runner.plan_report import fake_step
+
+    whole, _ = _local_bytes("none")
     per_rank = elastic_run(_fsdp_bytes, 2, "fsdp-bytes")
     assert whole == BLOCKS * (WIDTH * WIDTH + WIDTH) * 4 * 3  # params, exp_avg, exp_avg_sq in float32
-    assert per_rank[0] == per_rank[1] == pytest.approx(whole / 2, rel=0.01)
+    assert per_rank[0][0] == per_rank[1][0] == pytest.approx(whole / 2, rel=0.01)
+    estimate, real = fake_step(memory_spec(tmp_path), 16, shards=2), per_rank[0][1]
+    assert real is not None
+    for kind in ("params", "grads", "optimizer", "activations", "peak"):
+        assert estimate[kind] == pytest.approx(real[kind], rel=0.05), (kind, estimate, real)
 
 
 def test_a_sharded_checkpoint_resumes_on_any_process_count_into_the_same_run(write_spec, store: str, capsys) -> None:
