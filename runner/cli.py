@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     _unset_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--spec", action="store_true", help="also print the resolved spec (TOML, every default)")
+    p.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="leave out the memory estimate of every mode (it imports torch and runs the model on fake tensors)",
+    )
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("schema", help="print the JSON Schema of a spec (for TOML editors and check-jsonschema)")
@@ -298,7 +304,9 @@ def _plan(args: argparse.Namespace) -> int:
         from runner.tools.sweep_define import trial_names
 
         sweep_trials = trial_names
-    show_plan(loaded, shown=args.file, as_json=args.json, with_spec=args.spec, sweep_trials=sweep_trials)
+    show_plan(
+        loaded, shown=args.file, as_json=args.json, with_spec=args.spec, sweep_trials=sweep_trials, memory=args.memory
+    )
     return EXIT_OK
 
 

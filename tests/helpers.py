@@ -103,6 +103,16 @@ def model(in_features=8, num_classes=3):
 """
 
 
+def readme_example(command: str) -> list[str]:
+    """The lines of README.md's fenced block that starts with ``$ command``, without the command."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = re.search(rf"^\$ {re.escape(command)}\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    assert block is not None, f"no example of `{command}` in README.md"
+    return block.group(1).splitlines()
+
+
 def memory_spec(folder: Path, **changes: Any) -> LoadedSpec:
     """A small CNN with Adam on synthetic 3x16x16 images (batch 32): every kind of memory is there, for the estimate."""
     from runner.spec.loading import load_spec

@@ -104,9 +104,10 @@ def test_bench_takes_unset_as_exec_does(tmp_path: Path, capsys, monkeypatch) -> 
 
 def test_plan_of_dp_spec_on_a_cpu_machine_explains_and_exits_2(capsys, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert main(["plan", str(REPO / "experiments" / "resnet_dp.toml")]) == 2
-    err = capsys.readouterr().err
+    assert main(["plan", str(REPO / "experiments" / "resnet_dp.toml"), "--no-memory"]) == 2
+    out, err = capsys.readouterr()
     assert "resnet_dp.toml" in err and "no GPU is visible" in err and "Traceback" not in err
+    assert "memory" not in out  # --no-memory: no torch, no fake step
 
 
 def test_plan_json_of_ddp_spec(capsys) -> None:

@@ -8,16 +8,10 @@ from pathlib import Path
 import pytest
 
 from runner.cli import main
+from tests.helpers import readme_example
 
 REPO = Path(__file__).parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
-
-
-def _example(command: str) -> list[str]:
-    """The lines of the README's fenced block that starts with ``$ command``, without the command."""
-    block = re.search(rf"^\$ {re.escape(command)}\n(.*?)^```", README, flags=re.MULTILINE | re.DOTALL)
-    assert block is not None, f"no example of `{command}` in README.md"
-    return block.group(1).splitlines()
 
 
 def test_the_plan_example_is_the_real_plan(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,21 +20,11 @@ def test_the_plan_example_is_the_real_plan(capsys, monkeypatch: pytest.MonkeyPat
     spec = "experiments/digits_mlp_ddp.toml"
     assert main(["plan", spec, "--set", "parallel.mode=none"]) == 0
     out = capsys.readouterr().out.replace(str(REPO), "/home/me/runner")
-    assert out.splitlines() == _example(f"runner plan {spec} --set parallel.mode=none")
-
-
-def test_the_memory_table_of_the_dp_example_is_the_real_estimate(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.chdir(REPO)
-    assert main(["plan", "experiments/resnet_dp.toml"]) == 2  # no GPU here: the plan, its memory, then the fix
-    out = capsys.readouterr().out.splitlines()
-    table = out[next(i for i, x in enumerate(out) if x.startswith("  memory")) :]
-    example = _example("runner plan experiments/resnet_dp.toml          # on a machine without GPUs")
-    assert table == example[1 : example.index("runner: error:")]
+    assert out.splitlines() == readme_example(f"runner plan {spec} --set parallel.mode=none")
 
 
 def test_the_bad_input_example_is_the_real_message(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
-    example = _example("runner validate bad.toml")
+    example = readme_example("runner validate bad.toml")
     lines = {int(m.group(1)): m.group(2) for m in (re.match(r"  bad\.toml:(\d+): (\S+):", x) for x in example) if m}
     assert lines == {6: "data.batch_size", 8: "parallel.mdoe"}
     text = ['name = "bad"', "[model]", 'name = "mlp"', "[data]", 'dataset = "sklearn.digits"', "batch_size = 0"]
@@ -57,7 +41,7 @@ def test_the_names_example_is_the_real_message(tmp_path: Path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     assert main(["validate", "typos.toml"]) == 2
     captured = capsys.readouterr()
-    assert [*captured.out.splitlines(), *captured.err.splitlines()] == _example("runner validate typos.toml")
+    assert [*captured.out.splitlines(), *captured.err.splitlines()] == readme_example("runner validate typos.toml")
 
 
 def test_a_cpu_only_user_sees_the_cpu_install_before_any_command_and_the_test_command_is_unchanged() -> None:

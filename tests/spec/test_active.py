@@ -16,6 +16,7 @@ from runner.plan import make_plan, plan_or_problem
 from runner.spec.dump import active_params, dump_spec, inactive_keys, set_inactive_keys
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tracking.tags import spec_params
+from tests.helpers import readme_example
 
 REPO = Path(__file__).parents[2]
 SHIPPED = sorted((REPO / "experiments").glob("*.toml"))
@@ -66,6 +67,12 @@ def test_the_readme_dp_example_on_cpu_explains_and_its_suggestion_works(capsys, 
     assert captured.out.startswith(f"plan for {REPO / 'experiments' / 'resnet_dp.toml'}")  # the plan first
     both = captured.out + captured.err
     assert both.count("no GPU is visible") == 1 and both.count("runner plan") == 1  # said once, on stderr
+    out = captured.out.splitlines()  # README's memory table is the real estimate
+    example = readme_example("runner plan experiments/resnet_dp.toml          # on a machine without GPUs")
+    assert (
+        out[next(i for i, x in enumerate(out) if x.startswith("  memory")) :]
+        == example[1 : example.index("runner: error:")]
+    )
     line = next(x for x in captured.err.splitlines() if "this runs here:" in x)
     command = line.split("this runs here: ", 1)[1].split()
     assert command[:3] == ["runner", "plan", spec]
