@@ -62,6 +62,7 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert run.data.tags["runner.devices"] == "cpu" and run.data.tags["runner.accelerator"] == "cpu"
     assert run.data.tags["runner.world_size"] == "1"
     assert run.data.metrics["val/accuracy"] > 0.9
+    assert 100 < run.data.metrics["memory/peak_rss_mib/rank0"] < 10_000  # the training process's peak, on CPU
     cuda = run.data.tags["runner.cuda_version"]  # the torch build's, said so on a CPU run
     assert cuda == "none" or cuda.endswith(" (torch build; no GPU used)"), cuda
     busy = run.data.tags["runner.host_busy"]  # how busy the host was, beside the speed figures

@@ -175,6 +175,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     result = workers[0]
     run_id = session.run_id if session is not None else None
     host = _record_host_load(plan, run_id, HostLoad.since(load_before))
+    _record_peaks(plan, run_id, workers)
     folder = session.checkpoint_dir if session is not None else ""
     return ExecResult(
         spooled=Spooled.of(folder) if run_id is not None else None,
@@ -218,6 +219,26 @@ def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
         return ""
     advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)
     return f"{text} (tag runner.host_load)" + (f"; {advice}" if advice else "")
+
+
+def _record_peaks(plan: Plan, run_id: str | None, workers: list[WorkerResult]) -> None:
+    """Log each device's peak memory at the run's last step (beside ``runner plan``'s estimate, docs/design.md §10).
+
+    ``memory/peak_allocated_mib/deviceN``: the CUDA allocator's peak of the run's Nth GPU (dp's one process
+    drives them all, a ddp or fsdp rank its own); on CPU ``memory/peak_rss_mib/rankN``: a process's resident set.
+    """
+    if run_id is None or plan.tracking_uri is None or not workers:
+        return
+    from runner.tracking.runs import log_final_metrics
+
+    metrics = {}
+    for worker in workers:
+        for i, peak in enumerate(worker.device_peaks):
+            metrics[f"memory/peak_allocated_mib/device{worker.rank + i}"] = peak / 2**20
+        if not worker.device_peaks:
+            metrics[f"memory/peak_rss_mib/rank{worker.rank}"] = worker.peak_memory_bytes / 2**20
+    with contextlib.suppress(TrackingError):  # a figure beside the run: the run itself is recorded
+        log_final_metrics(plan.tracking_uri, run_id, metrics, max(w.global_step for w in workers))
 
 
 def process_started_at() -> float:

@@ -306,6 +306,25 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
         ) from exc
 
 
+def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    """Log metrics known only once the job has ended (each device's peak memory), at the run's last step.
+
+    Raises:
+        TrackingError: MLflow rejects the request.
+    """
+    import time
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    stamp = int(time.time() * 1000)
+    values = [Metric(key, float(value), stamp, step) for key, value in metrics.items()]
+    try:
+        MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=values, synchronous=True)
+    except Exception as exc:
+        raise TrackingError(f"could not log the final metrics of run {run_id}: {type(exc).__name__}: {exc}") from exc
+
+
 def run_exists(uri: str, run_id: str) -> bool:
     """Whether ``run_id`` is a run of the store at ``uri`` (deleted runs do not count)."""
     from mlflow.tracking import MlflowClient

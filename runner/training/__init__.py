@@ -22,6 +22,8 @@ class WorkerResult:
         peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
             the process's peak resident set size.
         device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
+        device_peaks: CUDA allocator peak of each GPU this process drove, in the run's device order (dp's one
+            process drives every GPU of the run; a ddp or fsdp rank its own), bytes; empty on CPU.
         stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
         startup_s: :data:`STARTUP_METRIC` of this rank, or ``None`` (no step, or no start time given).
     """
@@ -36,5 +38,6 @@ class WorkerResult:
     data_wait_s: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     device: str = "cpu"
+    device_peaks: list[int] = field(default_factory=list)
     stopped_after_epoch: int | None = None
     startup_s: float | None = None

@@ -370,7 +370,7 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
     parts.on_checkpoint(state, reason)
 
 
-__all__ = ["FitResult", "LoopParts", "TrainState", "end_epoch", "evaluate", "fit", "train_step"]
+__all__ = ["FitResult", "LoopParts", "TrainState", "device_peaks", "end_epoch", "evaluate", "fit", "train_step"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -378,6 +378,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes() or 0
+
+
+def device_peaks(device: torch.device, replicas: bool) -> list[int]:
+    """CUDA allocator peak of each GPU this process drove: every visible one for dp (``replicas``), else ``device``."""
+    if device.type != "cuda":
+        return []
+    ids = range(torch.cuda.device_count()) if replicas else [device.index or 0]
+    return [int(torch.cuda.max_memory_allocated(i)) for i in ids]
 
 
 def peak_rss_bytes() -> int | None:

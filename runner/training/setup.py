@@ -31,7 +31,7 @@ from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, check_target
 from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
-from runner.training.loop import FitResult, LoopParts, TrainState, fit, peak_memory_bytes
+from runner.training.loop import FitResult, LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, Loss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import MetricPlan, build_metric_plan
 from runner.training.models import build_model
@@ -403,6 +403,7 @@ def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, note
         data_wait_s=fitted.data_wait_s,
         peak_memory_bytes=peak_memory_bytes(strategy.device),
         device=str(strategy.device),
+        device_peaks=device_peaks(strategy.device, strategy.traits.replicas),
         stopped_after_epoch=fitted.stopped_after_epoch,
         startup_s=fitted.startup_s,
     )

@@ -85,6 +85,10 @@ def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_
         assert run.info.status == "FINISHED" and run.data.params["model.name"] == "probes:model"
         assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["synthetic train", "synthetic val"]
     assert [r.data.tags["runner.world_size"] for r in (single, ddp, launched)] == ["1", "2", "2"]
+    assert [k for k in sorted(ddp.data.metrics) if k.startswith("memory/")] == [
+        "memory/peak_rss_mib/rank0",
+        "memory/peak_rss_mib/rank1",
+    ]  # each rank's peak, logged by the driver at the end
     notes = {p.name: p.read_text() for p in probe.glob("trains-*")}
     assert len(notes) == 5 and set(notes.values()) == {"clean"}, notes  # 1 + 2 + 2 processes ran backward
     assert f"trains-{os.getpid()}" not in notes  # nor did the driver: under torchrun rank 0's runs in its child
