@@ -207,7 +207,8 @@ def _fit(
             started_at=args.started_at,
         )
         try:
-            fitted = setup.train(loop, spec, restored.state)
+            with setup.profiled(loop, spec, folder) as loop:
+                fitted = setup.train(loop, spec, restored.state)
         except BaseException:
             with contextlib.suppress(Exception):  # the failure or stop is what the run ends with
                 checkpointer.wait()
@@ -328,6 +329,8 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
         if saved:
             newest = saved[-1]  # a sharded checkpoint is a folder: its files go under its name
             tracker.log_artifact(str(newest), f"checkpoints/{newest.name}" if newest.is_dir() else "checkpoints")
+    if spec.profile is not None and (folder / "profile").is_dir():  # every profiled rank's, on one filesystem
+        tracker.log_artifact(str(folder / "profile"), "profile")
     send = getattr(tracker, "send", None)
     if spec.tracking.log_model and send is not None:
         import torch

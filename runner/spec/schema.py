@@ -195,6 +195,14 @@ class CheckpointSpec(SpecTable):
     )
 
 
+class ProfileSpec(SpecTable):
+    """``[profile]``: ``torch.profiler`` around a few training steps; its trace and top operators become artifacts."""
+
+    wait: int = Field(default=1, ge=0, description="Optimizer steps run before the profiler starts. Default: 1.")
+    active: int = Field(default=3, ge=1, description="Steps recorded (after one warm-up step). Default: 3.")
+    ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile themselves. Default: [0].")
+
+
 class ExperimentSpec(SpecTable):
     """A whole experiment spec: the root of the TOML file."""
 
@@ -235,6 +243,13 @@ class ExperimentSpec(SpecTable):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
     sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
+    profile: ProfileSpec | None = Field(
+        default=None,
+        description=(
+            "Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top "
+            "operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."
+        ),
+    )
 
     rule = rules.check_experiment
 

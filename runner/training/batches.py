@@ -320,6 +320,7 @@ class LoopParts:
         epoch_end: Called on every rank after each complete epoch (its metrics logged, its
             checkpoint written) as ``epoch_end(epoch, metrics)``; returning True ends training
             there, normally. Every rank must return the same answer.
+        after_step: Called after each optimizer step's timing (``[profile]``: the profiler's ``step``).
         started_at: Clock time (``time.time()``) the command started; the loop then logs
             ``time_to_first_step_s`` at its first step. ``None``: not measured.
     """
@@ -340,4 +341,5 @@ class LoopParts:
     should_stop: Callable[[], int] = lambda: 0
     sync_timing: bool = False
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    after_step: Callable[[], object] | None = None
     started_at: float | None = None

@@ -289,6 +289,8 @@ def _step(
     waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
     report.result.step_times_s.append(time.perf_counter() - step_start)
     report.result.data_wait_s.append(waited)
+    if parts.after_step is not None:
+        parts.after_step()
     if len(report.result.step_times_s) == 1 and parts.started_at is not None:
         _log_startup(parts, report.result, state.global_step + 1)
     state.global_step += 1

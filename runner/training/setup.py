@@ -15,7 +15,9 @@ The tracker is made by the worker and handed in: nothing here imports mlflow or
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -368,6 +370,36 @@ def loop_parts(
         epoch_end=epoch_end,
         started_at=started_at,
     )
+
+
+@contextlib.contextmanager
+def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[LoopParts]:
+    """``loop`` under ``torch.profiler`` when ``[profile]`` names this rank, else ``loop`` untouched (no cost).
+
+    ``profile.wait`` steps, one warm-up step, then ``profile.active`` recorded steps; when they end the rank
+    writes ``folder/profile/rank<N>.trace.json`` (Chrome trace) and ``rank<N>.ops.txt`` (the operators by
+    self CPU time), which the logging rank uploads as the run's ``profile/`` artifacts. A run shorter than
+    that records nothing.
+    """
+    profile = spec.profile
+    if profile is None or loop.strategy.rank not in profile.ranks:
+        yield loop
+        return
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as torch_profile
+
+    out, rank = folder / "profile", loop.strategy.rank
+    out.mkdir(parents=True, exist_ok=True)
+
+    def ready(prof: torch_profile) -> None:
+        prof.export_chrome_trace(str(out / f"rank{rank}.trace.json"))
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        (out / f"rank{rank}.ops.txt").write_text(table + "\n", encoding="utf-8")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loop.strategy.device.type == "cuda" else [])
+    steps = schedule(wait=profile.wait, warmup=1, active=profile.active, repeat=1)
+    with torch_profile(activities=activities, schedule=steps, on_trace_ready=ready, record_shapes=True) as prof:
+        yield dataclasses.replace(loop, after_step=prof.step)
 
 
 def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> FitResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -59,7 +60,8 @@ def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_
     common = ["train.epochs=3", "data.shuffle=true", "optim.momentum=0.9", *model]
     assert main(["exec", str(spec), *_sets(common)]) == 0
     assert len(list(probe.glob("trains-*"))) == 1  # the none run's one training process
-    assert main(["exec", str(spec), *_sets(common + DDP)]) == 0
+    profile = ["profile.ranks=[0, 1]", "profile.active=2"]  # [profile]: each rank's trace, uploaded by rank 0
+    assert main(["exec", str(spec), *_sets(common + DDP + profile)]) == 0
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *rdzv, "-m", "runner", "exec"]
     done = subprocess.run(
@@ -85,6 +87,13 @@ def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_
         assert run.info.status == "FINISHED" and run.data.params["model.name"] == "probes:model"
         assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["synthetic train", "synthetic val"]
     assert [r.data.tags["runner.world_size"] for r in (single, ddp, launched)] == ["1", "2", "2"]
+    traces = {a.path for a in client.list_artifacts(ddp.info.run_id, "profile")}
+    assert traces == {f"profile/rank{r}.{kind}" for r in (0, 1) for kind in ("trace.json", "ops.txt")}
+    trace = json.loads(
+        Path(client.download_artifacts(ddp.info.run_id, "profile/rank1.trace.json", str(tmp_path))).read_text()
+    )
+    assert any(e.get("name") == "ProfilerStep#3" for e in trace["traceEvents"])  # steps 3 and 4: wait 1, warm-up 1
+    assert not client.list_artifacts(single.info.run_id, "profile")  # off unless asked
     assert [k for k in sorted(ddp.data.metrics) if k.startswith("memory/")] == [
         "memory/peak_rss_mib/rank0",
         "memory/peak_rss_mib/rank1",
