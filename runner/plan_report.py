@@ -195,7 +195,7 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
         weights, data-dependent control flow, a dataset whose shape is known only once it is read).
     """
     try:
-        whole = fake_step(loaded, loaded.spec.data.batch_size)
+        whole = fake_step(loaded, loaded.spec.data.batch_size, count_flops=True)
         local = fake_step(loaded, -(-loaded.spec.data.batch_size // devices))
         sharded = fake_step(loaded, -(-loaded.spec.data.batch_size // devices), shards=devices)
     except Exception as exc:  # user code under fake tensors: any error means "cannot estimate", never a failure
@@ -230,7 +230,9 @@ def _devices_of(loaded: LoadedSpec, info: Mapping[str, Any], inventory: Inventor
     return next(n for n in (planned, asked, len(inventory.gpus), 2) if n > 1)
 
 
-def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1) -> dict[str, int]:
+def fake_step(
+    loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1, count_flops: bool = False
+) -> dict[str, int]:
     """Peak bytes by kind of the second of two training steps of ``batch`` samples, and the sizes the modes use.
 
     Args:
@@ -238,6 +240,8 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int 
             the measurement the estimate is checked against.
         shards: Above 1, the model is sharded as fsdp shards it, over a fake process group of that size, and
             measured by torch's ``FSDPMemTracker``: the figures are one rank's.
+        count_flops: Also count the first step's FLOPs (``flops``; 0 otherwise): the counter's dispatch costs
+            as much as the memory tracker's.
     """
     import contextlib
 
@@ -273,7 +277,9 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int 
         tracker = FSDPMemTracker(model, optimizer) if mesh is not None else MemTracker()
         if mesh is None:
             tracker.track_external(model, optimizer)
-        out, flops = _two_steps(model, optimizer, tracker, x, y if classes else None, spec.train.amp != "no")
+        out, flops = _two_steps(
+            model, optimizer, tracker, x, y if classes else None, spec.train.amp != "no", count_flops
+        )
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     found = dict.fromkeys(("params", "buffers", "grads", "optimizer", "activations"), 0)
     for kind, value in peak.items():
@@ -284,7 +290,7 @@ def fake_step(loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int 
     return {**found, "input_bytes": _bytes([x]), "output_bytes": _bytes([out])}
 
 
-def _two_steps(model: Any, optimizer: Any, tracker: Any, x: Any, y: Any, amp: bool) -> tuple[Any, int]:
+def _two_steps(model: Any, optimizer: Any, tracker: Any, x: Any, y: Any, amp: bool, count: bool) -> tuple[Any, int]:
     """Two training steps under ``tracker``, whose statistics start again after the first; returns the last output
     and the FLOPs of the first step's forward and backward (``FlopCounterMode`` keeps tensors of its own, so the
     measured step runs without it). The loss stands in as cross-entropy on class targets ``y``, else a mean."""
@@ -296,7 +302,7 @@ def _two_steps(model: Any, optimizer: Any, tracker: Any, x: Any, y: Any, amp: bo
     flops = FlopCounterMode(display=False)
     with tracker:
         for step in range(2):
-            with flops if step == 0 else contextlib.nullcontext():
+            with flops if step == 0 and count else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                     out = model(x)
                     if not isinstance(out, torch.Tensor):  # a dict or tuple output: its first tensor

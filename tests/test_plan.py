@@ -96,7 +96,8 @@ def test_the_fake_step_estimate_is_within_5_percent_of_a_real_step(tmp_path: Pat
     from runner.plan_report import fake_step
 
     loaded = _cnn(tmp_path)
-    estimate, real = fake_step(loaded, 32), fake_step(loaded, 32, fake=False)  # MemTracker on real CPU tensors
+    estimate = fake_step(loaded, 32, count_flops=True)
+    real = fake_step(loaded, 32, fake=False, count_flops=True)  # MemTracker on real CPU tensors
     for kind in ("params", "grads", "optimizer", "activations", "peak"):
         assert estimate[kind] == pytest.approx(real[kind], rel=0.05), kind
     assert estimate["optimizer"] == pytest.approx(2 * estimate["params"], rel=0.01)  # Adam: two moments a parameter
