@@ -234,9 +234,7 @@ def fake_step(
     loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1, count_flops: bool = False
 ) -> dict[str, int]:
     """Peak bytes by kind of the second of two training steps of ``batch`` samples, and the sizes the modes use.
-
-    The first step runs untracked (it makes the optimizer's state; the trackers then count that state as it is):
-    the same figures as tracking both steps, in well under half the time.
+    The first step, untracked, makes the optimizer's state (tracking both gives the same figures, slower).
 
     Args:
         fake: Under ``FakeTensorMode`` (nothing allocated); ``False`` runs the same steps on real CPU tensors,
