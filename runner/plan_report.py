@@ -180,7 +180,7 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     Two steps (the second, with the optimizer's state, is measured) run under ``FakeTensorMode`` and torch's
     ``MemTracker``: tensors have shapes and no storage, so nothing is allocated and no GPU is needed. Measured
     once at the global batch (``none``) and once at the per-device batch; the modes then differ by what each
-    keeps (docs/design.md §3): dp's device 0 also holds the whole input batch it scatters and the outputs it
+    keeps (docs/design.md §10): dp's device 0 also holds the whole input batch it scatters and the outputs it
     gathers, and alone the optimizer state; ddp adds its gradient buckets (one more copy of the gradients
     unless ``parallel.gradient_as_bucket_view``). fsdp is measured: the model sharded as the run shards it,
     over a fake process group of n ranks, under ``FSDPMemTracker`` (shards, all-gather and reduce-scatter
@@ -244,8 +244,6 @@ def fake_step(
         count_flops: Also count the first step's FLOPs (``flops``; 0 otherwise): the counter's dispatch costs
             as much as the memory tracker's.
     """
-    import contextlib
-
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -298,8 +296,6 @@ def _step(model: Any, optimizer: Any, x: Any, y: Any, amp: bool, count: bool) ->
     The loss stands in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of
     its own, so a measured step runs without it.
     """
-    import contextlib
-
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
