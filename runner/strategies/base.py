@@ -266,10 +266,6 @@ class Strategy(ABC):
         """Wait for every process."""
 
     @abstractmethod
-    def broadcast_object(self, obj: T) -> T:
-        """Return rank 0's ``obj`` (picklable) on every process."""
-
-    @abstractmethod
     def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank."""
 

@@ -261,13 +261,6 @@ class DDPStrategy(Strategy):
         else:
             dist.barrier()
 
-    def broadcast_object(self, obj: T) -> T:
-        """Return rank 0's ``obj`` (picklable) on every rank."""
-        self._need_setup()
-        box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=0, device=self._collective_device())
-        return box[0]
-
     def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank, on every rank."""
         self._need_setup()

@@ -121,10 +121,6 @@ class SingleDevice(Strategy):
     def barrier(self) -> None:
         """Nothing to wait for."""
 
-    def broadcast_object(self, obj: T) -> T:
-        """``obj`` itself."""
-        return obj
-
     def all_gather_object(self, obj: T) -> list[T]:
         """``[obj]``."""
         return [obj]

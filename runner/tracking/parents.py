@@ -9,7 +9,6 @@ imported inside functions, never when this module is imported.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -194,22 +193,6 @@ def child_runs(
                 return runs
     except Exception as exc:
         raise TrackingError(f"could not list the child runs of {parent_run_id} at {uri}: {exc}") from exc
-
-
-def read_text_artifact(uri: str, run_id: str, artifact_path: str) -> str:
-    """The text of one artifact file of a run (downloaded to a temporary folder, then removed).
-
-    Raises:
-        TrackingError: The artifact does not exist or cannot be downloaded or decoded.
-    """
-    try:
-        with tempfile.TemporaryDirectory(prefix="runner-artifact-") as tmp:
-            local = _client(uri).download_artifacts(run_id, artifact_path, tmp)
-            return Path(local).read_text(encoding="utf-8")
-    except Exception as exc:
-        raise TrackingError(
-            f"could not read artifact {artifact_path} of run {run_id} at {uri}: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def record_summary(

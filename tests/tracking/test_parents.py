@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_create_parent_run_records_tags_params_and_texts(store, client, tmp_path
     assert client.get_experiment(run.info.experiment_id).name == "group"
     assert run.data.tags["kind"] == "parent"
     assert len(run.data.params) == 150 and run.data.params["p149"] == "149"
-    assert parents.read_text_artifact(store, run_id, "notes/plan.json") == '{"a": 1}\n'
+    assert Path(client.download_artifacts(run_id, "notes/plan.json", str(tmp_path))).read_text() == '{"a": 1}\n'
     assert parents.experiment_id(store, "group") == run.info.experiment_id  # found, not created again
 
 
@@ -81,11 +82,6 @@ def test_find_run_and_child_runs_oldest_first(store, client):
     assert record is not None and record.run_id == parent and record.experiment_id == eid
     assert record.params == {"group.size": "3"} and record.tags["kind"] == "parent"
     assert parents.find_run(store, "0" * 32) is None
-
-
-def test_read_text_artifact_of_a_missing_file_is_a_tracking_error(store):
-    with pytest.raises(TrackingError, match=r"could not read artifact absent\.json"):
-        parents.read_text_artifact(store, _parent(store), "absent.json")
 
 
 def test_record_summary_and_mark_running(store, client, tmp_path):
