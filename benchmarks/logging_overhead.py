@@ -23,7 +23,7 @@ def main() -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from runner.tracking.mlflow_tracker import MlflowTracker
+    from runner.tracking.trackers import MlflowTracker
 
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # MLflow puts ./mlruns in the working directory

@@ -88,7 +88,7 @@ class ChannelTracker:
     """The :class:`~runner.tracking.trackers.Tracker` of rank 0: everything goes to the driver over the link.
 
     ``log_metrics``, ``set_tags`` and ``log_artifact`` write one small message to a local socket and
-    return; the driver's tracker buffers and sends it (:class:`~runner.tracking.mlflow_tracker.MlflowTracker`).
+    return; the driver's tracker buffers and sends it (:class:`~runner.tracking.trackers.MlflowTracker`).
     """
 
     def __init__(self, link: Link) -> None:

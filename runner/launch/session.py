@@ -156,7 +156,7 @@ class RunSession:
         )
         self._tracker = skip_logged_steps(tracker, uri, run_id) if resumed else tracker
         if spec.tracking.system_metrics:
-            from runner.tracking.mlflow_tracker import start_system_metrics
+            from runner.tracking.trackers import start_system_metrics
 
             self._monitor = start_system_metrics(uri, run_id, resumed=resumed)
         return notes

@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 from runner.devices.inventory import HostLoad
 from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, UsageError
 from runner.spec.schema_parallel import MODES
-from runner.tools.bench_figures import LOSS_TOLERANCE, comparability
-from runner.tools.bench_measure import probe_model_and_data, reason
+from runner.tools.bench_figures import LOSS_TOLERANCE, comparability, probe_model_and_data, reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool, write_chart
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
 from runner.tools.bench_runs import (

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
 from runner.spec.schema_parallel import REFERENCE_MODE
-from runner.tools.bench_measure import probe_model_and_data, reason
+from runner.tools.bench_figures import probe_model_and_data, reason
 from runner.tools.bench_report import BenchReport, ConfigResult, note_of
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Probe:
-    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench_measure.probe_model_and_data`)."""
+    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench_figures.probe_model_and_data`)."""
 
     loaded: LoadedSpec
 

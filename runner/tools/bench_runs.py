@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from runner.errors import Interrupted, mask_secrets
 from runner.spec.schema_parallel import MODES
-from runner.tools.bench_figures import spread, steady, tail
-from runner.tools.bench_measure import combine, summarize
+from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
 from runner.tools.bench_report import BenchReport, ConfigResult
 
@@ -84,7 +83,7 @@ def start_child(
 
 def log_history(uri: str, run_id: str, history: Sequence[tuple[int, dict[str, float]]]) -> None:
     """Log a repeat's metrics, step by step, as the training rank would have."""
-    from runner.tracking.mlflow_tracker import MlflowTracker
+    from runner.tracking.trackers import MlflowTracker
 
     with MlflowTracker(uri, run_id) as tracker:
         for step, metrics in history:
@@ -151,7 +150,7 @@ class Config:
 
 
 class _Trained(NamedTuple):
-    """One repeat's results in the shape :func:`runner.tools.bench_measure.summarize` reads."""
+    """One repeat's results in the shape :func:`runner.tools.bench_figures.summarize` reads."""
 
     run_id: str | None
     workers: list[WorkerResult]

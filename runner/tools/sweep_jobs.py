@@ -351,7 +351,7 @@ def warm_up() -> None:
     """Import what every trial runs (torch, MLflow, the training code) once, before the first trial starts."""
     import runner.launch.driver
     import runner.launch.worker
-    import runner.tracking.mlflow_tracker
+    import runner.tracking.trackers
     import runner.training.setup  # noqa: F401
 
 

@@ -1,6 +1,6 @@
 """The metric spool: what could not reach the tracking store yet, kept in a JSON-lines file beside the checkpoints.
 
-While the store does not answer, :class:`~runner.tracking.mlflow_tracker.MlflowTracker` keeps the
+While the store does not answer, :class:`~runner.tracking.trackers.MlflowTracker` keeps the
 metric values it could not send in memory and then here, and sends them when the store is back.
 Each line is one record:
 
@@ -191,7 +191,7 @@ def send_spool(
     return Sent(len(fresh), len(contents.items) - len(fresh), ended)
 
 
-log = logging.getLogger("runner.tracking.mlflow_tracker")
+log = logging.getLogger("runner.tracking.trackers")
 
 _MAX_BACKOFF_S = 30.0
 _PERMANENT = {  # MLflow error codes that a retry cannot fix: the values are lost and reported
@@ -219,7 +219,7 @@ class Artifact(NamedTuple):
 
 
 class BatchSender:
-    """The sender thread's half of a tracker; :class:`~runner.tracking.mlflow_tracker.MlflowTracker` sets the state.
+    """The sender thread's half of a tracker; :class:`~runner.tracking.trackers.MlflowTracker` sets the state.
 
     Attributes are those of the tracker: the buffered values (``_queue``), the batch in flight
     (``_batch``), the counters ``_recorded`` > ``_on_disk`` >= ``_sent`` (value numbers), the pending

@@ -18,13 +18,14 @@ from runner.tools.bench_figures import (
     NOT_COMPARABLE,
     agrees_through,
     comparability,
+    final_loss,
     loss_check,
     median,
     percentile,
     scaling_efficiency,
+    summarize,
     throughput,
 )
-from runner.tools.bench_measure import final_loss, summarize
 from runner.tools.bench_pool import write_chart
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons
 
@@ -160,7 +161,7 @@ def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(w
 
 
 def test_probe_counts_training_samples_and_detects_batch_statistics_layers(write_spec) -> None:
-    from runner.tools.bench_measure import probe_model_and_data
+    from runner.tools.bench_figures import probe_model_and_data
 
     assert probe_model_and_data(load_spec(write_spec("", name="a.toml"))) == (72, False, False)
     bn = load_spec(
@@ -434,7 +435,7 @@ def test_a_figure_just_over_its_limit_does_not_print_as_the_limit() -> None:
 
 
 def test_combine_takes_the_median_rate_and_pools_the_step_times() -> None:
-    from runner.tools.bench_measure import combine
+    from runner.tools.bench_figures import combine
 
     repeats = [
         _repeat_row(1000.0, [0.01] * 4),

@@ -12,8 +12,8 @@ import pytest
 
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
-from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.runs import end_run, start_run
+from runner.tracking.trackers import MlflowTracker
 from runner.tracking.uri import check_reachable
 from tests.helpers import REPO, SMALL, MlflowServer, exec_args, spec_text, write_spec_file
 

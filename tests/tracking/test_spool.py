@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from runner.errors import TrackingError
 from runner.launch.session import Spooled, end_run_or_spool
 from runner.tracking import spool
-from runner.tracking.mlflow_tracker import MlflowTracker
+from runner.tracking.trackers import MlflowTracker
 
 
 class Switch:

@@ -1,4 +1,4 @@
-"""Tests of runner.tracking.trackers and runner.tracking.mlflow_tracker against a throw-away sqlite store."""
+"""Tests of runner.tracking.trackers against a throw-away sqlite store."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 from runner.errors import TrackingError
-from runner.tracking.mlflow_tracker import MlflowTracker
-from runner.tracking.trackers import NullTracker, SkipLoggedSteps, Tracker, make_tracker, skip_logged_steps
+from runner.tracking.trackers import (
+    MlflowTracker,
+    NullTracker,
+    SkipLoggedSteps,
+    Tracker,
+    make_tracker,
+    skip_logged_steps,
+)
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
