@@ -1,11 +1,6 @@
 """What would run: devices, world size, batches, launch method and tracking target of a spec.
 
-Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
-two can never disagree. The launcher's environment is read here, once, through
-:class:`runner.launch.environment.LauncherEnvironment`; inside a Slurm job step the layout of
-its tasks is decided here too (docs/design.md §15). For a spec this machine cannot run:
-what is missing, and the ``--set`` arguments that run it here, tried before they are offered
-(:func:`plan_or_problem`). What ``runner plan`` prints is :mod:`runner.plan_report`.
+Details: docs/design.md, "Module notes", runner/plan.py.
 """
 
 from __future__ import annotations

@@ -66,3 +66,24 @@ def test_each_check_reports_what_crosses_it(tmp_path: Path) -> None:
     assert long_functions(tmp_path) == [f"tools/long.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
     assert long_modules(tmp_path) == [f"tools/long.py ({MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES} lines)"]
     assert mode_names_compared(tmp_path) == ['tools/modes.py:2: return mode == "ddp"']
+
+
+def module_notes_missing(root: Path, design: str) -> list[str]:
+    """Modules whose docstring points at docs/design.md's "Module notes" without a heading there for them."""
+    headings = set(re.findall(r"^### (runner/\S+\.py)$", design, re.MULTILINE))
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        for target in re.findall(r'"Module notes", (runner/\S+\.py)', doc):
+            if target not in headings:
+                found.append(f"{path.relative_to(root)} -> {target}")
+    return found
+
+
+def test_every_module_note_a_docstring_points_at_is_in_the_design_doc(tmp_path: Path) -> None:
+    design = (ROOT.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    assert module_notes_missing(ROOT, design) == []
+    pointing = '"""One line.\n\nDetails: docs/design.md, "Module notes", runner/gone.py.\n"""\n'
+    (tmp_path / "gone.py").write_text(pointing)
+    assert module_notes_missing(tmp_path, design) == ["gone.py -> runner/gone.py"]
+    assert module_notes_missing(tmp_path, design + "\n### runner/gone.py\n") == []

@@ -1,12 +1,8 @@
 """List the GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA.
 
-Numbering: ``index`` counts the GPUs visible when runner starts (the user's view,
-honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
-``CUDA_VISIBLE_DEVICES`` item that selects a device as inherited (an integer or a
-``GPU-``/``MIG-`` UUID); ``physical_index`` is the machine's index in PCI bus order
-(nvidia-smi's index on Linux), which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-
 Also: the process environment: narrow ``CUDA_VISIBLE_DEVICES`` before CUDA initialises; set variables for a scope.
+
+Numbering (index, entry, physical_index): docs/design.md, "Module notes", runner/devices/resolve.py.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Resolve the accelerator and device ids of a spec against the visible GPUs; narrow CUDA_VISIBLE_DEVICES.
 
-Three steps, kept apart so the middle one is pure and testable without a GPU:
-
-1. :func:`runner.devices.inventory.probe_inventory` lists the GPUs
-   visible when runner starts, through NVML and an inherited
-   ``CUDA_VISIBLE_DEVICES``, without initialising CUDA in this process.
-2. :func:`resolve_devices` turns spec + environment + inventory into a
-   :class:`DevicePlan` (accelerator, chosen devices, world size, backend,
-   per-device batch) or raises :class:`~runner.errors.DeviceError`.
-3. :func:`runner.devices.inventory.apply_device_env` narrows ``CUDA_VISIBLE_DEVICES``
-   to the chosen devices, so that inside this process and its children they are
-   ``cuda:0 .. cuda:n-1``.
-
-Only the rules that need the machine are checked here (a GPU is visible, ``auto`` found
-CUDA, the GPU count); the schema checks what the spec alone decides. Both word a rule with
-the same function of :mod:`runner.spec.rules`, and never check it twice for one spec.
-
-Numbering: ``devices.ids`` index the GPUs visible when runner starts (the
-user's view, honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
-``CUDA_VISIBLE_DEVICES`` item that selects a device as inherited (an integer
-or a ``GPU-``/``MIG-`` UUID); ``physical_index`` is the index in PCI bus order
-(nvidia-smi's index), which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+Details: docs/design.md, "Module notes", runner/devices/resolve.py.
 """
 
 from __future__ import annotations

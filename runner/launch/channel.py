@@ -1,17 +1,8 @@
 """The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens.
 
-The driver is the only process that imports MLflow (docs/design.md, "Process model"). Rank 0 of the
-job connects to the driver's :class:`Hub` over a Unix socket (``multiprocessing.connection``, with a
-random key) and sends, in order:
-
-* ``built``: the parts were built (or the spec error found while building them); the driver then
-  creates or reopens the run and answers with the run id, the checkpoint folder and whether to resume;
-* ``restored``: what the checkpoint said (values recorded, resumed or not); the driver answers notes;
-* ``metrics``, ``tags``, ``artifact``, ``data``, ``model``: what the run records, without waiting;
-* ``flush`` and ``close``: answered once everything before them reached the store (or its spool);
-* ``result`` or ``failed``: how the rank ended.
-
 Neither side imports torch or mlflow here.
+
+Details: docs/design.md, "Module notes", runner/launch/channel.py.
 """
 
 from __future__ import annotations

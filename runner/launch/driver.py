@@ -1,23 +1,6 @@
 """Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
 
-The driver is the process that launches, and the only one that imports MLflow (docs/design.md §6, "The
-process model"): rank 0 reports its build to the driver's hub, the driver creates the run, and rank 0
-streams what the run records over the same pipe.
-
-* ``none`` / ``dp``: one child training process (:mod:`runner.launch.elastic`); ``ExecOptions.in_process``
-  trains in this process instead (sweeps, bench, parity);
-* ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
-  (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
-  with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
-* started by ``torchrun`` or a scheduler (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set):
-  this process is a worker and launches nothing; rank 0 owns the run;
-* a task of a Slurm job step (docs/design.md §15): one task per device is a worker (its
-  torchrun variables are set from Slurm's), one task per node is its node's elastic launcher
-  (rendezvous on the first host of the node list); either way the job has one run, tagged
-  ``runner.slurm.job_id``, and a requeued job (``SLURM_RESTART_COUNT > 0``) resumes it from
-  its last checkpoint.
-
-Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``finally``.
+Details: docs/design.md, "Module notes", runner/launch/driver.py.
 """
 
 from __future__ import annotations

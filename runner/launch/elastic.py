@@ -1,14 +1,6 @@
 """Starting ddp workers through torch's elastic launcher, and reading why a launched job failed.
 
-``elastic_launch`` (``torch.distributed.launcher.api``, the machinery behind ``torchrun``) starts
-``nproc_per_node`` workers with a c10d rendezvous (``localhost:0`` on one node: the OS picks a
-free port) and the ``spawn`` start method; see docs/design.md §6. torch is imported inside the
-functions.
-
-A worker that returned its result and then dies by a signal at interpreter exit (torch's gloo
-teardown sometimes aborts with ``terminate called without an active exception``, SIGABRT) has
-done its work: each worker leaves its result in the launcher's folder as it returns, so such an
-exit is noted and the job's results stand, instead of a finished run ending FAILED.
+Details: docs/design.md, "Module notes", runner/launch/elastic.py.
 """
 
 from __future__ import annotations

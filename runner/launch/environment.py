@@ -1,17 +1,8 @@
 """The one reader of the launcher's environment: rank, world size, restarts, the run handed down, the Slurm job.
 
-A process learns its place in a job from variables its launcher sets. torch's elastic
-launcher and ``torchrun`` set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``
-(see PyTorch's "torchrun (Elastic Launch)" docs, section *Environment Variables*). The
-driver of ``runner exec`` adds ``RUNNER_RUN_ID`` for workers it starts. Slurm's ``srun``
-sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
-``SLURM_NNODES``, ``SLURM_JOB_NODELIST`` and ``SLURM_JOB_ID`` for every task of a job step
-(Slurm's ``srun`` man page, *Output Environment Variables*); :class:`SlurmJob` reads them
-and :meth:`SlurmJob.layout` decides how the tasks of a step become ranks (docs/design.md §15).
-Nothing else in runner reads these variables: every module asks a :class:`LauncherEnvironment`.
-
 Importing this module imports neither torch nor mlflow.
+
+Details: docs/design.md, "Module notes", runner/launch/environment.py.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
 
-A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[train]`` must exit 2 with
-``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. Rank 0 calls
-:func:`check_parts` before it reports its build, so before the run exists (docs/design.md §6). What is
-built, and what only checked:
-
-* dataset: ``sklearn.digits``, ``sklearn.diabetes`` and small ``synthetic`` sets are built (they
-  live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
-  ``pkg.module:factory`` datasets, which may read a whole dataset from disk, are only checked: the
-  name resolves and ``data.kwargs`` bind to the class or factory signature with the annotated types;
-* model: a built-in or torchvision model is built on the ``meta`` device (parameters without storage,
-  so the size of the model costs nothing) with the dataset's shape and classes when the dataset was
-  built, else its kwargs are checked by signature and type; an error on ``meta`` is confirmed by a build
-  on CPU before it is reported; fsdp's ``parallel.fsdp_blocks`` must name module classes of that model. A
-  ``pkg.module:factory`` model is user code: it is only checked by
-  signature and type, never called here, so a factory runs once per run (a sweep trial's warm worker
-  builds it once) and its side effects (a file written, weights read) happen only in the worker;
-* optimizer: built over one stand-in parameter with the spec's arguments;
-* scheduler: built over that optimizer, its kwargs type-checked against the annotations of the
-  ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
-  :data:`DRY_RUN_STEPS` calls), so a value that only fails when the schedule is computed is found;
-* the training loaders: built on the built dataset (no batch is read). The loss and the metrics
-  are checked by :func:`check_objectives`, which rank 0 calls first.
-
 torch is imported inside the functions.
+
+Details: docs/design.md, "Module notes", runner/launch/prebuild.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """``runner reproduce RUN_ID``: a new run from the resolved spec stored with an earlier one.
 
-The new run trains the stored spec (every default written out, so later changes of a default
-do not leak in), in the same store, tagged ``runner.reproduced_from = RUN_ID``. On the same
-machine with the same seed its metric history equals the original's (docs/design.md §7). It
-warns first when the code may differ: another git commit, or a dirty working tree on either side.
+Details: docs/design.md, "Module notes", runner/launch/reproduce.py.
 """
 
 from __future__ import annotations

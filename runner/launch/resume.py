@@ -1,11 +1,6 @@
 """Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file.
 
-A resumed run continues the same MLflow run from its newest usable checkpoint. ``runner resume``
-needs only the run id: the spec is the resolved one stored with the run (``spec/resolved.toml``),
-so the ``--set`` values it started with come along, and it is what an interrupted run prints.
-With ``exec --resume`` the spec may differ from the run's only in keys named by
-``--allow-spec-change`` and in the process layout (:data:`LAYOUT_KEYS`, e.g. ``--nproc-per-node 1``
-for a run stopped with 2 processes); each change is recorded.
+Details: docs/design.md, "Module notes", runner/launch/resume.py.
 """
 
 from __future__ import annotations

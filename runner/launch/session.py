@@ -1,10 +1,8 @@
 """The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends.
 
-:class:`RunSession` answers the messages of :mod:`runner.launch.channel` on the hub's thread. It is the
-only place that creates, reopens, records into and ends the run of ``runner exec`` (docs/design.md §6,
-"Process model"). The training processes never import MLflow.
-
 Also: how a run ends: its final status set in MLflow, or, while the tracking store does not answer, kept in its spool.
+
+Details: docs/design.md, "Module notes", runner/launch/session.py.
 """
 
 from __future__ import annotations

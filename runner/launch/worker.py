@@ -1,12 +1,6 @@
 """One training process: make the strategy and the tracker, then run the setup steps and the loop.
 
-:func:`run_worker` is the function the elastic launcher starts once per rank (it must be
-importable and its argument picklable); for ``none`` and ``dp`` the driver calls it in
-its own process. It never launches processes and never ends the MLflow run: the driver
-owns the run (docs/design.md §6) and sets its final status. The worker reads the launcher's
-environment once (:class:`~runner.launch.environment.LauncherEnvironment`), makes the
-tracker (MLflow lives in :mod:`runner.tracking`, never in :mod:`runner.training`) and calls
-the named steps of :mod:`runner.training.setup`.
+Details: docs/design.md, "Module notes", runner/launch/worker.py.
 """
 
 from __future__ import annotations

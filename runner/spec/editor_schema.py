@@ -1,22 +1,8 @@
 """The JSON Schema of a spec file for editors and check-jsonschema, and the files that ship it (taplo config).
 
-``runner validate`` reads a spec after ``extends`` has merged its bases; an editor sees one file
-alone. So the schema accepts every file that ``runner validate`` accepts and flags, of what it
-flags, all that JSON Schema can express about one file:
-
-* every key is known (``additionalProperties: false`` on every table), every value typed and
-  ranged, as in the Pydantic models of :mod:`runner.spec.schema`;
-* required keys (``name``, ``model.name``, ``data.batch_size``, ...) and rules between keys
-  (:mod:`runner.spec.rules`) apply only to a file without ``extends`` (``if``/``then``): in a
-  file that extends another, those keys and their partners may come from the base;
-* rules on one value (``devices.ids`` distinct and non-negative, ``optim.kwargs`` not repeating
-  ``lr``) apply to every file.
-
-What JSON Schema cannot express is left to ``runner validate``: a batch that does not divide by
-the world size, ``low < high``, ``node_rank < nnodes``, cycles and missing files in ``extends``,
-and ``2.0`` where a count is expected (JSON Schema counts ``2.0`` as an integer).
-
 Also: the Markdown key reference generated from the spec models (the JSON Schema is :mod:`runner.spec.editor_schema`).
+
+Details: docs/design.md, "Module notes", runner/spec/editor_schema.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Load a spec: read its files, apply ``--set``, validate into :class:`LoadedSpec` or located issues.
 
-The steps live apart: :mod:`runner.spec.reading` (TOML and ``extends`` -> dict and key origins),
-:mod:`runner.spec.overrides` (``--set``), :mod:`runner.spec.messages` (wording pydantic's errors);
-this module validates and places every problem at ``FILE:LINE: dotted.key``.
-
 Also: ``runner validate``: check spec files one by one (with the specs that extend them) and report each.
 
 Also: which spec files build on which: the ``extends`` chains, so that editing a base re-checks the specs on top of it.
+
+Details: docs/design.md, "Module notes", runner/spec/loading.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Apply ``--set dotted.key=value`` and ``--unset dotted.key`` to a spec dict read from its files.
 
-Each value is read as a TOML value (``0.05``, ``[0, 1]``, ``{ a = 1 }``); text that is not
-TOML, or any scalar given for a string key, is taken as a string. The override becomes the
-origin of its key, so validation messages say ``--set: optim.lr: ... (from --set optim.lr=x)``; an
-override a shorthand flag made (:class:`FlagOverride`) is named by that flag instead.
-``--unset`` removes a key written in the file (or a file it extends), so its default applies;
-unsetting comes before setting.
+Details: docs/design.md, "Module notes", runner/spec/overrides.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Read spec files: TOML (binary, UTF-8) -> dict, ``extends`` merged in, the file and line of every key.
 
-Reading is kept apart from validating (:mod:`runner.spec.loading`): the result is a plain dict
-and, for each key, where it was written (:class:`Origin`), so that validation messages can say
-``FILE:LINE:`` even for keys that came from a base file. Problems with the files themselves
-(missing, not UTF-8, not TOML, an ``extends`` cycle) become located :class:`~runner.errors.SpecIssue`.
+Details: docs/design.md, "Module notes", runner/spec/reading.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Rules between fields of a spec, each checked in one place with one wording.
 
-Static rules (the spec alone decides) run inside validation: the table validators of
-:mod:`runner.spec.schema` call the ``check_*`` functions here. Rules that need the machine
-(how many GPUs are visible, whether ``accelerator = "auto"`` found CUDA) are checked by
-:func:`runner.devices.resolve.resolve_devices`, which words them with the same functions
-(:func:`mode_needs_cuda`, :func:`nccl_needs_cuda`, :func:`batch_split_problem`, ...), so one rule
-reads the same whether ``runner validate`` or ``runner plan`` finds it. A rule is checked
-statically when the spec decides it, on the machine otherwise, never both for one spec.
-
-Every message starts with the key it is about (``batch_size = 10 is not divisible ...``)
-and is reported at that key: ``FILE:LINE: data.batch_size: batch_size = 10 is not ...``.
+Details: docs/design.md, "Module notes", runner/spec/rules.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Pydantic models of an experiment spec: the root table and the loop's tables, their keys, types, ranges and meanings.
 
-Rules between keys live in :mod:`runner.spec.rules` (each table names its ``rule``); rules that need
-the machine (visible GPUs, CUDA) are checked by :mod:`runner.devices.resolve`, so ``runner validate``
-answers the same on a laptop and on a GPU node. Conventions (docs/design.md): counts are strict
-integers (``2.0`` is rejected); hyperparameters are floats (``lr = 1`` is stored as ``1.0``);
-booleans are strict (``1`` is not ``true``); every number is finite (``inf`` and ``nan`` are rejected,
-also inside ``kwargs`` and sweep values); every table forbids unknown keys and is frozen;
-``data.batch_size`` is the GLOBAL batch: samples per optimizer step across all devices and processes.
-
-The root :class:`ExperimentSpec` and ``[optim]``, ``[scheduler]``, ``[train]``, ``[tracking]`` and
-``[checkpoint]`` are here; the other tables have a module each: :mod:`runner.spec.schema`
-(``[model]``, ``[data]``), :mod:`runner.spec.schema_parallel` (``[devices]``, ``[parallel]``),
-:mod:`runner.spec.schema` (``[sweep]``), :mod:`runner.spec.names` (``[loss]``,
-``[metrics]``); their base is :class:`runner.spec.rules.SpecTable`.
+Details: docs/design.md, "Module notes", runner/spec/schema.py.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """The Strategy interface: how one process runs the model (device, wrapping, collectives, the stop decision).
 
-The training loop talks only to :class:`Strategy`; everything that differs
-between modes lives in one file per mode:
-
-========  ==========================  ==================  ========================
-mode      model                       inputs go to        collectives
-========  ==========================  ==================  ========================
-none      as is, on ``device``        ``device``          identity
-dp        ``torch.nn.DataParallel``   ``cuda:0``          identity (one process)
-ddp       ``DistributedDataParallel`` ``cuda:LOCAL_RANK`` torch.distributed
-                                      or cpu
-fsdp      ``fully_shard`` (FSDP2)     as ddp              as ddp
-========  ==========================  ==================  ========================
-
-What the spec and the launcher must know of a mode without torch (how it launches, which
-``[parallel]`` keys apply) is its :class:`~runner.spec.schema_parallel.ModeTraits` entry in
-:data:`~runner.spec.schema_parallel.MODES`, read here as :attr:`Strategy.traits`.
-
-Device indices are those after :func:`runner.devices.inventory.apply_device_env` has
-narrowed ``CUDA_VISIBLE_DEVICES``: the chosen GPUs are ``cuda:0 .. cuda:n-1``.
-
-A strategy is built from its own settings (the resolved
-:class:`~runner.devices.resolve.DevicePlan`, the ``[parallel]`` table, the launcher's
-environment) and assumes them valid: the rules that tie them together are checked once,
-by the schema and by device resolution.
+Details: docs/design.md, "Module notes", runner/strategies/base.py.
 """
 
 from __future__ import annotations

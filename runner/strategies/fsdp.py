@@ -1,21 +1,6 @@
 """``mode = "fsdp"``: one process per device, ``fully_shard`` (FSDP2) on the blocks and then the root.
 
-Parameters, gradients and optimizer state are sharded over the ranks (dim 0, ``Shard(0)``
-DTensors). The process group, the launcher, the collectives and the stop decision are ddp's
-(:class:`~runner.strategies.ddp.DDPStrategy`); only the wrapping and the state differ.
-
-* Gradients are reduce-scattered as a mean over ranks, as DDP's all-reduce, so the global batch
-  means what it means in every mode (docs/design.md §2, §3).
-* ``train.amp`` maps to ``MixedPrecisionPolicy``: ``bf16``/``fp16`` gather the parameters in that
-  dtype for forward and backward and reduce gradients in float32; the sharded parameters and the
-  optimizer stay in float32.
-* Checkpoints stay sharded: each rank writes its own shards of the model and optimizer through
-  ``torch.distributed.checkpoint`` into the step's folder (:func:`runner.training.checkpoint.save_sharded`);
-  no rank holds the whole state. DCP reshards on load, so a run resumes on any process count or mode;
-  a whole-state checkpoint of another mode loads through :meth:`FSDPStrategy.load_model_state`.
-* Evaluation may give the ranks different numbers of batches, which sharded forwards (one
-  all-gather per block) cannot follow: it runs on a replica that holds the gathered model for the
-  duration of the evaluation, as ddp evaluates its unwrapped replica.
+Details: docs/design.md, "Module notes", runner/strategies/fsdp.py.
 """
 
 from __future__ import annotations

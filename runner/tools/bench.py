@@ -1,29 +1,6 @@
 """``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration.
 
-Every configuration trains the SAME spec (model, data, optimizer, seed, global batch) for
-``warmup + steps`` optimizer steps as a child MLflow run of one parent run, both in the experiment
-``<experiment>/bench`` (so its per-configuration figures stay off the training experiment's
-charts); only the parallel mode and the device/process count change:
-
-* ``none``: one device (``devices.ids = [0]``), measured once whatever ``nprocs`` says;
-* ``dp-n``: ``torch.nn.DataParallel`` over ``devices.ids = [0 .. n-1]``, for every ``n >= 2`` in
-  ``nprocs`` (dp on one device is ``none``);
-* ``ddp-n``: ``parallel.nproc_per_node = n`` processes on this machine; on CUDA one per GPU
-  (``devices.ids = [0 .. n-1]``), on CPU with the gloo backend (``devices.accelerator`` stays as
-  the spec says).
-
-The bench overrides ``train.max_steps = warmup + steps`` (``train.epochs`` large enough to reach
-it, evaluation only once at the end), ``checkpoint.enabled = false``, ``train.progress = "off"``
-and ``train.log_every_n_steps = 1``. Multi-node settings are dropped: the bench runs on one machine.
-
-Every repeat of every configuration runs in warm worker processes started once, at the
-beginning (:mod:`runner.tools.bench_pool`), while this process plans, probes the model and opens
-the MLflow runs. A configuration is repeated until its figures are steady or ``max_repeats`` is
-spent (:mod:`runner.tools.bench_figures`); its child run records the first repeat's metrics, as
-``runner exec`` would, and the figures over all repeats. A configuration that cannot run here (dp
-without two GPUs, more ddp processes than GPUs, a batch that does not divide) is listed as
-skipped with the reason; a configuration that fails while training is listed as failed and the
-parent run ends FAILED.
+Details: docs/design.md, "Module notes", runner/tools/bench.py.
 """
 
 from __future__ import annotations

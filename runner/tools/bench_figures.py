@@ -1,39 +1,6 @@
 """The figures of a ``runner bench`` comparison and how they are computed from each repeat's step times (no torch).
 
-Definitions used everywhere (table, JSON, chart, README):
-
-* **samples/s** = samples in the timed steps / sum of the timed step times. Warm-up steps are
-  not timed. In ddp every rank times its own steps and the slowest rank (largest total) is used,
-  since a step ends for the job when the last rank finishes it.
-* **step p50 / p90**: median and 90th percentile (linear interpolation) of the timed step times.
-* **data wait**: sum of the time spent waiting for the DataLoader / sum of the step times, on the
-  same rank.
-* **scaling efficiency** of a configuration on ``n`` devices (dp) or processes (ddp) =
-  samples/s / (n x samples/s of ``none``). 100 % is perfect linear scaling; ``none`` is 100 % by
-  definition; with no ``none`` measurement it is not available.
-* **final loss**: ``train/loss`` after the last step. For models without batch-statistics or
-  dropout layers every mode computes the same optimizer steps (docs/design.md §3), so a
-  configuration whose final loss differs from ``none`` by more than ``loss_tolerance``
-  (relative) is flagged, with the last step up to which the two loss curves still agreed: a
-  curve that parts at the first steps computes something else; one that parts late has
-  amplified float rounding (n processes sum gradients in another order than one).
-  BatchNorm normalises over each device's share of the batch and dropout draws per-rank
-  masks, so for such models the losses are reported but not compared.
-
-Noise (docs: README "Measure before you choose"). A configuration is repeated, each repeat a
-whole training of ``warmup + steps`` steps in the same warm process(es), until its figures are
-steady or the repeat budget is spent:
-
-* **spread** = (largest - smallest) / median of the repeats' samples/s; steady when at most
-  :data:`SPREAD_LIMIT` (over at least two repeats);
-* **tail** = step p90 / step p50 over the timed steps of all repeats; steady when at most
-  :data:`TAIL_LIMIT` (a longer tail means stalls: other load, a noisy collective);
-* across configurations, ``ddp-1`` (one process, nothing to all-reduce with) far below ``none``
-  (efficiency under :data:`DDP1_FLOOR`) is flagged, and an efficiency above 100 % by more than the
-  two configurations' spreads is withdrawn as a measurement problem naming its likely cause.
-
-Reported samples/s is the median over the repeats (its error bar spans the smallest and the
-largest), step p50 / p90 and data wait are over the timed steps of all repeats.
+Details: docs/design.md, "Module notes", runner/tools/bench_figures.py.
 """
 
 from __future__ import annotations

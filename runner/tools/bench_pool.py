@@ -1,20 +1,6 @@
 """Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration.
 
-A fresh interpreter per measurement spends seconds importing torch and building the launcher
-before a step of a fraction of a millisecond is timed. The pool starts ``n`` processes
-(``spawn``) at the beginning of the bench, while the bench process plans and opens its MLflow
-runs; each one imports torch and runner's training code once. A repeat of a configuration is
-one :func:`runner.launch.worker.run_worker` call on processes ``0 .. world_size - 1``: for
-``ddp`` they set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-(a fresh port per repeat) the way torch's elastic launcher does, and build a new process group.
-
-Before each repeat a worker restores its thread count (each repeat sets its own), resets the CUDA
-allocator peaks and its peak resident set size (``/proc/self/clear_refs``), so the memory figures
-are those of that repeat. ``CUDA_VISIBLE_DEVICES`` is fixed for the pool's lifetime, to the
-devices of the widest configuration; every configuration uses a prefix ``0 .. n-1`` of them.
-
-When one rank of a repeat fails, the others may wait in a collective until the process group's
-timeout: the pool ends them at once and starts fresh processes for later configurations.
+Details: docs/design.md, "Module notes", runner/tools/bench_pool.py.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """``runner sweep``: trials of one spec searched by Optuna, as child runs of one MLflow run, over any number of workers.
 
-One Optuna study per sweep, in an RDB storage (default: sqlite ``optuna.db`` next to the
-MLflow store; ``[sweep] storage`` or ``--storage`` for a database shared by several machines),
-and one parent MLflow run (tag ``runner.sweep = "parent"``) with one child run per trial
-(``mlflow.parentRunId``; tags ``runner.sweep.trial``, ``runner.sweep.values``, ``sweep.<key>``).
-Every ``runner sweep`` started with the same spec and flags, in another shell, on another machine
-or as a task of a Slurm job array, joins the same study and parent run and pulls the next
-trial; run again after a stop, it continues where the sweep stopped (docs/design.md §16).
-
-A trial is the base spec plus ``--set key=value`` overrides, minus its ``[sweep]`` table: a
-plain experiment, run by :func:`runner.launch.driver.exec_experiment` in this process (CPU,
-``jobs = 1``) or in warm worker processes that run trial after trial (``jobs > 1``, or CUDA,
-whose device view a process keeps).
+Details: docs/design.md, "Module notes", runner/tools/sweep.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Warm worker processes of a sweep: ``jobs`` processes pulling trial after trial, spread over GPUs, stopped together.
 
-A worker process is started once (``spawn``), sets its device view (``CUDA_VISIBLE_DEVICES``
-before CUDA initialises) and runs :func:`runner.tools.sweep_jobs.work` against the study, so
-the interpreter start-up and the torch and MLflow imports are paid once per process, not
-once per trial (docs/design.md §16). Trials whose device view differs from trial to trial
-(``devices`` swept) get one process each.
+Details: docs/design.md, "Module notes", runner/tools/sweep_jobs.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """What a sweep searches, without running it: the definition, its Optuna search space, the trials and their results.
 
-The definition (built by :mod:`runner.tools.sweep_define`) says which Optuna sampler and pruner
-search which keys, how many trials there are in total and which metric ranks them
-(docs/design.md §16). :meth:`SweepDefinition.suggest` turns an Optuna trial into the values of
-one :class:`Trial`; nothing here opens a study.
+Details: docs/design.md, "Module notes", runner/tools/sweep_space.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What a sweep records in MLflow: its parent run, the trials' child runs, the best trial and Optuna's plots.
 
-The MLflow calls are :mod:`runner.tracking.parents` and :mod:`runner.tracking.runs`; this
-module decides only the sweep's names, tags, params and texts.
-
 Also: the sweep's Optuna storage, sampler and pruner: where the study lives and how it searches and prunes.
+
+Details: docs/design.md, "Module notes", runner/tools/sweep_store.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Parent runs that group child runs (a sweep's trials, a bench's configurations): create, read, find, summarise.
 
-A child run points at its parent with the tag ``mlflow.parentRunId``, which the MLflow UI
-nests. The functions here know nothing of sweeps or benches: the tools give them names,
-tags, params, metrics and texts. Runs are read back as :class:`RunRecord`, so no MLflow
-object leaves this package. Parents end with :func:`runner.tracking.runs.end_run`. mlflow is
-imported inside functions, never when this module is imported.
+Details: docs/design.md, "Module notes", runner/tracking/parents.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up.
 
-Only :class:`mlflow.tracking.MlflowClient` is used, always with an explicit run id, so
-runs never depend on MLflow's fluent "active run" stack. Where the store is lives in
-:mod:`runner.tracking.uri`, what a run records about its origin in :mod:`runner.tracking.tags`,
-the trackers that log a run's metrics in :mod:`runner.tracking.trackers`. mlflow and torch
-are imported inside functions, never when this module is imported.
+Details: docs/design.md, "Module notes", runner/tracking/runs.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A run read back from MLflow: its status, tags and the resolved spec runner stored with it.
 
-``runner resume``, ``runner reproduce`` and ``runner diff`` start from a run id alone: the spec a
-run trained with is its artifact ``spec/resolved.toml`` (every default written out, paths absolute),
-and ``spec/plan.json`` names the spec file it came from. mlflow is imported inside functions.
-
 Also: look runs up and mark them: one run's status and tags, every run still RUNNING in a store, tags set afterwards.
+
+Details: docs/design.md, "Module notes", runner/tracking/stored.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The model's side of a step: move a batch to the devices, call forward, pick the prediction and the loss it returned.
 
-The contract (docs/design.md §13, README "Bring your own model"):
-
-* a batch is an ``(x, y)`` pair or a dict of tensors (``data.target`` names the target key);
-  every tensor is moved to the strategy's input device, the target also to its output device;
-* forward is called as ``model(x)`` or ``model(**inputs)`` (a dict batch without its target key),
-  and with ``loss.name = "model"`` as ``model(x, y)`` or ``model(**batch)`` (the target included);
-* forward returns a tensor (the prediction), or a dict, dataclass, named tuple, tuple or list out
-  of which ``model.output`` picks the prediction (a key, attribute or index); with
-  ``loss.name = "model"`` it returns the loss (a scalar tensor) or an object with a ``loss`` entry
-  (a key or attribute, as Hugging Face models do).
-
-A mistake that only shows when forward has run raises :class:`~runner.errors.TrainingError`
-naming the spec key that fixes it (exit 1, the run FAILED).
+Details: docs/design.md, "Module notes", runner/training/batches.py.
 """
 
 from __future__ import annotations

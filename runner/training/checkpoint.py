@@ -1,26 +1,6 @@
 """Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup.
 
-A checkpoint holds everything needed to continue exactly (docs/design.md §8): the unwrapped
-model state (no ``module.`` prefix), optimizer, scheduler, grad scaler, the
-:class:`runner.training.loop.TrainState` (epoch, global step, batches consumed in the epoch) and
-the RNG states of every rank, plus the flattened spec and its SHA-256.
-
-Files are ``step-00000123.pt`` in the run's checkpoint folder; a mode that shards its state (fsdp) writes
-a folder ``step-00000123/`` instead (:func:`save_sharded`): each rank's shards of the model and optimizer
-through ``torch.distributed.checkpoint`` (DCP), beside ``meta.pt``, the rest of the payload. Each file is written to a
-temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
-atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint. Beside each one a
-digest file ``step-00000123.pt.sha256`` (``sha256sum`` format: one line per file, so a checkpoint
-that is a folder of shards gets one line per shard) is written atomically before the checkpoint is
-renamed into place; a checkpoint whose bytes no longer match it, or that has none, counts as damaged
-(``torch.load`` does not check the zip CRCs, so bytes changed in place would load silently).
-
-A checkpoint holds only tensors and plain values (numbers, strings, lists, dicts; RNG states as
-tensors) and is read with ``torch.load(weights_only=True)``, which rebuilds those and nothing else
-(PyTorch docs, ``torch.load``: "weights_only"). A file that carries any other pickled object is
-refused, not executed, so a checkpoint folder on a shared filesystem cannot run code on the nodes
-that resume from it. Files of another format version are refused with the reason. DCP's own
-``.metadata`` is a pickle: it is read with an unpickler that builds DCP's metadata classes and nothing else.
+Details: docs/design.md, "Module notes", runner/training/checkpoint.py.
 """
 
 from __future__ import annotations

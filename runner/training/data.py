@@ -1,33 +1,8 @@
 """Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.training.sampling`).
 
-A sample is an ``(x, y)`` pair (``x`` a tensor of ``DatasetInfo.input_shape``, ``y`` the target)
-or a dict of tensors (``data.target`` names the target key; docs/design.md §13). Sources
-(:mod:`runner.training.sources`):
-
-* ``sklearn.digits``: the 1797 8x8 UCI digits shipped with scikit-learn, in memory. Pixels
-  0..16 are scaled to [0, 1], resized once up front (``image_size``, bilinear), then
-  normalised with the mean and std of the whole (resized) set; ``num_channels`` repeats the
-  single channel. kwargs: ``normalize`` (default true). Labels are int64.
-* ``sklearn.diabetes``: the 442 patients of scikit-learn's diabetes data, ten features in raw
-  units, standardised per feature over the whole set (kwargs: ``standardize``, default true);
-  the target is a float32 measure of disease progression one year later (25..346).
-* ``torchvision.<Name>``: read from ``data.root`` (relative to the spec file), downloaded
-  only with ``download = true``; the training split (``train = True`` or ``split = "train"``)
-  is used and held-out validation is taken from it. Images become [0, 1] tensors.
-* ``imagefolder``: ``root/train/<class>/*`` and, if present, ``root/val/<class>/*`` (else
-  ``val_fraction`` of train); images are read as RGB.
-* ``synthetic``: ``num_samples`` standard-normal tensors of ``input_shape``, labelled by a
-  fixed random linear teacher (argmax of ``x.flatten() @ W``), seeded by ``data.split_seed``.
-* ``pkg.module:factory``: ``factory(**data.kwargs)`` returns a Dataset (split here) or a
-  ``(train, val)`` tuple.
-
-The validation split is a permutation from ``torch.Generator().manual_seed(data.split_seed)``,
-apart from ``seed`` (docs/design.md §11): the same split seed and size always give the same split,
-and runs that differ in ``seed`` score on the same validation samples. Its fingerprint
-(:attr:`DatasetInfo.val_split_sha256`) is the SHA-256 of the sorted validation indices, or of
-the sorted validation file list when the dataset brings its own validation files.
-
 Also: the validation split and the fingerprints of a run's data: split indices, split SHA-256, dataset digests.
+
+Details: docs/design.md, "Module notes", runner/training/data.py.
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
 """The training loop: steps, evaluation and metric reduction, identical for every parallel mode.
 
-The loop reads top to bottom in the order zero_grad -> forward -> loss -> backward ->
-clip -> step -> schedule -> log. It never asks which parallel mode it runs under: the
-:class:`runner.strategies.base.Strategy` supplies wrapping, ``no_sync``, the collectives and
-the stop decision, the :class:`runner.strategies.base.Precision` supplies autocast and
-gradient scaling, and it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
-
-Loss normalisation (docs/design.md §2-§3): every micro-batch loss is the sum of its per-sample
-losses (:mod:`runner.training.losses`: a mean-returning loss is multiplied by the micro-batch's
-samples) and is divided by ``G / world_size`` where ``G`` is the number of samples in the whole
-optimizer step across all ranks and micro-batches. DDP averages gradients over ranks, so the
-gradient is exactly that of the mean loss over the global batch, also for uneven final batches
-and with gradient accumulation. This is what makes ``none`` and ``ddp`` runs of one spec agree
-step by step. Batches and forward: :mod:`~runner.training.batches`; metrics:
-:mod:`~runner.training.metrics`; ``train.on_nonfinite``: :mod:`~runner.training.sums`.
-
-Steady state: between ``train/loss`` logs a step makes no collective and reads nothing back
-from the device; the running sums, the non-finite check and the default train accuracy stay on
-the device until a log step, a checkpoint or the epoch's end reduces them in one collective.
-
-Stopping: after every optimizer step the loop asks
-:meth:`~runner.strategies.base.Strategy.reduce_stop_decision` whether to stop, settling it (the
-ranks agree, a collective where there are peers) only at log steps, step checkpoints and the end
-of an epoch's steps. At a log step the ranks' requests ride in the logged sums' reduction, so the
-decision's own collective runs there only when some rank asked. A request seen after step ``k``
-(e.g. SIGTERM during step ``k``) stops a single process after step ``k``, and several processes at
-the first of those points from step ``k`` on. The decision is settled again at the epoch boundary
-(after evaluation and the epoch checkpoint), so a request during an epoch's last step stops before
-its evaluation, as one during evaluation stops at the boundary. Stopping writes a ``"signal"``
-checkpoint, then raises :class:`~runner.errors.Interrupted`.
-
 Also: peak memory of one rank: the CUDA allocator's peak on its device, else the process's peak resident set.
+
+Details: docs/design.md, "Module notes", runner/training/loop.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each summed over samples.
 
-Every loss here returns the SUM of the per-sample losses of one micro-batch; the loop divides
-by the samples of the whole optimizer step (docs/design.md §3), so ``none``, ``dp`` and ``ddp``
-give the gradient of the same global mean:
-
-* built-in losses run with ``reduction="sum"``; an elementwise loss (``mse``, ``l1``,
-  ``smooth_l1``, ``bce_with_logits``) is divided by the values per sample, so one sample counts
-  as the mean of its values, as with torch's ``reduction="mean"``;
-* a model-computed loss (``loss.name = "model"``) and a custom function return the MEAN over
-  their micro-batch; runner multiplies it by the micro-batch's sample count, so a micro-batch
-  weighs what its samples do. This is exact when the mean is a plain mean over samples.
+Details: docs/design.md, "Module notes", runner/training/losses.py.
 """
 
 from __future__ import annotations

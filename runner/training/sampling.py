@@ -1,34 +1,6 @@
 """Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives).
 
-The layout that makes ``none``, ``dp`` and ``ddp`` runs of one spec agree step by step:
-
-* Every epoch has ONE permutation of ``range(num_samples)``, drawn exactly like
-  :class:`torch.utils.data.DistributedSampler` draws it: ``torch.randperm(N)`` with a
-  ``torch.Generator`` seeded ``seed + epoch`` (or ``range(N)`` without shuffling).
-* Global batch ``k`` (one optimizer step, ``B = data.batch_size`` samples) is positions
-  ``[k*B, k*B + size_k)`` of that permutation; ``size_k`` comes from
-  :func:`global_batch_sizes`.
-* Rank ``r`` of ``W`` takes positions ``r::W`` of the (truncated) permutation. Since ``B``
-  is a multiple of ``W``, rank ``r``'s share of global batch ``k`` is positions
-  ``k*B + r, k*B + r + W, ...``: ``B / W`` consecutive entries of the rank's stream
-  (``rank_batch_size(size_k, W, r)`` for a short final batch).
-* With ``grad_accum_steps = A`` the DataLoader's batch size is the micro-batch
-  ``m = B / (W * A)``. Cutting the rank's stream into consecutive chunks of ``m`` gives
-  exactly ``A`` micro-batches per full step, whose union over ranks and micro-steps is the
-  global batch of a ``W = 1, A = 1`` run. A short final step holds the rank's
-  ``rank_batch_size(size_k, W, r)`` samples cut into ``m``-sized chunks
-  (:func:`micro_batch_sizes`), so it can have fewer than ``A`` micro-batches and ranks
-  may differ by one sample (and by one micro-batch): the loop must group micro-batches by
-  these sizes, not by counting to ``A``.
-
-Resuming mid-epoch: :meth:`EpochSampler.set_start_batch` skips the first ``k`` global
-batches of the epoch (this rank's share of them), so the remaining steps read exactly
-what an uninterrupted run reads.
-
-Final incomplete global batch rule: it is kept (split ``r::W`` over ranks) unless
-``drop_last``, but it is dropped whenever it holds fewer than ``W`` samples, so that every
-rank has at least one sample in every step and all ranks run the same number of steps.
-No index is ever padded or repeated, unlike ``DistributedSampler``.
+Details: docs/design.md, "Module notes", runner/training/sampling.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """One rank's training in named steps: build the parts, restore from a checkpoint, make the checkpointer, train, finish.
 
-The worker (:mod:`runner.launch.worker`) calls the steps in this order on a set-up
-strategy, after seeding and after the ranks agreed on the run::
-
-    parts = build_parts(spec, spec_dir, strategy)          # data, model, optimizer, scheduler, loss, precision
-    restored = restore(parts, strategy, folder, resume=..., restarted=...)
-    checkpointer = Checkpointer(parts, strategy, folder, loaded, run_id=..., writer=..., tracker=...)
-    fitted = train(loop_parts(parts, strategy, tracker, checkpointer, ...), spec, restored.state)
-    result = finish(fitted, strategy, restored.resumed_from, notes)
-
 The tracker is made by the worker and handed in: nothing here imports mlflow or
 :mod:`runner.tracking`.
+
+Details: docs/design.md, "Module notes", runner/training/setup.py.
 """
 
 from __future__ import annotations
