@@ -63,6 +63,13 @@ def test_digits_mlp_learns_and_records_a_complete_run(write_spec, store: str, ca
     assert run.data.tags["runner.world_size"] == "1"
     assert run.data.metrics["val/accuracy"] > 0.9
     assert 100 < run.data.metrics["memory/peak_rss_mib/rank0"] < 10_000  # the training process's peak, on CPU
+    # the second step's FLOPs (batch 64 through Linear(64, 64): forward, weight gradient; Linear(64, 10): forward,
+    # input and weight gradients), the achieved TFLOP/s, and no MFU: a CPU's peak is not known
+    assert run.data.metrics["perf/flops_per_step"] == 2 * 64 * 64 * 64 * 2 + 2 * 64 * 64 * 10 * 3
+    assert 0 < run.data.metrics["perf/tflops_per_s/rank0"] < 100
+    assert not [k for k in run.data.metrics if k.startswith("perf/mfu")]
+    assert run.data.tags["runner.mfu"] == "no MFU: peak fp32 FLOP/s of cpu unknown; set devices.peak_tflops"
+    assert "FLOPs per step; no MFU: peak fp32 FLOP/s of cpu unknown" in out
     cuda = run.data.tags["runner.cuda_version"]  # the torch build's, said so on a CPU run
     assert cuda == "none" or cuda.endswith(" (torch build; no GPU used)"), cuda
     busy = run.data.tags["runner.host_busy"]  # how busy the host was, beside the speed figures

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -22,6 +23,23 @@ DEFAULT_ORDER = "PCI_BUS_ID"
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
+
+# Peak dense TFLOP/s of one GPU (no sparsity), by NVML name, for MFU. fp32 is CUDA-core FP32 (torch's default keeps
+# TF32 off for matmuls); bf16 and fp16 are tensor-core figures. Source: NVIDIA's datasheet of each product, named in
+# the entry; the first pattern that matches the name wins. An unknown GPU, a dtype a GPU lacks, and CPUs get no MFU.
+PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
+    (r"H200 NVL", "NVIDIA H200 NVL datasheet", {"fp32": 60.0, "bf16": 835.0, "fp16": 835.0}),
+    (r"H200", "NVIDIA H200 SXM datasheet", {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}),
+    (r"H100 NVL", "NVIDIA H100 NVL datasheet", {"fp32": 60.0, "bf16": 835.0, "fp16": 835.0}),
+    (r"H100 PCIe", "NVIDIA H100 PCIe datasheet", {"fp32": 51.0, "bf16": 756.0, "fp16": 756.0}),
+    (r"H100", "NVIDIA H100 SXM datasheet", {"fp32": 67.0, "bf16": 989.0, "fp16": 989.0}),
+    (r"A100", "NVIDIA A100 datasheet", {"fp32": 19.5, "bf16": 312.0, "fp16": 312.0}),
+    (r"L40S", "NVIDIA L40S datasheet", {"fp32": 91.6, "bf16": 362.0, "fp16": 362.0}),
+    (r"\bL4\b", "NVIDIA L4 datasheet", {"fp32": 30.3, "bf16": 121.0, "fp16": 121.0}),
+    (r"\bA10\b", "NVIDIA A10 datasheet", {"fp32": 31.2, "bf16": 125.0, "fp16": 125.0}),
+    (r"V100", "NVIDIA V100 datasheet (SXM2)", {"fp32": 15.7, "fp16": 125.0}),
+    (r"\bT4\b", "NVIDIA T4 datasheet", {"fp32": 8.1, "fp16": 65.0}),
+)
 
 
 @dataclass(frozen=True)
@@ -304,6 +322,15 @@ def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> In
     if gpus and not cuda_ok:
         notes.append("GPUs are visible but the installed torch is built without CUDA")
     return Inventory(gpus, cuda_ok, inherited, f"NVML ({len(rows)} GPU(s) on the machine)", notes)
+
+
+def peak_tflops(name: str, dtype: str) -> tuple[float, str] | None:
+    """``(peak dense TFLOP/s, source)`` of one device named ``name`` (NVML's name, or ``"cpu"``) computing in
+    ``dtype`` (``fp32``, ``bf16`` or ``fp16``), from :data:`PEAK_TFLOPS`; ``None`` when unknown."""
+    for pattern, source, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name) and dtype in peaks:
+            return peaks[dtype], source
+    return None
 
 
 def cuda_initialized() -> bool:

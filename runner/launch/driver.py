@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from runner.devices.inventory import HostLoad
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
+from runner.spec.schema_parallel import MODES
 from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC
 
@@ -104,6 +105,7 @@ class ExecResult:
     startup_s: float | None = None
     experiment_id: str = ""
     host_note: str = ""
+    compute: str = ""
 
     def summary(self) -> str:
         """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
@@ -119,6 +121,8 @@ class ExecResult:
             lines.append(f"run id: {self.run_id}  (experiment {self.experiment!r})")
         if self.startup_s is not None:
             lines.append(f"start-up: {self.startup_s:.1f} s to the end of the first step (metric {STARTUP_METRIC})")
+        if self.compute:
+            lines.append(self.compute)
         width = max([21, *(len(key) for key in self.metrics)])  # long custom metric names stay aligned
         lines += [f"  {key:<{width}}  {self.metrics[key]:.6g}" for key in sorted(self.metrics)]
         if self.host_note:
@@ -157,8 +161,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     workers = _run_to_the_end(plan, options, session)
     result = workers[0]
     run_id = session.run_id if session is not None else None
-    host = _record_host_load(plan, run_id, HostLoad.since(load_before))
-    _record_peaks(plan, run_id, workers)
+    host, compute = _record_end(plan, options, run_id, workers, HostLoad.since(load_before))
     folder = session.checkpoint_dir if session is not None else ""
     return ExecResult(
         spooled=Spooled.of(folder) if run_id is not None else None,
@@ -176,6 +179,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         startup_s=result.startup_s,
         experiment_id=_experiment_id(plan, session),
         host_note=host,
+        compute=compute,
     )
 
 
@@ -188,40 +192,88 @@ def _experiment_id(plan: Plan, session: RunSession | None) -> str:
     return session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
 
 
-def _record_host_load(plan: Plan, run_id: str | None, load: HostLoad) -> str:
-    """Tag the run with how busy the host was (``runner.host_load``, ``runner.host_busy``); the note when busy."""
+def _record_end(
+    plan: Plan, options: ExecOptions, run_id: str | None, workers: list[WorkerResult], load: HostLoad
+) -> tuple[str, str]:
+    """Record what is known once the job has ended, in one tag and one metric request: how busy the host was
+    (``runner.host_load``, ``runner.host_busy``), each device's peak memory and compute (:func:`end_figures`).
+
+    Returns:
+        The summary's note on a busy host (:func:`host_note`) and its compute line.
+    """
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
-    text, busy = load.describe(used), load.busy(used)
+    metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
+        from runner.tracking.runs import log_final_metrics
         from runner.tracking.stored import set_run_tags
 
-        with contextlib.suppress(TrackingError):  # only a remark on the figures: the run itself is recorded
-            tags = {"runner.host_load": load.summary(used), "runner.host_busy": str(busy).lower()}
-            set_run_tags(plan.tracking_uri, run_id, tags, {"host load": text})
-    if not busy:
+        with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
+            busy = str(load.busy(used)).lower()
+            tags = {"runner.host_load": load.summary(used), "runner.host_busy": busy, "runner.mfu": mfu}
+            set_run_tags(plan.tracking_uri, run_id, tags, {"host load": load.describe(used)})
+            if workers:
+                log_final_metrics(plan.tracking_uri, run_id, metrics, max(w.global_step for w in workers))
+    return host_note(plan, load), compute
+
+
+def host_note(plan: Plan, load: HostLoad) -> str:
+    """The summary's note on a busy host, with advice on threads; ``""`` when the host was quiet."""
+    used = plan.devices.nproc_per_node * plan.devices.threads_per_process
+    if not load.busy(used):
         return ""
     advice = load.advice(used, plan.devices.threads_per_process, plan.devices.accelerator)
-    return f"{text} (tag runner.host_load)" + (f"; {advice}" if advice else "")
+    return f"{load.describe(used)} (tag runner.host_load)" + (f"; {advice}" if advice else "")
 
 
-def _record_peaks(plan: Plan, run_id: str | None, workers: list[WorkerResult]) -> None:
-    """Log each device's peak memory at the run's last step (beside ``runner plan``'s estimate, docs/design.md §10).
+def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -> tuple[dict[str, float], str, str]:
+    """Each device's peak memory and achieved compute, logged beside ``runner plan``'s estimate (docs/design.md §10).
 
-    ``memory/peak_allocated_mib/deviceN``: the CUDA allocator's peak of the run's Nth GPU (dp's one process
-    drives them all, a ddp or fsdp rank its own); on CPU ``memory/peak_rss_mib/rankN``: a process's resident set.
+    ``memory/peak_allocated_mib/deviceN`` is the CUDA allocator's peak of the run's Nth GPU (dp's one process drives
+    them all); on CPU ``memory/peak_rss_mib/rankN`` a process's resident set. ``perf/flops_per_step`` sums the
+    processes' counted step (``WorkerResult.step_flops``); ``perf/tflops_per_s/<device>`` is a process's count over
+    the median of its steps after the first two (all of them in a shorter run); ``perf/mfu/<device>`` that over the
+    device's peak, only when the peak is known (``devices.peak_tflops`` or ``PEAK_TFLOPS``).
+
+    Returns:
+        The metrics, the summary's compute line and the ``runner.mfu`` tag (the peak's source, or why no MFU).
     """
-    if run_id is None or plan.tracking_uri is None or not workers:
-        return
-    from runner.tracking.runs import log_final_metrics
+    from statistics import median
 
-    metrics = {}
+    from runner.devices.inventory import peak_tflops
+
+    metrics: dict[str, float] = {}
     for worker in workers:
-        for i, peak in enumerate(worker.device_peaks):
-            metrics[f"memory/peak_allocated_mib/device{worker.rank + i}"] = peak / 2**20
+        for i, held in enumerate(worker.device_peaks):
+            metrics[f"memory/peak_allocated_mib/device{worker.rank + i}"] = held / 2**20
         if not worker.device_peaks:
             metrics[f"memory/peak_rss_mib/rank{worker.rank}"] = worker.peak_memory_bytes / 2**20
-    with contextlib.suppress(TrackingError):  # a figure beside the run: the run itself is recorded
-        log_final_metrics(plan.tracking_uri, run_id, metrics, max(w.global_step for w in workers))
+    if not workers or any(not w.step_flops or not w.step_times_s for w in workers):
+        spec = plan.loaded.spec
+        why = "train.compile" if spec.train.compile else "timed steps" if options.sync_timing else "no step taken"
+        why = "dp's replicas run in threads" if MODES[spec.parallel.mode].replicas else why
+        return metrics, "", f"no FLOPs counted: {why}"
+    dtype = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[plan.loaded.spec.train.amp]
+    dtype = "fp64" if options.dtype == "float64" else dtype
+    cuda = plan.devices.accelerator == "cuda"
+    name = plan.devices.names[0] if cuda and plan.devices.names else "cpu"
+    given = plan.loaded.spec.devices.peak_tflops
+    peak = (given, "devices.peak_tflops") if given else peak_tflops(name, dtype)
+    metrics["perf/flops_per_step"] = float(sum(w.step_flops or 0 for w in workers))
+    achieved = []
+    for worker in workers:
+        times = worker.step_times_s[2:] or worker.step_times_s[1:] or worker.step_times_s
+        tflops = (worker.step_flops or 0) / median(times) / 1e12
+        suffix = f"device{worker.rank}" if cuda else f"rank{worker.rank}"
+        metrics[f"perf/tflops_per_s/{suffix}"] = tflops
+        if peak is not None:
+            metrics[f"perf/mfu/{suffix}"] = tflops / peak[0]
+        achieved.append(tflops)
+    mean = sum(achieved) / len(achieved)
+    line = f"compute: {mean:.3g} TFLOP/s per device, {metrics['perf/flops_per_step']:.3g} FLOPs per step"
+    if peak is None:
+        tag = f"no MFU: peak {dtype} FLOP/s of {name} unknown; set devices.peak_tflops"
+        return metrics, f"{line}; {tag}", tag
+    return metrics, f"{line}, MFU {mean / peak[0]:.1%}", f"{peak[0]:g} TFLOP/s {dtype} peak per device: {peak[1]}"
 
 
 def process_started_at() -> float:

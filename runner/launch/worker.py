@@ -199,6 +199,7 @@ def _fit(
             sync_timing=args.sync_timing,
             epoch_end=epoch_end,
             started_at=args.started_at,
+            count_flops=not (args.sync_timing or spec.train.compile),  # bench's timed steps stay uncounted
         )
         try:
             with setup.profiled(loop, spec, folder) as loop:

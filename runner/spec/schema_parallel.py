@@ -103,6 +103,15 @@ class DevicesSpec(SpecTable):
         ),
     )
 
+    peak_tflops: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Peak dense TFLOP/s of one device at the run's precision, for the run's MFU metrics; replaces runner's "
+            "table of known GPUs (docs/design.md §10). Default: the table's figure, else no MFU (CPUs, unknown GPUs)."
+        ),
+    )
+
     rule = rules.check_devices
 
 

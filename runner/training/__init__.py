@@ -26,6 +26,8 @@ class WorkerResult:
             process drives every GPU of the run; a ddp or fsdp rank its own), bytes; empty on CPU.
         stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
         startup_s: :data:`STARTUP_METRIC` of this rank, or ``None`` (no step, or no start time given).
+        step_flops: FLOPs of one optimizer step of this process (its share of the global batch), or ``None``:
+            not counted (dp, ``train.compile``, ``runner bench``).
     """
 
     rank: int
@@ -41,3 +43,4 @@ class WorkerResult:
     device_peaks: list[int] = field(default_factory=list)
     stopped_after_epoch: int | None = None
     startup_s: float | None = None
+    step_flops: int | None = None

@@ -274,6 +274,7 @@ class FitResult:
         stopped_after_epoch: The epoch after which ``LoopParts.epoch_end`` stopped training
             (e.g. a sweep's pruner), or ``None`` when it ran to the end.
         startup_s: Seconds from ``LoopParts.started_at`` to the end of this fit's first step, or ``None``.
+        step_flops: FLOPs of one optimizer step of this process (``LoopParts.count_flops``), or ``None``.
     """
 
     state: TrainState
@@ -283,6 +284,7 @@ class FitResult:
     data_wait_s: list[float] = field(default_factory=list)
     stopped_after_epoch: int | None = None
     startup_s: float | None = None
+    step_flops: int | None = None
 
 
 @dataclass
@@ -311,6 +313,8 @@ class LoopParts:
         after_step: Called after each optimizer step's timing (``[profile]``: the profiler's ``step``).
         started_at: Clock time (``time.time()``) the command started; the loop then logs
             ``time_to_first_step_s`` at its first step. ``None``: not measured.
+        count_flops: Count this process's FLOPs of one step (its second, or its only one) with
+            ``FlopCounterMode``; off where the count would be wrong (dp's replicas run in threads, compiled code).
     """
 
     model: nn.Module
@@ -331,3 +335,4 @@ class LoopParts:
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None
     after_step: Callable[[], object] | None = None
     started_at: float | None = None
+    count_flops: bool = False

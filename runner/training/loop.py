@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,6 +59,8 @@ def fit(
     strategy, loaders = parts.strategy, parts.loaders
     progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)
     report = _Report(FitResult(state=state), parts.tracker, progress)
+    if parts.count_flops:  # the second step of this job: the first pays for imports and the optimizer's state
+        report.count_at = min(1, parts.total_steps - state.global_step - 1)
     held = strategy.rank == 0  # running sums restored from a checkpoint are held by rank 0 only
     every_n_logs = train_spec.log_every_n_steps
     guard = NonFiniteGuard(
@@ -239,6 +241,7 @@ class _Report:
         self.result = result
         self.tracker = tracker
         self.progress = progress
+        self.count_at = -1  # the step of this job (0-based) whose FLOPs are counted; -1: none
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.result.metrics.update(metrics)
@@ -257,9 +260,13 @@ def _step(
 ) -> None:
     """One optimizer step of :func:`fit` and what follows it: its timing, the log, the checkpoint, the stop check."""
     global_size = parts.loaders.global_batch_sizes[state.batch_in_epoch]
+    counting = len(report.result.step_times_s) == report.count_at
     step_start = time.perf_counter()
-    waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
+    with _flop_counter() if counting else contextlib.nullcontext() as counter:
+        waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
     report.result.step_times_s.append(time.perf_counter() - step_start)
+    if counter is not None:
+        report.result.step_flops = int(counter.get_total_flops())
     report.result.data_wait_s.append(waited)
     if parts.after_step is not None:
         parts.after_step()
@@ -275,6 +282,14 @@ def _step(
     if saved:
         _checkpoint(parts, state, "step", tally)
     _stop_if_asked(parts, state, tally, settle=asked or saved)
+
+
+def _flop_counter() -> contextlib.AbstractContextManager[Any]:
+    """torch's ``FlopCounterMode``: matmuls, convolutions and attention of forward and backward (an activation
+    checkpoint's recomputation included), counted from shapes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False)
 
 
 def _log_startup(parts: LoopParts, result: FitResult, step: int) -> None:

@@ -342,6 +342,7 @@ def loop_parts(
     sync_timing: bool = False,
     epoch_end: Callable[[int, dict[str, float]], bool] | None = None,
     started_at: float | None = None,
+    count_flops: bool = False,
 ) -> LoopParts:
     """Assemble the loop's :class:`~runner.training.loop.LoopParts` from the built parts."""
     return LoopParts(
@@ -362,6 +363,7 @@ def loop_parts(
         sync_timing=sync_timing,
         epoch_end=epoch_end,
         started_at=started_at,
+        count_flops=count_flops and not strategy.traits.replicas,
     )
 
 
@@ -431,4 +433,5 @@ def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, note
         device_peaks=device_peaks(strategy.device, strategy.traits.replicas),
         stopped_after_epoch=fitted.stopped_after_epoch,
         startup_s=fitted.startup_s,
+        step_flops=fitted.step_flops,
     )

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from runner.devices.inventory import scoped_environ
+from runner.devices.inventory import peak_tflops, scoped_environ
 
 
 def test_scoped_environ_sets_then_restores_and_removes_what_was_unset(monkeypatch) -> None:
@@ -44,16 +44,36 @@ def test_a_busy_cpu_run_with_several_threads_is_told_that_one_thread_stalls_less
     from types import SimpleNamespace
 
     from runner.devices.inventory import HostLoad
-    from runner.launch.driver import _record_host_load
+    from runner.launch.driver import host_note
 
     def plan(threads: int, accelerator: str = "cpu") -> object:
         devices = SimpleNamespace(nproc_per_node=1, threads_per_process=threads, accelerator=accelerator)
         return SimpleNamespace(devices=devices, tracking_uri=None)
 
     busy, quiet = HostLoad(start=3.4, end=4.0, cores=2), HostLoad(start=0.2, end=0.3, cores=2)
-    note = _record_host_load(plan(2), None, busy)  # type: ignore[arg-type]
+    note = host_note(plan(2), busy)  # type: ignore[arg-type]
     assert note.startswith("busy: 1-min load 3.4") and note.endswith(
         "(tag runner.host_load); on a shared CPU one intra-op thread stalls less than 2: devices.threads_per_process = 1"
     )
-    assert _record_host_load(plan(1), None, busy).endswith("(tag runner.host_load)")  # type: ignore[arg-type]
-    assert _record_host_load(plan(2), None, quiet) == ""  # type: ignore[arg-type]
+    assert host_note(plan(1), busy).endswith("(tag runner.host_load)")  # type: ignore[arg-type]
+    assert host_note(plan(2), quiet) == ""  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "expect"),
+    [
+        ("NVIDIA H200", "bf16", (989.0, "NVIDIA H200 SXM datasheet")),
+        ("NVIDIA H100 PCIe", "fp32", (51.0, "NVIDIA H100 PCIe datasheet")),
+        ("NVIDIA H100 80GB HBM3", "bf16", (989.0, "NVIDIA H100 SXM datasheet")),
+        ("NVIDIA A100-SXM4-80GB", "fp16", (312.0, "NVIDIA A100 datasheet")),
+        ("NVIDIA L40S", "bf16", (362.0, "NVIDIA L40S datasheet")),  # not L4's row
+        ("NVIDIA L4", "bf16", (121.0, "NVIDIA L4 datasheet")),
+        ("NVIDIA A10", "fp32", (31.2, "NVIDIA A10 datasheet")),  # not A100's row
+        ("Tesla T4", "bf16", None),  # no bf16 on Turing
+        ("NVIDIA GeForce RTX 4090", "bf16", None),  # not in the table: no guess
+        ("cpu", "fp32", None),
+        ("NVIDIA H200", "fp64", None),
+    ],
+)
+def test_the_peak_table_knows_each_gpu_by_name_and_dtype_and_guesses_nothing(name, dtype, expect) -> None:
+    assert peak_tflops(name, dtype) == expect

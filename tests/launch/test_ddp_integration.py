@@ -98,6 +98,11 @@ def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_
         "memory/peak_rss_mib/rank0",
         "memory/peak_rss_mib/rank1",
     ]  # each rank's peak, logged by the driver at the end
+    # each rank counted its half of the global batch: the step's FLOPs are none's, and each rank's rate is logged
+    assert ddp.data.metrics["perf/flops_per_step"] == single.data.metrics["perf/flops_per_step"] > 0
+    assert {k for k in ddp.data.metrics if k.startswith("perf/tflops")} == {
+        f"perf/tflops_per_s/rank{r}" for r in (0, 1)
+    }
     notes = {p.name: p.read_text() for p in probe.glob("trains-*")}
     assert len(notes) == 5 and set(notes.values()) == {"clean"}, notes  # 1 + 2 + 2 processes ran backward
     assert f"trains-{os.getpid()}" not in notes  # nor did the driver: under torchrun rank 0's runs in its child

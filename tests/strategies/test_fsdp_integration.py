@@ -61,6 +61,8 @@ def test_none_and_fsdp_agree_and_the_export_loads_in_plain_pytorch(
     for (step, va), (_, vb) in zip(a, b, strict=True):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
     assert single.data.metrics["val/loss"] == pytest.approx(sharded.data.metrics["val/loss"], abs=1e-5)
+    # FlopCounterMode under FSDP2 sees each rank's unsharded compute: the two halves make none's step
+    assert sharded.data.metrics["perf/flops_per_step"] == single.data.metrics["perf/flops_per_step"] > 0
 
     out = tmp_path / "exported.pt"
     assert main(["export", sharded.info.run_id, "--tracking-uri", store, "--out", str(out)]) == 0

@@ -122,3 +122,39 @@ def test_rank_0_builds_its_datasets_once_for_the_checks_and_the_training(write_s
     result = _run(write_spec, "train.max_steps=1")
     assert result.workers[0].global_step == 1
     assert len(built) == 1  # the prebuild checks' datasets are the training's
+
+
+def test_the_second_step_is_counted_and_gives_tflops_and_an_mfu_only_against_a_named_peak(write_spec) -> None:
+    import statistics
+
+    from runner.launch.driver import end_figures
+    from runner.plan import make_plan
+
+    spec = write_spec()
+    sets = ["tracking.enabled=false", "checkpoint.enabled=false"]
+    for extra, tag in (
+        (["devices.peak_tflops=0.5"], "0.5 TFLOP/s fp32 peak per device: devices.peak_tflops"),
+        ([], "no MFU: peak fp32 FLOP/s of cpu unknown; set devices.peak_tflops"),
+        (["train.amp=bf16"], "no MFU: peak bf16 FLOP/s of cpu unknown; set devices.peak_tflops"),
+    ):
+        loaded = load_spec(spec, [*sets, *extra])
+        (worker,) = exec_experiment(loaded, ExecOptions(in_process=True)).workers
+        # batch 16 through Linear(8, 32) (forward, weight gradient: the input needs none) and Linear(32, 3)
+        # (forward, input and weight gradients), 2 FLOPs a multiply-add; the loss and the optimizer count nothing
+        assert worker.step_flops == 2 * 16 * 8 * 32 * 2 + 2 * 16 * 32 * 3 * 3
+        metrics, line, said = end_figures(make_plan(loaded), ExecOptions(), [worker])
+        assert said == tag
+        tflops = metrics["perf/tflops_per_s/rank0"]
+        assert tflops == pytest.approx(worker.step_flops / statistics.median(worker.step_times_s[2:]) / 1e12)
+        assert metrics["perf/flops_per_step"] == worker.step_flops
+        named = "peak" in str(extra)
+        assert [k for k in metrics if k.startswith("perf/mfu/")] == (["perf/mfu/rank0"] if named else [])
+        if named:
+            assert metrics["perf/mfu/rank0"] == pytest.approx(tflops / 0.5) and line.endswith(f"MFU {tflops / 0.5:.1%}")
+        else:
+            assert line.endswith(tag)
+    uncounted = exec_experiment(load_spec(spec, sets), ExecOptions(in_process=True, sync_timing=True)).workers
+    assert uncounted[0].step_flops is None  # runner bench's timed steps run plain
+    timed = ExecOptions(sync_timing=True)
+    assert end_figures(make_plan(loaded), timed, uncounted)[1:] == ("", "no FLOPs counted: timed steps")
+    assert end_figures(make_plan(loaded), ExecOptions(), [])[1:] == ("", "no FLOPs counted: no step taken")
