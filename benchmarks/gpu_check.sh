@@ -228,6 +228,10 @@ part_parity() {
     [ "$DRY" = 1 ] && steps=10
     (cd "$DETAIL/runs" && runner parity "$CHECK_SPEC" --modes "$modes" --steps "$steps")
 }
+part_memory() {  # runner plan's estimate per mode beside the peaks the runs above held (benchmarks/memory_check.py)
+    (cd "$DETAIL/runs" && runner plan "$CHECK_SPEC" --json --set 'devices.ids=[0]') >"$DETAIL/plan.json" || return 1
+    "$PY" "$REPO/benchmarks/memory_check.py" "$DETAIL/plan.json"
+}
 part_bench() {
     local modes=none,ddp nproc=1 steps=20 repeats=2:3
     [ "$ACCEL" = cuda ] && modes=none,dp,ddp
@@ -274,6 +278,7 @@ else
 fi
 part fsdp 180
 part compile 240
+part memory 120 show
 part parity 240 show
 part bench 300 show
 part bench-recommend 10 show
