@@ -230,9 +230,10 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
 
     ``memory/peak_allocated_mib/deviceN`` is the CUDA allocator's peak of the run's Nth GPU (dp's one process drives
     them all); on CPU ``memory/peak_rss_mib/rankN`` a process's resident set. ``perf/flops_per_step`` sums the
-    processes' counted step (``WorkerResult.step_flops``); ``perf/tflops_per_s/<device>`` is a process's count over
-    the median of its steps after the first two (all of them in a shorter run); ``perf/mfu/<device>`` that over the
-    device's peak, only when the peak is known (``devices.peak_tflops`` or ``PEAK_TFLOPS``).
+    processes' counted step (``WorkerResult.step_flops``; a multi-node job: this node's, times the node count);
+    ``perf/tflops_per_s/<device>`` is a process's count over the median of its steps after the first two (all of them
+    in a shorter run); ``perf/mfu/<device>`` that over the device's peak, only when the peak is known
+    (``devices.peak_tflops`` or ``PEAK_TFLOPS``).
 
     Returns:
         The metrics, the summary's compute line and the ``runner.mfu`` tag (the peak's source, or why no MFU).
@@ -258,7 +259,8 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     name = plan.devices.names[0] if cuda and plan.devices.names else "cpu"
     given = plan.loaded.spec.devices.peak_tflops
     peak = (given, "devices.peak_tflops") if given else peak_tflops(name, dtype)
-    metrics["perf/flops_per_step"] = float(sum(w.step_flops or 0 for w in workers))
+    counted = sum(w.step_flops or 0 for w in workers)  # this node's ranks; the other nodes' are alike
+    metrics["perf/flops_per_step"] = float(counted * max(1, plan.devices.world_size // len(workers)))
     achieved = []
     for worker in workers:
         times = worker.step_times_s[2:] or worker.step_times_s[1:] or worker.step_times_s

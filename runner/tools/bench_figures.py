@@ -36,22 +36,10 @@ def median(values: Sequence[float]) -> float:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between order statistics.
+    """``numpy.percentile`` (``q`` in 0..100, linear interpolation; ``ValueError`` outside); ``nan`` when empty."""
+    import numpy as np
 
-    Matches ``numpy.percentile(values, q)`` (its default "linear" method).
-
-    Raises:
-        ValueError: ``q`` is outside 0..100.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be within 0..100, got {q}")
-    if not values:
-        return math.nan
-    ordered = sorted(float(v) for v in values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 def throughput(samples: int, step_times_s: Sequence[float]) -> float:
