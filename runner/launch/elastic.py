@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import pickle
 import signal
@@ -58,15 +59,16 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
         rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
         max_restarts=par.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
     )
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        launched = dataclasses.replace(args, launcher_pid=os.getpid(), report_dir=log_dir)
+        launched = dataclasses.replace(args, launcher_pid=None, report_dir=log_dir)  # their parent: the fork server
         quiet = quiet_launcher_logs(
             Path(tempfile.gettempdir()) / f"runner-ranks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         )
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         try:
             results = elastic_launch(config, run_and_leave_result)(launched)
         except Exception as exc:
@@ -76,12 +78,29 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
                     exc.ranks_log = str(quiet.path)  # type: ignore[attr-defined]  # named by the failure message
                 raise
         finally:
+            _stop_forkserver()
             restore_launcher_logs(quiet)
             if hangs is not None:
                 hangs.update(read_hang_reports(Path(log_dir)))
     done = [r for r in results.values() if r is not None]
     done.sort(key=lambda r: (not r.metrics, r.rank))
     return done
+
+
+# The workers fork from Python's fork server, which imports these once per job, instead of each spawned worker
+# importing torch (and, at its first optimizer step, torch._dynamo) again: ddp-2's start-up drops by about a quarter
+# (benchmarks/README.md). Nothing there starts CUDA, so forking from it is safe.
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.setup")
+
+
+def _stop_forkserver() -> None:
+    """End this process's fork server (and with it, through ``die_with_parent``, any worker left): a server keeps
+    the environment it started with, so the next job in this process (a test, a sweep) starts a fresh one.
+    ``ForkServer._stop`` is CPython's own (private) way to do it, present since 3.8."""
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(Exception):
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 ABORT_AT_EXIT_VAR = "RUNNER_TEST_ABORT_AT_EXIT"  # fault injection: this rank aborts at exit after its work
@@ -102,10 +121,10 @@ def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
         partial = path.with_suffix(".tmp")
         partial.write_bytes(pickle.dumps(result))
         partial.replace(path)  # whole or absent
-    if os.environ.get(ABORT_AT_EXIT_VAR) == rank:
-        import atexit
+    if os.environ.get(ABORT_AT_EXIT_VAR) == rank:  # at the process's exit, after its result went back
+        from multiprocessing.util import Finalize
 
-        atexit.register(os.abort)
+        Finalize(None, os.abort, exitpriority=0)  # a forked worker ends with os._exit: atexit never runs
     import gc
 
     gc.freeze()  # this process ends next: its teardown skips torch's objects (runner.errors.exit_quickly)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    """Everything a worker needs, picklable so it crosses the ``spawn`` boundary.
+    """Everything a worker needs, picklable so it crosses to the worker's process.
 
     Attributes:
         plan: The :class:`runner.devices.resolve.DevicePlan` resolved by the driver.
@@ -43,8 +43,9 @@ class WorkerArgs:
         sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
         epoch_end: Decides on the logging rank after each epoch whether to stop there (a sweep's
             pruner); every rank follows its answer. ``None``: train to the end.
-        launcher_pid: The process that started this worker (the driver, for the elastic launcher):
-            the worker dies with it; ``None``: whatever process is the parent when the worker starts.
+        launcher_pid: The process that started this worker (the driver, for the child of none and dp): the worker
+            dies with it; ``None``: whatever process is the parent when the worker starts (an elastic worker's fork
+            server, which ends with the driver).
         report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
         hub: Where rank 0 reaches the driver (:mod:`runner.launch.channel`): it reports the build there and
             receives the run, the checkpoint folder and whether to resume, which replace ``run_id``,

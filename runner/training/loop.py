@@ -380,8 +380,8 @@ def device_peaks(device: torch.device, replicas: bool) -> list[int]:
 def peak_rss_bytes() -> int | None:
     """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
 
-    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a ``spawn``-ed worker
-    does not inherit the peak of the process that started it.
+    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a child process does not inherit the
+    peak of the driver that started it (an elastic worker's counts what its fork server imported).
     """
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
