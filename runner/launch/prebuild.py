@@ -31,7 +31,7 @@ SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic data
 
 
 def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], DatasetBundle | None]:
-    """Build or check every part of ``loaded`` (see the module docstring) before any run exists.
+    """Build or check every part of ``loaded`` (docs/design.md, "Module notes") before any run exists.
 
     Args:
         world_size: Processes of the job (for the training loaders' step layout).

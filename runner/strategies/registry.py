@@ -184,7 +184,7 @@ def _is_scalar(value: Any) -> bool:
 
 
 class _GatherCheckedDataParallel(DataParallel):
-    """DataParallel with runner's output contract (module docstring): dataclasses, replica losses, clear errors."""
+    """DataParallel with runner's output contract (docs/design.md §13): dataclasses, replica losses, clear errors."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

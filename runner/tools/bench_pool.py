@@ -94,7 +94,7 @@ def free_port() -> int:
 
 
 class WarmPool:
-    """Up to ``size`` warm worker processes; see the module docstring.
+    """Up to ``size`` warm worker processes; see docs/design.md, "Module notes".
 
     Args:
         size: Processes to keep (the largest world size of the bench).

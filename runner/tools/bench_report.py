@@ -1,7 +1,7 @@
 """The result of ``runner bench``: one row per configuration, the comparison against ``none``, table and JSON.
 
-The figures and their definitions are in :mod:`runner.tools.bench_figures`; the chart in
-:mod:`runner.tools.bench_figures`.
+The figures are computed in :mod:`runner.tools.bench_figures` (their definitions: docs/design.md, "Module notes"); the
+chart in :mod:`runner.tools.bench_pool`.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class ConfigResult:
         noise: Why the figures are not to be trusted as they are (empty when they are).
         peak_memory_bytes: Per CUDA device (allocator peak) or per process on CPU (peak RSS).
         peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
-        scaling_efficiency: See the module docstring; ``None`` when it exceeded 100 % by more than the
-            measured spread (a measurement problem, named in ``noise``).
+        scaling_efficiency: docs/design.md, "Module notes", bench_figures; ``None`` when it exceeded 100 % by more
+            than the measured spread (a measurement problem, named in ``noise``).
         threads_per_process: CPU threads of each training process (``runner.threads_per_process``).
         thread_budget: CPU threads of the configuration on this node: processes x threads per process.
         final_loss: ``train/loss`` after the last step.

@@ -68,7 +68,7 @@ def describe(value: Any) -> str:
 
 
 class BatchIO:
-    """How batches reach the model and what is taken out of its output (the contract in the module docstring).
+    """How batches reach the model and what is taken out of its output (the contract: docs/design.md §13).
 
     Args:
         target_key: ``data.target``, or ``None`` for ``(x, y)`` batches.

@@ -49,7 +49,7 @@ def fit(
     metrics are reduced over ranks and identical on every rank.
 
     Raises:
-        Interrupted: A stop signal arrived (the module docstring says at which step it takes
+        Interrupted: A stop signal arrived (docs/design.md, "Module notes" say at which step it takes
             effect); ``on_checkpoint`` ran with reason ``"signal"`` first.
         TrainingError: A non-finite loss or gradient norm under ``train.on_nonfinite = "stop"``,
             or a model output that does not fit the spec (``model.output``, ``loss.name``).
@@ -107,7 +107,7 @@ def train_step(
 
     Every micro-batch but the last runs under ``strategy.no_sync`` (no gradient all-reduce
     while accumulating); each micro-batch's summed loss is divided by ``global_size /
-    world_size`` (module docstring) before ``precision.backward``.
+    world_size`` (docs/design.md, "Module notes") before ``precision.backward``.
 
     Args:
         batches: This epoch's iterator over collated micro-batches (``(x, y)`` or dicts).

@@ -30,7 +30,7 @@ def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, wor
         world_size: Ranks ``W``; a final batch smaller than ``W`` is always dropped.
 
     Returns:
-        ``[B] * (N // B)`` plus ``N % B`` when it is kept (see the module docstring).
+        ``[B] * (N // B)`` plus ``N % B`` when it is kept (docs/design.md, "Module notes").
 
     Raises:
         ValueError: If a size is not positive.
@@ -104,7 +104,7 @@ class EpochSampler(Sampler[int]):
     """Training sampler: one seeded permutation per epoch, rank ``r`` reads positions ``r::W``.
 
     Same permutation as :class:`torch.utils.data.DistributedSampler` but without padding or
-    duplicates, truncated to the samples of the epoch's global batches (module docstring).
+    duplicates, truncated to the samples of the epoch's global batches (docs/design.md, "Module notes").
     Call :meth:`set_epoch` before every epoch.
 
     Args:

@@ -276,7 +276,7 @@ HINT = (
 
 
 class NonFiniteGuard:
-    """Finds the first non-finite step of a ``train/loss`` window (see the module docstring).
+    """Finds the first non-finite step of a ``train/loss`` window (docs/design.md §14).
 
     Args:
         mode: ``train.on_nonfinite``: ``"stop"``, ``"warn"`` or ``"ignore"``.
