@@ -6,12 +6,13 @@ missing devices or an unreachable tracking store (all found before training), 13
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -154,6 +155,16 @@ class TrackingError(RunnerError):
     """
 
     exit_code = 2
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Raise what fails in the block as ``TrackingError("could not {what}: {type}: {message}")``: runner's one mapping
+    of MLflow's errors onto its own."""
+    try:
+        yield
+    except Exception as exc:
+        raise TrackingError(f"could not {what}: {type(exc).__name__}: {exc}") from exc
 
 
 class TrainingError(RunnerError):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
+MAX_LINES = 23_100  # on the way to 18,000: lower it as lines go, never raise it (a feature pays for its lines)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}
@@ -48,6 +49,7 @@ def mode_names_compared(root: Path) -> list[str]:
 
 def test_the_package_keeps_its_size_budget() -> None:
     assert len(list(ROOT.rglob("*.py"))) <= MAX_MODULES
+    assert sum(len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.rglob("*.py")) <= MAX_LINES
     assert long_modules(ROOT) == []
     assert long_functions(ROOT) == []
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import TrackingError, mask_secrets
+from runner.errors import TrackingError, mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, mark_failed_quietly
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 
@@ -128,11 +128,9 @@ def create_parent_run(
     """
     eid = experiment_id(uri, experiment)
     client = _client(uri)
-    try:
+    with store_errors(f"create {what} at {uri}"):
         masked = {key: mask_secrets(value) for key, value in tags.items()}
         run_id = str(client.create_run(eid, tags=masked, run_name=mask_secrets(run_name)).info.run_id)
-    except Exception as exc:
-        raise TrackingError(f"could not create {what} at {uri}: {exc}") from exc
     try:
         _log_batches(client, run_id, metrics={}, params=params or {}, tags={}, step=0)
         for artifact_file, text in (texts or {}).items():
@@ -175,7 +173,7 @@ def child_runs(
     token = None
     conditions = [f"tags.{PARENT_TAG} = '{parent_run_id}'"]
     conditions += [f"tags.`{key}` = '{value}'" for key, value in (tags or {}).items()]
-    try:
+    with store_errors(f"list the child runs of {parent_run_id} at {uri}"):
         while True:
             page = client.search_runs(
                 [experiment_id],
@@ -187,8 +185,6 @@ def child_runs(
             token = page.token
             if not token:
                 return runs
-    except Exception as exc:
-        raise TrackingError(f"could not list the child runs of {parent_run_id} at {uri}: {exc}") from exc
 
 
 def record_summary(
@@ -214,16 +210,12 @@ def record_summary(
         TrackingError: MLflow rejects a request.
     """
     client = _client(uri)
-    try:
+    with store_errors(f"record the summary of run {run_id} at {uri}"):
         _log_batches(client, run_id, metrics=metrics or {}, params=params or {}, tags=tags or {}, step=step)
         for artifact_file, text in (texts or {}).items():
             client.log_text(run_id, mask_secrets(text), artifact_file)
         for file in files:
             client.log_artifact(run_id, str(file), files_dir)
-    except Exception as exc:
-        raise TrackingError(
-            f"could not record the summary of run {run_id} at {uri}: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def mark_running(uri: str, run_id: str) -> None:
@@ -232,7 +224,5 @@ def mark_running(uri: str, run_id: str) -> None:
     Raises:
         TrackingError: MLflow rejects the update.
     """
-    try:
+    with store_errors(f"reopen MLflow run {run_id} at {uri}"):
         _client(uri).update_run(run_id, status="RUNNING")
-    except Exception as exc:
-        raise TrackingError(f"could not reopen MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import TrackingError, mask_secrets
+from runner.errors import TrackingError, mask_secrets, store_errors
 from runner.tracking.tags import (
     PARAMS_PER_BATCH,
     git_artifacts,
@@ -291,15 +291,11 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
 
     client = MlflowClient(tracking_uri=uri)
     error = mask_secrets(error) if error else error
-    try:
+    with store_errors(f"end MLflow run {run_id} at {uri} with status {status}"):
         if error:
             tag_run(client, run_id, {"runner.error": error_summary(error)}, {"error": _error_tag(error)})
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
         client.set_terminated(run_id, status)
-    except Exception as exc:
-        raise TrackingError(
-            f"could not end MLflow run {run_id} at {uri} with status {status}: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
@@ -315,10 +311,8 @@ def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step:
 
     stamp = int(time.time() * 1000)
     values = [Metric(key, float(value), stamp, step) for key, value in metrics.items()]
-    try:
+    with store_errors(f"log the final metrics of run {run_id}"):
         MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=values, synchronous=True)
-    except Exception as exc:
-        raise TrackingError(f"could not log the final metrics of run {run_id}: {type(exc).__name__}: {exc}") from exc
 
 
 def run_exists(uri: str, run_id: str) -> bool:
@@ -340,10 +334,8 @@ def delete_run(uri: str, run_id: str) -> None:
     """
     from mlflow.tracking import MlflowClient
 
-    try:
+    with store_errors(f"delete MLflow run {run_id} at {uri}"):
         MlflowClient(tracking_uri=uri).delete_run(run_id)
-    except Exception as exc:
-        raise TrackingError(f"could not delete MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def run_status(uri: str, run_id: str) -> str:
@@ -402,14 +394,12 @@ def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    try:
+    with store_errors(f"reopen MLflow run {run_id} at {uri}"):
         client.update_run(run_id, status="RUNNING")
         count = int(client.get_run(run_id).data.tags.get("runner.resume.count", "0")) + 1
         client.set_tag(run_id, "runner.resume.count", str(count))
         if spec_change:
             tag_run(client, run_id, {"runner.resume.spec_change": spec_change}, {"spec change": spec_change})
-    except Exception as exc:
-        raise TrackingError(f"could not reopen MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def last_logged_steps(uri: str, run_id: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from runner.errors import TrackingError
+from runner.errors import store_errors
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def send_spool(
     if not path.is_file():
         return None
     contents, _ = read(path)
-    try:
+    with store_errors(f"send the metrics kept in {path} to run {run_id} at {uri}"):
         last = last_logged_steps(uri, run_id)
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
         fresh = [i for i in wanted if i.step > last.get(i.key, -1)]
@@ -167,10 +167,6 @@ def send_spool(
             client.log_batch(run_id, metrics=chunk, synchronous=True)
         if contents.tags:
             client.log_batch(run_id, tags=[RunTag(k, v) for k, v in contents.tags.items()], synchronous=True)
-    except Exception as exc:
-        raise TrackingError(
-            f"could not send the metrics kept in {path} to run {run_id} at {uri}: {type(exc).__name__}: {exc}"
-        ) from exc
     ended = None
     if apply_end and contents.end is not None:
         end_run(uri, run_id, contents.end[0], contents.end[1])

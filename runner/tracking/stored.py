@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
-from runner.errors import TrackingError, UsageError, mask_secrets
+from runner.errors import TrackingError, UsageError, mask_secrets, store_errors
 from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import absolute_uri, check_reachable, default_tracking_uri, local_store_missing
 
@@ -286,10 +286,8 @@ def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mappin
 
     from runner.tracking.tags import tag_run
 
-    try:
+    with store_errors(f"tag MLflow run {run_id} at {uri}"):
         tag_run(MlflowClient(tracking_uri=uri), run_id, tags, remarks)
-    except Exception as exc:
-        raise TrackingError(f"could not tag MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 MODEL_NAME = "model"
