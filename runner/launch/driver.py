@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 from runner.devices.inventory import HostLoad
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.spec.loading import relocate_issues
-from runner.spec.schema_parallel import MODES
 from runner.tracking.uri import ui_line
-from runner.training import STARTUP_METRIC
+from runner.training import STARTUP_METRIC, flops_uncounted
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.failures import HangReports
@@ -249,9 +248,7 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
         if not worker.device_peaks:
             metrics[f"memory/peak_rss_mib/rank{worker.rank}"] = worker.peak_memory_bytes / 2**20
     if not workers or any(not w.step_flops or not w.step_times_s for w in workers):
-        spec = plan.loaded.spec
-        why = "train.compile" if spec.train.compile else "timed steps" if options.sync_timing else "no step taken"
-        why = "dp's replicas run in threads" if MODES[spec.parallel.mode].replicas else why
+        why = flops_uncounted(plan.loaded.spec, options.sync_timing) or "no step taken"
         return metrics, "", f"no FLOPs counted: {why}"
     dtype = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[plan.loaded.spec.train.amp]
     dtype = "fp64" if options.dtype == "float64" else dtype

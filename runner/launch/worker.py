@@ -171,7 +171,7 @@ def _fit(
     is_log_rank: bool,
 ) -> WorkerResult:
     """Train on built and restored parts, then send the outputs and the result (rank 0)."""
-    from runner.training import setup
+    from runner.training import flops_uncounted, setup
 
     spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
@@ -200,7 +200,7 @@ def _fit(
             sync_timing=args.sync_timing,
             epoch_end=epoch_end,
             started_at=args.started_at,
-            count_flops=not (args.sync_timing or spec.train.compile),  # bench's timed steps stay uncounted
+            count_flops=flops_uncounted(spec, args.sync_timing) is None,
         )
         try:
             with setup.profiled(loop, spec, folder) as loop:

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.spec.schema import ExperimentSpec
 
 STARTUP_METRIC = "time_to_first_step_s"
 """Seconds from the command's start (``ExecOptions.started_at``) to the end of the first optimizer step."""
+
+
+def flops_uncounted(spec: ExperimentSpec, timed: bool) -> str | None:
+    """Why a run's processes do not count a step's FLOPs (the reason its ``runner.mfu`` tag gives), or ``None`` when
+    they do: dp's replicas run in threads a dispatch mode does not see, compiled kernels pass it by, and bench's
+    ``timed`` steps run plain."""
+    from runner.spec.schema_parallel import MODES
+
+    if MODES[spec.parallel.mode].replicas:
+        return "dp's replicas run in threads"
+    return "train.compile" if spec.train.compile else "timed steps" if timed else None
 
 
 @dataclass

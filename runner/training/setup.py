@@ -363,7 +363,7 @@ def loop_parts(
         sync_timing=sync_timing,
         epoch_end=epoch_end,
         started_at=started_at,
-        count_flops=count_flops and not strategy.traits.replicas,
+        count_flops=count_flops,
     )
 
 
