@@ -44,8 +44,6 @@ class Plan:
     """A resolved spec ready to run.
 
     Attributes:
-        loaded: The spec and where it came from.
-        devices: Where it runs on this machine.
         tracking_uri: Absolute MLflow tracking URI, or ``None`` when tracking is off.
         launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
             ``"external"`` (already a worker of torchrun or a scheduler).

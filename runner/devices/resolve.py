@@ -27,12 +27,10 @@ class DevicePlan:
     """Where and how a spec runs on this machine; see :func:`resolve_devices`.
 
     Attributes:
-        accelerator: ``"cuda"`` or ``"cpu"``.
         mode: ``parallel.mode`` (:data:`runner.spec.schema_parallel.MODES` says what it is).
         requested_ids: Chosen visible indices (the user's numbering); empty on CPU.
         visible: ``CUDA_VISIBLE_DEVICES`` entries of every visible GPU (inherited view).
         selected: ``CUDA_VISIBLE_DEVICES`` entries of the chosen GPUs, in order.
-        names: Device names of the chosen GPUs.
         uuids: UUIDs of the chosen GPUs (``None`` when unknown).
         nproc_per_node: Processes on this node (1 for a one-process mode).
         nnodes: Nodes (1 for a one-process mode).

@@ -35,7 +35,6 @@ class ExecOptions:
         resume: Run id to continue, ``"last"`` for the newest run of the experiment, or ``None``.
         allow_spec_change: Dotted keys that may differ from the resumed run's spec.
         parent_run_id: Make the run a child of this run (``mlflow.parentRunId``), for sweeps and bench.
-        tags: Extra MLflow tags for the run.
         sync_timing: Exact per-step timing on CUDA (``runner bench``).
         nested: Allow starting while an MLflow fluent run is active in this process (the new
             run becomes its child); without it that is an error.
@@ -311,14 +310,10 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         TrainingError: Any other failure; the run ends FAILED with the cause.
     """
     from runner.launch.channel import Hub
-    from runner.launch.elastic import is_signal, spec_error_of_child
-    from runner.launch.failures import JobContext, describe_failure, interruption, oom_kill_count
+    from runner.launch.elastic import LaunchFailed, launch_failure
+    from runner.launch.failures import JobContext, oom_kill_count
     from runner.launch.session import worker_args
 
-    if plan.launch == "elastic":
-        # the launcher's torch before the hub's mlflow: two imports on two threads of one process take turns on the
-        # GIL, and the ranks start only once torch is in (about 2 s of a 1-step ddp-2 run, benchmarks/README.md)
-        import torch.distributed.launcher.api  # noqa: F401
     hub = Hub(session.handle, session.open_store) if session is not None else None
     args = worker_args(plan, options, hub.address if hub is not None else None)
     status, error = "FAILED", None
@@ -341,17 +336,15 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         raise TrainingError(error) from None
     except Exception as exc:
         _raise_unmade(session)
-        stopped = interruption(exc)  # a signal to one rank: every rank stopped after the checkpoint
-        if is_signal(exc) or stopped is not None:
+        context = JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs)
+        failed = exc if isinstance(exc, LaunchFailed) else launch_failure(exc, context)
+        if failed.stopped is not None:
             status = "KILLED"
-            signum, rank = stopped or (getattr(exc, "sigval", 15), None)
+            signum, rank = failed.stopped
             raise _interrupted(signum, plan, session, hangs, rank) from None
-        bad_spec = spec_error_of_child(exc)
-        if bad_spec is not None and (session is None or session.run_id is None):
-            raise relocate_issues(bad_spec, plan.loaded) from None
-        error = describe_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
-        if getattr(exc, "ranks_log", None):
-            error += f"\nthe ranks' full tracebacks: {exc.ranks_log}"  # type: ignore[attr-defined]
+        if failed.spec_error is not None and (session is None or session.run_id is None):
+            raise relocate_issues(failed.spec_error, plan.loaded) from None
+        error = failed.error
         raise TrainingError(error) from None
     finally:
         if hub is not None:
@@ -406,9 +399,13 @@ def _launch(
     from runner.launch.worker import run_worker
 
     if plan.launch == "elastic":
-        from runner.launch.elastic import launch_elastic
+        from runner.launch.elastic import launch_elastic, run_agent
 
-        return launch_elastic(plan, args, hangs)
+        if plan.rendezvous is not None and plan.rendezvous.nnodes > 1:
+            # c10d numbers the nodes by host name, then by the pid of the process that runs the launcher; the job's
+            # rank 0 must be where its run's owner is (node 0 on one host, as the drivers start): launch here
+            return launch_elastic(plan, args, hangs)
+        return run_agent(plan, args, hangs)
     if session is not None and plan.launch != "elastic" and not options.in_process:
         # none and dp; and rank 0 started by torchrun or a Slurm task per device, which thus stays its job's
         # driver: the rank trains in a child that inherits its launcher's variables (docs/design.md §6)

@@ -23,20 +23,108 @@ from typing import TYPE_CHECKING
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrainingError
 
 if TYPE_CHECKING:
-    from runner.launch.failures import HangReports
+    from runner.launch.failures import HangReports, JobContext
     from runner.launch.session import RunSession
     from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.training import WorkerResult
 
 
-def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
-    """Run the workers of ``plan`` under the elastic launcher; return their results, the logging rank's first.
+class LaunchFailed(Exception):
+    """Why an elastic job failed, judged where its launcher ran: ``stopped`` is ``(signal, rank)`` when the ranks
+    stopped on a signal (``rank`` ``None``: the launcher got it); else ``error``, the run's message, and
+    ``spec_error``, what a rank's build found."""
 
-    Args:
-        plan: The job's plan (it has a rendezvous for every elastic launch).
-        args: What every worker gets; the launcher's pid and a report folder are added.
-        hangs: Receives the reports of ranks that hung after a stop signal.
+    def __init__(self, error: str, stopped: tuple[int, int | None] | None = None, spec_error: SpecError | None = None):
+        super().__init__(error, stopped, spec_error)
+        self.error, self.stopped, self.spec_error = error, stopped, spec_error
+
+
+def launch_failure(exc: BaseException, context: JobContext) -> LaunchFailed:
+    """:class:`LaunchFailed` of what a launch (or an in-process worker) raised."""
+    from runner.launch.failures import describe_failure, interruption
+
+    stopped = interruption(exc)  # a signal to one rank: every rank stopped after the checkpoint
+    if stopped is None and is_signal(exc):
+        stopped = (int(getattr(exc, "sigval", signal.SIGTERM)), None)
+    error = "" if stopped else describe_failure(exc, context)
+    if getattr(exc, "ranks_log", None):
+        error += f"\nthe ranks' full tracebacks: {exc.ranks_log}"  # type: ignore[attr-defined]
+    return LaunchFailed(error, stopped, spec_error_of_child(exc))
+
+
+_AGENT_ARGS, _AGENT_OUTCOME = "agent-args.pkl", "agent-outcome.pkl"
+
+
+def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerResult]:
+    """Run the workers of ``plan`` under the elastic launcher in a process of its own (docs/design.md §6: the
+    driver imports no torch); return their results, the logging rank's first. A stop signal this process gets is
+    passed on to the launcher, which passes it on to the workers.
+
+    Raises:
+        LaunchFailed: The job failed or stopped; ``hangs`` receives the reports of ranks that hung at the stop.
+        TrainingError: The launcher itself ended without an outcome (killed, say).
+    """
+    from runner.launch.failures import ended_by, oom_kill_count
+
+    oom_before = oom_kill_count()
+    with tempfile.TemporaryDirectory(prefix="runner-agent-") as folder:
+        path = Path(folder) / _AGENT_ARGS
+        path.write_bytes(pickle.dumps((plan, args, oom_before, os.getpid())))
+        # SIGINT and SIGTERM are the agent's own (_stop_once); elastic handles the rest
+        env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+        child = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--agent", str(path)], env=env)
+        code = _wait_passing_signals(child, lambda: False)
+        done = path.with_name(_AGENT_OUTCOME)
+        if not done.exists():
+            raise TrainingError(f"the elastic launcher {ended_by(code, oom_before)}")
+        outcome, found = pickle.loads(done.read_bytes())
+    hangs.update(found)
+    if isinstance(outcome, LaunchFailed):
+        raise outcome
+    return list(outcome)
+
+
+def _agent_main(path: Path) -> int:
+    """The launcher process: run the job, leave its outcome (results or :class:`LaunchFailed`) beside ``path``."""
+    from runner.launch.failures import JobContext, die_with_parent
+
+    plan, args, oom_before, driver = pickle.loads(path.read_bytes())
+    die_with_parent(driver, signal.SIGTERM)  # a driver killed hard: stop the workers as a stop signal does
+    _stop_once()
+    hangs: HangReports = {}
+    outcome: list[WorkerResult] | LaunchFailed
+    try:
+        outcome = launch_elastic(plan, args, hangs)
+    except Exception as exc:  # SignalException included
+        outcome = launch_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
+    partial = path.with_name(_AGENT_OUTCOME + ".tmp")
+    partial.write_bytes(pickle.dumps((outcome, hangs)))
+    partial.replace(path.with_name(_AGENT_OUTCOME))  # whole or absent
+    return 0
+
+
+def _stop_once() -> None:
+    """SIGINT and SIGTERM stop the job once: a signal less than 1 s after the first is the same stop, delivered
+    twice (the driver passes on what a terminal or Slurm also sent here), as the workers count it
+    (runner.launch.worker); a later one stops again."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    first: list[float] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if first and time.monotonic() - first[0] < 1.0:
+            return
+        first[:] = [time.monotonic()]
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
+    """Run the workers of ``plan`` under the elastic launcher, in this process; return their results, the logging
+    rank's first.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: A worker failed.
@@ -242,10 +330,14 @@ _POLL_S = 0.1
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The child's entry: train the pickled arguments; the exit status says how it ended (the hub says why)."""
+    """The child's entry: train the pickled arguments; the exit status says how it ended (the hub says why).
+    With ``--agent``: the elastic launcher of a ddp or fsdp job (:func:`run_agent`)."""
     from runner.launch.worker import run_worker
 
-    path = Path((argv if argv is not None else sys.argv[1:])[0])
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[0] == "--agent":
+        return _agent_main(Path(argv[1]))
+    path = Path(argv[0])
     args = pickle.loads(path.read_bytes())
     try:
         run_worker(args)
@@ -259,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import importlib
+
     from runner.errors import exit_quickly
 
-    exit_quickly(main())
+    # this file again, as itself: what the agent pickles (LaunchFailed) is then found by its name
+    exit_quickly(importlib.import_module("runner.launch.elastic").main())

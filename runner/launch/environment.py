@@ -150,7 +150,6 @@ class SlurmLayout:
 
     Attributes:
         kind: ``"per-device"``, ``"per-node"`` or ``"batch"``.
-        nnodes: Nodes of the job's process group.
         world_size: Processes in the job's process group.
         rank: This task's global rank (``"per-device"``: ``SLURM_PROCID``; else 0, the launcher's).
     """

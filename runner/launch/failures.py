@@ -263,8 +263,9 @@ _SAMPLE_S = 0.25
 _BUSY_FILES = ("runner/training/checkpoint.py",)  # a rank writing its checkpoint is not hung
 
 
-def die_with_parent(expected_parent: int | None = None) -> bool:
-    """Ask the kernel to SIGKILL this process when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``).
+def die_with_parent(expected_parent: int | None = None, signum: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``signum`` to this process when the thread that started it ends (Linux
+    ``PR_SET_PDEATHSIG``).
 
     If the parent is already gone (it died before this call), the process ends at once.
 
@@ -280,7 +281,7 @@ def die_with_parent(expected_parent: int | None = None) -> bool:
     parent = os.getppid() if expected_parent is None else expected_parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
@@ -293,7 +294,6 @@ class HangWatch:
     """After SIGTERM or SIGINT, end this process when its main thread makes no progress for ``grace_s`` seconds.
 
     Args:
-        rank: The global rank, named in the report.
         report_dir: Folder the driver reads hang reports from (``hung-rank-<rank>.json``), or ``None``.
         grace_s: Seconds the main thread's stack may stand still after the signal.
     """

@@ -54,7 +54,6 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     """Find the run ``--resume`` names and check the spec against its newest checkpoint.
 
     Args:
-        plan: The plan of the spec to continue with.
         options: ``resume`` (a run id or ``"last"``) and ``allow_spec_change``.
 
     Returns:
@@ -318,7 +317,6 @@ class Settled:
 
     Attributes:
         status: Its MLflow status now (``KILLED`` when it was just marked so).
-        owner: The recorded owner, or ``None``.
         liveness: The owner's liveness (``unknown`` without an owner).
         marked_killed: Whether :func:`settle` ended the run.
         uri: The run's store, for the command that continues it.

@@ -163,7 +163,6 @@ def default_run_name(loaded: LoadedSpec, mode: str, size: int | str) -> str:
     Args:
         loaded: The spec; ``loaded.overrides`` (``--set``) and ``loaded.unset`` (``--unset``) are the
             command line's changes, named with the value they gave (a default for ``--unset``).
-        mode: ``none``, ``dp`` or ``ddp``.
         size: Devices the run uses (dp's GPUs) or its world size (ddp): the ``2`` of ``ddp-2``
             (``?`` while only the machine can say).
 

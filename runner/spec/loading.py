@@ -168,7 +168,6 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
 
     Args:
         error: Raised by a builder; issues without a file are placed.
-        loaded: The spec the builder was given.
 
     Returns:
         A new error with the same issues, located.

@@ -88,7 +88,6 @@ def apply_override(tree: SpecTree, override: str, issues: list[SpecIssue]) -> No
 
     Args:
         tree: The spec read from its files (changed in place).
-        override: The text given to ``--set``.
         issues: Problems found are appended here (located at ``--set``, not at a file).
     """
     key_text, eq, value_text = override.partition("=")

@@ -273,7 +273,6 @@ def merge(
         dst: The dict merged into (changed in place).
         provenance: Origins of the keys of ``dst`` (changed in place).
         src: The dict merged in (copied, never aliased).
-        src_origins: Origins of the keys of ``src``.
         prefix: Key path of ``dst`` inside the whole spec.
     """
     for key, value in src.items():

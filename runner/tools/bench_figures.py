@@ -185,7 +185,6 @@ def summarize(
     Args:
         exec_result: One training: ``workers`` holds every rank (an ``ExecResult`` has this shape).
         batch_sizes: Global samples of each optimizer step of an epoch (cycled over epochs).
-        warmup: Steps to leave out of the timing.
         cuda_peaks: Allocator peak of every CUDA device of an in-process (none/dp) run, bytes.
     """
     workers = sorted(exec_result.workers, key=lambda w: w.rank)

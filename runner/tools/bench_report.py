@@ -35,7 +35,6 @@ class ConfigResult:
 
     Attributes:
         config: Short id: ``none``, ``dp-2``, ``ddp-1``, ``ddp-2``.
-        mode: ``none``, ``dp`` or ``ddp``.
         n: Devices (none, dp) or processes (ddp).
         status: ``ok``, ``skipped`` (cannot run on this machine) or ``failed`` (unexpected error).
         reason: Why it was skipped or how it failed.

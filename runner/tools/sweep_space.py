@@ -45,7 +45,6 @@ class SweepDefinition:
             with explicit values or a range.
         trials: Trials in total over every worker (grid: at most the grid size).
         metric: Metric that ranks trials, e.g. ``val/accuracy``; also the one the pruner watches.
-        goal: ``"max"`` or ``"min"``.
         pruner: ``"none"``, ``"median"`` or ``"hyperband"``.
         pruner_startup_trials: median: trials that finish before any is pruned.
         pruner_warmup_epochs: Epochs every trial trains before it may be pruned.
@@ -350,9 +349,6 @@ def first_line(text: str) -> str:
 
 def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple[list[Path], list[str]]:
     """Optuna's optimization-history and parameter-importance plots as PNG files (``optuna.visualization.matplotlib``).
-
-    Args:
-        goal: ``"max"`` or ``"min"``.
 
     Returns:
         ``(files written, notes)``: a plot Optuna cannot draw (e.g. importances with fewer than

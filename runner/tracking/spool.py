@@ -64,7 +64,6 @@ def append(
     """Append records to the spool at ``path`` (created with its folder) and fsync it; returns the values written.
 
     Args:
-        tags: Tags to record, or ``None``.
         end: ``(status, error)`` of a run end to record, or ``None``.
 
     Raises:

@@ -35,7 +35,6 @@ class StoredRun:
     """What runner recorded about one run.
 
     Attributes:
-        uri: The tracking URI it was read from.
         status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
         tags: Every tag of the run (git commit and dirty state, torch version, devices, ...).
         spec_path: The spec file the run was started from (absolute; it may be gone).

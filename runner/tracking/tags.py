@@ -247,9 +247,6 @@ def param_value(value: Any) -> str:
 
     ``True`` -> ``"true"``, ``1`` -> ``"1"``, ``1.0`` -> ``"1.0"`` (floats use ``repr``),
     lists and tables -> JSON, strings unchanged.
-
-    Args:
-        value: A JSON-able scalar, list or dict.
     """
     if isinstance(value, bool):
         return "true" if value else "false"

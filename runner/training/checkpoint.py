@@ -427,7 +427,6 @@ def build_payload(
         state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
         rng_states: One RNG-state dict per rank, indexed by rank.
         spec_flat: The flattened spec (dotted keys), to report what changed on resume.
-        spec_sha256: SHA-256 of the resolved spec.
         run_id: The MLflow run the checkpoint belongs to.
         metrics_recorded: Metric values the run had recorded when the checkpoint was taken (the
             tracker's count, all of them sent or spooled): a resume from this checkpoint sends the

@@ -267,7 +267,6 @@ class SeedInfo:
 
     Attributes:
         seed: Seed given to Python, NumPy and torch (same on every rank).
-        rank: The rank it was called on.
         worker_base_seed: Seed of this rank's DataLoader generator for epoch 0.
         deterministic_settings: Setting -> value it set (empty unless ``deterministic``).
     """

@@ -51,7 +51,6 @@ class MetricPlan:
 
     Attributes:
         train: Metric objects of the training batches.
-        val: Metric objects of the validation split.
         counted_accuracy: The default ``train/accuracy`` and ``val/accuracy``: correct predictions counted
             on the device in the loop's running sums (:mod:`runner.training.sums`) and reduced with the
             loss, not by a metric object (so a default spec never imports torchmetrics).

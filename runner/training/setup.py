@@ -50,7 +50,6 @@ class TrainingParts:
     Attributes:
         model: The wrapped model (``strategy.wrap`` applied).
         raw_model: The user's model inside it (state dicts, the optimizer, model logging).
-        scheduler: The LR scheduler, or ``None``.
         scheduler_interval: When it steps: ``"step"`` or ``"epoch"``.
         precision: Autocast and gradient scaling of ``train.amp``.
         loss: The summed loss of a micro-batch (:mod:`runner.training.losses`).
@@ -239,7 +238,6 @@ class Checkpointer:
     """The loop's ``on_checkpoint``: every rank hands in its RNG state, the writing rank saves, all wait.
 
     Args:
-        parts: The parts whose state is saved.
         loaded: The loaded spec (``[checkpoint]`` settings, the flattened spec and its SHA-256 go in each file).
         run_id: The MLflow run the checkpoints belong to, or ``None``.
         writer: Whether this rank writes (the logging rank).

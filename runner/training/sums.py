@@ -169,7 +169,6 @@ class Progress:
 
     Args:
         style: ``"auto"`` (bar on a TTY, lines otherwise), ``"bar"``, ``"lines"`` or ``"off"``.
-        total: Optimizer steps the run will take.
         enabled: False on non-zero ranks: nothing is printed.
         every_s: Minimum seconds between two plain lines.
     """

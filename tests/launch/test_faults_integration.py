@@ -161,6 +161,30 @@ def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path) -> Non
     assert run.info.status == "FAILED" and "signal 9 (SIGKILL" in run.data.tags["runner.error"]
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().split(")")[-1].split()[1])
+
+
+def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_workers_stop(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, uri, DDP, epochs=100)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.1"))
+    wait_for(lambda: len(list(pids.iterdir())) == 2, "both ranks to train", proc=driver)
+    workers = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
+    agent = _parent(_parent(workers[0]))  # a worker's parent is the fork server, whose parent is the launcher
+    assert "--agent" in Path(f"/proc/{agent}/cmdline").read_text() and _parent(agent) == driver.pid
+    os.kill(agent, signal.SIGKILL)
+    code, _, err = _finish(driver)
+    assert code == 1, err
+    assert "the elastic launcher was killed by signal 9 (SIGKILL" in err, err
+    wait_for(lambda: not any(_alive(p) for p in workers), "the workers to stop with their launcher", timeout_s=60)
+    (run,) = _runs(uri)
+    assert run.info.status == "FAILED" and "elastic launcher" in run.data.tags["runner.error"]
+
+
 # ----------------------------------------------------------------------------- item: an abort after the work
 
 

@@ -133,13 +133,14 @@ def test_a_breakpoint_in_the_users_model_gives_a_prompt_under_none(tmp_path: Pat
     assert "(Pdb) 42\n" in out and "status: FINISHED" in out
 
 
-def test_the_driver_of_a_none_run_imports_neither_torch_nor_trains(tmp_path: Path, store: str):
+@pytest.mark.parametrize("mode", ["none", "ddp-2"])
+def test_the_driver_imports_neither_torch_nor_trains(mode, tmp_path: Path, store: str):
     import json
     import os
     import subprocess
     import sys
 
-    spec = _spec(tmp_path, store, {})
+    spec = _spec(tmp_path, store, MODES[mode])
     probe = tmp_path / "probe"
     probe.mkdir()
     code = (
@@ -154,4 +155,4 @@ def test_the_driver_of_a_none_run_imports_neither_torch_nor_trains(tmp_path: Pat
     rc, torch_in_driver, mlflow_in_driver = json.loads(done.stdout.strip().splitlines()[-1])
     assert rc == 0, done.stderr
     assert not torch_in_driver and mlflow_in_driver  # the driver records the run; its child trained
-    assert [p.read_text() for p in probe.glob("trains-*")] == ["clean"]
+    assert [p.read_text() for p in probe.glob("trains-*")] == ["clean"] * MODES[mode].get("nproc_per_node", 1)
