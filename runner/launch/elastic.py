@@ -76,6 +76,8 @@ def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerRe
         child = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--agent", str(path)], env=env)
         code = _wait_passing_signals(child, lambda: False)
         done = path.with_name(_AGENT_OUTCOME)
+        if not done.exists() and code in (-signal.SIGINT, -signal.SIGTERM):  # stopped before its handlers were in
+            raise LaunchFailed("", (-code, None))
         if not done.exists():
             raise TrainingError(f"the elastic launcher {ended_by(code, oom_before)}")
         outcome, found = pickle.loads(done.read_bytes())
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(argv if argv is not None else sys.argv[1:])
     if argv[0] == "--agent":
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a stop before _stop_once: end quietly, the driver says why
         return _agent_main(Path(argv[1]))
     path = Path(argv[0])
     args = pickle.loads(path.read_bytes())

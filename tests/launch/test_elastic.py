@@ -42,3 +42,29 @@ def test_a_stop_signal_that_arrives_twice_within_a_second_is_one_stop() -> None:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+class _Ended:
+    """A launcher process that ended with ``code`` and left no outcome."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.code
+
+    def send_signal(self, signum: int) -> None:
+        raise AssertionError("nothing to pass on")
+
+
+def test_a_launcher_ended_without_an_outcome_is_a_stop_when_a_stop_signal_ended_it_else_a_failure(monkeypatch) -> None:
+    from runner.errors import TrainingError
+    from runner.launch import elastic
+
+    monkeypatch.setattr(elastic.subprocess, "Popen", lambda *a, **k: _Ended(-signal.SIGTERM))
+    with pytest.raises(LaunchFailed) as stopped:
+        elastic.run_agent("plan", "args", {})  # type: ignore[arg-type]  # only pickled
+    assert stopped.value.stopped == (signal.SIGTERM, None)
+    monkeypatch.setattr(elastic.subprocess, "Popen", lambda *a, **k: _Ended(-signal.SIGKILL))
+    with pytest.raises(TrainingError, match=r"the elastic launcher was killed by signal 9 \(SIGKILL"):
+        elastic.run_agent("plan", "args", {})  # type: ignore[arg-type]
