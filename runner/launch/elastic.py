@@ -160,7 +160,7 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
         )
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         try:
-            results = elastic_launch(config, run_and_leave_result)(launched)
+            results = elastic_launch(config, run_and_leave_result)(launched, os.getpid())
         except Exception as exc:
             results = finished_despite(exc, Path(log_dir), plan.devices.nproc_per_node)
             if results is None:
@@ -197,13 +197,14 @@ ABORT_AT_EXIT_VAR = "RUNNER_TEST_ABORT_AT_EXIT"  # fault injection: this rank ab
 _RESULT_FILE = "result-rank-{rank}.pkl"
 
 
-def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
+def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None:
     """The elastic workers' entry point: :func:`~runner.launch.worker.run_worker`, then its result left in
-    ``args.report_dir`` for :func:`finished_despite`."""
+    ``args.report_dir`` for :func:`finished_despite`. A worker stops as on SIGTERM when its ``launcher`` ends."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from runner.launch.worker import run_worker
 
+    _stop_when_gone(launcher)
     result = record(run_worker)(args)  # the failure's traceback in the launcher's error file
     rank = os.environ.get("RANK", "0")
     if args.report_dir is not None:
@@ -219,6 +220,27 @@ def run_and_leave_result(args: WorkerArgs) -> WorkerResult | None:
 
     gc.freeze()  # this process ends next: its teardown skips torch's objects (runner.errors.exit_quickly)
     return result
+
+
+def _stop_when_gone(pid: int) -> None:
+    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second). A worker's parent is the
+    fork server, which outlives a launcher killed hard (each worker holds the server's end-of-clients pipe), so the
+    kernel's parent-death signal never comes."""
+    import select
+    import threading
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])
+        except (AttributeError, OSError):  # no pidfd (before Linux 5.3, not Linux)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                while True:
+                    os.kill(pid, 0)
+                    time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="runner-launcher-watch", daemon=True).start()
 
 
 def finished_despite(exc: BaseException, folder: Path, local_workers: int) -> dict[int, WorkerResult | None] | None:
