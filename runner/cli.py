@@ -319,17 +319,20 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _exec(args: argparse.Namespace) -> int:
     from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.elastic import prestarted
 
     if args.allow_spec_change and not args.resume:
         raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
-    loaded = _load(args)
-    options = ExecOptions(
-        run_name=args.run_name,
-        resume=args.resume,
-        allow_spec_change=tuple(args.allow_spec_change),
-        parent_run_id=args.parent_run_id,
-    )
-    return _print_summary(exec_experiment(loaded, options).summary())
+    with prestarted():  # the training child imports torch while this process reads the spec and plans
+        loaded = _load(args)
+        options = ExecOptions(
+            run_name=args.run_name,
+            resume=args.resume,
+            allow_spec_change=tuple(args.allow_spec_change),
+            parent_run_id=args.parent_run_id,
+        )
+        result = exec_experiment(loaded, options)
+    return _print_summary(result.summary())
 
 
 def _status(args: argparse.Namespace) -> int:

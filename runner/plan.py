@@ -307,15 +307,9 @@ def _slurm_layout(
 
 
 def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) -> Rendezvous:
-    """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's.
-
-    ``launching`` is False under torchrun, whose own rendezvous the workers already joined.
-
-    Raises:
-        SpecError: Several nodes and no endpoint outside a Slurm step, at ``parallel.nnodes``' line (or
-            naming the ``--nnodes`` or ``--set`` that gave it).
-        UsageError: The Slurm node list cannot be read.
-    """
+    """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's (``launching``
+    is False under torchrun, whose rendezvous the workers joined). Raises SpecError for several nodes and no endpoint
+    outside a Slurm step, at ``parallel.nnodes``' line, and UsageError when the Slurm node list cannot be read."""
     from runner.errors import SpecError, SpecIssue, UsageError
     from runner.spec.loading import relocate_issues
 

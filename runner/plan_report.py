@@ -291,11 +291,9 @@ def fake_step(
 
 
 def _step(model: Any, optimizer: Any, x: Any, y: Any, amp: bool, count: bool) -> tuple[Any, int]:
-    """One training step; returns its output and, with ``count``, the FLOPs of its forward and backward.
-
-    The loss stands in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of
-    its own, so a measured step runs without it.
-    """
+    """One training step; returns its output and, with ``count``, the FLOPs of its forward and backward. The loss stands
+    in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of its own, so a measured
+    step runs without it."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -318,15 +316,9 @@ def _bytes(tensors: Any) -> int:
 
 @contextlib.contextmanager
 def _process_group(size: int, fake: bool) -> Iterator[Any]:
-    """A device mesh of ``size`` ranks (none below 2): over a fake process group, destroyed on exit; for a real
-    step (``fake`` false), over the caller's process group (a test's gloo ranks).
-
-    The ``fake`` backend and ``FakeStore`` (``torch.testing._internal.distributed.fake_pg``, what torch's own
-    memory-tracker tests use) answer every collective without another process; this process is rank 0.
-
-    Raises:
-        RuntimeError: A fake group is asked for where a process group is initialised already.
-    """
+    """A device mesh of ``size`` ranks (none below 2): over a fake process group (``fake_pg``'s backend and
+    ``FakeStore``, as torch's memory-tracker tests use: every collective answered, this process rank 0), destroyed on
+    exit; over the caller's process group for a real step. RuntimeError: a fake group where one exists already."""
     if size < 2:
         yield None
         return

@@ -231,13 +231,9 @@ def _text(value: Any) -> str:
 
 
 def _map_visible(value: str | None, rows: list[GpuRow]) -> tuple[list[GpuInfo], list[str]]:
-    """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to the machine's GPUs (PCI bus order).
-
-    CUDA's rules (mirrored by ``torch.cuda._parse_visible_devices``): unset means
-    all; an item that matches no device ends the list (so ``""`` and ``-1`` mean
-    none); a repeated item hides every device; ``GPU-`` items match a unique
-    UUID prefix.
-    """
+    """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to the machine's GPUs (PCI bus order). CUDA's rules (mirrored by
+    ``torch.cuda._parse_visible_devices``): unset means all; an item that matches no device ends the list (so ``""`` and
+    ``-1`` mean none); a repeated item hides every device; ``GPU-`` items match a unique UUID prefix."""
     if value is None:
         return [GpuInfo(pos, name, uuid, mem, str(idx), idx) for pos, (idx, name, uuid, mem) in enumerate(rows)], []
     notes: list[str] = []

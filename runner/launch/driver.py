@@ -392,10 +392,8 @@ def checkpoint_note(folder: str, hangs: HangReports) -> str:
 def _launch(
     plan: Plan, args: WorkerArgs, hangs: HangReports, options: ExecOptions, session: RunSession | None
 ) -> list[WorkerResult]:
-    """Run the training processes; return their results, rank 0's first.
-
-    ``hangs`` receives the reports of ranks that hung after a stop signal (elastic launch only).
-    """
+    """Run the training processes; return their results, rank 0's first. ``hangs`` receives the reports of ranks that
+    hung after a stop signal (elastic launch only)."""
     from runner.launch.worker import run_worker
 
     if plan.launch == "elastic":

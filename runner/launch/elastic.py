@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import multiprocessing
 import os
 import pickle
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -73,7 +74,7 @@ def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerRe
         path.write_bytes(pickle.dumps((plan, args, oom_before, os.getpid())))
         # SIGINT and SIGTERM are the agent's own (_stop_once); elastic handles the rest
         env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
-        child = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--agent", str(path)], env=env)
+        child = _start(["--agent", str(path)], env)
         code = _wait_passing_signals(child, lambda: False)
         done = path.with_name(_AGENT_OUTCOME)
         if not done.exists() and code in (-signal.SIGINT, -signal.SIGTERM):  # stopped before its handlers were in
@@ -184,9 +185,8 @@ FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.
 
 
 def _stop_forkserver() -> None:
-    """End this process's fork server (and with it, through ``die_with_parent``, any worker left): a server keeps
-    the environment it started with, so the next job in this process (a test, a sweep) starts a fresh one.
-    ``ForkServer._stop`` is CPython's own (private) way to do it, present since 3.8."""
+    """End this process's fork server: a server keeps the environment it started with, so the next job in this
+    process (a test, a sweep) starts a fresh one. ``ForkServer._stop`` is CPython's own (private) way, since 3.8."""
     from multiprocessing import forkserver
 
     with contextlib.suppress(Exception):
@@ -289,6 +289,57 @@ def spec_error_of_child(exc: BaseException) -> SpecError | None:
 
 
 ARGS_FILE = "worker-args.pkl"
+_ready: tuple[subprocess.Popen[bytes], int] | None = None  # the prestarted process and its pipe
+
+
+@contextlib.contextmanager
+def prestarted() -> Iterator[None]:
+    """Start ``python -m runner.launch.elastic --ready FD`` now: it imports :data:`FORKSERVER_PRELOAD` while the
+    driver reads the spec and plans (benchmarks/README.md), then the block's first launch hands it its arguments,
+    environment and folder on its pipe (:func:`_start`); one the block did not use is ended at its end."""
+    global _ready
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--ready", str(read)], pass_fds=(read,))
+    os.close(read)
+    _ready = (proc, write)
+    try:
+        yield
+    finally:
+        if _ready is not None:
+            _ready = None
+            proc.kill()
+            proc.wait()
+            os.close(write)
+
+
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m runner.launch.elastic ARGV`` in ``env``: the prestarted process while it lives, else a new one."""
+    global _ready
+    if _ready is not None:
+        (proc, write), _ready = _ready, None
+        with contextlib.suppress(OSError), os.fdopen(write, "w") as pipe:
+            pipe.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}))
+        if proc.poll() is None:
+            return proc
+    return subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", *argv], env=env)
+
+
+def _ready_main(fd: int) -> int:
+    """The prestarted process: import what every use needs, then wait for its arguments (none: end)."""
+    import importlib
+
+    for name in FORKSERVER_PRELOAD:
+        importlib.import_module(name)
+    with os.fdopen(fd) as pipe:
+        text = pipe.read()
+    if not text:
+        return 0
+    given = json.loads(text)
+    os.environ.clear()
+    os.environ.update(given["env"])  # as the driver has it now: the devices it chose, the launcher's variables
+    os.chdir(given["cwd"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return main(given["argv"])
 
 
 def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
@@ -308,7 +359,7 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     path = Path(args.hub.path).with_name(ARGS_FILE)
     path.write_bytes(pickle.dumps(dataclasses.replace(args, launcher_pid=os.getpid())))
     oom_before = oom_kill_count()
-    child = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", str(path)])
+    child = _start([str(path)], dict(os.environ))
     code = _wait_passing_signals(child, lambda: session.store_error is not None)
     if session.result is not None and code == 0:
         return WorkerResult(**session.result)
@@ -325,11 +376,9 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
 
 
 def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool]) -> int:
-    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it.
-
-    Once ``pointless()`` (the store could not be opened: no run will be made) the child is killed rather than
-    left to import torch and build for nothing.
-    """
+    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it. Once ``pointless()`` (the
+    store could not be opened: no run will be made) the child is killed rather than left to import torch and build for
+    nothing."""
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):
@@ -359,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     from runner.launch.worker import run_worker
 
     argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[0] == "--ready":
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C before it is used: end quietly
+        return _ready_main(int(argv[1]))
     if argv[0] == "--agent":
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a stop before _stop_once: end quietly, the driver says why
         return _agent_main(Path(argv[1]))

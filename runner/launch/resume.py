@@ -192,15 +192,12 @@ def _spec_changed(
 def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
-    """Refuse to resume with a spec that differs from the run's, unless each change is allowed.
-
-    Keys that do not apply to the run on ``accelerator`` (another mode's options, ...:
-    :func:`runner.spec.dump.run_inactive_keys`) are inert and never count as a change, as in
-    ``runner diff`` and the run's params.
+    """Refuse to resume with a spec that differs from the run's, unless each change is allowed; keys that do not
+    apply on ``accelerator`` (:func:`runner.spec.dump.run_inactive_keys`) never count, as in ``runner diff``.
 
     Returns:
-        ``({dotted key: [old value, new value]}, complete, notes)``: the allowed changes, and
-        whether the newest usable checkpoint already covers all the training the spec asks for.
+        ``({dotted key: [old, new]}, complete, notes)``: the allowed changes, and whether the newest usable
+        checkpoint already covers all the training the spec asks for.
 
     Raises:
         UsageError: The run has no checkpoint, or ``allowed`` names a key the spec does not have.

@@ -254,10 +254,8 @@ def _recorded(tracker: Tracker) -> int:
 
 
 def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
-    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest.
-
-    Values recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent.
-    """
+    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest. Values
+    recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent."""
     from runner.tracking.spool import send_spool, spool_path
 
     path = spool_path(folder)

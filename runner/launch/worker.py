@@ -131,13 +131,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
 def _train(
     args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag, link: Link | None
 ) -> WorkerResult | None:
-    """Build, report the build to the driver, resume if asked, fit, send the outputs; the setup steps are named.
-
-    Kept apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are
-    released when it returns, before the process group is destroyed. Rank 0 talks to the driver's
-    hub (:mod:`runner.launch.channel`) when there is one; ``None`` is returned when the driver
-    made no run (a spec error found while building, or the store failed).
-    """
+    """Build, report the build to the driver, resume if asked, fit, send the outputs; the setup steps are named. Kept
+    apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are released when it returns, before the
+    process group is destroyed. Rank 0 talks to the driver's hub (:mod:`runner.launch.channel`) when there is one;
+    ``None`` is returned when the driver made no run (a spec error found while building, or the store failed)."""
     from runner.launch.channel import ChannelTracker
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
@@ -223,17 +220,10 @@ def _fit(
 def _build_and_report(
     args: WorkerArgs, strategy: Strategy, link: Link | None
 ) -> tuple[TrainingParts | None, HandedRun]:
-    """Check and build the parts on every rank, agree on the outcome, and let rank 0 report it to the driver.
-
-    The driver creates (or reopens) the run only once the parts are built, so a spec error found while
-    building leaves no run at all (docs/design.md §1). Every rank gets rank 0's :class:`HandedRun`.
-
-    Returns:
-        ``(parts, handed)``; ``parts`` is ``None`` when the driver made no run (the ranks train nothing).
-
-    Raises:
-        Exception: What this rank's build raised, other than a spec error (the run exists and ends FAILED).
-    """
+    """Check and build the parts on every rank, agree on the outcome, and let rank 0 report it to the driver, which
+    makes the run only then (docs/design.md §1); every rank gets rank 0's :class:`HandedRun`. Returns ``(parts,
+    handed)``, ``parts`` ``None`` when the driver made no run; raises what this rank's build raised, other than a
+    spec error (the run exists and ends FAILED)."""
     from runner.training import setup
 
     spec, spec_dir = args.loaded.spec, args.loaded.path.parent

@@ -223,11 +223,9 @@ def _line_in(lines: dict[Loc, int], key: str) -> int | None:
 def _validate(
     data: dict[str, Any], where: Callable[[Loc], Origin], issues: list[SpecIssue], context: dict[str, Any] | None = None
 ) -> ExperimentSpec | None:
-    """Validate ``data``; add one located issue per problem and return None on failure.
-
-    ``context`` ``{"spec_dir": folder}`` also checks model and dataset names (:mod:`runner.spec.names`).
-    Every integer, also inside ``kwargs``, must fit torch's int64 (:func:`_beyond_int64`).
-    """
+    """Validate ``data``; add one located issue per problem and return None on failure. ``context`` ``{"spec_dir":
+    folder}`` also checks model and dataset names (:mod:`runner.spec.names`). Every integer, also inside ``kwargs``,
+    must fit torch's int64 (:func:`_beyond_int64`)."""
     overflows = dict(_beyond_int64(data))
     try:
         spec = ExperimentSpec.model_validate(data, context=context)
@@ -254,11 +252,9 @@ def _validate(
 
 
 def _beyond_int64(value: Any, loc: Loc = ()) -> Iterator[tuple[Loc, str]]:
-    """``(key path, message)`` of every integer under ``value`` outside torch's int64 (``-2**63 <= n < 2**63``).
-
-    TOML integers are 64-bit, but Python's reader and ``--set`` take any size; torch raises on a larger
-    one (an ``OverflowError``, or a ``TypeError`` carrying a C++ stack trace), maybe only mid-run.
-    """
+    """``(key path, message)`` of every integer under ``value`` outside torch's int64 (``-2**63 <= n < 2**63``). TOML
+    integers are 64-bit, but Python's reader and ``--set`` take any size; torch raises on a larger one (an
+    ``OverflowError``, or a ``TypeError`` carrying a C++ stack trace), maybe only mid-run."""
     if isinstance(value, dict):
         for key, item in value.items():
             yield from _beyond_int64(item, (*loc, key))

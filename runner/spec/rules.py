@@ -321,13 +321,10 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
 
 
 def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
-    """Device ids, processes and the batch split, where the spec alone fixes them.
-
-    ``mode = "none"`` with several ids is not a problem: it runs on the first one, and device
-    resolution says so in a note (docs/design.md §10). A batch that does not divide by
-    ``grad_accum_steps`` is refused here even when the world size waits for the machine: that
-    part of the split is known without it (device resolution then checks only the world size).
-    """
+    """Device ids, processes and the batch split, where the spec alone fixes them. ``mode = "none"`` with several ids is
+    not a problem: it runs on the first one, and device resolution says so in a note (docs/design.md §10). A batch that
+    does not divide by ``grad_accum_steps`` is refused here even when the world size waits for the machine: that part of
+    the split is known without it (device resolution then checks only the world size)."""
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []

@@ -229,15 +229,9 @@ def _probed(
     runnable: Sequence[Config],
     probe: tuple[int, bool, bool] | Reply | BaseException,
 ) -> None:
-    """Take the probe's answer: the model's layers into the report, the batch sizes into each configuration.
-
-    ``probe`` is :func:`probe_model_and_data`'s ``(training samples, batch statistics, dropout)``, a
-    worker's failed :class:`Reply`, or the error the probe raised.
-
-    Raises:
-        SpecError: The dataset or the model cannot be built (the probe's own error).
-        TrainingError: The probing process died.
-    """
+    """Take the probe's answer (:func:`probe_model_and_data`'s ``(training samples, batch statistics, dropout)``, a
+    failed :class:`Reply` or the probe's error): the model's layers into the report, the batch sizes into each
+    configuration. Raises the probe's SpecError, or TrainingError when the probing process died."""
     from runner.errors import TrainingError
     from runner.spec.loading import relocate_issues
 

@@ -94,10 +94,7 @@ def _git_tags(info: GitInfo) -> dict[str, str]:
 
 def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     """``runner.devices``, ``runner.world_size`` and ``runner.accelerator`` from a plan description.
-
-    ``plan_description`` is either a ``DevicePlan`` description or a whole plan holding one
-    under ``"devices"``.
-    """
+    ``plan_description`` is either a ``DevicePlan`` description or a whole plan holding one under ``"devices"``."""
     tags: dict[str, Any] = {}
     nested = plan_description.get("devices")
     device_plan = nested if isinstance(nested, Mapping) else plan_description

@@ -220,15 +220,12 @@ def _check_database(uri: str, timeout_s: float) -> None:
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
-    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`.
-
-    The requests go through MLflow's own client (``mlflow.utils.rest_utils.http_request`` with the
-    host credentials of ``mlflow.utils.credentials.get_default_host_creds``), so they carry what
-    every MLflow request carries: token or basic auth from the environment or
-    ``~/.mlflow/credentials``, ``MLFLOW_TRACKING_AUTH`` plugins, AWS SigV4, client certificates,
-    the server certificate or ``MLFLOW_TRACKING_INSECURE_TLS``, and the request-header plugins.
-    Nothing is retried: a server that does not answer fails the check at once.
-    """
+    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`. The requests go
+    through MLflow's own client (``mlflow.utils.rest_utils.http_request`` with the host credentials of
+    ``mlflow.utils.credentials.get_default_host_creds``), so they carry what every MLflow request carries: token or
+    basic auth from the environment or ``~/.mlflow/credentials``, ``MLFLOW_TRACKING_AUTH`` plugins, AWS SigV4, client
+    certificates, the server certificate or ``MLFLOW_TRACKING_INSECURE_TLS``, and the request-header plugins. Nothing is
+    retried: a server that does not answer fails the check at once."""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -331,12 +328,10 @@ def _holds_a_schema(path: Path) -> bool:
 
 
 def _create_aside(uri: str, path: Path) -> None:
-    """Create and migrate a new store in a hidden file beside ``path``, then move it into place whole.
-
-    Another MLflow client that opens ``path`` meanwhile (`mlflow ui`, a notebook) would otherwise migrate
-    the same new file at the same moment, and two alembic migrations of one sqlite file can leave it
-    broken. What such a client made at ``path`` in the meantime, holding nothing yet, is replaced.
-    """
+    """Create and migrate a new store in a hidden file beside ``path``, then move it into place whole. Another MLflow
+    client that opens ``path`` meanwhile (`mlflow ui`, a notebook) would otherwise migrate the same new file at the same
+    moment, and two alembic migrations of one sqlite file can leave it broken. What such a client made at ``path`` in
+    the meantime, holding nothing yet, is replaced."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.creating")
     query = uri.partition("?")[2]
     try:
@@ -365,12 +360,10 @@ def _holds_nothing(path: Path) -> bool:
 
 
 def _first_open(uri: str, path: Path | None = None) -> None:
-    """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError.
-
-    A schema being created or upgraded by another client at the same moment ("already exists",
-    "database is locked", "out-of-date database schema" while the file still changes) is waited for:
-    up to :data:`OPEN_ATTEMPTS` tries, each after the sqlite file has been still for :data:`STILL_S`.
-    """
+    """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError. A
+    schema being created or upgraded by another client at the same moment ("already exists", "database is locked",
+    "out-of-date database schema" while the file still changes) is waited for: up to :data:`OPEN_ATTEMPTS` tries, each
+    after the sqlite file has been still for :data:`STILL_S`."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 

@@ -309,16 +309,9 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]
 
 
 def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> tuple[RunningSums, bool]:
-    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log.
-
-    Called every ``log_every_n_steps`` steps and after the run's last step (when that log was not due), so
-    every run logs ``train/loss`` at its last step, also one shorter than ``log_every_n_steps``.
-
-    Returns:
-        Fresh sums, and whether any rank had been asked to stop (the same on every rank: it rides in the sums'
-        reduction, one collective for both; under ddp-2 on gloo a second collective per log step cost about 10 %
-        of a step with per-step logging, benchmarks/README.md).
-    """
+    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log: every
+    ``log_every_n_steps`` steps and after the run's last step. Returns fresh sums and whether any rank was asked to
+    stop, which rides in the sums' reduction (a second collective per log step cost ddp-2 about 10 %)."""
     sums = tally.window.reduced_sums(parts.strategy, stop_asked=bool(parts.should_stop()))
     asked = sums.pop() > 0
     tally.guard.check(sums, parts.strategy, f"the train/loss log of step {state.global_step}")
@@ -342,11 +335,9 @@ def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle:
 
 
 def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) -> None:
-    """Record the running sums and metric states in ``state`` (collectives on every rank), then save.
-
-    Nothing non-finite is saved: a non-finite step since the last check stops the run first
-    (``stop``), and weights that are not finite are never written (``stop`` and ``warn``).
-    """
+    """Record the running sums and metric states in ``state`` (collectives on every rank), then save. Nothing non-finite
+    is saved: a non-finite step since the last check stops the run first (``stop``), and weights that are not finite are
+    never written (``stop`` and ``warn``)."""
     if parts.on_checkpoint is None:
         return
     strategy = parts.strategy

@@ -212,15 +212,9 @@ def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
 
 def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
     """Call a built-in loss once on a stand-in batch of 2 samples, so a kwarg torch checks only in forward
-    (``label_smoothing`` outside [0, 1], a negative ``beta``) is found before the run exists.
-
-    The stand-in: logits of shape (2, C) and class targets of shape (2,) for per-sample losses, C = the length
-    of ``weight`` when given, else 3; predictions and targets of shape (2, N) for elementwise ones, N = the
-    length of ``pos_weight`` when given, else 1.
-
-    Raises:
-        SpecError: (``loss.kwargs``) the loss rejected the stand-in batch.
-    """
+    (``label_smoothing`` outside [0, 1], a negative ``beta``) is found before the run exists: logits (2, C) and
+    targets (2,) for per-sample losses, C = ``len(weight)`` or 3; predictions and targets (2, N) for elementwise
+    ones, N = ``len(pos_weight)`` or 1. Raises SpecError (``loss.kwargs``) when the loss rejects it."""
     if loss.name in PER_SAMPLE:
         classes = len(kwargs.get("weight") or [0, 0, 0])
         prediction, target = torch.zeros(2, classes), torch.zeros(2, dtype=torch.long)

@@ -156,3 +156,27 @@ def test_the_driver_imports_neither_torch_nor_trains(mode, tmp_path: Path, store
     assert rc == 0, done.stderr
     assert not torch_in_driver and mlflow_in_driver  # the driver records the run; its child trained
     assert [p.read_text() for p in probe.glob("trains-*")] == ["clean"] * MODES[mode].get("nproc_per_node", 1)
+
+
+def test_the_training_child_is_the_process_started_before_the_spec_was_read(tmp_path: Path, store: str, monkeypatch):
+    import signal
+    import subprocess
+
+    from runner.launch import elastic
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def recorded(command, **kwargs):
+        proc = real(command, **kwargs)
+        started.extend([proc] if "--ready" in command else [])
+        return proc
+
+    monkeypatch.setattr(elastic.subprocess, "Popen", recorded)
+    monkeypatch.setenv("RUNNER_TEST_PROBE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["exec", str(_spec(tmp_path, store, {}))]) == 0
+    assert started[0].returncode == 0 and _runs(store)[0].info.status == "FINISHED"  # it trained, then ended
+    assert [p.name for p in tmp_path.glob("trains-*")] == [f"trains-{started[0].pid}"]
+    assert main(["exec", str(tmp_path / "missing.toml")]) == 2
+    assert started[1].returncode == -signal.SIGKILL  # not needed: ended at once
