@@ -282,13 +282,8 @@ def process_started_at() -> float:
 
 
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
-    """A fluent MLflow run active on this thread is an error, or with ``options.nested`` the run's parent.
-
-    Checked here because the run is made on the hub's thread, which does not see this thread's fluent run.
-
-    Raises:
-        TrackingError: A fluent run is active and ``options.nested`` is false (exit 2, before anything starts).
-    """
+    """A fluent MLflow run active on this thread is an error (TrackingError, exit 2, before anything starts), or
+    with ``options.nested`` the run's parent: checked here, as the hub's thread that makes the run does not see it."""
     import dataclasses
 
     if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:

@@ -335,11 +335,23 @@ def _ready_main(fd: int) -> int:
     if not text:
         return 0
     given = json.loads(text)
+    os.chdir(given["cwd"])
+    if fresh_start_needed(dict(os.environ), given["env"]):
+        command = [sys.executable, "-m", "runner.launch.elastic", *given["argv"]]
+        os.execve(sys.executable, command, given["env"])  # the same process (pid), started anew
     os.environ.clear()
     os.environ.update(given["env"])  # as the driver has it now: the devices it chose, the launcher's variables
-    os.chdir(given["cwd"])
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return main(given["argv"])
+
+
+def fresh_start_needed(now: dict[str, str], given: dict[str, str]) -> bool:
+    """Whether the driver changed the devices (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) after CUDA started
+    in this process while it imported: CUDA reads them once, so the process must start again."""
+    import torch
+
+    keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    return torch.cuda.is_initialized() and any(now.get(k) != given.get(k) for k in keys)
 
 
 def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:

@@ -151,13 +151,8 @@ def _open_study(
 def _open_storage(
     base: LoadedSpec, given: str | None, tracking_uri: str, lines: dict[tuple, int]
 ) -> tuple[str, RDBStorage]:
-    """Open the study's storage, saying where a URL that cannot be opened came from.
-
-    Raises:
-        UsageError: ``--storage`` cannot be opened.
-        SpecError: ``[sweep] storage`` cannot be opened, at its line.
-        TrackingError: The default storage next to the MLflow store cannot be opened.
-    """
+    """Open the study's storage; one that cannot be opened is a UsageError (``--storage``), a SpecError at its line
+    (``[sweep] storage``) or a TrackingError (the default, next to the MLflow store)."""
     from_spec = base.spec.sweep.storage if base.spec.sweep is not None else None
     url = _absolute(given or from_spec or default_storage_url(tracking_uri, base.path.parent))
     try:

@@ -68,3 +68,15 @@ def test_a_launcher_ended_without_an_outcome_is_a_stop_when_a_stop_signal_ended_
     monkeypatch.setattr(elastic.subprocess, "Popen", lambda *a, **k: _Ended(-signal.SIGKILL))
     with pytest.raises(TrainingError, match=r"the elastic launcher was killed by signal 9 \(SIGKILL"):
         elastic.run_agent("plan", "args", {})  # type: ignore[arg-type]
+
+
+def test_a_prestarted_process_starts_again_only_when_the_devices_changed_after_cuda_started(monkeypatch) -> None:
+    import torch
+
+    from runner.launch.elastic import fresh_start_needed
+
+    before, chosen = {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "1"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not fresh_start_needed(before, chosen)  # CUDA reads the variables when it starts, later
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fresh_start_needed(before, chosen) and not fresh_start_needed(before, dict(before))

@@ -175,7 +175,7 @@ def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_worker
     wait_for(lambda: len(list(pids.iterdir())) == 2, "both ranks to train", proc=driver)
     workers = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
     agent = _parent(_parent(workers[0]))  # a worker's parent is the fork server, whose parent is the launcher
-    assert "--agent" in Path(f"/proc/{agent}/cmdline").read_text() and _parent(agent) == driver.pid
+    assert "runner.launch.elastic" in Path(f"/proc/{agent}/cmdline").read_text() and _parent(agent) == driver.pid
     os.kill(agent, signal.SIGKILL)
     code, _, err = _finish(driver)
     assert code == 1, err
