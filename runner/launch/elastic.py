@@ -294,9 +294,9 @@ _ready: tuple[subprocess.Popen[bytes], int] | None = None  # the prestarted proc
 
 @contextlib.contextmanager
 def prestarted() -> Iterator[None]:
-    """Start ``python -m runner.launch.elastic --ready FD`` now: it imports :data:`FORKSERVER_PRELOAD` while the
-    driver reads the spec and plans (benchmarks/README.md), then the block's first launch hands it its arguments,
-    environment and folder on its pipe (:func:`_start`); one the block did not use is ended at its end."""
+    """Start ``python -m runner.launch.elastic --ready FD`` now: it imports torch while the driver reads the spec and
+    plans (benchmarks/README.md), then the block's first launch hands it its arguments, environment and folder on its
+    pipe (:func:`_start`); one the block did not use is ended at its end."""
     global _ready
     read, write = os.pipe()
     proc = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--ready", str(read)], pass_fds=(read,))
@@ -325,11 +325,10 @@ def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def _ready_main(fd: int) -> int:
-    """The prestarted process: import what every use needs, then wait for its arguments (none: end)."""
-    import importlib
+    """The prestarted process: import torch, which both uses need (a launcher needs no more: its fork server
+    imports the workers' modules), then wait for its arguments (none: end)."""
+    import torch  # noqa: F401
 
-    for name in FORKSERVER_PRELOAD:
-        importlib.import_module(name)
     with os.fdopen(fd) as pipe:
         text = pipe.read()
     if not text:
