@@ -161,18 +161,25 @@ def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path) -> Non
     assert run.info.status == "FAILED" and "signal 9 (SIGKILL" in run.data.tags["runner.error"]
 
 
+def _training(tmp_path: Path, parallel: dict, step_s: str) -> tuple[str, subprocess.Popen, Path]:
+    """A 100-epoch run whose training processes write their pids to ``pids/rank<N>``, once every one trains."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, uri, parallel, epochs=100)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S=step_s))
+    ranks = parallel.get("nproc_per_node", 1)
+    wait_for(lambda: len(list(pids.iterdir())) == ranks, "every training process to train", proc=driver)
+    return uri, driver, pids
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as fh:
         return int(fh.read().split(")")[-1].split()[1])
 
 
 def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_workers_stop(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, DDP, epochs=100)
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.1"))
-    wait_for(lambda: len(list(pids.iterdir())) == 2, "both ranks to train", proc=driver)
+    uri, driver, pids = _training(tmp_path, DDP, "0.1")
     workers = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
     agent = _parent(_parent(workers[0]))  # a worker's parent is the fork server, whose parent is the launcher
     assert "runner.launch.elastic" in Path(f"/proc/{agent}/cmdline").read_text() and _parent(agent) == driver.pid
@@ -204,13 +211,8 @@ def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_no
 
 @pytest.mark.parametrize("parallel", [DDP, {"mode": "none"}], ids=["ddp-2", "none"])
 def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_path: Path, parallel: dict) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, parallel, epochs=100)
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    ranks = range(parallel.get("nproc_per_node", 1))
-    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.1"))
-    wait_for(lambda: len(list(pids.iterdir())) == len(ranks), "every training process to train", proc=driver)
+    uri, driver, pids = _training(tmp_path, parallel, "0.1")
+    spec, ranks = tmp_path / "spec.toml", range(parallel.get("nproc_per_node", 1))
     (run,) = _runs(uri)
     run_id = run.info.run_id
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), "--resume", run_id))
@@ -237,12 +239,7 @@ def test_a_stop_signal_to_one_rank_ends_the_run_killed_naming_the_signal_and_ran
     tmp_path: Path, rank: int, sig: signal.Signals
 ) -> None:
     """It ended FAILED with exit 1, named signal 2 for a SIGTERM, and blamed rank 1 when rank 0 got it."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, uri, DDP, epochs=100)
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S="0.05"))
-    wait_for(lambda: len(list(pids.iterdir())) == 2, "both ranks to train", proc=driver)
+    uri, driver, pids = _training(tmp_path, DDP, "0.05")
     os.kill(int((pids / f"rank{rank}").read_text()), sig)
     code, _, err = _finish(driver)
     (run,) = _runs(uri)
