@@ -319,19 +319,25 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _exec(args: argparse.Namespace) -> int:
     from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.launch.elastic import prestarted
 
     if args.allow_spec_change and not args.resume:
         raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
-    with prestarted():  # the training child imports torch while this process reads the spec and plans
-        loaded = _load(args)
-        options = ExecOptions(
-            run_name=args.run_name,
-            resume=args.resume,
-            allow_spec_change=tuple(args.allow_spec_change),
-            parent_run_id=args.parent_run_id,
-        )
-        result = exec_experiment(loaded, options)
+    options = ExecOptions(
+        run_name=args.run_name,
+        resume=args.resume,
+        allow_spec_change=tuple(args.allow_spec_change),
+        parent_run_id=args.parent_run_id,
+    )
+    return _summarized(lambda: exec_experiment(_load(args), options))
+
+
+def _summarized(job: Callable[[], Any]) -> int:
+    """Run ``job`` (a run's driver), its training child started first: it imports torch while this process reads the
+    spec and plans (:func:`runner.launch.elastic.prestarted`); print the summary of the result."""
+    from runner.launch.elastic import prestarted
+
+    with prestarted():
+        result = job()
     return _print_summary(result.summary())
 
 
@@ -346,13 +352,13 @@ def _status(args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
     from runner.launch.reproduce import resume_run
 
-    return _print_summary(resume_run(args.run_id, args.tracking_uri).summary())
+    return _summarized(lambda: resume_run(args.run_id, args.tracking_uri))
 
 
 def _reproduce(args: argparse.Namespace) -> int:
     from runner.launch.reproduce import reproduce_run
 
-    return _print_summary(reproduce_run(args.run_id, args.tracking_uri, run_name=args.run_name).summary())
+    return _summarized(lambda: reproduce_run(args.run_id, args.tracking_uri, run_name=args.run_name))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -439,11 +445,8 @@ def _csv(text: str, kind: Callable[[str], _T]) -> list[_T]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``runner`` console script.
-
-    Returns:
-        The exit status (0, 1, 2 or 130): the ``exit_code`` of the error that ended the command.
-    """
+    """Entry point of the ``runner`` console script; returns the exit status (0, 1, 2 or 130): the ``exit_code`` of
+    the error that ended the command."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -465,10 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The ``runner`` console script and ``python -m runner``: :func:`main`, then exit with its status.
-
-    :func:`exit_quickly` spares the interpreter's teardown its walk over every object torch and mlflow made.
-    """
+    """The ``runner`` console script and ``python -m runner``: :func:`main`, then exit with its status
+    (:func:`exit_quickly` spares the interpreter's teardown its walk over every object torch and mlflow made)."""
     exit_quickly(main())
 
 
@@ -488,11 +489,8 @@ class ToolReport(Protocol):
 
 
 def print_report(report: ToolReport, *, as_json: bool, failure: str) -> bool:
-    """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error.
-
-    Returns:
-        Whether part of the report failed (the command then exits 1).
-    """
+    """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error and return
+    True (the command then exits 1)."""
     print(mask_secrets(json.dumps(report.to_json(), indent=2) if as_json else report.table()))
     if report.failed:
         print(f"runner: {mask_secrets(failure)}", file=sys.stderr)

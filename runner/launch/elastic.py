@@ -58,9 +58,8 @@ _AGENT_ARGS, _AGENT_OUTCOME = "agent-args.pkl", "agent-outcome.pkl"
 
 
 def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerResult]:
-    """Run the workers of ``plan`` under the elastic launcher in a process of its own (docs/design.md §6: the
-    driver imports no torch); return their results, the logging rank's first. A stop signal this process gets is
-    passed on to the launcher, which passes it on to the workers.
+    """Run the workers of ``plan`` under the elastic launcher in a process of its own (docs/design.md §6), which gets
+    the stop signals this one gets; return their results, the logging rank's first.
 
     Raises:
         LaunchFailed: The job failed or stopped; ``hangs`` receives the reports of ranks that hung at the stop.
@@ -223,9 +222,8 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
 
 
 def _stop_when_gone(pid: int) -> None:
-    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second). A worker's parent is the
-    fork server, which outlives a launcher killed hard (each worker holds the server's end-of-clients pipe), so the
-    kernel's parent-death signal never comes."""
+    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second): a worker's parent, the
+    fork server, outlives a launcher killed hard (docs/design.md, runner/launch/elastic.py)."""
     import select
     import threading
 
