@@ -288,6 +288,7 @@ def spec_error_of_child(exc: BaseException) -> SpecError | None:
 
 ARGS_FILE = "worker-args.pkl"
 _ready: tuple[subprocess.Popen[bytes], int] | None = None  # the prestarted process and its pipe
+_SELF = (sys.executable, "-m", "runner.launch.elastic")  # this module as a process: its main() takes the rest
 
 
 @contextlib.contextmanager
@@ -297,7 +298,7 @@ def prestarted() -> Iterator[None]:
     pipe (:func:`_start`); one the block did not use is ended at its end."""
     global _ready
     read, write = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", "--ready", str(read)], pass_fds=(read,))
+    proc = subprocess.Popen([*_SELF, "--ready", str(read)], pass_fds=(read,))
     os.close(read)
     _ready = (proc, write)
     try:
@@ -319,7 +320,7 @@ def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
             pipe.write(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}))
         if proc.poll() is None:
             return proc
-    return subprocess.Popen([sys.executable, "-m", "runner.launch.elastic", *argv], env=env)
+    return subprocess.Popen([*_SELF, *argv], env=env)
 
 
 def _ready_main(fd: int) -> int:
@@ -334,8 +335,7 @@ def _ready_main(fd: int) -> int:
     given = json.loads(text)
     os.chdir(given["cwd"])
     if fresh_start_needed(dict(os.environ), given["env"]):
-        command = [sys.executable, "-m", "runner.launch.elastic", *given["argv"]]
-        os.execve(sys.executable, command, given["env"])  # the same process (pid), started anew
+        os.execve(sys.executable, [*_SELF, *given["argv"]], given["env"])  # the same process (pid), started anew
     os.environ.clear()
     os.environ.update(given["env"])  # as the driver has it now: the devices it chose, the launcher's variables
     signal.signal(signal.SIGINT, signal.default_int_handler)
