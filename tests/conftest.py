@@ -138,3 +138,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
             return module if module.endswith("_integration.py") else nodeid
 
     return ByIntegrationModule(config, log)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not integration"`` (the fast tier) a ``*_integration.py`` module is not even imported: every test
+    in one is marked ``integration`` (checked below, whenever the module is collected)."""
+    if collection_path.name.endswith("_integration.py") and config.getoption("markexpr") == "not integration":
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.path.name.endswith("_integration.py") and item.get_closest_marker("integration") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests in *_integration.py modules must be marked integration: {unmarked}")
