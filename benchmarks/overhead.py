@@ -273,6 +273,11 @@ def measure_mode(mode: str, log_every: int, folder: Path, args: argparse.Namespa
     target = TARGETS.get((mode, log_every))
     verdict = "" if target is None else f"  (target <= {target}: {'met' if ratio <= target else 'NOT met'})"
     print(f"{tag}: ratio runner / hand-written = {ratio:.3f}{verdict}")
+    paired = sorted(r / h for r, h in zip(seconds["runner"], seconds["hand-written"], strict=True))
+    print(  # each runner run against the hand-written run just before it: the VM's slow drift cancels
+        f"{tag}: paired ratios (runner run i / hand-written run i): median {statistics.median(paired):.3f}, "
+        f"range {paired[0]:.3f}-{paired[-1]:.3f}"
+    )
     print(
         f"{tag}: final losses {'agree' if agree else 'DIFFER'}: "
         f"runner {losses['runner']:.6f}, hand-written {losses['hand-written']:.6f}",
@@ -283,6 +288,7 @@ def measure_mode(mode: str, log_every: int, folder: Path, args: argparse.Namespa
         "median": median,
         "spread": spread,
         "ratio": ratio,
+        "paired_ratios": paired,
         "final_loss": losses,
         "agree": agree,
         "threads_per_process": threads,

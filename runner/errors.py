@@ -159,12 +159,17 @@ class TrackingError(RunnerError):
 
 @contextlib.contextmanager
 def store_errors(what: str) -> Iterator[None]:
-    """Raise what fails in the block as ``TrackingError("could not {what}: {type}: {message}")``: runner's one mapping
-    of MLflow's errors onto its own."""
+    """Raise what fails in the block as ``TrackingError("could not {what}: {message}")``: runner's one mapping of
+    MLflow's errors onto its own. An ``MlflowException`` gives its own message; another error its type and text."""
     try:
         yield
+    except TrackingError:
+        raise
     except Exception as exc:
-        raise TrackingError(f"could not {what}: {type(exc).__name__}: {exc}") from exc
+        message = getattr(exc, "message", None)
+        if not isinstance(message, str):
+            message = f"{type(exc).__name__}: {exc}"
+        raise TrackingError(f"could not {what}: {message}") from exc
 
 
 class TrainingError(RunnerError):

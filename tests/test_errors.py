@@ -180,3 +180,22 @@ def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last
         "  m.py:3 in loss: return x[5]",
     ]
     assert python_error(failure("Traceback ...\nRuntimeError: plain\n")) == "RuntimeError: plain"
+
+
+def test_store_errors_maps_mlflow_errors_once_and_passes_runners_own_through(tmp_path: Path) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from runner.errors import store_errors
+    from runner.tracking.uri import client_for
+
+    with pytest.raises(TrackingError) as info, store_errors("read run x"):
+        raise MlflowException("Run 'x' not found")
+    assert str(info.value) == "could not read run x: Run 'x' not found"  # MLflow's own message, not its repr
+    with pytest.raises(TrackingError) as info, store_errors("read run x"):
+        raise ConnectionError("refused")
+    assert str(info.value) == "could not read run x: ConnectionError: refused"
+    with pytest.raises(TrackingError) as info, store_errors("outer"):
+        raise TrackingError("the experiment 'e' is deleted")
+    assert str(info.value) == "the experiment 'e' is deleted"  # not wrapped twice
+    uri = f"sqlite:///{tmp_path}/m.db"
+    assert client_for(uri) is client_for(uri) and client_for(uri) is not client_for(uri + "2")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from runner.errors import TrackingError, mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, mark_failed_quietly
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
+from runner.tracking.uri import client_for, open_store
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -53,12 +54,8 @@ def _record(run: Run) -> RunRecord:
 
 
 def _client(uri: str) -> MlflowClient:
-    from mlflow.tracking import MlflowClient
-
-    from runner.tracking.uri import open_store
-
     open_store(uri)  # the first use of a new sqlite store creates it, under its lock
-    return MlflowClient(tracking_uri=uri)
+    return client_for(uri)
 
 
 def experiment_id(uri: str, experiment: str) -> str:
@@ -67,12 +64,8 @@ def experiment_id(uri: str, experiment: str) -> str:
     Raises:
         TrackingError: The experiment is deleted, or MLflow rejects a request.
     """
-    try:
+    with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
         return ensure_experiment(_client(uri), experiment, uri)
-    except TrackingError:
-        raise
-    except Exception as exc:
-        raise TrackingError(f"could not open MLflow experiment {experiment!r} at {uri}: {exc}") from exc
 
 
 def _log_batches(

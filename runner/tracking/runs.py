@@ -23,7 +23,7 @@ from runner.tracking.tags import (
     spec_params,
     tag_run,
 )
-from runner.tracking.uri import open_store, resolve_tracking_uri, sqlite_path
+from runner.tracking.uri import client_for, open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:
     from mlflow.entities import Param
@@ -189,7 +189,6 @@ def start_run(
             reachable, the experiment is deleted, or MLflow rejects a request.
     """
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
@@ -200,7 +199,7 @@ def start_run(
     run_name = mask_secrets(run_name or spec.tracking.run_name or "") or None
     experiment_name = experiment or spec.tracking.experiment or spec.name
 
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     try:
         experiment_id = ensure_experiment(client, experiment_name, uri)
         run = client.create_run(experiment_id, tags=tags, run_name=run_name)
@@ -287,9 +286,7 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
     """
     if status not in TERMINAL_STATUSES:
         raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     error = mask_secrets(error) if error else error
     with store_errors(f"end MLflow run {run_id} at {uri} with status {status}"):
         if error:
@@ -307,20 +304,17 @@ def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step:
     import time
 
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
 
     stamp = int(time.time() * 1000)
     values = [Metric(key, float(value), stamp, step) for key, value in metrics.items()]
     with store_errors(f"log the final metrics of run {run_id}"):
-        MlflowClient(tracking_uri=uri).log_batch(run_id, metrics=values, synchronous=True)
+        client_for(uri).log_batch(run_id, metrics=values, synchronous=True)
 
 
 def run_exists(uri: str, run_id: str) -> bool:
     """Whether ``run_id`` is a run of the store at ``uri`` (deleted runs do not count)."""
-    from mlflow.tracking import MlflowClient
-
     try:
-        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+        run = client_for(uri).get_run(run_id)
     except Exception:
         return False
     return bool(run.info.lifecycle_stage != "deleted")
@@ -332,25 +326,19 @@ def delete_run(uri: str, run_id: str) -> None:
     Raises:
         TrackingError: MLflow rejects the request.
     """
-    from mlflow.tracking import MlflowClient
-
     with store_errors(f"delete MLflow run {run_id} at {uri}"):
-        MlflowClient(tracking_uri=uri).delete_run(run_id)
+        client_for(uri).delete_run(run_id)
 
 
 def run_status(uri: str, run_id: str) -> str:
     """MLflow status of a run: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``."""
-    from mlflow.tracking import MlflowClient
-
-    return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.status)
+    return str(client_for(uri).get_run(run_id).info.status)
 
 
 def experiment_id_of(uri: str, run_id: str) -> str:
     """The id of ``run_id``'s experiment, or ``""`` when the store does not say (a link is then left out)."""
-    from mlflow.tracking import MlflowClient
-
     try:
-        return str(MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id)
+        return str(client_for(uri).get_run(run_id).info.experiment_id)
     except Exception:  # only for a printed link: the run's own outcome is already recorded
         return ""
 
@@ -361,10 +349,8 @@ def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | No
     Raises:
         TrackingError: The store cannot be searched.
     """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    try:
+    client = client_for(uri)
+    with store_errors(f"search the runs of {experiment!r} at {uri}"):
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             return None
@@ -375,9 +361,6 @@ def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | No
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )
-    except Exception as exc:
-        what = f"could not search the runs of {experiment!r} at {uri}"
-        raise TrackingError(f"{what}: {type(exc).__name__}: {exc}") from exc
     return str(runs[0].info.run_id) if runs else None
 
 
@@ -391,9 +374,7 @@ def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
     Raises:
         TrackingError: MLflow rejects the update.
     """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     with store_errors(f"reopen MLflow run {run_id} at {uri}"):
         client.update_run(run_id, status="RUNNING")
         count = int(client.get_run(run_id).data.tags.get("runner.resume.count", "0")) + 1
@@ -408,8 +389,6 @@ def last_logged_steps(uri: str, run_id: str) -> dict[str, int]:
     A resumed job uses it to skip steps it recomputes after its last checkpoint, so that the
     run's metric histories never hold a step twice.
     """
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     keys = client.get_run(run_id).data.metrics.keys()
     return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1) for key in keys}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from runner.errors import store_errors
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
+from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -149,7 +150,6 @@ def send_spool(
         TrackingError: The store does not answer or rejects the values; the spool is kept.
     """
     from mlflow.entities import Metric, RunTag
-    from mlflow.tracking import MlflowClient
 
     from runner.tracking.runs import end_run, last_logged_steps
 
@@ -160,7 +160,7 @@ def send_spool(
         last = last_logged_steps(uri, run_id)
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
         fresh = [i for i in wanted if i.step > last.get(i.key, -1)]
-        client = MlflowClient(tracking_uri=uri)
+        client = client_for(uri)
         for start in range(0, len(fresh), METRICS_PER_BATCH):
             chunk = [Metric(i.key, i.value, i.timestamp, i.step) for i in fresh[start : start + METRICS_PER_BATCH]]
             client.log_batch(run_id, metrics=chunk, synchronous=True)

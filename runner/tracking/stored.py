@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, mask_secrets, store_errors
 from runner.tracking.tags import PLAN, RESOLVED
-from runner.tracking.uri import absolute_uri, check_reachable, default_tracking_uri, local_store_missing
+from runner.tracking.uri import absolute_uri, check_reachable, client_for, default_tracking_uri, local_store_missing
 
 if TYPE_CHECKING:
     import torch
@@ -78,13 +78,11 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
         UsageError: No such run at ``uri`` (or a deleted one), or a run without ``spec/resolved.toml``
             (not started by ``runner exec``); the message names the run and the store.
     """
-    from mlflow.tracking import MlflowClient
-
     where = f"at {uri}"
     if local_store_missing(uri):
         raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")
     check_reachable(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     try:
         run = client.get_run(run_id)
     except Exception:
@@ -178,9 +176,8 @@ def run_info(uri: str, run_id: str) -> RunInfo:
         TrackingError: The store does not answer.
     """
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     try:
         run = client.get_run(run_id)
     except MlflowException as exc:
@@ -222,11 +219,9 @@ def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
         TrackingError: The store does not answer.
     """
     from mlflow.entities import ViewType
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
-    try:
+    client = client_for(uri)
+    with store_errors(f"search the runs at {uri}"):
         experiments = {e.experiment_id: e.name for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
         if not experiments:
             return []
@@ -236,8 +231,6 @@ def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
             order_by=["attributes.start_time DESC"],
             max_results=limit,
         )
-    except MlflowException as exc:
-        raise TrackingError(f"could not search the runs at {uri}: {exc.message}") from None
     return [
         RunInfo(r.info.run_id, str(r.info.status), dict(r.data.tags), experiments[r.info.experiment_id]) for r in runs
     ]
@@ -254,17 +247,13 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
     Raises:
         TrackingError: The store does not answer.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
-    try:
+    client = client_for(uri)
+    with store_errors(f"search the runs of experiment {experiment!r} at {uri}"):
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             return []
         runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    except MlflowException as exc:
-        raise TrackingError(f"could not search the runs of experiment {experiment!r} at {uri}: {exc.message}") from None
     tags_of = [dict(r.data.tags) for r in runs]
     return [
         RunInfo(r.info.run_id, str(r.info.status), tags, experiment, str(r.info.run_name or ""), r.info.start_time or 0)
@@ -281,12 +270,10 @@ def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mappin
     Raises:
         TrackingError: MLflow rejects the request.
     """
-    from mlflow.tracking import MlflowClient
-
     from runner.tracking.tags import tag_run
 
     with store_errors(f"tag MLflow run {run_id} at {uri}"):
-        tag_run(MlflowClient(tracking_uri=uri), run_id, tags, remarks)
+        tag_run(client_for(uri), run_id, tags, remarks)
 
 
 MODEL_NAME = "model"
@@ -379,9 +366,8 @@ def log_model(
         mlflow.exceptions.MlflowException: MLflow cannot save or upload the model.
     """
     import mlflow.pytorch
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     run = client.get_run(run_id)
     served, shown, signature = _served(model, example, normalization)
     logged = client.create_logged_model(
@@ -435,10 +421,9 @@ def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_s
         TrackingError: MLflow rejects the request.
     """
     from mlflow.entities import DatasetInput, InputTag
-    from mlflow.tracking import MlflowClient
 
     inputs = [DatasetInput(_dataset(r), tags=[InputTag("mlflow.data.context", r.context)]) for r in records]
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     for attempt in range(ATTEMPTS):
         try:
             if inputs:

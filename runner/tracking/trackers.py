@@ -21,6 +21,7 @@ from runner.errors import TrackingError
 from runner.tracking import spool as spool_file
 from runner.tracking.spool import Artifact, BatchSender, Item, Tags
 from runner.tracking.tags import METRICS_PER_BATCH, param_value
+from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -78,15 +79,13 @@ class MlflowTracker(BatchSender):
         max_memory: int = MEMORY_ITEMS,
         spill_after_s: float = SPILL_AFTER_S,
     ):
-        from mlflow.tracking import MlflowClient
-
         if flush_every_s <= 0:
             raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
         self.uri, self.run_id, self.spool = uri, run_id, spool
         self.flush_every_s, self.spill_after_s = float(flush_every_s), float(spill_after_s)
         self.max_batch = max(1, min(int(max_batch), METRICS_PER_BATCH))
         self.max_memory = max(self.max_batch, int(max_memory))
-        self._client = MlflowClient(tracking_uri=uri)
+        self._client = client_for(uri)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the sender waits on it
         self._done = threading.Condition(self._lock)  # flush() waits on it

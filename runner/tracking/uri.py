@@ -8,6 +8,7 @@ Also: opening the tracking store: the first open of a sqlite store, which create
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sqlite3
@@ -21,6 +22,8 @@ from runner.errors import TrackingError, first_line, mask_secrets
 from runner.spec.rules import store_uri_problem
 
 if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
     from runner.spec.schema import ExperimentSpec
 
 
@@ -30,6 +33,15 @@ _SERVER_HINT = (
     "start a server with `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`, "
     "fix tracking.uri in the spec, or unset MLFLOW_TRACKING_URI to log to ./mlflow.db"
 )
+
+
+@functools.lru_cache(maxsize=32)
+def client_for(uri: str) -> MlflowClient:
+    """The process's one MLflow client of the store at ``uri``, through which runner reads and writes every run (a
+    client holds no connection: MLflow keeps one store, with its pool, per URI). Errors map with ``store_errors``."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
 
 
 def _absolute_uri(uri: str, cwd: Path) -> str:
@@ -365,13 +377,12 @@ def _first_open(uri: str, path: Path | None = None) -> None:
     "out-of-date database schema" while the file still changes) is waited for: up to :data:`OPEN_ATTEMPTS` tries, each
     after the sqlite file has been still for :data:`STILL_S`."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            client_for(uri).search_experiments(max_results=1)
             return
         except Exception as exc:  # MlflowException, sqlalchemy / alembic errors of a damaged database
             text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
