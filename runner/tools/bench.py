@@ -148,7 +148,11 @@ def run_bench(
         report = _report(base, configs, runnable, steps, warmup, repeats)
         out = Path(out_dir if out_dir is not None else DEFAULT_OUT_DIR).resolve()
         out.mkdir(parents=True, exist_ok=True)
-        parent = start_parent(base, report, [c.result.config for c in configs])
+        bench = {"steps": report.steps, "warmup": report.warmup}
+        configs_run = [c.result.config for c in configs]
+        parent = start_parent(
+            base, report, "bench", configs_run, bench=bench, global_batch_size=report.global_batch_size
+        )
         try:
             for config in runnable:
                 open_child(config, parent, report.name)

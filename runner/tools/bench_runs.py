@@ -19,41 +19,41 @@ from runner.tools.bench_report import BenchReport, ConfigResult
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+    from runner.tools.parity import ParityReport
     from runner.training import WorkerResult
 
 
 class Parent(NamedTuple):
-    """The bench's parent run, in ``experiment`` (``<training experiment>/bench``)."""
+    """The parent run of a bench or parity, in ``experiment`` (``<training experiment>/bench`` for a bench)."""
 
     uri: str
     run_id: str
     experiment: str
 
 
-def start_parent(base: LoadedSpec, report: BenchReport, config_ids: list[str]) -> Parent | None:
-    """Create the parent run (``None`` when tracking is off)."""
+def start_parent(
+    base: LoadedSpec, report: BenchReport | ParityReport, kind: str, configs: list[str], **description: Any
+) -> Parent | None:
+    """The parent run of a bench or a parity check (``kind``), tagged ``runner.<kind>`` = ``parent`` with its
+    configurations; ``None`` when tracking is off. Fills the report's run id, masked URI and experiment id."""
     from runner.tracking.runs import start_run
     from runner.tracking.uri import resolve_tracking_uri
 
     if not base.spec.tracking.enabled:
         return None
     uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.uri.open_store)
-    description = {
-        "mode": "bench",
-        "bench": {"configurations": config_ids, "steps": report.steps, "warmup": report.warmup},
-        "global_batch_size": report.global_batch_size,
-    }
+    experiment = report.experiment or base.spec.tracking.experiment or base.spec.name
     handle = start_run(
         base,
-        description,
-        run_name=f"bench-{report.name}",
-        extra_tags={"runner.bench": "parent", "runner.bench.configs": ",".join(config_ids)},
+        {"mode": kind, kind: {"configurations": configs, **description.pop(kind, {})}, **description},
+        run_name=f"{kind}-{report.name}",
+        extra_tags={f"runner.{kind}": "parent", f"runner.{kind}.configs": ",".join(configs)},
         uri=uri,
-        experiment=report.experiment,
+        experiment=experiment,
     )
     report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
-    report.experiment_id = handle.experiment_id
-    return Parent(uri, handle.run_id, report.experiment)
+    report.experiment_id, report.experiment = handle.experiment_id, experiment
+    return Parent(uri, handle.run_id, experiment)
 
 
 def start_child(

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line, mask_secrets
+from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
+from runner.tools.bench_runs import Parent, log_history, start_parent
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
             str(loaded.path), loaded.spec.name, "float64", steps, [], ModeResult("control", "none", 1)
         )
         report.modes = [ModeResult("none", "none", 1), *(ModeResult(c, m, n) for c, m, n, _ in others), *skipped]
-        parent = _start_parent(base, report)
+        parent = start_parent(base, report, "parity", [m.config for m in report.modes], parity={"steps": steps})
         status, error = "FAILED", None
         try:
             _run_all(report, base, others, parent)
@@ -201,7 +202,7 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
             if parent is not None:
                 from runner.tracking.runs import delete_run
 
-                delete_run(parent[0], parent[1])
+                delete_run(parent.uri, parent.run_id)
                 parent = None
             raise
         except (KeyboardInterrupt, Exception) as exc:
@@ -214,7 +215,7 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
 
                 if status == "FINISHED":
                     _record(report, parent, Path(tmp))
-                end_run(parent[0], parent[1], status, error)
+                end_run(parent.uri, parent.run_id, status, error)
     return report
 
 
@@ -281,25 +282,7 @@ def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, fol
     return derived
 
 
-def _start_parent(base: LoadedSpec, report: ParityReport) -> tuple[str, str] | None:
-    """The parent run in ``<experiment>/parity`` (``None`` with tracking off)."""
-    from runner.tracking.runs import start_run
-    from runner.tracking.uri import resolve_tracking_uri
-
-    if not base.spec.tracking.enabled:
-        return None
-    uri = resolve_tracking_uri(base.spec)
-    configs = [m.config for m in report.modes]
-    description = {"mode": "parity", "parity": {"configurations": configs, "steps": report.steps}}
-    tags = {"runner.parity": "parent", "runner.parity.configs": ",".join(configs)}
-    handle = start_run(base, description, run_name=f"parity-{report.name}", extra_tags=tags, uri=uri)
-    report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
-    report.experiment_id = handle.experiment_id
-    report.experiment = base.spec.tracking.experiment or base.spec.name
-    return uri, handle.run_id
-
-
-def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], parent: tuple[str, str] | None) -> None:
+def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], parent: Parent | None) -> None:
     """Train none (falling back to float32), the control and the other modes; compare; name the causes."""
     none = report.modes[0]
     try:
@@ -327,7 +310,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
 
 
 def _train(
-    result: ModeResult, loaded: LoadedSpec, parent: tuple[str, str] | None, dtype: str | None, nudge: bool = False
+    result: ModeResult, loaded: LoadedSpec, parent: Parent | None, dtype: str | None, nudge: bool = False
 ) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
     from runner.launch.driver import ExecOptions, exec_experiment
@@ -335,7 +318,7 @@ def _train(
 
     options = ExecOptions(
         run_name=f"{result.config} parity {loaded.spec.name}",
-        parent_run_id=parent[1] if parent else None,
+        parent_run_id=parent.run_id if parent else None,
         tags=(("runner.parity.config", result.config),),
         dtype=dtype,
         nudge=nudge,
@@ -436,14 +419,13 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
     return None
 
 
-def _record(report: ParityReport, parent: tuple[str, str], folder: Path) -> None:
+def _record(report: ParityReport, parent: Parent, folder: Path) -> None:
     """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
     import json
 
-    from runner.tools.bench_runs import log_history
     from runner.tracking.parents import record_summary
 
-    uri, run_id = parent
+    uri, run_id = parent.uri, parent.run_id
     metrics: dict[str, float] = {}
     for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:
         figures = {"max_abs_dloss": m.max_loss_delta, "max_abs_dparam": m.max_param_delta}
