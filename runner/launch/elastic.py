@@ -74,7 +74,7 @@ def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerRe
         # SIGINT and SIGTERM are the agent's own (_stop_once); elastic handles the rest
         env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
         child = _start(["--agent", str(path)], env)
-        code = _wait_passing_signals(child, lambda: False)
+        code = _wait_passing_signals(child)
         done = path.with_name(_AGENT_OUTCOME)
         if not done.exists() and code in (-signal.SIGINT, -signal.SIGTERM):  # stopped before its handlers were in
             raise LaunchFailed("", (-code, None))
@@ -369,7 +369,7 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     path.write_bytes(pickle.dumps(dataclasses.replace(args, launcher_pid=os.getpid())))
     oom_before = oom_kill_count()
     child = _start([str(path)], dict(os.environ))
-    code = _wait_passing_signals(child, lambda: session.store_error is not None)
+    code = _wait_passing_signals(child, session.launch_pointless)
     if session.result is not None and code == 0:
         return WorkerResult(**session.result)
     failure = session.failure
@@ -384,10 +384,10 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     raise TrainingError(f"the training process {ended_by(code, oom_before)}")
 
 
-def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool]) -> int:
+def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool | None] | None = None) -> int:
     """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it. Once ``pointless()`` (the
     store could not be opened: no run will be made) the child is killed rather than left to import torch and build for
-    nothing."""
+    nothing; once it says ``None`` (it never will be) the wait blocks: no wake-ups while the child trains."""
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):
@@ -397,10 +397,13 @@ def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[]
     try:
         while True:
             try:
-                return child.wait(timeout=_POLL_S)
+                return child.wait(timeout=_POLL_S if pointless is not None else None)
             except subprocess.TimeoutExpired:
-                if pointless():
+                verdict = pointless() if pointless is not None else None
+                if verdict:
                     child.kill()
+                elif verdict is None:
+                    pointless = None
             except KeyboardInterrupt:  # a handler installed by someone else raised: keep waiting for the child
                 continue
     finally:

@@ -94,6 +94,13 @@ class RunSession:
             raise error
         return getattr(self, f"_{kind}")(*payload)
 
+    def launch_pointless(self) -> bool | None:
+        """For the wait on a training child: ``True`` once the store failed to open (no run will be made), ``None``
+        once the run is handed to the workers (it never will be), else ``False`` (not known yet)."""
+        if self.store_error is not None:
+            return True
+        return None if self.checkpoint_dir else False
+
     # -- messages ----------------------------------------------------------------------------
 
     def _built(self, error: SpecError | None, notes: list[str]) -> HandedRun:

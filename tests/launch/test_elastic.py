@@ -80,3 +80,23 @@ def test_a_prestarted_process_starts_again_only_when_the_devices_changed_after_c
     assert not fresh_start_needed(before, chosen)  # CUDA reads the variables when it starts, later
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert fresh_start_needed(before, chosen) and not fresh_start_needed(before, dict(before))
+
+
+def test_the_wait_on_a_training_child_asks_until_the_run_is_handed_over_then_blocks() -> None:
+    import subprocess
+    import sys
+
+    from runner.launch.elastic import _wait_passing_signals
+
+    def child(seconds: float) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+    asked: list[bool | None] = []
+
+    def handed_after_two() -> bool | None:  # not known, not known, then handed over: never pointless
+        asked.append(None if len(asked) >= 2 else False)
+        return asked[-1]
+
+    assert _wait_passing_signals(child(1.5), handed_after_two) == 0
+    assert asked == [False, False, None]  # asked three times in 1.5 s, then no wake-ups until the child ended
+    assert _wait_passing_signals(child(60), lambda: True) == -signal.SIGKILL  # no run will be made: killed
