@@ -83,9 +83,14 @@ def main() -> int:
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPU core(s); load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     out: dict[str, object] = {"load_before": load}
-    fast_s, fast_line = _pytest("-m", "not integration", "-q")
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "junit.xml"
+        fast_s, fast_line = _pytest("-m", "not integration", "-q", f"--junitxml={report}")
+        _, fast_failed = _test_times(report)
     met = "met" if fast_s <= FAST_TARGET_S else "NOT met"
     print(f"fast tier: {fast_s:.1f} s (target <= {FAST_TARGET_S:.0f} s: {met}); {fast_line}")
+    for test in fast_failed:
+        print(f"  failed: {test}")
     out["fast_s"] = fast_s
     if not args.fast_only:
         with tempfile.TemporaryDirectory() as folder:

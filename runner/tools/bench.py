@@ -26,7 +26,7 @@ from runner.tools.bench_runs import (
     open_child,
     record_child,
     record_parent,
-    start_parent,
+    start_bench_parent,
 )
 
 if TYPE_CHECKING:
@@ -148,11 +148,7 @@ def run_bench(
         report = _report(base, configs, runnable, steps, warmup, repeats)
         out = Path(out_dir if out_dir is not None else DEFAULT_OUT_DIR).resolve()
         out.mkdir(parents=True, exist_ok=True)
-        bench = {"steps": report.steps, "warmup": report.warmup}
-        configs_run = [c.result.config for c in configs]
-        parent = start_parent(
-            base, report, "bench", configs_run, bench=bench, global_batch_size=report.global_batch_size
-        )
+        parent = start_bench_parent(base, report, [c.result.config for c in configs])
         try:
             for config in runnable:
                 open_child(config, parent, report.name)

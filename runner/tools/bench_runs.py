@@ -56,6 +56,11 @@ def start_parent(
     return Parent(uri, handle.run_id, experiment)
 
 
+def start_bench_parent(base: LoadedSpec, report: BenchReport, configs: list[str]) -> Parent | None:
+    bench = {"steps": report.steps, "warmup": report.warmup}
+    return start_parent(base, report, "bench", configs, bench=bench, global_batch_size=report.global_batch_size)
+
+
 def start_child(
     parent: Parent | None, loaded: LoadedSpec, plan_description: dict[str, Any], result: ConfigResult, name: str
 ) -> str | None:
