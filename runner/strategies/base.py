@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -238,6 +238,11 @@ class Strategy(ABC):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape) over all processes; returns a new tensor on ``tensor``'s device."""
 
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """:meth:`all_reduce_sum` started now and read by calling the result (no collective: at once)."""
+        reduced = self.all_reduce_sum(tensor)
+        return lambda: reduced
+
     @abstractmethod
     def barrier(self) -> None:
         """Wait for every process."""
@@ -250,20 +255,13 @@ class Strategy(ABC):
 
     @abstractmethod
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """Whether every rank stops now, given this rank's stop ``flag`` (True on all ranks or on none).
+        """Whether every rank stops now (the same answer on every rank), given this rank's stop ``flag``: 0, or its
+        :func:`stop_code` (a signal arrived); the largest code of the ranks is kept as ``stop_code``.
 
-        Like Lightning Fabric's ``reduce_boolean_decision`` with ``all=False`` (any rank's
-        True counts), but never on the hot path where there are peers to ask.
-
-        Args:
-            flag: 0, or this rank's :func:`stop_code` (a signal arrived); the largest code of the ranks
-                is kept as ``stop_code``.
-            settle: False after a step between log steps: a strategy with peers answers from what
-                was agreed so far, without a collective. True at log steps, checkpoints and epoch
-                boundaries: answer for this ``flag`` on every rank before returning.
-
-        Returns:
-            The same value on every rank.
+        Like Lightning Fabric's ``reduce_boolean_decision`` with ``all=False`` (any rank's True counts), but never
+        on the hot path where there are peers to ask: ``settle=False`` (after a step between log steps) answers
+        from what was agreed so far, without a collective; ``settle=True`` (log steps, checkpoints, epoch
+        boundaries) answers for this ``flag`` on every rank before returning.
         """
 
 

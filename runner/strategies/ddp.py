@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -233,18 +234,24 @@ class DDPStrategy(Strategy):
         return torch.device("cpu") if self.backend == "gloo" else self.device
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over all ranks (a detached copy; the input is not modified).
-
-        Args:
-            tensor: Any shape; gloo reduces on CPU, nccl on this rank's GPU.
-
-        Returns:
-            The sum, on ``tensor``'s device.
-        """
+        """Sum ``tensor`` (any shape) over all ranks: a detached copy on its device; gloo reduces on CPU, nccl on this
+        rank's GPU."""
         self._need_setup()
         buf = tensor.detach().to(self._collective_device(), copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         return buf.to(tensor.device)
+
+    def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The sum started with ``async_op``: the ranks go on training while it runs; calling the result waits."""
+        self._need_setup()
+        buf = tensor.detach().to(self._collective_device(), copy=True)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+
+        def result() -> torch.Tensor:
+            work.wait()
+            return buf.to(tensor.device)
+
+        return result
 
     def save_group(self) -> Any:
         """A gloo group of every rank for background checkpoint saves, created on the first call."""
@@ -280,12 +287,6 @@ class DDPStrategy(Strategy):
         Every rank makes the same calls in the same order, so every rank gets the same answer at
         the same call. The answer is final: once True, every later call returns True without a
         collective.
-
-        Args:
-            flag: Whether a stop was requested on this rank.
-
-        Returns:
-            The same value on every rank.
         """
         self._need_setup()
         if settle and not self._stopping:

@@ -68,11 +68,7 @@ def _runner_version() -> str:
 
 
 def source_tags(source: str) -> dict[str, str]:
-    """MLflow's source tags of a run started from a local file (``mlflow.source.name``, ``mlflow.source.type``).
-
-    Args:
-        source: The spec file, as shown in the MLflow UI.
-    """
+    """MLflow's source tags of a run started from the local file ``source`` (shown in the MLflow UI)."""
     return {"mlflow.source.type": "LOCAL", "mlflow.source.name": source}
 
 
@@ -264,11 +260,8 @@ def safe_key(key: str) -> str:
 
 
 def shorten(text: str, limit: int, where: str) -> str:
-    """Cut ``text`` to ``limit`` characters with a marker saying how long it was and where the rest is.
-
-    Args:
-        where: Where the full text can be found, e.g. ``"artifact spec/resolved.toml"``.
-    """
+    """Cut ``text`` to ``limit`` characters with a marker saying how long it was and ``where`` the rest is (e.g.
+    ``"artifact spec/resolved.toml"``)."""
     if len(text) <= limit:
         return text
     marker = f"...[truncated from {len(text)} chars; full text in {where}]"
@@ -378,11 +371,8 @@ class GitInfo:
     untracked_count: int = 0
 
     def relpath(self, path: str | os.PathLike[str]) -> str:
-        """Return ``path`` relative to :attr:`root` in POSIX form, or absolute when it lies outside.
-
-        Args:
-            path: A file path; relative paths are taken from the current directory.
-        """
+        """``path`` (relative: to the current directory) relative to :attr:`root` in POSIX form, or absolute when it
+        lies outside."""
         p = Path(path).resolve()
         try:
             return p.relative_to(self.root).as_posix()
@@ -417,16 +407,8 @@ def _git(cwd: Path, *args: str, max_bytes: int | None = None) -> str | None:
 
 
 def git_info(path: str | os.PathLike[str]) -> GitInfo | None:
-    """Describe the git working tree that contains ``path``.
-
-    Args:
-        path: A file or folder; the repository searched is the one containing it (not the
-            current directory).
-
-    Returns:
-        A :class:`GitInfo`, or ``None`` when ``path`` is not inside a working tree, git is
-        not installed, or git fails. Never raises.
-    """
+    """The git working tree that contains the file or folder ``path`` (not the current directory's), or ``None`` when
+    ``path`` is not inside one, git is not installed, or git fails. Never raises."""
     p = Path(path).resolve()
     start = p if p.is_dir() else p.parent
     if not start.is_dir():
@@ -457,16 +439,9 @@ def git_info(path: str | os.PathLike[str]) -> GitInfo | None:
 
 
 def git_diff(info: GitInfo, max_bytes: int = 5 * 1024 * 1024) -> str:
-    """Return ``git diff HEAD`` (staged and unstaged changes to tracked files) of a working tree.
-
-    Args:
-        max_bytes: Keep at most this many bytes of the diff; a marker line says when it was cut.
-
-    Returns:
-        The patch text (binary files show as "Binary files ... differ"); in a repository
-        without commits, the diff of the index against the empty tree; ``""`` when clean
-        or when git fails. Never raises.
-    """
+    """``git diff HEAD`` of a working tree (staged and unstaged changes to tracked files; binary files show as
+    "Binary files ... differ"), at most ``max_bytes`` with a marker line when cut; in a repository without commits,
+    the index against the empty tree; ``""`` when clean or when git fails. Never raises."""
     if info.commit is not None:
         base = "HEAD"
     else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,6 +77,7 @@ def fit(
             batches = _start_epoch(parts, state)
             while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
                 _step(parts, batches, state, tally, report, train_spec, every_n_steps)
+            report.finish_pending()
             _stop_if_asked(parts, state, tally, settle=True)
             if not end_epoch(parts, train_spec, state, tally, report):
                 break  # max_steps reached mid-epoch
@@ -107,16 +108,9 @@ def train_step(
 
     Every micro-batch but the last runs under ``strategy.no_sync`` (no gradient all-reduce
     while accumulating); each micro-batch's summed loss is divided by ``global_size /
-    world_size`` (docs/design.md, "Module notes") before ``precision.backward``.
-
-    Args:
-        batches: This epoch's iterator over collated micro-batches (``(x, y)`` or dicts).
-        global_size: Samples of this optimizer step over all ranks and micro-batches.
-        clip_grad_norm: Largest global L2 norm of the gradients, or ``None`` for no clipping.
-        tally: Gets each micro-batch's loss sum, samples and predictions; its guard flags non-finite steps.
-
-    Returns:
-        Seconds spent waiting for the DataLoader.
+    world_size`` (docs/design.md, "Module notes") before ``precision.backward``. ``global_size``: samples of this
+    step over all ranks and micro-batches; ``clip_grad_norm``: the largest global L2 norm, or ``None``. Returns the
+    seconds spent waiting for the DataLoader.
     """
     strategy, model, io = parts.strategy, parts.model, parts.io
     share = rank_batch_size(global_size, strategy.world_size, strategy.rank)
@@ -242,11 +236,17 @@ class _Report:
         self.tracker = tracker
         self.progress = progress
         self.count_at = -1  # the step of this job (0-based) whose FLOPs are counted; -1: none
+        self.pending: Callable[[], bool] | None = None  # a log step whose reduction runs while the next step trains
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.result.metrics.update(metrics)
         self.result.history.append((step, dict(metrics)))
         self.tracker.log_metrics(metrics, step=step)  # a NullTracker except on the logging rank
+
+    def finish_pending(self) -> bool:
+        """Log the log step whose reduction ran meanwhile, if any; returns whether a rank was asked to stop."""
+        pending, self.pending = self.pending, None
+        return pending() if pending is not None else False
 
 
 def _step(
@@ -275,10 +275,12 @@ def _step(
     state.global_step += 1
     state.batch_in_epoch += 1
     report.progress.update(1, samples=global_size)
-    asked = False  # whether some rank had been asked to stop at this step's log
-    if state.global_step % train_spec.log_every_n_steps == 0:
-        tally.window, asked = _log_window(parts, state, tally, report)
+    asked = report.finish_pending()  # whether some rank had been asked to stop by a log step's reduction
     saved = bool(every_n_steps and state.global_step % every_n_steps == 0)
+    if state.global_step % train_spec.log_every_n_steps == 0:  # overlapped with the next step, unless one follows
+        overlap = parts.strategy.world_size > 1 and not saved and state.global_step < parts.total_steps
+        tally.window, now = _log_window(parts, state, tally, report, overlap)
+        asked = asked or now
     if saved:
         _checkpoint(parts, state, "step", tally)
     _stop_if_asked(parts, state, tally, settle=asked or saved)
@@ -308,22 +310,37 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]
     return iter(parts.loaders.train)
 
 
-def _log_window(parts: LoopParts, state: TrainState, tally: Tally, report: _Report) -> tuple[RunningSums, bool]:
+def _log_window(
+    parts: LoopParts, state: TrainState, tally: Tally, report: _Report, overlap: bool = False
+) -> tuple[RunningSums, bool]:
     """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log: every
     ``log_every_n_steps`` steps and after the run's last step. Returns fresh sums and whether any rank was asked to
-    stop, which rides in the sums' reduction (a second collective per log step cost ddp-2 about 10 %)."""
-    sums = tally.window.reduced_sums(parts.strategy, stop_asked=bool(parts.should_stop()))
-    asked = sums.pop() > 0
-    tally.guard.check(sums, parts.strategy, f"the train/loss log of step {state.global_step}")
-    loss = mean_loss(sums)
-    metrics = {"train/loss": loss, "lr": parts.optimizer.param_groups[0]["lr"]}
-    metrics.update(tally.accuracy(sums, "train/step_"))
-    metrics.update(tally.window_metrics.compute())
-    report.log(metrics, state.global_step)
-    finished_epoch = state.batch_in_epoch == 0 and state.epoch > 0  # the run's last step, after its epoch ended
-    report.progress.show(epoch=state.epoch - finished_epoch, loss=loss)
-    tally.guard.new_window()
-    return RunningSums(parts.strategy.output_device), asked
+    stop, which rides in the sums' reduction (a second collective per log step cost ddp-2 about 10 %). With
+    ``overlap`` the reduction runs while the next step trains and ``report.finish_pending`` logs it after that step
+    (a blocking one cost ddp-2 logging every step 16 % on 2 CPU cores: benchmarks/README.md); asked is then False."""
+    step, lr, stop_asked = state.global_step, parts.optimizer.param_groups[0]["lr"], bool(parts.should_stop())
+    shown_epoch = state.epoch - (state.batch_in_epoch == 0 and state.epoch > 0)  # the last step's, after its epoch
+    window_metrics = tally.window_metrics.compute()
+    closed = tally.guard.new_window()
+    if overlap:
+        reduce = tally.window.reduce_async(parts.strategy, stop_asked)
+    else:
+        reduced = tally.window.reduced_sums(parts.strategy, stop_asked=stop_asked)
+        reduce = lambda: reduced  # noqa: E731
+
+    def log() -> bool:
+        sums = reduce()
+        asked = sums.pop() > 0
+        tally.guard.check(sums, parts.strategy, f"the train/loss log of step {step}", closed)
+        loss = mean_loss(sums)
+        report.log({"train/loss": loss, "lr": lr, **tally.accuracy(sums, "train/step_"), **window_metrics}, step)
+        report.progress.show(epoch=shown_epoch, loss=loss)
+        return asked
+
+    if overlap:
+        report.pending = log
+        return RunningSums(parts.strategy.output_device), False
+    return RunningSums(parts.strategy.output_device), log()
 
 
 def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle: bool) -> None:

@@ -6,7 +6,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,11 @@ class RunningSums:
         """Add one micro-batch's correct predictions (a scalar on the device) out of ``total`` targets."""
         self.sums[3] += correct
         self.sums[4] += total
+
+    def reduce_async(self, strategy: Strategy, stop_asked: bool) -> Callable[[], list[float]]:
+        """:meth:`reduced_sums` with ``stop_asked``, started now and read by calling the result."""
+        result = strategy.all_reduce_sum_async(torch.cat([self.sums, self.sums.new_tensor([float(stop_asked)])]))
+        return lambda: result().tolist()
 
     def reduced_sums(self, strategy: Strategy, stop_asked: bool | None = None) -> list[float]:
         """The sums over ranks (a collective), as floats; with ``stop_asked``, one more entry at the end: how many
@@ -274,6 +279,9 @@ HINT = (
 )
 
 
+Window = tuple[int, int, "torch.Tensor | None"]  # a closed train/loss window: its first step, steps, trail
+
+
 class NonFiniteGuard:
     """Finds the first non-finite step of a ``train/loss`` window (docs/design.md §14).
 
@@ -302,23 +310,29 @@ class NonFiniteGuard:
             self._trail[self._taken].copy_(window_sums[:2])
         self._taken += 1
 
-    def new_window(self) -> None:
-        """The window's sums start afresh (after a ``train/loss`` log)."""
+    def new_window(self) -> Window:
+        """The window's sums start afresh (after a ``train/loss`` log); returns the closed window (its first step,
+        steps and trail: a device copy) for a check made after the next window began (:meth:`check`)."""
+        closed = (self._start, self._taken, self._trail[: self._taken].clone() if self.enabled else None)
         self._start += self._taken
         self._taken = 0
+        return closed
 
-    def _first_bad(self) -> tuple[int, int] | None:
+    def _first_bad(self, window: Window | None = None) -> tuple[int, int] | None:
         """``(step, 0 for the loss or 1 for the norm)`` of this rank's first unreported bad step (a host read)."""
-        rows = self._trail[: min(self._taken, len(self._trail))].tolist()
+        start, taken, trail = window or (self._start, self._taken, self._trail)
+        assert trail is not None
+        rows = trail[: min(taken, len(trail))].tolist()
         for i, row in enumerate(rows):
-            step = self._start + i + 1
+            step = start + i + 1
             for what, value in enumerate(row):
                 if not math.isfinite(value) and step > self._reported:
                     return step, what
         return None
 
-    def check(self, sums: list[float], strategy: Strategy, where: str) -> None:
-        """Act on reduced running sums (``[loss, norm sum, ...]``, the same on every rank).
+    def check(self, sums: list[float], strategy: Strategy, where: str, window: Window | None = None) -> None:
+        """Act on reduced running sums (``[loss, norm sum, ...]``, the same on every rank) of the window in progress,
+        or of ``window``, closed by :meth:`new_window` before the check.
 
         Gathers every rank's first bad step (a collective, only when something was not finite).
 
@@ -327,7 +341,7 @@ class NonFiniteGuard:
         """
         if not self.enabled or all(math.isfinite(v) for v in sums[:2]):
             return
-        firsts = [f for f in strategy.all_gather_object(self._first_bad()) if f is not None]
+        firsts = [f for f in strategy.all_gather_object(self._first_bad(window)) if f is not None]
         if not firsts:
             return  # already reported (warn)
         step, kind = min(firsts)
@@ -341,7 +355,7 @@ class NonFiniteGuard:
             print(
                 f'runner: warning: {what} was not finite at step {step} (train.on_nonfinite = "warn")', file=sys.stderr
             )
-        self._reported = self._start + self._taken
+        self._reported = window[0] + window[1] if window else self._start + self._taken
 
     def weights_finite(self, parameters: Iterable[torch.Tensor], strategy: Strategy, step: int) -> bool:
         """Whether every weight is finite on every rank (a collective); before a checkpoint.

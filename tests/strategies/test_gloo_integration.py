@@ -128,3 +128,39 @@ def test_stop_decision_agrees_at_the_next_log_step_on_every_rank(results):
     for res in results.values():
         assert res["stop"]["hot"] == expected_hot
         assert res["stop"]["settled"] == [False, True]
+
+
+def _overlapped_logs() -> tuple[list[tuple[int, int]], list[tuple[int, int, int, str]]]:
+    """Runs in each elastic worker: fit() logging every step, a checkpoint every 4, a stop asked in step 3. Returns
+    (logged step, optimizer steps taken when it was logged) and the checkpoints made."""
+    from runner.errors import Interrupted
+    from runner.training.loop import fit
+    from tests.training.test_loop import RecordingTracker, Saves, make_parts, make_spec, request_stop_in_step
+
+    spec = make_spec(log_every_n_steps=1)
+    spec = spec.model_copy(update={"parallel": _spec().parallel})
+    strategy = make_strategy(
+        spec.parallel, resolve_devices(spec, {}, Inventory([], False)), LauncherEnvironment.detect()
+    )
+    strategy.setup()
+    try:
+        tracker, saves, taken, seen = RecordingTracker(), Saves(), [0], []
+        parts = request_stop_in_step(make_parts(spec, tracker, strategy=strategy, on_checkpoint=saves), 3)
+        parts.optimizer.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
+        logged = tracker.log_metrics
+        tracker.log_metrics = lambda metrics, step: (seen.append((step, taken[0])), logged(metrics, step))[1]
+        with pytest.raises(Interrupted):
+            fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
+        return seen, saves.calls
+    finally:
+        strategy.teardown()
+
+
+def test_a_log_steps_reduction_overlaps_the_next_step_and_a_stop_in_it_settles_after_that_step() -> None:
+    """Under several ranks the logged sums' all-reduce runs while the next step trains (docs/design.md, stopping)."""
+    results = elastic_run(_overlapped_logs, WORLD, "overlap")
+    assert results[0] == results[1]
+    seen, saves = results[0]
+    # step 1's values after step 2, and so on; step 4 is a checkpoint step: its log is waited for at once
+    assert [(step, at) for step, at in seen if step <= 4] == [(1, 2), (2, 3), (3, 4), (4, 4)], seen
+    assert saves == [(4, 0, 4, "step"), (4, 0, 4, "signal")]  # the stop asked in step 3 rode in step 3's log
