@@ -322,11 +322,7 @@ def _log_window(
     shown_epoch = state.epoch - (state.batch_in_epoch == 0 and state.epoch > 0)  # the last step's, after its epoch
     window_metrics = tally.window_metrics.compute()
     closed = tally.guard.new_window()
-    if overlap:
-        reduce = tally.window.reduce_async(parts.strategy, stop_asked)
-    else:
-        reduced = tally.window.reduced_sums(parts.strategy, stop_asked=stop_asked)
-        reduce = lambda: reduced  # noqa: E731
+    reduce = tally.window.reduce_async(parts.strategy, stop_asked)  # read at once below unless ``overlap``
 
     def log() -> bool:
         sums = reduce()

@@ -59,17 +59,14 @@ class RunningSums:
         self.sums[4] += total
 
     def reduce_async(self, strategy: Strategy, stop_asked: bool) -> Callable[[], list[float]]:
-        """:meth:`reduced_sums` with ``stop_asked``, started now and read by calling the result."""
+        """:meth:`reduced_sums` started now and read by calling the result, with one more entry at the end: how many
+        ranks were asked to stop (``stop_asked``), in the same collective."""
         result = strategy.all_reduce_sum_async(torch.cat([self.sums, self.sums.new_tensor([float(stop_asked)])]))
         return lambda: result().tolist()
 
-    def reduced_sums(self, strategy: Strategy, stop_asked: bool | None = None) -> list[float]:
-        """The sums over ranks (a collective), as floats; with ``stop_asked``, one more entry at the end: how many
-        ranks were asked to stop, in the same collective."""
-        if stop_asked is None:
-            return strategy.all_reduce_sum(self.sums.clone()).tolist()
-        asked = self.sums.new_tensor([float(stop_asked)])
-        return strategy.all_reduce_sum(torch.cat([self.sums, asked])).tolist()  # cat makes the copy
+    def reduced_sums(self, strategy: Strategy) -> list[float]:
+        """The sums over ranks (a collective), as floats."""
+        return strategy.all_reduce_sum(self.sums.clone()).tolist()
 
 
 def mean_loss(sums: list[float]) -> float:
