@@ -39,6 +39,7 @@ def _pytest(*args: str) -> tuple[float, str]:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},  # bytecode cached, as in .ci/run
         capture_output=True,
         text=True,
         check=False,
