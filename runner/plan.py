@@ -25,13 +25,7 @@ RUN_ID_PLACEHOLDER = "<run id>"
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """The c10d rendezvous of a ddp job that runner's elastic launcher joins.
-
-    Attributes:
-        endpoint: ``host:port`` (``None``: a free port on localhost, for one node).
-        run_id: The rendezvous id every node shares (``parallel.rdzv_id``, or the Slurm job id).
-        node_rank: This node's rank; node 0 hosts the rendezvous store.
-    """
+    """The c10d rendezvous the elastic launcher joins: ``host:port`` (``None``: a local free port), id, node rank."""
 
     endpoint: str | None
     run_id: str
@@ -43,19 +37,8 @@ class Rendezvous:
 class Plan:
     """A resolved spec ready to run.
 
-    Attributes:
-        tracking_uri: Absolute MLflow tracking URI, or ``None`` when tracking is off.
-        launch: ``"in-process"``, ``"elastic"`` (runner starts the DDP workers) or
-            ``"external"`` (already a worker of torchrun or a scheduler).
-        launcher: This process's place in its job, as its launcher set it (rank, ``RUNNER_RUN_ID``);
-            for a per-device Slurm task, the worker its Slurm variables make it.
-        run_name: The MLflow run name: ``tracking.run_name``, else the default of
-            :func:`runner.spec.dump.default_run_name` (``digits-mlp ddp-2 lr=0.05``).
-        rendezvous: Where the elastic launcher meets the other nodes (ddp only, else ``None``;
-            under torchrun, the spec's settings, which torchrun's own replace).
-        slurm: How this Slurm job step runs the spec, or ``None`` outside Slurm (and under torchrun).
-        part_notes: What the built parts tell before training (BatchNorm or dropout under a parallel
-            mode, :func:`runner.launch.prebuild.difference_notes`); filled in once they are checked.
+    ``launch`` is ``"in-process"``, ``"elastic"`` or ``"external"`` (a worker of torchrun or a scheduler);
+    ``launcher`` is this process's place in its job; ``part_notes`` are filled in once the built parts are checked.
     """
 
     loaded: LoadedSpec
@@ -159,25 +142,12 @@ def make_plan(
     inventory: Inventory | None = None,
     tracking_uri: str | None = None,
 ) -> Plan:
-    """Resolve devices, launch method, tracking target and run name of ``loaded``.
-
-    Args:
-        env: Environment to resolve against (default ``os.environ``).
-        inventory: Device inventory (default: probed without initialising CUDA).
-        tracking_uri: The store to use instead of the spec's (``runner resume`` continues a run
-            where it was found). Default: :func:`runner.tracking.uri.resolve_tracking_uri`.
-
-    Returns:
-        The :class:`Plan`.
+    """Resolve devices, launch method, tracking target (``tracking_uri`` overrides) and run name of ``loaded``.
 
     Raises:
-        DeviceError: The spec asks for devices this machine does not have; placed at the
-            spec file's line of the key it is about.
-        UsageError: Started by torchrun with a world size that differs from the spec's, a Slurm
-            step whose tasks fit neither layout (the message names both numbers), or launcher
-            variables that are not integers.
-        SpecError: ``parallel.nnodes > 1`` without ``parallel.rdzv_endpoint`` outside a Slurm
-            step (which derives the endpoint), at the line of ``parallel.nnodes``.
+        DeviceError: The spec asks for devices this machine lacks, at the key's line.
+        UsageError: A torchrun world size or Slurm layout that does not fit, or non-integer launcher variables.
+        SpecError: ``parallel.nnodes > 1`` without ``parallel.rdzv_endpoint`` outside Slurm.
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices, threads_per_process
@@ -221,11 +191,7 @@ def experiment_of(loaded: LoadedSpec) -> str:
 
 
 def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
-    """``tracking.run_name``, else ``<name> <mode>-<size> <changed values>`` (docs/design.md §6).
-
-    ``size`` is what the mode spans: 1 for none, dp's GPUs, the world size of ddp and fsdp; without a device
-    plan (the machine cannot run the spec) the spec's own count, or ``?`` when only the machine knows.
-    """
+    """``tracking.run_name``, else ``<name> <mode>-<size> <changed values>`` (docs/design.md §6)."""
     from runner.spec.dump import default_run_name
 
     spec = loaded.spec
@@ -251,11 +217,7 @@ def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
 
 
 def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:
-    """How the workers are made; a job started by torchrun must agree with the spec on ``WORLD_SIZE``.
-
-    Raises:
-        UsageError: ``WORLD_SIZE`` > 1 for a one-process mode, or differing from the spec's world size.
-    """
+    """How the workers are made; UsageError when torchrun's ``WORLD_SIZE`` disagrees with the spec."""
     from runner.errors import UsageError
 
     mode, traits = loaded.spec.parallel.mode, loaded.spec.parallel.traits
@@ -278,12 +240,7 @@ def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: D
 def _slurm_layout(
     loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan, env: Mapping[str, str]
 ) -> tuple[SlurmLayout, LauncherEnvironment]:
-    """The layout of this Slurm step and, for one task per device, this task as the worker it is.
-
-    Raises:
-        UsageError: The step's tasks fit neither layout, a node has more tasks than GPUs, or the
-            node list cannot be read.
-    """
+    """The layout of this Slurm step (and this task as its worker); UsageError when the tasks fit no layout."""
     from runner.errors import UsageError
 
     assert launcher.slurm is not None
@@ -333,17 +290,8 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
 def describe_unrunnable(
     loaded: LoadedSpec, error: DeviceError, fix: list[str] | None, shown: str | None = None
 ) -> dict[str, Any]:
-    """What ``runner plan`` shows for a spec this machine cannot run: the spec's facts, what is missing, a fix.
-
-    Args:
-        error: Why it cannot run here (from :func:`make_plan`).
-        fix: Extra command-line arguments that make it run here (:func:`find_fix`), or ``None``.
-        shown: The spec file as the user named it (for the command to try). Default: its absolute path.
-
-    Returns:
-        A dict like :meth:`Plan.describe`, with ``devices = None``, ``asked`` (the devices the spec
-        asks for), ``missing`` (the error) and ``try`` (the whole command with the fix, or ``None``).
-    """
+    """What ``runner plan`` shows for a spec this machine cannot run: like :meth:`Plan.describe` with ``devices =
+    None``, ``asked``, ``missing`` (the error) and ``try`` (the command with ``fix``, or ``None``)."""
     spec = loaded.spec
     info = spec_facts(loaded, tracking_uri_of(loaded, None), experiment_of(loaded), run_name_of(loaded, None))
     ids = spec.devices.ids
@@ -357,11 +305,7 @@ def describe_unrunnable(
 
 
 def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
-    """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way.
-
-    A suggestion never repeats the user's override with another value (``--set parallel.mode=dp
-    --set parallel.mode=ddp``): the later one would win anyway, so the spec it runs is the same.
-    """
+    """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way."""
     import dataclasses
 
     from runner.spec.overrides import parse_key
@@ -374,15 +318,8 @@ def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
 def plan_or_problem(
     loaded: LoadedSpec, *, env: Mapping[str, str], inventory: Inventory, shown: str | None = None
 ) -> tuple[dict[str, Any], DeviceError | None]:
-    """What ``runner plan`` prints, and why this machine cannot run the spec (``None`` when it can).
-
-    Returns:
-        ``(Plan.describe(), None)``, or ``(describe_unrunnable(...), error)`` where ``error`` says
-        what is missing and, on its last line, the command that runs here (found by :func:`find_fix`).
-
-    Raises:
-        UsageError: As :func:`make_plan` (launcher variables).
-    """
+    """``(Plan.describe(), None)``, or ``(describe_unrunnable(...), error)`` whose last line is a command that runs
+    here."""
     try:
         return make_plan(loaded, env=env, inventory=inventory).describe(), None
     except DeviceError as exc:
@@ -394,16 +331,10 @@ def plan_or_problem(
 def find_fix(
     loaded: LoadedSpec, error: DeviceError, *, env: Mapping[str, str], inventory: Inventory
 ) -> list[str] | None:
-    """The first ``--set`` arguments that make ``loaded`` run on this machine, tried for real, or ``None``.
+    """The first ``--set`` arguments that make ``loaded`` run here, tried for real (validated and resolved), or
+    ``None``.
 
-    Candidates: a change of the key the error names (``backend = "gloo"``, ``ids = "all"``, ...),
-    then the CPU (``accelerator = "cpu"``), alone and with each other mode (for dp, ``none`` first: one
-    process, as dp is; ddp of one process is none with a process group). Each
-    is loaded with the spec's own ``--set``/``--unset`` and resolved against ``inventory``: a
-    suggestion is printed only when the spec then validates and its devices resolve.
-
-    Returns:
-        E.g. ``["--set", "parallel.mode=ddp", "--set", "devices.accelerator=cpu"]``.
+    Candidates: a change of the key the error names, then the CPU alone and with each other mode.
     """
     from runner.devices.resolve import resolve_devices
     from runner.errors import SpecError

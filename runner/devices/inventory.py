@@ -1,8 +1,6 @@
-"""List the GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA.
+"""The GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA; the process env.
 
-Also: the process environment: narrow ``CUDA_VISIBLE_DEVICES`` before CUDA initialises; set variables for a scope.
-
-Numbering (index, entry, physical_index): docs/design.md, "Module notes", runner/devices/resolve.py.
+Numbering: docs/design.md, "Module notes", runner/devices/resolve.py.
 """
 
 from __future__ import annotations
@@ -44,17 +42,8 @@ PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU visible when runner starts.
-
-    Attributes:
-        index: Visible index, the number ``devices.ids`` refers to (0-based).
-        name: Device name, e.g. ``NVIDIA A100-SXM4-80GB``.
-        uuid: ``GPU-...`` UUID, or ``None`` when unknown.
-        total_memory_bytes: Device memory in bytes, or ``None`` when unknown.
-        entry: The ``CUDA_VISIBLE_DEVICES`` item that selects this device, as
-            inherited (``"3"`` or ``"GPU-5a1c..."``); ``None`` means ``str(index)``.
-        physical_index: Index in PCI bus order (nvidia-smi's index), or ``None`` when unknown.
-    """
+    """One visible GPU: ``index`` is what ``devices.ids`` names; ``entry`` the ``CUDA_VISIBLE_DEVICES`` item that
+    selects it (``None``: ``str(index)``); ``physical_index`` nvidia-smi's."""
 
     index: int
     name: str
@@ -85,12 +74,7 @@ def affinity_cores() -> int:
 
 @dataclass(frozen=True)
 class HostLoad:
-    """How busy the host was over a run: the 1-minute load average at its start and end, and CPU steal.
-
-    Attributes:
-        steal: Share of CPU time the hypervisor gave to other guests between the two readings
-            (``/proc/stat``), or ``None`` where the host does not report it.
-    """
+    """The 1-minute load average at a run's start and end, and the CPU steal between (``None`` where unreported)."""
 
     start: float
     end: float
@@ -140,11 +124,9 @@ class HostLoad:
         return f"{state}: load {self.start:.1f} -> {self.end:.1f} on {cores}{steal}"
 
     def advice(self, used: int, threads: int, accelerator: str) -> str:
-        """What to change when a CPU run with ``threads`` intra-op threads per process was ``busy``, else ``""``.
+        """What to change when a CPU run with ``threads`` per process was ``busy``, else ``""``.
 
-        The thread rule stays fixed whatever the load (the thread count can change a run's arithmetic, and reruns
-        are bit-identical); beside one busy neighbour a lone process's median step was 0.59x as long with 1 thread
-        as with 2, its 90th percentile 18 ms against 113 ms (benchmarks/threads.py, docs/design.md §3).
+        The thread rule stays fixed (threads change a run's arithmetic); figures in docs/design.md §3.
         """
         if accelerator != "cpu" or threads < 2 or not self.busy(used):
             return ""
@@ -153,16 +135,7 @@ class HostLoad:
 
 @dataclass(frozen=True)
 class Inventory:
-    """The GPUs visible when runner starts.
-
-    Attributes:
-        gpus: Visible GPUs in visible order; ``gpus[i].index == i``.
-        cuda_available: Whether torch is built with CUDA and at least one GPU is visible.
-        inherited_visible: ``CUDA_VISIBLE_DEVICES`` as inherited (``None`` when unset).
-        source: How the GPUs were found, e.g. ``"NVML (2 GPU(s) on the machine)"``, or why none were.
-        notes: Things worth telling the user (ignored entries, device order).
-        cores: CPU cores this process may run on (its affinity, ``os.sched_getaffinity``).
-    """
+    """The GPUs visible when runner starts, in visible order, with how they were found and the CPU affinity's cores."""
 
     gpus: list[GpuInfo] = field(default_factory=list)
     cuda_available: bool = False
@@ -176,18 +149,8 @@ GpuRow = tuple[int, str, str | None, int | None]  # PCI-order index, name, uuid,
 
 
 def read_nvml(nvml: Any = None) -> list[GpuRow] | str:  # Any: pynvml has no type stubs
-    """List the machine's GPUs through NVML (``nvidia-ml-py``, imported as ``pynvml``), in PCI bus order.
-
-    NVML is NVIDIA's management library, the one nvidia-smi and MLflow's GPU system metrics use;
-    it does not initialise CUDA. Devices are sorted by PCI bus id (NVML's own enumeration order is
-    not guaranteed), which is the order CUDA uses under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-
-    Args:
-        nvml: The ``pynvml`` module, or a stand-in with the same functions (tests).
-
-    Returns:
-        One ``(index, name, uuid, total memory bytes)`` row per GPU, or why none could be read
-        (the library is not installed, no NVIDIA driver, an NVML error).
+    """The machine's GPUs through NVML (``pynvml``, or a stand-in), sorted by PCI bus id: ``(index, name, uuid, bytes)``
+    rows, or why none could be read. NVML does not initialise CUDA.
     """
     if nvml is None:
         try:
@@ -284,20 +247,8 @@ def _torch_has_cuda() -> bool:
 
 
 def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> Inventory:
-    """List the GPUs visible to runner without initialising CUDA in this process.
-
-    Reads the machine's GPUs through NVML (:func:`read_nvml`, PCI bus order) and applies an
-    inherited ``CUDA_VISIBLE_DEVICES`` (integer or ``GPU-`` UUID items, comma separated; empty or
-    ``-1`` means none). Without NVML no GPU is reported. The environment is only read:
-    :func:`runner.devices.resolve.resolve_devices` puts ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless
-    the user chose an order) into the plan's ``env`` so that CUDA's numbering matches this one.
-
-    Args:
-        env: Environment to read ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` from.
-        nvml: The ``pynvml`` module or a stand-in (tests); default: ``import pynvml``.
-
-    Returns:
-        The inventory; ``gpus`` is empty on a machine without (visible) NVIDIA GPUs.
+    """List the GPUs visible to runner without initialising CUDA: NVML's, narrowed by an inherited
+    ``CUDA_VISIBLE_DEVICES`` (integers or ``GPU-`` UUIDs; empty or ``-1``: none). Only reads ``env``.
     """
     inherited = env.get(VISIBLE_VAR)
     rows = read_nvml(nvml)
@@ -339,19 +290,11 @@ def cuda_initialized() -> bool:
 
 
 def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices.
+    """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices, in ``devices.ids``
+    order.
 
-    Afterwards the chosen GPUs are ``cuda:0 .. cuda:n-1`` in this process, in ``devices.ids``
-    order. CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when it initialises (CUDA C Programming
-    Guide, "CUDA Environment Variables"), hence the check below.
-
-    Args:
-        environ: Environment to change (default: this process's).
-
-    Raises:
-        DeviceError: CUDA is already initialised in this process and the plan
-            would change ``CUDA_VISIBLE_DEVICES`` or ``CUDA_DEVICE_ORDER``; CUDA
-            keeps its first view, so the run would silently use other cards.
+    Raises DeviceError when CUDA is already initialised and the plan would change its view (CUDA reads the variable
+    once).
     """
     changes = {k: v for k, v in plan.env.items() if environ.get(k) != v}
     if changes and cuda_initialized():
@@ -364,12 +307,7 @@ def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.en
 
 
 def apply_threads(plan: DevicePlan) -> None:
-    """Give torch ``plan.threads_per_process`` intra-op threads (and inter-op, where still allowed).
-
-    Called once at the start of each training process, before any work. torch accepts the inter-op
-    count only before its first inter-op task, so a process that already ran one (a warm bench
-    worker) keeps its count.
-    """
+    """Give torch ``plan.threads_per_process`` intra-op threads, and inter-op ones while torch still accepts them."""
     import torch
 
     torch.set_num_threads(plan.threads_per_process)

@@ -26,26 +26,9 @@ Accelerator = Literal["cuda", "cpu"]
 class DevicePlan:
     """Where and how a spec runs on this machine; see :func:`resolve_devices`.
 
-    Attributes:
-        mode: ``parallel.mode`` (:data:`runner.spec.schema_parallel.MODES` says what it is).
-        requested_ids: Chosen visible indices (the user's numbering); empty on CPU.
-        visible: ``CUDA_VISIBLE_DEVICES`` entries of every visible GPU (inherited view).
-        selected: ``CUDA_VISIBLE_DEVICES`` entries of the chosen GPUs, in order.
-        uuids: UUIDs of the chosen GPUs (``None`` when unknown).
-        nproc_per_node: Processes on this node (1 for a one-process mode).
-        nnodes: Nodes (1 for a one-process mode).
-        world_size: ``nnodes * nproc_per_node``.
-        backend: Process-group backend of a mode of one process per device, else ``None``.
-        global_batch: ``data.batch_size``: samples per optimizer step across all devices.
-        per_device_batch: Samples each device sees in one forward pass (one
-            micro-batch): dp's scatter split, ddp's per-rank batch, or ``[B]``.
-        output_index: dp only: position of ``parallel.output_device`` within the chosen ids.
-        env: Variables to set in this process and its children.
-        notes: Warnings worth showing, e.g. ``"dp with one device runs unwrapped"``.
-        physical_indices: PCI-order (nvidia-smi) indices of the chosen GPUs (``None`` when unknown).
-        total_memory_bytes: Memory of the chosen GPUs in bytes (``None`` when unknown).
-        threads_per_process: CPU threads of each training process (:func:`threads_per_process`).
-        threads_from: Where that number comes from, e.g. ``"2 usable cores / 2 processes"``.
+    ``requested_ids`` are the user's visible indices; ``visible``/``selected`` are ``CUDA_VISIBLE_DEVICES`` entries;
+    ``per_device_batch`` is what each device sees in one forward pass; ``output_index`` is dp's output device among the
+    ids; ``env`` is set in this process and its children; ``threads_from`` says where the thread count comes from.
     """
 
     accelerator: Accelerator
@@ -76,14 +59,7 @@ class DevicePlan:
         return MODES[self.mode].replicas
 
     def describe(self) -> dict[str, Any]:
-        """Return a JSON-able summary for ``runner plan`` and MLflow.
-
-        Returns:
-            A dict with the accelerator, mode, one entry per chosen device
-            (requested id -> index inside the process after narrowing ->
-            ``CUDA_VISIBLE_DEVICES`` entry -> nvidia-smi index -> name -> uuid),
-            world size, backend, batch sizes, the environment set and the notes.
-        """
+        """A JSON-able summary for ``runner plan`` and MLflow, with each chosen device's numbering from id to uuid."""
         devices = []
         for pos, dev_id in enumerate(self.requested_ids):
             devices.append(
@@ -125,15 +101,10 @@ def _at(values: Sequence[Any], pos: int) -> Any:
 
 
 def threads_per_process(requested: int, env: Mapping[str, str], cores: int, processes: int) -> tuple[int, str]:
-    """CPU threads of each training process, the same rule for every mode, and where the number comes from.
+    """``(threads, source)`` for each training process, the same rule in every mode.
 
-    ``devices.threads_per_process`` when set (> 0), else a positive ``OMP_NUM_THREADS``, else
-    ``max(1, usable cores // processes)``. Usable cores are the process's CPU affinity (``cores``),
-    under Slurm at most ``SLURM_CPUS_PER_TASK``; ``processes`` are the training processes that share
-    them (1 for none and dp, and for a ddp worker that is a Slurm task of its own).
-
-    Returns:
-        ``(threads, source)``, e.g. ``(1, "2 usable cores / 2 training processes")``.
+    ``devices.threads_per_process``, else ``OMP_NUM_THREADS``, else usable cores (affinity, at most
+    ``SLURM_CPUS_PER_TASK``) // the training processes that share them.
     """
     if requested > 0:
         return requested, "devices.threads_per_process"
@@ -148,15 +119,7 @@ def threads_per_process(requested: int, env: Mapping[str, str], cores: int, proc
 
 
 def chunk_sizes(total: int, parts: int) -> list[int]:
-    """Sizes ``torch.chunk`` (and so DataParallel's scatter) gives to each of ``parts`` devices.
-
-    Chunks hold ``ceil(total / parts)`` samples; the last one holds the rest, and
-    devices past the last chunk get nothing (10 over 4 -> ``[3, 3, 3, 1]``,
-    9 over 4 -> ``[3, 3, 3, 0]``).
-
-    Returns:
-        A list of ``parts`` sizes summing to ``total``.
-    """
+    """What ``torch.chunk`` (DataParallel's scatter) gives each of ``parts`` devices: 10 over 4 -> ``[3, 3, 3, 1]``."""
     size = math.ceil(total / parts)
     out = []
     left = total
@@ -168,22 +131,11 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
 
 
 def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> DevicePlan:
-    """Decide where a spec runs on this machine (pure: reads nothing else).
-
-    Args:
-        env: The environment runner started with (for ``CUDA_VISIBLE_DEVICES`` and
-            ``CUDA_DEVICE_ORDER``).
-        inventory: GPUs visible at start, from :func:`probe_inventory` (or a fake one).
-
-    Returns:
-        The :class:`DevicePlan`.
+    """Decide where a spec runs on this machine from ``env`` and ``inventory`` alone.
 
     Raises:
-        DeviceError: ``accelerator = "cuda"`` without a visible GPU; ids out of range;
-            ``accelerator = "auto"`` found no GPU for dp, nccl, sync_batchnorm or fp16; a
-            ddp ``nproc_per_node`` that differs from the number of GPUs; a global batch that
-            does not divide by ``world_size * grad_accum_steps`` (when the spec alone does not
-            fix the world size). Each names its spec key.
+        DeviceError: A GPU asked for and missing, ids out of range, a CUDA-only setting without a GPU, a ddp
+            ``nproc_per_node`` unlike the GPU count, or a batch that the world size does not divide; at its key.
     """
     notes = list(inventory.notes)
     accelerator = _choose_accelerator(spec.devices, env, inventory, notes)
@@ -242,11 +194,7 @@ def _no_gpu_reason(env: Mapping[str, str], inventory: Inventory) -> str:
 def _choose_accelerator(
     devices: DevicesSpec, env: Mapping[str, str], inventory: Inventory, notes: list[str]
 ) -> Accelerator:
-    """``cuda`` when asked for (and usable) or when ``auto`` finds a usable GPU, else ``cpu``.
-
-    Raises:
-        DeviceError: ``accelerator = "cuda"`` and no usable GPU: never a silent fallback.
-    """
+    """``cuda`` when asked for or found by ``auto``, else ``cpu``; DeviceError for cuda without a usable GPU."""
     usable = bool(inventory.gpus) and inventory.cuda_available
     if devices.accelerator == "cuda" and not usable:
         raise DeviceError(
@@ -260,11 +208,7 @@ def _choose_accelerator(
 
 
 def _check_cpu_run(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> None:
-    """CUDA-only settings when ``accelerator = "auto"`` found no GPU (``"cpu"`` is the schema's to check).
-
-    Raises:
-        DeviceError: The first CUDA-only setting found: dp, nccl, sync_batchnorm or fp16.
-    """
+    """DeviceError for the first CUDA-only setting (dp, nccl, sync_batchnorm, fp16) when ``auto`` found no GPU."""
     if spec.devices.accelerator != "auto":
         return
     why = f'accelerator = "auto" chose cpu since {_no_gpu_reason(env, inventory)}'
@@ -284,11 +228,7 @@ def _cpu_env(devices: DevicesSpec, inventory: Inventory, notes: list[str]) -> di
 
 
 def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory, notes: list[str]) -> list[int]:
-    """The visible indices the run uses: ``devices.ids`` (or every visible GPU), one for mode none.
-
-    Raises:
-        DeviceError: An id that no visible GPU has.
-    """
+    """The visible indices the run uses (``devices.ids`` or all; one for mode none); DeviceError for an unknown id."""
     dev, mode = spec.devices, spec.parallel.mode
     n_visible = len(inventory.gpus)
     ids = list(range(n_visible)) if dev.ids == "all" else list(dev.ids)
@@ -314,11 +254,7 @@ def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Invent
 
 
 def _output_index(par: ParallelSpec, devices: DevicesSpec, ids: list[int]) -> int:
-    """dp: position of ``output_device`` among the chosen ids (0: the first).
-
-    Raises:
-        DeviceError: ``output_device`` is not one of the GPUs that ``ids = "all"`` chose.
-    """
+    """dp: position of ``output_device`` among the chosen ids; DeviceError when it is not one of them."""
     if "output_device" not in par.traits.keys or par.output_device is None:
         return 0
     if par.output_device not in ids:  # an id list was checked by the schema; "all" is known only here
@@ -334,12 +270,7 @@ class _Layout(NamedTuple):
 
 
 def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[int]) -> _Layout:
-    """Nodes, processes per node, world size and backend: one process unless one per device.
-
-    Raises:
-        DeviceError: ddp on CUDA whose ``nproc_per_node`` differs from the GPUs chosen here
-            (when the spec alone fixes both, the schema has checked it).
-    """
+    """Nodes, processes per node, world size and backend; DeviceError when ddp's ``nproc_per_node`` unlike the GPUs."""
     par, dev = spec.parallel, spec.devices
     if not par.traits.elastic:
         return _Layout(1, 1, 1, None)
@@ -354,13 +285,8 @@ def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[in
 
 
 def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: list[str]) -> list[int]:
-    """Samples each device sees per forward pass: dp's ``torch.chunk`` split, ddp's per-rank share.
-
-    Raises:
-        DeviceError: The batch does not divide by ``world x grad_accum_steps``, for a world size
-            only this machine fixes (the schema checks a world size the spec fixes, and always
-            ``grad_accum_steps``, so a spec is never reported twice).
-    """
+    """Samples each device sees per forward pass; DeviceError when a world size only this machine fixes does not
+    divide."""
     batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
     if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
         raise DeviceError(problem, key="data.batch_size")

@@ -1,8 +1,6 @@
 """The one reader of the launcher's environment: rank, world size, restarts, the run handed down, the Slurm job.
 
-Importing this module imports neither torch nor mlflow.
-
-Details: docs/design.md, "Module notes", runner/launch/environment.py.
+Imports neither torch nor mlflow. Details: docs/design.md, "Module notes", runner/launch/environment.py.
 """
 
 from __future__ import annotations
@@ -25,22 +23,10 @@ SlurmLayoutKind = Literal["per-node", "per-device", "batch"]
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """The Slurm job (and job step) this process runs in, as Slurm described it.
+    """The Slurm job (and step) this process runs in, from Slurm's ``SLURM_*`` variables.
 
-    Attributes:
-        job_id: ``SLURM_JOB_ID`` (unique per task of a job array).
-        ntasks: Tasks of the step (``SLURM_NTASKS``; 1 when unset).
-        nnodes: Nodes of the step (``SLURM_NNODES``; 1 when unset).
-        procid: This task's rank among the step's tasks (``SLURM_PROCID``).
-        localid: This task's rank on its node (``SLURM_LOCALID``).
-        nodeid: This node's rank among the step's nodes (``SLURM_NODEID``).
-        nodelist: Hosts of the step in Slurm's hostlist syntax (``SLURM_STEP_NODELIST``, else
-            ``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``), e.g. ``gpu[01-04]``.
-        tasks_per_node: Tasks on each node, in node order, from ``SLURM_STEP_TASKS_PER_NODE``
-            (else ``SLURM_TASKS_PER_NODE``), e.g. ``2(x3),1`` -> ``(2, 2, 2, 1)``.
-        restart_count: Times Slurm requeued the job (``SLURM_RESTART_COUNT``; 0 when unset).
-        in_step: Whether ``srun`` started this process as a task of a job step
-            (``SLURM_STEP_ID`` is set); ``False`` in the batch script itself or an ``salloc`` shell.
+    ``nodelist`` is the step's hostlist (``gpu[01-04]``); ``tasks_per_node`` is expanded (``2(x3),1`` ->
+    ``(2, 2, 2, 1)``); ``in_step`` says ``srun`` started this process (``SLURM_STEP_ID`` is set).
     """
 
     job_id: str
@@ -56,11 +42,7 @@ class SlurmJob:
 
     @classmethod
     def detect(cls, env: Mapping[str, str]) -> SlurmJob | None:
-        """Read Slurm's variables from ``env``; ``None`` outside a Slurm job (no ``SLURM_JOB_ID``).
-
-        Raises:
-            ValueError: A variable that must be an integer is not one.
-        """
+        """Read Slurm's variables from ``env``; ``None`` outside a job. Raises ValueError for a non-integer."""
         job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         if not job_id:
             return None
@@ -88,43 +70,24 @@ class SlurmJob:
 
     @property
     def port(self) -> int:
-        """A port every task computes alike: 15000 + the last four digits of the job id (15000-24999).
-
-        The rule of Lightning's ``SLURMEnvironment.main_port``; two jobs on one node collide only
-        when their ids end in the same four digits.
-        """
+        """15000 + the job id's last four digits, alike on every task (Lightning's ``SLURMEnvironment.main_port``)."""
         digits = re.sub(r"\D", "", self.job_id)[-4:]
         return SLURM_PORT_BASE + int(digits or 0)
 
     def first_host(self, expand: Callable[[str], list[str]] | None = None) -> str:
-        """The first host of the step's node list: where rank 0 and the rendezvous run.
-
-        Raises:
-            ValueError: The node list is empty or malformed.
-        """
+        """The step's first host, where rank 0 and the rendezvous run; ValueError for a malformed node list."""
         hosts = (expand or expand_nodelist)(self.nodelist)
         if not hosts:
             raise ValueError(f"SLURM_JOB_NODELIST={self.nodelist!r} names no host")
         return hosts[0]
 
     def layout(self, *, world_size: int, nproc_per_node: int, nnodes: int) -> SlurmLayout:
-        """How the tasks of this step become the spec's ranks (docs/design.md §15).
+        """How this step's tasks become the spec's ranks (docs/design.md §15).
 
-        * not started by ``srun`` (the batch script itself): ``"batch"``, one process that runs
-          the spec as it would outside Slurm;
-        * one task per node and ``SLURM_NNODES`` equals the spec's ``parallel.nnodes``:
-          ``"per-node"``, each task is its node's elastic launcher (the torchrun pattern) with
-          nnodes = ``SLURM_NNODES`` and node rank = ``SLURM_NODEID``;
-        * else ``SLURM_NTASKS`` equals the spec's world size: ``"per-device"``, each task is one
-          worker with RANK = ``SLURM_PROCID``, WORLD_SIZE = ``SLURM_NTASKS``, LOCAL_RANK =
-          ``SLURM_LOCALID`` (Lightning's SLURMEnvironment).
-
-        Args:
-            world_size: The spec's world size (``parallel.nnodes * nproc_per_node``; 1 for none/dp).
-            nproc_per_node: Processes per node the spec asks for.
-
-        Raises:
-            ValueError: Neither layout fits; the message names the numbers on both sides.
+        ``"batch"``: not started by ``srun``, one process. ``"per-node"``: one task per node and ``SLURM_NNODES`` equal
+        to ``parallel.nnodes``, each an elastic launcher. ``"per-device"``: ``SLURM_NTASKS`` equal to ``world_size``,
+        each task one worker (Lightning's SLURMEnvironment). Raises ValueError, with both sides' numbers, when none
+        fits.
         """
         if not self.in_step:
             return SlurmLayout("batch", self, nnodes=nnodes, node_rank=0, world_size=world_size)
@@ -146,13 +109,7 @@ class SlurmJob:
 
 @dataclass(frozen=True)
 class SlurmLayout:
-    """How one Slurm job step runs the spec (see :meth:`SlurmJob.layout`).
-
-    Attributes:
-        kind: ``"per-device"``, ``"per-node"`` or ``"batch"``.
-        world_size: Processes in the job's process group.
-        rank: This task's global rank (``"per-device"``: ``SLURM_PROCID``; else 0, the launcher's).
-    """
+    """How one Slurm job step runs the spec (:meth:`SlurmJob.layout`); ``rank`` is this task's global rank."""
 
     kind: SlurmLayoutKind
     job: SlurmJob
@@ -167,22 +124,11 @@ class SlurmLayout:
         return self.rank == 0 if self.kind == "per-device" else self.node_rank == 0
 
     def rendezvous_endpoint(self, expand: Callable[[str], list[str]] | None = None) -> str:
-        """``first host:port`` of the job: the c10d rendezvous (per-node) or ``MASTER_ADDR:MASTER_PORT`` (per-device).
-
-        Raises:
-            ValueError: The node list is empty or malformed.
-        """
+        """``first host:port`` of the job (ValueError for a malformed node list)."""
         return f"{self.job.first_host(expand)}:{self.job.port}"
 
     def worker_env(self, env: Mapping[str, str], expand: Callable[[str], list[str]] | None = None) -> dict[str, str]:
-        """The torchrun variables that make a per-device task a worker of the job's process group.
-
-        ``MASTER_ADDR`` and ``MASTER_PORT`` already in ``env`` are kept (as in Lightning); the
-        others come from Slurm.
-
-        Raises:
-            ValueError: Not a per-device layout, or the node list is malformed.
-        """
+        """The torchrun variables of a per-device task; ``MASTER_ADDR``/``MASTER_PORT`` already in ``env`` are kept."""
         if self.kind != "per-device":
             raise ValueError(f"a {self.kind} Slurm task is not a worker")
         host, _, port = self.rendezvous_endpoint(expand).rpartition(":")
@@ -199,21 +145,10 @@ class SlurmLayout:
 
 @dataclass(frozen=True)
 class LauncherEnvironment:
-    """Where this process stands in its job, as its launcher described it.
+    """Where this process stands in its job, as its launcher described it (single-process defaults when not launched).
 
-    Attributes:
-        external: Whether a launcher (torchrun, the elastic agent, a scheduler) started this
-            process as one worker of a job: ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are set.
-        rank: Global rank, ``0 .. world_size - 1`` (0 when not launched).
-        local_rank: Rank on this node (0 when not launched).
-        world_size: Processes in the job (1 when not launched).
-        local_world_size: Processes on this node (``None`` when the launcher did not say).
-        restart_count: Elastic restarts of the worker group so far (``TORCHELASTIC_RESTART_COUNT``).
-        master_addr: Rendezvous host of the process group (``MASTER_ADDR``), or ``None``.
-        master_port: Rendezvous port of the process group (``MASTER_PORT``), or ``None``.
-        run_id: MLflow run id the driver handed to its workers (``RUNNER_RUN_ID``), or ``None``.
-        missing: Process-group variables that are not set (empty when all are).
-        slurm: The Slurm job this process runs in, or ``None`` outside Slurm.
+    ``external``: a launcher set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; ``run_id`` is the run the driver handed
+    down (``RUNNER_RUN_ID``); ``missing`` lists unset process-group variables.
     """
 
     external: bool
@@ -230,17 +165,9 @@ class LauncherEnvironment:
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> LauncherEnvironment:
-        """Read the launcher's variables from ``env`` (default: this process's environment).
+        """Read the launcher's variables from ``env``; torchrun's first, Slurm's into :attr:`slurm`.
 
-        torchrun's variables come first: a worker the elastic agent started inside a Slurm job
-        is that agent's worker. Slurm's are read into :attr:`slurm` and become ranks only
-        through :meth:`SlurmJob.layout`, which needs the spec.
-
-        Returns:
-            The :class:`LauncherEnvironment`; unset variables take the single-process defaults.
-
-        Raises:
-            ValueError: A variable that must be an integer is not one.
+        Raises ValueError for a variable that must be an integer and is not.
         """
         env = os.environ if env is None else env
         return cls(
@@ -258,11 +185,7 @@ class LauncherEnvironment:
         )
 
     def as_slurm_worker(self, layout: SlurmLayout, env: Mapping[str, str]) -> LauncherEnvironment:
-        """This process as the per-device Slurm task ``layout`` makes it: the worker its torchrun variables describe.
-
-        Raises:
-            ValueError: Not a per-device layout, or the node list is malformed.
-        """
+        """This process as the per-device task ``layout`` makes it (ValueError otherwise)."""
         merged = {**env, **layout.worker_env(env)}
         return replace(LauncherEnvironment.detect(merged), slurm=self.slurm)
 
@@ -278,11 +201,7 @@ class LauncherEnvironment:
 
 
 def parse_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> tuple[int, ...]:
-    """Expand Slurm's compressed tasks-per-node list: ``"2(x3),1"`` -> ``(2, 2, 2, 1)``; ``""`` -> ``()``.
-
-    Raises:
-        ValueError: ``text`` is not in that syntax.
-    """
+    """Expand ``"2(x3),1"`` -> ``(2, 2, 2, 1)`` (``""`` -> ``()``); ValueError for other syntax."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
@@ -293,15 +212,7 @@ def parse_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> tuple
 
 
 def expand_nodelist(text: str, scontrol: str | None = "auto") -> list[str]:
-    """The hosts of a Slurm hostlist, in order: ``scontrol show hostnames`` where it works, else :func:`parse_nodelist`.
-
-    Args:
-        text: A hostlist such as ``gpu[01-03,07],login1``.
-        scontrol: Path of ``scontrol``; ``"auto"`` looks it up on ``PATH``; ``None`` always parses.
-
-    Raises:
-        ValueError: ``text`` is malformed (as the parser reads it).
-    """
+    """The hosts of a hostlist (``gpu[01-03,07],login1``): ``scontrol show hostnames``, else :func:`parse_nodelist`."""
     tool = shutil.which("scontrol") if scontrol == "auto" else scontrol
     if tool and text.strip():
         try:
@@ -317,14 +228,10 @@ def expand_nodelist(text: str, scontrol: str | None = "auto") -> list[str]:
 
 
 def parse_nodelist(text: str) -> list[str]:
-    """Expand Slurm's hostlist syntax without Slurm: ``a[1-2]-b[01,03],c`` -> ``a1-b01 a1-b03 a2-b01 a2-b03 c``.
+    """Expand a hostlist without Slurm, as ``scontrol show hostnames`` does: ``a[1-2]-b[01,03]`` -> 4 hosts.
 
-    Items are separated by commas outside brackets; each bracket holds numbers and ranges
-    ``LOW-HIGH`` (zero padding kept from ``LOW``); several brackets in one item expand left to
-    right, the last one fastest, as ``scontrol show hostnames`` does.
-
-    Raises:
-        ValueError: Unbalanced brackets, an empty item, or a range that is not ``LOW-HIGH`` with ``LOW <= HIGH``.
+    Zero padding is kept from ``LOW``; several brackets expand left to right, the last fastest.
+    Raises ValueError for unbalanced brackets, an empty item or a bad range.
     """
     hosts: list[str] = []
     for item in _split_top_level(text):

@@ -28,20 +28,13 @@ REPRODUCED_FROM_TAG = "runner.reproduced_from"
 
 
 def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str | None = None) -> ExecResult:
-    """Start a new run from the spec stored with ``run_id`` and train it to the end.
+    """Start a new run from the spec stored with ``run_id`` in its store and train it to the end.
 
-    Args:
-        tracking_uri: Its store, where the new run goes too. Default: ``$MLFLOW_TRACKING_URI``,
-            else ``./mlflow.db``.
-        run_name: Name of the new run. Default: the original's, followed by ``(reproduced)``.
-
-    Returns:
-        The new run's :class:`~runner.launch.driver.ExecResult`.
+    ``run_name`` defaults to the original's followed by ``(reproduced)``.
 
     Raises:
-        UsageError: No such run, or a run without runner's stored spec (exit 2, naming run and store).
+        UsageError: No such run, or one without runner's stored spec (naming run and store).
         SpecError: The stored spec no longer validates.
-        TrackingError, DeviceError, TrainingError, Interrupted: As :func:`runner.launch.driver.exec_experiment`.
     """
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.tracking.stored import read_stored_run, store_uri
@@ -57,15 +50,8 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
 
 
 def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
-    """Why the code may differ from the run's: another git commit, or uncommitted changes then or now.
-
-    Args:
-        stored: The original run (its ``mlflow.source.git.commit`` and ``runner.git.dirty`` tags).
-        spec_path: The spec file it came from; the git repository holding it is read now.
-
-    Returns:
-        One warning per difference (empty when commit and clean state agree).
-    """
+    """One warning per way the code may differ from the run's: another git commit, or uncommitted changes then or
+    now."""
     from runner.tracking.tags import git_info
 
     was_commit = stored.tags.get("mlflow.source.git.commit")
@@ -88,17 +74,9 @@ def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
 def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
     """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``).
 
-    Args:
-        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
-
-    Returns:
-        The :class:`~runner.launch.driver.ExecResult` of the continued run.
-
     Raises:
-        UsageError: No such run, a run without runner's stored spec, a FINISHED run, or no checkpoint
-            (exit 2; each message names the run and the store).
+        UsageError: No such run, no stored spec, a FINISHED run, or no checkpoint (naming run and store).
         TrackingError: The store cannot be reached.
-        TrainingError, Interrupted: As :func:`runner.launch.driver.exec_experiment`.
     """
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.tracking.stored import read_stored_run, store_uri
@@ -116,11 +94,7 @@ def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
 
 
 def _export_target(target: Path) -> Path:
-    """``target`` when writing there replaces nothing but a regular file.
-
-    Raises:
-        UsageError: It is a folder, a link, a device, a FIFO or a socket (exit 2).
-    """
+    """``target`` when writing there replaces nothing but a regular file; UsageError otherwise."""
     try:
         mode = os.lstat(target).st_mode
     except FileNotFoundError:
@@ -135,11 +109,7 @@ def _export_target(target: Path) -> Path:
 
 
 def _write_replacing(target: Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write`` into a hidden ``.NAME.partial`` beside ``target``, then rename it over ``target``.
-
-    Raises:
-        UsageError: The folder cannot be made or written (exit 2); no partial file is left.
-    """
+    """``write`` into a hidden ``.NAME.partial`` beside ``target``, then rename it over; UsageError if it cannot."""
     partial = target.with_name(f".{target.name}.partial")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -157,18 +127,8 @@ def _write_replacing(target: Path, write: Callable[[BinaryIO], None]) -> None:
 def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
     """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
 
-    The file loads in plain PyTorch, whatever mode trained the run (fsdp's shards are gathered
-    when the checkpoint is written): ``model.load_state_dict(torch.load(FILE))``.
-
-    Args:
-        tracking_uri: Its store. Default: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
-        out: The file to write. Default: ``<run id>-step-<step>.pt`` in the working directory.
-
-    Returns:
-        What was written, for the user.
-
-    Raises:
-        UsageError: No such run, a run without runner's stored spec, or no usable checkpoint.
+    It loads in plain PyTorch whatever the mode (``model.load_state_dict(torch.load(FILE))``); ``out`` defaults to
+    ``<run id>-step-<step>.pt``. Raises UsageError for no such run, no stored spec or no usable checkpoint.
     """
     import torch
 
@@ -207,15 +167,7 @@ _ENV_TAGS = {
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a diff.
-
-    Attributes:
-        label: ``run <id> (<name>)`` or ``spec <path>``.
-        spec: The keys of the spec that apply (dotted key -> value), as a run logs them as params.
-        inactive: The keys that do not apply to it (another mode's options, ...).
-        git: ``commit`` and ``dirty`` of the code (``?`` when unknown).
-        environment: torch and CUDA versions, devices, world size, accelerator, host.
-    """
+    """One side of a diff: its label, the spec's active and inactive keys, git commit and dirty state, environment."""
 
     label: str
     spec: dict[str, Any]
@@ -232,12 +184,7 @@ def _spec_keys(spec: ExperimentSpec, accelerator: str | None) -> tuple[dict[str,
 
 
 def side_of(arg: str, tracking_uri: str | None = None) -> Side:
-    """A spec file when ``arg`` names an existing file, else a run id looked up at the store.
-
-    Raises:
-        UsageError: Neither an existing file nor a run of the store (the message names the store).
-        SpecError: The spec file (or a run's stored spec) does not validate.
-    """
+    """A spec file when ``arg`` names one, else a run id at the store; UsageError for neither, SpecError if invalid."""
     from runner.spec.loading import load_spec
     from runner.tracking.stored import read_stored_run, store_uri
 
@@ -292,12 +239,8 @@ def _spec_side(loaded: LoadedSpec) -> Side:
 
 
 def diff_sides(a: Side, b: Side) -> dict[str, Any]:
-    """The differences of two sides.
-
-    Returns:
-        ``{"a": label, "b": label, "spec": {key: [a, b]}, "commits": [a, b], "git": {...},
-        "environment": {...}}``: ``commits`` names both sides' code (``1a2b3c4d5e6f dirty``); the
-        other sections hold only the entries that differ (a key missing on one side is ``"(absent)"``).
+    """``{"a", "b", "spec", "commits", "git", "environment"}``: both sides' code in ``commits``, only what differs in
+    the others (a key missing on one side is ``"(absent)"``).
     """
     inert = {
         k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
@@ -325,18 +268,8 @@ def _differing(
 
 
 def show_diff(a: str, b: str, tracking_uri: str | None = None, *, as_json: bool = False) -> None:
-    """``runner diff A B``: print what differs between two runs or spec files, as text or JSON.
-
-    Args:
-        a: A run id or a spec file.
-        b: A run id or a spec file.
-        tracking_uri: The MLflow store holding the runs (default: as :func:`side_of`).
-        as_json: Print :func:`diff_sides` as JSON instead of :func:`format_diff`.
-
-    Raises:
-        UsageError: A side is neither an existing file nor a run of the store.
-        SpecError: A spec file (or a run's stored spec) does not validate.
-    """
+    """``runner diff A B``: print what differs between two runs or spec files, as text or JSON (errors as
+    :func:`side_of`)."""
     result = diff_sides(side_of(a, tracking_uri), side_of(b, tracking_uri))
     print(json.dumps(result, indent=2) if as_json else format_diff(result))
 

@@ -1,8 +1,4 @@
-"""Load a spec: read its files, apply ``--set``, validate into :class:`LoadedSpec` or located issues.
-
-Also: ``runner validate``: check spec files one by one (with the specs that extend them) and report each.
-
-Also: which spec files build on which: the ``extends`` chains, so that editing a base re-checks the specs on top of it.
+"""Load a spec: read its files, apply ``--set``, validate; ``runner validate`` and the ``extends`` chains.
 
 Details: docs/design.md, "Module notes", runner/spec/loading.py.
 """
@@ -38,17 +34,8 @@ from runner.spec.schema import ExperimentSpec
 class LoadedSpec:
     """A validated spec and where it came from.
 
-    Attributes:
-        spec: The validated spec; relative paths in it are already absolute.
-        path: Absolute path of the spec file.
-        source_text: The text of that file (not of the files it extends).
-        data: The merged raw dict after ``extends`` and ``--set``, paths resolved.
-        sha256: Hex SHA-256 of :func:`runner.spec.dump.dump_spec` of ``spec`` (ignores comments and layout).
-        overrides: The ``--set`` texts applied, in order.
-        unset: The keys ``--unset`` removed (before the ``--set`` texts were applied); a key no spec file
-            wrote is left out (it changed nothing, so it neither names the run nor is repeated).
-        sources: Every file read, ``(absolute path, text)``: the spec file first, then each file it
-            extends; a run logs them all, so its spec is self-contained.
+    ``data`` is the merged raw dict after ``extends`` and ``--set``; ``sha256`` hashes :func:`dump_spec` of ``spec``;
+    ``unset`` holds only keys some file wrote; ``sources`` is every file read, the spec first, all logged with the run.
     """
 
     spec: ExperimentSpec
@@ -73,22 +60,11 @@ class LoadedSpec:
 def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[str] = ()) -> LoadedSpec:
     """Read, compose, override and validate a spec file.
 
-    ``extends = "base.toml"`` (or a list) at the top level deep-merges the named files
-    (relative to the extending file) under this one: tables merge key by key, other
-    values are replaced. ``unset`` keys are then removed (their defaults apply), and
-    ``overrides`` (``"optim.lr=0.05"``) are applied last; each value is read as a TOML
-    value, and text that is not valid TOML is taken as a string.
-
-    Args:
-        overrides: ``dotted.key=value`` strings from ``--set``, applied in order.
-        unset: Dotted keys from ``--unset``; a key the schema does not know is an issue (did-you-mean).
-
-    Returns:
-        The validated spec with its path, source text, merged dict and hash.
+    ``extends`` deep-merges the named files under this one; ``unset`` keys are then removed and ``overrides``
+    (``"optim.lr=0.05"``, TOML values, else strings) applied last.
 
     Raises:
-        SpecError: The file is missing, unreadable, not UTF-8, not TOML, empty, or
-            invalid; every problem found is listed, each with file, line and key.
+        SpecError: The file is missing, unreadable, not TOML, empty or invalid; every issue with file, line and key.
     """
     shown = Path(path)
     absolute = Path(os.path.abspath(shown))
@@ -112,21 +88,9 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
 
 
 def load_resolved_text(text: str, path: Path, shown: str) -> LoadedSpec:
-    """Validate a resolved spec stored with a run (``spec/resolved.toml``) as if it were the file ``path``.
+    """Validate a run's ``spec/resolved.toml`` as if it were the file ``path`` (which sets the factories' folder only).
 
-    A resolved spec has every default written out, paths already absolute and no ``extends``, so
-    it stands alone; ``path`` (the spec file the run was started from) only sets the folder that
-    factory imports (``pkg.module:factory``) are taken from.
-
-    Args:
-        path: Absolute path of the run's original spec file (it need not exist any more).
-        shown: What messages call the text, e.g. ``run 3f2a...: spec/resolved.toml``.
-
-    Returns:
-        The validated spec; ``source_text`` and ``sources`` are the resolved text itself.
-
-    Raises:
-        SpecError: The text is not TOML or does not validate (e.g. written by another version).
+    Raises SpecError when the text is not TOML or does not validate (e.g. written by another version).
     """
     issues: list[SpecIssue] = []
     try:
@@ -140,17 +104,7 @@ def load_resolved_text(text: str, path: Path, shown: str) -> LoadedSpec:
 
 
 def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
-    """Validate a raw spec dict (no ``extends``, no path resolution).
-
-    Args:
-        origin: Name shown in error messages in place of a file.
-
-    Returns:
-        The validated spec.
-
-    Raises:
-        SpecError: One issue per problem, each with its dotted key (no line numbers).
-    """
+    """Validate a raw spec dict (no ``extends``, no paths); SpecError issues carry dotted keys, no lines."""
     issues: list[SpecIssue] = []
     spec = _validate(d, lambda loc: Origin(Path(origin), None), issues)
     if spec is None:
@@ -159,18 +113,9 @@ def spec_from_dict(d: dict[str, Any], origin: str = "<dict>") -> ExperimentSpec:
 
 
 def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
-    """Place issues found while building (model, optimizer, dataset kwargs) on the spec file's lines.
+    """Place builders' issues (dotted key only) on the spec file's lines, as ``FILE:LINE: key: ...``.
 
-    Builders only know the dotted key (``optim.kwargs``); this finds where that key is written
-    in the spec file so the message reads ``FILE:LINE: optim.kwargs: ...`` like every other
-    spec error. Keys written in an ``extends`` base keep the file name without a line, and so
-    does a key that ``--set`` replaced, whose message names that ``--set``.
-
-    Args:
-        error: Raised by a builder; issues without a file are placed.
-
-    Returns:
-        A new error with the same issues, located.
+    Keys from an ``extends`` base keep the file without a line; a key ``--set`` replaced names that ``--set``.
     """
     lines = locate_keys(loaded.source_text)
     moved = []
@@ -198,14 +143,8 @@ def _override_of(loaded: LoadedSpec, key: str) -> str | None:
 
 
 def key_line(loaded: LoadedSpec, key: str) -> int | None:
-    """Line of the spec file where dotted ``key`` (or its nearest written ancestor) is written.
-
-    Args:
-        key: Dotted key such as ``parallel.mode``; empty for none.
-
-    Returns:
-        The 1-based line, or ``None`` when the key is not written in the file itself (a default,
-        or a value from an ``extends`` base) or ``--set`` / ``--unset`` replaced it.
+    """1-based line where ``key`` (or its nearest written ancestor) is written; ``None`` for a default, a base's value,
+    or a key ``--set``/``--unset`` replaced.
     """
     if not key or _override_of(loaded, key) is not None:
         return None
@@ -293,16 +232,7 @@ EXIT_OK = 0
 
 
 def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> int:
-    """Validate ``files``; a file extended by specs under ``dependents_in`` is checked through them.
-
-    Args:
-        files: Spec files as named on the command line.
-        dependents_in: Folders whose specs are also checked when their ``extends`` chain reaches a
-            file of ``files`` (:func:`runner.spec.loading.plan_validation`); empty: ``files`` alone.
-
-    Returns:
-        The exit status: 0 when every file is valid, else the ``exit_code`` of :class:`SpecError` (2).
-    """
+    """Validate ``files`` (a base through the specs under ``dependents_in`` that extend it); return the exit status."""
     checked: list[str | Path] = list(files)
     if dependents_in:
         from runner.spec.loading import plan_validation
@@ -334,14 +264,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 def extends_chain(path: Path) -> set[Path]:
-    """Every file ``path`` builds on through ``extends``, transitively, as real paths.
-
-    Files that cannot be read or parsed, and cycles, end the chain there: ``runner validate``
-    reports them; this only answers which files a spec reaches.
-
-    Returns:
-        The real paths of the bases (``path`` itself excluded unless a cycle leads back to it).
-    """
+    """The real paths ``path`` builds on through ``extends``; unreadable files and cycles end the chain there."""
     seen: set[Path] = set()
     todo = [Path(os.path.realpath(path))]
     while todo:
@@ -369,28 +292,15 @@ def _extends_of(path: Path) -> list[str]:
 
 @dataclass
 class ValidationPlan:
-    """What ``runner validate --dependents-in`` checks.
-
-    Attributes:
-        files: The specs to validate, in order: the changed files that are not bases, then the
-            specs that extend a changed file.
-        bases: Changed files that other specs extend, each with the specs that extend it.
-    """
+    """What ``runner validate --dependents-in`` checks: ``files`` in order, and each changed base with its
+    dependents."""
 
     files: list[Path] = field(default_factory=list)
     bases: dict[Path, list[Path]] = field(default_factory=dict)
 
 
 def plan_validation(changed: Sequence[str | Path], folders: Iterable[str | Path]) -> ValidationPlan:
-    """The changed files plus every spec under ``folders`` whose ``extends`` chain reaches one of them.
-
-    Args:
-        changed: Spec files named on the command line (by pre-commit: the staged ones).
-        folders: Where the specs that may extend them live (searched recursively for ``*.toml``).
-
-    Returns:
-        The :class:`ValidationPlan`; paths keep the form they were given or found in.
-    """
+    """The changed files plus every ``*.toml`` under ``folders`` whose ``extends`` chain reaches one of them."""
     given = [Path(p) for p in changed]
     real = {Path(os.path.realpath(p)): p for p in given}
     candidates = sorted({p for folder in folders for p in Path(folder).rglob("*.toml") if p.is_file()})

@@ -29,14 +29,10 @@ T = TypeVar("T")
 
 
 def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
-    """The modules sharded as one unit each, outermost first.
-
-    Args:
-        names: ``parallel.fsdp_blocks`` (class names), or ``None`` for each direct child with parameters.
+    """The modules sharded as one unit each, outermost first (``names``: ``parallel.fsdp_blocks``, or each child).
 
     Raises:
-        SpecError: (``parallel.fsdp_blocks``) a name that is no module class of the model, with a
-            did-you-mean over the model's class names.
+        SpecError: A name is no module class of the model (with a did-you-mean).
     """
     if names is None:  # a child that shares a parameter with another (tied weights) stays with the root's unit
         children = [child for child in module.children() if any(True for _ in child.parameters())]
@@ -91,12 +87,7 @@ def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compil
 class Strategy(ABC):
     """How one process runs the model: device, wrapping, collectives, the stop decision.
 
-    Use as ``strategy.setup()`` ... ``strategy.teardown()`` (or ``with strategy:``).
-    Modelled on Lightning Fabric's ``Strategy`` (``strategies/strategy.py``).
-
-    Attributes:
-        mode: ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
-        output_device: Where model outputs land (put loss targets here).
+    ``setup()`` ... ``teardown()`` (or ``with strategy:``); modelled on Lightning Fabric's ``Strategy``.
     """
 
     mode: ClassVar[str]
@@ -158,15 +149,8 @@ class Strategy(ABC):
     # model ----------------------------------------------------------------
     @abstractmethod
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
-        """Move ``module`` to :attr:`device` and wrap it for this mode.
-
-        Args:
-            train: ``[train]``: ``activation_checkpointing`` and ``compile`` are applied in the order
-                this mode needs (``None``: neither).
-
-        Returns:
-            The module to train with.
-        """
+        """Move ``module`` to :attr:`device` and wrap it, applying ``train``'s checkpointing and compile in this
+        mode's order."""
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """Return the user's model inside the wrapper (for state dicts and optimizers' views)."""
@@ -255,13 +239,12 @@ class Strategy(ABC):
 
     @abstractmethod
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """Whether every rank stops now (the same answer on every rank), given this rank's stop ``flag``: 0, or its
-        :func:`stop_code` (a signal arrived); the largest code of the ranks is kept as ``stop_code``.
+        """Whether every rank stops now, given this rank's ``flag`` (0 or its :func:`stop_code`); the largest code is
+        kept.
 
-        Like Lightning Fabric's ``reduce_boolean_decision`` with ``all=False`` (any rank's True counts), but never
-        on the hot path where there are peers to ask: ``settle=False`` (after a step between log steps) answers
-        from what was agreed so far, without a collective; ``settle=True`` (log steps, checkpoints, epoch
-        boundaries) answers for this ``flag`` on every rank before returning.
+        Like Fabric's ``reduce_boolean_decision(all=False)``; ``settle=False`` answers from what was agreed so far
+        without a
+        collective, ``settle=True`` (log steps, checkpoints, epoch ends) agrees on ``flag`` on every rank.
         """
 
 
@@ -270,21 +253,10 @@ _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16
 
 
 class Precision:
-    """Autocast and gradient scaling for one device, as ``train.amp`` asks.
+    """Autocast and gradient scaling for ``device``, as ``train.amp`` asks.
 
-    * ``"no"``: full precision; every method is the plain PyTorch call.
-    * ``"bf16"``: the forward pass and the loss run under ``torch.autocast(dtype=torch.bfloat16)``;
-      bfloat16 has float32's range, so no scaling.
-    * ``"fp16"``: autocast to ``torch.float16`` and a ``GradScaler`` against underflow of
-      small gradients. The scaler is enabled on CUDA only (the schema and device resolution
-      refuse fp16 elsewhere; off CUDA it stays disabled).
-
-    Args:
-        device: Where the forward pass runs (``strategy.device``); its type is the autocast device type.
-
-    Attributes:
-        dtype: The autocast dtype, or ``None`` without autocast.
-        scaling: Whether gradients are scaled (fp16 on CUDA).
+    ``"no"``: plain calls. ``"bf16"``: autocast to bfloat16, no scaling. ``"fp16"``: autocast to float16 and a
+    ``GradScaler``, enabled on CUDA only. ``dtype`` is the autocast dtype or ``None``; ``scaling`` says fp16 on CUDA.
     """
 
     def __init__(self, amp: AmpMode, device: torch.device) -> None:
@@ -345,14 +317,7 @@ class StateDictMismatchError(TrainingError):
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """Return the user's model inside DataParallel / DDP / ``torch.compile`` wrappers.
-
-    Args:
-        module: A model, wrapped or not.
-
-    Returns:
-        The innermost module (the same object when ``module`` is not wrapped).
-    """
+    """Return the user's model inside DataParallel / DDP / ``torch.compile`` wrappers (itself when unwrapped)."""
     while True:
         if isinstance(module, _WRAPPERS):
             module = module.module
@@ -363,14 +328,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """Return the state dict of the model inside any wrapper: keys carry no ``module.`` prefix.
-
-    Args:
-        module: A model, wrapped or not.
-
-    Returns:
-        ``unwrap(module).state_dict()`` (tensors stay on their devices).
-    """
+    """``unwrap(module).state_dict()``: keys without a ``module.`` prefix, tensors on their devices."""
     return unwrap(module).state_dict()
 
 
@@ -414,18 +372,10 @@ def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[
 
 
 def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    """Load a state dict saved from any mode into a model in any mode, strictly.
+    """Load a state dict saved in any mode into a model in any mode, strictly.
 
-    A ``module.`` (DataParallel / DDP) or ``_orig_mod.`` (``torch.compile``)
-    prefix shared by every key is stripped; the model is unwrapped likewise.
-
-    Args:
-        module: Target model, wrapped or not.
-        state_dict: Parameters and buffers, e.g. from :func:`unwrapped_state_dict`.
-
-    Raises:
-        StateDictMismatchError: Keys are missing or unexpected (both are listed),
-            or a tensor's shape differs.
+    A ``module.`` or ``_orig_mod.`` prefix shared by every key is stripped; the model is unwrapped likewise.
+    Raises StateDictMismatchError for missing or unexpected keys (both listed) or a shape that differs.
     """
     target = unwrap(module)
     sd = fitted_state_dict(target, state_dict)

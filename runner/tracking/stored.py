@@ -1,6 +1,4 @@
-"""A run read back from MLflow: its status, tags and the resolved spec runner stored with it.
-
-Also: look runs up and mark them: one run's status and tags, every run still RUNNING in a store, tags set afterwards.
+"""A run read back from MLflow: its status, tags and stored spec; look runs up and tag them afterwards.
 
 Details: docs/design.md, "Module notes", runner/tracking/stored.py.
 """
@@ -32,14 +30,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StoredRun:
-    """What runner recorded about one run.
-
-    Attributes:
-        status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
-        tags: Every tag of the run (git commit and dirty state, torch version, devices, ...).
-        spec_path: The spec file the run was started from (absolute; it may be gone).
-        plan: The artifact ``spec/plan.json`` (empty when missing).
-    """
+    """What runner recorded about one run: status, tags, the original spec path (may be gone), ``spec/plan.json``."""
 
     run_id: str
     uri: str
@@ -52,11 +43,7 @@ class StoredRun:
     plan: dict[str, Any] = field(default_factory=dict)
 
     def loaded(self) -> LoadedSpec:
-        """The stored spec, validated; factory imports are taken from the original spec's folder.
-
-        Raises:
-            SpecError: The stored text no longer validates (e.g. written by another version of runner).
-        """
+        """The stored spec, validated (factories from the original folder); SpecError when it no longer validates."""
         from runner.spec.loading import load_resolved_text
 
         return load_resolved_text(self.resolved_text, self.spec_path, f"run {self.run_id}: {RESOLVED}")
@@ -68,15 +55,11 @@ def store_uri(given: str | None) -> str:
 
 
 def read_stored_run(uri: str, run_id: str) -> StoredRun:
-    """Read run ``run_id`` and the spec runner stored with it.
-
-    Returns:
-        The :class:`StoredRun`.
+    """Read run ``run_id`` and its stored spec.
 
     Raises:
         TrackingError: The store cannot be reached.
-        UsageError: No such run at ``uri`` (or a deleted one), or a run without ``spec/resolved.toml``
-            (not started by ``runner exec``); the message names the run and the store.
+        UsageError: No such run (or deleted), or no ``spec/resolved.toml``; naming the run and store.
     """
     where = f"at {uri}"
     if local_store_missing(uri):
@@ -153,12 +136,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What a run says about itself.
-
-    Attributes:
-        status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
-        start_time_ms: When it started, milliseconds since the epoch (MLflow's unit).
-    """
+    """A run's status and start time (milliseconds since the epoch)."""
 
     run_id: str
     status: str
@@ -169,12 +147,7 @@ class RunInfo:
 
 
 def run_info(uri: str, run_id: str) -> RunInfo:
-    """Status and tags of ``run_id``.
-
-    Raises:
-        UsageError: No such run in the store (or it is deleted).
-        TrackingError: The store does not answer.
-    """
+    """Status and tags of ``run_id``; UsageError for no such run, TrackingError when the store does not answer."""
     from mlflow.exceptions import MlflowException
 
     client = client_for(uri)
@@ -196,12 +169,7 @@ CHECKPOINT_DIR_TAG = "runner.checkpoint_dir"
 def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mapping[str, str] | None = None) -> Path:
     """Where ``run_id`` keeps its checkpoints, from any working directory.
 
-    :func:`runner.spec.reading.default_checkpoint_dir` when that folder exists (beside a sqlite store, it
-    moves with a copy of the store), else the run's tag ``runner.checkpoint_dir``, set when it was created
-    (a server's run resumed or exported from another directory).
-
-    Raises:
-        UsageError, TrackingError: As :func:`run_info`, when ``tags`` is not given.
+    The default folder beside a sqlite store when it exists, else the tag ``runner.checkpoint_dir``.
     """
     from runner.spec.reading import default_checkpoint_dir
 
@@ -213,11 +181,7 @@ def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mappin
 
 
 def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
-    """Every run of every experiment at ``uri`` whose status is RUNNING (newest first, at most ``limit``).
-
-    Raises:
-        TrackingError: The store does not answer.
-    """
+    """Every RUNNING run at ``uri``, newest first, at most ``limit``."""
     from mlflow.entities import ViewType
 
     client = client_for(uri)
@@ -237,15 +201,10 @@ def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
 
 
 def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInfo]:
-    """The runs of ``experiment`` that ``runner exec`` of its spec could continue, newest first.
+    """The KILLED, FAILED or RUNNING runs of ``experiment`` that ``runner exec`` could continue, newest first.
 
-    Candidates are KILLED, FAILED or RUNNING (a RUNNING run is continued only when its owner is
-    gone, which :mod:`runner.launch.resume` decides). Not candidates: FINISHED runs, the parent runs
-    of sweeps and benches (tags ``runner.sweep`` / ``runner.bench`` = ``parent``) and child runs
-    (trials, bench configurations: tag ``mlflow.parentRunId``).
-
-    Raises:
-        TrackingError: The store does not answer.
+    Parents of sweeps and benches and child runs are left out; whether a RUNNING run's owner is gone is for
+    :mod:`runner.launch.resume`.
     """
 
     client = client_for(uri)
@@ -265,11 +224,7 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
 
 
 def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None) -> None:
-    """Set tags on a run (replacing earlier values) and add ``remarks`` to its description (``tags.tag_run``).
-
-    Raises:
-        TrackingError: MLflow rejects the request.
-    """
+    """Set tags on a run and add ``remarks`` to its description; TrackingError when MLflow rejects it."""
     from runner.tracking.tags import tag_run
 
     with store_errors(f"tag MLflow run {run_id} at {uri}"):
@@ -282,14 +237,7 @@ MODEL_NAME = "model"
 def with_normalization(
     model: torch.nn.Module, normalization: tuple[float, float] | None, channels: int
 ) -> torch.nn.Module:
-    """``model`` behind ``torchvision.transforms.Normalize(mean, std)`` (the same value per channel), or ``model``.
-
-    ``torchvision.transforms.Normalize`` is an ``nn.Module`` working on ``(N, C, H, W)`` tensors, so
-    the saved model needs torch and torchvision only to load.
-
-    Args:
-        normalization: ``(mean, std)`` of the training data, or ``None`` when it was not normalised.
-    """
+    """``model`` behind ``torchvision.transforms.Normalize(mean, std)``, or ``model`` when not normalised."""
     if normalization is None:
         return model
     import torch
@@ -343,27 +291,11 @@ def log_model(
     step: int = 0,
     normalization: tuple[float, float] | None = None,
 ) -> str:
-    """Log the unwrapped model as a LoggedModel of run ``run_id`` (``mlflow.pytorch.log_model``).
+    """Log the unwrapped model as a LoggedModel of ``run_id``, linked to the metrics at ``step``; return its id.
 
-    The LoggedModel is created with ``MlflowClient.create_logged_model`` in the run's experiment,
-    then ``mlflow.pytorch.log_model(..., model_id=..., run_id=...)`` saves it, links it to the run's
-    metrics at ``step`` and uploads it; MLflow's fluent run stack is neither used nor changed (the
-    driver, not this worker, ends the run). The model is pickled (MLflow's ``pt2`` export needs a
-    traceable forward, which user models need not have).
-
-    Args:
-        model: The unwrapped ``nn.Module``; moved to CPU and put in eval mode.
-        example: One input before normalisation, shape ``(1, *input_shape)``, or a dict of such tensors for
-            a model that takes dict batches (``forward(**batch)``): the input example, and with the
-            model's output on it (tensor inputs only), the signature.
-        step: The run's last optimizer step: the metrics logged there are linked to the model.
-        normalization: ``(mean, std)`` the training data was normalised with; put inside the model.
-
-    Returns:
-        The LoggedModel's id (``models:/<id>`` loads it).
-
-    Raises:
-        mlflow.exceptions.MlflowException: MLflow cannot save or upload the model.
+    ``create_logged_model`` then ``mlflow.pytorch.log_model(model_id=...)``, without MLflow's fluent run stack. The
+    model is pickled (``pt2`` needs a traceable forward). ``example`` is one input before normalisation (a tensor
+    or a dict of them) and gives the signature. Raises MlflowException when MLflow cannot save or upload it.
     """
     import mlflow.pytorch
 
@@ -393,14 +325,7 @@ ATTEMPTS = 5  # tries of a transient store error, 0.2 s doubling pauses between 
 
 @dataclass(frozen=True)
 class DatasetRecord:
-    """One part of a run's data, as MLflow shows it.
-
-    Attributes:
-        digest: Short digest of the part (dataset settings and members).
-        context: ``training`` or ``validation`` (input tag ``mlflow.data.context``).
-        source: Where the samples are read from (a folder, ``sklearn.datasets.load_digits``, a factory).
-        input_shape: Shape of one sample, e.g. ``(1, 8, 8)``.
-    """
+    """One part of a run's data as MLflow shows it: digest, ``training``/``validation``, source, sample shape."""
 
     name: str
     digest: str
@@ -411,15 +336,7 @@ class DatasetRecord:
 
 
 def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_sha256: str | None) -> None:
-    """Log the parts of a run's data as dataset inputs and tag the validation split's fingerprint.
-
-    Args:
-        records: The parts to log (training first).
-        val_split_sha256: Hex SHA-256 of the validation split, or ``None`` (no tag).
-
-    Raises:
-        TrackingError: MLflow rejects the request.
-    """
+    """Log the data's parts as dataset inputs and tag the validation split's fingerprint; TrackingError if rejected."""
     from mlflow.entities import DatasetInput, InputTag
 
     inputs = [DatasetInput(_dataset(r), tags=[InputTag("mlflow.data.context", r.context)]) for r in records]

@@ -1,8 +1,7 @@
-"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker (buffered, spooled), a null tracker, a resume
-filter, MLflow's system metrics.
+"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, a resume filter, system
+metrics.
 
-The MLflow tracker's sender thread lives in :mod:`runner.tracking.spool`; the outage rules in docs/design.md §8 and §12.
-mlflow is imported inside functions, never when this module is imported.
+The sender thread lives in :mod:`runner.tracking.spool`; outage rules in docs/design.md §8 and §12.
 """
 
 from __future__ import annotations
@@ -37,34 +36,14 @@ CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it lea
 
 
 class MlflowTracker(BatchSender):
-    """Logs metrics, tags and artifacts of one run from a background thread.
+    """Logs metrics, tags and artifacts of one run from a background thread (docs/design.md §12).
 
-    ``log_metrics``, ``set_tags`` and ``log_artifact`` only append to a buffer (a lock held for a
-    list append); a daemon thread sends metric values in order with ``MlflowClient.log_batch`` (at
-    most ``max_batch`` per request) every ``flush_every_s`` seconds, or sooner when ``max_batch``
-    values are waiting. The training thread waits on the network only in :meth:`flush` and
-    :meth:`close`.
-
-    Without a ``spool``, a failed request is not retried beyond MLflow's own HTTP retries; its
-    error is kept and raised as :class:`TrackingError` by the next ``flush``/``close``.
-
-    With a ``spool`` file (docs/design.md §12), a request that fails because the store does not
-    answer is retried with a growing pause (up to 30 s) and nothing is lost: unsent values stay in
-    memory, up to ``max_memory``, then go to the spool file, and are sent, oldest first, when the
-    store answers again. :meth:`flush` then returns once every value recorded before it is sent
-    *or written to the spool*, waiting at most ``spill_after_s`` for a store that stopped answering,
-    so a checkpoint never stalls training. Values the store rejects (an unknown or deleted run) are
-    lost and reported, as without a spool.
-
-    Args:
-        run_id: The run to log to (created by :func:`runner.tracking.runs.start_run`).
-        flush_every_s: Longest time, in seconds, a metric waits in the buffer.
-        max_batch: Metrics per request (capped at MLflow's limit of 1000).
-        spool: The run's spool file (:func:`runner.tracking.spool.spool_path`), or ``None``.
-        first_seq: Number of the first value recorded here: the run's count when a resumed job
-            continues it (values are numbered across resumes).
-        max_memory: Unsent values kept in memory before they go to the spool.
-        spill_after_s: Seconds a flush waits for a store that does not answer.
+    ``log_metrics``, ``set_tags`` and ``log_artifact`` append to a buffer; a daemon thread sends values in order
+    with ``MlflowClient.log_batch`` (``max_batch`` per request) every ``flush_every_s`` seconds or when ``max_batch``
+    wait. Only :meth:`flush` and :meth:`close` wait on the network. Without a ``spool`` a failed request's error is
+    raised as :class:`TrackingError` by the next flush/close. With one, a store that does not answer is retried (pause
+    up to 30 s); unsent values stay in memory up to ``max_memory``, then go to the spool, and a flush waits at most
+    ``spill_after_s``, so a checkpoint never stalls training. ``first_seq`` numbers values across resumes.
     """
 
     def __init__(
@@ -162,16 +141,11 @@ class MlflowTracker(BatchSender):
             return self._recorded - self._sent
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Block until everything buffered before this call has been sent (with a spool: sent, or spooled).
-
-        Args:
-            timeout_s: Give up after this many seconds. Default: wait (without a spool, MLflow's
-                HTTP retries bound how long a dead server takes to fail; with one, ``spill_after_s``).
+        """Block until everything buffered before this call is sent (with a spool: sent, or spooled).
 
         Raises:
-            TrackingError: Sending failed (the errors since the last flush are reported
-                once, with how many items were lost), the sender thread died, or the
-                timeout passed.
+            TrackingError: Sending failed (reported once, with how many items were lost), the sender died, or
+                ``timeout_s`` passed.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
@@ -303,14 +277,7 @@ class MlflowTracker(BatchSender):
 
 
 def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemMetricsMonitor:
-    """Start MLflow's system metrics monitor for ``run_id``; see ``mlflow.system_metrics``.
-
-    Args:
-        resumed: The run continues an earlier job: MLflow resumes the step numbering.
-
-    Returns:
-        The started ``SystemMetricsMonitor``; call ``finish()`` when training ends.
-    """
+    """Start MLflow's system metrics monitor (``mlflow.system_metrics``); the caller calls ``finish()``."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(run_id, tracking_uri=uri, resume_logging=resumed)
@@ -320,25 +287,14 @@ def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemM
 
 @runtime_checkable
 class Tracker(Protocol):
-    """Where one rank sends its metrics, tags and artifacts; only the logging rank (rank 0) records anything.
+    """Where one rank sends its metrics, tags and artifacts; only rank 0 records anything.
 
-    The training loop calls :meth:`log_metrics` on its hot path, so an implementation must
-    return without waiting on the network there (:class:`MlflowTracker`
-    buffers; :class:`NullTracker` drops). Only :meth:`flush` and :meth:`close` may block.
-    Implementations: :class:`NullTracker`, :class:`MlflowTracker`,
-    :class:`SkipLoggedSteps`.
+    :meth:`log_metrics` is on the hot path and must not wait on the network; only :meth:`flush` and :meth:`close`
+    may block.
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Record metric values at one step; does not block on the network.
-
-        Args:
-            metrics: Metric name (``train/loss``, ``lr``, ``val/accuracy``, ...) -> value as a
-                Python float (converting a CUDA tensor here would synchronise the device).
-                Losses and accuracies are unitless, ``lr`` is the learning rate, times are seconds.
-            step: The x axis of the metric history: the number of optimizer steps done so
-                far (the global step; per-epoch metrics are logged at the global step reached at
-                the end of the epoch). Steps of one metric increase; a resumed run continues them.
+        """Record metric values (Python floats) at ``step``, the global optimizer step; does not block.
 
         Raises:
             TypeError: ``step`` is not an integer.
@@ -347,14 +303,7 @@ class Tracker(Protocol):
         """
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        """Record a local file or folder as an artifact of the run; does not block on the network.
-
-        The upload may happen later: the file must stay in place until the next :meth:`flush`
-        or :meth:`close`.
-
-        Args:
-            path: Local file or folder.
-            artifact_path: Folder inside the run's artifacts, e.g. ``"checkpoints"``. Default: the root.
+        """Record a local file or folder as an artifact; it must stay in place until the next flush or close.
 
         Raises:
             FileNotFoundError: ``path`` does not exist (trackers that record nothing accept it).
@@ -362,39 +311,19 @@ class Tracker(Protocol):
         """
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Set run tags; values are rendered like params (``true``, ``1.0``, JSON for lists); does not block.
-
-        Args:
-            tags: Tag key -> value; a later value for the same key replaces the earlier one.
-
-        Raises:
-            TrackingError: The tracker was closed.
-        """
+        """Set run tags, rendered like params; a later value for a key replaces the earlier. Raises TrackingError
+        when closed."""
 
     def flush(self) -> None:
-        """Block until everything recorded before this call has been sent (by a tracker with a spool:
-        sent, or written to the spool while the store does not answer).
-
-        Raises:
-            TrackingError: Something recorded since the last flush could not be sent (the
-                error is reported once, with how many items were lost).
-        """
+        """Block until everything recorded before is sent (or spooled); raises TrackingError for what could not be
+        sent."""
 
     def close(self) -> None:
-        """Send everything still buffered, then release the tracker; blocks; calling it twice is harmless.
-
-        Nothing can be recorded after it.
-
-        Raises:
-            TrackingError: As :meth:`flush`.
-        """
+        """Send what is buffered and release the tracker; blocks; harmless twice. Raises as :meth:`flush`."""
 
 
 class NullTracker:
-    """A tracker that records nothing (ranks other than 0, ``tracking.enabled = false``).
-
-    It starts no thread, opens no store and imports no mlflow; every method returns ``None``.
-    """
+    """Records nothing (ranks other than 0, ``tracking.enabled = false``); starts no thread, imports no mlflow."""
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Do nothing."""
@@ -419,13 +348,8 @@ class NullTracker:
 
 
 class SkipLoggedSteps:
-    """A tracker wrapper that drops metrics at steps the run already holds (after resume).
-
-    Args:
-        inner: The real tracker; everything but the dropped metrics is forwarded to it.
-        last_steps: Metric name -> highest step already logged, from
-            :func:`runner.tracking.runs.last_logged_steps`.
-    """
+    """Drops metrics at steps the resumed run already holds (``last_steps``: name -> highest step); forwards the
+    rest."""
 
     def __init__(self, inner: Tracker, last_steps: Mapping[str, int]):
         self.inner = inner
@@ -476,14 +400,8 @@ def make_tracker(
 
 
 def skip_logged_steps(tracker: Tracker, uri: str | None, run_id: str | None) -> Tracker:
-    """Wrap ``tracker`` so that a resumed run does not log a step its metric history already holds.
-
-    Returns:
-        ``tracker`` itself for a :class:`NullTracker` or an untracked run, else a :class:`SkipLoggedSteps`.
-
-    Raises:
-        mlflow.exceptions.MlflowException: The run's metric histories cannot be read.
-    """
+    """Wrap ``tracker`` so a resumed run logs no step its history holds (unchanged for a NullTracker or untracked
+    run)."""
     from runner.tracking.runs import last_logged_steps
 
     if isinstance(tracker, NullTracker) or uri is None or run_id is None:

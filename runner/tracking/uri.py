@@ -1,9 +1,6 @@
-"""The tracking store: which URI a run logs to, and whether that store can be used before training starts.
+"""The tracking store: which URI a run logs to, whether it can be used before training, its first (locked) open.
 
-Importing this module imports neither mlflow nor torch; the HTTP check imports MLflow's REST
-client helpers inside the function that needs them.
-
-Also: opening the tracking store: the first open of a sqlite store, which creates or migrates its schema, is locked.
+Importing this module imports neither mlflow nor torch.
 """
 
 from __future__ import annotations
@@ -70,31 +67,16 @@ def _absolute_uri(uri: str, cwd: Path) -> str:
 def resolve_tracking_uri(
     spec: ExperimentSpec, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
 ) -> str:
-    """Return the tracking URI a run of ``spec`` logs to.
+    """The absolute tracking URI a run of ``spec`` logs to: ``tracking.uri``, ``$MLFLOW_TRACKING_URI``, ``./mlflow.db``.
 
-    Precedence: ``spec.tracking.uri``, then ``$MLFLOW_TRACKING_URI``, then
-    ``sqlite:///<cwd>/mlflow.db``. A relative sqlite path, relative ``file:`` URI or plain
-    path is resolved once against ``cwd`` (MLflow's own convention), so worker processes
-    started elsewhere log to the same store.
-
-    Returns:
-        An absolute tracking URI, e.g. ``sqlite:////home/me/proj/mlflow.db``.
-
-    Raises:
-        TrackingError: ``MLFLOW_TRACKING_URI`` is no store (:func:`runner.spec.rules.store_uri_problem`).
+    A relative path is resolved against ``cwd`` once, so workers started elsewhere log to the same store.
+    Raises TrackingError when ``MLFLOW_TRACKING_URI`` is no store.
     """
     return _resolve(spec.tracking.uri, env, cwd)
 
 
 def default_tracking_uri(env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> str:
-    """The tracking URI of a spec without ``tracking.uri``: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``.
-
-    It is where ``runner resume``, ``reproduce``, ``diff`` and ``status`` look for a run id without
-    ``--tracking-uri``.
-
-    Raises:
-        TrackingError: ``MLFLOW_TRACKING_URI`` is no store.
-    """
+    """Where ``resume``, ``reproduce``, ``diff`` and ``status`` look: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``."""
     return _resolve(None, env, cwd)
 
 
@@ -121,10 +103,7 @@ def absolute_uri(uri: str, cwd: str | os.PathLike[str] | None = None) -> str:
 
 
 def local_store_missing(uri: str) -> bool:
-    """Whether ``uri`` names a local store (sqlite file or file store) that does not exist yet.
-
-    Reading a run from such a store would only create an empty one; callers say "no such run" instead.
-    """
+    """Whether ``uri`` names a local store that does not exist yet (reading it would create an empty one)."""
     local = _local_store_path(uri)
     return local is not None and not local[1].exists()
 
@@ -153,23 +132,13 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, before any training, when the tracking store cannot be used.
+    """Fail fast, before training, when the store cannot be used; nothing is written.
 
-    http(s): ``GET <uri>/health`` (falling back to the REST experiments-search endpoint),
-    with no retries. sqlite: the database's folder exists and is writable (and the file,
-    if it exists, too). Local file store: the folder, or its parent, is writable. Another
-    database (postgresql, mysql, mssql): one connection within ``timeout_s``, made by
-    SQLAlchemy as MLflow makes it (a malformed URL, a missing driver and a server that does
-    not answer all fail here). Databricks is not checked. Nothing is written.
-
-    Args:
-        uri: An absolute tracking URI, e.g. from :func:`resolve_tracking_uri`.
-        timeout_s: Seconds to wait for the server to answer each request.
+    http(s): ``GET /health``, then the REST API, no retries. sqlite and file stores: their folders are writable.
+    Other databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked.
 
     Raises:
-        TrackingError: The server does not answer, answers like something other than an
-            MLflow server, rejects the credentials, or the local store is not writable; the
-            message shows the URI with its credentials masked.
+        TrackingError: No answer, not an MLflow server, credentials rejected, or not writable (URI masked).
     """
     scheme = urlsplit(uri).scheme
     if scheme in ("http", "https"):
@@ -232,12 +201,8 @@ def _check_database(uri: str, timeout_s: float) -> None:
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
-    """``GET /health``, then the REST API; any answer but 200 from both is a :class:`TrackingError`. The requests go
-    through MLflow's own client (``mlflow.utils.rest_utils.http_request`` with the host credentials of
-    ``mlflow.utils.credentials.get_default_host_creds``), so they carry what every MLflow request carries: token or
-    basic auth from the environment or ``~/.mlflow/credentials``, ``MLFLOW_TRACKING_AUTH`` plugins, AWS SigV4, client
-    certificates, the server certificate or ``MLFLOW_TRACKING_INSECURE_TLS``, and the request-header plugins. Nothing is
-    retried: a server that does not answer fails the check at once."""
+    """``GET /health``, then the REST API, through MLflow's own client (so every credential MLflow sends goes along);
+    not retried. Any answer but 200 from both is a :class:`TrackingError`."""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -287,18 +252,10 @@ _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engin
 
 
 def open_store(uri: str) -> None:
-    """Check the store at ``uri`` and open it once in this process, creating or migrating a sqlite schema safely.
+    """Check the store and open it once in this process, creating or migrating a sqlite schema under a lock.
 
-    Every process that uses a store calls this before its first MLflow request: the driver
-    before it creates the run, the sweep and bench before their parent runs, ``runner status``.
-
-    Args:
-        uri: An absolute tracking URI (from :func:`runner.tracking.uri.resolve_tracking_uri`).
-
-    Raises:
-        TrackingError: The store is unreachable or not writable (:func:`~runner.tracking.uri.check_reachable`),
-            another process holds the lock for more than :data:`LOCK_TIMEOUT_S` seconds, the sqlite store
-            is half-migrated (the message says how to recover), or MLflow refuses to open it.
+    Every process calls it before its first MLflow request. Raises TrackingError: unreachable or not writable, the
+    lock held past :data:`LOCK_TIMEOUT_S`, a half-migrated sqlite store (with the fix), or MLflow's refusal.
     """
     check_reachable(uri)
     if uri in _opened:
@@ -340,10 +297,9 @@ def _holds_a_schema(path: Path) -> bool:
 
 
 def _create_aside(uri: str, path: Path) -> None:
-    """Create and migrate a new store in a hidden file beside ``path``, then move it into place whole. Another MLflow
-    client that opens ``path`` meanwhile (`mlflow ui`, a notebook) would otherwise migrate the same new file at the same
-    moment, and two alembic migrations of one sqlite file can leave it broken. What such a client made at ``path`` in
-    the meantime, holding nothing yet, is replaced."""
+    """Create and migrate a new store in a hidden file beside ``path`` and move it into place whole, so no other client
+    migrates the same new file at once (two alembic migrations can break a sqlite file).
+    """
     aside = path.with_name(f".{path.name}.{os.getpid()}.creating")
     query = uri.partition("?")[2]
     try:
@@ -372,10 +328,9 @@ def _holds_nothing(path: Path) -> bool:
 
 
 def _first_open(uri: str, path: Path | None = None) -> None:
-    """Open the store with MLflow (which creates or upgrades its schema); MLflow's refusal becomes a TrackingError. A
-    schema being created or upgraded by another client at the same moment ("already exists", "database is locked",
-    "out-of-date database schema" while the file still changes) is waited for: up to :data:`OPEN_ATTEMPTS` tries, each
-    after the sqlite file has been still for :data:`STILL_S`."""
+    """Open the store with MLflow; a schema another client is creating or upgrading is waited for (up to
+    :data:`OPEN_ATTEMPTS` tries, each after the file was still for :data:`STILL_S`). A refusal is a TrackingError.
+    """
     from mlflow.exceptions import MlflowException
 
     for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
@@ -408,11 +363,8 @@ STILL_S = 2.0  # MLflow's schema migrations change the sqlite file many times a 
 
 
 def wait_until_still(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> bool:
-    """Wait until the sqlite database at ``path`` (and its journal) has not changed for :data:`STILL_S` seconds.
-
-    Another MLflow client creating or upgrading the schema changes it many times a second; what is
-    still afterwards is what that client left. Returns whether it changed at all while watched.
-    """
+    """Wait until the sqlite file (and journal) at ``path`` has not changed for :data:`STILL_S`; return whether it
+    changed."""
 
     def signature() -> tuple[tuple[int, int], ...]:
         found = []
@@ -435,15 +387,9 @@ def wait_until_still(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> bool:
 
 
 def refuse_half_migrated(path: Path) -> None:
-    """Raise when the sqlite database at ``path`` was left between two schema versions; never changes it.
+    """Raise TrackingError (what was found, the runs held, the fix) for a sqlite store left between schema versions.
 
-    Signs of a half-migrated MLflow store: alembic's temporary tables (``_alembic_tmp_*``, left
-    when a batch migration stopped midway), or MLflow's tables without the ``alembic_version``
-    row that records the schema. A missing or empty file is a new store and passes.
-
-    Raises:
-        TrackingError: The store is half-migrated; the message names what was found, how many
-            runs the store holds and how to recover.
+    Signs: ``_alembic_tmp_*`` tables, or MLflow's tables without the ``alembic_version`` row. Never changes the file.
     """
     if not path.is_file() or path.stat().st_size == 0:
         return
@@ -482,11 +428,8 @@ TRAINING_VIEW = "workflowType=machine_learning"
 
 
 def ui_line(uri: str, experiment_id: str, run_id: str | None = None, what: str = "the run") -> str:
-    """How to open a run (or an experiment's runs list) in the MLflow UI's training view, for the user.
-
-    MLflow 3's UI opens an experiment in its GenAI view unless the link asks for the training view
-    (``?workflowType=machine_learning`` after the hash route; the browser then remembers the choice).
-    A tracking server's link leaves out its credentials; a local store needs ``mlflow ui`` first.
+    """How to open a run or experiment in the MLflow UI's training view (``?workflowType=machine_learning``), without
+    credentials; a local store needs ``mlflow ui`` first.
     """
     parts = urlsplit(uri)
     served = parts.scheme in ("http", "https")

@@ -40,12 +40,7 @@ class CheckpointError(RunnerError):
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """A checkpoint read back from disk.
-
-    Attributes:
-        payload: The saved dict (see :func:`build_payload`).
-        skipped: Newer files that were damaged and skipped, with the reason, newest first.
-    """
+    """A checkpoint read back: its payload, and the newer damaged files skipped (with why), newest first."""
 
     path: Path
     payload: dict[str, Any]
@@ -53,18 +48,9 @@ class LoadedCheckpoint:
 
 
 def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) -> Path:
-    """Write ``payload`` atomically as ``step-<global_step>.pt`` and keep the newest ``keep_last`` files.
+    """Write ``payload`` atomically as ``step-<global_step>.pt`` (rank 0) and keep the newest ``keep_last``.
 
-    Call on rank 0 only. The bytes are serialised in memory first, written to a temporary
-    file in ``directory``, flushed, fsync'ed and renamed over the final name; the folder is
-    fsync'ed too so the rename survives a power loss.
-
-    Args:
-        directory: The run's checkpoint folder (created if missing).
-        keep_last: Number of checkpoints to keep (>= 1); older ones are deleted after the write.
-
-    Returns:
-        The path written.
+    Serialised in memory, written to a temporary file, fsync'ed and renamed; the folder is fsync'ed too.
 
     Raises:
         CheckpointError: ``payload`` holds something other than tensors and plain values.
@@ -98,15 +84,12 @@ def save_sharded(
     background: bool = False,
     group: Any = None,
 ) -> PendingSave | None:
-    """Write ``step-<global_step>/`` with every rank's shards of ``sharded`` (a collective: call on every rank).
+    """Write ``step-<global_step>/`` with every rank's DCP shards of ``sharded``; a collective, no rank gathers the
+    state.
 
-    ``sharded`` is ``{"model": ..., "optimizer": ...}`` of ``get_state_dict`` (DTensor shards under fsdp); no rank
-    gathers the whole state. The writing rank passes ``payload`` (the rest, :func:`build_payload` with empty model
-    and optimizer; the others ``None``): it prepares a ``.partial`` folder, adds ``meta.pt``, writes the digest
-    of every file, renames the folder into place and keeps the newest ``keep_last`` checkpoints.
-
-    With ``background`` the shards are copied and written by ``dcp.async_save`` (on ``group``, a process group of
-    its own; ``None``: the default one) while the caller goes on; the returned :class:`PendingSave` finishes it.
+    The writing rank passes ``payload`` (the rest; others ``None``): it fills a ``.partial`` folder, adds ``meta.pt``
+    and every file's digest, renames it into place and rotates. With ``background``, ``dcp.async_save`` on ``group``
+    writes while the caller goes on; the returned :class:`PendingSave` finishes it.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -128,10 +111,7 @@ def save_sharded(
 
 
 class PendingSave:
-    """A sharded checkpoint being written; :meth:`finish` waits for it and puts it in place (the writing rank).
-
-    A save that failed is named by :meth:`finish` and never used: its ``.partial`` folder is never listed.
-    """
+    """A sharded checkpoint being written; :meth:`finish` waits and puts it in place, or names its failure."""
 
     def __init__(self, final: Path, partial: Path, payload: dict[str, Any] | None, keep_last: int) -> None:
         self.final, self.partial, self.payload, self.keep_last = final, partial, payload, keep_last
@@ -191,26 +171,15 @@ def digest_path(checkpoint: Path) -> Path:
 
 
 def write_digest(checkpoint: Path, digests: dict[str, str]) -> Path:
-    """Write ``checkpoint``'s digest file atomically, before the checkpoint itself is renamed into place.
-
-    Args:
-        checkpoint: The checkpoint's final path (a file, or a folder of shards).
-        digests: SHA-256 (hex) per file, keyed by its path relative to ``checkpoint.parent``
-            (``step-00000123.pt``, or ``step-00000123/__0_0.distcp`` for each shard of a folder).
-
-    Returns:
-        The digest file, in ``sha256sum`` format (``sha256sum -c`` run in the folder checks it).
-    """
+    """Write ``checkpoint``'s digest file (``sha256sum`` format, paths relative to its folder) atomically."""
     text = "".join(f"{sha}  {name}\n" for name, sha in sorted(digests.items()))
     return _write_atomic(checkpoint.parent, text.encode(), final=digest_path(checkpoint))
 
 
 def verify_digest(checkpoint: Path) -> None:
-    """Check a checkpoint file or folder against the digest file written when it was saved.
+    """Check a checkpoint file or folder against its digest file.
 
-    Raises:
-        CheckpointError: The digest file is missing or unreadable, a file it lists is missing, a
-            file of a folder is not listed, or a file's SHA-256 differs (damaged in place).
+    Raises CheckpointError for a missing digest file, a missing or unlisted file, or a SHA-256 that differs.
     """
     try:
         lines = digest_path(checkpoint).read_text().splitlines()
@@ -232,11 +201,8 @@ def verify_digest(checkpoint: Path) -> None:
 
 
 def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None) -> Path:
-    """Write ``data`` to a fsync'ed temporary file in ``directory``; rename it to ``final`` when given.
-
-    Returns:
-        ``final``, or the temporary file when ``final`` is ``None`` (the caller renames it).
-    """
+    """Write ``data`` to a fsync'ed temporary file in ``directory``, renamed to ``final`` when given; return the
+    path."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -261,14 +227,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
-    """The first value under ``obj`` that is neither a tensor nor a plain value, or ``None``.
-
-    Args:
-        obj: A payload (dicts, lists and tuples are walked).
-        where: Name of ``obj`` in the message.
-
-    Returns:
-        E.g. ``checkpoint["scheduler"]["lr_lambdas"][0] is a function``.
+    """The first value under ``obj`` that is neither a tensor nor plain (e.g. ``checkpoint["scheduler"][...] is a
+    function``), or ``None``.
     """
     if isinstance(obj, (torch.Tensor, *_PLAIN)):
         return None
@@ -284,13 +244,10 @@ def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint file with ``torch.load(weights_only=True)`` (of a sharded checkpoint's folder,
-    its ``meta.pt``, after every file's digest is checked; the shards load with :func:`load_sharded`).
+    """Load and check one checkpoint file, or a sharded folder's ``meta.pt`` after every digest, ``weights_only``.
 
-    Raises:
-        CheckpointError: The file is truncated or damaged (its digest differs from the one written at
-            save, or it has none), carries pickled objects (refused, never executed), was written in
-            another format version, or lacks the runner fields; the message names the file.
+    Raises CheckpointError, naming the file: truncated or damaged, pickled objects (never executed), another format
+    version, or runner's fields missing.
     """
     verify_digest(path)
     try:
@@ -381,13 +338,9 @@ def whole_model(found: LoadedCheckpoint) -> dict[str, torch.Tensor]:
 
 
 def load_latest(directory: Path) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``directory`` that reads back, falling back past damaged ones.
+    """The newest checkpoint of ``directory`` that reads back, past damaged ones; ``None`` when there is none.
 
-    Returns:
-        ``None`` when the folder holds no checkpoint at all.
-
-    Raises:
-        CheckpointError: Checkpoints exist but none of them can be read (lists each file and why).
+    Raises CheckpointError, listing each file and why, when none of them reads.
     """
     files = list_checkpoints(directory)
     skipped: list[tuple[Path, str]] = []
@@ -417,20 +370,9 @@ def build_payload(
     run_id: str | None,
     metrics_recorded: int = 0,
 ) -> dict[str, Any]:
-    """Assemble the dict that :func:`save_checkpoint` writes.
-
-    Args:
-        model_state: ``strategy.model_state(model)``: the whole model, keys without ``module.``.
-        optimizer_state: ``strategy.optimizer_state(model, optimizer)``: the whole ``optimizer.state_dict()``.
-        scheduler, scaler: Their ``state_dict()`` is saved (both may be ``None``;
-            a :class:`~runner.strategies.base.Precision` without scaling saves ``None``).
-        state: The :class:`runner.training.loop.TrainState` (epoch, global_step, batch_in_epoch).
-        rng_states: One RNG-state dict per rank, indexed by rank.
-        spec_flat: The flattened spec (dotted keys), to report what changed on resume.
-        run_id: The MLflow run the checkpoint belongs to.
-        metrics_recorded: Metric values the run had recorded when the checkpoint was taken (the
-            tracker's count, all of them sent or spooled): a resume from this checkpoint sends the
-            spooled ones before it and recomputes those after it.
+    """Assemble the dict :func:`save_checkpoint` writes: whole model and optimizer states, scheduler and scaler,
+    the loop state, every rank's RNG states, the flattened spec and ``metrics_recorded`` (values sent or spooled
+    when it was taken: a resume sends the spooled ones before it and recomputes those after).
     """
     return {
         "format": FORMAT_VERSION,
@@ -455,11 +397,8 @@ def build_payload(
 
 
 def spec_changes(saved: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
-    """Dotted keys whose values differ between two flattened specs (added/removed keys included).
-
-    Keys that cannot change results (``tracking.*``, ``train.progress``, ``checkpoint.*``)
-    and any prefixes in ``ignore`` are not reported.
-    """
+    """Dotted keys that differ between two flattened specs, leaving out those that cannot change results and
+    ``ignore``."""
     quiet = ("tracking.", "train.progress", "checkpoint.", "description", *tuple(ignore))
     keys = set(saved) | set(current)
     return sorted(k for k in keys if not k.startswith(quiet) and saved.get(k) != current.get(k))

@@ -1,6 +1,4 @@
-"""Datasets: build ``[data]`` into train and validation datasets (per-rank loaders: :mod:`runner.training.sampling`).
-
-Also: the validation split and the fingerprints of a run's data: split indices, split SHA-256, dataset digests.
+"""Datasets: ``[data]`` into train and validation sets, the validation split, and the data's fingerprints.
 
 Details: docs/design.md, "Module notes", runner/training/data.py.
 """
@@ -32,20 +30,9 @@ if TYPE_CHECKING:
 class DatasetInfo:
     """What the model and the loop need to know about the data.
 
-    Attributes:
-        input_shape: Shape of one sample ``x``, e.g. ``(1, 8, 8)`` (of a dict sample: its first input tensor).
-        num_classes: Number of classes (labels are ``0 .. num_classes - 1``); 0 if unknown.
-        num_val: Validation samples (0 without validation).
-        target_shape: Shape of one sample's target, e.g. ``()`` for a class index.
-        keys: The keys of a dict sample (empty for ``(x, y)`` pairs).
-        val_split_sha256: Hex SHA-256 of the sorted validation indices (``"3,17,..."``), or of the
-            sorted validation file paths (one a line); ``None`` without validation data or when
-            the validation set is a factory's own, with neither.
-        train_digest: Short digest of the training set (the dataset's settings and its members).
-        val_digest: The same for the validation set (``None`` without one).
-        normalization: ``(mean, std)`` the samples were normalised with (``x = (raw - mean) / std``),
-            or ``None``: a logged model puts it in front of the network.
-        source: Where the samples come from (``sklearn.datasets.load_digits``, a folder, a factory).
+    ``input_shape`` is one sample's (a dict sample's first input); ``num_classes`` 0 when unknown;
+    ``val_split_sha256`` hashes the sorted validation indices or file paths; ``normalization`` is the
+    ``(mean, std)`` the samples were normalised with, put in front of a logged model.
     """
 
     input_shape: tuple[int, ...]
@@ -152,20 +139,13 @@ def _label_count(ds: Dataset, target: str | None) -> int:
 
 
 def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> DatasetBundle:
-    """Build the train and validation datasets of ``spec.data``.
+    """Build the train and validation datasets of ``spec.data`` (``val`` ``None`` without validation data).
 
-    Args:
-        spec_dir: Folder of the spec file: ``data.root`` and factory imports are relative to it.
-
-    Returns:
-        A :class:`DatasetBundle`; ``val`` is ``None`` when there is no validation data
-        (``val_fraction = 0`` and no explicit validation set).
+    ``data.root`` and factory imports are relative to ``spec_dir``.
 
     Raises:
-        SpecError: Unknown dataset (``data.dataset``, with a did-you-mean), missing files
-            (``data.root``, naming the path expected and the fix), kwargs the source rejects
-            (``data.kwargs``), options that do not fit the samples, a ``data.target`` that does
-            not fit them, or an empty dataset.
+        SpecError: An unknown dataset, missing files, rejected kwargs, options or a target that do not fit the
+            samples, or an empty dataset; each at its key, with the fix.
     """
     data = spec.data
     name = data.dataset
@@ -202,21 +182,8 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
 
 
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Split ``range(num_samples)`` into sorted train and validation indices.
-
-    ``floor(num_samples * val_fraction)`` samples (at least one when ``val_fraction > 0``) are
-    the first entries of ``torch.randperm(num_samples)`` under ``torch.Generator().manual_seed(seed)``.
-
-    Args:
-        val_fraction: Fraction held out, in ``[0, 1)``.
-        seed: Seed of the permutation (``data.split_seed``, not ``seed``).
-
-    Returns:
-        ``(train_indices, val_indices)``, each sorted; ``val_indices`` is empty for fraction 0.
-
-    Raises:
-        SpecError: (``data.val_fraction``) if no training sample would be left.
-    """
+    """Sorted ``(train, val)`` indices of ``range(num_samples)``: the first ``floor(n * val_fraction)`` (at least
+    one) of ``torch.randperm`` under ``data.split_seed``. Raises SpecError when no training sample would be left."""
     n_val = int(num_samples * val_fraction)
     if val_fraction > 0 and n_val == 0:
         n_val = 1
@@ -263,13 +230,8 @@ CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 @dataclass(frozen=True)
 class SeedInfo:
-    """What :func:`seed_everything` used.
-
-    Attributes:
-        seed: Seed given to Python, NumPy and torch (same on every rank).
-        worker_base_seed: Seed of this rank's DataLoader generator for epoch 0.
-        deterministic_settings: Setting -> value it set (empty unless ``deterministic``).
-    """
+    """What :func:`seed_everything` used: the seed, this rank's epoch-0 worker seed, the deterministic settings it
+    set."""
 
     seed: int
     rank: int
@@ -278,65 +240,31 @@ class SeedInfo:
 
 
 def derive_seed(*parts: int) -> int:
-    """Return a well-mixed 63-bit seed from integers (``numpy.random.SeedSequence``).
-
-    Args:
-        *parts: Non-negative integers, e.g. ``(seed, rank, epoch)``.
-
-    Returns:
-        An int in ``[0, 2**63)``, a pure function of ``parts``.
-    """
+    """A well-mixed 63-bit seed, a pure function of non-negative ``parts`` (``numpy.random.SeedSequence``)."""
     state = np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint64)[0]
     return int(state) & ((1 << 63) - 1)
 
 
 def loader_generator(seed: int, rank: int, epoch: int = 0) -> torch.Generator:
-    """Return the ``torch.Generator`` for a rank's DataLoader (it seeds the workers).
-
-    Args:
-        epoch: Epoch; reseed with a new epoch each epoch for resumable worker seeds.
-
-    Returns:
-        A CPU generator seeded with ``derive_seed(seed, rank, epoch)``.
-    """
+    """The CPU generator of a rank's DataLoader for ``epoch``, seeded ``derive_seed(seed, rank, epoch)``."""
     g = torch.Generator()
     g.manual_seed(derive_seed(seed, rank, epoch))
     return g
 
 
 def worker_init_fn(worker_id: int) -> None:
-    """Seed Python and NumPy in a DataLoader worker from its torch seed.
-
-    PyTorch seeds each worker's torch RNG with ``base_seed + worker_id`` (``base_seed`` drawn
-    from the loader's generator); this carries it over to ``random`` and ``numpy.random`` so
-    augmentations using them differ per worker and per rank and are reproducible.
-
-    Args:
-        worker_id: Worker index (unused; the torch seed already includes it).
-    """
+    """Seed ``random`` and ``numpy.random`` in a DataLoader worker from its torch seed (which includes the worker
+    id)."""
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
 
 
 def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> SeedInfo:
-    """Seed Python, NumPy, torch CPU and all CUDA devices; optionally force determinism.
+    """Seed Python, NumPy, torch and CUDA (lazily: CUDA is never initialised here); optionally force determinism.
 
-    CUDA is seeded lazily (``torch.cuda.manual_seed_all`` queues the seed until CUDA
-    initialises) and only when CUDA is available, so calling this never initialises CUDA.
-
-    Args:
-        seed: The seed, identical on every rank (model init must match across ranks).
-        rank: Global rank; only used for the worker base seed.
-        deterministic: Turn on ``torch.use_deterministic_algorithms``, cuDNN determinism,
-            ``cudnn.benchmark = False`` and ``CUBLAS_WORKSPACE_CONFIG``. ``False`` turns
-            deterministic algorithms off again (the process-wide default).
-
-    Returns:
-        A :class:`SeedInfo` with what was used and set.
-
-    Raises:
-        ValueError: If ``seed`` is negative.
+    ``deterministic`` sets ``torch.use_deterministic_algorithms``, cuDNN determinism and ``CUBLAS_WORKSPACE_CONFIG``;
+    ``False`` turns deterministic algorithms off again. Raises ValueError for a negative seed.
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
@@ -367,13 +295,7 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> Se
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Return every RNG state needed to continue a run exactly (for checkpoints).
-
-    Returns:
-        ``{"python": list, "numpy": dict, "torch": uint8 tensor, "cuda": [uint8 tensor per
-        device]}``; only plain types and tensors, so ``torch.load(weights_only=True)`` reads it.
-        ``cuda`` is empty when CUDA is unavailable.
-    """
+    """Every RNG state needed to continue a run exactly, as plain types and tensors (``weights_only`` loads it)."""
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     cuda: list[torch.Tensor] = []
@@ -394,14 +316,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`capture_rng_state`.
-
-    CUDA states are restored for the devices that are visible now (states of devices that
-    are not, e.g. when resuming a GPU run on CPU, are skipped).
-
-    Args:
-        state: The dict returned by :func:`capture_rng_state` (possibly after save/load).
-    """
+    """Restore :func:`capture_rng_state`'s states; CUDA states of devices not visible now are skipped."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     npst = state["numpy"]

@@ -23,17 +23,9 @@ if TYPE_CHECKING:
 
 
 def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, world_size: int) -> list[int]:
-    """Return the size of every global batch (optimizer step) of one epoch.
+    """Sizes of every global batch ``B`` of one epoch: ``[B] * (N // B)`` plus ``N % B`` when kept (never below ``W``).
 
-    Args:
-        global_batch: Samples per optimizer step across all ranks ``B``.
-        world_size: Ranks ``W``; a final batch smaller than ``W`` is always dropped.
-
-    Returns:
-        ``[B] * (N // B)`` plus ``N % B`` when it is kept (docs/design.md, "Module notes").
-
-    Raises:
-        ValueError: If a size is not positive.
+    Raises ValueError for a size that is not positive.
     """
     if num_samples < 0 or global_batch < 1 or world_size < 1:
         raise ValueError(
@@ -48,36 +40,20 @@ def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, wor
 
 
 def rank_batch_size(global_size: int, world_size: int, rank: int) -> int:
-    """Return how many samples of a global batch of ``global_size`` rank ``rank`` gets.
+    """How many samples of a global batch rank ``rank`` gets: positions ``rank::world_size``, so sizes differ by one at
+    most.
 
-    The rank takes positions ``rank::world_size`` of the batch, so sizes differ by at most one
-    and the rank sizes sum to ``global_size``. The loop divides each rank's summed per-sample loss by
-    ``global_size / world_size`` so that DDP's gradient average equals the exact global mean.
-
-    Returns:
-        ``len(range(rank, global_size, world_size))``.
-
-    Raises:
-        ValueError: If ``rank`` is out of range.
+    The loop divides a rank's summed loss by ``global_size / world_size`` so DDP's average is the exact global mean.
+    Raises ValueError for a rank out of range.
     """
     _check_rank(rank, world_size)
     return len(range(rank, global_size, world_size))
 
 
 def micro_batch_sizes(global_size: int, world_size: int, rank: int, micro_batch: int) -> list[int]:
-    """Return the sizes of the micro-batches this rank loads for one optimizer step.
-
-    Args:
-        global_size: Samples in the global batch of the step.
-        micro_batch: The DataLoader batch size ``B / (W * grad_accum_steps)``.
-
-    Returns:
-        ``grad_accum_steps`` times ``micro_batch`` for a full step; for a short final step the
-        rank's share cut into ``micro_batch``-sized chunks (the last may be smaller).
-
-    Raises:
-        ValueError: If ``rank`` is out of range or ``micro_batch < 1``.
-    """
+    """Sizes of the micro-batches this rank loads for one step: ``grad_accum_steps`` x ``micro_batch`` when full,
+    else the rank's share cut into ``micro_batch`` chunks. Raises ValueError for a rank out of range or ``micro_batch
+    < 1``."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     n = rank_batch_size(global_size, world_size, rank)
@@ -85,14 +61,7 @@ def micro_batch_sizes(global_size: int, world_size: int, rank: int, micro_batch:
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """Return the epoch's order of sample indices, identical to ``DistributedSampler``'s.
-
-    Args:
-        epoch: Epoch number; the generator is seeded ``seed + epoch``.
-
-    Returns:
-        A permutation of ``range(N)`` as a list of ints.
-    """
+    """The epoch's order of sample indices (seed ``seed + epoch``), identical to ``DistributedSampler``'s."""
     if not shuffle:
         return list(range(num_samples))
     g = torch.Generator()
@@ -103,22 +72,10 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) ->
 class EpochSampler(Sampler[int]):
     """Training sampler: one seeded permutation per epoch, rank ``r`` reads positions ``r::W``.
 
-    Same permutation as :class:`torch.utils.data.DistributedSampler` but without padding or
-    duplicates, truncated to the samples of the epoch's global batches (docs/design.md, "Module notes").
-    Call :meth:`set_epoch` before every epoch.
-
-    Args:
-        world_size: Ranks ``W`` (1 for ``none`` and ``dp``).
-        seed: Base seed; epoch ``e`` uses ``seed + e``.
-        shuffle: Shuffle every epoch (else the natural order).
-        global_batch: Samples per optimizer step across all ranks (a multiple of ``W``).
-        drop_last: Drop the final incomplete global batch.
-        generator: Optional DataLoader generator (it seeds the workers) that :meth:`set_epoch`
-            reseeds with ``runner.training.data.derive_seed(seed, rank, epoch)``, so worker seeds
-            depend on (seed, rank, epoch) only and a resumed run reproduces them.
-
-    Raises:
-        ValueError: If ``rank`` is out of range or ``global_batch`` is not a multiple of ``W``.
+    ``DistributedSampler``'s permutation without padding or duplicates, cut to the epoch's global batches
+    (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the
+    DataLoader's) from (seed, rank, epoch), so a resumed run reproduces worker seeds. Raises ValueError for a rank
+    out of range or a ``global_batch`` that is no multiple of ``W``.
     """
 
     def __init__(
@@ -151,10 +108,7 @@ class EpochSampler(Sampler[int]):
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch`` (seed ``seed + epoch``) for the next iteration.
-
-        Also reseeds the attached DataLoader generator, if any (see the class docstring).
-        """
+        """Select the permutation of ``epoch`` and reseed the attached DataLoader generator, if any."""
         self.epoch = epoch
         if self.generator is not None:
             from runner.training.data import derive_seed
@@ -162,14 +116,7 @@ class EpochSampler(Sampler[int]):
             self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
 
     def set_start_batch(self, batch: int) -> None:
-        """Start the next iteration at global batch ``batch`` of the epoch (0: the whole epoch).
-
-        Args:
-            batch: Global batches of the current epoch already consumed, ``0 <= batch <= steps``.
-
-        Raises:
-            ValueError: If ``batch`` is out of range.
-        """
+        """Start the next iteration at global batch ``batch`` (0: the whole epoch); ValueError when out of range."""
         if not 0 <= batch <= len(self.batch_sizes):
             raise ValueError(f"start batch {batch} is not in [0, {len(self.batch_sizes)}]")
         self.start_batch = batch
@@ -189,14 +136,7 @@ class EpochSampler(Sampler[int]):
 
 
 class EvalSampler(Sampler[int]):
-    """Evaluation sampler: rank ``r`` reads indices ``r::W`` in order; every sample exactly once.
-
-    Ranks may get counts differing by one; metrics must be summed (not averaged per rank)
-    across ranks, and evaluation must not run collectives per batch.
-
-    Raises:
-        ValueError: If ``rank`` is out of range.
-    """
+    """Evaluation sampler: rank ``r`` reads ``r::W`` in order, every sample once; sum metrics across ranks."""
 
     def __init__(self, num_samples: int, world_size: int, rank: int):
         _check_rank(rank, world_size)
@@ -218,17 +158,7 @@ def _check_rank(rank: int, world_size: int) -> None:
 
 @dataclass
 class Loaders:
-    """A rank's training and validation DataLoaders and the step layout of an epoch.
-
-    Attributes:
-        train: Training DataLoader; its batches are micro-batches of ``micro_batch`` samples.
-        val: Validation DataLoader over this rank's share (``EvalSampler``), or ``None``.
-        train_sampler: The :class:`~runner.training.sampling.EpochSampler` of ``train``; call its
-            ``set_epoch`` (and ``set_start_batch`` when resuming) before every epoch.
-        micro_batch: ``batch_size // (world_size * grad_accum_steps)``.
-        steps_per_epoch: Optimizer steps per epoch (``len(global_batch_sizes)``).
-        global_batch_sizes: Samples of every optimizer step of an epoch, all ranks together.
-    """
+    """A rank's DataLoaders and an epoch's step layout; ``train_sampler.set_epoch`` before every epoch."""
 
     train: DataLoader
     val: DataLoader | None
@@ -239,25 +169,13 @@ class Loaders:
 
 
 def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
-    """Build this rank's DataLoaders.
+    """Build this rank's DataLoaders (docs/design.md, "Module notes", runner/training/sampling.py).
 
-    The training loader yields micro-batches of ``batch_size // (world_size * grad_accum_steps)``
-    samples in :class:`~runner.training.sampling.EpochSampler` order: each group of micro-batches that makes
-    one optimizer step is this rank's share of one global batch (see :mod:`runner.training.sampling`).
-    The validation loader gives this rank every ``world_size``-th sample, in batches of
-    ``ceil(eval_batch_size / world_size)``. ``data.batch_size`` is a multiple of ``world_size x
-    grad_accum_steps``: the schema and device resolution check that once, before any process starts.
-
-    Args:
-        rank: Global rank of this process (0 for ``none``/``dp``).
-        world_size: Number of processes (1 for ``none``/``dp``).
-
-    Returns:
-        The :class:`Loaders`.
+    Training: micro-batches of ``batch_size // (world_size * grad_accum_steps)`` in :class:`EpochSampler` order.
+    Validation: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``.
 
     Raises:
-        SpecError: (``data.batch_size``) an epoch would have no step (fewer training samples
-            than one global batch with ``drop_last``, or than the world size).
+        SpecError: (``data.batch_size``) an epoch would have no step.
     """
     data = spec.data
     micro = data.batch_size // (world_size * spec.train.grad_accum_steps)
@@ -301,14 +219,8 @@ def _size(dataset: Dataset) -> int:
 
 
 def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> list[tuple[int, int, str]]:
-    """Where a training batch of one sample would reach the model, from the batch arithmetic alone.
-
-    Args:
-        loaders: The step layout (``global_batch_sizes``, ``micro_batch``).
-        replicas: DataParallel replicas (1 without dp); a micro-batch is cut as ``torch.chunk`` cuts it.
-
-    Returns:
-        ``(global batch size, rank, "micro-batch" | "DataParallel chunk")`` for each such case.
+    """``(global batch size, rank, "micro-batch" | "DataParallel chunk")`` wherever a training batch of one sample would
+    reach the model, from the batch arithmetic alone.
     """
     found = []
     for size in sorted(set(loaders.global_batch_sizes)):
@@ -326,13 +238,8 @@ def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> 
 def check_batchnorm_batches(
     model: nn.Module, spec: ExperimentSpec, loaders: Loaders, world_size: int, replicas: int
 ) -> None:
-    """Refuse, before training, a model with BatchNorm layers that would meet a training batch of one sample.
-
-    PyTorch's batch norm cannot normalise one value per channel in training mode ("Expected more
-    than 1 value per channel when training"), which would end the run at the last batch of an epoch.
-
-    Raises:
-        SpecError: (``data.batch_size``) naming the batch size, world size and rank, and the fix.
+    """Refuse a model with BatchNorm that would meet a training batch of one sample ("Expected more than 1 value per
+    channel"); raises SpecError at ``data.batch_size`` with the fix.
     """
     norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     cases = one_sample_batches(loaders, world_size, replicas) if norms else []

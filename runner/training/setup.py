@@ -1,7 +1,4 @@
-"""One rank's training in named steps: build the parts, restore from a checkpoint, make the checkpointer, train, finish.
-
-The tracker is made by the worker and handed in: nothing here imports mlflow or
-:mod:`runner.tracking`.
+"""One rank's training in named steps: build, restore, checkpointer, train, finish; the tracker is handed in.
 
 Details: docs/design.md, "Module notes", runner/training/setup.py.
 """
@@ -45,20 +42,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingParts:
-    """What :func:`build_parts` makes from the spec on one rank.
-
-    Attributes:
-        model: The wrapped model (``strategy.wrap`` applied).
-        raw_model: The user's model inside it (state dicts, the optimizer, model logging).
-        scheduler_interval: When it steps: ``"step"`` or ``"epoch"``.
-        precision: Autocast and gradient scaling of ``train.amp``.
-        loss: The summed loss of a micro-batch (:mod:`runner.training.losses`).
-        io: How batches reach the model and where its prediction is (:class:`~runner.training.batches.BatchIO`).
-        metrics: The train and validation metrics of ``[metrics]``.
-        total_steps: Optimizer steps of the run (:func:`count_total_steps`).
-        train_set: The training dataset (its first sample is the model's example input).
-        data: What the data is: sizes, split fingerprint, digests, normalisation (for the run's records).
-    """
+    """What :func:`build_parts` makes from the spec on one rank (``model`` wrapped, ``raw_model`` the user's)."""
 
     model: nn.Module
     raw_model: nn.Module
@@ -86,14 +70,7 @@ class TrainingParts:
 
 @dataclass
 class Restored:
-    """Where :func:`restore` left training.
-
-    Attributes:
-        state: The loop state to start from (a fresh one without a checkpoint).
-        resumed_from: The checkpoint file it came from, or ``None``.
-        notes: What the user should know (damaged files skipped, RNG states not restored, ...).
-        metrics_recorded: Metric values the run had recorded when the checkpoint was taken.
-    """
+    """Where :func:`restore` left training: the state, the checkpoint it came from, notes, metrics recorded then."""
 
     state: TrainState
     resumed_from: str | None = None
@@ -117,22 +94,12 @@ def build_parts(
 ) -> TrainingParts:
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
-    Args:
-        spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
-        strategy: After ``setup()``: it gives the rank, the world size and the device.
-        dtype: A torch dtype name (``"float64"``): the model's floating tensors and every floating tensor
-            of a batch are cast to it, and the loss is kept in it; ``None``: as built.
-        nudge: Move every initial parameter up by one ulp of its dtype (``torch.nextafter``), the smallest
-            perturbation there is (``runner parity``'s control).
-        bundle: The datasets, when this process built them already (:func:`build_datasets` of ``spec``).
-
-    Returns:
-        The :class:`TrainingParts`.
+    ``dtype`` casts the model and every batch (``runner parity``); ``nudge`` moves each initial parameter by one ulp
+    (parity's control); ``bundle`` is the datasets when already built.
 
     Raises:
-        SpecError: A dataset, model, optimizer, scheduler, loss or metric named in the spec does not
-            build, dict samples without the ``data.target`` their loss or metrics need, or a model
-            with BatchNorm layers that a 1-sample training batch would reach (``data.batch_size``).
+        SpecError: Something named in the spec does not build, a dict sample lacks the ``data.target`` needed,
+            or BatchNorm would meet a 1-sample training batch.
     """
     bundle = build_datasets(spec, spec_dir) if bundle is None else bundle
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
@@ -190,18 +157,8 @@ def _setup_optimizer(
 
 
 def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: bool, restarted: bool) -> Restored:
-    """Load the newest valid checkpoint of ``folder`` into ``parts`` when resuming or after an elastic restart.
-
-    Restores the model, optimizer, scheduler, scaler, loop state and this rank's RNG state
-    (when the world size is unchanged).
-
-    Args:
-        strategy: The set-up strategy (rank and world size).
-        resume: ``runner exec --resume``: say so when there is nothing to resume from.
-        restarted: The elastic agent restarted the workers (continue from the checkpoint).
-
-    Returns:
-        The :class:`Restored` state (fresh when nothing was loaded).
+    """Load the newest valid checkpoint of ``folder`` on ``resume`` or an elastic restart (RNG only at the same world
+    size).
 
     Raises:
         CheckpointError: Every checkpoint in ``folder`` is damaged.
@@ -235,14 +192,9 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
 
 
 class Checkpointer:
-    """The loop's ``on_checkpoint``: every rank hands in its RNG state, the writing rank saves, all wait.
+    """The loop's ``on_checkpoint``: every rank hands in its RNG state, the writer saves, all wait.
 
-    Args:
-        loaded: The loaded spec (``[checkpoint]`` settings, the flattened spec and its SHA-256 go in each file).
-        run_id: The MLflow run the checkpoints belong to, or ``None``.
-        writer: Whether this rank writes (the logging rank).
-        tracker: Flushed before each save: metrics up to a checkpoint are in MLflow (or its spool) before
-            the checkpoint says how many there are.
+    The tracker is flushed first, so a checkpoint's metric count is in MLflow or its spool.
     """
 
     def __init__(
@@ -292,11 +244,7 @@ class Checkpointer:
         self.strategy.barrier()
 
     def wait(self) -> None:
-        """Finish the background save in flight, if any (every rank; the run's end and a stop call it too).
-
-        Raises:
-            CheckpointError: It failed: the checkpoint is named and never used.
-        """
+        """Finish the background save in flight, if any (every rank); CheckpointError names a failed one."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.finish()
@@ -367,12 +315,10 @@ def loop_parts(
 
 @contextlib.contextmanager
 def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[LoopParts]:
-    """``loop`` under ``torch.profiler`` when ``[profile]`` names this rank, else ``loop`` untouched (no cost).
+    """``loop`` under ``torch.profiler`` when ``[profile]`` names this rank, else untouched.
 
-    ``profile.wait`` steps, one warm-up step, then ``profile.active`` recorded steps; when they end the rank
-    writes ``folder/profile/rank<N>.trace.json`` (Chrome trace) and ``rank<N>.ops.txt`` (the operators by
-    self CPU time), which the logging rank uploads as the run's ``profile/`` artifacts. A run shorter than
-    that records nothing.
+    After ``profile.wait`` steps, one warm-up and ``profile.active`` recorded steps, the rank writes
+    ``profile/rank<N>.trace.json`` and ``rank<N>.ops.txt``, uploaded as the run's artifacts.
     """
     profile = spec.profile
     if profile is None or loop.strategy.rank not in profile.ranks:
@@ -396,12 +342,8 @@ def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[Lo
 
 
 def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> FitResult:
-    """Run :func:`~runner.training.loop.fit`, naming the parameters when DDP reports some got no gradient.
-
-    Raises:
-        TrainingError: DDP's unused-parameter error, with the parameters and the fix.
-        Interrupted: A stop signal arrived (after a checkpoint).
-    """
+    """Run :func:`fit`; DDP's unused-parameter error becomes a TrainingError naming them. Raises Interrupted on a
+    stop."""
     try:
         return fit(loop, spec.train, state, spec.checkpoint if spec.checkpoint.enabled else None)
     except RuntimeError as exc:
