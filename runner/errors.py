@@ -29,13 +29,8 @@ _QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|acce
 
 
 def mask_secrets(text: str) -> str:
-    """``text`` with the credentials of every URL in it replaced by ``***``.
-
-    ``http://alice:s3cret@host`` -> ``http://alice:***@host``, ``postgresql://u:pw@h/db`` ->
-    ``postgresql://u:***@h/db``, a bare user of an http(s) URL (a token: ``https://TOKEN@host``) ->
-    ``https://***@host``, and ``?password=``/``token=``/... query values. A password runs to the authority's
-    last ``@`` (``'`` and an unencoded ``@`` included, as ``urllib.parse`` reads it). The one masking used for
-    every URI runner records, prints or puts in a message (tracking URI, Optuna storage URL).
+    """``text`` with every URL's credentials replaced by ``***``: passwords, a bare http(s) user (a token), and
+    ``password=``/``token=`` query values; a password runs to the authority's last ``@``, as ``urllib.parse`` reads it.
     """
     text = _USER_PASSWORD.sub(r"\g<head>:***@", text)
     text = _HTTP_TOKEN.sub(lambda m: m.group(0) if m.group(0).endswith("***@") else m.group("head") + "***@", text)
@@ -43,12 +38,7 @@ def mask_secrets(text: str) -> str:
 
 
 class RunnerError(Exception):
-    """Base class of every error raised on purpose by runner.
-
-    Attributes:
-        exit_code: Exit status of ``runner`` when this error ends it (class attribute).
-        heading: First words of the message on standard error, ``runner: <heading>: ...``.
-    """
+    """Base class of every error raised on purpose; ``exit_code`` and ``heading`` (``runner: <heading>: ...``)."""
 
     exit_code: ClassVar[int] = 1
     heading: ClassVar[str] = "error"
@@ -74,15 +64,7 @@ def _rebuild(cls: type[RunnerError], args: tuple[Any, ...], state: dict[str, Any
 
 @dataclass(frozen=True)
 class SpecIssue:
-    """One problem found in a spec.
-
-    Attributes:
-        file: The spec file the problem is in (``None`` when it is not in a file).
-        line: 1-based line number in ``file``, or ``None`` when it cannot be located.
-        key: Dotted key, e.g. ``parallel.mode``; empty for whole-file problems.
-        message: What is wrong and how to fix it.
-        origin: Where the value came from when not from ``file``, e.g. ``"--set"``.
-    """
+    """One problem found in a spec: file and 1-based line (``None`` when unknown), dotted key, message, ``origin``."""
 
     file: Path | None
     line: int | None
@@ -102,10 +84,7 @@ class SpecIssue:
 
 
 class SpecError(RunnerError):
-    """A spec (or an override of it) is invalid; the CLI exits with status 2.
-
-    Holds every problem found in one file, so that users fix them all at once.
-    """
+    """A spec or override is invalid (exit 2); holds every problem of one file, so all are fixed at once."""
 
     exit_code = 2
 
@@ -125,15 +104,9 @@ class UsageError(RunnerError):
 
 
 class DeviceError(RunnerError):
-    """The spec asks for devices this machine does not have; exit status 2.
+    """The spec asks for devices this machine lacks (exit 2), raised when devices are resolved, never by the schema.
 
-    Raised when devices are resolved (``plan``, ``exec``), never by the schema, so
-    ``runner validate`` works on any laptop. Like a spec issue it names the key it is about,
-    and, once :meth:`located`, the spec file and line: ``FILE:LINE: dotted.key: message``.
-
-    Args:
-        message: What is wrong on this machine and how to fix it.
-        key: Dotted spec key the problem is about (empty when none is).
+    Names its ``key``; once :meth:`located`, reads ``FILE:LINE: dotted.key: message``.
     """
 
     exit_code = 2
@@ -148,11 +121,7 @@ class DeviceError(RunnerError):
 
 
 class TrackingError(RunnerError):
-    """The MLflow tracking store cannot be reached or used; exit status 2.
-
-    It reaches the command line only before training: a failure during training is reported
-    as a :class:`TrainingError` of the run.
-    """
+    """The store cannot be reached or used (exit 2, before training; during training it is a TrainingError)."""
 
     exit_code = 2
 
@@ -180,20 +149,13 @@ class TrainingError(RunnerError):
 
 
 class UserCodeError(TrainingError):
-    """An exception raised inside the user's own code (model, dataset factory, loss, metric); exit status 1.
-
-    The message names the spec key that named the code, the exception, the user's file and line
-    (the last frame in the user's modules), and the user's frames only (:func:`user_code_error`).
-    """
+    """An exception inside the user's code (exit 1), named by spec key, exception, the user's file and line and
+    frames."""
 
 
 def user_code_error(exc: BaseException, key: str | None = None) -> UserCodeError | None:
-    """``exc`` as a :class:`UserCodeError` when its traceback passes through the user's code, else ``None``.
-
-    The user's frames are those outside runner, the standard library and installed packages. ``key``
-    is the spec key that named the code; by default it is read off the last runner frame before the
-    user's code (forward: ``model.name``, a loss: ``loss.name``, a metric: its ``metrics`` entry, data
-    loading: ``data.dataset``).
+    """``exc`` as a :class:`UserCodeError` when its traceback passes through the user's code (outside runner, the
+    standard library and packages), else ``None``; ``key`` defaults to the spec key read off the last runner frame.
     """
     import traceback
 
@@ -284,11 +246,7 @@ class Interrupted(RunnerError):
         super().__init__(f"interrupted by signal {signum} ({_signal_name(signum)}){where}")
 
     def hint(self) -> str:
-        """What to tell the user: the run that was stopped and the command that continues it.
-
-        The command is ``command`` when given (``runner resume RUN_ID``, as the driver words it), else
-        ``runner resume RUN_ID``: the run's stored spec is continued, with its ``--set`` values.
-        """
+        """The run that was stopped and the command that continues it (``command``, else ``runner resume RUN_ID``)."""
         where = f" at rank {self.rank}" if self.rank is not None else ""
         by = f"{_signal_name(self.signum)}{where}"
         if self.run_id or self.command:
@@ -303,24 +261,14 @@ class Interrupted(RunnerError):
 
 
 def show_notes(notes: list[str]) -> None:
-    """Print each note as ``runner: note: ...`` on standard error, before training (docs/design.md §10).
-
-    Standard output carries the run's summary (and ``--json`` reports); notes are for the person watching.
-    """
+    """Print each note as ``runner: note: ...`` on standard error; standard output is the run's summary."""
     for note in notes:
         print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """Render a value as it would be written in TOML (shortened to about ``limit`` characters).
-
-    Args:
-        value: Any parsed TOML value (or a Python value of the same kinds).
-        limit: Longest text returned; longer renderings end in ``...``.
-
-    Returns:
-        ``true``, ``"text"``, ``[1, 2]``, ``{ a = 1 }``, ``nan``, ...
-    """
+    """Render a value as TOML writes it (``true``, ``"text"``, ``[1, 2]``, ``nan``), cut to about ``limit``
+    characters."""
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, str):
@@ -350,15 +298,8 @@ CUTOFF = 0.6  # difflib.get_close_matches' default similarity bound
 
 
 def close_matches(word: str, choices: Iterable[str] | Mapping[str, str], n: int = 1) -> list[str]:
-    """Return up to ``n`` choices close to ``word``, ignoring case; an exact match ignoring case comes alone.
-
-    Args:
-        choices: The valid names; or a mapping from the text to match against to the name to
-            suggest (e.g. ``{"resnet18": "torchvision.resnet18"}`` to match bare builder names).
-
-    Returns:
-        The suggested names, closest first (``difflib.get_close_matches`` with cutoff 0.6).
-    """
+    """Up to ``n`` ``choices`` close to ``word`` ignoring case (a mapping matches its keys, suggests its values);
+    closest first; an exact match alone."""
     table = dict(choices) if isinstance(choices, Mapping) else {c: c for c in choices}
     lowered: dict[str, str] = {}
     for match_text, name in table.items():
@@ -370,12 +311,7 @@ def close_matches(word: str, choices: Iterable[str] | Mapping[str, str], n: int 
 
 
 def suggest(candidates: Sequence[str], render: Callable[[str], str] = show) -> str:
-    """Return ``did you mean "a" or "b"?`` for ``candidates`` (empty text when there are none).
-
-    Args:
-        render: How each is written: :func:`~runner.errors.show` (quoted, the default) for
-            names and values, ``str`` for dotted keys.
-    """
+    """``did you mean "a" or "b"?`` for ``candidates`` (empty text for none), each written by ``render``."""
     return f"did you mean {join_or([render(c) for c in candidates])}?" if candidates else ""
 
 
@@ -385,16 +321,7 @@ def did_you_mean(
     n: int = 1,
     render: Callable[[str], str] = show,
 ) -> str:
-    """Return ``did you mean "x"?`` for the choices closest to ``word``, or empty text.
-
-    Put it in a message with :func:`~runner.errors.with_hint`: ``unknown key "mdoe"
-    (did you mean "mode"?)``.
-
-    Args:
-        word: What the user wrote (non-strings are compared as ``str(word)``).
-        choices: Valid names, or a mapping as in :func:`close_matches`.
-        render: How each suggestion is written (see :func:`suggest`).
-    """
+    """``did you mean "x"?`` for the choices closest to ``word``, or empty text."""
     return suggest(close_matches(str(word), choices, n), render)
 
 

@@ -30,28 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 class ExecOptions:
     """Command-line options of ``runner exec`` beyond the spec.
 
-    Attributes:
-        run_name: MLflow run name (overrides ``tracking.run_name``).
-        resume: Run id to continue, ``"last"`` for the newest run of the experiment, or ``None``.
-        allow_spec_change: Dotted keys that may differ from the resumed run's spec.
-        parent_run_id: Make the run a child of this run (``mlflow.parentRunId``), for sweeps and bench.
-        sync_timing: Exact per-step timing on CUDA (``runner bench``).
-        nested: Allow starting while an MLflow fluent run is active in this process (the new
-            run becomes its child); without it that is an error.
-        tracking_uri: The store to use instead of the spec's (``runner resume`` and ``reproduce``
-            use the store the run was found in).
-        environ: The environment the plan is made against (default ``os.environ``); a sweep
-            passes its own without Slurm's variables, so that a trial is never a Slurm job's run.
-        epoch_end: Called on every rank after each epoch as ``epoch_end(epoch, metrics)``; True
-            stops training after that epoch (a sweep's pruner). Must be picklable for ddp.
-        dtype: ``"float64"`` trains the model, its inputs and its loss in that dtype (``runner parity``);
-            ``None``: as built (float32).
-        nudge: Nudge every initial weight up by one ulp of its dtype (``runner parity``'s control).
-        in_process: Train a single-process job (none, dp) in this process instead of a child process
-            (sweeps, bench and parity, whose trials reuse the process; tests). The hub still carries
-            everything the run records.
-        started_at: Clock time (``time.time()``) that start-up is measured from, to the end of the first
-            optimizer step; ``None``: when this process started (a command's one run).
+    ``resume`` is a run id or ``"last"``; ``parent_run_id`` makes the run a child (sweeps, bench); ``nested`` allows
+    an active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made
+    against (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and
+    stops training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process``
+    trains a one-process job in this process; start-up is measured from ``started_at`` (default: process start).
     """
 
     run_name: str | None = None
@@ -72,20 +55,8 @@ class ExecOptions:
 
 @dataclass
 class ExecResult:
-    """Outcome of ``runner exec``.
-
-    Attributes:
-        run_id: The MLflow run (``None`` when tracking is off).
-        metrics: Final metrics from the logging rank.
-        history: ``(step, metrics)`` pairs from the logging rank.
-        notes: Messages for the user (devices, resume, skipped checkpoints).
-        workers: Every rank's result on this node, by rank.
-        rank: Global rank of this process (0 unless a launcher started it as one worker of a job).
-        notes_shown: The notes were printed before training, so :meth:`summary` does not repeat them.
-        spooled: Metric values (and whether the final status) that could not reach the tracking
-            store and wait in the run's spool file (docs/design.md §12).
-        startup_s: Seconds from ``ExecOptions.started_at`` to the end of the first optimizer step of this
-            process's training (``None``: no step was taken).
+    """Outcome of ``runner exec``: the run, the logging rank's final metrics and history, notes, every local rank's
+    result, what waits in the spool (docs/design.md §12), and ``startup_s`` to the end of the first step.
     """
 
     run_id: str | None
@@ -106,11 +77,7 @@ class ExecResult:
     compute: str = ""
 
     def summary(self) -> str:
-        """What ``runner exec`` prints: notes, status, run id, final metrics, how to open the MLflow UI.
-
-        Returns:
-            The lines, joined; empty on ranks other than 0 (one process of a job reports).
-        """
+        """What ``runner exec`` prints (notes, status, run id, metrics, the UI link); empty on ranks other than 0."""
         if self.rank != 0:
             return ""
         lines = [] if self.notes_shown else [f"note: {note}" for note in self.notes]
@@ -193,11 +160,8 @@ def _experiment_id(plan: Plan, session: RunSession | None) -> str:
 def _record_end(
     plan: Plan, options: ExecOptions, run_id: str | None, workers: list[WorkerResult], load: HostLoad
 ) -> tuple[str, str]:
-    """Record what is known once the job has ended, in one tag and one metric request: how busy the host was
-    (``runner.host_load``, ``runner.host_busy``), each device's peak memory and compute (:func:`end_figures`).
-
-    Returns:
-        The summary's note on a busy host (:func:`host_note`) and its compute line.
+    """Record the host's load and each device's peak memory and compute in one tag and one metric request; return the
+    summary's host note and compute line.
     """
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
@@ -224,17 +188,11 @@ def host_note(plan: Plan, load: HostLoad) -> str:
 
 
 def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -> tuple[dict[str, float], str, str]:
-    """Each device's peak memory and achieved compute, logged beside ``runner plan``'s estimate (docs/design.md §10).
+    """Each device's peak memory and achieved compute, beside ``runner plan``'s estimate (docs/design.md §10).
 
-    ``memory/peak_allocated_mib/deviceN`` is the CUDA allocator's peak of the run's Nth GPU (dp's one process drives
-    them all); on CPU ``memory/peak_rss_mib/rankN`` a process's resident set. ``perf/flops_per_step`` sums the
-    processes' counted step (``WorkerResult.step_flops``; a multi-node job: this node's, times the node count);
-    ``perf/tflops_per_s/<device>`` is a process's count over the median of its steps after the first two (all of them
-    in a shorter run); ``perf/mfu/<device>`` that over the device's peak, only when the peak is known
-    (``devices.peak_tflops`` or ``PEAK_TFLOPS``).
-
-    Returns:
-        The metrics, the summary's compute line and the ``runner.mfu`` tag (the peak's source, or why no MFU).
+    ``memory/peak_allocated_mib/deviceN`` on CUDA, ``memory/peak_rss_mib/rankN`` on CPU; ``perf/flops_per_step``;
+    ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak
+    is known. Returns the metrics, the compute line and the ``runner.mfu`` tag.
     """
     from statistics import median
 
@@ -297,13 +255,7 @@ def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
 
 
 def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None) -> list[WorkerResult]:
-    """Start the training processes and the hub, and end the run with their outcome (when this process owns it).
-
-    Raises:
-        Interrupted: SIGINT/SIGTERM; the run ends KILLED.
-        SpecError, TrackingError: The build found a spec error, or the store could not be opened: no run exists.
-        TrainingError: Any other failure; the run ends FAILED with the cause.
-    """
+    """Start the training processes and the hub, and end the run with their outcome (when this process owns it)."""
     from runner.launch.channel import Hub
     from runner.launch.elastic import LaunchFailed, launch_failure
     from runner.launch.failures import JobContext, oom_kill_count

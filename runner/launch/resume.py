@@ -37,12 +37,7 @@ LAYOUT_KEYS = (
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A run to continue, checked against its newest checkpoint.
-
-    Attributes:
-        changes: Allowed spec changes, ``{dotted key: [old value, new value]}``.
-        notes: What to tell the user (the checkpoint used, keys changed).
-    """
+    """A run to continue: the allowed spec changes ``{key: [old, new]}`` and notes for the user."""
 
     run_id: str
     uri: str
@@ -53,17 +48,10 @@ class ResumePoint:
 def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     """Find the run ``--resume`` names and check the spec against its newest checkpoint.
 
-    Args:
-        options: ``resume`` (a run id or ``"last"``) and ``allow_spec_change``.
-
-    Returns:
-        The run and the changes allowed.
-
     Raises:
-        UsageError: Tracking is off, the run does not exist, it already FINISHED with this spec, or
-            a live process on this host still owns it.
-        SpecError: The spec differs from the run's in keys not allowed to change.
-        CheckpointError: Every checkpoint of the run is damaged (exit 1).
+        UsageError: Tracking is off, no such run, FINISHED with this spec, or a live owner on this host.
+        SpecError: The spec differs in keys not allowed to change.
+        CheckpointError: Every checkpoint of the run is damaged.
     """
     from runner.tracking import runs as tracking
     from runner.tracking.stored import run_checkpoint_dir
@@ -98,16 +86,9 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
 
 
 def claim_run(uri: str, run_id: str) -> list[str]:
-    """Make sure no live process owns ``run_id`` before it is continued (docs/design.md §12).
+    """Make sure no live process owns ``run_id`` (docs/design.md §12): a gone owner's run is marked KILLED first.
 
-    A RUNNING run whose owner is gone is marked KILLED first; one whose owner is on another host
-    cannot be checked from here, which the returned note says.
-
-    Returns:
-        Notes for the user.
-
-    Raises:
-        UsageError: The run is RUNNING and its owner, on this host, is alive.
+    Returns notes (an owner on another host cannot be checked). Raises UsageError when an owner here is alive.
     """
     import time
 
@@ -192,17 +173,13 @@ def _spec_changed(
 def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
-    """Refuse to resume with a spec that differs from the run's, unless each change is allowed; keys that do not
-    apply on ``accelerator`` (:func:`runner.spec.dump.run_inactive_keys`) never count, as in ``runner diff``.
-
-    Returns:
-        ``({dotted key: [old, new]}, complete, notes)``: the allowed changes, and whether the newest usable
-        checkpoint already covers all the training the spec asks for.
+    """``(changes, complete, notes)``: the allowed spec changes (keys inactive on ``accelerator`` never count), and
+    whether the newest usable checkpoint covers all the training asked for.
 
     Raises:
-        UsageError: The run has no checkpoint, or ``allowed`` names a key the spec does not have.
-        CheckpointError: Every checkpoint of the run is damaged (exit 1).
-        SpecError: The spec differs in keys not listed in ``allowed``.
+        UsageError: No checkpoint, or ``allowed`` names a key the spec lacks.
+        CheckpointError: Every checkpoint is damaged.
+        SpecError: The spec differs in keys not in ``allowed``.
     """
     from runner.errors import did_you_mean, with_hint
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
@@ -249,11 +226,7 @@ _SAME_START_S = 0.5  # create times of one process agree to the clock tick; a re
 
 @dataclass(frozen=True)
 class Owner:
-    """The process that owns a run.
-
-    Attributes:
-        start_time: When it started, seconds since the epoch.
-    """
+    """The process that owns a run (``start_time`` in seconds since the epoch)."""
 
     host: str
     pid: int
@@ -310,15 +283,7 @@ class Owner:
 
 @dataclass(frozen=True)
 class Settled:
-    """A run after :func:`settle`.
-
-    Attributes:
-        status: Its MLflow status now (``KILLED`` when it was just marked so).
-        liveness: The owner's liveness (``unknown`` without an owner).
-        marked_killed: Whether :func:`settle` ended the run.
-        uri: The run's store, for the command that continues it.
-        sent: What :func:`settle` sent from the run's spool, or ``None``.
-    """
+    """A run after :func:`settle`: its status now, the owner's liveness, whether it was marked KILLED, what was sent."""
 
     run_id: str
     status: str
@@ -357,12 +322,7 @@ class Settled:
 
 
 def settle(uri: str, run_id: str) -> Settled:
-    """Check the owner of a run and mark the run KILLED when it is RUNNING and its owner is gone on this host.
-
-    Raises:
-        UsageError: No such run.
-        TrackingError: MLflow rejects a request.
-    """
+    """Mark a RUNNING run KILLED when its owner on this host is gone; UsageError for no such run."""
     from runner.tracking import runs as tracking
     from runner.tracking.stored import run_info
 
@@ -394,16 +354,9 @@ def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
 
 
 def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
-    """What ``runner status`` prints: one run, or every RUNNING run of the store, after :func:`settle`.
+    """What ``runner status`` prints: one run, or every RUNNING run, after :func:`settle`.
 
-    Args:
-        tracking_uri: The store as given (``--tracking-uri``), or ``None`` for ``$MLFLOW_TRACKING_URI``,
-            else ``./mlflow.db``.
-        run_id: One run, or ``None`` for every RUNNING run.
-
-    Raises:
-        UsageError: No such run, or no store at the URI (a read-only command creates none).
-        TrackingError: The store cannot be used.
+    Raises UsageError for no such run or no store (none is created), TrackingError when it cannot be used.
     """
     from runner.tracking.stored import STORE_HINT, running_runs, store_uri
     from runner.tracking.uri import local_store_missing, open_store
@@ -421,12 +374,8 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
 
 
 def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
-    """The command that continues ``run_id``, as printed when a run is interrupted.
-
-    ``runner resume RUN_ID`` (or ``runner <verb> RUN_ID``), with ``--tracking-uri URI`` only when
-    the command run from here would not look in ``uri`` by itself (a spec with ``tracking.uri``, say),
-    so it works as printed.
-    """
+    """``runner resume RUN_ID`` (or another verb), with ``--tracking-uri`` only when the command would not find
+    ``uri``."""
     from runner.tracking.uri import default_tracking_uri
 
     words = ["runner", verb, run_id]

@@ -21,14 +21,9 @@ if TYPE_CHECKING:
 
 
 def dump_spec(spec: ExperimentSpec) -> str:
-    """Write a spec as TOML with every default that applies made explicit; it re-loads to an equal spec.
+    """TOML of a spec with every default that applies written out (keys in schema order); it re-loads equal.
 
-    ``None`` values and empty tables are left out. A default is written unless its key is
-    inactive (:func:`runner.spec.dump.inactive_keys`: e.g. ddp's options under ``mode = "none"``)
-    or writing it would change how the table validates. Inactive keys the spec sets are kept.
-
-    Returns:
-        TOML text, keys in schema order.
+    ``None`` values and empty tables are left out, and defaults of inactive keys; inactive keys the spec sets are kept.
     """
     return tomli_w.dumps(_plain_table(spec, inactive_keys(spec)))
 
@@ -39,15 +34,8 @@ def spec_sha256(spec: ExperimentSpec) -> str:
 
 
 def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
-    """Flatten a spec into dotted keys, e.g. for MLflow params.
-
-    Tables (including dict-valued ``kwargs``) become dotted keys (``model.kwargs.num_classes``);
-    lists stay lists; dates and times become ISO strings; ``None`` values are omitted.
-    Values come from the validated spec, so ``lr = 1`` appears as ``1.0``.
-
-    Returns:
-        Dict from dotted key to a JSON-serialisable value, in schema order.
-    """
+    """Dotted key -> JSON-able value in schema order (``model.kwargs.num_classes``); lists stay lists, ``None`` is
+    left out."""
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -111,16 +99,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, Any]:
-    """The flattened spec without its inactive keys: what a run logs as params, the same way in every run.
-
-    Args:
-        accelerator: The accelerator the run resolved to, or ``None`` (see
-            :func:`~runner.spec.dump.run_inactive_keys`).
-
-    Returns:
-        Dotted key -> JSON-able value, as :func:`flatten_spec`, minus every key that
-        :func:`~runner.spec.dump.run_inactive_keys` names (or that lies below one it names).
-    """
+    """:func:`flatten_spec` less every key :func:`run_inactive_keys` names, or below one: what a run logs as params."""
     inactive = run_inactive_keys(spec, accelerator)
     return {k: v for k, v in flatten_spec(spec).items() if not is_inactive(k, inactive)}
 
@@ -149,26 +128,13 @@ def values_label(values: Mapping[str, Any]) -> str:
 
 
 def trial_run_name(values: Mapping[str, Any]) -> str:
-    """The MLflow run name of a sweep trial: its values, e.g. ``lr=0.1 seed=0`` (``trial`` when it has none).
-
-    Args:
-        values: Dotted key -> the trial's value, in the sweep's key order.
-    """
+    """A sweep trial's run name from its values, ``lr=0.1 seed=0`` (``trial`` when it has none)."""
     return _cut(values_label(values) or "trial")
 
 
 def default_run_name(loaded: LoadedSpec, mode: str, size: int | str) -> str:
-    """The default run name: spec name, ``<mode>-<size>``, and the values the command line changed.
-
-    Args:
-        loaded: The spec; ``loaded.overrides`` (``--set``) and ``loaded.unset`` (``--unset``) are the
-            command line's changes, named with the value they gave (a default for ``--unset``).
-        size: Devices the run uses (dp's GPUs) or its world size (ddp): the ``2`` of ``ddp-2``
-            (``?`` while only the machine can say).
-
-    Returns:
-        E.g. ``digits-mlp ddp-2 lr=0.05``, at most 250 characters.
-    """
+    """``<name> <mode>-<size> <values the command line changed>``, e.g. ``digits-mlp ddp-2 lr=0.05``, at most 250
+    characters."""
     changed = {k: v for k, v in overridden_values(loaded).items() if k not in _IN_THE_MODE}
     parts = [loaded.spec.name, f"{mode}-{size}", values_label(changed)]
     return _cut(" ".join(p for p in parts if p))
@@ -211,13 +177,7 @@ TORCHVISION_ONLY = ("download",)
 
 
 def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
-    """Dotted keys (or whole tables) of ``spec`` that do not apply to it, with the reason.
-
-    Returns:
-        ``{dotted key: reason}``, e.g. ``{"parallel.backend": 'ddp only (mode = "none")'}``, whether
-        or not the spec sets them: the resolved spec leaves their defaults out, and
-        :func:`runner.spec.dump.active_params` drops them (and every key below them).
-    """
+    """``{dotted key: reason}`` of keys (or tables) that do not apply to ``spec``, set or not."""
     par, data = spec.parallel, spec.data
     out: dict[str, str] = {}
     for key in [k for k in ParallelSpec.model_fields if k != "mode" and k not in par.traits.keys]:
@@ -256,19 +216,8 @@ def is_inactive(key: str, inactive: dict[str, str]) -> bool:
 
 
 def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
-    """:func:`inactive_keys` and what does not apply to a run of ``runner exec``: the keys params and diffs leave out.
-
-    Besides the spec's own inactive keys: ``[sweep]`` (``runner exec`` ignores it; ``runner sweep``
-    logs it on its parent run), and on the CPU the GPU-only keys ``devices.ids`` and
-    ``parallel.sync_batchnorm`` (SyncBatchNorm has no CPU kernel), also when ``accelerator = "auto"``
-    resolved to the CPU, as the plan's note about ``devices.ids`` says.
-
-    Args:
-        accelerator: The accelerator the run resolved to (``"cpu"`` or ``"cuda"``), or ``None`` when
-            unknown (the spec's own ``devices.accelerator`` decides; ``"auto"`` keeps the GPU keys).
-
-    Returns:
-        ``{dotted key: reason}``.
+    """:func:`inactive_keys` plus what does not apply to a run: ``[sweep]``, and on the CPU ``devices.ids`` and
+    ``parallel.sync_batchnorm`` (``accelerator``: the resolved one; ``None``: the spec's decides).
     """
     out = inactive_keys(spec)
     out["sweep"] = "runner sweep only (runner exec ignores [sweep])"
@@ -279,12 +228,7 @@ def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> d
 
 
 def set_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
-    """The inactive keys the spec actually sets (not only their defaults), for ``runner plan``.
-
-    Returns:
-        ``{dotted key: reason}`` for each key of :func:`run_inactive_keys` written in the spec or on the
-        command line.
-    """
+    """The :func:`run_inactive_keys` that the spec or command line actually sets, for ``runner plan``."""
     written = _written_keys(spec)
     inactive = run_inactive_keys(spec, accelerator)
     return {k: why for k, why in inactive.items() if any(w == k or w.startswith(k + ".") for w in written)}

@@ -1,7 +1,7 @@
-"""The result of ``runner bench``: one row per configuration, the comparison against ``none``, table and JSON.
+"""The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON.
 
-The figures are computed in :mod:`runner.tools.bench_figures` (their definitions: docs/design.md, "Module notes"); the
-chart in :mod:`runner.tools.bench_pool`.
+Figures: :mod:`runner.tools.bench_figures` (definitions: docs/design.md, "Module notes"); the chart:
+:mod:`runner.tools.bench_pool`.
 """
 
 from __future__ import annotations
@@ -31,37 +31,14 @@ MIB = 1024 * 1024
 
 @dataclass
 class ConfigResult:
-    """One measured (or skipped) configuration.
+    """One measured (or skipped) configuration: ``config`` is ``none``, ``dp-2``, ``ddp-2``, ...; ``status`` ``ok``,
+    ``skipped`` or ``failed`` with ``reason``.
 
-    Attributes:
-        config: Short id: ``none``, ``dp-2``, ``ddp-1``, ``ddp-2``.
-        n: Devices (none, dp) or processes (ddp).
-        status: ``ok``, ``skipped`` (cannot run on this machine) or ``failed`` (unexpected error).
-        reason: Why it was skipped or how it failed.
-        devices: Device of every rank (ddp) or the devices used (none, dp), e.g. ``["cuda:0", "cuda:1"]``.
-        timed_steps: Optimizer steps timed (after warm-up) in one repeat.
-        timed_samples: Samples in those steps (all ranks together).
-        samples_per_s: Median over the repeats (see :mod:`runner.tools.bench_figures`).
-        step_time_median_s: Median timed step time over all repeats, seconds.
-        step_time_p90_s: 90th percentile timed step time over all repeats, seconds.
-        repeats: Repeats measured (each a whole training of warm-up + timed steps).
-        repeat_samples_per_s: samples/s of each repeat, in order (the chart's error bar spans them).
-        spread: (largest - smallest) / median of ``repeat_samples_per_s``; ``None`` with one repeat.
-        steady: Whether spread and tail are within their limits; ``False`` means the repeats ran
-            out first and the figures are noisy.
-        noise: Why the figures are not to be trusted as they are (empty when they are).
-        peak_memory_bytes: Per CUDA device (allocator peak) or per process on CPU (peak RSS).
-        peak_memory_kind: ``cuda_allocated`` or ``cpu_rss``.
-        scaling_efficiency: docs/design.md, "Module notes", bench_figures; ``None`` when it exceeded 100 % by more
-            than the measured spread (a measurement problem, named in ``noise``).
-        threads_per_process: CPU threads of each training process (``runner.threads_per_process``).
-        thread_budget: CPU threads of the configuration on this node: processes x threads per process.
-        final_loss: ``train/loss`` after the last step.
-        loss_check: ``ok``, ``baseline`` (none itself), ``differs: ...``, ``not comparable: ...`` or ``no baseline``.
-        loss_agrees_through_step: Last step up to which the loss curve agrees with none's.
-        train_losses: ``{step: train/loss}`` (not in the JSON).
-        step_times_s: Timed step times of the slowest rank, all repeats (not in the JSON).
-        data_wait_s: The DataLoader waits of those steps (not in the JSON).
+    Throughput is the median over the repeats, step times in seconds over all repeats; ``spread`` is (max - min) /
+    median of ``repeat_samples_per_s``; ``steady`` is false when the repeats ran out first, and ``noise`` says why
+    figures are not to be trusted. ``peak_memory_bytes`` is per CUDA device or per CPU process (``peak_memory_kind``).
+    ``scaling_efficiency`` is ``None`` when it exceeded 100 % beyond the spread. ``loss_check``: ``ok``, ``baseline``,
+    ``differs: ...``, ``not comparable: ...`` or ``no baseline``. The last three fields stay out of the JSON.
     """
 
     config: str
@@ -107,13 +84,7 @@ def config_id(mode: str, n: int) -> str:
 def finish_comparisons(
     configs: Sequence[ConfigResult], *, not_comparable: str = "", tolerance: float = LOSS_TOLERANCE
 ) -> None:
-    """Fill ``scaling_efficiency`` and the loss comparison of measured configurations against ``none``.
-
-    Args:
-        configs: The rows; ``none`` (if measured) is the baseline.
-        not_comparable: From :func:`comparability` (losses are then reported, not compared).
-        tolerance: Relative tolerance of the loss comparison.
-    """
+    """Fill ``scaling_efficiency`` and the loss comparison (within ``tolerance``) of ``configs`` against ``none``."""
     base = next((c for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
     for c in configs:
         if c.status != "ok":
@@ -161,17 +132,10 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
 
 
 def recommend(configs: Sequence[ConfigResult]) -> str:
-    """The mode to use: the fastest configuration whose results agree with ``none``'s, or why that is unclear.
+    """The fastest configuration whose final ``train/loss`` is within :data:`LOSS_TOLERANCE` of none's, or why unclear.
 
-    Results agree when the final ``train/loss`` is within :data:`LOSS_TOLERANCE` of none's
-    (``loss_check == "ok"``; float32, the bench's own runs). The speed-up is the ratio of median
-    samples/s, its range that of the slowest and fastest repeats; "inconclusive" when the repeats of
-    the fastest and the runner-up overlap. Memory is the largest per-device peak (CUDA allocator) or
-    per-process peak RSS (CPU).
-
-    Returns:
-        ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``, or
-        ``recommend: inconclusive — ...``.
+    ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``; "inconclusive" when the repeats
+    of the fastest and the runner-up overlap.
     """
     base = next((c for c in configs if c.mode == REFERENCE_MODE and c.status == "ok" and c.samples_per_s), None)
     if base is None:
@@ -232,22 +196,7 @@ def _likely_cause(c: ConfigResult, base: ConfigResult) -> str:
 
 @dataclass
 class BenchReport:
-    """Result of ``runner bench``: every configuration side by side.
-
-    Attributes:
-        spec: Absolute path of the spec file.
-        accelerator: ``cuda`` or ``cpu`` (of the configurations that ran; ``cpu`` when none did).
-        global_batch_size: ``data.batch_size`` (samples per optimizer step).
-        warmup: Untimed optimizer steps run first in each repeat.
-        max_repeats: Repeats at most, while its figures are not steady.
-        batch_statistics: The model has batch-statistics layers (``_BatchNorm``): losses are not compared.
-        dropout: The model has active dropout layers: losses are not compared.
-        loss_tolerance: Relative tolerance of the loss comparison.
-        configs: One :class:`ConfigResult` per configuration, in run order.
-        parent_run_id: The MLflow run holding the configurations as child runs (``None`` with tracking off).
-        experiment: MLflow experiment of the parent and child runs: ``<experiment>/bench``.
-        recommendation: :func:`recommend`'s line, printed last and tagged ``runner.bench.recommendation``.
-    """
+    """Result of ``runner bench``: every configuration side by side, the parent run, the recommendation."""
 
     spec: str
     name: str

@@ -1,9 +1,6 @@
-"""Provenance of a new run: its tags (source, git, versions, host, devices) and its git artifacts.
+"""Provenance of a new run (tags, git artifacts), how values and names are written to MLflow, and its spec records.
 
-Neither mlflow nor torch is imported when this module is imported.
-
-Also: how values and names are written to MLflow (param strings, safe keys, length limits, one-line tags, the run's
-description) and what a run records about its spec (the params that apply, the spec files, the overrides).
+Imports neither mlflow nor torch.
 """
 
 from __future__ import annotations
@@ -124,18 +121,8 @@ def run_tags(
     extra_tags: Mapping[str, Any] | None = None,
     parent_run_id: str | None = None,
 ) -> dict[str, str]:
-    """Build the tags of a new run: provenance, environment, spec tags, then ``extra_tags``.
-
-    Besides provenance, ``runner.overrides`` holds the command line's ``--set`` / ``--unset``
-    arguments (when there are any) and ``runner.notes`` the plan's notes; whole in the description.
-
-    Args:
-        plan_description: ``Plan.describe()`` or ``DevicePlan.describe()``; ``devices[*].name`` (or
-            ``names``), ``world_size``, ``accelerator``, ``mode`` and ``notes`` are read when present.
-        info: :class:`runner.tracking.tags.GitInfo` of the repository holding the spec, or ``None``.
-
-    Returns:
-        Tag key -> string value (values cut to MLflow's ``MAX_TAG_VAL_LENGTH``).
+    """The tags of a new run: provenance, environment, spec tags, ``runner.overrides``, ``runner.notes``, then
+    ``extra_tags``; values cut to MLflow's ``MAX_TAG_VAL_LENGTH``.
     """
     spec = loaded.spec
     torch_version, cuda_version = _torch_versions()
@@ -187,14 +174,8 @@ def column_tags(tags: Mapping[str, str]) -> dict[str, str]:
 
 
 def description_with(description: str, remarks: Mapping[str, str]) -> str:
-    """A run's description (Markdown) with runner's remarks under a ``#### runner`` heading after the user's text.
-
-    The full texts whose tags hold a :func:`column_value` (notes, overrides, host load, error, spec change) are kept
-    here. A remark replaces the one of the same label (a resumed run records its latest host load).
-
-    Args:
-        description: The description tag's current value: the spec's ``description``, then earlier remarks.
-        remarks: Label -> text; a text of several lines goes into a code block unless it is a Markdown list.
+    """A run's Markdown description: the user's text, then runner's ``remarks`` under ``#### runner`` (a label replaces
+    its earlier remark; several lines go into a code block unless a list).
     """
     head, found, earlier = ("\n\n" + description).rpartition(f"\n\n{_REMARKS_HEADING}\n")
     own, earlier = (head[2:], earlier) if found else (description, "")
@@ -213,12 +194,8 @@ def description_with(description: str, remarks: Mapping[str, str]) -> str:
 
 
 def git_artifacts(info: GitInfo | None) -> dict[str, str]:
-    """The git artifacts of a new run: artifact path -> text.
-
-    ``git/diff.patch`` (``git diff HEAD``) when tracked files differ from ``HEAD``, and
-    ``git/untracked.txt`` (one path a line, with a count of those not listed) when untracked
-    files exist; nothing outside a repository.
-    """
+    """``git/diff.patch`` when tracked files differ from ``HEAD`` and ``git/untracked.txt`` when untracked files
+    exist."""
     out: dict[str, str] = {}
     if info is None:
         return out
@@ -236,11 +213,8 @@ _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 
 
 def param_value(value: Any) -> str:
-    """Render one flattened spec value as an MLflow param string, stably.
-
-    ``True`` -> ``"true"``, ``1`` -> ``"1"``, ``1.0`` -> ``"1.0"`` (floats use ``repr``),
-    lists and tables -> JSON, strings unchanged.
-    """
+    """One flattened spec value as a stable MLflow param: ``true``, ``1``, ``1.0`` (``repr``), JSON for lists and
+    tables."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -251,11 +225,8 @@ def param_value(value: Any) -> str:
 
 
 def safe_key(key: str) -> str:
-    """Replace the characters MLflow rejects in param, tag and metric names with ``_``.
-
-    MLflow accepts letters, digits, ``_``, ``-``, ``.``, ``/``, spaces and ``:``
-    (``mlflow.utils.validation``); ``model.kwargs.hidden|x`` becomes ``model.kwargs.hidden_x``.
-    """
+    """Replace the characters MLflow rejects in names with ``_`` (``model.kwargs.hidden|x`` ->
+    ``model.kwargs.hidden_x``)."""
     return _BAD_KEY_CHARS.sub("_", key)
 
 
@@ -288,18 +259,10 @@ OVERRIDES_TAG = "runner.overrides"
 
 
 def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
-    """Return the MLflow params of a spec: the keys that apply, dotted, as strings within MLflow's limits.
+    """The MLflow params of a spec: the keys that apply (docs/design.md §10), as strings within MLflow's limits.
 
-    Keys come from :func:`runner.spec.dump.active_params`: another mode's options, another
-    dataset's keys and other inactive keys are left out (docs/design.md §10), so two runs differ in
-    their params only where their training differs; ``None`` values are left out. Characters MLflow
-    rejects in keys become ``_``; values longer than MLflow's limit (``MAX_PARAM_VAL_LENGTH``, 6000)
-    are shortened with a marker pointing at the ``spec/resolved.toml`` artifact, which holds the
-    whole spec.
-
-    Args:
-        accelerator: The accelerator the run resolved to (``"cpu"``: GPU-only keys are left out too),
-            or ``None`` (:func:`runner.spec.dump.run_inactive_keys`).
+    ``None`` values are left out; a value over ``MAX_PARAM_VAL_LENGTH`` is cut with a pointer to
+    ``spec/resolved.toml``. ``accelerator = "cpu"`` leaves out GPU-only keys too.
     """
     from runner.spec.dump import active_params
 
@@ -312,16 +275,8 @@ def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[st
 
 
 def spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> dict[str, str]:
-    """Artifact path -> text of a new run's spec: every file read, the resolved spec and the plan.
-
-    The spec file and each file it ``extends`` are stored under ``spec/`` at their paths relative
-    to the folder that holds them all (``spec/digits_mlp.toml``, ``spec/base/digits.toml``), so the
-    logged spec loads on its own. A file that would be called ``resolved.toml`` or ``plan.json``
-    there is stored as ``source-<name>``.
-
-    Args:
-        loaded: The spec; ``loaded.sources`` lists the files read (the spec file alone when empty).
-    """
+    """Artifact path -> text of a new run's spec: every file read under ``spec/`` at its relative path, the resolved
+    spec and the plan (a file named like those is stored as ``source-<name>``)."""
     sources = list(loaded.sources) or [(Path(loaded.path), loaded.source_text)]
     root = Path(os.path.commonpath([str(Path(p).parent) for p, _ in sources]))
     out: dict[str, str] = {}
@@ -346,20 +301,8 @@ MAX_UNTRACKED_LISTED = 1000
 
 @dataclass(frozen=True)
 class GitInfo:
-    """Provenance of a git working tree.
-
-    Attributes:
-        root: Absolute top-level folder of the working tree.
-        commit: Full hash of ``HEAD``, or ``None`` in a repository without commits.
-        branch: Current branch name, or ``None`` on a detached ``HEAD``.
-        dirty: Whether tracked files differ from ``HEAD`` (staged or not). Untracked
-            files do not count, as with ``git describe --dirty``; they are listed in
-            ``untracked`` instead.
-        remote_url: URL of the ``origin`` remote with any user name or password removed,
-            or ``None``.
-        untracked: Untracked, not ignored files (paths relative to ``root``), at most
-            ``MAX_UNTRACKED_LISTED`` of them.
-        untracked_count: Number of untracked, not ignored files (may exceed the list).
+    """Provenance of a git working tree; ``dirty`` counts tracked files only (untracked ones are listed, at most
+    ``MAX_UNTRACKED_LISTED``); ``remote_url`` without credentials.
     """
 
     root: Path
@@ -455,11 +398,7 @@ def git_diff(info: GitInfo, max_bytes: int = 5 * 1024 * 1024) -> str:
 def tag_run(
     client: MlflowClient, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None
 ) -> None:
-    """Set ``tags`` (``runner.*`` values as :func:`column_value`) and add ``remarks`` to the run's description.
-
-    Raises:
-        mlflow.exceptions.MlflowException: The store rejects a request.
-    """
+    """Set ``tags`` and add ``remarks`` to the run's description; MlflowException when the store rejects it."""
     from mlflow.entities import RunTag
 
     values = column_tags(tags)

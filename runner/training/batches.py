@@ -39,14 +39,8 @@ CollatedBatch = Mapping[str, Any] | Sequence[Any]
 
 @dataclass
 class Batch:
-    """One micro-batch on its devices.
-
-    Attributes:
-        inputs: What forward gets: a tensor ``x (B, ...)`` (a tuple ``(x, y)`` with a model-computed
-            loss), or a dict of keyword arguments.
-        target: The target ``(B, ...)`` on the output device, or ``None`` (a dict batch without
-            ``data.target``).
-        size: Samples ``B`` (the length of the first dimension).
+    """One micro-batch on its devices: forward's ``inputs`` (a tensor, ``(x, y)`` for a model-computed loss, or keyword
+    arguments), the ``target`` on the output device (or ``None``), and ``size`` ``B``.
     """
 
     inputs: Any
@@ -70,11 +64,8 @@ def describe(value: Any) -> str:
 class BatchIO:
     """How batches reach the model and what is taken out of its output (the contract: docs/design.md §13).
 
-    Args:
-        target_key: ``data.target``, or ``None`` for ``(x, y)`` batches.
-        output: ``model.output``: key, attribute or index of the prediction; ``None``: the output itself.
-        model_loss: ``loss.name == "model"``: forward also gets the target and returns the loss.
-        dtype: Floating tensors of a batch are cast to it (``runner parity``'s float64); ``None``: kept.
+    ``output`` picks the prediction (``None``: the output itself); ``model_loss`` hands forward the target and takes its
+    loss; ``dtype`` casts a batch's floating tensors (``runner parity``).
     """
 
     def __init__(
@@ -120,12 +111,8 @@ class BatchIO:
         return model(batch.inputs)
 
     def prediction(self, out: ModelOutput) -> torch.Tensor:
-        """The prediction in ``out`` (``model.output`` picks it out of a container).
-
-        Raises:
-            TrainingError: ``out`` is not a tensor and ``model.output`` is unset, or names no entry
-                of ``out``, or the entry is not a tensor; the message says what forward returned.
-        """
+        """The prediction in ``out``; TrainingError, saying what forward returned, when ``model.output`` finds no
+        tensor."""
         if self.output is None:
             if isinstance(out, torch.Tensor) and not (self.model_loss and out.dim() == 0):
                 return out
@@ -148,11 +135,8 @@ class BatchIO:
         return found
 
     def scalar(self, out: ModelOutput, entry: str, key: str) -> torch.Tensor:
-        """The scalar tensor ``entry`` of forward's output (a ``[metrics]`` entry ``{ output = "..." }``), detached.
-
-        Raises:
-            TrainingError: ``out`` has no such entry, or it is not a one-value tensor (naming ``key``).
-        """
+        """The scalar tensor ``entry`` of forward's output, detached; TrainingError (naming ``key``) when there is
+        none."""
         found = _entry(out, entry)
         if found is _MISSING or not isinstance(found, torch.Tensor) or found.numel() != 1:
             what = "no such entry" if found is _MISSING else f"its entry {entry!r} is {describe(found)}"
@@ -163,11 +147,8 @@ class BatchIO:
         return found.detach().float().reshape(())
 
     def loss_of(self, out: ModelOutput) -> torch.Tensor:
-        """The loss a model computed (``loss.name = "model"``): ``out`` itself or its ``loss`` entry, a scalar.
-
-        Raises:
-            TrainingError: Forward returned no loss, or one that is not a scalar tensor.
-        """
+        """The loss a model computed: ``out`` or its ``loss`` entry; TrainingError when it is missing or not a
+        scalar."""
         loss = out if isinstance(out, torch.Tensor) else _entry(out, "loss")
         if loss is _MISSING or not isinstance(loss, torch.Tensor):
             raise TrainingError(
@@ -187,11 +168,7 @@ _MISSING = object()
 
 
 def check_target(info: DatasetInfo, spec: ExperimentSpec, *, needs: bool) -> None:
-    """Dict samples need ``data.target`` when the loss (computed by runner) or the metrics need the target.
-
-    Raises:
-        SpecError: (``data.target``) naming the keys of the samples.
-    """
+    """Dict samples need ``data.target`` when the loss or the metrics need a target; SpecError naming their keys."""
     if info.keys and spec.data.target is None and needs:
         likely = [k for k in info.keys if k.lower() in _TARGET_NAMES] or [info.keys[-1]]
         raise spec_issue(
@@ -242,16 +219,10 @@ MetricStates = dict[str, dict[str, dict[str, Any]] | None]
 
 @dataclass
 class TrainState:
-    """Where training stands; saved in checkpoints so a resumed run continues exactly.
+    """Where training stands, saved in checkpoints so a resumed run continues exactly.
 
-    Attributes:
-        epoch: Index of the epoch in progress (0-based).
-        global_step: Optimizer steps taken so far, over all epochs.
-        batch_in_epoch: Global batches of ``epoch`` already consumed.
-        epoch_sums: Rank-reduced running sums (:class:`~runner.training.sums.RunningSums`) of the batches of
-            ``epoch`` consumed so far, so that epoch metrics of a resumed epoch cover the whole epoch.
-        window_sums: The same for the steps since the last ``train/loss`` log.
-        metric_states: Rank-reduced train metric states, ``{"window": ..., "epoch": ...}`` (:meth:`MetricSet.state`).
+    ``batch_in_epoch`` counts global batches of ``epoch`` consumed; ``epoch_sums``, ``window_sums`` and
+    ``metric_states`` are rank-reduced running sums, so a resumed epoch's metrics cover the whole epoch.
     """
 
     epoch: int = 0
@@ -264,17 +235,8 @@ class TrainState:
 
 @dataclass
 class FitResult:
-    """What :func:`fit` returns on every rank.
-
-    Attributes:
-        metrics: Last value of every metric (rank-reduced), e.g. ``val/accuracy``.
-        history: ``(step, metrics)`` pairs in logging order (kept for tests and bench).
-        step_times_s: Wall time of each optimizer step of this run, in seconds (data included).
-        data_wait_s: Of each step's time, seconds spent waiting for the DataLoader.
-        stopped_after_epoch: The epoch after which ``LoopParts.epoch_end`` stopped training
-            (e.g. a sweep's pruner), or ``None`` when it ran to the end.
-        startup_s: Seconds from ``LoopParts.started_at`` to the end of this fit's first step, or ``None``.
-        step_flops: FLOPs of one optimizer step of this process (``LoopParts.count_flops``), or ``None``.
+    """What :func:`fit` returns on every rank: last metric values, the logged history, each step's time and data wait
+    (seconds), the epoch ``epoch_end`` stopped after, ``startup_s``, and one step's FLOPs.
     """
 
     state: TrainState
@@ -291,30 +253,11 @@ class FitResult:
 class LoopParts:
     """Everything the loop needs, built by :mod:`runner.training.setup`; the loop builds nothing itself.
 
-    Attributes:
-        model: The wrapped module (``strategy.wrap`` already applied).
-        strategy: The parallel strategy (collectives, devices, ``no_sync``, the stop decision).
-        optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
-        scheduler: Optional LR scheduler; ``scheduler_interval`` says when it steps.
-        scheduler_interval: ``"step"`` (after every optimizer step) or ``"epoch"``.
-        loss: The summed loss of a micro-batch, ``loss(out, batch, io) -> scalar`` (:mod:`runner.training.losses`).
-        tracker: Where rank 0 sends metrics (a ``NullTracker`` on other ranks).
-        total_steps: Optimizer steps of the whole run: ``min(steps_per_epoch * epochs, max_steps)``.
-        precision: Autocast and gradient scaling (:class:`runner.strategies.base.Precision`).
-        io: How batches reach the model and where the prediction is in its output.
-        metrics: The train and validation metrics (:class:`~runner.training.metrics.MetricPlan`).
-        on_checkpoint: Called as ``on_checkpoint(state, reason)`` at checkpoint boundaries (all ranks).
-        should_stop: 0, or the stop code (:func:`runner.errors.stop_code`) once a signal arrived on this rank.
-        sync_timing: Synchronise the device at the end of every step so that step times are
-            exact on CUDA (``runner bench``); costs a little throughput, so off by default.
-        epoch_end: Called on every rank after each complete epoch (its metrics logged, its
-            checkpoint written) as ``epoch_end(epoch, metrics)``; returning True ends training
-            there, normally. Every rank must return the same answer.
-        after_step: Called after each optimizer step's timing (``[profile]``: the profiler's ``step``).
-        started_at: Clock time (``time.time()``) the command started; the loop then logs
-            ``time_to_first_step_s`` at its first step. ``None``: not measured.
-        count_flops: Count this process's FLOPs of one step (its second, or its only one) with
-            ``FlopCounterMode``; off where the count would be wrong (dp's replicas run in threads, compiled code).
+    ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is ``min(steps_per_epoch * epochs,
+    max_steps)``; ``on_checkpoint(state, reason)`` runs on all ranks; ``should_stop`` is 0 or a stop code;
+    ``sync_timing`` makes CUDA step times exact (bench); ``epoch_end(epoch, metrics)`` ends training when True on every
+    rank; ``after_step`` follows each step's timing (the profiler); from ``started_at`` the loop logs
+    ``time_to_first_step_s``; ``count_flops`` counts one step with ``FlopCounterMode``.
     """
 
     model: nn.Module

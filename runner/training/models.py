@@ -37,11 +37,7 @@ def spec_issue(key: str, message: str) -> SpecError:
 
 
 def make_importable(spec_dir: Path | str | None) -> None:
-    """Put the spec's folder (first) and the working directory on ``sys.path`` if missing.
-
-    Args:
-        spec_dir: Folder of the spec file, or ``None``.
-    """
+    """Put the spec's folder (first) and the working directory on ``sys.path`` if missing."""
     for folder in (os.getcwd(), spec_dir):
         if folder is None:
             continue
@@ -51,19 +47,10 @@ def make_importable(spec_dir: Path | str | None) -> None:
 
 
 def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Callable[..., Any]:
-    """Import ``pkg.module:attr`` and return the callable it names.
+    """Import ``"pkg.module:attr"`` (``attr`` may be dotted) with ``spec_dir`` importable, and return the callable.
 
-    Args:
-        target: ``"pkg.module:factory"`` (``attr`` may be dotted, e.g. ``Class.create``).
-        spec_dir: Spec folder, made importable together with the working directory.
-        key: Dotted spec key to blame in errors, e.g. ``model.name``.
-
-    Returns:
-        The callable.
-
-    Raises:
-        SpecError: If the path is malformed, the module cannot be imported, the attribute is
-            missing or is not callable.
+    Raises SpecError at ``key`` for a malformed path, a module that does not import, or a missing or uncallable
+    attribute.
     """
     malformed = import_path_problem(target)
     if malformed is not None:
@@ -102,11 +89,7 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
 
 
 def torchvision_package(key: str = "model.name") -> Any:
-    """``torchvision``, its models and datasets imported.
-
-    Raises:
-        SpecError: At ``key``: torchvision is missing, or broken (e.g. built for another torch).
-    """
+    """``torchvision`` with its models and datasets imported; SpecError at ``key`` when missing or broken."""
     try:
         import torchvision
         import torchvision.datasets
@@ -134,13 +117,8 @@ def installed_torchvision_names(key: str = "model.name") -> tuple[tuple[str, ...
 
 
 def write_torchvision_names(path: Path = GENERATED) -> Path:
-    """Write ``runner/spec/torchvision_names.json`` (what ``runner validate`` knows) from the installed torchvision.
-
-    Run ``python -m runner.training.models`` after installing another torchvision.
-
-    Returns:
-        ``path``.
-    """
+    """Write ``runner/spec/torchvision_names.json`` from the installed torchvision (``python -m
+    runner.training.models``)."""
     from importlib.metadata import version
 
     models, datasets = installed_torchvision_names()
@@ -155,13 +133,7 @@ def _unknown_model(name: str) -> SpecError:
 
 
 def check_model_name(name: str, spec_dir: Path | str | None = None) -> None:
-    """Check that ``model.name`` names a buildable model, without building it.
-
-    Imports a factory's module (and checks the attribute) but never calls it.
-
-    Raises:
-        SpecError: Unknown name (with a did-you-mean), or a factory that cannot be imported.
-    """
+    """Check ``model.name`` names a buildable model without building it; SpecError with a did-you-mean otherwise."""
     if name in BUILTIN_MODELS:
         return
     if ":" in name:
@@ -201,17 +173,9 @@ def _signature(fn: Callable[..., Any]) -> str:
 def build_mlp(
     *, in_features: int, num_classes: int = 10, hidden: Sequence[int] = (128, 64), dropout: float = 0.0
 ) -> torch.nn.Module:
-    """Build a multi-layer perceptron for inputs of any shape (flattened).
+    """An ``nn.Sequential`` MLP from flattened ``(N, *shape)`` to ``(N, num_classes)``; ``hidden = []`` is linear.
 
-    Args:
-        hidden: Hidden layer widths, e.g. ``[128, 64]``; ``[]`` gives a linear model.
-        dropout: Dropout probability after each hidden ReLU, in ``[0, 1)``.
-
-    Returns:
-        ``nn.Sequential`` mapping ``(N, *shape)`` to ``(N, num_classes)``.
-
-    Raises:
-        ValueError: If a size is not a positive integer or ``dropout`` is out of range.
+    Raises ValueError for a size that is not a positive integer or a ``dropout`` outside ``[0, 1)``.
     """
     from torch import nn
 
@@ -237,17 +201,8 @@ def build_mlp(
 def build_cnn(
     *, in_channels: int = 1, num_classes: int = 10, width: int = 32, batch_norm: bool = False
 ) -> torch.nn.Module:
-    """Build a small convolutional classifier for images of any size.
-
-    Args:
-        width: Channels of the first conv block (then ``2*width``, ``4*width``).
-        batch_norm: Add BatchNorm2d after each conv (makes results depend on how the batch is split).
-
-    Returns:
-        ``nn.Sequential`` mapping ``(N, C, H, W)`` to ``(N, num_classes)``.
-
-    Raises:
-        ValueError: If a size is not a positive integer or ``batch_norm`` is not a bool.
+    """A small convolutional classifier ``(N, C, H, W)`` -> ``(N, num_classes)``; channels ``width``, ``2*width``,
+    ``4*width``. Raises ValueError for a bad size or a ``batch_norm`` that is no bool.
     """
     from torch import nn
 
@@ -282,25 +237,15 @@ def build_model(
     input_shape: Sequence[int] | None = None,
     num_classes: int | None = None,
 ) -> torch.nn.Module:
-    """Build the model named by ``[model]``.
+    """Build the model of ``[model]`` on CPU, initialised from torch's global RNG.
 
-    Hints from the dataset fill kwargs the user left out: ``mlp`` gets ``in_features`` (the
-    product of ``input_shape``) and ``num_classes``; ``cnn`` gets ``in_channels``
-    (``input_shape[0]``) and ``num_classes``; torchvision classifiers get ``num_classes``
-    when no pretrained ``weights`` are asked for. Factories get only their kwargs.
-
-    Args:
-        input_shape: Shape of one sample, e.g. ``(1, 8, 8)`` (``DatasetInfo.input_shape``).
-        num_classes: Classes of the dataset (``DatasetInfo.num_classes``; 0 or ``None``: unknown).
-
-    Returns:
-        The model on CPU, initialised from torch's global RNG.
+    The data fills kwargs left out: ``mlp`` gets ``in_features`` and ``num_classes``, ``cnn`` ``in_channels`` and
+    ``num_classes``, torchvision classifiers ``num_classes`` without pretrained weights; factories get their kwargs
+    only.
 
     Raises:
-        SpecError: Unknown name (``model.name``, with a did-you-mean), a factory that cannot be
-            imported or returns no ``nn.Module`` (``model.name``), kwargs the builder rejects
-            (``model.kwargs``, with the builder's signature), or a built-in whose sizes cannot
-            be inferred from the dataset (``model.kwargs``).
+        SpecError: An unknown name (did-you-mean), a factory that fails or returns no ``nn.Module``, kwargs the builder
+            rejects (with its signature), or sizes that cannot be inferred.
     """
     import torch
 
