@@ -26,15 +26,8 @@ _LAUNCH_TEXT = {
 
 
 def format_plan(info: dict[str, Any]) -> str:
-    """Human-readable summary of :meth:`Plan.describe` (or :func:`describe_unrunnable`) for ``runner plan``.
-
-    Args:
-        info: What :meth:`Plan.describe` returned, with ``trials`` (a sweep's trial names) when given.
-
-    Returns:
-        One line per fact: run name, mode, devices with their names, world size, batch split,
-        tracking, checkpoint folder, inactive keys, notes, trials; for a spec this machine cannot
-        run, what is missing and the command that runs instead.
+    """``runner plan``'s text for :meth:`Plan.describe` (or :func:`describe_unrunnable`): one line per fact, and for a
+    spec this machine cannot run, what is missing and the command that runs instead.
     """
     lines = [f"plan for {info['spec']}", _row("run name", info.get("run_name") or "(set when the run starts)")]
     dev = info.get("devices")
@@ -122,22 +115,10 @@ def show_plan(
     sweep_trials: Callable[[LoadedSpec], list[str]] | None = None,
     memory: bool = True,
 ) -> None:
-    """``runner plan``: print the plan (as JSON with ``as_json``, with the resolved spec with ``with_spec``).
+    """``runner plan``: print the plan (JSON, the resolved spec, the memory estimate, a sweep's trials as asked).
 
-    The plan is printed first; a spec this machine cannot run then raises, with what is missing
-    and a working fix.
-
-    Args:
-        shown: The spec file as the user named it (for the command to try).
-        as_json: Print :meth:`Plan.describe` as JSON instead of text.
-        with_spec: Also print the resolved spec as TOML, every default included.
-        memory: Also estimate the memory per device of every mode (:func:`estimate_memory`; imports torch).
-        sweep_trials: Names a spec's sweep trials (``runner.tools.sweep_define.trial_names``, passed in by
-            the command line: the core does not import the tools); used when the spec has ``[sweep]``.
-
-    Raises:
-        DeviceError: This machine cannot run the spec (after the plan is printed).
-        UsageError: As :func:`make_plan` (launcher variables).
+    ``sweep_trials`` is passed in by the command line (the core does not import the tools). The plan is printed
+    first; a spec this machine cannot run then raises DeviceError with a working fix.
     """
     from runner.devices.inventory import probe_inventory
     from runner.launch.prebuild import known_differences
@@ -175,24 +156,16 @@ _KINDS = {  # torch's kinds of memory (MemTracker's, then FSDPMemTracker's) -> t
 
 
 def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
-    """Bytes per device of one training step of the spec's model, batch and optimizer, in each mode.
+    """Bytes per device of one training step of the spec's model, batch and optimizer, in each mode (docs/design.md
+    §10).
 
-    Two steps (the second, with the optimizer's state, is measured) run under ``FakeTensorMode`` and torch's
-    ``MemTracker``: tensors have shapes and no storage, so nothing is allocated and no GPU is needed. Measured
-    once at the global batch (``none``) and once at the per-device batch; the modes then differ by what each
-    keeps (docs/design.md §10): dp's device 0 also holds the whole input batch it scatters and the outputs it
-    gathers, and alone the optimizer state; ddp adds its gradient buckets (one more copy of the gradients
-    unless ``parallel.gradient_as_bucket_view``). fsdp is measured: the model sharded as the run shards it,
-    over a fake process group of n ranks, under ``FSDPMemTracker`` (shards, all-gather and reduce-scatter
-    buffers). The loss stands in as cross-entropy on class targets, else a mean (its own memory is small).
+    Two steps under ``FakeTensorMode`` and ``MemTracker`` (the second, with optimizer state, counts): nothing is
+    allocated, no GPU needed. Measured at the global and the per-device batch; dp's device 0 adds the batch it
+    scatters, the outputs it gathers and the optimizer state; ddp adds its buckets unless
+    ``gradient_as_bucket_view``; fsdp is measured sharded over a fake group under ``FSDPMemTracker``.
 
-    Args:
-        devices: Devices of the multi-device modes (n).
-
-    Returns:
-        ``{"devices": n, "global_batch": b, "modes": {mode: [{"device": "0", "params": bytes, ..., "peak":
-        bytes}, ...]}}``; ``{"error": why}`` when the step cannot run on fake tensors (a factory that reads
-        weights, data-dependent control flow, a dataset whose shape is known only once it is read).
+    Returns ``{"devices", "global_batch", "modes": {mode: [per-device figures]}}``, or ``{"error": why}`` when the step
+    cannot run on fake tensors.
     """
     try:
         whole = fake_step(loaded, loaded.spec.data.batch_size, count_flops=True)
@@ -233,16 +206,10 @@ def _devices_of(loaded: LoadedSpec, info: Mapping[str, Any], inventory: Inventor
 def fake_step(
     loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1, count_flops: bool = False
 ) -> dict[str, int]:
-    """Peak bytes by kind of the second of two training steps of ``batch`` samples, and the sizes the modes use.
-    The first step, untracked, makes the optimizer's state (tracking both gives the same figures, slower).
+    """Peak bytes by kind of the second of two steps of ``batch`` samples (the first makes the optimizer state).
 
-    Args:
-        fake: Under ``FakeTensorMode`` (nothing allocated); ``False`` runs the same steps on real CPU tensors,
-            the measurement the estimate is checked against.
-        shards: Above 1, the model is sharded as fsdp shards it, over a fake process group of that size, and
-            measured by torch's ``FSDPMemTracker``: the figures are one rank's.
-        count_flops: Also count the first step's FLOPs (``flops``; 0 otherwise): the counter's dispatch costs
-            as much as the memory tracker's.
+    ``fake=False`` runs real CPU tensors (what the estimate is checked against); ``shards`` > 1 shards the model as
+    fsdp does and gives one rank's figures; ``count_flops`` also counts the first step's FLOPs.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -339,11 +306,7 @@ def _process_group(size: int, fake: bool) -> Iterator[Any]:
 
 
 def _sample_shape(loaded: LoadedSpec) -> tuple[tuple[int, ...], int]:
-    """``(input shape, classes)`` of one sample, from the spec (synthetic) or the built data (scikit-learn's).
-
-    Raises:
-        ValueError: Samples whose shape is known only once the dataset is read.
-    """
+    """``(input shape, classes)`` of one sample; ValueError when the shape is known only once the data is read."""
     from runner.training.sources import IN_MEMORY
 
     data = loaded.spec.data
@@ -358,13 +321,8 @@ def _sample_shape(loaded: LoadedSpec) -> tuple[tuple[int, ...], int]:
 
 
 def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | None]], spec: ExperimentSpec) -> list[str]:
-    """The memory table of ``runner plan``: MiB per device and mode; whether each fits the smallest visible GPU.
-
-    When the spec's own mode does not fit, a line names what would: fsdp, a global batch whose activations fit
-    (activations grow with the batch; the rest does not), activation checkpointing.
-
-    Args:
-        gpus: ``(name, total bytes or None)`` of each visible GPU.
+    """``runner plan``'s memory table: MiB per device and mode, whether each fits the smallest GPU of ``gpus``, and what
+    would fit when the spec's mode does not (fsdp, a smaller batch, activation checkpointing).
     """
     if "error" in memory:
         return [_row("memory", f"not estimated: {memory['error']}")]

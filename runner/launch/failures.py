@@ -1,6 +1,4 @@
-"""Why a launched job failed, in words: the rank's error, the signal or exit code that ended it, the OOM killer, a hang.
-
-Also: a launched worker's two guards: it dies with the process that started it, and ends itself when hung after a stop.
+"""Why a launched job failed, in words (the error, signal, OOM kill or hang); a worker's two guards.
 
 Details: docs/design.md, "Module notes", runner/launch/failures.py.
 """
@@ -39,13 +37,7 @@ _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 @dataclass(frozen=True)
 class JobContext:
-    """What the driver knew about the job when it failed.
-
-    Attributes:
-        timeout_s: ``parallel.timeout_s``, seconds a collective waits before it fails.
-        oom_kills_before: The OOM-kill count of this process's cgroup before the launch, or ``None``.
-        hung: Hang reports of ranks that ended themselves (``{"rank", "where", "grace_s"}``), by rank.
-    """
+    """What the driver knew when the job failed: ``parallel.timeout_s``, the cgroup's OOM kills before, hang reports."""
 
     timeout_s: float
     oom_kills_before: int | None = None
@@ -53,14 +45,8 @@ class JobContext:
 
 
 def describe_failure(exc: BaseException, context: JobContext) -> str:
-    """One sentence for a failed job: the rank at the root of it and what ended it.
-
-    Args:
-        exc: What the launcher raised (``ChildFailedError`` with ``failures``) or any exception.
-
-    Returns:
-        E.g. ``rank 1 was killed by signal 9 (SIGKILL, exit code -9); ...``, ``rank 1 hung: ...``,
-        ``rank 0 failed: RuntimeError: ...``.
+    """One sentence for a failed job: the rank at its root and what ended it (``rank 1 hung: ...``, ``rank 0 failed:
+    RuntimeError: ...``).
     """
     from runner.errors import TrainingError
 
@@ -82,11 +68,7 @@ _INTERRUPTED = re.compile(r"runner\.errors\.Interrupted: interrupted by signal (
 
 
 def interruption(exc: BaseException) -> tuple[int, int | None] | None:
-    """``(signal, rank)`` when the ranks of a failed job stopped on a signal (after their checkpoint), else ``None``.
-
-    A stop signal sent to one rank reaches every rank through the stop decision; the ranks then end
-    with :class:`~runner.errors.Interrupted`, which the launcher reports as failures.
-    """
+    """``(signal, rank)`` when a failed job's ranks stopped on a signal after their checkpoint, else ``None``."""
     failures: dict[int, Any] = getattr(exc, "failures", None) or {}
     found = [_INTERRUPTED.search(python_error(f)) for f in failures.values()]
     if not found or not any(found):
@@ -96,10 +78,7 @@ def interruption(exc: BaseException) -> tuple[int, int | None] | None:
 
 
 def python_error(failure: ProcessFailure) -> str:
-    """The Python error a failed rank recorded (``Type: message``), or ``""`` when it left none.
-
-    The last line of its traceback; all of a runner error's message (a user-code error has several lines).
-    """
+    """The failed rank's Python error (``Type: message``; a runner error's whole message), or ``""``."""
     data = getattr(failure, "error_file_data", None) or {}
     inner = data.get("message", {}) if isinstance(data, dict) else {}
     if isinstance(inner, dict):
@@ -115,12 +94,7 @@ def python_error(failure: ProcessFailure) -> str:
 
 
 def ended_by(exitcode: int, oom_kills_before: int | None) -> str:
-    """What ended a process that left no Python error: a signal (and whether the OOM killer sent it), or its exit code.
-
-    Args:
-        exitcode: The process's exit code; ``-N`` means it was killed by signal ``N``.
-        oom_kills_before: :func:`oom_kill_count` before the job started, to tell an OOM kill.
-    """
+    """What ended a process with no Python error: a signal (an OOM kill when the count grew) or its exit code."""
     if exitcode >= 0:
         return (
             f"exited with code {exitcode} without a Python error (os._exit, sys.exit from a library, "
@@ -203,15 +177,8 @@ def read_hang_reports(folder: Path) -> HangReports:
 
 
 class QuietCollectiveTimeouts(logging.Filter):
-    """Moves the launcher's error records off the terminal into a log file, whose path the failure message names.
-
-    They are a worker's whole traceback, torch's frames and runner's included (76 lines for one error in
-    user code), the collective timeout that repeats it, and the SIGTERM/SIGKILL of the other ranks;
-    :func:`describe_failure` says in a few lines what happened instead.
-
-    Attributes:
-        path: The log file, made at the first record moved (``written``).
-    """
+    """Moves the launcher's error records (a worker's whole traceback, the repeated timeout, the other ranks' kills)
+    into a log file at :attr:`path`; :func:`describe_failure` says what happened instead."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -264,17 +231,8 @@ _BUSY_FILES = ("runner/training/checkpoint.py",)  # a rank writing its checkpoin
 
 
 def die_with_parent(expected_parent: int | None = None, signum: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``signum`` to this process when the thread that started it ends (Linux
-    ``PR_SET_PDEATHSIG``).
-
-    If the parent is already gone (it died before this call), the process ends at once.
-
-    Args:
-        expected_parent: The pid of the process that started this one, when known (the driver passes
-            its own); a different parent then means this process was orphaned and adopted.
-
-    Returns:
-        Whether the request was made (``False`` off Linux or without ``prctl``).
+    """Ask the kernel to send ``signum`` to this process when its parent thread ends (``PR_SET_PDEATHSIG``); a parent
+    other than ``expected_parent`` means already orphaned, and the process ends. Returns whether it was asked.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -291,11 +249,8 @@ def die_with_parent(expected_parent: int | None = None, signum: int = signal.SIG
 
 
 class HangWatch:
-    """After SIGTERM or SIGINT, end this process when its main thread makes no progress for ``grace_s`` seconds.
-
-    Args:
-        report_dir: Folder the driver reads hang reports from (``hung-rank-<rank>.json``), or ``None``.
-        grace_s: Seconds the main thread's stack may stand still after the signal.
+    """After SIGTERM or SIGINT, end this process when its main thread stands still ``grace_s`` seconds, reporting to
+    ``report_dir``.
     """
 
     def __init__(self, rank: int, report_dir: str | None, grace_s: float = HANG_GRACE_S):

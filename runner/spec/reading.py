@@ -29,13 +29,7 @@ PATH_KEYS: tuple[Loc, ...] = (("data", "root"), ("checkpoint", "dir"))
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a key was written: a file and line, or a ``--set`` override.
-
-    Attributes:
-        file: The spec file as the user named it (``None`` for an override).
-        line: 1-based line in ``file`` (``None`` when unknown).
-        override: The ``dotted.key=value`` text of the ``--set`` that wrote it.
-    """
+    """Where a key was written: a file (as the user named it) and 1-based line, or a ``--set`` override's text."""
 
     file: Path | None
     line: int | None
@@ -47,14 +41,8 @@ Provenance = dict[Loc, Origin]
 
 @dataclass
 class SpecTree:
-    """A spec file read with everything it extends, not yet validated.
-
-    Attributes:
-        data: The merged dict; relative paths already resolved.
-        provenance: Where each key of ``data`` was written.
-        text: The text of the top file (not of the files it extends).
-        sources: Every file read, ``(absolute path, text)``: the top file first, then the files it
-            extends, each once (what a run logs so that its spec is self-contained).
+    """A spec file read with everything it extends, not yet validated: merged data, each key's origin, the top file's
+    text, and every file read, once each.
     """
 
     data: dict[str, Any]
@@ -64,18 +52,8 @@ class SpecTree:
 
 
 def read_tree(path: Path, shown: Path, issues: list[SpecIssue]) -> SpecTree | None:
-    """Read ``path`` and, recursively, the files it ``extends``.
-
-    ``extends = "base.toml"`` (or a list) deep-merges the named files (relative to the extending
-    file) under this one: tables merge key by key, other values are replaced.
-
-    Args:
-        path: Absolute path of the spec file.
-        shown: The path as the user wrote it, used in messages.
-        issues: Problems found are appended here.
-
-    Returns:
-        The merged tree, or ``None`` when a file could not be read (the reasons are in ``issues``).
+    """Read ``path`` and, recursively, the files it ``extends``, deep-merged under it; ``None`` when a file could not
+    be read (the reasons appended to ``issues``).
     """
     return _read_tree(path, shown, (), issues)
 
@@ -267,14 +245,7 @@ def _extends_of(
 def merge(
     dst: dict[str, Any], provenance: Provenance, src: dict[str, Any], src_origins: Provenance, prefix: Loc
 ) -> None:
-    """Deep-merge ``src`` into ``dst`` (tables merge, other values replace) and record where keys came from.
-
-    Args:
-        dst: The dict merged into (changed in place).
-        provenance: Origins of the keys of ``dst`` (changed in place).
-        src: The dict merged in (copied, never aliased).
-        prefix: Key path of ``dst`` inside the whole spec.
-    """
+    """Deep-merge a copy of ``src`` into ``dst`` in place (tables merge, other values replace), recording origins."""
     for key, value in src.items():
         loc = (*prefix, key)
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
@@ -299,18 +270,9 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
 
 
 def folder_problem(folder: Path) -> str | None:
-    """Why runner could not create files in ``folder`` (creating it first when missing), or ``None``.
+    """What stands in the way of creating files in ``folder`` (creating it when missing), or ``None``.
 
-    The nearest existing ancestor must be a folder in which a file can be made: a probe folder is
-    created there and removed at once (``os.access`` says yes to root for ``/proc``, where nothing
-    can be created). Nothing is left behind.
-
-    Args:
-        folder: An absolute folder, which need not exist.
-
-    Returns:
-        ``None`` when files can be created there, else what stands in the way, e.g.
-        ``/proc does not let a folder be created in it (No such file or directory)``.
+    A probe folder is made and removed in the nearest existing ancestor (``os.access`` says yes to root for ``/proc``).
     """
     existing = folder
     while not existing.exists():
@@ -328,17 +290,8 @@ def folder_problem(folder: Path) -> str | None:
 
 
 def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
-    """Folder for one run's checkpoints.
-
-    Args:
-        tracking_uri: The MLflow tracking URI; for a ``sqlite:///`` or file store the folder
-            sits next to it (``<store dir>/checkpoints/<run_key>``), otherwise in the working
-            directory.
-        spec_dir: ``checkpoint.dir`` from the spec (absolute), which replaces the base folder.
-        run_key: The MLflow run id (or a local id when tracking is off).
-
-    Returns:
-        An absolute path (not created).
+    """The absolute folder of one run's checkpoints: ``checkpoint.dir``, else beside a sqlite or file store, else the
+    working directory; ``/checkpoints/<run_key>`` below it.
     """
     if spec_dir:
         return Path(spec_dir) / run_key

@@ -46,17 +46,10 @@ STRATEGIES: dict[str, _Builder] = {
 def make_strategy(
     parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment | None = None, amp: str = "no"
 ) -> Strategy:
-    """Build the strategy for ``plan.mode``.
+    """The strategy of ``plan.mode``; ``setup()`` it before use and ``teardown()`` it in ``finally``.
 
-    Args:
-        parallel: The validated ``[parallel]`` table (:class:`~runner.spec.schema_parallel.ParallelSpec`).
-        plan: From :func:`runner.devices.resolve.resolve_devices` (already applied to the environment).
-        env: This process's place in its job, from :meth:`LauncherEnvironment.detect`; ``None``
-            stands for a process that no launcher started (ddp's ``setup`` then refuses to run).
-        amp: ``train.amp`` (fsdp gathers its parameters in that dtype).
-
-    Returns:
-        A :class:`Strategy`; call ``setup()`` before use and ``teardown()`` in ``finally``.
+    ``env`` ``None`` stands for a process no launcher started (ddp's ``setup`` refuses); fsdp gathers in ``amp``'s
+    dtype.
     """
     launcher = LauncherEnvironment.detect({}) if env is None else env
     return STRATEGIES[plan.mode](parallel, plan, launcher, amp)
@@ -66,14 +59,7 @@ T = TypeVar("T")
 
 
 class SingleDevice(Strategy):
-    """``mode = "none"``: one process, one device (``cuda:0`` after narrowing, or cpu).
-
-    There are no peers: the collectives return their input and the stop decision is
-    answered at once (a request seen after step ``k`` stops training after step ``k``).
-
-    Args:
-        plan: The resolved device plan (its accelerator picks ``cuda:0`` or cpu).
-    """
+    """``mode = "none"``: one process, one device; collectives return their input, the stop decision answers at once."""
 
     mode = "none"
 
@@ -132,19 +118,8 @@ class SingleDevice(Strategy):
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:
-    """Check that DataParallel can gather a model output from its replicas.
-
-    Gatherable: a tensor, ``None``, or dicts / lists / tuples (named tuples too)
-    of gatherable values.
-
-    Args:
-        output: What ``forward`` returned (on one replica).
-        path: Name used in the message for ``output`` itself.
-
-    Raises:
-        TrainingError: Names the first value that cannot be gathered, e.g.
-            ``output['aux'] is a str``.
-    """
+    """Check DataParallel can gather ``output`` (tensors, ``None``, and dicts, lists, tuples of them); TrainingError
+    names the first value it cannot (``output['aux'] is a str``)."""
     if output is None or isinstance(output, torch.Tensor):
         return
     if isinstance(output, dict):
@@ -169,12 +144,7 @@ def as_gatherable(output: Any) -> Any:
 
 
 def combine_replica_losses(losses: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The mean loss of a micro-batch from its replicas' mean losses: ``sum(n_i * loss_i) / sum(n_i)``.
-
-    Args:
-        losses: One scalar per replica, the mean over that replica's chunk.
-        device: Where the combined loss goes (the output device); gradients flow back to the replicas.
-    """
+    """A micro-batch's mean loss from its replicas' mean losses, ``sum(n_i * loss_i) / sum(n_i)``, on ``device``."""
     total = sum(loss.to(device) * n for loss, n in zip(losses, sizes, strict=True))
     return torch.as_tensor(total, device=device) / sum(sizes)
 
@@ -225,16 +195,8 @@ def _count_batchnorm(module: nn.Module) -> int:
 class DataParallelStrategy(SingleDevice):
     """``mode = "dp"``: one process drives every chosen GPU through ``torch.nn.DataParallel``.
 
-    The whole micro-batch is loaded on ``cuda:0``; DataParallel scatters it along
-    ``parallel.dim`` (``torch.chunk``), runs one replica per chunk and gathers the
-    outputs on ``parallel.output_device``. With one device the model runs unwrapped.
-    Still one process: the layout, the collectives and the stop decision are those of
-    :class:`~runner.strategies.registry.SingleDevice`; only the wrapping differs.
-
-    Args:
-        plan: The resolved device plan (a CUDA plan: the schema and device resolution
-            refuse dp on CPU); ``plan.output_index`` places the gathered outputs.
-        parallel: The ``[parallel]`` table (``dim``).
+    The micro-batch is loaded on ``cuda:0``, scattered along ``parallel.dim`` and gathered on the output device; one
+    device runs unwrapped. Layout, collectives and stop decision are :class:`SingleDevice`'s.
     """
 
     mode = "dp"
@@ -251,14 +213,8 @@ class DataParallelStrategy(SingleDevice):
         return self.num_devices
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
-        """Move ``module`` to ``cuda:0`` and wrap it in DataParallel over ``cuda:0 .. cuda:n-1``.
-
-        ``train``'s compile and activation checkpointing do not apply (the schema refuses them under dp).
-
-        Raises:
-            DeviceError: This process sees fewer GPUs than planned (``CUDA_VISIBLE_DEVICES``
-                was not narrowed before CUDA started).
-        """
+        """Move ``module`` to ``cuda:0`` and wrap it over every GPU; DeviceError when this process sees fewer than
+        planned."""
         module = module.to(self.device)
         if self.num_devices == 1:
             return module

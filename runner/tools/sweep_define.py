@@ -1,7 +1,6 @@
 """The sweep definition from the spec's ``[sweep]`` and the command line (``--grid``, ``--random``, ``--trials``, ...).
 
-Every problem is an error before anything runs: command-line entries as usage errors naming
-the flag, spec entries as spec errors at their ``FILE:LINE`` (docs/design.md §16).
+Every problem is found before anything runs (docs/design.md §16).
 """
 
 from __future__ import annotations
@@ -41,14 +40,7 @@ _RANDOM_KINDS = {
 
 
 def parse_grid(entry: str) -> tuple[str, SweepParam]:
-    """Read ``--grid KEY=V1,V2,...``; values are TOML values (bare words are strings).
-
-    ``optim.lr=0.1,0.01`` -> floats, ``model.kwargs.hidden=[16],[32,32]`` -> lists,
-    ``optim.name=adam,sgd`` -> strings.
-
-    Raises:
-        UsageError: No ``=``, an empty key, or no values.
-    """
+    """Read ``--grid KEY=V1,V2,...`` as TOML values (bare words are strings); UsageError for a malformed entry."""
     key, text = _split(entry, "--grid", "KEY=V1,V2,...", "optim.lr=0.1,0.01")
     try:
         values = tomllib.loads(f"v = [{text}]")["v"]
@@ -60,12 +52,8 @@ def parse_grid(entry: str) -> tuple[str, SweepParam]:
 
 
 def parse_random(entry: str) -> tuple[str, SweepParam]:
-    """Read ``--random KEY=LOW:HIGH[:log|:int]`` (uniform floats unless ``log`` or ``int``).
-
-    Raises:
-        UsageError: Malformed entry, bounds that are not numbers, ``LOW >= HIGH``, or
-            ``log`` with ``LOW <= 0``.
-    """
+    """Read ``--random KEY=LOW:HIGH[:log|:int]``; UsageError for a malformed entry, ``LOW >= HIGH`` or ``log`` at
+    ``<= 0``."""
     key, text = _split(entry, "--random", "KEY=LOW:HIGH[:log|:int]", "optim.lr=1e-4:1e-1:log")
     parts = text.split(":")
     kind = parts[2].strip().lower() if len(parts) == 3 else ""
@@ -82,13 +70,7 @@ def parse_random(entry: str) -> tuple[str, SweepParam]:
 
 @dataclass(frozen=True)
 class CommandLine:
-    """What ``runner sweep`` flags add to the spec's ``[sweep]`` (``None``: the spec's value).
-
-    Attributes:
-        grid: ``--grid KEY=V1,V2`` entries.
-        random: ``--random KEY=LOW:HIGH[:log|:int]`` entries.
-        method, trials, seed, metric, goal, pruner: The flags of the same names (``--mode`` is goal).
-    """
+    """What ``runner sweep`` flags add to the spec's ``[sweep]`` (``None``: the spec's value)."""
 
     grid: Sequence[str] = ()
     random: Sequence[str] = ()
@@ -107,23 +89,14 @@ def build_definition(
     spec_file: Path | None = None,
     key_lines: Mapping[tuple, int] | None = None,
 ) -> SweepDefinition:
-    """Merge the spec's ``[sweep]`` table with the command line.
+    """Merge the spec's ``[sweep]`` with the command line, whose entries add or replace keys and whose flags win.
 
-    Command-line entries add keys or replace the spec's entry for the same key (keeping its
-    position). A ``--random`` range turns a grid sweep into a random one (a range cannot be
-    gridded). Command-line ``method``, ``trials``, ``seed``, ``metric``, ``goal`` and
-    ``pruner`` win over the spec's.
-
-    Args:
-        sweep: The spec's ``[sweep]`` table, or ``None``.
-        spec_file: The spec file, for error locations.
-        key_lines: :func:`runner.spec.messages.locate_keys` of that file, for line numbers.
+    A ``--random`` range turns a grid into a random sweep.
 
     Raises:
-        UsageError: A malformed or repeated command-line entry, nothing to sweep, a forbidden
-            key, a bad ``--trials``, random or tpe without a budget, or ``--trials`` larger than the grid.
-        SpecError: In the spec's ``[sweep]``, at the key's line: a range in a grid sweep,
-            ``trials`` larger than the grid, or an ``int_uniform`` range that holds no integer.
+        UsageError: A malformed or repeated entry, nothing to sweep, a forbidden key, a bad ``--trials``, or no
+            budget for random or tpe.
+        SpecError: At the key's line: a range in a grid, ``trials`` over the grid, an empty ``int_uniform`` range.
     """
     base = sweep or SweepSpec()
     lines = key_lines or {}
@@ -154,15 +127,7 @@ def build_definition(
 
 
 def trial_names(loaded: LoadedSpec) -> list[str]:
-    """The run names of a spec's sweep trials, as ``runner sweep`` would run them (for ``runner plan``).
-
-    A grid's trials are known before the sweep starts; random and tpe trials are sampled as the
-    study goes, so they are listed by their budget and the space they are drawn from.
-
-    Raises:
-        UsageError: As :func:`build_definition`.
-        SpecError: As :func:`build_definition`.
-    """
+    """The run names of a spec's sweep trials for ``runner plan``: a grid's, or the budget and space of a random one."""
     from runner.spec.dump import trial_run_name
     from runner.spec.messages import locate_keys
 
@@ -174,11 +139,7 @@ def trial_names(loaded: LoadedSpec) -> list[str]:
 
 
 def _merge_params(base: SweepSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, SweepParam]:
-    """The spec's ``[sweep.params]`` with the command-line entries added or replacing (same position).
-
-    Raises:
-        UsageError: A malformed or repeated entry, nothing to sweep, or a forbidden key.
-    """
+    """The spec's ``[sweep.params]`` with the command-line entries added or replacing; UsageError as above."""
     params: dict[str, SweepParam] = dict(base.params)
     given: set[str] = set()
     for flag, entries, parse in (("--grid", grid, parse_grid), ("--random", random, parse_random)):
@@ -203,11 +164,7 @@ def _param_issue(key: str, spec_file: Path | None, lines: Mapping[tuple, int], m
 
 
 def _check_no_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, lines: Mapping[tuple, int]) -> None:
-    """A grid needs explicit values: one located issue per key given as a range.
-
-    Raises:
-        SpecError: Some key has ``low``/``high`` instead of ``values``.
-    """
+    """SpecError with one located issue per grid key given as a range."""
     ranges = [k for k, p in params.items() if p.values is None]
     if ranges:
         hint = 'a range (low/high) cannot be gridded: set sweep.method = "random" or "tpe" with trials, or list values'
@@ -215,11 +172,7 @@ def _check_no_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, l
 
 
 def _check_int_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, lines: Mapping[tuple, int]) -> None:
-    """Every ``int_uniform`` range must hold an integer.
-
-    Raises:
-        SpecError: One located issue per range without one (a ``--random`` entry has no line).
-    """
+    """SpecError with one located issue per ``int_uniform`` range that holds no integer."""
     empty = [
         (k, p)
         for k, p in params.items()
@@ -238,12 +191,7 @@ def _grid_trials(
     spec_file: Path | None,
     lines: Mapping[tuple, int],
 ) -> int:
-    """The grid's trial count: its size, or ``trials`` when that is not larger.
-
-    Raises:
-        UsageError: ``--trials`` is larger than the grid.
-        SpecError: ``sweep.trials`` is larger than the grid, at its line.
-    """
+    """The grid's trial count: its size, or ``trials`` when not larger (else UsageError or SpecError)."""
     size = math.prod(len(p.values or []) for p in params.values())
     if trials is None or trials <= size:
         return size if trials is None else trials

@@ -62,15 +62,8 @@ def swept_devices(definition: SweepDefinition) -> bool:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What a warm worker process needs (picklable: it crosses the ``spawn`` boundary).
-
-    Attributes:
-        index: Worker number, 0-based (names its log file).
-        definition: The sweep definition (JSON form).
-        setup: The trials' base spec, environment and this worker's extra ``--set`` (its GPU).
-        env: Variables set in the process before anything else runs (device view, CPU threads).
-        log: File that takes the process's output (several workers at once), or ``None``.
-        max_trials: Trials before the process exits (1 when the device view changes per trial).
+    """What a warm worker process needs, picklable for ``spawn``: its index, the definition, the trial setup, the env
+    set first, its log file, and ``max_trials`` before it exits.
     """
 
     index: int
@@ -86,10 +79,9 @@ class WorkerConfig:
 
 
 def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
-    """Entry of a warm worker process: join the study and run trials until none is left.
+    """Entry of a warm worker: run trials until none is left, sending ``("start" | "result" | "error", index,
+    payload)``.
 
-    Sends ``(kind, worker index, payload)`` on ``messages``: ``"start"`` with the Optuna trial
-    number, ``"result"`` with the :class:`TrialResult` JSON, ``"error"`` with a traceback.
     Exits 0 when the queue is empty, 130 when interrupted, 1 on an error outside a trial.
     """
     os.environ.update(config.env)
@@ -132,13 +124,7 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
 class WorkerPool:
     """Run :class:`WorkerConfig` processes until the study has no WAITING trial; stop them all on a signal.
 
-    A process that dies (a crash, the kernel's OOM killer) fails the trial it ran and is replaced,
-    up to :data:`RESTARTS` times per worker, while trials wait.
-
-    Args:
-        study: The sweep's study (one-trial workers are started again while trials wait).
-        progress: Called with each result as it arrives.
-        on_dead: Called as ``on_dead(Optuna trial number, error)`` for a trial whose process died.
+    A process that dies fails its trial (``on_dead``) and is replaced, up to :data:`RESTARTS` times per worker.
     """
 
     def __init__(
@@ -155,11 +141,7 @@ class WorkerPool:
         self._restarts: dict[int, int] = {}  # worker index -> processes started after one died
 
     def run(self, configs: Sequence[WorkerConfig]) -> list[str]:
-        """Start one process per config (again while trials wait, for one-trial workers); return worker errors.
-
-        Raises:
-            Interrupted, KeyboardInterrupt: Stopped by a signal; every process got SIGTERM first.
-        """
+        """Start one process per config and return worker errors; a signal SIGTERMs every process, then raises."""
         errors: list[str] = []
         try:
             for config in configs:
@@ -223,11 +205,7 @@ def _tail(log: str | None) -> str:
 
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Interrupted` while trials run, so the sweep ends its runs KILLED.
-
-    (SIGINT already raises KeyboardInterrupt; a training trial installs its own handlers
-    for both and restores these afterwards.)
-    """
+    """Turn SIGTERM into :class:`Interrupted` while trials run, so the sweep ends its runs KILLED."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -259,11 +237,7 @@ def _stop(procs: Sequence[BaseProcess]) -> None:
 
 
 class Progress:
-    """One line per finished trial: ``[sweep 2/4] trial 1 (optim.lr=0.01): FINISHED val/accuracy=0.93``.
-
-    Args:
-        done: Trials already finished (earlier runs of a resumed sweep, other workers).
-    """
+    """One line per finished trial: ``[sweep 2/4] trial 1 (optim.lr=0.01): FINISHED val/accuracy=0.93``."""
 
     def __init__(self, say: Callable[[str], None], total: int, metric: str, done: int = 0):
         self.say, self.total, self.metric, self.done = say, total, metric, done
@@ -280,13 +254,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class TrialSetup:
-    """What every trial of one worker shares.
-
-    Attributes:
-        overrides: Base ``--set`` strings; each trial's own values are applied after them.
-        environ: The environment trials are planned against (:func:`runner.tools.sweep_trials.trial_environ`).
-        extra: ``--set`` strings after the trial's values (a warm worker's GPU: ``devices.ids=[k]``).
-        unset: ``--unset`` keys, removed before any ``--set``.
+    """What every trial of one worker shares: base ``--set`` and ``--unset``, the environment, and ``extra`` ``--set``
+    after the trial's values (a warm worker's GPU).
     """
 
     path: Path
@@ -305,19 +274,9 @@ def work(
     *,
     on_start: Callable[[int], object] | None = None,
 ) -> int:
-    """Run WAITING trials of ``study`` until none is left (or ``max_trials`` ran).
+    """Run WAITING trials until none is left or ``max_trials`` ran; return how many ran.
 
-    Args:
-        setup: The trials' base spec and environment.
-        report: Receives each result as its trial ends.
-        max_trials: Stop after this many trials (``None``: until the queue is empty).
-        on_start: Receives the Optuna number of each trial as it starts.
-
-    Returns:
-        How many trials this call ran.
-
-    Raises:
-        Interrupted: SIGINT/SIGTERM; the trial that was running is enqueued again.
+    Raises Interrupted on SIGINT/SIGTERM, after enqueueing the running trial again.
     """
     warm_up()
     take_over(study, store)
@@ -352,12 +311,8 @@ def warm_up() -> None:
 
 
 def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: optuna.Trial) -> TrialResult:
-    """Run one Optuna trial as a child run of the sweep; a failure becomes a FAILED result.
-
-    Raises:
-        Interrupted: SIGINT/SIGTERM during the trial: its run ends KILLED and the trial is
-            enqueued again (with the same values), then the signal goes on up.
-    """
+    """Run one Optuna trial as a child run; a failure becomes a FAILED result, a signal ends it KILLED and enqueues
+    it again."""
     point = study.values_of(trial)
     parent_id = study.parent_run_id
     try:

@@ -39,15 +39,8 @@ _PRIMITIVE = (str, int, float, bool, type(None))
 class SweepDefinition:
     """What a sweep searches, after the spec's ``[sweep]`` and the command line are merged.
 
-    Attributes:
-        method: Optuna sampler: ``"grid"``, ``"random"`` or ``"tpe"``.
-        params: Swept dotted keys in a stable order (spec order, then command line), each
-            with explicit values or a range.
-        trials: Trials in total over every worker (grid: at most the grid size).
-        metric: Metric that ranks trials, e.g. ``val/accuracy``; also the one the pruner watches.
-        pruner: ``"none"``, ``"median"`` or ``"hyperband"``.
-        pruner_startup_trials: median: trials that finish before any is pruned.
-        pruner_warmup_epochs: Epochs every trial trains before it may be pruned.
+    ``method``: grid, random or tpe; ``params`` in a stable order; ``trials`` over every worker; ``metric`` ranks
+    trials and feeds the pruner (none, median, hyperband).
     """
 
     method: str
@@ -75,11 +68,7 @@ class SweepDefinition:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SweepDefinition:
-        """Rebuild a definition written by :meth:`to_json`.
-
-        Raises:
-            ValueError: ``data`` is not a sweep definition.
-        """
+        """Rebuild a definition written by :meth:`to_json`; ValueError for anything else."""
         try:
             params = tuple((k, SweepParam.model_validate(v)) for k, v in data["params"].items())
             names = {f.name for f in dataclasses.fields(cls)} - {"params"}
@@ -102,11 +91,8 @@ class SweepDefinition:
         return {k: encode_choices(p.values or []) for k, p in self.params}
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """The values of one trial, asked of Optuna key by key (fixed for a grid point, sampled otherwise).
-
-        Values become Optuna distributions: explicit values a categorical one (lists and tables
-        as their TOML text), ``uniform`` and ``log_uniform`` ranges a float one, ``int_uniform``
-        an int one over ``[ceil(low), floor(high)]``.
+        """One trial's values asked of Optuna key by key: explicit values categorical (lists and tables as TOML text),
+        ranges float, ``int_uniform`` int over ``[ceil(low), floor(high)]``.
         """
         values: dict[str, Any] = {}
         for key, param in self.params:
@@ -123,12 +109,7 @@ class SweepDefinition:
 
 @dataclass(frozen=True)
 class Trial:
-    """One point of a sweep.
-
-    Attributes:
-        index: The trial's number in the study (0-based; a trial run again keeps the number it had).
-        values: Dotted key -> value, in the definition's key order.
-    """
+    """One point of a sweep: its number in the study (kept when run again) and its values in key order."""
 
     index: int
     values: dict[str, Any]
@@ -149,19 +130,8 @@ class Trial:
 
 @dataclass
 class TrialResult:
-    """Outcome of one trial.
-
-    Attributes:
-        index: Trial number in the study (0-based).
-        values: Dotted key -> value of this trial.
-        run_id: Its child MLflow run, or ``None`` when it failed before the run existed.
-        status: The run's status: ``FINISHED``, ``FAILED`` or ``KILLED`` (``RUNNING``/``WAITING``
-            for trials not done yet).
-        metric_value: Last value of the sweep's metric, or ``None`` (failed, or not logged).
-        error: What went wrong, for trials that did not finish.
-        reused: Finished before this ``runner sweep`` started (an earlier or another worker's run).
-        pruned: Stopped early by the pruner (its run is FINISHED, tagged ``runner.sweep.pruned``).
-        pruned_epoch: The epoch after which it was pruned.
+    """Outcome of one trial: its run (``None`` when it failed first), status, the metric's last value, the error,
+    whether it was ``reused`` from an earlier run, and whether and after which epoch it was pruned.
     """
 
     index: int
@@ -180,11 +150,8 @@ class TrialResult:
 
 
 def encode_choices(values: Sequence[Any]) -> list[Any]:
-    """The choices Optuna stores for explicit values: the values, or all as TOML text when one is a list or table.
-
-    Optuna's categorical distribution (and its RDB storage) holds ``None``, bool, int, float
-    and str only.
-    """
+    """Optuna's categorical choices for explicit values: as they are, or all as TOML text when one is a list or
+    table."""
     if all(isinstance(v, _PRIMITIVE) for v in values):
         return list(values)
     return [toml_value(v) for v in values]
@@ -198,14 +165,7 @@ def decode_choice(values: Sequence[Any], choice: Any) -> Any:
 
 
 def toml_value(value: Any) -> str:
-    """Write one value as TOML value text (what ``--set key=<text>`` reads back to ``value``).
-
-    Args:
-        value: A bool, int, float, str, list or dict (dates are written by tomllib's rules).
-
-    Raises:
-        TypeError: The value has no TOML form (e.g. ``None``).
-    """
+    """One value as TOML value text (what ``--set key=<text>`` reads back); TypeError for ``None``."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -226,11 +186,8 @@ def toml_value(value: Any) -> str:
 
 
 def study_name(spec_name: str, trial_spec_sha256: str, definition: SweepDefinition) -> str:
-    """The default Optuna study name: ``<spec name>-<12 hex>`` from the trial spec and the definition.
-
-    Every worker started with the same spec, ``--set`` flags and sweep flags computes the same
-    name, so they join one study; a changed spec or definition starts another.
-    """
+    """``<spec name>-<12 hex>`` from the trial spec and the definition, so workers with the same flags join one
+    study."""
     digest = hashlib.sha256(f"{trial_spec_sha256}\n{definition.digest()}".encode()).hexdigest()
     return f"{spec_name}-{digest[:12]}"
 
@@ -240,13 +197,7 @@ PLOTS = ("optimization_history.png", "param_importances.png")
 
 @dataclass
 class SweepReport:
-    """Outcome of a sweep.
-
-    Attributes:
-        definition: What was swept (method, keys, budget, seed, metric, goal).
-        trials: One result per trial, by index.
-        storage: The Optuna storage URL (without password).
-    """
+    """Outcome of a sweep: the definition, one result per trial, the Optuna storage URL (masked)."""
 
     definition: SweepDefinition
     trials: list[TrialResult]
@@ -348,12 +299,7 @@ def first_line(text: str) -> str:
 
 
 def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple[list[Path], list[str]]:
-    """Optuna's optimization-history and parameter-importance plots as PNG files (``optuna.visualization.matplotlib``).
-
-    Returns:
-        ``(files written, notes)``: a plot Optuna cannot draw (e.g. importances with fewer than
-        two finished trials) is left out with a note.
-    """
+    """Optuna's history and importance plots as PNGs; ``(files, notes)`` with a note for each it cannot draw."""
     import matplotlib
 
     matplotlib.use("Agg")
