@@ -1,7 +1,5 @@
 """Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
 
-torch is imported inside the functions.
-
 Details: docs/design.md, "Module notes", runner/launch/prebuild.py.
 """
 
@@ -31,18 +29,8 @@ SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic data
 
 
 def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], DatasetBundle | None]:
-    """Build or check every part of ``loaded`` (docs/design.md, "Module notes") before any run exists.
-
-    Args:
-        world_size: Processes of the job (for the training loaders' step layout).
-
-    Returns:
-        Notes on what makes this spec's results differ between modes (:func:`difference_notes`), and the
-        datasets when they were built (cheap ones), for the training to use rather than build again.
-
-    Raises:
-        SpecError: A part that does not build or an argument of the wrong type, placed at
-            ``FILE:LINE`` of its key in the spec file.
+    """Build or check every part of ``loaded`` before any run exists; return the mode-difference notes and the datasets
+    when they were built. SpecError at ``FILE:LINE`` for a part that does not build or an argument of the wrong type.
     """
     try:
         model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
@@ -63,10 +51,8 @@ def known_differences(loaded: LoadedSpec) -> list[str]:
 
 
 def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """``(batch-statistics layers, random layers)`` of ``model``, by class name, sorted.
-
-    Batch statistics: ``torch.nn.modules.batchnorm._BatchNorm`` but ``SyncBatchNorm``. Random: dropout
-    (``_DropoutNd``, ``p > 0``), ``RReLU`` and torchvision's ``StochasticDepth`` (``p > 0``).
+    """``(batch-statistics layers, random layers)`` of ``model`` by class name: BatchNorm but SyncBatchNorm; dropout,
+    ``RReLU``, ``StochasticDepth`` with ``p > 0``.
     """
     from torch import nn
 
@@ -86,10 +72,8 @@ def _is_random(module: torch.nn.Module) -> bool:
 
 
 def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
-    """Why runs of ``spec`` under its mode will not match ``none`` step by step (docs/design.md §3), as plan notes.
-
-    BatchNorm layers under any mode but ``none`` (unless ddp's ``parallel.sync_batchnorm``, which works on
-    CUDA), random layers under any mode but ``none``.
+    """Plan notes on why runs of ``spec`` will not match ``none`` step by step (docs/design.md §3): BatchNorm or random
+    layers under another mode.
     """
     mode = spec.parallel.mode
     if mode == REFERENCE_MODE:
@@ -116,15 +100,10 @@ def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
 
 
 def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
-    """Check that the run's checkpoints can be written, before the run exists (``checkpoint.dir`` or its default).
+    """Check the run's checkpoint folder can be written before the run exists.
 
-    Args:
-        tracking_uri: The run's store: the default folder is ``checkpoints/`` beside a sqlite store.
-
-    Raises:
-        SpecError: (``checkpoint.dir``) the folder cannot be created or written, at ``FILE:LINE``.
-        TrackingError: The default folder is beside a sqlite store whose folder cannot be written: the
-            store's problem comes first (:func:`runner.tracking.uri.check_reachable` names the store folder).
+    Raises SpecError at ``checkpoint.dir``; TrackingError first when the default folder is beside an unwritable sqlite
+    store.
     """
     from runner.spec.reading import default_checkpoint_dir, folder_problem
     from runner.tracking.uri import check_reachable, sqlite_path
@@ -208,11 +187,7 @@ def _dataset(spec: ExperimentSpec, spec_dir: Path) -> DatasetBundle | None:
 
 
 def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -> torch.nn.Module | None:
-    """Build the model on the meta device (confirming an error on CPU), or check its kwargs without the dataset.
-
-    Returns:
-        The model on ``meta``; ``None`` when it was only checked.
-    """
+    """The model on ``meta`` (an error confirmed on CPU), or ``None`` when only its kwargs were checked."""
     import torch
 
     from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory
@@ -276,18 +251,8 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
 
 
 def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], key: str) -> None:
-    """Check that ``fn(*args, **kwargs)`` binds and that every kwarg has its annotated type, without calling it.
-
-    Only annotations made of ``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal``, unions and
-    sequences or mappings of these are checked; any other annotation accepts every value.
-
-    Args:
-        fn: A function or a class (its ``__init__`` is read).
-        args: Positional arguments the caller passes before the kwargs.
-        key: Dotted key of the kwargs table, e.g. ``scheduler.kwargs``.
-
-    Raises:
-        SpecError: One issue per kwarg that does not bind or has the wrong type, at ``key.<name>``.
+    """Check that ``fn(*args, **kwargs)`` binds and each kwarg has its annotated type (plain types, ``Literal``, unions,
+    sequences and mappings of them), without calling it; SpecError at ``key.<name>`` for each that does not.
     """
     try:
         sig = inspect.signature(fn)
@@ -344,12 +309,7 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def matches(value: Any, expected: Any) -> bool:
-    """Whether a TOML value fits an annotation (unknown annotations accept everything).
-
-    Args:
-        value: A value read from TOML: bool, int, float, str, list, dict, date/time.
-        expected: A type annotation, e.g. ``int``, ``float | list[float]``, ``Literal["min", "max"]``.
-    """
+    """Whether a TOML value fits an annotation (unknown annotations accept everything)."""
     origin, args = get_origin(expected), get_args(expected)
     if expected is Any or expected is object:
         return True

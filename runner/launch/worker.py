@@ -32,27 +32,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    """Everything a worker needs, picklable so it crosses to the worker's process.
+    """Everything a worker needs, picklable for the worker's process.
 
-    Attributes:
-        plan: The :class:`runner.devices.resolve.DevicePlan` resolved by the driver.
-        run_id: The MLflow run when it exists before the workers start (never under ``runner exec``: the
-            driver makes it once rank 0 reports the build), else ``None``.
-        tracking_uri: Absolute tracking URI, or ``None`` when tracking is off.
-        resume: Load the newest valid checkpoint of ``checkpoint_dir`` before training.
-        sync_timing: Exact per-step timing on CUDA (see :class:`runner.training.loop.LoopParts`).
-        epoch_end: Decides on the logging rank after each epoch whether to stop there (a sweep's
-            pruner); every rank follows its answer. ``None``: train to the end.
-        launcher_pid: The process that started this worker (the driver, for the child of none and dp): the worker
-            dies with it; ``None``: whatever process is the parent when the worker starts (an elastic worker's fork
-            server, which ends with the driver).
-        report_dir: Folder where a rank that hung after a stop signal says where it was stuck, or ``None``.
-        hub: Where rank 0 reaches the driver (:mod:`runner.launch.channel`): it reports the build there and
-            receives the run, the checkpoint folder and whether to resume, which replace ``run_id``,
-            ``checkpoint_dir`` and ``resume`` above. ``None``: no driver records anything (``runner bench``).
-        dtype: The dtype the model, its inputs and its loss train in (``ExecOptions.dtype``), or ``None``.
-        nudge: Nudge the initial weights by one ulp (``ExecOptions.nudge``).
-        started_at: ``ExecOptions.started_at``: where the loop's ``time_to_first_step_s`` counts from.
+    ``run_id`` exists before the workers only outside ``runner exec``; ``hub`` is where rank 0 reports the build and
+    receives the run, checkpoint folder and resume flag that replace those fields (``None``: bench, no driver);
+    ``launcher_pid`` is the process the worker dies with; ``report_dir`` takes hang reports; ``epoch_end`` runs on
+    the logging rank and every rank follows.
     """
 
     loaded: LoadedSpec
@@ -72,16 +57,9 @@ class WorkerArgs:
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
-    """Train one rank to the end (or to a stop signal).
+    """Train one rank to the end or a stop signal; the rank's result, or ``None`` when the driver made no run.
 
-    Returns:
-        The rank's :class:`~runner.training.WorkerResult`; ``None`` when the driver made no run (a spec
-        error found while building, or the store failed), and nothing was trained.
-
-    Raises:
-        Interrupted: SIGINT/SIGTERM arrived; a checkpoint was written first.
-        SpecError: A name in the spec (model, dataset, kwargs) turned out not to build.
-        Exception: Anything the training code raises; the driver marks the run FAILED.
+    Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build.
     """
     from runner.devices.inventory import apply_threads
     from runner.launch.environment import LauncherEnvironment
@@ -131,10 +109,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
 def _train(
     args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag, link: Link | None
 ) -> WorkerResult | None:
-    """Build, report the build to the driver, resume if asked, fit, send the outputs; the setup steps are named. Kept
-    apart from :func:`run_worker` so that the model, DDP wrapper and optimizer are released when it returns, before the
-    process group is destroyed. Rank 0 talks to the driver's hub (:mod:`runner.launch.channel`) when there is one;
-    ``None`` is returned when the driver made no run (a spec error found while building, or the store failed)."""
+    """Build, report, resume, fit and send the outputs; apart from :func:`run_worker` so the model, wrapper and
+    optimizer are released before the process group goes. ``None`` when the driver made no run."""
     from runner.launch.channel import ChannelTracker
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
@@ -220,10 +196,9 @@ def _fit(
 def _build_and_report(
     args: WorkerArgs, strategy: Strategy, link: Link | None
 ) -> tuple[TrainingParts | None, HandedRun]:
-    """Check and build the parts on every rank, agree on the outcome, and let rank 0 report it to the driver, which
-    makes the run only then (docs/design.md §1); every rank gets rank 0's :class:`HandedRun`. Returns ``(parts,
-    handed)``, ``parts`` ``None`` when the driver made no run; raises what this rank's build raised, other than a
-    spec error (the run exists and ends FAILED)."""
+    """Build on every rank, agree on the outcome, and let rank 0 report it to the driver, which only then makes the run
+    (docs/design.md §1). Returns ``(parts, handed)``, ``parts`` ``None`` without a run.
+    """
     from runner.training import setup
 
     spec, spec_dir = args.loaded.spec, args.loaded.path.parent
@@ -254,12 +229,8 @@ def _build_and_report(
 def _check_or_load(
     args: WorkerArgs, strategy: Strategy
 ) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
-    """Rank 0 checks what needs no build, so that every rank builds (and meets wrap's collectives) or none;
-    meanwhile the other ranks load their data, which has no collective.
-
-    Returns:
-        ``(notes, datasets, spec error, failure)``: rank 0's notes; the datasets (rank 0: where its checks built
-        them); a spec error found; another rank's failure, raised once the ranks agreed, as a build's would be.
+    """Rank 0 checks what needs no build while the others load data, so every rank builds or none; returns
+    ``(notes, datasets, spec error, another rank's failure)``.
     """
     from runner.training.data import build_datasets
 
@@ -356,12 +327,8 @@ STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM handler: the first signal asks the loop to stop (:mod:`runner.training.loop` says at which step).
-
-    A second SIGINT more than one second after the first raises ``KeyboardInterrupt`` at once
-    (a terminal Ctrl-C reaches the launcher and every worker together, and the launcher
-    forwards it again, so signals within one second count as one). With ``announce`` (rank 0)
-    a first SIGINT prints :data:`STOPPING` to stderr.
+    """SIGINT/SIGTERM handler: the first signal asks the loop to stop; a second SIGINT over a second later raises
+    ``KeyboardInterrupt`` (signals within a second count as one). Rank 0 prints :data:`STOPPING`.
     """
 
     def __init__(self, announce: bool = False, rank: int = 0) -> None:

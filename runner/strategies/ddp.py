@@ -37,18 +37,8 @@ def is_unused_parameters_error(exc: BaseException) -> bool:
 
 
 def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> TrainingError:
-    """Turn DDP's unused-parameter RuntimeError into a TrainingError that names the parameters.
-
-    Names come from DDP's message (``TORCH_DISTRIBUTED_DEBUG=INFO`` or ``DETAIL``
-    lists them; otherwise indices are mapped to names), else from the
-    parameters whose ``.grad`` is ``None``.
-
-    Args:
-        exc: The RuntimeError raised by DDP's forward.
-        module: The model, wrapped or not.
-
-    Returns:
-        The error to raise (``raise describe_unused_parameters_error(e, m) from e``).
+    """DDP's unused-parameter RuntimeError as a TrainingError naming the parameters (from DDP's message, else those
+    whose ``.grad`` is ``None``).
     """
     text = str(exc)
     trainable = [name for name, p in unwrap(module).named_parameters() if p.requires_grad]
@@ -85,14 +75,7 @@ class _Layout:
 class DDPStrategy(Strategy):
     """``mode = "ddp"``: one process per device, DistributedDataParallel, a torch.distributed process group.
 
-    Each process is started by torch's elastic launcher (or ``torchrun`` / a scheduler),
-    which describes the job in variables that the worker reads once into a
-    :class:`~runner.launch.environment.LauncherEnvironment` and hands in here.
-
-    Args:
-        plan: The resolved device plan (accelerator, backend, processes per node).
-        parallel: The ``[parallel]`` table (timeout, DDP options, ``sync_batchnorm``).
-        env: This process's place in the job, from ``LauncherEnvironment.detect()``.
+    The launcher (elastic agent, torchrun, a scheduler) describes the job in ``env``.
     """
 
     mode = "ddp"
@@ -129,15 +112,10 @@ class DDPStrategy(Strategy):
         return self._need_setup().world_size
 
     def setup(self) -> None:
-        """Join the process group described by the launcher's environment.
+        """Join the process group (``timeout = parallel.timeout_s``; ``cuda:LOCAL_RANK`` under nccl) and make the CPU
+        gloo group the stop decision runs on.
 
-        Sets the device (``cuda:LOCAL_RANK`` with nccl), calls ``init_process_group`` with
-        ``timeout = parallel.timeout_s`` and creates the CPU (gloo) side group on which
-        :meth:`reduce_stop_decision` runs.
-
-        Raises:
-            UsageError: The launcher's variables are missing (not started by a launcher).
-            DeviceError: ``LOCAL_RANK`` has no GPU in this process.
+        Raises UsageError without the launcher's variables, DeviceError when ``LOCAL_RANK`` has no GPU.
         """
         env = self.env
         if env.missing:
@@ -198,11 +176,8 @@ class DDPStrategy(Strategy):
         self._owns_group = False
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
-        """Move ``module`` to this rank's device, convert BatchNorm if asked, wrap in DDP.
-
-        With ``train.activation_checkpointing`` each block is checkpointed first; with ``train.compile``
-        the DDP module is compiled after wrapping (so DDP's buckets split the graph).
-        """
+        """Move ``module`` to this rank's device, convert BatchNorm if asked, checkpoint blocks, wrap in DDP, then
+        compile."""
         self._need_setup()
         module = module.to(self.device)
         par = self.parallel
@@ -276,17 +251,12 @@ class DDPStrategy(Strategy):
         return out
 
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """Whether every rank stops now: True once any rank passed ``flag = True`` to a settling call.
+        """Whether every rank stops now: True once any rank passed a flag to a settling call, and final from then on.
 
-        * ``settle=False`` (after a step between log steps, the hot path): no collective; the
-          answer agreed so far (False until a settling call found a flag).
-        * ``settle=True`` (log steps, checkpoints, epoch boundaries): reduce ``flag`` (a max of
-          0/1) at once on the CPU gloo group made at :meth:`setup`, so the device is never
-          synchronised for it, also under nccl.
-
-        Every rank makes the same calls in the same order, so every rank gets the same answer at
-        the same call. The answer is final: once True, every later call returns True without a
-        collective.
+        ``settle=False`` (the hot path) answers what was agreed without a collective; ``settle=True`` reduces the flag
+        on
+        the CPU gloo group, so the device is never synchronised for it. Every rank makes the same calls in the same
+        order.
         """
         self._need_setup()
         if settle and not self._stopping:

@@ -49,12 +49,7 @@ def throughput(samples: int, step_times_s: Sequence[float]) -> float:
 
 
 def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: float | None, n: int) -> float | None:
-    """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline.
-
-    Args:
-        baseline_samples_per_s: Throughput of ``none`` (one device), or ``None``.
-        n: Devices (dp) or processes (ddp) of the configuration.
-    """
+    """``samples_per_s / (n * baseline_samples_per_s)``; ``None`` without a positive baseline."""
     if not baseline_samples_per_s or baseline_samples_per_s <= 0 or n < 1:
         return None
     return samples_per_s / (n * baseline_samples_per_s)
@@ -86,17 +81,7 @@ def loss_check(
     agreed_through: int | None = None,
     last_step: int | None = None,
 ) -> str:
-    """Compare a final loss to ``none``'s.
-
-    Args:
-        loss: Final ``train/loss`` of the configuration.
-        not_comparable: From :func:`comparability`; when set it is returned as is.
-        agreed_through: Last step up to which the loss curves agreed (see :func:`agrees_through`).
-        last_step: The final step, shown with ``agreed_through``.
-
-    Returns:
-        ``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"``.
-    """
+    """``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"`` for a final loss against none's."""
     if not_comparable:
         return not_comparable
     if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
@@ -125,14 +110,8 @@ def tail(step_times_s: Sequence[float]) -> float | None:
 
 
 def noise(spread_value: float | None, tail_value: float | None) -> list[str]:
-    """Why a configuration's figures are not steady (empty when they are).
-
-    Args:
-        spread_value: From :func:`spread` (``None``: one repeat, not yet known).
-
-    Returns:
-        Short reasons, e.g. ``["repeats differ by 23% (limit 10%)", "p90 is 2.2x p50 (limit 1.5x)"]``.
-    """
+    """Why a configuration's figures are not steady (``["repeats differ by 23% (limit 10%)", ...]``), empty when
+    steady."""
     out = []
     if spread_value is not None and spread_value > SPREAD_LIMIT:
         out.append(f"repeats differ by {_above(spread_value, SPREAD_LIMIT, 0, '%')} (limit {SPREAD_LIMIT:.0%})")
@@ -178,13 +157,8 @@ def summarize(
     steps: int,
     cuda_peaks: Sequence[int] = (),
 ) -> None:
-    """Fill ``result`` from an :class:`runner.launch.driver.ExecResult` of ``warmup + steps`` steps.
-
-    Args:
-        exec_result: One training: ``workers`` holds every rank (an ``ExecResult`` has this shape).
-        batch_sizes: Global samples of each optimizer step of an epoch (cycled over epochs).
-        cuda_peaks: Allocator peak of every CUDA device of an in-process (none/dp) run, bytes.
-    """
+    """Fill ``result`` from one ``ExecResult`` of ``warmup + steps`` steps (``cuda_peaks`` of an in-process run,
+    bytes)."""
     workers = sorted(exec_result.workers, key=lambda w: w.rank)
     timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
     slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
@@ -226,14 +200,8 @@ def reason(exc: BaseException) -> str:
 
 
 def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
-    """Fill ``result`` from its repeats (each filled by :func:`summarize`): figures over all of them.
-
-    samples/s is the median of the repeats' samples/s; step p50 / p90 and data wait are over the
-    timed steps of all repeats; peak memory is the largest per rank; run id, devices, steps and
-    losses are the first repeat's (every repeat trains the same steps from the same seed).
-
-    Args:
-        repeats: At least one summarized repeat, in order.
+    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps, largest
+    peak; run id, devices and losses from the first (every repeat trains the same steps).
     """
     first = repeats[0]
     times = [t for r in repeats for t in r.step_times_s]
@@ -265,15 +233,7 @@ def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[
 
 
 def probe_model_and_data(base: LoadedSpec) -> tuple[int, bool, bool]:
-    """Build the datasets and the model of the user's spec once, on CPU (CUDA is never touched).
-
-    Returns:
-        ``(training samples, batch_statistics, dropout)``: whether the model holds batch-statistics
-        layers and random layers (:func:`runner.launch.prebuild.layer_kinds`).
-
-    Raises:
-        SpecError: The dataset or the model cannot be built from the spec.
-    """
+    """``(training samples, batch_statistics, dropout)`` from building the spec's data and model once on CPU."""
     import torch
 
     from runner.launch.prebuild import layer_kinds

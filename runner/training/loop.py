@@ -1,6 +1,4 @@
-"""The training loop: steps, evaluation and metric reduction, identical for every parallel mode.
-
-Also: peak memory of one rank: the CUDA allocator's peak on its device, else the process's peak resident set.
+"""The training loop: steps, evaluation and metric reduction, identical for every parallel mode; a rank's peak memory.
 
 Details: docs/design.md, "Module notes", runner/training/loop.py.
 """
@@ -42,18 +40,13 @@ def fit(
     state: TrainState | None = None,
     checkpoint_spec: CheckpointSpec | None = None,
 ) -> FitResult:
-    """Train for ``train_spec.epochs`` epochs, at most ``parts.total_steps`` optimizer steps.
+    """Train ``train_spec.epochs`` epochs, at most ``parts.total_steps`` steps, from ``state`` (``None``: scratch).
 
-    ``state`` is where to start (``None``: from scratch; a resumed state skips the global batches of its
-    epoch already consumed); ``checkpoint_spec`` ``None`` writes no step or epoch checkpoints. The result's
-    metrics are reduced over ranks and identical on every rank.
+    Without ``checkpoint_spec`` no step or epoch checkpoints are written. Metrics are reduced, the same on every rank.
 
     Raises:
-        Interrupted: A stop signal arrived (docs/design.md, "Module notes" say at which step it takes
-            effect); ``on_checkpoint`` ran with reason ``"signal"`` first.
-        TrainingError: A non-finite loss or gradient norm under ``train.on_nonfinite = "stop"``,
-            or a model output that does not fit the spec (``model.output``, ``loss.name``).
-        RuntimeError: Whatever the model, optimizer or a collective raises.
+        Interrupted: A stop signal (docs/design.md, "Module notes"), after ``on_checkpoint(..., "signal")``.
+        TrainingError: A non-finite loss or norm under ``on_nonfinite = "stop"``, or an output that does not fit.
     """
     state = state or TrainState()
     strategy, loaders = parts.strategy, parts.loaders
@@ -104,14 +97,8 @@ def train_step(
     clip_grad_norm: float | None,
     tally: Tally,
 ) -> float:
-    """Take one optimizer step: this rank's micro-batches of one global batch, then clip, step, schedule.
-
-    Every micro-batch but the last runs under ``strategy.no_sync`` (no gradient all-reduce
-    while accumulating); each micro-batch's summed loss is divided by ``global_size /
-    world_size`` (docs/design.md, "Module notes") before ``precision.backward``. ``global_size``: samples of this
-    step over all ranks and micro-batches; ``clip_grad_norm``: the largest global L2 norm, or ``None``. Returns the
-    seconds spent waiting for the DataLoader.
-    """
+    """One optimizer step over this rank's micro-batches of a global batch: accumulate under ``no_sync``, each summed
+    loss divided by ``global_size / world_size``, then clip, step, schedule. Returns the seconds waited for data."""
     strategy, model, io = parts.strategy, parts.model, parts.io
     share = rank_batch_size(global_size, strategy.world_size, strategy.rank)
     denom = global_size / strategy.world_size
@@ -153,19 +140,9 @@ def end_epoch(
     tally: Tally,
     report: _Report,
 ) -> bool:
-    """Log the epoch's metrics (evaluating when due) and step a per-epoch scheduler.
+    """Log the epoch's metrics at ``state.global_step`` (evaluating when due) and step a per-epoch scheduler.
 
-    Logged at ``state.global_step``: ``train/epoch_loss``, ``train/<metric>`` (``train/accuracy``
-    when classifying without ``[metrics]``), ``epoch``, ``epoch_time_s`` (seconds of this run's
-    steps of the epoch), ``samples_per_s`` (global samples per second) and ``val/loss``,
-    ``val/<metric>`` when evaluated: every ``eval_every_n_epochs`` epochs, after the last epoch,
-    and when ``max_steps`` ends the run mid-epoch.
-
-    Returns:
-        Whether the epoch is complete (False when ``max_steps`` ended it early).
-
-    Raises:
-        TrainingError: A non-finite step under ``train.on_nonfinite = "stop"``.
+    Returns whether the epoch is complete. Raises TrainingError for a non-finite step under ``on_nonfinite = "stop"``.
     """
     epoch_done = state.batch_in_epoch >= parts.loaders.steps_per_epoch
     assert tally.epoch is not None  # set by Tally.start_epoch
@@ -196,15 +173,8 @@ def end_epoch(
 
 @torch.no_grad()
 def evaluate(parts: LoopParts) -> dict[str, float]:
-    """Evaluate on this rank's validation shard and reduce over ranks.
-
-    Every validation sample is counted exactly once across ranks (the eval sampler never
-    pads): ``val/loss`` (and the default ``val/accuracy``) come from reduced sums, and the ``val/``
-    metrics of ``[metrics]`` are computed by torchmetrics from states gathered over ranks (docs/design.md §13).
-
-    Returns:
-        ``{"val/loss": float, "val/<metric>": float, ...}``.
-    """
+    """``{"val/loss": ..., "val/<metric>": ...}`` over this rank's shard, reduced over ranks, each sample counted
+    once."""
     strategy, io = parts.strategy, parts.io
     module = strategy.eval_module(parts.model)
     module.eval()
@@ -382,11 +352,8 @@ def device_peaks(device: torch.device, replicas: bool) -> list[int]:
 
 
 def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process image, bytes (``VmHWM``; Linux only, else ``None``).
-
-    Unlike ``getrusage().ru_maxrss``, ``VmHWM`` starts afresh at ``exec``: a child process does not inherit the
-    peak of the driver that started it (an elastic worker's counts what its fork server imported).
-    """
+    """Peak resident set of this process image (``VmHWM``, which starts afresh at ``exec``), bytes; ``None`` off
+    Linux."""
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:

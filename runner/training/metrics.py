@@ -30,14 +30,8 @@ _AVERAGE = {"accuracy": "micro", "top_k_accuracy": "micro", "f1": "macro", "prec
 
 @dataclass(frozen=True)
 class MetricRecipe:
-    """How to make one metric of a scope.
-
-    Attributes:
-        name: Logged name after the scope's prefix, e.g. ``accuracy``.
-        key: The spec key it comes from, e.g. ``metrics.val[1]`` (``metrics`` for a default metric).
-        output: The entry of forward's output it averages (``{ output = "aux_loss" }``), else ``None``:
-            it takes the prediction and the target.
-    """
+    """How to make one metric of a scope: its logged name, its spec key, and the forward ``output`` entry it
+    averages."""
 
     name: str
     key: str
@@ -47,13 +41,8 @@ class MetricRecipe:
 
 @dataclass(frozen=True)
 class MetricPlan:
-    """The metrics of the training batches and of the validation split.
-
-    Attributes:
-        train: Metric objects of the training batches.
-        counted_accuracy: The default ``train/accuracy`` and ``val/accuracy``: correct predictions counted
-            on the device in the loop's running sums (:mod:`runner.training.sums`) and reduced with the
-            loss, not by a metric object (so a default spec never imports torchmetrics).
+    """The metrics of the training batches and of the validation split; ``counted_accuracy`` is the default accuracy,
+    counted in the loop's running sums instead of a metric object (no torchmetrics import).
     """
 
     train: tuple[MetricRecipe, ...] = ()
@@ -62,12 +51,7 @@ class MetricPlan:
 
 
 class MetricSet:
-    """The metrics of one scope (``train/``, ``train/step_`` or ``val/``), on one device.
-
-    Args:
-        prefix: Put before each name when logged, e.g. ``"val/"``.
-        device: Where the states live (the strategy's output device, next to predictions and targets).
-    """
+    """The metrics of one scope (``train/``, ``train/step_`` or ``val/``) on ``device``, logged under ``prefix``."""
 
     def __init__(self, recipes: Sequence[MetricRecipe], prefix: str, device: torch.device) -> None:
         self.recipes = tuple(recipes)
@@ -78,11 +62,8 @@ class MetricSet:
         return bool(self.metrics)
 
     def add(self, out: ModelOutput, batch: Batch, io: BatchIO) -> None:
-        """Add a micro-batch from forward's ``out``: output metrics take their scalar, weighted by the samples.
-
-        Raises:
-            TrainingError: As :meth:`update`, or an output entry that is not a scalar tensor.
-        """
+        """Add a micro-batch from forward's ``out`` (output metrics take their scalar, weighted by samples);
+        TrainingError."""
         if any(r.output is None for r in self.recipes):
             self.update(io.prediction(out), batch.target)
         for recipe, metric in zip(self.recipes, self.metrics, strict=True):
@@ -90,13 +71,8 @@ class MetricSet:
                 metric.update(io.scalar(out, recipe.output, recipe.key).to(metric.device), batch.size)
 
     def update(self, pred: torch.Tensor, target: torch.Tensor | None) -> None:
-        """Add a batch: ``pred`` (detached here) against ``target``; a regression ``(B, 1)`` meets ``(B,)``.
-
-        Output metrics (:attr:`MetricRecipe.output`) are left to :meth:`add`.
-
-        Raises:
-            TrainingError: A metric rejected the batch (naming its spec key).
-        """
+        """Add ``pred`` (detached) against ``target``; a regression ``(B, 1)`` meets ``(B,)``. TrainingError names
+        the metric."""
         if not any(r.output is None for r in self.recipes):
             return
         if target is None:
@@ -123,11 +99,8 @@ class MetricSet:
                 ) from None
 
     def compute(self) -> dict[str, float]:
-        """Every metric's value over all ranks (a collective: call on every rank), then start afresh.
-
-        Raises:
-            TrainingError: A metric's value is not one number (naming its spec key).
-        """
+        """Every metric's value over all ranks (a collective), then start afresh; TrainingError for a non-scalar
+        value."""
         values: dict[str, float] = {}
         for recipe, metric in zip(self.recipes, self.metrics, strict=True):
             with warnings.catch_warnings():
@@ -144,12 +117,8 @@ class MetricSet:
         return values
 
     def state(self) -> dict[str, dict[str, Any]]:
-        """The states of the metrics that resume exactly, summed over ranks (a collective), on the CPU.
-
-        A metric resumes exactly when each of its states is reduced by sum, concatenation, max or
-        min (torchmetrics' ``dist_reduce_fx``): the reduced state held by one rank then combines with
-        the other ranks' new states as if nothing had stopped. Others are left out and restart.
-        """
+        """The states of metrics that resume exactly (reduced by sum, cat, max or min), summed over ranks, on the
+        CPU."""
         out: dict[str, dict[str, Any]] = {}
         for recipe, metric in zip(self.recipes, self.metrics, strict=True):
             if not _resumable(metric):
@@ -187,21 +156,13 @@ def _to_cpu(value: Any) -> Any:
 
 
 def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | str | None) -> MetricPlan:
-    """Turn ``[metrics]`` into recipes, each tried once so that bad arguments fail before training.
+    """Turn ``[metrics]`` into recipes, each tried once so bad arguments fail before training.
 
-    Without a ``[metrics]`` table, a classification loss (cross_entropy, nll) on integer labels
-    gets ``accuracy`` for the training batches and the validation split, counted in the loop's
-    sums (no metric object, no per-step update, no collective of its own, no torchmetrics import).
-
-    Args:
-        info: What the data is like (classes, target shape).
-
-    Returns:
-        The :class:`MetricPlan`.
+    Without ``[metrics]``, a classification loss on integer labels gets the counted ``accuracy``.
 
     Raises:
-        SpecError: A factory that cannot be imported or returns no ``torchmetrics.Metric``, arguments
-            torchmetrics rejects, or a classification metric whose number of classes is unknown.
+        SpecError: A factory that does not import or returns no ``torchmetrics.Metric``, rejected arguments, or a
+            classification metric without a class count.
     """
     if spec.metrics is None:
         if spec.loss.name in CLASSIFICATION_LOSSES and info.num_classes > 0:
@@ -213,11 +174,8 @@ def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | 
 
 
 def check_metric_names(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
-    """Check before the run exists that every ``pkg.module:Factory`` of ``[metrics]`` imports.
-
-    Raises:
-        SpecError: A factory that cannot be imported (at its entry).
-    """
+    """Check before the run exists that every ``pkg.module:Factory`` of ``[metrics]`` imports (SpecError at its
+    entry)."""
     if spec.metrics is None:
         return
     for scope, entries in (("train", spec.metrics.train), ("val", spec.metrics.val)):

@@ -1,8 +1,7 @@
-"""Dataset sources: turn each ``data.dataset`` name into datasets (split and info: :mod:`runner.training.data`).
+"""Dataset sources: each ``data.dataset`` name into datasets (split and info: :mod:`runner.training.data`).
 
-Sources: ``sklearn.digits`` and ``sklearn.diabetes`` (shipped with scikit-learn, in memory),
-``synthetic``, ``torchvision.<Name>``, ``imagefolder`` and ``pkg.module:factory``;
-:mod:`runner.training.data` describes what each yields.
+``sklearn.digits``, ``sklearn.diabetes``, ``synthetic``, ``torchvision.<Name>``, ``imagefolder``,
+``pkg.module:factory``.
 """
 
 from __future__ import annotations
@@ -28,12 +27,8 @@ IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without
 
 
 class TensorPairDataset(Dataset):
-    """In-memory dataset of ``x[i], y[i]`` with batched fetching (``__getitems__``).
-
-    Args:
-        x: Samples, shape ``(N, *input_shape)``, float32.
-        y: Targets, shape ``(N, ...)``: int64 class indices, or float32 regression targets.
-    """
+    """In-memory ``x[i], y[i]`` (``x`` float32 ``(N, *input_shape)``, ``y`` int64 classes or float32) fetched in
+    batches."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
         if len(x) != len(y):
@@ -58,12 +53,7 @@ class TensorPairDataset(Dataset):
 
 
 class ImageTransform:
-    """PIL image -> float32 tensor in [0, 1], optionally resized and channel-repeated.
-
-    Args:
-        image_size: Resize to ``image_size x image_size`` (bilinear, antialiased), or ``None``.
-        num_channels: Repeat a 1-channel image to this many channels, or ``None``.
-    """
+    """PIL image -> float32 tensor in [0, 1], optionally resized (bilinear) and a 1-channel image repeated."""
 
     def __init__(self, image_size: int | None, num_channels: int | None):
         self.image_size = image_size
@@ -114,13 +104,8 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
 
 
 def sklearn_table(file: str, delimiter: str | None = None) -> torch.Tensor:
-    """One of scikit-learn's bundled data files (``sklearn/datasets/data/<file>``) as a float64 ``(rows, cols)``.
-
-    Read as ``sklearn.datasets.load_digits``/``load_diabetes`` read it (``numpy.loadtxt`` of the gzipped CSV),
-    the same values, without importing scikit-learn (about 1.6 s per process).
-
-    Raises:
-        SpecError: scikit-learn is not installed, or its data file is missing (``data.dataset``).
+    """A scikit-learn data file (``sklearn/datasets/data/<file>``) as float64 ``(rows, cols)``, read as its loaders read
+    it, without importing scikit-learn (about 1.6 s a process). SpecError at ``data.dataset`` when missing.
     """
     import gzip
     import importlib.util
@@ -322,19 +307,10 @@ def _is_dataset(obj: object) -> bool:
 def load_source(
     data: DataSpec, spec_dir: Path | str | None
 ) -> tuple[Dataset, Dataset | None, bool, tuple[float, float] | None]:
-    """Build the datasets ``data.dataset`` names.
+    """``(train, val, explicit, normalization)`` of ``data.dataset``: ``val`` is the source's own validation set when
+    ``explicit``, else ``None`` (split later); ``normalization`` is the inputs' ``(mean, std)`` or ``None``.
 
-    Args:
-        data: The ``[data]`` table (``data.split_seed`` seeds the synthetic teacher).
-        spec_dir: Folder of the spec file (``data.root`` and factory imports are relative to it).
-
-    Returns:
-        ``(train, val, explicit, normalization)``: ``val`` is the source's own validation set when
-        ``explicit`` (imagefolder's ``val/``, a factory's ``(train, val)``), else ``None`` (split
-        from train); ``normalization`` is the ``(mean, std)`` the inputs were normalised with, or ``None``.
-
-    Raises:
-        SpecError: See :func:`runner.training.data.build_datasets`.
+    Raises SpecError as :func:`runner.training.data.build_datasets`.
     """
     name = data.dataset
     if name == "sklearn.digits":
@@ -366,18 +342,8 @@ def source_text(data: DataSpec, spec_dir: Path | str | None) -> str:
 
 
 def dataset_source(name: str, spec_dir: Path | str | None) -> Any:
-    """The class or factory that builds ``data.dataset`` from files, found without calling it.
-
-    Args:
-        spec_dir: Folder of the spec file (factory imports are relative to it).
-
-    Returns:
-        A ``torchvision.datasets`` class, a ``pkg.module:factory`` callable, ``ImageFolder`` for
-        ``imagefolder``, or ``None`` for the in-memory built-ins (:data:`IN_MEMORY`).
-
-    Raises:
-        SpecError: (``data.dataset``) the name is unknown, with a did-you-mean, or the factory cannot be imported.
-    """
+    """The class or factory that builds ``data.dataset`` from files, found without calling it (``None`` for the
+    in-memory built-ins); SpecError with a did-you-mean for an unknown name or a factory that does not import."""
     if name in IN_MEMORY:
         return None
     if ":" in name:
