@@ -1,6 +1,5 @@
-"""The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends.
-
-Also: how a run ends: its final status set in MLflow, or, while the tracking store does not answer, kept in its spool.
+"""The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends,
+and end it (or keep its status in the spool while the store does not answer).
 
 Details: docs/design.md, "Module notes", runner/launch/session.py.
 """
@@ -31,21 +30,7 @@ if TYPE_CHECKING:
 
 
 class RunSession:
-    """One job's run, made and recorded by the driver.
-
-    Args:
-        plan: The job's plan (it owns the run: ``plan.owns_run``).
-        resume: The run to continue (checked before any training process started), or ``None``.
-
-    Attributes:
-        run_id: The run, once created or reopened (``None`` before, and when tracking is off).
-        checkpoint_dir: Its checkpoint folder, once the run exists.
-        build_error: The spec error rank 0 reported instead of a build: no run was made.
-        store_error: Why the store could not be opened: no run was made.
-        result: Rank 0's result (a dict of :class:`~runner.training.WorkerResult` fields), once sent.
-        failure: What rank 0 reported it failed of, if it did.
-        shown: The notes were printed before training.
-    """
+    """One job's run, made and recorded by the driver; no run exists after a ``build_error`` or ``store_error``."""
 
     def __init__(self, plan: Plan, options: ExecOptions, resume: ResumePoint | None) -> None:
         self.plan, self.options, self.resume = plan, options, resume
@@ -65,11 +50,8 @@ class RunSession:
     # -- the hub's hooks -------------------------------------------------------------------
 
     def open_store(self, *, early: bool = True) -> None:
-        """Reach the store (a new sqlite store is created under its lock) while the training processes start.
-
-        A sqlite file that does not exist yet is created only once rank 0 reported the build (``early=False``),
-        so a spec error found while building leaves no store behind either.
-        """
+        """Reach the store while the training processes start; a new sqlite file is made only once the build is
+        reported."""
         uri = self.plan.tracking_uri
         if uri is None or self._opened or (early and _new_sqlite(uri)):
             return
@@ -274,11 +256,7 @@ def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str
 
 @dataclass(frozen=True)
 class Spooled:
-    """What of a run waits in its spool file because the tracking store did not answer.
-
-    Attributes:
-        status: The final status kept in it, or ``None`` when the run's status was set.
-    """
+    """What of a run waits in its spool: values, and the final status when it could not be set."""
 
     path: str
     metrics: int
@@ -309,11 +287,7 @@ class Spooled:
 
 
 def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, checkpoint_dir: str) -> None:
-    """Give the run its final status; while the store does not answer, keep it in the run's spool instead.
-
-    ``runner status RUN_ID`` (or a resume) sets it later; a store that does not answer is not waited
-    for beyond one quick check (:func:`runner.tracking.uri.check_reachable`).
-    """
+    """Give the run its final status, or keep it in the spool while the store does not answer (one quick check)."""
     import sys
 
     from runner.errors import TrackingError
@@ -336,14 +310,7 @@ def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, chec
 
 
 def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
-    """What the driver checks before any training process starts: the checkpoint folder, and the run to continue.
-
-    A resume (``--resume``, a requeued Slurm job) opens the store here and is refused while its owner lives
-    (docs/design.md §12), so no training process is started for it.
-
-    Raises:
-        SpecError, UsageError, TrackingError: exit 2, before anything started.
-    """
+    """Check the checkpoint folder and the run to continue before any training process starts (docs/design.md §12)."""
     from runner.launch.prebuild import check_checkpoint_folder
     from runner.launch.resume import prepare_resume
 
@@ -408,14 +375,7 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
 
 
 def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> tuple[str | None, str]:
-    """The MLflow run of this job: reopened on resume, handed down by the driver, or started here.
-
-    The process that creates or reopens the run records itself as its owner (:mod:`runner.launch.resume`).
-
-    Returns:
-        ``(run id, experiment id)``: the run id is ``None`` when tracking is off or another process owns the run;
-        the experiment id is ``""`` unless the run was created here.
-    """
+    """``(run id, experiment id)`` of this job's run: reopened, handed down, or started here (recording its owner)."""
     from runner.launch.resume import Owner
     from runner.tracking import runs as tracking
     from runner.tracking.stored import set_run_tags
@@ -455,12 +415,7 @@ def requeued(plan: Plan) -> bool:
 
 
 def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
-    """On the run's owner of a requeued Slurm job: the job's run to continue (tag ``runner.slurm.job_id``).
-
-    Returns:
-        The run found, or ``None`` (not requeued, tracking off, another rank's run, or the job's
-        first attempt ended before it created one).
-    """
+    """The run to continue on the owner of a requeued Slurm job (tag ``runner.slurm.job_id``), or ``None``."""
     from runner.launch.resume import ResumePoint, claim_run
     from runner.tracking.runs import find_run_by_tag
 

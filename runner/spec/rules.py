@@ -62,15 +62,10 @@ TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "
 
 
 def store_uri_problem(uri: str) -> str | None:
-    """Why ``uri`` cannot be the tracking store, or ``None``.
+    """Why ``uri`` cannot be the tracking store (the message ends in the fix), or ``None``.
 
-    Refused: empty; a file store (MLflow 3 keeps it in maintenance mode and opens one only with
-    ``MLFLOW_ALLOW_FILE_STORE=true``); sqlite without a file (``sqlite://``, ``sqlite:///``,
-    ``:memory:``: the runs would vanish with the process); a scheme that is no tracking store
-    (``mlflow-artifacts:``, ``s3:``) unless a plugin registers it (entry points ``mlflow.tracking_store``).
-
-    Returns:
-        The message, ending in the fix, or ``None``.
+    Refused: empty; a file store (MLflow 3 opens one only with ``MLFLOW_ALLOW_FILE_STORE=true``); sqlite without a
+    file; a scheme that is no tracking store unless a plugin registers it (``mlflow.tracking_store`` entry points).
     """
     text = uri.strip()
     scheme = urlsplit(text).scheme.lower()
@@ -112,15 +107,8 @@ def _plugin_schemes() -> set[str]:
 
 
 def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
-    """Whether a global batch splits into ``world_size x grad_accum_steps`` equal micro-batches.
-
-    Args:
-        batch: ``data.batch_size``, samples per optimizer step across all ranks.
-        world_size: Processes (1 for none and dp).
-
-    Returns:
-        ``None`` when it divides, else the message (at ``data.batch_size``) with the nearest fix.
-    """
+    """``None`` when the global batch splits into ``world_size x grad_accum_steps`` equal micro-batches, else the
+    message (at ``data.batch_size``) with the nearest fix."""
     per_step = world_size * grad_accum_steps
     if batch % per_step == 0:
         return None
@@ -151,11 +139,7 @@ def output_device_not_chosen(output_device: int, ids: list[int]) -> str:
 
 
 def check_data(data: DataSpec) -> None:
-    """Rules inside ``[data]``.
-
-    Raises:
-        ValueError: The first problem found, its message starting with the key it is about.
-    """
+    """Rules inside ``[data]``; ValueError for the first problem, its message starting with the key."""
     if data.persistent_workers and data.num_workers == 0:
         raise ValueError("persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)")
     if (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")) and data.root is None:
@@ -165,11 +149,7 @@ def check_data(data: DataSpec) -> None:
 
 
 def check_devices(devices: DevicesSpec) -> None:
-    """Rules inside ``[devices]``: a non-empty list of distinct, non-negative ids.
-
-    Raises:
-        ValueError: The first problem found.
-    """
+    """Rules inside ``[devices]``: a non-empty list of distinct, non-negative ids (ValueError)."""
     ids = devices.ids
     if not isinstance(ids, list):
         return
@@ -184,16 +164,10 @@ def check_devices(devices: DevicesSpec) -> None:
 
 
 def check_parallel(par: ParallelSpec) -> None:
-    """Rules inside ``[parallel]``: the rendezvous endpoint's form; node rank and nodes where they apply.
+    """Rules inside ``[parallel]``: the endpoint's form, node rank and nodes where they apply (ValueError).
 
-    Options of another mode are inactive, not errors (docs/design.md §10): ``--set parallel.mode``
-    alone switches a spec among the modes. Rules between a mode's options apply under it only.
-
-    ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`): inside a
-    Slurm job step the endpoint comes from the node list.
-
-    Raises:
-        ValueError: The first problem found.
+    Another mode's options are inactive, not errors (docs/design.md §10), so ``--set parallel.mode`` alone switches;
+    ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`).
     """
     if par.rdzv_endpoint is not None:
         host, _, port = par.rdzv_endpoint.rpartition(":")
@@ -206,11 +180,7 @@ def check_parallel(par: ParallelSpec) -> None:
 
 
 def check_optim(optim: OptimSpec) -> None:
-    """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys.
-
-    Raises:
-        ValueError: The first problem found.
-    """
+    """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys (ValueError)."""
     if optim.name != "sgd" and "momentum" in optim.model_fields_set:
         raise ValueError(f"momentum applies to sgd only, not {optim.name!r} (use kwargs.betas for adam/adamw)")
     clash = sorted({"lr", "momentum", "weight_decay"} & set(optim.kwargs))
@@ -219,21 +189,13 @@ def check_optim(optim: OptimSpec) -> None:
 
 
 def check_tracking(tracking: TrackingSpec) -> None:
-    """Rules inside ``[tracking]``: the store is a database or a server, not a file store nor empty.
-
-    Raises:
-        ValueError: ``uri`` is empty, malformed or names a file store.
-    """
+    """Rules inside ``[tracking]``: ``uri`` is a database or a server (ValueError)."""
     if tracking.uri is not None and (problem := store_uri_problem(tracking.uri)):
         raise ValueError(f"uri = {problem}")
 
 
 def check_sweep_param(param: SweepParam) -> None:
-    """Rules of one ``[sweep.params."key"]``: values, or a range ``low < high``.
-
-    Raises:
-        ValueError: The first problem found.
-    """
+    """Rules of one ``[sweep.params."key"]``: values, or a range ``low < high`` (ValueError)."""
     if param.values is not None and _has_non_finite(param.values):
         raise ValueError(f"values {show(param.values)} holds inf or nan: list finite numbers")
     has_range = param.low is not None or param.high is not None
@@ -250,13 +212,8 @@ def check_sweep_param(param: SweepParam) -> None:
 
 
 def static_world_size(spec: ExperimentSpec) -> int | None:
-    """World size known from the spec alone, or ``None`` when it depends on the machine.
-
-    Returns:
-        ``nnodes * nproc_per_node`` for ddp when it is known without looking at the
-        hardware (explicit ``nproc_per_node``, an id list on CUDA, or CPU) for a mode of one
-        process per device, ``1`` for none/dp (one process), ``None`` when the GPU count must be
-        resolved first.
+    """The world size the spec alone fixes (1 for none and dp; ddp/fsdp's ``nnodes * nproc_per_node`` when known
+    without the hardware), or ``None``.
     """
     par, dev = spec.parallel, spec.devices
     if not par.traits.elastic:
@@ -271,11 +228,7 @@ def static_world_size(spec: ExperimentSpec) -> int | None:
 
 
 def check_experiment(spec: ExperimentSpec) -> None:
-    """Rules across tables that the spec alone decides.
-
-    Raises:
-        CrossFieldError: Every problem found, each at its own key.
-    """
+    """Rules across tables that the spec alone decides; CrossFieldError with every problem at its key."""
     problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
     for key in ("compile", "activation_checkpointing"):
         if getattr(spec.train, key) and not spec.parallel.traits.transforms_blocks:
@@ -299,13 +252,8 @@ def _device_problems(spec: ExperimentSpec) -> list[Problem]:
 
 
 def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
-    """The CUDA-only settings of ``spec`` (dp, nccl, sync_batchnorm, fp16, in that order) for a run on CPU.
-
-    The schema calls it for ``accelerator = "cpu"``; device resolution for ``"auto"`` that found no GPU.
-
-    Args:
-        why: Why the run is on CPU, completing each message.
-    """
+    """The CUDA-only settings of ``spec`` (dp, nccl, sync_batchnorm, fp16) for a run on CPU, each message ending in
+    ``why``."""
     par = spec.parallel
     keys = par.traits.keys  # an inactive key is never a problem (docs/design.md §10)
     problems: list[Problem] = []
@@ -321,10 +269,9 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
 
 
 def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
-    """Device ids, processes and the batch split, where the spec alone fixes them. ``mode = "none"`` with several ids is
-    not a problem: it runs on the first one, and device resolution says so in a note (docs/design.md §10). A batch that
-    does not divide by ``grad_accum_steps`` is refused here even when the world size waits for the machine: that part of
-    the split is known without it (device resolution then checks only the world size)."""
+    """Device ids, processes and the batch split, where the spec alone fixes them (none with several ids only gets a
+    note; ``grad_accum_steps`` is checked even when the world size waits for the machine).
+    """
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []

@@ -37,14 +37,7 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 @dataclass(frozen=True)
 class Job:
-    """One repeat of one configuration on one rank (picklable).
-
-    Attributes:
-        rank: This process's rank, ``0 .. world_size - 1``.
-        world_size: Processes of the repeat (1 for none and dp).
-        master_port: Rendezvous port on 127.0.0.1 (ddp only).
-        ddp: Whether to set the launcher's variables.
-    """
+    """One repeat of one configuration on one rank (picklable); ``ddp`` sets the launcher's variables."""
 
     loaded: LoadedSpec
     plan: DevicePlan
@@ -71,14 +64,8 @@ class Chart:
 
 @dataclass
 class Reply:
-    """What a rank sends back for one repeat.
-
-    Attributes:
-        status: ``ok``, ``skipped`` (cannot run here), ``failed`` or ``interrupted``.
-        reason: Why it was skipped or how it failed.
-        result: The rank's :class:`~runner.training.setup.WorkerResult` (``ok`` only).
-        cuda_peaks: ``torch.cuda.max_memory_allocated`` of every CUDA device of the process, bytes.
-    """
+    """A rank's answer for one repeat: ``ok``, ``skipped``, ``failed`` or ``interrupted``, with its result and CUDA
+    peaks."""
 
     status: str
     reason: str = ""
@@ -94,13 +81,7 @@ def free_port() -> int:
 
 
 class WarmPool:
-    """Up to ``size`` warm worker processes; see docs/design.md, "Module notes".
-
-    Args:
-        size: Processes to keep (the largest world size of the bench).
-        env: Variables set for the workers on top of this process's environment
-            (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER`` of the widest configuration).
-    """
+    """Up to ``size`` warm worker processes with ``env`` on top of this one's (docs/design.md, "Module notes")."""
 
     def __init__(self, size: int, env: Mapping[str, str] | None = None) -> None:
         self.size = size
@@ -124,14 +105,8 @@ class WarmPool:
                     self._procs[i] = (proc, ours)
 
     def run(self, jobs: Sequence[Job]) -> list[Reply]:
-        """Run ``jobs[r]`` on worker ``r``, for every rank at once; return the replies by rank.
-
-        A rank that fails, is skipped or dies ends the repeat: the ranks still running are
-        stopped (and replaced by fresh processes for the next call).
-
-        Raises:
-            Interrupted: SIGINT arrived while waiting.
-        """
+        """Run ``jobs[r]`` on worker ``r`` for every rank at once; a failed rank ends the repeat and the others are
+        replaced."""
         self.start()
         pending: dict[Connection, int] = {}
         for rank, job in enumerate(jobs):
@@ -163,11 +138,7 @@ class WarmPool:
         slot[1].send(message)
 
     def collect(self, rank: int) -> Any:
-        """The answer of worker ``rank`` to what :meth:`submit` sent (a failed :class:`Reply` if it died).
-
-        Raises:
-            Interrupted: SIGINT arrived while waiting.
-        """
+        """Worker ``rank``'s answer (a failed :class:`Reply` if it died); Interrupted on SIGINT."""
         slot = self._procs[rank]
         assert slot is not None
         try:
@@ -218,11 +189,7 @@ class WarmPool:
 
 
 def serve(conn: Connection) -> None:
-    """Body of a warm worker: import the training code, then run :class:`Job` s until told to stop.
-
-    Standard output is pointed at standard error first, so that the report (or ``--json``) is
-    all that ``runner bench`` writes to standard output.
-    """
+    """Body of a warm worker: import the training code, then run jobs until told to stop (stdout goes to stderr)."""
     sys.stdout.flush()
     os.dup2(2, 1)
     import torch
@@ -269,11 +236,7 @@ def _probe(job: Probe) -> Any:
 
 
 def run_job(job: Job) -> Reply:
-    """Train one repeat of a configuration in this process (:func:`runner.launch.worker.run_worker`).
-
-    No MLflow run is touched: the bench process records the configuration's child run from
-    the reply. Failures become replies instead of exceptions.
-    """
+    """Train one repeat in this process; failures become replies, and no MLflow run is touched."""
     import tempfile
 
     from runner.errors import RunnerError
@@ -344,13 +307,7 @@ def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:
 
 
 def write_chart(report: BenchReport, path: Path) -> Path:
-    """Draw samples/s and scaling efficiency per configuration, with spreads and notes, into a PNG (Agg backend).
-
-    Skipped and failed configurations appear as empty slots labelled with their status.
-
-    Returns:
-        ``path``.
-    """
+    """Draw samples/s and scaling efficiency per configuration into the PNG ``path`` (skipped ones as empty slots)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)

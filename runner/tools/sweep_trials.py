@@ -1,7 +1,4 @@
-"""A sweep's trials as experiments: the trial spec, validation of every trial up front, the child run's tags.
-
-Also: pruning a sweep trial: after each epoch, report the sweep's metric to Optuna and ask its pruner whether to stop.
-"""
+"""A sweep's trials as experiments: the trial spec, every trial validated up front, the child run's tags, pruning."""
 
 from __future__ import annotations
 
@@ -28,11 +25,7 @@ SCHEDULER_PREFIXES = ("SLURM_",)
 
 
 def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
-    """Return ``loaded`` as a plain experiment: its ``[sweep]`` table removed, hash recomputed.
-
-    Raises:
-        SpecError: Cannot happen for a spec that validated with its ``[sweep]`` table.
-    """
+    """``loaded`` as a plain experiment: its ``[sweep]`` removed, hash recomputed."""
     from runner.spec.dump import spec_sha256
     from runner.spec.loading import spec_from_dict
 
@@ -44,21 +37,14 @@ def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
 
 
 def trial_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment trials are planned against: this one without a scheduler's variables.
-
-    A sweep worker inside a Slurm job (one task of a job array, say) runs its trials on its
-    own devices: a trial is never the Slurm job's one run (docs/design.md §15-§16).
-    """
+    """This environment without a scheduler's variables: a trial is never a Slurm job's run (docs/design.md §15-§16)."""
     source = os.environ if environ is None else environ
     return {k: v for k, v in source.items() if not k.startswith(SCHEDULER_PREFIXES)}
 
 
 def trials_to_check(definition: SweepDefinition) -> list[Trial]:
-    """The trials validated before the first one starts.
-
-    Grid: every point. Random and tpe: each swept key at each of its values, or at both ends of
-    its range, with the other keys at their first value or lower end (index ``-1``: not a
-    trial of the study). A combination that only fails together is reported when it is drawn.
+    """The trials validated before the first starts: a grid's every point; else each key at each value or range end,
+    the others at their first (index ``-1``).
     """
     if definition.method == "grid":
         return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
@@ -93,24 +79,13 @@ def prepare_trials(
     *,
     unset: Sequence[str] = (),
 ) -> list[tuple[LoadedSpec, Plan]]:
-    """Load, validate and plan every trial before any runs; collect every problem.
+    """``(spec without [sweep], plan)`` per trial, every trial loaded, validated and planned before any runs.
 
-    Args:
-        overrides: Base ``--set`` strings; each trial's own values are applied after them.
-        environ: The environment to plan against (default: :func:`trial_environ`).
-        in_file: Swept keys whose values come from the spec's ``[sweep.params]`` (see
-            :func:`swept_in_file`), with their line: a bad value of theirs is blamed on that line.
-        on_cli: Swept keys given by ``--grid`` or ``--random`` (see :func:`swept_on_cli`), with the
-            entry as typed: a problem with their value names that entry, not ``--set``.
-        unset: ``--unset`` keys, removed before any ``--set``.
-
-    Returns:
-        ``(LoadedSpec without [sweep], runner.plan.Plan)`` per trial.
+    ``in_file`` and ``on_cli`` map swept keys to their line or command-line entry, which a problem then names.
 
     Raises:
-        SpecError: Trial specs that do not validate or name unknown models; each issue
-            keeps its key and names the trial (an issue found in several trials is reported once).
-        DeviceError: Trials that ask for devices this machine does not have, one line each.
+        SpecError: Trial specs that do not validate, each issue at its key and naming the trial, once.
+        DeviceError: Trials that ask for devices this machine lacks, a line each.
     """
     from runner.devices.inventory import probe_inventory
     from runner.plan import make_plan
@@ -160,12 +135,7 @@ def _model_error(loaded: LoadedSpec, checked: dict[tuple[str, Path], SpecError |
 
 
 def trial_tags(trial: Trial, study: str | None = None, number: int | None = None) -> tuple[tuple[str, str], ...]:
-    """MLflow tags of a trial's child run: index, values (JSON), ``sweep.<key>`` per swept key, the study and attempt.
-
-    Args:
-        study: The Optuna study name (tag ``runner.sweep.study``).
-        number: The Optuna trial number of this attempt (tag ``runner.sweep.optuna_trial``).
-    """
+    """MLflow tags of a trial's child run: index, values, ``sweep.<key>``, the study and the Optuna trial number."""
     tags = [
         ("runner.sweep", "trial"),
         ("runner.sweep.trial", str(trial.index)),
@@ -192,12 +162,7 @@ def _label(trial: Trial) -> str:
 
 
 def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, int | None]:
-    """Keys of the spec's ``[sweep.params]`` that the command line does not replace, with their line in the file.
-
-    Args:
-        base: The spec (with its ``[sweep]`` table).
-        grid, random: The ``--grid`` and ``--random`` entries (``KEY=...``).
-    """
+    """Keys of the spec's ``[sweep.params]`` that ``grid`` and ``random`` do not replace, with their line."""
     from runner.spec.messages import locate_keys
 
     if base.spec.sweep is None:
@@ -256,13 +221,7 @@ def swept_on_cli(grid: Sequence[str], random: Sequence[str]) -> dict[str, str]:
 
 
 class OptunaPruning:
-    """Report ``metric`` of each epoch as the trial's intermediate value (step = epoch) and return the pruner's verdict.
-
-    Args:
-        trial_number: The trial's number in the study.
-        definition: The sweep definition's JSON (metric, pruner and its settings).
-        trial: The live Optuna trial when the epochs run in this process (not pickled).
-    """
+    """Report ``metric`` of each epoch to the trial (step = epoch) and return the pruner's verdict."""
 
     def __init__(
         self,
@@ -281,11 +240,7 @@ class OptunaPruning:
         return state
 
     def __call__(self, epoch: int, metrics: dict[str, float]) -> bool:
-        """Whether the trial stops after ``epoch`` (0-based): False while the metric is not logged or not finite.
-
-        Raises:
-            StorageError: The study cannot be reopened in this process.
-        """
+        """Whether the trial stops after ``epoch``: False while the metric is missing or not finite."""
         value = metrics.get(self.definition["metric"])
         if value is None or not math.isfinite(float(value)):
             return False

@@ -25,12 +25,7 @@ PARENT_TAG = "mlflow.parentRunId"
 
 @dataclass(frozen=True)
 class RunRecord:
-    """A run as read back from the store.
-
-    Attributes:
-        status: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``.
-        start_time_ms: Start time, milliseconds since the Unix epoch.
-    """
+    """A run as read back: status and start time (milliseconds since the epoch)."""
 
     run_id: str
     experiment_id: str
@@ -59,11 +54,7 @@ def _client(uri: str) -> MlflowClient:
 
 
 def experiment_id(uri: str, experiment: str) -> str:
-    """Id of the experiment named ``experiment`` at ``uri``, created when missing.
-
-    Raises:
-        TrackingError: The experiment is deleted, or MLflow rejects a request.
-    """
+    """Id of experiment ``experiment`` at ``uri``, created when missing; TrackingError if deleted or rejected."""
     with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
         return ensure_experiment(_client(uri), experiment, uri)
 
@@ -102,22 +93,9 @@ def create_parent_run(
     texts: Mapping[str, str] | None = None,
     what: str = "the parent run",
 ) -> str:
-    """Create a RUNNING run that child runs will point at, with its tags, params and text artifacts.
+    """Create a RUNNING run for child runs to point at, with tags, params and text artifacts; return its id.
 
-    The experiment is created when missing. If recording the params or texts fails, the
-    run is ended FAILED before the error is raised.
-
-    Args:
-        tags: Tags given at creation (values within MLflow's length limit).
-        params: Params (logged in batches of 100).
-        texts: Artifact path -> text, each logged with ``MlflowClient.log_text``.
-        what: The run in error messages, e.g. ``"the sweep's parent run"``.
-
-    Returns:
-        The new run's id.
-
-    Raises:
-        TrackingError: The experiment is deleted, or MLflow rejects a request.
+    A failure while recording ends it FAILED first; TrackingError names ``what``.
     """
     eid = experiment_id(uri, experiment)
     client = _client(uri)
@@ -135,11 +113,7 @@ def create_parent_run(
 
 
 def find_run(uri: str, run_id: str) -> RunRecord | None:
-    """The run ``run_id`` at ``uri``, or ``None`` when the store has no such run.
-
-    Raises:
-        TrackingError: The store cannot be read for another reason.
-    """
+    """The run ``run_id`` at ``uri``, or ``None``; TrackingError when the store cannot be read."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -153,14 +127,7 @@ def find_run(uri: str, run_id: str) -> RunRecord | None:
 def child_runs(
     uri: str, experiment_id: str, parent_run_id: str, tags: Mapping[str, str] | None = None
 ) -> list[RunRecord]:
-    """Every run of ``experiment_id`` whose ``mlflow.parentRunId`` is ``parent_run_id``, oldest first.
-
-    Args:
-        tags: Only children with these tag values (e.g. a sweep's ``runner.sweep.optuna_trial``).
-
-    Raises:
-        TrackingError: MLflow rejects a request.
-    """
+    """Runs of ``experiment_id`` whose parent is ``parent_run_id`` (and with ``tags``), oldest first."""
     client = _client(uri)
     runs: list[RunRecord] = []
     token = None
@@ -192,16 +159,7 @@ def record_summary(
     files_dir: str | None = None,
     step: int = 0,
 ) -> None:
-    """Record what a parent (or a finished child) run sums up: figures, params, tags and files.
-
-    Args:
-        metrics: Metric key -> value, logged once at ``step``, timestamped now.
-        params: Param key -> value (a param cannot change once logged).
-        files_dir: Folder of ``files`` inside the run's artifacts. Default: the root.
-
-    Raises:
-        TrackingError: MLflow rejects a request.
-    """
+    """Record what a parent or finished child sums up: metrics at ``step``, params, tags, files under ``files_dir``."""
     client = _client(uri)
     with store_errors(f"record the summary of run {run_id} at {uri}"):
         _log_batches(client, run_id, metrics=metrics or {}, params=params or {}, tags=tags or {}, step=step)
@@ -212,10 +170,6 @@ def record_summary(
 
 
 def mark_running(uri: str, run_id: str) -> None:
-    """Set a stopped run's status back to RUNNING (a parent whose children are run again); nothing else changes.
-
-    Raises:
-        TrackingError: MLflow rejects the update.
-    """
+    """Set a stopped run RUNNING again (a parent whose children run again); TrackingError when rejected."""
     with store_errors(f"reopen MLflow run {run_id} at {uri}"):
         _client(uri).update_run(run_id, status="RUNNING")

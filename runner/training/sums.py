@@ -24,16 +24,8 @@ if TYPE_CHECKING:
 
 
 class RunningSums:
-    """Running sums kept on the device (float64) and reduced on demand, in one collective.
-
-    Entries: ``[loss sum, clipped gradient-norm sum, samples, correct predictions, predicted
-    targets]``. The norm sum is non-finite once a step's norm was (:mod:`runner.training.sums`
-    reads it, and the loss sum, where they are reduced anyway); the last two give the default
-    ``train/accuracy`` without a metric object (``MetricPlan.counted_accuracy``).
-
-    Args:
-        device: Where the sums live (the strategy's ``output_device``).
-        start: Rank-reduced sums restored from a checkpoint (rank 0 only; a shorter list fills the first entries).
+    """Running float64 sums on ``device`` (``[loss, clipped norm, samples, correct, predicted]``), reduced in one
+    collective; the norm sum turns non-finite with a step's norm; ``start`` restores rank-reduced sums.
     """
 
     SIZE = 5
@@ -87,15 +79,8 @@ def accuracy_of(sums: list[float]) -> float:
 
 @dataclass
 class Tally:
-    """What the loop adds up: since the last ``train/loss`` log (across epochs) and over the epoch in progress.
-
-    Attributes:
-        window_metrics: Train metrics since the last log (``train/step_<name>``).
-        epoch_metrics: Train metrics of the epoch (``train/<name>``).
-        guard: Checks for non-finite losses and gradient norms (``train.on_nonfinite``).
-        counted_accuracy: Whether the default ``train/accuracy`` is counted in the sums.
-        epoch: Sums of the epoch in progress; ``None`` between epochs.
-    """
+    """What the loop adds up since the last ``train/loss`` log and over the epoch in progress, with the non-finite
+    guard."""
 
     window: RunningSums
     window_metrics: MetricSet
@@ -132,10 +117,7 @@ class Tally:
         return tally
 
     def add(self, loss_sum: torch.Tensor, batch: Batch, out: ModelOutput, io: BatchIO) -> None:
-        """Add a micro-batch (its summed loss, samples, and the prediction in forward's ``out``) to window and epoch.
-
-        Only device work: no host read, no collective.
-        """
+        """Add a micro-batch to window and epoch: device work only, no host read, no collective."""
         sums = (self.window, self.epoch) if self.epoch is not None else (self.window,)
         for running in sums:
             running.add(loss_sum, batch.size)
@@ -167,13 +149,7 @@ class Tally:
 
 
 class Progress:
-    """Shows training progress on rank 0.
-
-    Args:
-        style: ``"auto"`` (bar on a TTY, lines otherwise), ``"bar"``, ``"lines"`` or ``"off"``.
-        enabled: False on non-zero ranks: nothing is printed.
-        every_s: Minimum seconds between two plain lines.
-    """
+    """Training progress on rank 0: ``style`` auto, bar, lines or off; plain lines at most every ``every_s``."""
 
     def __init__(self, style: str, total: int, *, enabled: bool = True, initial: int = 0, every_s: float = 10.0):
         self.enabled = enabled and style != "off"
@@ -239,10 +215,7 @@ class Progress:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Show ``name`` (e.g. ``"validating"``) as the phase while the block runs, then ``train`` again.
-
-        The block's time is left out of samples/s.
-        """
+        """Show ``name`` as the phase while the block runs (its time left out of samples/s), then ``train`` again."""
         start = time.perf_counter()
         if self.enabled and self._bar is None:
             print(f"step {self.done}/{self.total} {name}", file=sys.stderr, flush=True)
@@ -280,15 +253,8 @@ Window = tuple[int, int, "torch.Tensor | None"]  # a closed train/loss window: i
 
 
 class NonFiniteGuard:
-    """Finds the first non-finite step of a ``train/loss`` window (docs/design.md §14).
-
-    Args:
-        mode: ``train.on_nonfinite``: ``"stop"``, ``"warn"`` or ``"ignore"``.
-        device: Where the window's sums live (the strategy's output device).
-        step: Optimizer steps taken before this run of the loop (``TrainState.global_step``).
-        scaling: fp16 gradient scaling is on: the gradient norm is not checked (the scaler skips inf steps).
-        window: Most steps between two ``train/loss`` logs (``train.log_every_n_steps``).
-    """
+    """Finds the first non-finite step of a ``train/loss`` window (docs/design.md §14); no norm check under fp16
+    scaling."""
 
     def __init__(self, mode: str, device: torch.device, step: int, scaling: bool = False, window: int = 1) -> None:
         self.mode = mode
@@ -328,14 +294,8 @@ class NonFiniteGuard:
         return None
 
     def check(self, sums: list[float], strategy: Strategy, where: str, window: Window | None = None) -> None:
-        """Act on reduced running sums (``[loss, norm sum, ...]``, the same on every rank) of the window in progress,
-        or of ``window``, closed by :meth:`new_window` before the check.
-
-        Gathers every rank's first bad step (a collective, only when something was not finite).
-
-        Raises:
-            TrainingError: ``mode = "stop"``; names the first non-finite step and what was not finite.
-        """
+        """Act on the reduced sums of the window in progress or a closed ``window``; gathers every rank's first bad
+        step only when something was not finite. TrainingError under ``mode = "stop"``, naming it."""
         if not self.enabled or all(math.isfinite(v) for v in sums[:2]):
             return
         firsts = [f for f in strategy.all_gather_object(self._first_bad(window)) if f is not None]
@@ -355,11 +315,8 @@ class NonFiniteGuard:
         self._reported = window[0] + window[1] if window else self._start + self._taken
 
     def weights_finite(self, parameters: Iterable[torch.Tensor], strategy: Strategy, step: int) -> bool:
-        """Whether every weight is finite on every rank (a collective); before a checkpoint.
-
-        Raises:
-            TrainingError: ``mode = "stop"`` and some weight is not finite.
-        """
+        """Whether every weight is finite on every rank (a collective, before a checkpoint); TrainingError under
+        ``stop``."""
         if not self.enabled:
             return True
         params = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in parameters]  # this rank's shards
@@ -389,11 +346,7 @@ def lr_problem(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def check_lr(optimizer: torch.optim.Optimizer, scheduler: object) -> None:
-    """Stop training when the scheduler drove a learning rate negative or non-finite (every ``on_nonfinite``).
-
-    Raises:
-        TrainingError: Naming the scheduler and the learning rate (exit 1, the run FAILED).
-    """
+    """TrainingError naming the scheduler when it drove a learning rate negative or non-finite."""
     problem = lr_problem(optimizer)
     if problem is not None:
         epoch = getattr(scheduler, "last_epoch", "?")
