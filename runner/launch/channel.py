@@ -1,6 +1,4 @@
-"""The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens.
-
-Neither side imports torch or mlflow here.
+"""The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens; no torch, no mlflow.
 
 Details: docs/design.md, "Module notes", runner/launch/channel.py.
 """
@@ -34,11 +32,8 @@ class HubAddress:
 
 @dataclass(frozen=True)
 class HandedRun:
-    """The driver's answer to ``built``: the run and its checkpoint folder, or ``None`` for both when it made none.
-
-    Attributes:
-        abort: The driver will not run this job (the build or the store failed); the ranks train nothing.
-    """
+    """The driver's answer to ``built``: the run and its checkpoint folder (``None`` for both without one);
+    ``abort``."""
 
     run_id: str | None
     checkpoint_dir: str
@@ -59,11 +54,7 @@ class Link:
             self._conn.send((kind, *payload))
 
     def ask(self, kind: str, *payload: Any) -> Any:
-        """Send a message the hub answers and wait for the answer.
-
-        Raises:
-            TrackingError: The hub's answer was an error (its message is the hub's).
-        """
+        """Send a message the hub answers and wait; TrackingError carries the hub's error."""
         with self._lock:
             self._conn.send((kind, *payload))
             ok, answer = self._conn.recv()
@@ -76,11 +67,8 @@ class Link:
 
 
 class ChannelTracker:
-    """The :class:`~runner.tracking.trackers.Tracker` of rank 0: everything goes to the driver over the link.
-
-    ``log_metrics``, ``set_tags`` and ``log_artifact`` write one small message to a local socket and
-    return; the driver's tracker buffers and sends it (:class:`~runner.tracking.trackers.MlflowTracker`).
-    """
+    """Rank 0's :class:`Tracker`: each call writes one small message to a local socket; the driver's tracker sends
+    it."""
 
     def __init__(self, link: Link) -> None:
         self._link = link
@@ -129,14 +117,10 @@ class ChannelTracker:
 
 
 class Hub:
-    """The driver's end: a listening socket and one thread that serves rank 0's messages in order.
+    """The driver's end: a socket and one thread serving rank 0's messages in order through ``handle(kind, *payload)``.
 
-    Args:
-        handle: Called on the hub's thread as ``handle(kind, *payload)`` for every message; its return
-            value answers the kinds in :data:`ANSWERED`, and an exception it raises answers them as an
-            error (a :class:`~runner.errors.RunnerError`'s message, else the exception's name and text).
-        before_accept: Called on the hub's thread before it waits for rank 0 (the driver opens the store there,
-            while the training processes import torch and build).
+    Its return value answers :data:`ANSWERED` kinds, its exception answers them as an error; ``before_accept`` runs
+    first (the driver opens the store there while the training processes build).
     """
 
     def __init__(

@@ -1,6 +1,4 @@
-"""The JSON Schema of a spec file for editors and check-jsonschema, and the files that ship it (taplo config).
-
-Also: the Markdown key reference generated from the spec models (the JSON Schema is :mod:`runner.spec.editor_schema`).
+"""The JSON Schema of a spec file for editors (with the taplo config that ships it) and the Markdown key reference.
 
 Details: docs/design.md, "Module notes", runner/spec/editor_schema.py.
 """
@@ -28,12 +26,7 @@ Schema = dict[str, Any]
 
 
 def json_schema() -> Schema:
-    """Return the JSON Schema (draft 2020-12) of one spec file, for TOML editors such as taplo.
-
-    Returns:
-        A JSON-serialisable dict: ``runner schema`` prints it and ``runner schema --write``
-        writes it to ``runner.schema.json``.
-    """
+    """The JSON Schema (draft 2020-12) of one spec file, for TOML editors such as taplo."""
     from runner.spec.schema import ExperimentSpec
 
     raw = _toml_only(ExperimentSpec.model_json_schema())
@@ -79,15 +72,7 @@ def json_schema() -> Schema:
 
 
 def taplo_config(schema_path: str = f"./{SCHEMA_FILE}", include: str = TAPLO_INCLUDE) -> str:
-    """The ``.taplo.toml`` that maps spec files to the schema (taplo, Even Better TOML).
-
-    Args:
-        schema_path: The schema file, relative to the folder of ``.taplo.toml``.
-        include: Glob of the spec files, relative to that folder.
-
-    Returns:
-        The file's text.
-    """
+    """The ``.taplo.toml`` text that maps spec files (``include``) to the schema (``schema_path``)."""
     return (
         f"{GENERATED}\n"
         "# Editors using taplo (Even Better TOML) check and complete the spec files against the schema.\n"
@@ -103,13 +88,8 @@ def schema_text() -> str:
 
 
 def write_editor_files(folder: str | Path) -> list[Path]:
-    """Write ``runner.schema.json`` and ``.taplo.toml`` into ``folder``, and refresh a README's key reference.
-
-    A ``.taplo.toml`` that this function did not write (no generated header) is left alone, and
-    so is a README without the reference markers of :mod:`runner.spec.editor_schema`.
-
-    Returns:
-        The files written, in order.
+    """Write ``runner.schema.json`` and ``.taplo.toml`` into ``folder`` and refresh a README's key reference; a taplo
+    file or README this did not write is left alone. Returns the files written.
     """
     from runner.spec.editor_schema import BEGIN, END, markdown_reference
 
@@ -132,17 +112,8 @@ def write_editor_files(folder: str | Path) -> list[Path]:
 
 
 def emit_schema(*, write: str | None = None, output: str | None = None, markdown: bool = False) -> None:
-    """``runner schema``: print the spec's JSON Schema (or its Markdown key reference), or write the editor files.
-
-    Args:
-        write: Write ``runner.schema.json`` and ``.taplo.toml`` into this folder and refresh its README's key
-            reference (:func:`write_editor_files`), printing ``wrote ABSOLUTE_PATH`` for each, so a folder
-            that is not the project root shows in the output; the other arguments are ignored.
-        output: Write the text to this file instead of standard output.
-        markdown: The Markdown key reference (:func:`markdown_reference`) instead of the schema.
-
-    Raises:
-        UsageError: A file cannot be written (missing folder, no permission), named with the reason.
+    """``runner schema``: print the JSON Schema or the Markdown reference (to ``output``), or ``write`` the editor files
+    into a folder, printing each path. UsageError names a file that cannot be written.
     """
     from runner.errors import UsageError
     from runner.spec.editor_schema import markdown_reference
@@ -301,10 +272,8 @@ _SPEC_MODULE = re.compile(r"runner\.spec\.\w+\.")  # `runner.spec.schema.SweepPa
 
 
 def markdown_reference() -> str:
-    """Return one Markdown table per spec table, framed by :data:`BEGIN` / :data:`END` markers.
-
-    README.md carries this text verbatim; a test fails when the two drift apart.
-    """
+    """One Markdown table per spec table between :data:`BEGIN` and :data:`END`; README.md carries it verbatim
+    (tested)."""
     from runner.spec.schema import ExperimentSpec, SweepParam
 
     parts = [BEGIN, ""]

@@ -27,15 +27,7 @@ UNSET = "--unset"
 
 
 class FlagOverride(str):
-    """A ``dotted.key=value`` override that a shorthand flag made, e.g. ``--nproc-per-node 2``.
-
-    It is the ``--set`` text everywhere (records, ``LoadedSpec.command_line``), but messages about
-    it name the flag the user typed: ``--nproc-per-node: parallel.nproc_per_node: ... (from --nproc-per-node 0)``.
-
-    Attributes:
-        option: The flag, e.g. ``--nproc-per-node``.
-        typed: The flag with its value as typed, e.g. ``--nproc-per-node 0``.
-    """
+    """A ``--set`` text made by a shorthand flag (``--nproc-per-node 2``); messages name the flag as typed."""
 
     option: str
     typed: str
@@ -66,11 +58,7 @@ def parallel_flags(
     nproc_per_node: int | None = None,
     rdzv_endpoint: str | None = None,
 ) -> list[str]:
-    """The ddp shorthand flags (``--nnodes``, ``--node-rank``, ...) as ``--set`` entries; unset flags give none.
-
-    Example: ``parallel_flags(nnodes=2, rdzv_endpoint="h:29400")`` ->
-    ``["parallel.nnodes=2", 'parallel.rdzv_endpoint="h:29400"']``.
-    """
+    """The ddp shorthand flags as ``--set`` entries (``nnodes=2`` -> ``parallel.nnodes=2``); unset flags give none."""
     counts = {"nnodes": nnodes, "node_rank": node_rank, "nproc_per_node": nproc_per_node}
     out: list[str] = []
     for key, value in counts.items():
@@ -84,12 +72,7 @@ def parallel_flags(
 
 
 def apply_override(tree: SpecTree, override: str, issues: list[SpecIssue]) -> None:
-    """Apply one ``dotted.key=value`` to ``tree``; problems with the override itself become issues.
-
-    Args:
-        tree: The spec read from its files (changed in place).
-        issues: Problems found are appended here (located at ``--set``, not at a file).
-    """
+    """Apply one ``dotted.key=value`` to ``tree`` in place; problems become issues located at ``--set``."""
     key_text, eq, value_text = override.partition("=")
     loc = parse_key(key_text) if eq else None
     if loc is None:
@@ -160,15 +143,8 @@ def _override_value(loc: Loc, text: str) -> Any:
 
 
 def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
-    """Remove dotted ``key_text`` from ``tree`` so that its default applies; an unknown key becomes an issue.
-
-    A key the schema knows but the files do not set is already at its default: nothing changes.
-    Returns whether a key was removed.
-
-    Args:
-        tree: The spec read from its files (changed in place).
-        key_text: The text given to ``--unset``, e.g. ``parallel.backend``.
-        issues: Problems found are appended here (located at ``--unset``), with a did-you-mean.
+    """Remove ``key_text`` from ``tree`` so its default applies; return whether one was removed. An unknown key is an
+    issue with a did-you-mean.
     """
     loc = parse_key(key_text)
     if loc is None:

@@ -43,12 +43,7 @@ def mixed_precision(amp: str) -> MixedPrecisionPolicy:
 def shard(
     module: nn.Module, blocks: list[nn.Module], policy: MixedPrecisionPolicy, reshard: bool, mesh: Any = None
 ) -> None:
-    """``fully_shard`` each block (innermost first, so a nested block is sharded before its parent), then the root.
-
-    Args:
-        reshard: ``parallel.reshard_after_forward``.
-        mesh: The device mesh; ``None``: the default process group's (``runner plan`` passes a fake one).
-    """
+    """``fully_shard`` each block, innermost first, then the root (``mesh`` ``None``: the default group's)."""
     kwargs: dict[str, Any] = {"mp_policy": policy, "reshard_after_forward": reshard, "mesh": mesh}
     for block in reversed(blocks):
         fully_shard(block, **kwargs)
@@ -66,13 +61,8 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 class FSDPStrategy(DDPStrategy):
-    """``mode = "fsdp"``: ``fully_shard`` on ``parallel.fsdp_blocks`` (or each child with parameters), then the root.
-
-    Args:
-        plan: The resolved device plan (accelerator, backend, processes per node).
-        parallel: The ``[parallel]`` table (``fsdp_blocks``, ``reshard_after_forward``, timeouts).
-        env: This process's place in the job, from ``LauncherEnvironment.detect()``.
-        amp: ``train.amp``: the parameter dtype of forward and backward.
+    """``mode = "fsdp"``: ``fully_shard`` on ``parallel.fsdp_blocks`` (or each child with parameters), then the root;
+    forward and backward in ``amp``'s dtype.
     """
 
     mode = "fsdp"
@@ -83,14 +73,8 @@ class FSDPStrategy(DDPStrategy):
         self._replica: nn.Module | None = None  # the evaluation replica, storage-less between evaluations
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
-        """Move ``module`` to this rank's device and shard it: each block, then the root.
-
-        With ``train.activation_checkpointing`` and ``train.compile`` each block is checkpointed and
-        compiled before it is sharded (torchtitan's order); the root is not compiled.
-
-        Raises:
-            SpecError: ``parallel.fsdp_blocks`` names a class the model does not have.
-        """
+        """Move ``module`` to this rank's device, checkpoint and compile each block (torchtitan's order), shard each,
+        then the root; SpecError for an ``fsdp_blocks`` class the model lacks."""
         self._need_setup()
         find_blocks(module, self.parallel.fsdp_blocks)  # names checked before any work
         module = module.to(self.device)
@@ -141,11 +125,7 @@ class FSDPStrategy(DDPStrategy):
         set_model_state_dict(unwrap(wrapped), fitted, options=StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Shard a whole ``optimizer.state_dict()`` (from any mode) into ``optimizer``.
-
-        A state without tensors (plain SGD keeps none) has nothing to shard: torch's loader would fail on it
-        ("Expected device to be set"), so its groups and values are loaded as they are.
-        """
+        """Shard a whole ``optimizer.state_dict()`` into ``optimizer``; a state without tensors is loaded as it is."""
         if not any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in state["state"].values() for v in s.values()):
             optimizer.load_state_dict(state)
             return

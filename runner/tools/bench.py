@@ -38,17 +38,8 @@ _MULTI_NODE_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "r
 
 
 def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[str, int]]:
-    """The ``(mode, n)`` pairs to measure, in run order: none, then dp, then ddp, then fsdp.
-
-    Args:
-        nprocs: Device counts (dp) / process counts (ddp, fsdp); duplicates are ignored.
-
-    Returns:
-        ``[("none", 1), ("dp", n) for n >= 2, ("ddp", n) ..., ("fsdp", n) ...]``.
-
-    Raises:
-        UsageError: An unknown mode, an empty list or a count below 1.
-    """
+    """The ``(mode, n)`` pairs to measure in run order (none, dp, ddp, fsdp); UsageError for an unknown mode or bad
+    count."""
     check_modes(modes)
     if not nprocs or any(n < 1 for n in nprocs):
         raise UsageError(f"--nproc: expected positive device / process counts, e.g. 1,2; got {list(nprocs)}")
@@ -74,15 +65,7 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Derive the raw spec dict of one configuration from the user's merged spec dict.
-
-    Args:
-        data: ``LoadedSpec.data`` (after ``extends`` and ``--set``; not modified).
-        n: Devices (dp) or processes (ddp, fsdp); 1 for none.
-
-    Returns:
-        A new dict, to validate with :func:`runner.spec.loading.spec_from_dict`.
-    """
+    """A new raw spec dict of one configuration (``n`` devices or processes) from the user's merged ``data``."""
     d = copy.deepcopy(data)
     traits = MODES[mode]
     par = {
@@ -114,17 +97,15 @@ def run_bench(
     repeats: tuple[int, int] = (2, 4),
     out_dir: str | Path | None = None,
 ) -> BenchReport:
-    """Measure the spec at ``path`` under every configuration (:func:`configurations` of ``modes`` and
-    ``nprocs``) and record one parent MLflow run. Each repeat takes ``warmup`` untimed steps, then ``steps``
-    timed ones; ``repeats = (min, max)``: more than ``min`` while the figures are not steady. ``bench.json``
-    and ``bench.png`` go to ``out_dir`` (default ``./bench-results``); ``report.failed`` counts the
-    configurations that failed while training.
+    """Measure the spec under every configuration and record one parent MLflow run.
+
+    Each repeat runs ``warmup`` untimed and ``steps`` timed steps; ``repeats = (min, max)``; files go to ``out_dir``.
 
     Raises:
-        UsageError: Bad arguments, or started under torchrun (the bench launches its own workers).
+        UsageError: Bad arguments, or started under torchrun.
         SpecError: The spec is invalid, or its model or data cannot be built.
         TrackingError: The tracking store cannot be reached.
-        Interrupted: SIGINT arrived; the parent run (and the running child) end KILLED.
+        Interrupted: SIGINT; the parent run and the running child end KILLED.
     """
     from runner.plan import launched_externally
     from runner.spec.loading import load_spec

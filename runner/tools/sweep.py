@@ -55,24 +55,17 @@ def run_sweep(
     log: Callable[[str], None] | None = None,
     processes: bool = False,
 ) -> SweepReport:
-    """Run a sweep's trials (those no worker has run) as child runs of its parent MLflow run.
+    """Run a sweep's trials that no worker has run as child runs of its parent MLflow run.
 
-    Every trial spec (every grid point; for random and tpe, every value and range end) is validated and its
-    devices resolved before the study or the parent run exists, so a bad value fails the sweep at once. A trial
-    that fails while training is recorded FAILED and the sweep goes on. The worker that finds no trial left and
-    none running elsewhere ends the parent run, with the best trial and Optuna's plots. ``cli`` holds the
-    command line's flags (``None``: the spec's ``[sweep]`` alone); ``jobs > 1`` runs trials in warm worker
-    processes spread over the spec's devices, as ``processes`` does for one (a crashing trial cannot take the
-    sweep down); ``storage`` and ``study`` default to ``[sweep]``'s, else sqlite beside the MLflow store and a
-    name derived from the trial spec and the definition; ``log`` gets one line per trial (default stderr).
+    Every trial is validated and planned before the study or parent exists. A trial that fails is recorded FAILED and
+    the sweep goes on; the last worker ends the parent with the best trial and plots. ``jobs > 1`` (or ``processes``)
+    runs trials in warm worker processes; ``storage`` and ``study`` default to ``[sweep]``'s, else sqlite beside the
+    store and a name derived from the spec.
 
     Raises:
-        SpecError: The spec, the definition, a trial or ``[sweep] storage`` is invalid; no run is created.
-        UsageError: Bad command-line entries, tracking disabled, a ``--storage`` that cannot be opened, or a
-            study of that name searching another sweep.
-        DeviceError, TrackingError: A trial's devices are missing; the store cannot be used.
-        Interrupted: SIGINT/SIGTERM; running trials are enqueued again and, when no other worker runs
-            trials, the parent run is KILLED.
+        SpecError: The spec, definition, a trial or the storage is invalid; no run is created.
+        UsageError: Bad entries, tracking off, an unusable ``--storage``, or a study searching another sweep.
+        Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
     """
     from runner.spec.loading import load_spec
     from runner.spec.messages import locate_keys
@@ -122,12 +115,7 @@ def _open_study(
     study: str | None,
     lines: dict[tuple, int],
 ) -> tuple[SweepStudy, SweepReport]:
-    """Found or join the sweep's study (and its parent run); an empty report of it.
-
-    Raises:
-        UsageError, SpecError, TrackingError: See :func:`_open_storage`; a study of that name
-            that searches another sweep.
-    """
+    """Found or join the sweep's study and parent run, with an empty report; errors as :func:`run_sweep`."""
     url, rdb = _open_storage(base, storage, store.uri, lines)
     trial_base = without_sweep(base)
     named = study or (base.spec.sweep.study if base.spec.sweep is not None else None)
@@ -266,11 +254,7 @@ def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]
 
 
 def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, run: Callable[[], None]) -> None:
-    """Run the trials; on a signal or an error, end the parent run first when no other worker runs trials.
-
-    Raises:
-        Interrupted: SIGINT/SIGTERM (the running trials were enqueued again).
-    """
+    """Run the trials; on a signal or error, end the parent first when no other worker runs trials."""
 
     def settle(status: str, error: str) -> None:
         report.trials = study.results()

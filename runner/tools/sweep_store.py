@@ -1,6 +1,4 @@
-"""What a sweep records in MLflow: its parent run, the trials' child runs, the best trial and Optuna's plots.
-
-Also: the sweep's Optuna storage, sampler and pruner: where the study lives and how it searches and prunes.
+"""What a sweep records in MLflow (parent run, child runs, best trial, plots), and its Optuna storage, sampler, pruner.
 
 Details: docs/design.md, "Module notes", runner/tools/sweep_store.py.
 """
@@ -35,11 +33,7 @@ PRUNED_TAG = "runner.sweep.pruned"
 
 
 class SweepStore:
-    """The sweep's runs in one tracking store and experiment.
-
-    Nothing touches the store before a method that needs it is called, so trials can be
-    validated before anything is written.
-    """
+    """The sweep's runs in one store and experiment; nothing touches the store before a method needs it."""
 
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
@@ -64,12 +58,8 @@ class SweepStore:
     def create_parent(
         self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, study: str, storage: str
     ) -> str:
-        """Create the parent run: the definition as params (and tag), the study, ``sweep.json`` and the spec file.
-
-        Args:
-            study: The Optuna study name (tag ``runner.sweep.study``).
-            storage: The storage URL without password (tag ``runner.sweep.storage``).
-        """
+        """Create the parent run: the definition as params, the study and storage as tags, ``sweep.json``, the spec
+        file."""
         recorded = json.dumps(definition.to_json(), default=str)
         tags = {
             "runner.sweep": "parent",
@@ -191,12 +181,7 @@ class StorageError(Exception):
 
 
 def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
-    """sqlite ``optuna.db`` next to a local MLflow store, else in ``cwd`` (default: the current folder).
-
-    Args:
-        tracking_uri: The absolute MLflow tracking URI of the sweep.
-        cwd: Folder for stores that are not local files (a tracking server).
-    """
+    """sqlite ``optuna.db`` beside a local MLflow store, else in ``cwd``."""
     if tracking_uri.startswith("sqlite:///"):
         path = Path(tracking_uri[len("sqlite:///") :].partition("?")[0])
         if path.is_absolute():
@@ -210,19 +195,10 @@ def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
 
 
 def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBStorage:
-    """Open (and on first use create) the Optuna RDB storage at ``url``.
+    """Open (creating on first use) the Optuna RDB storage at ``url``; sqlite waits 60 s for a lock.
 
-    sqlite waits up to 60 s for a lock held by another worker. Workers that create the tables
-    of a new storage at the same moment race; the loser tries again.
-
-    Args:
-        url: An SQLAlchemy URL, e.g. ``sqlite:////abs/optuna.db`` or ``postgresql+psycopg://u@h/db``.
-        heartbeat: Record heartbeats and fail trials whose worker stopped sending them (workers);
-            ``False`` for processes that only report intermediate values.
-        attempts: Tries before giving up on a table-creation race.
-
-    Raises:
-        StorageError: The URL is malformed, its driver is not installed, or the database refuses.
+    Workers creating a new storage's tables at once race, and the loser tries again (``attempts``). ``heartbeat``
+    fails trials whose worker went silent. Raises StorageError: malformed URL, driver missing, or refused.
     """
     import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -250,13 +226,8 @@ def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBS
 
 
 def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -> BaseSampler:
-    """Optuna's GridSampler, RandomSampler or TPESampler for ``definition.method``.
-
-    Args:
-        definition: The sweep (method, search space, seed).
-        trial_number: Seed the sampler for this trial: from ``definition.seed`` and the trial's
-            number, so a trial draws the same values in whichever worker runs it, and two
-            workers never draw the same sequence. ``None``: seeded with ``definition.seed``.
+    """Optuna's grid, random or TPE sampler, seeded from ``definition.seed`` and ``trial_number`` so a trial draws the
+    same values in any worker.
     """
     from optuna.samplers import GridSampler, RandomSampler, TPESampler
 

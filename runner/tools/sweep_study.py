@@ -65,22 +65,13 @@ class SweepStudy:
         spec_sha256: str,
         unfound: Callable[[str], None] | None = None,
     ) -> tuple[SweepStudy, bool]:
-        """Create the study and its trials, or join it when another worker already did.
+        """``(study, founded)``: create the study and its trials, or join the one another worker made (same definition).
 
-        Args:
-            definition: What the sweep searches; a joined study must have the same.
-            found: Called once by the worker that creates the study; creates the MLflow parent
-                run and returns its id.
-            spec_sha256: Hash of the trial spec, recorded by the founder.
-            unfound: Called with the parent run's id when setting the study up fails after
-                ``found``; removes that run, so that nothing half-written is left.
-
-        Returns:
-            ``(study, founded)``: ``founded`` is True for the worker that created it.
+        The founder calls ``found`` once (it makes the parent run and returns its id) and records ``spec_sha256``;
+        ``unfound`` removes that run when the set-up fails after it.
 
         Raises:
-            UsageError: The study exists with another definition, or its founder never finished
-                setting it up.
+            UsageError: The study exists with another definition, or its founder never finished setting it up.
             StorageError: The storage refuses a request.
         """
         import optuna
@@ -141,11 +132,7 @@ class SweepStudy:
                 study.enqueue_trial({})
 
     def _wait_until_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Wait for the founder; then check the study searches what this worker would search.
-
-        Raises:
-            UsageError: Another definition, or no founder finished within ``timeout_s``.
-        """
+        """Wait for the founder, then check the study searches what this worker would (UsageError otherwise)."""
         deadline, pause = time.monotonic() + timeout_s, 0.05
         while not self.storage.get_study_user_attrs(self.study_id).get(ATTR_READY):
             if time.monotonic() > deadline:
@@ -174,10 +161,7 @@ class SweepStudy:
         return None if value is None else str(value)
 
     def next_trial(self) -> optuna.Trial | None:
-        """Take the next WAITING trial for this worker, or ``None`` when none is left.
-
-        The storage sets a trial RUNNING for one caller only, so two workers never get the same.
-        """
+        """The next WAITING trial for this worker (the storage hands each to one caller only), or ``None``."""
         import optuna
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
@@ -240,12 +224,7 @@ class SweepStudy:
                 RetryHeartbeatStaleTrialCallback()(self.study, frozen)
 
     def fail_dead(self, number: int, error: str) -> bool:
-        """Fail trial ``number`` whose worker process died (it is not run again).
-
-        Returns:
-            False when the trial had already finished (its worker died after recording the result, which
-            stands), True when it was failed here.
-        """
+        """Fail trial ``number`` whose worker died; False when it had already finished and its result stands."""
         from optuna.trial import TrialState
 
         trial_id = self.trial_id(number)
@@ -257,11 +236,8 @@ class SweepStudy:
         return True
 
     def fail_stale(self) -> list[int]:
-        """Fail RUNNING trials whose worker stopped sending heartbeats; each is enqueued again.
-
-        Returns:
-            The numbers of the trials failed here (their MLflow runs are to be ended KILLED).
-        """
+        """Fail and enqueue again the RUNNING trials without heartbeats; return their numbers (their runs end
+        KILLED)."""
         from optuna.storages import fail_stale_trials
         from optuna.trial import TrialState
 
@@ -273,11 +249,8 @@ class SweepStudy:
         return sorted(t.number for t in failed if t.number in running)
 
     def silent_for(self) -> list[float]:
-        """Seconds since the last heartbeat of each RUNNING trial (0 for one that has not beaten yet).
-
-        Read as Optuna reads them to find stale trials (``RDBStorage._get_stale_trial_ids``): the
-        database's clock against the trial's heartbeat row.
-        """
+        """Seconds since each RUNNING trial's last heartbeat, by the database's clock as Optuna reads it (0: none
+        yet)."""
         import sqlalchemy
         from optuna.storages._rdb import models
         from optuna.trial import TrialState
@@ -309,11 +282,7 @@ class SweepStudy:
         return counts.get("WAITING", 0) + counts.get("RUNNING", 0)
 
     def results(self, since: float | None = None) -> list[TrialResult]:
-        """One result per trial number, from its latest attempt, in number order.
-
-        Args:
-            since: Time (seconds since the epoch) this worker started; trials that ended before are ``reused``.
-        """
+        """One result per trial number, from its latest attempt; trials that ended before ``since`` are ``reused``."""
         latest: dict[int, FrozenTrial] = {}
         for frozen in self.storage.get_all_trials(self.study_id, deepcopy=False):
             index = index_of(frozen)

@@ -39,12 +39,7 @@ class Item(NamedTuple):
 
 @dataclass
 class SpoolContents:
-    """What a spool file holds.
-
-    Attributes:
-        tags: Tags, later values replacing earlier ones.
-        end: ``(status, error)`` of a run end that could not be sent, or ``None``.
-    """
+    """What a spool file holds: tags (later replacing earlier) and a run end ``(status, error)`` not yet sent."""
 
     items: list[Item] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
@@ -62,14 +57,7 @@ def append(
     tags: Mapping[str, str] | None = None,
     end: tuple[str, str | None] | None = None,
 ) -> int:
-    """Append records to the spool at ``path`` (created with its folder) and fsync it; returns the values written.
-
-    Args:
-        end: ``(status, error)`` of a run end to record, or ``None``.
-
-    Raises:
-        OSError: The file cannot be written.
-    """
+    """Append records (and a run ``end``) to the spool at ``path`` and fsync it; return the values written. OSError."""
     lines = [json.dumps({"seq": i.seq, "key": i.key, "value": i.value, "timestamp": i.timestamp, "step": i.step})
              for i in items]  # fmt: skip
     count = len(lines)
@@ -88,12 +76,8 @@ def append(
 
 
 def read(path: Path, offset: int = 0, limit: int | None = None, after: int = -1) -> tuple[SpoolContents, int]:
-    """Read a spool from byte ``offset``: at most ``limit`` metric values with ``seq > after``.
-
-    A last line cut short by a crash is ignored.
-
-    Returns:
-        The contents and the byte offset just past the last line read.
+    """Contents from byte ``offset``: at most ``limit`` values with ``seq > after`` (a last line cut by a crash is
+    ignored), and the offset past the last line read.
     """
     out = SpoolContents()
     if not path.is_file():
@@ -124,12 +108,7 @@ def read(path: Path, offset: int = 0, limit: int | None = None, after: int = -1)
 
 @dataclass(frozen=True)
 class Sent:
-    """What :func:`send_spool` did.
-
-    Attributes:
-        skipped: Values not sent: the run already holds their step, or (on resume) they come after the checkpoint.
-        ended: The run status that was applied, or ``None``.
-    """
+    """What :func:`send_spool` did: values skipped (already held, or after the checkpoint) and the status applied."""
 
     metrics: int = 0
     skipped: int = 0
@@ -139,15 +118,10 @@ class Sent:
 def send_spool(
     uri: str, run_id: str, path: Path, *, before_seq: int | None = None, apply_end: bool = True
 ) -> Sent | None:
-    """Send what a spool holds to the run, then remove the file; ``None`` when there is no spool file.
+    """Send a spool to the run and remove it; ``None`` without a spool file.
 
-    Args:
-        before_seq: Resume: send only values recorded before the checkpoint (``seq < before_seq``); the
-            others are computed again after it.
-        apply_end: Set the recorded final status (``runner status``); a resume continues the run instead.
-
-    Raises:
-        TrackingError: The store does not answer or rejects the values; the spool is kept.
+    ``before_seq`` sends only values recorded before a resume's checkpoint; ``apply_end`` sets the recorded final
+    status. Raises TrackingError, keeping the spool, when the store does not answer or rejects the values.
     """
     from mlflow.entities import Metric, RunTag
 
@@ -202,11 +176,8 @@ class Artifact(NamedTuple):
 
 
 class BatchSender:
-    """The sender thread's half of a tracker; :class:`~runner.tracking.trackers.MlflowTracker` sets the state.
-
-    Attributes are those of the tracker: the buffered values (``_queue``), the batch in flight
-    (``_batch``), the counters ``_recorded`` > ``_on_disk`` >= ``_sent`` (value numbers), the pending
-    tags and artifacts (``_ops``), and when the store may be tried again (``_down_until``).
+    """The sender thread's half of a tracker; :class:`MlflowTracker` holds the state (queue, batch in flight, counters
+    ``_recorded`` > ``_on_disk`` >= ``_sent``, pending ops, ``_down_until``).
     """
 
     run_id: str

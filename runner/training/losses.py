@@ -113,12 +113,8 @@ class ModelLoss(Loss):
 
 
 class FunctionLoss(Loss):
-    """``loss.name = "pkg.module:function"``: returns the batch mean, called one of two ways.
-
-    * ``function(prediction, target, **kwargs)``: the prediction ``model.output`` picks, and the target;
-    * by keyword, when its signature names ``output`` or ``batch`` (:data:`WHOLE`): ``output`` is all
-      forward returned (e.g. ``{"logits", "aux_loss"}``), ``batch`` the whole batch on its devices
-      (a dict with the target key, or ``(x, y)``); ``prediction`` and ``target`` may be asked for too.
+    """``loss.name = "pkg.module:function"`` returning the batch mean: ``function(prediction, target, **kwargs)``, or by
+    keyword when it names ``output`` (all forward returned) or ``batch`` (the whole batch on its devices).
     """
 
     def __init__(self, name: str, function: Callable[..., Any], kwargs: dict[str, Any]) -> None:
@@ -151,15 +147,7 @@ def _wide(value: torch.Tensor) -> torch.Tensor:
 
 
 def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
-    """Build the loss of ``[loss]``.
-
-    Returns:
-        The :class:`Loss`.
-
-    Raises:
-        SpecError: A function that cannot be imported (``loss.name``), or kwargs the loss does not take
-            (``loss.kwargs``, with its signature).
-    """
+    """The :class:`Loss` of ``[loss]``; SpecError for a function that does not import or kwargs it does not take."""
     name = loss_spec.name
     if name == "model":
         return ModelLoss(name)
@@ -197,11 +185,7 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
 
 
 def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
-    """Check before the MLflow run exists that ``[loss]`` builds and every ``[metrics]`` factory imports.
-
-    Raises:
-        SpecError: As :func:`build_loss` and :func:`runner.training.metrics.check_metric_names`.
-    """
+    """Check before the run exists that ``[loss]`` builds and every ``[metrics]`` factory imports (SpecError)."""
     from runner.training.metrics import check_metric_names
 
     loss = build_loss(spec.loss, spec_dir)
@@ -211,10 +195,8 @@ def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
 
 
 def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
-    """Call a built-in loss once on a stand-in batch of 2 samples, so a kwarg torch checks only in forward
-    (``label_smoothing`` outside [0, 1], a negative ``beta``) is found before the run exists: logits (2, C) and
-    targets (2,) for per-sample losses, C = ``len(weight)`` or 3; predictions and targets (2, N) for elementwise
-    ones, N = ``len(pos_weight)`` or 1. Raises SpecError (``loss.kwargs``) when the loss rejects it."""
+    """Call a built-in loss once on a 2-sample stand-in batch, so a kwarg torch checks only in forward
+    (``label_smoothing`` outside [0, 1]) is a SpecError at ``loss.kwargs`` before the run exists."""
     if loss.name in PER_SAMPLE:
         classes = len(kwargs.get("weight") or [0, 0, 0])
         prediction, target = torch.zeros(2, classes), torch.zeros(2, dtype=torch.long)
@@ -246,17 +228,7 @@ _SCHEDULERS = {
 def build_optimizer(
     optim_spec: OptimSpec, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
 ) -> torch.optim.Optimizer:
-    """Create the ``torch.optim`` optimizer of ``[optim]`` over ``params``.
-
-    Args:
-        params: Parameters (or parameter groups) of the unwrapped model.
-
-    Returns:
-        The optimizer; ``lr`` is the base learning rate.
-
-    Raises:
-        SpecError: ``optim.kwargs`` holds an argument the optimizer does not take.
-    """
+    """The ``torch.optim`` optimizer of ``[optim]`` over ``params``; SpecError for an argument it does not take."""
     cls = _OPTIMIZERS[optim_spec.name]
     kwargs: dict[str, Any] = {"lr": optim_spec.lr, "weight_decay": optim_spec.weight_decay}
     if optim_spec.name == "sgd":
@@ -268,14 +240,10 @@ def build_optimizer(
 def build_scheduler(
     scheduler_spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, total_steps: int, epochs: int
 ) -> LRScheduler | None:
-    """Create the LR scheduler of ``[scheduler]``, or ``None`` when there is none.
+    """The LR scheduler of ``[scheduler]``, or ``None``.
 
-    ``cosine`` defaults ``T_max`` to the number of scheduler calls in the run (epochs or
-    optimizer steps, per ``interval``); ``onecycle`` defaults ``max_lr`` to the optimizer's
-    lr and ``total_steps`` to the run's optimizer steps (it always steps per batch).
-
-    Raises:
-        SpecError: ``scheduler.kwargs`` holds an argument the scheduler does not take or lacks a required one.
+    ``cosine``'s ``T_max`` defaults to the run's scheduler calls; ``onecycle``'s ``max_lr`` to the optimizer's lr and
+    ``total_steps`` to the run's steps. SpecError for an argument the scheduler does not take or lacks.
     """
     if scheduler_spec is None:
         return None
