@@ -1,8 +1,7 @@
 """Command line: parse arguments, call the library, map errors to exit codes. Nothing more.
 
-Exit status: 0 success, 1 the training job failed, 2 bad spec or bad command line,
-130 interrupted (SIGINT or SIGTERM). Each :class:`~runner.errors.RunnerError` carries its
-own ``exit_code``; :func:`main` maps them with one ``except``.
+Exit status: 0 success, 1 the training job failed, 2 bad spec or bad command line, 130 interrupted (SIGINT or SIGTERM).
+Each :class:`~runner.errors.RunnerError` carries its own ``exit_code``; :func:`main` maps them with one ``except``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Exception hierarchy: every error raised on purpose, each class carrying its exit status and heading; notes.
 
-Exit status (docs/design.md): 0 success, 1 the training job failed, 2 bad spec, bad command line,
-missing devices or an unreachable tracking store (all found before training), 130 interrupted.
+Exit status (docs/design.md): 0 success, 1 the training job failed, 2 bad spec, bad command line, missing devices or an
+unreachable tracking store (all found before training), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ _QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|acce
 
 def mask_secrets(text: str) -> str:
     """``text`` with every URL's credentials replaced by ``***``: passwords, a bare http(s) user (a token), and
-    ``password=``/``token=`` query values; a password runs to the authority's last ``@``, as ``urllib.parse`` reads it.
-    """
+    ``password=``/``token=`` query values; a password runs to the authority's last ``@``, as ``urllib.parse`` reads
+    it."""
     text = _USER_PASSWORD.sub(r"\g<head>:***@", text)
     text = _HTTP_TOKEN.sub(lambda m: m.group(0) if m.group(0).endswith("***@") else m.group("head") + "***@", text)
     return _QUERY_SECRET.sub(r"\g<head>***", text)
@@ -155,8 +155,7 @@ class UserCodeError(TrainingError):
 
 def user_code_error(exc: BaseException, key: str | None = None) -> UserCodeError | None:
     """``exc`` as a :class:`UserCodeError` when its traceback passes through the user's code (outside runner, the
-    standard library and packages), else ``None``; ``key`` defaults to the spec key read off the last runner frame.
-    """
+    standard library and packages), else ``None``; ``key`` defaults to the spec key read off the last runner frame."""
     import traceback
 
     frames = list(traceback.walk_tb(exc.__traceback__))
@@ -327,8 +326,8 @@ def did_you_mean(
 
 def exit_quickly(code: int) -> None:
     """Exit with ``code`` after ``gc.freeze()``: atexit callbacks and non-daemon threads still run, but the last
-    collection of the teardown skips the objects alive now (torch's and mlflow's modules), about 1 s of every
-    runner process on a 2-core VM (benchmarks/README.md, start-up)."""
+    collection of the teardown skips the objects alive now (torch's and mlflow's modules), about 1 s of every runner
+    process on a 2-core VM (benchmarks/README.md, start-up)."""
     import gc
 
     gc.freeze()

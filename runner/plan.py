@@ -37,8 +37,8 @@ class Rendezvous:
 class Plan:
     """A resolved spec ready to run.
 
-    ``launch`` is ``"in-process"``, ``"elastic"`` or ``"external"`` (a worker of torchrun or a scheduler);
-    ``launcher`` is this process's place in its job; ``part_notes`` are filled in once the built parts are checked.
+    ``launch`` is ``"in-process"``, ``"elastic"`` or ``"external"`` (a worker of torchrun or a scheduler); ``launcher``
+    is this process's place in its job; ``part_notes`` are filled in once the built parts are checked.
     """
 
     loaded: LoadedSpec

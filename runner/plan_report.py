@@ -26,9 +26,8 @@ _LAUNCH_TEXT = {
 
 
 def format_plan(info: dict[str, Any]) -> str:
-    """``runner plan``'s text for :meth:`Plan.describe` (or :func:`describe_unrunnable`): one line per fact, and for a
-    spec this machine cannot run, what is missing and the command that runs instead.
-    """
+    """``runner plan``'s text for :meth:`Plan.describe` (or :func:`describe_unrunnable`): one line per fact, and for
+    a spec this machine cannot run, what is missing and the command that runs instead."""
     lines = [f"plan for {info['spec']}", _row("run name", info.get("run_name") or "(set when the run starts)")]
     dev = info.get("devices")
     launch = info.get("launch")
@@ -117,8 +116,8 @@ def show_plan(
 ) -> None:
     """``runner plan``: print the plan (JSON, the resolved spec, the memory estimate, a sweep's trials as asked).
 
-    ``sweep_trials`` is passed in by the command line (the core does not import the tools). The plan is printed
-    first; a spec this machine cannot run then raises DeviceError with a working fix.
+    ``sweep_trials`` is passed in by the command line (the core does not import the tools). The plan is printed first; a
+    spec this machine cannot run then raises DeviceError with a working fix.
     """
     from runner.devices.inventory import probe_inventory
     from runner.launch.prebuild import known_differences
@@ -160,9 +159,9 @@ def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     §10).
 
     Two steps under ``FakeTensorMode`` and ``MemTracker`` (the second, with optimizer state, counts): nothing is
-    allocated, no GPU needed. Measured at the global and the per-device batch; dp's device 0 adds the batch it
-    scatters, the outputs it gathers and the optimizer state; ddp adds its buckets unless
-    ``gradient_as_bucket_view``; fsdp is measured sharded over a fake group under ``FSDPMemTracker``.
+    allocated, no GPU needed. Measured at the global and the per-device batch; dp's device 0 adds the batch it scatters,
+    the outputs it gathers and the optimizer state; ddp adds its buckets unless ``gradient_as_bucket_view``; fsdp is
+    measured sharded over a fake group under ``FSDPMemTracker``.
 
     Returns ``{"devices", "global_batch", "modes": {mode: [per-device figures]}}``, or ``{"error": why}`` when the step
     cannot run on fake tensors.
@@ -208,8 +207,8 @@ def fake_step(
 ) -> dict[str, int]:
     """Peak bytes by kind of the second of two steps of ``batch`` samples (the first makes the optimizer state).
 
-    ``fake=False`` runs real CPU tensors (what the estimate is checked against); ``shards`` > 1 shards the model as
-    fsdp does and gives one rank's figures; ``count_flops`` also counts the first step's FLOPs.
+    ``fake=False`` runs real CPU tensors (what the estimate is checked against); ``shards`` > 1 shards the model as fsdp
+    does and gives one rank's figures; ``count_flops`` also counts the first step's FLOPs.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -258,9 +257,9 @@ def fake_step(
 
 
 def _step(model: Any, optimizer: Any, x: Any, y: Any, amp: bool, count: bool) -> tuple[Any, int]:
-    """One training step; returns its output and, with ``count``, the FLOPs of its forward and backward. The loss stands
-    in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of its own, so a measured
-    step runs without it."""
+    """One training step; returns its output and, with ``count``, the FLOPs of its forward and backward. The loss
+    stands in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of its own, so
+    a measured step runs without it."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -321,9 +320,8 @@ def _sample_shape(loaded: LoadedSpec) -> tuple[tuple[int, ...], int]:
 
 
 def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | None]], spec: ExperimentSpec) -> list[str]:
-    """``runner plan``'s memory table: MiB per device and mode, whether each fits the smallest GPU of ``gpus``, and what
-    would fit when the spec's mode does not (fsdp, a smaller batch, activation checkpointing).
-    """
+    """``runner plan``'s memory table: MiB per device and mode, whether each fits the smallest GPU of ``gpus``, and
+    what would fit when the spec's mode does not (fsdp, a smaller batch, activation checkpointing)."""
     if "error" in memory:
         return [_row("memory", f"not estimated: {memory['error']}")]
     smallest = min((total for _, total in gpus if total), default=None)

@@ -149,9 +149,8 @@ GpuRow = tuple[int, str, str | None, int | None]  # PCI-order index, name, uuid,
 
 
 def read_nvml(nvml: Any = None) -> list[GpuRow] | str:  # Any: pynvml has no type stubs
-    """The machine's GPUs through NVML (``pynvml``, or a stand-in), sorted by PCI bus id: ``(index, name, uuid, bytes)``
-    rows, or why none could be read. NVML does not initialise CUDA.
-    """
+    """The machine's GPUs through NVML (``pynvml``, or a stand-in), sorted by PCI bus id: ``(index, name, uuid,
+    bytes)`` rows, or why none could be read. NVML does not initialise CUDA."""
     if nvml is None:
         try:
             import pynvml
@@ -195,8 +194,8 @@ def _text(value: Any) -> str:
 
 def _map_visible(value: str | None, rows: list[GpuRow]) -> tuple[list[GpuInfo], list[str]]:
     """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to the machine's GPUs (PCI bus order). CUDA's rules (mirrored by
-    ``torch.cuda._parse_visible_devices``): unset means all; an item that matches no device ends the list (so ``""`` and
-    ``-1`` mean none); a repeated item hides every device; ``GPU-`` items match a unique UUID prefix."""
+    ``torch.cuda._parse_visible_devices``): unset means all; an item that matches no device ends the list (so ``""``
+    and ``-1`` mean none); a repeated item hides every device; ``GPU-`` items match a unique UUID prefix."""
     if value is None:
         return [GpuInfo(pos, name, uuid, mem, str(idx), idx) for pos, (idx, name, uuid, mem) in enumerate(rows)], []
     notes: list[str] = []
@@ -248,8 +247,7 @@ def _torch_has_cuda() -> bool:
 
 def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> Inventory:
     """List the GPUs visible to runner without initialising CUDA: NVML's, narrowed by an inherited
-    ``CUDA_VISIBLE_DEVICES`` (integers or ``GPU-`` UUIDs; empty or ``-1``: none). Only reads ``env``.
-    """
+    ``CUDA_VISIBLE_DEVICES`` (integers or ``GPU-`` UUIDs; empty or ``-1``: none). Only reads ``env``."""
     inherited = env.get(VISIBLE_VAR)
     rows = read_nvml(nvml)
     if isinstance(rows, str):
@@ -318,8 +316,8 @@ def apply_threads(plan: DevicePlan) -> None:
 
 @contextlib.contextmanager
 def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` for the duration of the ``with`` block, then put the previous values back
-    (a variable that was unset is removed again). Child processes started inside the block inherit them."""
+    """Set ``values`` in ``os.environ`` for the duration of the ``with`` block, then put the previous values back (a
+    variable that was unset is removed again). Child processes started inside the block inherit them."""
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

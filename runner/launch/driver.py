@@ -30,11 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 class ExecOptions:
     """Command-line options of ``runner exec`` beyond the spec.
 
-    ``resume`` is a run id or ``"last"``; ``parent_run_id`` makes the run a child (sweeps, bench); ``nested`` allows
-    an active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made
-    against (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and
-    stops training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process``
-    trains a one-process job in this process; start-up is measured from ``started_at`` (default: process start).
+    ``resume`` is a run id or ``"last"``; ``parent_run_id`` makes the run a child (sweeps, bench); ``nested`` allows an
+    active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made against
+    (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and stops
+    training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process`` trains a
+    one-process job in this process; start-up is measured from ``started_at`` (default: process start).
     """
 
     run_name: str | None = None
@@ -56,8 +56,7 @@ class ExecOptions:
 @dataclass
 class ExecResult:
     """Outcome of ``runner exec``: the run, the logging rank's final metrics and history, notes, every local rank's
-    result, what waits in the spool (docs/design.md §12), and ``startup_s`` to the end of the first step.
-    """
+    result, what waits in the spool (docs/design.md §12), and ``startup_s`` to the end of the first step."""
 
     run_id: str | None
     status: str
@@ -102,13 +101,12 @@ class ExecResult:
 def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) -> ExecResult:
     """Run the experiment of ``loaded`` to the end and record it in MLflow.
 
-    One path for every mode (docs/design.md, "Process model"): plan, check what needs no build (a resume whose
-    owner lives is refused here, before any training process starts), start the training processes while the
-    store opens, create the run once rank 0 reports the build, record what it sends, end the run.
+    One path for every mode (docs/design.md, "Process model"): plan, check what needs no build (a resume whose owner
+    lives is refused here, before any training process starts), start the training processes while the store opens,
+    create the run once rank 0 reports the build, record what it sends, end the run.
 
     Raises:
-        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run
-            is left behind.
+        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run is left behind.
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
@@ -161,8 +159,7 @@ def _record_end(
     plan: Plan, options: ExecOptions, run_id: str | None, workers: list[WorkerResult], load: HostLoad
 ) -> tuple[str, str]:
     """Record the host's load and each device's peak memory and compute in one tag and one metric request; return the
-    summary's host note and compute line.
-    """
+    summary's host note and compute line."""
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
@@ -191,8 +188,8 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     """Each device's peak memory and achieved compute, beside ``runner plan``'s estimate (docs/design.md §10).
 
     ``memory/peak_allocated_mib/deviceN`` on CUDA, ``memory/peak_rss_mib/rankN`` on CPU; ``perf/flops_per_step``;
-    ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak
-    is known. Returns the metrics, the compute line and the ``runner.mfu`` tag.
+    ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak is
+    known. Returns the metrics, the compute line and the ``runner.mfu`` tag.
     """
     from statistics import median
 
@@ -240,8 +237,8 @@ def process_started_at() -> float:
 
 
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
-    """A fluent MLflow run active on this thread is an error (TrackingError, exit 2, before anything starts), or
-    with ``options.nested`` the run's parent: checked here, as the hub's thread that makes the run does not see it."""
+    """A fluent MLflow run active on this thread is an error (TrackingError, exit 2, before anything starts), or with
+    ``options.nested`` the run's parent: checked here, as the hub's thread that makes the run does not see it."""
     import dataclasses
 
     if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:

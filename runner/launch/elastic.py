@@ -58,12 +58,10 @@ _AGENT_ARGS, _AGENT_OUTCOME = "agent-args.pkl", "agent-outcome.pkl"
 
 
 def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerResult]:
-    """Run the workers of ``plan`` under the elastic launcher in a process of its own (docs/design.md §6), which gets
-    the stop signals this one gets; return their results, the logging rank's first.
+    """Run ``plan``'s workers under the elastic launcher in a process of its own (docs/design.md §6), which gets this
+    one's stop signals; return their results, the logging rank's first.
 
-    Raises:
-        LaunchFailed: The job failed or stopped; ``hangs`` receives the reports of ranks that hung at the stop.
-        TrainingError: The launcher itself ended without an outcome (killed, say).
+    Raises LaunchFailed (with ``hangs``) when the job failed or stopped, TrainingError when the launcher died.
     """
     from runner.launch.failures import ended_by, oom_kill_count
 
@@ -107,9 +105,9 @@ def _agent_main(path: Path) -> int:
 
 
 def _stop_once() -> None:
-    """SIGINT and SIGTERM stop the job once: a signal less than 1 s after the first is the same stop, delivered
-    twice (the driver passes on what a terminal or Slurm also sent here), as the workers count it
-    (runner.launch.worker); a later one stops again."""
+    """SIGINT and SIGTERM stop the job once: a signal less than 1 s after the first is the same stop, delivered twice
+    (the driver passes on what a terminal or Slurm also sent here), as the workers count it (runner.launch.worker); a
+    later one stops again."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     first: list[float] = []
@@ -125,13 +123,8 @@ def _stop_once() -> None:
 
 
 def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
-    """Run the workers of ``plan`` under the elastic launcher, in this process; return their results, the logging
-    rank's first.
-
-    Raises:
-        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: A worker failed.
-        SignalException: The launcher was stopped by a signal.
-    """
+    """Run ``plan``'s workers under the elastic launcher in this process; return their results, the logging rank's
+    first. Raises ``ChildFailedError`` or ``SignalException``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -242,8 +235,8 @@ def _stop_when_gone(pid: int) -> None:
 
 
 def finished_despite(exc: BaseException, folder: Path, local_workers: int) -> dict[int, WorkerResult | None] | None:
-    """The workers' results when every rank of this node finished and the failures are only deaths by a signal
-    after that (e.g. SIGABRT in gloo's teardown), each noted on standard error; else ``None`` (a real failure)."""
+    """The workers' results when every rank of this node finished and the failures are only deaths by a signal after
+    that (e.g. SIGABRT in gloo's teardown), each noted on standard error; else ``None`` (a real failure)."""
     from runner.launch.failures import ended_by
 
     failures = getattr(exc, "failures", None) or {}
@@ -324,8 +317,8 @@ def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def _ready_main(fd: int) -> int:
-    """The prestarted process: import torch, which both uses need (a launcher needs no more: its fork server
-    imports the workers' modules), then wait for its arguments (none: end)."""
+    """The prestarted process: import torch, which both uses need (a launcher needs no more: its fork server imports
+    the workers' modules), then wait for its arguments (none: end)."""
     import torch  # noqa: F401
 
     with os.fdopen(fd) as pipe:
@@ -343,8 +336,8 @@ def _ready_main(fd: int) -> int:
 
 
 def fresh_start_needed(now: dict[str, str], given: dict[str, str]) -> bool:
-    """Whether the driver changed the devices (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) after CUDA started
-    in this process while it imported: CUDA reads them once, so the process must start again."""
+    """Whether the driver changed the devices (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) after CUDA started in
+    this process while it imported: CUDA reads them once, so the process must start again."""
     import torch
 
     keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -352,12 +345,9 @@ def fresh_start_needed(now: dict[str, str], given: dict[str, str]) -> bool:
 
 
 def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
-    """Train ``args`` in a child process; return its result.
+    """Train ``args`` in a child process and return its result.
 
-    Raises:
-        Interrupted: The child stopped on SIGINT/SIGTERM (after its checkpoint).
-        RunnerError: What the child reported it failed of (a spec error, a user-code error, ...).
-        TrainingError: The child ended without a result or a reason (killed by a signal, say).
+    Raises Interrupted on a stop, the RunnerError the child reported, or TrainingError when it ended without one.
     """
     import dataclasses
 
@@ -385,9 +375,9 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
 
 
 def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool | None] | None = None) -> int:
-    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it. Once ``pointless()`` (the
-    store could not be opened: no run will be made) the child is killed rather than left to import torch and build for
-    nothing; once it says ``None`` (it never will be) the wait blocks: no wake-ups while the child trains."""
+    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it. Once ``pointless()``
+    (the store could not be opened: no run will be made) the child is killed rather than left to import torch and
+    build for nothing; once it says ``None`` (it never will be) the wait blocks: no wake-ups while the child trains."""
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):
@@ -415,8 +405,8 @@ _POLL_S = 0.1
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The child's entry: train the pickled arguments; the exit status says how it ended (the hub says why).
-    With ``--agent``: the elastic launcher of a ddp or fsdp job (:func:`run_agent`)."""
+    """The child's entry: train the pickled arguments; the exit status says how it ended (the hub says why). With
+    ``--agent``: the elastic launcher of a ddp or fsdp job (:func:`run_agent`)."""
     from runner.launch.worker import run_worker
 
     argv = list(argv if argv is not None else sys.argv[1:])

@@ -25,8 +25,8 @@ SlurmLayoutKind = Literal["per-node", "per-device", "batch"]
 class SlurmJob:
     """The Slurm job (and step) this process runs in, from Slurm's ``SLURM_*`` variables.
 
-    ``nodelist`` is the step's hostlist (``gpu[01-04]``); ``tasks_per_node`` is expanded (``2(x3),1`` ->
-    ``(2, 2, 2, 1)``); ``in_step`` says ``srun`` started this process (``SLURM_STEP_ID`` is set).
+    ``nodelist`` is the step's hostlist (``gpu[01-04]``); ``tasks_per_node`` is expanded (``2(x3),1`` -> ``(2, 2, 2,
+    1)``); ``in_step`` says ``srun`` started this process (``SLURM_STEP_ID`` is set).
     """
 
     job_id: str
@@ -230,8 +230,8 @@ def expand_nodelist(text: str, scontrol: str | None = "auto") -> list[str]:
 def parse_nodelist(text: str) -> list[str]:
     """Expand a hostlist without Slurm, as ``scontrol show hostnames`` does: ``a[1-2]-b[01,03]`` -> 4 hosts.
 
-    Zero padding is kept from ``LOW``; several brackets expand left to right, the last fastest.
-    Raises ValueError for unbalanced brackets, an empty item or a bad range.
+    Zero padding is kept from ``LOW``; several brackets expand left to right, the last fastest. Raises ValueError for
+    unbalanced brackets, an empty item or a bad range.
     """
     hosts: list[str] = []
     for item in _split_top_level(text):

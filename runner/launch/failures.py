@@ -46,8 +46,7 @@ class JobContext:
 
 def describe_failure(exc: BaseException, context: JobContext) -> str:
     """One sentence for a failed job: the rank at its root and what ended it (``rank 1 hung: ...``, ``rank 0 failed:
-    RuntimeError: ...``).
-    """
+    RuntimeError: ...``)."""
     from runner.errors import TrainingError
 
     if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
@@ -120,8 +119,8 @@ def ended_by(exitcode: int, oom_kills_before: int | None) -> str:
 
 
 def oom_kill_count() -> int | None:
-    """Processes of this process's cgroup killed by the OOM killer so far (cgroup v2 ``memory.events``,
-    v1 ``memory.oom_control``), or ``None`` where the kernel does not say (not Linux, no memory controller)."""
+    """Processes of this process's cgroup killed by the OOM killer so far (cgroup v2 ``memory.events``, v1
+    ``memory.oom_control``), or ``None`` where the kernel does not say (not Linux, no memory controller)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -232,8 +231,7 @@ _BUSY_FILES = ("runner/training/checkpoint.py",)  # a rank writing its checkpoin
 
 def die_with_parent(expected_parent: int | None = None, signum: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``signum`` to this process when its parent thread ends (``PR_SET_PDEATHSIG``); a parent
-    other than ``expected_parent`` means already orphaned, and the process ends. Returns whether it was asked.
-    """
+    other than ``expected_parent`` means already orphaned, and the process ends. Returns whether it was asked."""
     if not sys.platform.startswith("linux"):
         return False
     parent = os.getppid() if expected_parent is None else expected_parent
@@ -250,8 +248,7 @@ def die_with_parent(expected_parent: int | None = None, signum: int = signal.SIG
 
 class HangWatch:
     """After SIGTERM or SIGINT, end this process when its main thread stands still ``grace_s`` seconds, reporting to
-    ``report_dir``.
-    """
+    ``report_dir``."""
 
     def __init__(self, rank: int, report_dir: str | None, grace_s: float = HANG_GRACE_S):
         self.rank, self.report_dir, self.grace_s = rank, report_dir, grace_s

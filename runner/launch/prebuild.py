@@ -29,9 +29,9 @@ SMALL_SYNTHETIC = 1 << 24  # numbers (4 bytes each) up to which a synthetic data
 
 
 def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], DatasetBundle | None]:
-    """Build or check every part of ``loaded`` before any run exists; return the mode-difference notes and the datasets
-    when they were built. SpecError at ``FILE:LINE`` for a part that does not build or an argument of the wrong type.
-    """
+    """Build or check every part of ``loaded`` before any run exists; return the mode-difference notes and the
+    datasets when they were built. SpecError at ``FILE:LINE`` for a part that does not build or an argument of the
+    wrong type."""
     try:
         model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
     except SpecError as exc:
@@ -40,8 +40,8 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], Dataset
 
 
 def known_differences(loaded: LoadedSpec) -> list[str]:
-    """:func:`difference_notes` of the model built on the ``meta`` device; none for a factory model (never
-    called before its run) or a model that cannot be built here (``runner plan``)."""
+    """:func:`difference_notes` of the model built on the ``meta`` device; none for a factory model (never called
+    before its run) or a model that cannot be built here (``runner plan``)."""
     spec, folder = loaded.spec, loaded.path.parent
     try:
         model = _model(spec, folder, _dataset(spec, folder))
@@ -52,8 +52,7 @@ def known_differences(loaded: LoadedSpec) -> list[str]:
 
 def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     """``(batch-statistics layers, random layers)`` of ``model`` by class name: BatchNorm but SyncBatchNorm; dropout,
-    ``RReLU``, ``StochasticDepth`` with ``p > 0``.
-    """
+    ``RReLU``, ``StochasticDepth`` with ``p > 0``."""
     from torch import nn
 
     batch, random = set(), set()
@@ -72,9 +71,8 @@ def _is_random(module: torch.nn.Module) -> bool:
 
 
 def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
-    """Plan notes on why runs of ``spec`` will not match ``none`` step by step (docs/design.md §3): BatchNorm or random
-    layers under another mode.
-    """
+    """Plan notes on why runs of ``spec`` will not match ``none`` step by step (docs/design.md §3): BatchNorm or
+    random layers under another mode."""
     mode = spec.parallel.mode
     if mode == REFERENCE_MODE:
         return []
@@ -156,8 +154,8 @@ def _compile_backend(name: str) -> None:
 
 
 def _unless_unbuildable_here(step: Callable[..., Any], *args: Any) -> Any:
-    """Run one check; an error other than :class:`SpecError` means the part cannot be built on stand-ins
-    (e.g. a fused optimizer over a CPU parameter): the worker builds it for real and reports it there."""
+    """Run one check; an error other than :class:`SpecError` means the part cannot be built on stand-ins (e.g. a
+    fused optimizer over a CPU parameter): the worker builds it for real and reports it there."""
     try:
         return step(*args)
     except SpecError:
@@ -251,9 +249,8 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
 
 
 def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], key: str) -> None:
-    """Check that ``fn(*args, **kwargs)`` binds and each kwarg has its annotated type (plain types, ``Literal``, unions,
-    sequences and mappings of them), without calling it; SpecError at ``key.<name>`` for each that does not.
-    """
+    """Check that ``fn(*args, **kwargs)`` binds and each kwarg has its annotated type (plain types, ``Literal``,
+    unions, sequences and mappings of them), without calling it; SpecError at ``key.<name>`` for each that does not."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: the call decides

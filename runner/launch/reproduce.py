@@ -240,8 +240,7 @@ def _spec_side(loaded: LoadedSpec) -> Side:
 
 def diff_sides(a: Side, b: Side) -> dict[str, Any]:
     """``{"a", "b", "spec", "commits", "git", "environment"}``: both sides' code in ``commits``, only what differs in
-    the others (a key missing on one side is ``"(absent)"``).
-    """
+    the others (a key missing on one side is ``"(absent)"``)."""
     inert = {
         k for k in [*a.spec, *b.spec] if (k not in a.spec and k in a.inactive) or (k not in b.spec and k in b.inactive)
     }

@@ -36,8 +36,8 @@ class WorkerArgs:
 
     ``run_id`` exists before the workers only outside ``runner exec``; ``hub`` is where rank 0 reports the build and
     receives the run, checkpoint folder and resume flag that replace those fields (``None``: bench, no driver);
-    ``launcher_pid`` is the process the worker dies with; ``report_dir`` takes hang reports; ``epoch_end`` runs on
-    the logging rank and every rank follows.
+    ``launcher_pid`` is the process the worker dies with; ``report_dir`` takes hang reports; ``epoch_end`` runs on the
+    logging rank and every rank follows.
     """
 
     loaded: LoadedSpec
@@ -196,9 +196,8 @@ def _fit(
 def _build_and_report(
     args: WorkerArgs, strategy: Strategy, link: Link | None
 ) -> tuple[TrainingParts | None, HandedRun]:
-    """Build on every rank, agree on the outcome, and let rank 0 report it to the driver, which only then makes the run
-    (docs/design.md §1). Returns ``(parts, handed)``, ``parts`` ``None`` without a run.
-    """
+    """Build on every rank, agree on the outcome, and let rank 0 report it to the driver, which only then makes the
+    run (docs/design.md §1). Returns ``(parts, handed)``, ``parts`` ``None`` without a run."""
     from runner.training import setup
 
     spec, spec_dir = args.loaded.spec, args.loaded.path.parent
@@ -229,9 +228,8 @@ def _build_and_report(
 def _check_or_load(
     args: WorkerArgs, strategy: Strategy
 ) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
-    """Rank 0 checks what needs no build while the others load data, so every rank builds or none; returns
-    ``(notes, datasets, spec error, another rank's failure)``.
-    """
+    """Rank 0 checks what needs no build while the others load data, so every rank builds or none; returns ``(notes,
+    datasets, spec error, another rank's failure)``."""
     from runner.training.data import build_datasets
 
     try:
@@ -328,8 +326,7 @@ STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (
 
 class _StopFlag:
     """SIGINT/SIGTERM handler: the first signal asks the loop to stop; a second SIGINT over a second later raises
-    ``KeyboardInterrupt`` (signals within a second count as one). Rank 0 prints :data:`STOPPING`.
-    """
+    ``KeyboardInterrupt`` (signals within a second count as one). Rank 0 prints :data:`STOPPING`."""
 
     def __init__(self, announce: bool = False, rank: int = 0) -> None:
         self._announce, self._rank, self.signum = announce, rank, 0

@@ -217,8 +217,7 @@ def is_inactive(key: str, inactive: dict[str, str]) -> bool:
 
 def run_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
     """:func:`inactive_keys` plus what does not apply to a run: ``[sweep]``, and on the CPU ``devices.ids`` and
-    ``parallel.sync_batchnorm`` (``accelerator``: the resolved one; ``None``: the spec's decides).
-    """
+    ``parallel.sync_batchnorm`` (``accelerator``: the resolved one; ``None``: the spec's decides)."""
     out = inactive_keys(spec)
     out["sweep"] = "runner sweep only (runner exec ignores [sweep])"
     if "cpu" in (accelerator, spec.devices.accelerator):

@@ -89,8 +89,7 @@ def schema_text() -> str:
 
 def write_editor_files(folder: str | Path) -> list[Path]:
     """Write ``runner.schema.json`` and ``.taplo.toml`` into ``folder`` and refresh a README's key reference; a taplo
-    file or README this did not write is left alone. Returns the files written.
-    """
+    file or README this did not write is left alone. Returns the files written."""
     from runner.spec.editor_schema import BEGIN, END, markdown_reference
 
     root = Path(folder)
@@ -112,9 +111,8 @@ def write_editor_files(folder: str | Path) -> list[Path]:
 
 
 def emit_schema(*, write: str | None = None, output: str | None = None, markdown: bool = False) -> None:
-    """``runner schema``: print the JSON Schema or the Markdown reference (to ``output``), or ``write`` the editor files
-    into a folder, printing each path. UsageError names a file that cannot be written.
-    """
+    """``runner schema``: print the JSON Schema or the Markdown reference (to ``output``), or ``write`` the editor
+    files into a folder, printing each path. UsageError names a file that cannot be written."""
     from runner.errors import UsageError
     from runner.spec.editor_schema import markdown_reference
 

@@ -143,9 +143,8 @@ def _override_of(loaded: LoadedSpec, key: str) -> str | None:
 
 
 def key_line(loaded: LoadedSpec, key: str) -> int | None:
-    """1-based line where ``key`` (or its nearest written ancestor) is written; ``None`` for a default, a base's value,
-    or a key ``--set``/``--unset`` replaced.
-    """
+    """1-based line where ``key`` (or its nearest written ancestor) is written; ``None`` for a default, a base's
+    value, or a key ``--set``/``--unset`` replaced."""
     if not key or _override_of(loaded, key) is not None:
         return None
     return _line_in(locate_keys(loaded.source_text), key)

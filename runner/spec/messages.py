@@ -1,5 +1,5 @@
-"""Where each key of a spec file is written (its line) and pydantic's errors worded at those keys
-(``got X; expected Y (hint)``)."""
+"""Where each key of a spec file is written (its line) and pydantic's errors worded at those keys (``got X; expected
+Y (hint)``)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,8 @@ def annotation_at(loc: Sequence[str | int]) -> Any:
 
 
 def explain_errors(errors: Iterable[Mapping[str, Any]]) -> list[tuple[Loc, str]]:
-    """Turn pydantic error dicts (validating :class:`ExperimentSpec`) into ``(key path, message)`` pairs.
-
-    Messages read ``got X; expected Y (hint)``; unknown keys and misspelled choices get a
-    did-you-mean; a :class:`~runner.spec.schema.CrossFieldError` gives one pair per problem at its
-    own key; union alternatives (``ids = [0, 1]`` or ``"all"``) are folded into one message.
-
-    Returns:
-        One ``(loc, message)`` per problem, in the order pydantic reported them.
-    """
+    """One ``(key path, message)`` per pydantic error of :class:`ExperimentSpec`, in order: ``got X; expected Y
+    (hint)``, with a did-you-mean for unknown keys and choices, and union alternatives folded into one."""
     out: list[tuple[Loc, str]] = []
     unions: dict[Loc, list[tuple[Loc, Mapping[str, Any]]]] = {}
     for err in errors:
@@ -195,8 +188,8 @@ def _out_of_range(kind: str, ctx: Mapping[str, Any]) -> str | None:
 
 def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
     """``a value >= 0 and < 9223372036854775808 (2**63)``: both bounds of the field at ``loc``, from the schema.
-    ``None`` for a field with one bound (``_out_of_range`` words it) and for a list item. A float field's bounds print
-    as floats, as pydantic's ``ctx`` gives them."""
+    ``None`` for a field with one bound (``_out_of_range`` words it) and for a list item. A float field's bounds
+    print as floats, as pydantic's ``ctx`` gives them."""
     field = _field_at(loc)
     if field is None:  # a list item: pydantic's context names the one bound it broke
         return None
@@ -232,8 +225,8 @@ def _number(limit: Any) -> str:
 
 def _subject(loc: Loc, message: str) -> Loc:
     """Key a table validator's message is about: its first word when that names a field of the table. Table rules in
-    :mod:`runner.spec.rules` start their messages with the offending key (``ids [0, 0] lists [0] more than once``), so
-    the issue can point at that key's line."""
+    :mod:`runner.spec.rules` start their messages with the offending key (``ids [0, 0] lists [0] more than once``),
+    so the issue can point at that key's line."""
     table = annotation_at(loc)
     word = re.match(r"[A-Za-z_]\w*", message)
     if word and isinstance(table, type) and issubclass(table, BaseModel) and word.group() in table.model_fields:
@@ -296,14 +289,8 @@ _SCALAR_END = frozenset(",]}\n#")
 
 
 def locate_keys(text: str) -> dict[Loc, int]:
-    """Map every key path written in a TOML document to the 1-based line it is written on.
-
-    Covers ``[table]`` and ``[[array]]`` headers, ``key = value`` lines, dotted keys
-    (``a.b = 1`` also places ``a`` on that line unless it was placed before), quoted keys,
-    keys of inline tables and elements of arrays (``("devices", "ids", 1)``). The text
-    is assumed to be valid TOML (parse it with tomllib first); on anything unexpected
-    the scan stops and returns what it has found so far. Key paths are tuples of str keys and int indices.
-    """
+    """Map every key path of a valid TOML text (tuples of keys and indices) to its 1-based line: headers, dotted and
+    quoted keys, inline tables and array elements. Unexpected text ends the scan with what was found."""
     scanner = _Scanner(text)
     with contextlib.suppress(IndexError, ValueError):
         scanner.document()

@@ -120,12 +120,8 @@ def import_path_problem(target: str) -> str | None:
 
 
 def factory_problem(target: str, spec_dir: Path | None) -> str | None:
-    """Why ``pkg.module:factory`` cannot be imported, found without importing anything; ``None`` when it can.
-
-    The top package is looked for in ``spec_dir`` and the working directory (which ``runner exec``
-    puts first on ``sys.path``), then as an installed package; each submodule in its package's folders.
-    Without ``spec_dir`` only the form of ``target`` is checked.
-    """
+    """Why ``pkg.module:factory`` cannot be imported, found without importing (``spec_dir`` and the working directory
+    first, then installed packages); ``None`` when it can."""
     problem = import_path_problem(target)
     if problem is not None or spec_dir is None:
         return problem
@@ -236,11 +232,8 @@ def metric_args(entry: str | dict[str, Any]) -> dict[str, Any]:
 
 
 def logged_name(entry: str | dict[str, Any]) -> str:
-    """The name an entry is logged under (after ``train/`` or ``val/``).
-
-    ``log_as`` when given, else the ``output`` entry's name, else a built-in's name, else the last part
-    of the import path's attribute (``"my_metrics:MacroF1"`` is logged as ``MacroF1``).
-    """
+    """The name an entry is logged under: ``log_as``, else the ``output`` name, a built-in's, or the factory's
+    attribute."""
     if isinstance(entry, dict) and isinstance(entry.get(LOG_AS), str):
         return str(entry[LOG_AS])
     if isinstance(entry, dict) and isinstance(entry.get(OUTPUT), str):
@@ -249,12 +242,8 @@ def logged_name(entry: str | dict[str, Any]) -> str:
 
 
 def mlflow_name_problem(name: str) -> str | None:
-    """Why MLflow would reject the metric key ``name`` (``None`` when it accepts it).
-
-    The rules of ``mlflow.utils.validation._validate_metric_name``: alphanumerics, ``_``, ``-``,
-    ``.``, spaces and ``/`` (colons only off Windows, so they are refused here), at most 250
-    characters, and no path that normalises to another name (``a//b``, ``a/./b``, ``a/``).
-    """
+    """Why MLflow would reject the metric key ``name`` (``_validate_metric_name``'s rules, colons refused), or
+    ``None``."""
     if not _MLFLOW_NAME.match(name):
         return "MLflow metric names may only hold letters, digits, _, -, ., spaces and /"
     if len(name) > _MLFLOW_MAX:

@@ -144,8 +144,7 @@ def _override_value(loc: Loc, text: str) -> Any:
 
 def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
     """Remove ``key_text`` from ``tree`` so its default applies; return whether one was removed. An unknown key is an
-    issue with a did-you-mean.
-    """
+    issue with a did-you-mean."""
     loc = parse_key(key_text)
     if loc is None:
         message = f"{show(key_text)}: expected a dotted key, e.g. --unset devices.ids"

@@ -42,8 +42,7 @@ Provenance = dict[Loc, Origin]
 @dataclass
 class SpecTree:
     """A spec file read with everything it extends, not yet validated: merged data, each key's origin, the top file's
-    text, and every file read, once each.
-    """
+    text, and every file read, once each."""
 
     data: dict[str, Any]
     provenance: Provenance
@@ -53,8 +52,7 @@ class SpecTree:
 
 def read_tree(path: Path, shown: Path, issues: list[SpecIssue]) -> SpecTree | None:
     """Read ``path`` and, recursively, the files it ``extends``, deep-merged under it; ``None`` when a file could not
-    be read (the reasons appended to ``issues``).
-    """
+    be read (the reasons appended to ``issues``)."""
     return _read_tree(path, shown, (), issues)
 
 
@@ -291,8 +289,7 @@ def folder_problem(folder: Path) -> str | None:
 
 def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
     """The absolute folder of one run's checkpoints: ``checkpoint.dir``, else beside a sqlite or file store, else the
-    working directory; ``/checkpoints/<run_key>`` below it.
-    """
+    working directory; ``/checkpoints/<run_key>`` below it."""
     if spec_dir:
         return Path(spec_dir) / run_key
     base = Path.cwd()

@@ -64,8 +64,8 @@ TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "
 def store_uri_problem(uri: str) -> str | None:
     """Why ``uri`` cannot be the tracking store (the message ends in the fix), or ``None``.
 
-    Refused: empty; a file store (MLflow 3 opens one only with ``MLFLOW_ALLOW_FILE_STORE=true``); sqlite without a
-    file; a scheme that is no tracking store unless a plugin registers it (``mlflow.tracking_store`` entry points).
+    Refused: empty; a file store (MLflow 3 opens one only with ``MLFLOW_ALLOW_FILE_STORE=true``); sqlite without a file;
+    a scheme that is no tracking store unless a plugin registers it (``mlflow.tracking_store`` entry points).
     """
     text = uri.strip()
     scheme = urlsplit(text).scheme.lower()
@@ -213,8 +213,7 @@ def check_sweep_param(param: SweepParam) -> None:
 
 def static_world_size(spec: ExperimentSpec) -> int | None:
     """The world size the spec alone fixes (1 for none and dp; ddp/fsdp's ``nnodes * nproc_per_node`` when known
-    without the hardware), or ``None``.
-    """
+    without the hardware), or ``None``."""
     par, dev = spec.parallel, spec.devices
     if not par.traits.elastic:
         return 1
@@ -270,8 +269,7 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
 
 def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
     """Device ids, processes and the batch split, where the spec alone fixes them (none with several ids only gets a
-    note; ``grad_accum_steps`` is checked even when the world size waits for the machine).
-    """
+    note; ``grad_accum_steps`` is checked even when the world size waits for the machine)."""
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []

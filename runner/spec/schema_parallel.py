@@ -1,7 +1,7 @@
 """The ``[devices]`` and ``[parallel]`` tables: which devices, and how the model is replicated over them.
 
-Their static rules are :func:`runner.spec.rules.check_devices` and :func:`runner.spec.rules.check_parallel`;
-what needs the machine (visible GPUs, CUDA) is checked by :mod:`runner.devices.resolve`.
+Their static rules are :func:`runner.spec.rules.check_devices` and :func:`runner.spec.rules.check_parallel`; what needs
+the machine (visible GPUs, CUDA) is checked by :mod:`runner.devices.resolve`.
 """
 
 from __future__ import annotations
@@ -33,19 +33,11 @@ _ELASTIC_KEYS = (
 
 @dataclass(frozen=True)
 class ModeTraits:
-    """What the spec, device resolution and the launcher know of a mode (its strategy, under
-    :mod:`runner.strategies`, holds the rest); read without torch.
+    """What the spec, device resolution and the launcher know of a mode, without torch (its strategy holds the rest).
 
-    Attributes:
-        launch: ``"in-process"`` (one process drives the run) or ``"elastic"`` (torch's elastic
-            launcher, ``torchrun`` or a scheduler starts one process per device).
-        keys: The ``[parallel]`` keys besides ``mode`` that apply; the others are inactive (§10).
-        replicas: One process drives every chosen GPU (its size is the number of ids).
-        cuda_only: The mode cannot run on CPU.
-        transforms_blocks: ``train.compile`` and ``train.activation_checkpointing`` apply (not to
-            DataParallel, which copies the module onto every device at each forward).
-        shards_state: Each rank holds a shard of the model and optimizer; checkpoints keep them sharded, and
-            ``checkpoint.async_save`` applies.
+    ``launch``: ``"in-process"`` or ``"elastic"``; ``keys``: the ``[parallel]`` keys that apply (the others are
+    inactive); ``replicas``: one process drives every GPU; ``transforms_blocks``: compile and activation checkpointing
+    apply; ``shards_state``: checkpoints stay sharded and ``checkpoint.async_save`` applies.
     """
 
     launch: Literal["in-process", "elastic"]
@@ -116,12 +108,8 @@ class DevicesSpec(SpecTable):
 
 
 class ParallelSpec(SpecTable):
-    """``[parallel]``: how the model is replicated. Options of another mode are inactive, not errors.
-
-    Changing ``mode`` alone switches a spec among the modes (docs/design.md §10): the other modes'
-    options (:data:`MODES` says which apply) stay in the file, are shown as inactive by
-    ``runner plan`` and are not logged.
-    """
+    """``[parallel]``: how the model is replicated; another mode's options are inactive, not errors (docs/design.md
+    §10)."""
 
     mode: ParallelMode = Field(
         default="none",

@@ -73,8 +73,8 @@ def _nested(a: nn.Module, b: nn.Module) -> bool:
 
 
 def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compile_blocks: bool) -> None:
-    """Apply ``train.activation_checkpointing`` (non-reentrant, composable: parameter names unchanged) to each
-    block and, with ``compile_blocks``, ``train.compile`` to each block in place (``nn.Module.compile``)."""
+    """Apply ``train.activation_checkpointing`` (non-reentrant, composable: parameter names unchanged) to each block
+    and, with ``compile_blocks``, ``train.compile`` to each block in place (``nn.Module.compile``)."""
     if train is None:
         return
     for block in blocks:
@@ -172,8 +172,8 @@ class Strategy(ABC):
     def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
         """The whole model's state dict, keys without wrapper prefixes, for a checkpoint.
 
-        A collective where the state is sharded: call it on every rank; only rank 0's answer is
-        whole (the others may get ``{}``). Tensors may stay on the device.
+        A collective where the state is sharded: call it on every rank; only rank 0's answer is whole (the others may
+        get ``{}``). Tensors may stay on the device.
         """
         return unwrapped_state_dict(wrapped)
 
@@ -199,8 +199,8 @@ class Strategy(ABC):
         return MODES[self.mode].shards_state
 
     def save_group(self) -> Any:
-        """The process group of background checkpoint saves (their collectives must not meet training's on
-        the same group); ``None`` without a process group. Created on first call: call on every rank."""
+        """The process group of background checkpoint saves (their collectives must not meet training's on the same
+        group); ``None`` without a process group. Created on first call: call on every rank."""
         return None
 
     def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -243,8 +243,7 @@ class Strategy(ABC):
         kept.
 
         Like Fabric's ``reduce_boolean_decision(all=False)``; ``settle=False`` answers from what was agreed so far
-        without a
-        collective, ``settle=True`` (log steps, checkpoints, epoch ends) agrees on ``flag`` on every rank.
+        without a collective, ``settle=True`` (log steps, checkpoints, epoch ends) agrees on ``flag`` on every rank.
         """
 
 
@@ -286,8 +285,8 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the optimizer step and update the scale.
 
-        With scaling, the step is skipped when the gradients hold ``inf``/``NaN`` and the
-        scale shrinks; without, this is ``optimizer.step()``.
+        With scaling, the step is skipped when the gradients hold ``inf``/``NaN`` and the scale shrinks; without, this
+        is ``optimizer.step()``.
         """
         self._scaler.step(optimizer)
         self._scaler.update()
@@ -374,8 +373,8 @@ def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[
 def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
     """Load a state dict saved in any mode into a model in any mode, strictly.
 
-    A ``module.`` or ``_orig_mod.`` prefix shared by every key is stripped; the model is unwrapped likewise.
-    Raises StateDictMismatchError for missing or unexpected keys (both listed) or a shape that differs.
+    A ``module.`` or ``_orig_mod.`` prefix shared by every key is stripped; the model is unwrapped likewise. Raises
+    StateDictMismatchError for missing or unexpected keys (both listed) or a shape that differs.
     """
     target = unwrap(module)
     sd = fitted_state_dict(target, state_dict)

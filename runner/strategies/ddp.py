@@ -38,8 +38,7 @@ def is_unused_parameters_error(exc: BaseException) -> bool:
 
 def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> TrainingError:
     """DDP's unused-parameter RuntimeError as a TrainingError naming the parameters (from DDP's message, else those
-    whose ``.grad`` is ``None``).
-    """
+    whose ``.grad`` is ``None``)."""
     text = str(exc)
     trainable = [name for name, p in unwrap(module).named_parameters() if p.requires_grad]
     names: list[str] = []
@@ -209,8 +208,8 @@ class DDPStrategy(Strategy):
         return torch.device("cpu") if self.backend == "gloo" else self.device
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` (any shape) over all ranks: a detached copy on its device; gloo reduces on CPU, nccl on this
-        rank's GPU."""
+        """Sum ``tensor`` (any shape) over all ranks: a detached copy on its device; gloo reduces on CPU, nccl on
+        this rank's GPU."""
         self._need_setup()
         buf = tensor.detach().to(self._collective_device(), copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
@@ -254,8 +253,7 @@ class DDPStrategy(Strategy):
         """Whether every rank stops now: True once any rank passed a flag to a settling call, and final from then on.
 
         ``settle=False`` (the hot path) answers what was agreed without a collective; ``settle=True`` reduces the flag
-        on
-        the CPU gloo group, so the device is never synchronised for it. Every rank makes the same calls in the same
+        on the CPU gloo group, so the device is never synchronised for it. Every rank makes the same calls in the same
         order.
         """
         self._need_setup()

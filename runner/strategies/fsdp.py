@@ -62,8 +62,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 class FSDPStrategy(DDPStrategy):
     """``mode = "fsdp"``: ``fully_shard`` on ``parallel.fsdp_blocks`` (or each child with parameters), then the root;
-    forward and backward in ``amp``'s dtype.
-    """
+    forward and backward in ``amp``'s dtype."""
 
     mode = "fsdp"
 

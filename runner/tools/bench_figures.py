@@ -200,9 +200,8 @@ def reason(exc: BaseException) -> str:
 
 
 def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
-    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps, largest
-    peak; run id, devices and losses from the first (every repeat trains the same steps).
-    """
+    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps,
+    largest peak; run id, devices and losses from the first (every repeat trains the same steps)."""
     first = repeats[0]
     times = [t for r in repeats for t in r.step_times_s]
     waits = [w for r in repeats for w in r.data_wait_s]

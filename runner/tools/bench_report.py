@@ -110,8 +110,8 @@ def finish_comparisons(
 
 
 def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]:
-    """Flags that need ``none``: ddp-1 far below it; an efficiency above 100 % beyond the spread, which is
-    then withdrawn (``scaling_efficiency = None``): it is a measurement problem, never a result."""
+    """Flags that need ``none``: ddp-1 far below it; an efficiency above 100 % beyond the spread, which is then
+    withdrawn (``scaling_efficiency = None``): it is a measurement problem, never a result."""
     eff = c.scaling_efficiency
     if base is None or eff is None or c is base:
         return []
@@ -134,8 +134,8 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
 def recommend(configs: Sequence[ConfigResult]) -> str:
     """The fastest configuration whose final ``train/loss`` is within :data:`LOSS_TOLERANCE` of none's, or why unclear.
 
-    ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``; "inconclusive" when the repeats
-    of the fastest and the runner-up overlap.
+    ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``; "inconclusive" when the repeats of
+    the fastest and the runner-up overlap.
     """
     base = next((c for c in configs if c.mode == REFERENCE_MODE and c.status == "ok" and c.samples_per_s), None)
     if base is None:

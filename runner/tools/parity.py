@@ -1,8 +1,7 @@
 """``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``.
 
-Each configuration is a ``runner exec`` of the same spec, deterministic, same seed, ``max_steps = steps``,
-float64 (float32 when ``none`` does not train in it); the **control** (``none`` in float32 with every
-initial weight nudged by one ulp) sets the tolerance. Semantics: docs/design.md §17.
+Each configuration is a deterministic ``runner exec`` of the same spec and seed; the control (``none`` in float32,
+initial weights nudged by one ulp) sets the tolerance. Semantics: docs/design.md §17.
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ FLOOR = {"float64": 1e-10, "float32": 1e-6}  # relative to the size of the value
 class ModeResult:
     """One configuration's run and how far it is from ``none``'s.
 
-    ``config`` is ``none``, ``<mode>-<n>`` or ``control``; ``params`` the final parameters by name (float64 on
-    CPU; not in the JSON); ``first_beyond`` the first step whose |Δ train/loss| exceeds the tolerance;
-    ``status`` ``ok``, ``skipped`` (not asked for and cannot run here, ``reason`` says why) or ``failed``.
+    ``config`` is ``none``, ``<mode>-<n>`` or ``control``; ``params`` the final parameters by name (float64 on CPU; not
+    in the JSON); ``first_beyond`` the first step whose |Δ train/loss| exceeds the tolerance; ``status`` ``ok``,
+    ``skipped`` (not asked for and cannot run here, ``reason`` says why) or ``failed``.
     """
 
     config: str
@@ -158,24 +157,21 @@ def _params_differ(m: ModeResult, report: ParityReport) -> bool:
 
 
 def tolerance(precision: str, growth: float, scale: float) -> float:
-    """How far a mode may be from ``none`` by rounding alone: the control's ``growth`` (its largest |Δ|)
-    scaled to ``precision``'s rounding (``EPS / PERTURBATION``) times a margin, at least the floor relative
-    to ``scale`` (the size of the values); the growth itself when the control saturated (grew to the size
-    of the values: then rounding cannot be told from a mode difference below it)."""
+    """How far a mode may be from ``none`` by rounding alone: the control's ``growth`` (its largest |Δ|) scaled to
+    ``precision``'s rounding (``EPS / PERTURBATION``) times a margin, at least the floor relative to ``scale`` (the
+    size of the values); the growth itself when the control saturated (grew to the size of the values: then rounding
+    cannot be told from a mode difference below it)."""
     scaled = growth * EPS[precision] / PERTURBATION * MARGIN[precision]
     saturated = growth if growth >= 0.1 * scale else 0.0
     return max(scaled, FLOOR[precision] * scale, saturated)
 
 
 def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps: int | None = None) -> ParityReport:
-    """Run ``none``, the control and every other mode in ``modes`` (``None``: every mode this machine runs) for
-    ``steps`` optimizer steps each (``None``: the spec's whole run, at most :data:`DEFAULT_STEPS`), compare them
-    and record the verdict; ``report.failed`` counts the modes that differ from ``none``.
+    """Run ``none``, the control and each mode of ``modes`` (``None``: every mode this machine runs) for ``steps``
+    steps, compare them and record the verdict; ``report.failed`` counts the modes that differ.
 
     Raises:
-        UsageError: An unknown mode, a named mode this machine cannot run, ``steps < 1``, or started
-            under torchrun.
-        SpecError, DeviceError, TrackingError: As ``runner exec`` before training; no run is left behind.
+        UsageError: An unknown mode, a named mode this machine cannot run, ``steps < 1``, or under torchrun.
         TrainingError: ``none`` failed to train; the parent run is FAILED.
         Interrupted: SIGINT/SIGTERM; the parent run is KILLED.
     """
@@ -334,8 +330,8 @@ def _train(
 
 
 def _compare(report: ParityReport) -> None:
-    """Fill every configuration's |Δ| against ``none`` (the control's against float32 ``none``), the tolerances
-    from the control, the first step beyond."""
+    """Fill every configuration's |Δ| against ``none`` (the control's against float32 ``none``), the tolerances from
+    the control, the first step beyond."""
     none = report.modes[0]
     for m, base in [(report.control, report.reference or none), *((m, none) for m in report.modes[1:])]:
         if m.status != "ok":
@@ -363,8 +359,8 @@ def _delta(a: float | None, b: float | None) -> float:
 
 
 def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
-    """The known causes of a mode difference this spec has (docs/design.md §3), else what to look for; the
-    model is built on the ``meta`` device in this process (a factory is called once more)."""
+    """The known causes of a mode difference this spec has (docs/design.md §3), else what to look for; the model is
+    built on the ``meta`` device in this process (a factory is called once more)."""
     from runner.launch.prebuild import layer_kinds
 
     spec = loaded.spec
@@ -398,8 +394,8 @@ def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
 
 
 def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
-    """The spec's model built on ``meta`` (no storage), else on the CPU (a model whose construction computes on
-    its weights cannot be built on ``meta``), or ``None`` when it cannot be built at all."""
+    """The spec's model built on ``meta`` (no storage), else on the CPU (a model whose construction computes on its
+    weights cannot be built on ``meta``), or ``None`` when it cannot be built at all."""
     import torch
 
     from runner.training.data import build_datasets

@@ -280,8 +280,8 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
 
 def _finish(report: SweepReport, study: SweepStudy, store: SweepStore, since: float) -> None:
     """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish. The
-    trials' results are read after the pending count: read before it, a trial that another worker ended in between still
-    showed RUNNING, and the parent ended FAILED with every trial complete."""
+    trials' results are read after the pending count: read before it, a trial that another worker ended in between
+    still showed RUNNING, and the parent ended FAILED with every trial complete."""
     pending = study.pending()
     report.trials = study.results(since=since)
     metric = report.definition.metric

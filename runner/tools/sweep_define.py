@@ -94,8 +94,8 @@ def build_definition(
     A ``--random`` range turns a grid into a random sweep.
 
     Raises:
-        UsageError: A malformed or repeated entry, nothing to sweep, a forbidden key, a bad ``--trials``, or no
-            budget for random or tpe.
+        UsageError: A malformed or repeated entry, nothing to sweep, a forbidden key, a bad ``--trials``, or no budget
+            for random or tpe.
         SpecError: At the key's line: a range in a grid, ``trials`` over the grid, an empty ``int_uniform`` range.
     """
     base = sweep or SweepSpec()

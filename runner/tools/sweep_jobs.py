@@ -63,8 +63,7 @@ def swept_devices(definition: SweepDefinition) -> bool:
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a warm worker process needs, picklable for ``spawn``: its index, the definition, the trial setup, the env
-    set first, its log file, and ``max_trials`` before it exits.
-    """
+    set first, its log file, and ``max_trials`` before it exits."""
 
     index: int
     url: str
@@ -254,9 +253,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class TrialSetup:
-    """What every trial of one worker shares: base ``--set`` and ``--unset``, the environment, and ``extra`` ``--set``
-    after the trial's values (a warm worker's GPU).
-    """
+    """What every trial of one worker shares: base ``--set`` and ``--unset``, the environment, and ``extra``
+    ``--set`` after the trial's values (a warm worker's GPU)."""
 
     path: Path
     overrides: tuple[str, ...]

@@ -39,8 +39,8 @@ _PRIMITIVE = (str, int, float, bool, type(None))
 class SweepDefinition:
     """What a sweep searches, after the spec's ``[sweep]`` and the command line are merged.
 
-    ``method``: grid, random or tpe; ``params`` in a stable order; ``trials`` over every worker; ``metric`` ranks
-    trials and feeds the pruner (none, median, hyperband).
+    ``method``: grid, random or tpe; ``params`` in a stable order; ``trials`` over every worker; ``metric`` ranks trials
+    and feeds the pruner (none, median, hyperband).
     """
 
     method: str
@@ -91,9 +91,8 @@ class SweepDefinition:
         return {k: encode_choices(p.values or []) for k, p in self.params}
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """One trial's values asked of Optuna key by key: explicit values categorical (lists and tables as TOML text),
-        ranges float, ``int_uniform`` int over ``[ceil(low), floor(high)]``.
-        """
+        """One trial's values asked of Optuna key by key: explicit values categorical (lists and tables as TOML
+        text), ranges float, ``int_uniform`` int over ``[ceil(low), floor(high)]``."""
         values: dict[str, Any] = {}
         for key, param in self.params:
             if param.values is not None:
@@ -131,8 +130,7 @@ class Trial:
 @dataclass
 class TrialResult:
     """Outcome of one trial: its run (``None`` when it failed first), status, the metric's last value, the error,
-    whether it was ``reused`` from an earlier run, and whether and after which epoch it was pruned.
-    """
+    whether it was ``reused`` from an earlier run, and whether and after which epoch it was pruned."""
 
     index: int
     values: dict[str, Any]

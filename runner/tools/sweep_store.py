@@ -197,8 +197,8 @@ def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
 def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBStorage:
     """Open (creating on first use) the Optuna RDB storage at ``url``; sqlite waits 60 s for a lock.
 
-    Workers creating a new storage's tables at once race, and the loser tries again (``attempts``). ``heartbeat``
-    fails trials whose worker went silent. Raises StorageError: malformed URL, driver missing, or refused.
+    Workers creating a new storage's tables at once race, and the loser tries again (``attempts``). ``heartbeat`` fails
+    trials whose worker went silent. Raises StorageError: malformed URL, driver missing, or refused.
     """
     import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -226,9 +226,8 @@ def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBS
 
 
 def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -> BaseSampler:
-    """Optuna's grid, random or TPE sampler, seeded from ``definition.seed`` and ``trial_number`` so a trial draws the
-    same values in any worker.
-    """
+    """Optuna's grid, random or TPE sampler, seeded from ``definition.seed`` and ``trial_number`` so a trial draws
+    the same values in any worker."""
     from optuna.samplers import GridSampler, RandomSampler, TPESampler
 
     seed = definition.seed if trial_number is None else _trial_seed(definition.seed, trial_number)
@@ -238,8 +237,8 @@ def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -
             """GridSampler whose end-of-trial bookkeeping skips the enqueued points (every grid trial is one).
 
             A trial made by ``enqueue_trial`` gets its values as fixed params and no ``grid_id``; Optuna's
-            ``GridSampler.after_trial`` reads that attribute once a single grid point is left unvisited,
-            which raised ``KeyError: 'grid_id'`` at the end of a one-point grid.
+            ``GridSampler.after_trial`` reads that attribute once a single grid point is left unvisited, which raised
+            ``KeyError: 'grid_id'`` at the end of a one-point grid.
             """
 
             def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:

@@ -44,8 +44,7 @@ def trial_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def trials_to_check(definition: SweepDefinition) -> list[Trial]:
     """The trials validated before the first starts: a grid's every point; else each key at each value or range end,
-    the others at their first (index ``-1``).
-    """
+    the others at their first (index ``-1``)."""
     if definition.method == "grid":
         return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
     options = {key: _candidates(p.values, p.low, p.high, p.distribution) for key, p in definition.params}

@@ -162,8 +162,8 @@ def start_run(
     fluent run and makes it the parent.
 
     Raises:
-        TrackingError: A fluent run is active without ``nested``, the store is unreachable, the experiment is
-            deleted, or MLflow rejects a request.
+        TrackingError: A fluent run is active without ``nested``, the store is unreachable, the experiment is deleted,
+            or MLflow rejects a request.
     """
     from mlflow.exceptions import MlflowException
 
@@ -246,8 +246,8 @@ def _error_tag(error: str) -> str:
 
 def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:
     """Give a run its terminal ``status``; ``error`` goes whole to ``error.txt``, cut into the description, and its
-    naming line into tag ``runner.error``. Raises ValueError for another status, TrackingError when MLflow rejects it.
-    """
+    naming line into tag ``runner.error``. Raises ValueError for another status, TrackingError when MLflow rejects
+    it."""
     if status not in TERMINAL_STATUSES:
         raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
     client = client_for(uri)

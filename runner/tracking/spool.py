@@ -77,8 +77,7 @@ def append(
 
 def read(path: Path, offset: int = 0, limit: int | None = None, after: int = -1) -> tuple[SpoolContents, int]:
     """Contents from byte ``offset``: at most ``limit`` values with ``seq > after`` (a last line cut by a crash is
-    ignored), and the offset past the last line read.
-    """
+    ignored), and the offset past the last line read."""
     out = SpoolContents()
     if not path.is_file():
         return out, offset
@@ -176,9 +175,8 @@ class Artifact(NamedTuple):
 
 
 class BatchSender:
-    """The sender thread's half of a tracker; :class:`MlflowTracker` holds the state (queue, batch in flight, counters
-    ``_recorded`` > ``_on_disk`` >= ``_sent``, pending ops, ``_down_until``).
-    """
+    """The sender thread's half of a tracker; :class:`MlflowTracker` holds the state (queue, batch in flight,
+    counters ``_recorded`` > ``_on_disk`` >= ``_sent``, pending ops, ``_down_until``)."""
 
     run_id: str
     spool: Path | None

@@ -294,8 +294,8 @@ def log_model(
     """Log the unwrapped model as a LoggedModel of ``run_id``, linked to the metrics at ``step``; return its id.
 
     ``create_logged_model`` then ``mlflow.pytorch.log_model(model_id=...)``, without MLflow's fluent run stack. The
-    model is pickled (``pt2`` needs a traceable forward). ``example`` is one input before normalisation (a tensor
-    or a dict of them) and gives the signature. Raises MlflowException when MLflow cannot save or upload it.
+    model is pickled (``pt2`` needs a traceable forward). ``example`` is one input before normalisation (a tensor or a
+    dict of them) and gives the signature. Raises MlflowException when MLflow cannot save or upload it.
     """
     import mlflow.pytorch
 

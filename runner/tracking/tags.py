@@ -122,8 +122,7 @@ def run_tags(
     parent_run_id: str | None = None,
 ) -> dict[str, str]:
     """The tags of a new run: provenance, environment, spec tags, ``runner.overrides``, ``runner.notes``, then
-    ``extra_tags``; values cut to MLflow's ``MAX_TAG_VAL_LENGTH``.
-    """
+    ``extra_tags``; values cut to MLflow's ``MAX_TAG_VAL_LENGTH``."""
     spec = loaded.spec
     torch_version, cuda_version = _torch_versions()
     spec_path = info.relpath(loaded.path) if info is not None else str(Path(loaded.path).resolve())
@@ -174,9 +173,8 @@ def column_tags(tags: Mapping[str, str]) -> dict[str, str]:
 
 
 def description_with(description: str, remarks: Mapping[str, str]) -> str:
-    """A run's Markdown description: the user's text, then runner's ``remarks`` under ``#### runner`` (a label replaces
-    its earlier remark; several lines go into a code block unless a list).
-    """
+    """A run's Markdown description: the user's text, then runner's ``remarks`` under ``#### runner`` (a label
+    replaces its earlier remark; several lines go into a code block unless a list)."""
     head, found, earlier = ("\n\n" + description).rpartition(f"\n\n{_REMARKS_HEADING}\n")
     own, earlier = (head[2:], earlier) if found else (description, "")
     parts = _REMARK.split(earlier)
@@ -261,8 +259,8 @@ OVERRIDES_TAG = "runner.overrides"
 def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
     """The MLflow params of a spec: the keys that apply (docs/design.md §10), as strings within MLflow's limits.
 
-    ``None`` values are left out; a value over ``MAX_PARAM_VAL_LENGTH`` is cut with a pointer to
-    ``spec/resolved.toml``. ``accelerator = "cpu"`` leaves out GPU-only keys too.
+    ``None`` values are left out; a value over ``MAX_PARAM_VAL_LENGTH`` is cut with a pointer to ``spec/resolved.toml``.
+    ``accelerator = "cpu"`` leaves out GPU-only keys too.
     """
     from runner.spec.dump import active_params
 
@@ -302,8 +300,7 @@ MAX_UNTRACKED_LISTED = 1000
 @dataclass(frozen=True)
 class GitInfo:
     """Provenance of a git working tree; ``dirty`` counts tracked files only (untracked ones are listed, at most
-    ``MAX_UNTRACKED_LISTED``); ``remote_url`` without credentials.
-    """
+    ``MAX_UNTRACKED_LISTED``); ``remote_url`` without credentials."""
 
     root: Path
     commit: str | None

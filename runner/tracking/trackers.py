@@ -38,11 +38,11 @@ CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it lea
 class MlflowTracker(BatchSender):
     """Logs metrics, tags and artifacts of one run from a background thread (docs/design.md §12).
 
-    ``log_metrics``, ``set_tags`` and ``log_artifact`` append to a buffer; a daemon thread sends values in order
-    with ``MlflowClient.log_batch`` (``max_batch`` per request) every ``flush_every_s`` seconds or when ``max_batch``
-    wait. Only :meth:`flush` and :meth:`close` wait on the network. Without a ``spool`` a failed request's error is
-    raised as :class:`TrackingError` by the next flush/close. With one, a store that does not answer is retried (pause
-    up to 30 s); unsent values stay in memory up to ``max_memory``, then go to the spool, and a flush waits at most
+    ``log_metrics``, ``set_tags`` and ``log_artifact`` append to a buffer; a daemon thread sends values in order with
+    ``MlflowClient.log_batch`` (``max_batch`` per request) every ``flush_every_s`` seconds or when ``max_batch`` wait.
+    Only :meth:`flush` and :meth:`close` wait on the network. Without a ``spool`` a failed request's error is raised as
+    :class:`TrackingError` by the next flush/close. With one, a store that does not answer is retried (pause up to 30
+    s); unsent values stay in memory up to ``max_memory``, then go to the spool, and a flush waits at most
     ``spill_after_s``, so a checkpoint never stalls training. ``first_seq`` numbers values across resumes.
     """
 
@@ -289,8 +289,8 @@ def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemM
 class Tracker(Protocol):
     """Where one rank sends its metrics, tags and artifacts; only rank 0 records anything.
 
-    :meth:`log_metrics` is on the hot path and must not wait on the network; only :meth:`flush` and :meth:`close`
-    may block.
+    :meth:`log_metrics` is on the hot path and must not wait on the network; only :meth:`flush` and :meth:`close` may
+    block.
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -392,8 +392,8 @@ def make_tracker(
     spool: Path | None = None,
     first_seq: int = 0,
 ) -> Tracker:
-    """The tracker of one rank: an :class:`MlflowTracker` (its arguments) on the logging rank of a tracked run, else a
-    :class:`NullTracker`. ``uri`` and ``run_id`` are ``None`` when tracking is off."""
+    """The tracker of one rank: an :class:`MlflowTracker` (its arguments) on the logging rank of a tracked run, else
+    a :class:`NullTracker`. ``uri`` and ``run_id`` are ``None`` when tracking is off."""
     if is_logger and run_id is not None and uri is not None:
         return MlflowTracker(uri, run_id, flush_every_s=flush_every_s, spool=spool, first_seq=first_seq)
     return NullTracker()

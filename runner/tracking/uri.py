@@ -69,8 +69,8 @@ def resolve_tracking_uri(
 ) -> str:
     """The absolute tracking URI a run of ``spec`` logs to: ``tracking.uri``, ``$MLFLOW_TRACKING_URI``, ``./mlflow.db``.
 
-    A relative path is resolved against ``cwd`` once, so workers started elsewhere log to the same store.
-    Raises TrackingError when ``MLFLOW_TRACKING_URI`` is no store.
+    A relative path is resolved against ``cwd`` once, so workers started elsewhere log to the same store. Raises
+    TrackingError when ``MLFLOW_TRACKING_URI`` is no store.
     """
     return _resolve(spec.tracking.uri, env, cwd)
 
@@ -134,8 +134,8 @@ def sqlite_path(uri: str) -> Path | None:
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, before training, when the store cannot be used; nothing is written.
 
-    http(s): ``GET /health``, then the REST API, no retries. sqlite and file stores: their folders are writable.
-    Other databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked.
+    http(s): ``GET /health``, then the REST API, no retries. sqlite and file stores: their folders are writable. Other
+    databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked.
 
     Raises:
         TrackingError: No answer, not an MLflow server, credentials rejected, or not writable (URI masked).
@@ -254,8 +254,8 @@ _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engin
 def open_store(uri: str) -> None:
     """Check the store and open it once in this process, creating or migrating a sqlite schema under a lock.
 
-    Every process calls it before its first MLflow request. Raises TrackingError: unreachable or not writable, the
-    lock held past :data:`LOCK_TIMEOUT_S`, a half-migrated sqlite store (with the fix), or MLflow's refusal.
+    Every process calls it before its first MLflow request. Raises TrackingError: unreachable or not writable, the lock
+    held past :data:`LOCK_TIMEOUT_S`, a half-migrated sqlite store (with the fix), or MLflow's refusal.
     """
     check_reachable(uri)
     if uri in _opened:
@@ -297,9 +297,8 @@ def _holds_a_schema(path: Path) -> bool:
 
 
 def _create_aside(uri: str, path: Path) -> None:
-    """Create and migrate a new store in a hidden file beside ``path`` and move it into place whole, so no other client
-    migrates the same new file at once (two alembic migrations can break a sqlite file).
-    """
+    """Create and migrate a new store in a hidden file beside ``path`` and move it into place whole, so no other
+    client migrates the same new file at once (two alembic migrations can break a sqlite file)."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.creating")
     query = uri.partition("?")[2]
     try:
@@ -329,8 +328,7 @@ def _holds_nothing(path: Path) -> bool:
 
 def _first_open(uri: str, path: Path | None = None) -> None:
     """Open the store with MLflow; a schema another client is creating or upgrading is waited for (up to
-    :data:`OPEN_ATTEMPTS` tries, each after the file was still for :data:`STILL_S`). A refusal is a TrackingError.
-    """
+    :data:`OPEN_ATTEMPTS` tries, each after the file was still for :data:`STILL_S`). A refusal is a TrackingError."""
     from mlflow.exceptions import MlflowException
 
     for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
@@ -429,8 +427,7 @@ TRAINING_VIEW = "workflowType=machine_learning"
 
 def ui_line(uri: str, experiment_id: str, run_id: str | None = None, what: str = "the run") -> str:
     """How to open a run or experiment in the MLflow UI's training view (``?workflowType=machine_learning``), without
-    credentials; a local store needs ``mlflow ui`` first.
-    """
+    credentials; a local store needs ``mlflow ui`` first."""
     parts = urlsplit(uri)
     served = parts.scheme in ("http", "https")
     base = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", "")) if served else LOCAL_UI

@@ -25,25 +25,9 @@ def flops_uncounted(spec: ExperimentSpec, timed: bool) -> str | None:
 
 @dataclass
 class WorkerResult:
-    """What a worker returns (only the logging rank's is used by the driver).
-
-    Attributes:
-        global_step: Optimizer steps taken at the end.
-        history: ``(step, metrics)`` pairs, for tests and ``runner bench``.
-        resumed_from: Checkpoint file the run continued from, if any.
-        notes: Things the user should know (e.g. damaged checkpoints skipped).
-        step_times_s: Wall time of each optimizer step, seconds.
-        data_wait_s: Seconds of each step spent waiting for data.
-        peak_memory_bytes: Peak memory of this rank: CUDA allocator peak on its device, else
-            the process's peak resident set size.
-        device: The device this rank trained on, e.g. ``cuda:0`` or ``cpu``.
-        device_peaks: CUDA allocator peak of each GPU this process drove, in the run's device order (dp's one
-            process drives every GPU of the run; a ddp or fsdp rank its own), bytes; empty on CPU.
-        stopped_after_epoch: The epoch after which ``epoch_end`` stopped training, or ``None``.
-        startup_s: :data:`STARTUP_METRIC` of this rank, or ``None`` (no step, or no start time given).
-        step_flops: FLOPs of one optimizer step of this process (its share of the global batch), or ``None``:
-            not counted (dp, ``train.compile``, ``runner bench``).
-    """
+    """What a worker returns (the driver uses the logging rank's): steps, history, the checkpoint resumed from,
+    notes, each step's time and data wait, peak memory of the rank and of each GPU it drove (bytes), the device,
+    ``stopped_after_epoch``, :data:`STARTUP_METRIC` and one step's FLOPs (``None`` when not counted)."""
 
     rank: int
     metrics: dict[str, float] = field(default_factory=dict)

@@ -39,9 +39,8 @@ CollatedBatch = Mapping[str, Any] | Sequence[Any]
 
 @dataclass
 class Batch:
-    """One micro-batch on its devices: forward's ``inputs`` (a tensor, ``(x, y)`` for a model-computed loss, or keyword
-    arguments), the ``target`` on the output device (or ``None``), and ``size`` ``B``.
-    """
+    """One micro-batch on its devices: forward's ``inputs`` (a tensor, ``(x, y)`` for a model-computed loss, or
+    keyword arguments), the ``target`` on the output device (or ``None``), and ``size`` ``B``."""
 
     inputs: Any
     target: torch.Tensor | None
@@ -92,8 +91,8 @@ class BatchIO:
         return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
 
     def whole(self, batch: Batch) -> Any:
-        """The whole batch on its devices, as a loss function's ``batch`` gets it: the dict with its target key,
-        or ``(x, y)``."""
+        """The whole batch on its devices, as a loss function's ``batch`` gets it: the dict with its target key, or
+        ``(x, y)``."""
         if isinstance(batch.inputs, dict):
             if self.target_key is None or batch.target is None:
                 return dict(batch.inputs)
@@ -236,8 +235,7 @@ class TrainState:
 @dataclass
 class FitResult:
     """What :func:`fit` returns on every rank: last metric values, the logged history, each step's time and data wait
-    (seconds), the epoch ``epoch_end`` stopped after, ``startup_s``, and one step's FLOPs.
-    """
+    (seconds), the epoch ``epoch_end`` stopped after, ``startup_s``, and one step's FLOPs."""
 
     state: TrainState
     metrics: dict[str, float] = field(default_factory=dict)

@@ -228,8 +228,7 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
     """The first value under ``obj`` that is neither a tensor nor plain (e.g. ``checkpoint["scheduler"][...] is a
-    function``), or ``None``.
-    """
+    function``), or ``None``."""
     if isinstance(obj, (torch.Tensor, *_PLAIN)):
         return None
     if isinstance(obj, dict):
@@ -370,10 +369,9 @@ def build_payload(
     run_id: str | None,
     metrics_recorded: int = 0,
 ) -> dict[str, Any]:
-    """Assemble the dict :func:`save_checkpoint` writes: whole model and optimizer states, scheduler and scaler,
-    the loop state, every rank's RNG states, the flattened spec and ``metrics_recorded`` (values sent or spooled
-    when it was taken: a resume sends the spooled ones before it and recomputes those after).
-    """
+    """Assemble the dict :func:`save_checkpoint` writes: whole model and optimizer states, scheduler and scaler, the
+    loop state, every rank's RNG states, the flattened spec and ``metrics_recorded`` (values sent or spooled when it
+    was taken: a resume sends the spooled ones before it and recomputes those after)."""
     return {
         "format": FORMAT_VERSION,
         "model": model_state,

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 class DatasetInfo:
     """What the model and the loop need to know about the data.
 
-    ``input_shape`` is one sample's (a dict sample's first input); ``num_classes`` 0 when unknown;
-    ``val_split_sha256`` hashes the sorted validation indices or file paths; ``normalization`` is the
-    ``(mean, std)`` the samples were normalised with, put in front of a logged model.
+    ``input_shape`` is one sample's (a dict sample's first input); ``num_classes`` 0 when unknown; ``val_split_sha256``
+    hashes the sorted validation indices or file paths; ``normalization`` is the ``(mean, std)`` the samples were
+    normalised with, put in front of a logged model.
     """
 
     input_shape: tuple[int, ...]
@@ -144,8 +144,8 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
     ``data.root`` and factory imports are relative to ``spec_dir``.
 
     Raises:
-        SpecError: An unknown dataset, missing files, rejected kwargs, options or a target that do not fit the
-            samples, or an empty dataset; each at its key, with the fix.
+        SpecError: An unknown dataset, missing files, rejected kwargs, options or a target that do not fit the samples,
+            or an empty dataset; each at its key, with the fix.
     """
     data = spec.data
     name = data.dataset

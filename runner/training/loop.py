@@ -265,8 +265,8 @@ def _flop_counter() -> contextlib.AbstractContextManager[Any]:
 
 
 def _log_startup(parts: LoopParts, result: FitResult, step: int) -> None:
-    """Record the time from the command's start to the end of the first step (kept out of the history:
-    it is a timing, like ``samples_per_s``, but differs between otherwise identical runs)."""
+    """Record the time from the command's start to the end of the first step (kept out of the history: it is a
+    timing, like ``samples_per_s``, but differs between otherwise identical runs)."""
     assert parts.started_at is not None
     result.startup_s = time.time() - parts.started_at
     parts.tracker.log_metrics({STARTUP_METRIC: result.startup_s}, step=step)
@@ -318,9 +318,9 @@ def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle:
 
 
 def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) -> None:
-    """Record the running sums and metric states in ``state`` (collectives on every rank), then save. Nothing non-finite
-    is saved: a non-finite step since the last check stops the run first (``stop``), and weights that are not finite are
-    never written (``stop`` and ``warn``)."""
+    """Record the running sums and metric states in ``state`` (collectives on every rank), then save. Nothing
+    non-finite is saved: a non-finite step since the last check stops the run first (``stop``), and weights that are
+    not finite are never written (``stop`` and ``warn``)."""
     if parts.on_checkpoint is None:
         return
     strategy = parts.strategy

@@ -113,9 +113,8 @@ class ModelLoss(Loss):
 
 
 class FunctionLoss(Loss):
-    """``loss.name = "pkg.module:function"`` returning the batch mean: ``function(prediction, target, **kwargs)``, or by
-    keyword when it names ``output`` (all forward returned) or ``batch`` (the whole batch on its devices).
-    """
+    """``loss.name = "pkg.module:function"`` returning the batch mean: ``function(prediction, target, **kwargs)``, or
+    by keyword when it names ``output`` (all forward returned) or ``batch`` (the whole batch on its devices)."""
 
     def __init__(self, name: str, function: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         super().__init__(name)

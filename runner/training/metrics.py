@@ -42,8 +42,7 @@ class MetricRecipe:
 @dataclass(frozen=True)
 class MetricPlan:
     """The metrics of the training batches and of the validation split; ``counted_accuracy`` is the default accuracy,
-    counted in the loop's running sums instead of a metric object (no torchmetrics import).
-    """
+    counted in the loop's running sums instead of a metric object (no torchmetrics import)."""
 
     train: tuple[MetricRecipe, ...] = ()
     val: tuple[MetricRecipe, ...] = ()

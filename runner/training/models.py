@@ -202,8 +202,7 @@ def build_cnn(
     *, in_channels: int = 1, num_classes: int = 10, width: int = 32, batch_norm: bool = False
 ) -> torch.nn.Module:
     """A small convolutional classifier ``(N, C, H, W)`` -> ``(N, num_classes)``; channels ``width``, ``2*width``,
-    ``4*width``. Raises ValueError for a bad size or a ``batch_norm`` that is no bool.
-    """
+    ``4*width``. Raises ValueError for a bad size or a ``batch_norm`` that is no bool."""
     from torch import nn
 
     _positive("in_channels", in_channels)

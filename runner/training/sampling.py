@@ -73,9 +73,9 @@ class EpochSampler(Sampler[int]):
     """Training sampler: one seeded permutation per epoch, rank ``r`` reads positions ``r::W``.
 
     ``DistributedSampler``'s permutation without padding or duplicates, cut to the epoch's global batches
-    (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the
-    DataLoader's) from (seed, rank, epoch), so a resumed run reproduces worker seeds. Raises ValueError for a rank
-    out of range or a ``global_batch`` that is no multiple of ``W``.
+    (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the DataLoader's)
+    from (seed, rank, epoch), so a resumed run reproduces worker seeds. Raises ValueError for a rank out of range or a
+    ``global_batch`` that is no multiple of ``W``.
     """
 
     def __init__(
@@ -219,9 +219,8 @@ def _size(dataset: Dataset) -> int:
 
 
 def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> list[tuple[int, int, str]]:
-    """``(global batch size, rank, "micro-batch" | "DataParallel chunk")`` wherever a training batch of one sample would
-    reach the model, from the batch arithmetic alone.
-    """
+    """``(global batch size, rank, "micro-batch" | "DataParallel chunk")`` wherever a training batch of one sample
+    would reach the model, from the batch arithmetic alone."""
     found = []
     for size in sorted(set(loaders.global_batch_sizes)):
         for rank in range(world_size):
@@ -239,8 +238,7 @@ def check_batchnorm_batches(
     model: nn.Module, spec: ExperimentSpec, loaders: Loaders, world_size: int, replicas: int
 ) -> None:
     """Refuse a model with BatchNorm that would meet a training batch of one sample ("Expected more than 1 value per
-    channel"); raises SpecError at ``data.batch_size`` with the fix.
-    """
+    channel"); raises SpecError at ``data.batch_size`` with the fix."""
     norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     cases = one_sample_batches(loaders, world_size, replicas) if norms else []
     if not cases:

@@ -98,8 +98,8 @@ def build_parts(
     (parity's control); ``bundle`` is the datasets when already built.
 
     Raises:
-        SpecError: Something named in the spec does not build, a dict sample lacks the ``data.target`` needed,
-            or BatchNorm would meet a 1-sample training batch.
+        SpecError: Something named in the spec does not build, a dict sample lacks the ``data.target`` needed, or
+            BatchNorm would meet a 1-sample training batch.
     """
     bundle = build_datasets(spec, spec_dir) if bundle is None else bundle
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)

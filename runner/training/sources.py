@@ -104,9 +104,8 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
 
 
 def sklearn_table(file: str, delimiter: str | None = None) -> torch.Tensor:
-    """A scikit-learn data file (``sklearn/datasets/data/<file>``) as float64 ``(rows, cols)``, read as its loaders read
-    it, without importing scikit-learn (about 1.6 s a process). SpecError at ``data.dataset`` when missing.
-    """
+    """A scikit-learn data file (``sklearn/datasets/data/<file>``) as float64 ``(rows, cols)``, read as its loaders
+    read it, without importing scikit-learn (about 1.6 s a process). SpecError at ``data.dataset`` when missing."""
     import gzip
     import importlib.util
 

@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 
 class RunningSums:
     """Running float64 sums on ``device`` (``[loss, clipped norm, samples, correct, predicted]``), reduced in one
-    collective; the norm sum turns non-finite with a step's norm; ``start`` restores rank-reduced sums.
-    """
+    collective; the norm sum turns non-finite with a step's norm; ``start`` restores rank-reduced sums."""
 
     SIZE = 5
 
@@ -187,8 +186,8 @@ class Progress:
 
     @property
     def samples_per_s(self) -> float:
-        """Global training samples per second of the epoch so far (0 before its first step): the progress
-        line's figure and, at the epoch's end, metric ``samples_per_s``."""
+        """Global training samples per second of the epoch so far (0 before its first step): the progress line's
+        figure and, at the epoch's end, metric ``samples_per_s``."""
         elapsed = self.epoch_seconds
         return self.samples / elapsed if elapsed > 0 and self.samples else 0.0
 
