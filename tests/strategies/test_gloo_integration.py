@@ -144,11 +144,16 @@ def _overlapped_logs() -> tuple[list[tuple[int, int]], list[tuple[int, int, int,
     )
     strategy.setup()
     try:
-        tracker, saves, taken, seen = RecordingTracker(), Saves(), [0], []
+        tracker, saves, taken, seen = RecordingTracker(), Saves(), [], []
         parts = request_stop_in_step(make_parts(spec, tracker, strategy=strategy, on_checkpoint=saves), 3)
-        parts.optimizer.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
+        parts.optimizer.register_step_post_hook(lambda *_: taken.append(1))
         logged = tracker.log_metrics
-        tracker.log_metrics = lambda metrics, step: (seen.append((step, taken[0])), logged(metrics, step))[1]
+
+        def log_metrics(metrics: dict[str, float], step: int) -> None:
+            seen.append((step, len(taken)))
+            logged(metrics, step)
+
+        tracker.log_metrics = log_metrics
         with pytest.raises(Interrupted):
             fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
         return seen, saves.calls
