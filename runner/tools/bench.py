@@ -9,7 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from runner.tools.bench_report import BenchReport, ConfigResult, config_id, fini
 from runner.tools.bench_runs import (
     Config,
     Parent,
+    ending,
     measure_config,
     open_child,
     record_child,
@@ -30,6 +31,7 @@ from runner.tools.bench_runs import (
 )
 
 if TYPE_CHECKING:
+    from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
 
 DEFAULT_OUT_DIR = "bench-results"
@@ -240,23 +242,14 @@ def _run_under_parent(
     runnable: Sequence[Config], report: BenchReport, parent: Parent | None, out: Path, pool: WarmPool
 ) -> None:
     """Measure everything inside the parent run, and end the parent with how that went."""
-    status, error = "FAILED", None
     try:
-        _measure_all(runnable, report, parent, out, pool)
-        failures = [c for c in report.configs if c.status == "failed"]
-        status = "FAILED" if failures else "FINISHED"
-        error = "\n".join(f"{c.config}: {c.reason}" for c in failures) or None
-    except (Interrupted, KeyboardInterrupt):
-        status = "KILLED"
+        with ending(parent) as outcome:
+            _measure_all(runnable, report, parent, out, pool)
+            failures = [c for c in report.configs if c.status == "failed"]
+            if failures:
+                outcome.update(status="FAILED", error="\n".join(f"{c.config}: {c.reason}" for c in failures))
+    except KeyboardInterrupt:
         raise Interrupted() from None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        if parent is not None:
-            from runner.tracking.runs import end_run
-
-            end_run(parent.uri, parent.run_id, status, error)
 
 
 def _measure_all(
@@ -299,18 +292,29 @@ def _measure_all(
 # ----------------------------------------------------------------------------- preparing
 
 
-def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Config:
-    """Validate and plan one configuration; a spec or device problem makes it a skipped row."""
+def derive(
+    base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, adjust: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[LoadedSpec, Plan]:
+    """The spec and plan of one configuration of ``base`` (:func:`bench_spec_data`, then ``adjust`` on the raw dict),
+    the core that bench and parity share. Raises SpecError, DeviceError or UsageError when it does not validate or
+    this machine cannot run it."""
     from runner.plan import make_plan
     from runner.spec.dump import spec_sha256
     from runner.spec.loading import spec_from_dict
 
-    result = ConfigResult(config=config_id(mode, n), mode=mode, n=n)
     data = bench_spec_data(base.data, mode, n, steps, warmup)
+    if adjust is not None:
+        adjust(data)
+    spec = spec_from_dict(data, origin=str(base.path))
+    loaded = dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec))
+    return loaded, make_plan(loaded)
+
+
+def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Config:
+    """Validate and plan one configuration; a spec or device problem makes it a skipped row."""
+    result = ConfigResult(config=config_id(mode, n), mode=mode, n=n)
     try:
-        spec = spec_from_dict(data, origin=str(base.path))
-        loaded = dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec))
-        plan = make_plan(loaded)
+        loaded, plan = derive(base, mode, n, steps, warmup)
     except (SpecError, DeviceError, UsageError) as exc:
         result.status, result.reason = "skipped", reason(exc)
         return Config(result)

@@ -55,44 +55,51 @@ def scaling_efficiency(samples_per_s: float, baseline_samples_per_s: float | Non
     return samples_per_s / (n * baseline_samples_per_s)
 
 
-def losses_agree(a: float, b: float, tolerance: float = LOSS_TOLERANCE) -> bool:
-    """``|a - b| <= tolerance * max(|a|, |b|)``."""
-    return math.isclose(a, b, rel_tol=tolerance, abs_tol=0.0)
+def loss_scale(curve: Mapping[int, float]) -> float:
+    """The size of a ``{step: train/loss}`` curve's values: its largest finite |value|, at least 1."""
+    return max([1.0, *(abs(v) for v in curve.values() if math.isfinite(v))])
 
 
-def agrees_through(
-    curve: dict[int, float], baseline: dict[int, float], tolerance: float = LOSS_TOLERANCE
-) -> int | None:
-    """Last step up to which two ``{step: loss}`` curves agree at every common step (``None``: not even the first)."""
-    last = None
-    for step in sorted(set(curve) & set(baseline)):
-        if not losses_agree(curve[step], baseline[step], tolerance):
-            break
-        last = step
-    return last
+def loss_deltas(curve: Mapping[int, float], baseline: Mapping[int, float]) -> dict[int, float]:
+    """|curve - baseline| at every step either logged; infinite where one misses the step or a value is not finite."""
+    out = {}
+    for step in sorted(set(curve) | set(baseline)):
+        a, b = curve.get(step), baseline.get(step)
+        finite = a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+        out[step] = abs(a - b) if finite else math.inf  # type: ignore[operator]
+    return out
+
+
+def first_beyond(deltas: Mapping[int, float], tolerance: float) -> int | None:
+    """The one definition of disagreement, of bench and parity alike: the first step whose |Δ train/loss| against
+    ``none`` exceeds ``tolerance`` (``None``: the curves agree at every step)."""
+    return next((step for step in sorted(deltas) if deltas[step] > tolerance), None)
 
 
 def loss_check(
-    loss: float | None,
-    baseline: float | None,
+    curve: Mapping[int, float],
+    baseline: Mapping[int, float],
     *,
     not_comparable: str = "",
     tolerance: float = LOSS_TOLERANCE,
-    agreed_through: int | None = None,
-    last_step: int | None = None,
-) -> str:
-    """``"ok"``, ``"differs: ..."``, ``"not comparable: ..."`` or ``"no baseline"`` for a final loss against none's."""
+) -> tuple[str, int | None]:
+    """A bench row's train/loss curve against none's, at ``tolerance`` relative to :func:`loss_scale` of none's:
+    ``("ok" | "differs: ..." | "not comparable: ..." | "no baseline", last step through which the curves agree)``."""
     if not_comparable:
-        return not_comparable
-    if loss is None or baseline is None or not math.isfinite(loss) or not math.isfinite(baseline):
-        return "no baseline"
-    if losses_agree(loss, baseline, tolerance):
-        return "ok"
-    rel = abs(loss - baseline) / max(abs(loss), abs(baseline))
-    text = f"differs: {loss:.6g} vs {baseline:.6g} for none (relative {rel:.2g} > {tolerance:g})"
-    if last_step is not None:
-        text += f"; curves agree through step {agreed_through or 0} of {last_step}"
-    return text
+        return not_comparable, None
+    if not curve or not baseline or not math.isfinite(baseline[max(baseline)]):
+        return "no baseline", None
+    deltas, allowed = loss_deltas(curve, baseline), tolerance * loss_scale(baseline)
+    beyond, steps = first_beyond(deltas, allowed), sorted(deltas)
+    if beyond is None:
+        return "ok", steps[-1]
+    through, last = (steps[steps.index(beyond) - 1] if beyond != steps[0] else None), steps[-1]
+    text = (
+        f"differs from step {beyond} by {deltas[beyond]:.2g} ({tolerance:g} of none's losses is {allowed:.2g}); "
+        f"final {curve.get(last, math.nan):.6g} vs {baseline.get(last, math.nan):.6g} for none; "
+        f"curves agree through step {through or 0} of {last}"
+    )
+    return text, through
 
 
 def spread(values: Sequence[float]) -> float | None:

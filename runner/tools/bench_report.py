@@ -19,7 +19,6 @@ from runner.tools.bench_figures import (
     LOSS_TOLERANCE,
     SPREAD_LIMIT,
     TAIL_LIMIT,
-    agrees_through,
     comparability,
     loss_check,
     scaling_efficiency,
@@ -94,19 +93,10 @@ def finish_comparisons(
         if c is base:
             c.loss_check = not_comparable or "baseline"
             continue
-        agreed = last = None
-        if base is not None and c.train_losses and base.train_losses:
-            agreed = agrees_through(c.train_losses, base.train_losses, tolerance)
-            last = max(set(c.train_losses) & set(base.train_losses), default=None)
-            c.loss_agrees_through_step = None if not_comparable else agreed
-        c.loss_check = loss_check(
-            c.final_loss,
-            base.final_loss if base else None,
-            not_comparable=not_comparable,
-            tolerance=tolerance,
-            agreed_through=agreed,
-            last_step=last,
+        c.loss_check, agreed = loss_check(
+            c.train_losses, base.train_losses if base else {}, not_comparable=not_comparable, tolerance=tolerance
         )
+        c.loss_agrees_through_step = agreed
 
 
 def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]:
@@ -132,7 +122,7 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
 
 
 def recommend(configs: Sequence[ConfigResult]) -> str:
-    """The fastest configuration whose final ``train/loss`` is within :data:`LOSS_TOLERANCE` of none's, or why unclear.
+    """The fastest configuration whose ``train/loss`` agrees with none's (``loss_check``), or why unclear.
 
     ``recommend: ddp-2 — 1.9× none (1.8–2.0×), results agree, 1.2 GiB per device``; "inconclusive" when the repeats of
     the fastest and the runner-up overlap.
@@ -234,7 +224,7 @@ class BenchReport:
             "peak_memory_bytes": (
                 "cuda_allocated: torch.cuda.max_memory_allocated per device; cpu_rss: peak RSS per process"
             ),
-            "loss_check": f"train/loss after the last step vs none, relative tolerance {self.loss_tolerance:g}",
+            "loss_check": f"train/loss at every step vs none, within {self.loss_tolerance:g} of none's largest |loss|",
             "samples_per_s_of_repeats": "samples_per_s is their median",
             "spread": f"(max - min) / median of the repeats' samples_per_s; steady at most {SPREAD_LIMIT:g}",
             "tail": f"step p90 / step p50 over all repeats; steady at most {TAIL_LIMIT:g}",
@@ -303,9 +293,9 @@ class BenchReport:
         )
         why = comparability(self.batch_statistics, self.dropout)
         if why:
-            foot.append(f"final losses {why} (BatchNorm normalises per device, dropout draws per-rank masks)")
+            foot.append(f"losses {why} (BatchNorm normalises per device, dropout draws per-rank masks)")
         else:
-            foot.append(f"final losses compared with none at relative tolerance {self.loss_tolerance:g}")
+            foot.append(f"losses compared with none at every step, within {self.loss_tolerance:g} of none's")
         if self.parent_run_id:
             foot.append(f"MLflow: parent run {self.parent_run_id} (experiment {self.experiment!r})")
             foot.append(ui_line(self.tracking_uri or "", self.experiment_id, self.parent_run_id))

@@ -5,12 +5,13 @@ Also: measuring one ``runner bench`` configuration: its repeats on the warm pool
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from runner.errors import Interrupted, mask_secrets
+from runner.errors import Interrupted, SpecError, mask_secrets
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
@@ -54,6 +55,28 @@ def start_parent(
     report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
     report.experiment_id, report.experiment = handle.experiment_id, experiment
     return Parent(uri, handle.run_id, experiment)
+
+
+@contextlib.contextmanager
+def ending(parent: Parent | None) -> Iterator[dict[str, str | None]]:
+    """The parent-run lifecycle of bench and parity: end ``parent`` FINISHED, or with the ``status`` and ``error`` the
+    body sets in the yielded dict; KILLED on an interrupt, FAILED naming an exception; a SpecError deletes it (a bad
+    spec leaves no run)."""
+    from runner.tracking.runs import delete_run, end_run
+
+    outcome: dict[str, str | None] = {"status": "FINISHED", "error": None}
+    try:
+        yield outcome
+    except BaseException as exc:
+        if parent is not None and isinstance(exc, SpecError):
+            delete_run(parent.uri, parent.run_id)
+        elif parent is not None:
+            killed = isinstance(exc, (Interrupted, KeyboardInterrupt))
+            error = None if killed else f"{type(exc).__name__}: {exc}"
+            end_run(parent.uri, parent.run_id, "KILLED" if killed else "FAILED", error)
+        raise
+    if parent is not None:
+        end_run(parent.uri, parent.run_id, outcome["status"] or "FINISHED", outcome["error"])
 
 
 def start_bench_parent(base: LoadedSpec, report: BenchReport, configs: list[str]) -> Parent | None:

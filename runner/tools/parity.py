@@ -6,6 +6,7 @@ initial weights nudged by one ulp) sets the tolerance. Semantics: docs/design.md
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import tempfile
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tools.bench_runs import Parent, log_history, start_parent
+from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale
+from runner.tools.bench_runs import Parent, ending, log_history, start_parent
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
@@ -190,28 +192,10 @@ def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps:
         )
         report.modes = [ModeResult("none", "none", 1), *(ModeResult(c, m, n) for c, m, n, _ in others), *skipped]
         parent = start_parent(base, report, "parity", [m.config for m in report.modes], parity={"steps": steps})
-        status, error = "FAILED", None
-        try:
+        with ending(parent):
             _run_all(report, base, others, parent)
-            status = "FINISHED"
-        except SpecError:
             if parent is not None:
-                from runner.tracking.runs import delete_run
-
-                delete_run(parent.uri, parent.run_id)
-                parent = None
-            raise
-        except (KeyboardInterrupt, Exception) as exc:
-            status = "FAILED" if isinstance(exc, Exception) else "KILLED"
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            if parent is not None:
-                from runner.tracking.runs import end_run
-
-                if status == "FINISHED":
-                    _record(report, parent, Path(tmp))
-                end_run(parent.uri, parent.run_id, status, error)
+                _record(report, parent, Path(tmp))
     return report
 
 
@@ -248,34 +232,26 @@ def _configurations(
 
 
 def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, folder: Path) -> LoadedSpec:
-    """The spec of one configuration: ``runner bench``'s derivation, plus determinism, checkpoints, ``/parity``;
-    SpecError or DeviceError when it does not validate or this machine cannot run it."""
-    import copy
-    import dataclasses
-
-    from runner.plan import make_plan
-    from runner.spec.dump import spec_sha256
-    from runner.spec.loading import spec_from_dict
-    from runner.tools.bench import bench_spec_data
+    """The spec of one configuration: ``runner bench``'s, plus determinism, the spec's own epochs, checkpoints and
+    ``<experiment>/parity``; SpecError or DeviceError when it does not validate or this machine cannot run it."""
+    from runner.tools.bench import derive
     from runner.tools.bench_report import config_id
 
-    data = bench_spec_data(loaded.data, mode, n, steps, 0)
-    train, original = data["train"], loaded.data.get("train", {})
-    for key in ("epochs", "eval_every_n_epochs"):  # the spec's own epochs; max_steps ends the run
-        train.pop(key, None)
-        if key in original:
-            train[key] = copy.deepcopy(original[key])
-    train["amp"] = "no"
-    data["deterministic"] = True
-    if cpu:
-        data["devices"]["accelerator"] = "cpu"
-    data["checkpoint"] = {"dir": str(folder / config_id(mode, n)), "every_n_steps": steps, "keep_last": 1}
-    tracking = data.setdefault("tracking", {})
-    tracking.update(log_model=False, experiment=f"{loaded.spec.tracking.experiment or loaded.spec.name}/parity")
-    spec = spec_from_dict(data, origin=str(loaded.path))
-    derived = dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
-    make_plan(derived)
-    return derived
+    def adjust(data: dict[str, Any]) -> None:
+        train, original = data["train"], loaded.data.get("train", {})
+        for key in ("epochs", "eval_every_n_epochs"):  # the spec's own epochs; max_steps ends the run
+            train.pop(key, None)
+            if key in original:
+                train[key] = copy.deepcopy(original[key])
+        train["amp"] = "no"
+        data["deterministic"] = True
+        if cpu:
+            data["devices"]["accelerator"] = "cpu"
+        data["checkpoint"] = {"dir": str(folder / config_id(mode, n)), "every_n_steps": steps, "keep_last": 1}
+        experiment = f"{loaded.spec.tracking.experiment or loaded.spec.name}/parity"
+        data.setdefault("tracking", {}).update(log_model=False, experiment=experiment)
+
+    return derive(loaded, mode, n, steps, 0, adjust)[0]
 
 
 def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], parent: Parent | None) -> None:
@@ -336,26 +312,17 @@ def _compare(report: ParityReport) -> None:
     for m, base in [(report.control, report.reference or none), *((m, none) for m in report.modes[1:])]:
         if m.status != "ok":
             continue
-        steps = sorted(set(base.losses) | set(m.losses))
-        m.loss_deltas = {s: _delta(m.losses.get(s), base.losses.get(s)) for s in steps}
+        m.loss_deltas = loss_deltas(m.losses, base.losses)
         m.max_loss_delta = max(m.loss_deltas.values(), default=None)
         m.max_param_delta = max(
             (float((m.params[k] - v).abs().max()) if k in m.params else math.inf for k, v in base.params.items()),
             default=None,
         )
-    loss_scale = max([1.0, *(abs(v) for v in none.losses.values() if math.isfinite(v))])
     param_scale = max([1.0, *(float(v.abs().max()) for v in none.params.values() if v.numel())])
-    report.loss_tolerance = tolerance(report.precision, report.control.max_loss_delta or 0.0, loss_scale)
+    report.loss_tolerance = tolerance(report.precision, report.control.max_loss_delta or 0.0, loss_scale(none.losses))
     report.param_tolerance = tolerance(report.precision, report.control.max_param_delta or 0.0, param_scale)
     for m in report.modes[1:]:
-        m.first_beyond = next((s for s, d in m.loss_deltas.items() if d > report.loss_tolerance), None)
-
-
-def _delta(a: float | None, b: float | None) -> float:
-    """|a - b|; infinite when a step is missing or a value is not finite."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b)
+        m.first_beyond = first_beyond(m.loss_deltas, report.loss_tolerance)
 
 
 def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:

@@ -281,9 +281,18 @@ def run_exists(uri: str, run_id: str) -> bool:
 
 
 def delete_run(uri: str, run_id: str) -> None:
-    """Delete a run that never trained (its spec did not build); TrackingError when rejected."""
+    """Delete a run that never trained (its spec did not build), leaving not even a deleted run where the store allows
+    it: a database or file store purges it and its artifacts as ``mlflow gc`` does; a server only marks it deleted
+    (its ``mlflow gc`` purges). TrackingError when rejected."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
     with store_errors(f"delete MLflow run {run_id} at {uri}"):
-        client_for(uri).delete_run(run_id)
+        client = client_for(uri)
+        client.delete_run(run_id)
+        store = client._tracking_client.store
+        if hasattr(store, "_hard_delete_run"):
+            get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts()
+            store._hard_delete_run(run_id)
 
 
 def run_status(uri: str, run_id: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -11,15 +12,16 @@ import numpy as np
 import pytest
 
 from runner.cli import main
-from runner.errors import UsageError
+from runner.errors import SpecError, SpecIssue, UsageError
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tools.bench import bench_spec_data, configurations
 from runner.tools.bench_figures import (
     NOT_COMPARABLE,
-    agrees_through,
     comparability,
     final_loss,
+    first_beyond,
     loss_check,
+    loss_deltas,
     median,
     percentile,
     scaling_efficiency,
@@ -66,22 +68,30 @@ def test_scaling_efficiency_against_n_times_the_single_device_rate() -> None:
     assert scaling_efficiency(180.0, 0.0, 2) is None
 
 
-def test_loss_check_tolerance_and_comparability() -> None:
-    assert loss_check(1.00005, 1.0) == "ok"
-    flagged = loss_check(1.001, 1.0, agreed_through=14, last_step=35)
-    assert flagged.startswith("differs") and "0.0001" in flagged and "agree through step 14 of 35" in flagged
+def test_loss_check_compares_every_step_within_the_tolerance_of_nones_losses() -> None:
+    base = {1: 2.0, 2: 1.5, 3: 1.0, 4: 0.5}
+    assert loss_check(dict(base), base) == ("ok", 4)
+    assert loss_check({**base, 4: 0.5 + 1.9e-4}, base) == ("ok", 4)  # 1e-4 of none's largest |loss| (2.0)
+    flagged, through = loss_check({1: 2.0, 2: 1.5 * (1 + 1e-6), 3: 1.01, 4: 0.5}, base)
+    assert through == 2 and flagged.startswith("differs from step 3 by 0.01 (0.0001 of none's losses is 0.0002)")
+    assert flagged.endswith("curves agree through step 2 of 4")
+    assert loss_check({1: 2.1, 2: 1.5}, base)[1] is None  # apart from the first step; 3 and 4 missing
+    assert loss_check({s: v / 100 for s, v in base.items()}, {s: v / 100 for s, v in base.items()})[0] == "ok"
+    assert loss_check({1: 0.02, 2: 0.0101}, {1: 0.02, 2: 0.01})[0] == "ok"  # scale at least 1
+    assert loss_check({1: 2.0, 2: math.nan}, {1: 2.0, 2: 1.5})[0].startswith("differs from step 2 by inf")
     assert comparability(True) == NOT_COMPARABLE
     assert comparability(False, dropout=True) == "not comparable: dropout layers"
     assert comparability(False, False) == ""
-    assert loss_check(1.5, 1.0, not_comparable=comparability(True)) == NOT_COMPARABLE
-    assert loss_check(1.0, None) == "no baseline"
+    assert loss_check({1: 1.5}, {1: 1.0}, not_comparable=comparability(True)) == (NOT_COMPARABLE, None)
+    assert loss_check({1: 1.0}, {}) == ("no baseline", None)
+    assert loss_check({1: 1.0}, {1: math.nan}) == ("no baseline", None)
 
 
-def test_agrees_through_finds_where_two_loss_curves_part() -> None:
-    base = {1: 2.0, 2: 1.5, 3: 1.0, 4: 0.5}
-    assert agrees_through(dict(base), base) == 4
-    assert agrees_through({1: 2.0, 2: 1.5 * (1 + 1e-6), 3: 1.01, 4: 0.5}, base) == 2
-    assert agrees_through({1: 2.1, 2: 1.5}, base) is None
+def test_one_definition_of_disagreement_the_first_step_beyond_the_tolerance() -> None:
+    deltas = loss_deltas({1: 1.0, 2: 1.1, 4: 3.0}, {1: 1.0, 2: 1.0, 3: 2.0, 4: math.inf})
+    assert deltas[1] == 0.0 and deltas[2] == pytest.approx(0.1) and deltas[3] == deltas[4] == math.inf
+    assert first_beyond(deltas, 0.2) == 3 and first_beyond(deltas, 0.05) == 2
+    assert first_beyond({1: 0.0, 2: 0.1}, 0.1) is None  # at the tolerance agrees
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -246,7 +256,7 @@ def _report(batch_statistics: bool = False) -> BenchReport:
             devices=["cpu", "cpu"],
             final_loss=0.5 * (1 + 5e-3),
             timed_steps=20,
-            train_losses={s: v * (1 + 1e-3 * (s > 12)) for s, v in curve.items()},
+            train_losses={s: v * (1 + 1e-2 * (s > 12)) for s, v in curve.items()},
         ),
         ConfigResult("ddp-4", "ddp", 4, status="failed", reason="rank 1 failed: RuntimeError: boom"),
     ]
@@ -354,9 +364,9 @@ def test_cli_bad_spec_exits_2_without_any_run(write_spec, store: str, capsys) ->
 
 def _pair(rate: float, *, spreads: tuple[float, float] = (0.02, 0.03), budgets: tuple[int, int] = (2, 2)):
     """none at 100 samples/s and ddp-2 at ``rate``, with their spreads and CPU thread budgets, compared."""
-    none = ConfigResult("none", "none", 1, samples_per_s=100.0, spread=spreads[0], final_loss=0.5)
+    none = ConfigResult("none", "none", 1, samples_per_s=100.0, spread=spreads[0], train_losses={1: 0.5})
     none.threads_per_process, none.thread_budget = budgets[0], budgets[0]
-    ddp = ConfigResult("ddp-2", "ddp", 2, samples_per_s=rate, spread=spreads[1], final_loss=0.5)
+    ddp = ConfigResult("ddp-2", "ddp", 2, samples_per_s=rate, spread=spreads[1], train_losses={1: 0.5})
     ddp.threads_per_process, ddp.thread_budget = budgets[1] // 2, budgets[1]
     finish_comparisons([none, ddp])
     return none, ddp
@@ -558,3 +568,35 @@ def test_recommend_is_inconclusive_when_the_repeats_overlap() -> None:
     rows = [_measured("none", [100.0, 120.0], "baseline"), _measured("ddp-2", [110.0, 130.0])]
     assert recommend(rows).startswith("recommend: inconclusive — ddp-2 and none overlap (110–130 vs 100–120 samples/s")
     assert recommend(rows[1:]).startswith("recommend: inconclusive — none was not measured")
+
+
+@pytest.mark.parametrize(
+    ("raised", "status", "error"),
+    [
+        (None, "FINISHED", None),
+        ("failed configs", "FAILED", "ddp-2: boom"),
+        (RuntimeError("boom"), "FAILED", "RuntimeError: boom"),
+        (KeyboardInterrupt(), "KILLED", None),
+        (SpecError(SpecIssue(Path("s.toml"), 3, "model.name", "unknown")), None, None),
+    ],
+)
+def test_bench_and_parity_end_their_parent_run_one_way(
+    ready_store: str, raised: BaseException | str | None, status: str | None, error: str | None
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.tools.bench_runs import Parent, ending
+
+    client = MlflowClient(ready_store)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    with contextlib.suppress(Exception, KeyboardInterrupt), ending(Parent(ready_store, run_id, "e")) as outcome:
+        if isinstance(raised, BaseException):
+            raise raised
+        if raised:
+            outcome.update(status="FAILED", error="ddp-2: boom")
+    if status is None:  # a bad spec leaves no run behind, not even a deleted one
+        assert not client.search_runs([client.get_experiment_by_name("e").experiment_id], run_view_type=3)
+        return
+    run = client.get_run(run_id)
+    assert run.info.status == status
+    assert run.data.tags.get("runner.error") == error

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
@@ -390,7 +391,12 @@ def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     with pytest.raises(TrackingError, match="could not reopen"):
         reopen_run(uri, "0" * 32)
 
+    artifacts = Path(client.get_run(first).info.artifact_uri.removeprefix("file://"))
+    assert artifacts.is_dir()
     delete_run(uri, first)
     assert not run_exists(uri, first)
+    with pytest.raises(MlflowException):  # purged, as `mlflow gc` would, not only marked deleted
+        client.get_run(first)
+    assert not artifacts.exists()
     with pytest.raises(TrackingError, match="could not delete"):
         delete_run(uri, "0" * 32)
