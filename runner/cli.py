@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from runner import __version__
-from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, exit_quickly, mask_secrets
+from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, echo, exit_quickly
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -344,7 +344,7 @@ def _status(args: argparse.Namespace) -> int:
     from runner.launch.resume import status_lines
 
     for line in status_lines(args.tracking_uri, args.run_id):
-        print(mask_secrets(line))
+        echo(line)
     return EXIT_OK
 
 
@@ -368,7 +368,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _print_summary(summary: str) -> int:
     if summary:
-        print(mask_secrets(summary))
+        echo(summary)
     return EXIT_OK
 
 
@@ -490,8 +490,8 @@ class ToolReport(Protocol):
 def print_report(report: ToolReport, *, as_json: bool, failure: str) -> bool:
     """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error and return
     True (the command then exits 1)."""
-    print(mask_secrets(json.dumps(report.to_json(), indent=2) if as_json else report.table()))
+    echo(json.dumps(report.to_json(), indent=2) if as_json else report.table())
     if report.failed:
-        print(f"runner: {mask_secrets(failure)}", file=sys.stderr)
+        echo(f"runner: {failure}", err=True)
         return True
     return False

@@ -259,10 +259,17 @@ class Interrupted(RunnerError):
         return f"{self.heading}: {mask_secrets(self.hint())}"
 
 
+def echo(text: str, *, err: bool = False, end: str = "\n") -> None:
+    """The console sink: ``text`` with credentials masked (:func:`mask_secrets`), flushed to standard output, or to
+    standard error with ``err``. Messages carry URLs as they are and are masked here, at ``format_message``, and where
+    they are recorded (MLflow runs, the Optuna storage, report files)."""
+    print(mask_secrets(text), end=end, file=sys.stderr if err else sys.stdout, flush=True)
+
+
 def show_notes(notes: list[str]) -> None:
     """Print each note as ``runner: note: ...`` on standard error; standard output is the run's summary."""
     for note in notes:
-        print(f"runner: note: {mask_secrets(note)}", file=sys.stderr, flush=True)
+        echo(f"runner: note: {note}", err=True)
 
 
 def show(value: Any, limit: int = 60) -> str:

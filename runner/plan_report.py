@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import first_line, mask_secrets
+from runner.errors import echo, first_line
 from runner.plan import plan_or_problem
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -135,10 +135,10 @@ def show_plan(
         info["memory"] = estimate_memory(loaded, _devices_of(loaded, info, inventory))
         gpus = [(g.name, g.total_memory_bytes) for g in inventory.gpus]
         text += "\n" + "\n".join(format_memory(info["memory"], gpus, loaded.spec))
-    print(mask_secrets(json.dumps(info, indent=2) if as_json else text))
+    echo(json.dumps(info, indent=2) if as_json else text)
     if with_spec:
         print(f"\n# resolved spec ({loaded.path})")
-        print(mask_secrets(dump_spec(loaded.spec)), end="")
+        echo(dump_spec(loaded.spec), end="")
     if problem is not None:
         raise problem  # after the plan: what is missing, and the command that runs here
 

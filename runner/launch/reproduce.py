@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from runner.errors import UsageError, show
+from runner.errors import UsageError, echo, show
 from runner.launch.resume import RESUMABLE
 
 if TYPE_CHECKING:
@@ -43,7 +42,7 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
     stored = read_stored_run(uri, run_id)
     loaded = stored.loaded()
     for warning in code_differences(stored, loaded.path):
-        print(f"runner: warning: {warning}", file=sys.stderr, flush=True)
+        echo(f"runner: warning: {warning}", err=True)
     name = run_name or f"{stored.run_name or run_id} (reproduced)"
     options = ExecOptions(run_name=name, tags=((REPRODUCED_FROM_TAG, run_id),), tracking_uri=uri)
     return exec_experiment(loaded, options)
@@ -270,7 +269,7 @@ def show_diff(a: str, b: str, tracking_uri: str | None = None, *, as_json: bool 
     """``runner diff A B``: print what differs between two runs or spec files, as text or JSON (errors as
     :func:`side_of`)."""
     result = diff_sides(side_of(a, tracking_uri), side_of(b, tracking_uri))
-    print(json.dumps(result, indent=2) if as_json else format_diff(result))
+    echo(json.dumps(result, indent=2) if as_json else format_diff(result))
 
 
 def format_diff(result: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue, TrackingError, mask_secrets
+from runner.errors import SpecError, SpecIssue, TrackingError, echo
 from runner.launch.channel import HandedRun
 from runner.spec.loading import relocate_issues
 
@@ -288,7 +288,6 @@ class Spooled:
 
 def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, checkpoint_dir: str) -> None:
     """Give the run its final status, or keep it in the spool while the store does not answer (one quick check)."""
-    import sys
 
     from runner.errors import TrackingError
     from runner.tracking import runs as tracking
@@ -301,11 +300,10 @@ def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, chec
     except TrackingError:
         path = spool_path(checkpoint_dir)
         append(path, end=(status, error))
-        print(
-            f"runner: the tracking store at {mask_secrets(uri)} did not answer: run {run_id}'s status {status} is "
-            f"kept in {path}; `runner status {run_id}` sets it once the store answers",
-            file=sys.stderr,
-            flush=True,
+        echo(
+            f"runner: the tracking store at {uri} did not answer: run {run_id}'s status {status} is kept in {path}; "
+            f"`runner status {run_id}` sets it once the store answers",
+            err=True,
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from runner.errors import SpecError
+from runner.errors import SpecError, echo
 
 try:
     import tomllib
@@ -248,7 +248,7 @@ def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> i
         except SpecError as exc:
             status = exc.exit_code
             print(f"error {path}", file=sys.stdout)
-            print(_indent(str(exc)), file=sys.stderr)
+            echo(_indent(str(exc)), err=True)
     return status
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner.errors import mask_secrets
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tools.bench_figures import (
     DDP1_FLOOR,
@@ -385,6 +386,7 @@ def _clean(value: Any) -> Any:
 
 
 def write_json(report: BenchReport, path: Path) -> Path:
-    """Write ``report.to_json()`` to ``path`` (indented, trailing newline); return ``path``."""
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    """Write ``report.to_json()`` to ``path`` (indented, trailing newline, credentials masked: a sink); return
+    ``path``."""
+    path.write_text(mask_secrets(json.dumps(report.to_json(), indent=2)) + "\n", encoding="utf-8")
     return path

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from runner.errors import Interrupted, SpecError, mask_secrets
+from runner.errors import Interrupted, SpecError
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
@@ -52,7 +52,7 @@ def start_parent(
         uri=uri,
         experiment=experiment,
     )
-    report.parent_run_id, report.tracking_uri = handle.run_id, mask_secrets(uri)  # the JSON report is an artifact
+    report.parent_run_id, report.tracking_uri = handle.run_id, uri
     report.experiment_id, report.experiment = handle.experiment_id, experiment
     return Parent(uri, handle.run_id, experiment)
 

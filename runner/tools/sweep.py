@@ -5,6 +5,7 @@ Details: docs/design.md, "Module notes", runner/tools/sweep.py.
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 import time
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, mask_secrets
+from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import (
     Progress,
@@ -70,7 +71,7 @@ def run_sweep(
     from runner.spec.loading import load_spec
     from runner.spec.messages import locate_keys
 
-    say = log or _stderr
+    say = log or functools.partial(echo, err=True)
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: give at least 1")
     base = load_spec(path, list(overrides), unset)
@@ -125,13 +126,13 @@ def _open_study(
         url,
         name,
         definition,
-        found=lambda s: store.create_parent(base, base.overrides, definition, name, mask_secrets(url)),
+        found=lambda s: store.create_parent(base, base.overrides, definition, name, url),
         spec_sha256=trial_base.sha256,
         unfound=store.delete,
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     parent = opened.parent_run_id
-    report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, mask_secrets(url))
+    report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, url)
     report.experiment_id = store.experiment_id()
     return opened, report
 
@@ -147,7 +148,7 @@ def _open_storage(
         return url, open_storage(url)
     except StorageError as exc:
         if given:
-            raise UsageError(f"--storage {mask_secrets(given)}: {exc}") from None
+            raise UsageError(f"--storage {given}: {exc}") from None
         if from_spec:
             issue = SpecIssue(base.path, lines.get(("sweep", "storage")), "sweep.storage", f"{exc} (fix the URL)")
             raise SpecError(issue) from None
@@ -200,7 +201,7 @@ def _run_trials(
                 end_run(store.uri, run_id, "FAILED", error)
 
         for error in WorkerPool(study, progress, dead).run(configs):
-            print(f"runner: {mask_secrets(first_line(error))}", file=sys.stderr, flush=True)
+            echo(f"runner: {first_line(error)}", err=True)
 
 
 def _worker_configs(
@@ -319,10 +320,6 @@ def continue_command(argv: Sequence[str] | None = None) -> str:
 
     args = list(sys.argv[1:] if argv is None else argv)
     return "runner " + shlex.join(args)
-
-
-def _stderr(line: str) -> None:
-    print(mask_secrets(line), file=sys.stderr, flush=True)
 
 
 __all__ = ["CommandLine", "SweepDefinition", "run_sweep"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, RunnerError, mask_secrets
+from runner.errors import Interrupted, RunnerError, echo
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, first_line
 from runner.tools.sweep_trials import trial_metric, trial_tags, without_sweep
 
@@ -110,7 +110,7 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         code = 130
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        print(f"runner: sweep worker {me} failed: {mask_secrets(text)}", file=sys.stderr, flush=True)
+        echo(f"runner: sweep worker {me} failed: {text}", err=True)
         messages.put(("error", me, text))
         code = 1
     messages.close()

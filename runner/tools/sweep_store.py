@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from runner.errors import mask_secrets
+from runner.errors import echo
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
@@ -163,7 +162,7 @@ class SweepStore:
         try:
             self.end(run_id, status, error, report)
         except Exception as exc:
-            print(f"runner: could not end sweep run {run_id} with status {status}: {exc}", file=sys.stderr, flush=True)
+            echo(f"runner: could not end sweep run {run_id} with status {status}: {exc}", err=True)
 
 
 def parent_run_name(name: str) -> str:
@@ -221,8 +220,8 @@ def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBS
             if racing and attempt + 1 < attempts:
                 time.sleep(0.2 * (attempt + 1))
                 continue
-            raise StorageError(f"cannot open Optuna storage {mask_secrets(url)}: {type(exc).__name__}: {exc}") from None
-    raise StorageError(f"cannot open Optuna storage {mask_secrets(url)}")  # pragma: no cover
+            raise StorageError(f"cannot open Optuna storage {url}: {type(exc).__name__}: {exc}") from None
+    raise StorageError(f"cannot open Optuna storage {url}")  # pragma: no cover
 
 
 def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -> BaseSampler:

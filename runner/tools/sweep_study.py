@@ -88,9 +88,7 @@ class SweepStudy:
             joined._wait_until_ready()
             return joined, False
         except Exception as exc:
-            raise StorageError(
-                f"cannot create study {name!r} in {mask_secrets(url)}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise StorageError(f"cannot create study {name!r} in {url}: {type(exc).__name__}: {exc}") from exc
         made = cls(study, storage, url, definition)
         try:
             made._found(found, spec_sha256, unfound)
@@ -137,7 +135,7 @@ class SweepStudy:
         while not self.storage.get_study_user_attrs(self.study_id).get(ATTR_READY):
             if time.monotonic() > deadline:
                 raise UsageError(
-                    f"study {self.name!r} in {mask_secrets(self.url)} was created but never set up (its first worker "
+                    f"study {self.name!r} in {self.url} was created but never set up (its first worker "
                     f"died?): delete it with `optuna delete-study --study-name {self.name} --storage URL`"
                 )
             time.sleep(pause)
@@ -145,7 +143,7 @@ class SweepStudy:
         recorded = self.storage.get_study_user_attrs(self.study_id).get(ATTR_DEFINITION)
         if recorded is not None and SweepDefinition.from_json(recorded).digest() != self.definition.digest():
             raise UsageError(
-                f"study {self.name!r} in {mask_secrets(self.url)} searches another sweep ({json.dumps(recorded)}); "
+                f"study {self.name!r} in {self.url} searches another sweep ({json.dumps(recorded)}); "
                 "give the same [sweep] and flags as its first worker, or another --study name"
             )
 
@@ -305,7 +303,7 @@ def _recorded(result: TrialResult) -> dict[str, Any]:
     return {
         "status": result.status,
         "run_id": result.run_id,
-        "error": (result.error or "")[:2000] or None,
+        "error": mask_secrets(result.error or "")[:2000] or None,  # the Optuna storage is a sink
         "metric": result.metric_value,
         "pruned_epoch": result.pruned_epoch,
     }

@@ -182,7 +182,7 @@ def start_run(
         run = client.create_run(experiment_id, tags=tags, run_name=run_name)
     except MlflowException as exc:
         raise TrackingError(
-            f"could not create an MLflow run in experiment {experiment_name!r} at {mask_secrets(uri)}: {exc}"
+            f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
         ) from exc
     run_id = run.info.run_id
     _record_spec(client, run_id, uri, params, texts)

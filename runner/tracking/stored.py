@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
-from runner.errors import TrackingError, UsageError, mask_secrets, store_errors
+from runner.errors import TrackingError, UsageError, store_errors
 from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import absolute_uri, check_reachable, client_for, default_tracking_uri, local_store_missing
 
@@ -355,7 +355,7 @@ def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_s
                 time.sleep(0.2 * 2**attempt)
                 continue
             raise TrackingError(
-                f"could not record the datasets of run {run_id} at {mask_secrets(uri)}: {type(exc).__name__}: {exc}"
+                f"could not record the datasets of run {run_id} at {uri}: {type(exc).__name__}: {exc}"
             ) from exc
 
 

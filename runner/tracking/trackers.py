@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from runner.errors import TrackingError
+from runner.errors import TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
 from runner.tracking.spool import Artifact, BatchSender, Item, Tags
 from runner.tracking.tags import METRICS_PER_BATCH, param_value
@@ -206,7 +206,7 @@ class MlflowTracker(BatchSender):
         try:  # do not hide the exception already on its way out
             self.close()
         except TrackingError as err:
-            log.warning("%s", err)
+            log.warning("%s", mask_secrets(str(err)))  # a sink: the log
 
     def _check_open(self) -> None:
         if self._closing:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from runner.errors import TrackingError, first_line, mask_secrets
+from runner.errors import TrackingError, first_line
 from runner.spec.rules import store_uri_problem
 
 if TYPE_CHECKING:
@@ -89,8 +89,7 @@ def _resolve(given: str | None, env: Mapping[str, str] | None, cwd: str | os.Pat
         problem = store_uri_problem(raw) if raw else None
         if problem is not None:
             raise TrackingError(
-                f"MLFLOW_TRACKING_URI={mask_secrets(raw)}: {problem} (set the variable to one, or unset it to log "
-                "to ./mlflow.db)"
+                f"MLFLOW_TRACKING_URI={raw}: {problem} (set the variable to one, or unset it to log to ./mlflow.db)"
             )
     if not raw:
         return f"sqlite:///{(base / 'mlflow.db').resolve()}"
@@ -189,15 +188,13 @@ def _check_database(uri: str, timeout_s: float) -> None:
         finally:
             engine.dispose()
     except Exception as exc:  # ArgumentError (malformed), NoSuchModuleError / ImportError (driver), OperationalError
-        reason = mask_secrets(first_line(exc))
+        reason = first_line(exc)
         fix = (
             f"install the {dialect} driver, or name an installed one in the URI ({dialect}+DRIVER://...)"
             if isinstance(exc, ImportError) or type(exc).__name__ == "NoSuchModuleError"
             else "start the database server, or fix the URI"
         )
-        raise TrackingError(
-            f"cannot open the tracking store {mask_secrets(uri)} ({type(exc).__name__}: {reason}); {fix}"
-        ) from None
+        raise TrackingError(f"cannot open the tracking store {uri} ({type(exc).__name__}: {reason}); {fix}") from None
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
@@ -224,7 +221,7 @@ def _check_http(uri: str, timeout_s: float) -> None:
             )
         except MlflowException as exc:
             raise TrackingError(
-                f"cannot reach the MLflow tracking server at {mask_secrets(uri)} ({exc.message}); {_SERVER_HINT}"
+                f"cannot reach the MLflow tracking server at {uri} ({exc.message}); {_SERVER_HINT}"
             ) from exc
         return int(response.status_code)
 
@@ -236,12 +233,12 @@ def _check_http(uri: str, timeout_s: float) -> None:
         return
     if api in (401, 403):
         raise TrackingError(
-            f"the MLflow tracking server at {mask_secrets(uri)} rejected the request (HTTP {api}): set "
+            f"the MLflow tracking server at {uri} rejected the request (HTTP {api}): set "
             "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
             "~/.mlflow/credentials), or the auth plugin of MLFLOW_TRACKING_AUTH"
         )
     raise TrackingError(
-        f"{mask_secrets(uri)} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does "
+        f"{uri} answered HTTP {health} to GET /health and HTTP {api} to the MLflow REST API: it does "
         f"not look like an MLflow tracking server; {_SERVER_HINT}"
     )
 
@@ -426,8 +423,8 @@ TRAINING_VIEW = "workflowType=machine_learning"
 
 
 def ui_line(uri: str, experiment_id: str, run_id: str | None = None, what: str = "the run") -> str:
-    """How to open a run or experiment in the MLflow UI's training view (``?workflowType=machine_learning``), without
-    credentials; a local store needs ``mlflow ui`` first."""
+    """How to open a run or experiment in the MLflow UI's training view (``?workflowType=machine_learning``); a link
+    to a server has no credentials, a local store needs ``mlflow ui`` first (its URI masked at the sinks)."""
     parts = urlsplit(uri)
     served = parts.scheme in ("http", "https")
     base = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", "")) if served else LOCAL_UI
@@ -435,4 +432,4 @@ def ui_line(uri: str, experiment_id: str, run_id: str | None = None, what: str =
     link = f"{base.rstrip('/')}/{route}?{TRAINING_VIEW}"
     if served:
         return f"open {what}: {link}"
-    return f"open {what}: mlflow ui --backend-store-uri {mask_secrets(uri)}, then {link}"
+    return f"open {what}: mlflow ui --backend-store-uri {uri}, then {link}"
