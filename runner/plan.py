@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.errors import DeviceError
+from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
 from runner.launch.environment import LauncherEnvironment, SlurmLayout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -151,7 +151,6 @@ def make_plan(
     """
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices, threads_per_process
-    from runner.errors import UsageError
     from runner.spec.loading import key_line
 
     env = os.environ if env is None else env
@@ -218,8 +217,6 @@ def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
 
 def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:
     """How the workers are made; UsageError when torchrun's ``WORLD_SIZE`` disagrees with the spec."""
-    from runner.errors import UsageError
-
     mode, traits = loaded.spec.parallel.mode, loaded.spec.parallel.traits
     if not launcher.external:
         return traits.launch
@@ -241,8 +238,6 @@ def _slurm_layout(
     loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan, env: Mapping[str, str]
 ) -> tuple[SlurmLayout, LauncherEnvironment]:
     """The layout of this Slurm step (and this task as its worker); UsageError when the tasks fit no layout."""
-    from runner.errors import UsageError
-
     assert launcher.slurm is not None
     par = loaded.spec.parallel
     try:
@@ -267,7 +262,6 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
     """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's (``launching``
     is False under torchrun, whose rendezvous the workers joined). Raises SpecError for several nodes and no endpoint
     outside a Slurm step, at ``parallel.nnodes``' line, and UsageError when the Slurm node list cannot be read."""
-    from runner.errors import SpecError, SpecIssue, UsageError
     from runner.spec.loading import relocate_issues
 
     par = loaded.spec.parallel
@@ -337,7 +331,6 @@ def find_fix(
     Candidates: a change of the key the error names, then the CPU alone and with each other mode.
     """
     from runner.devices.resolve import resolve_devices
-    from runner.errors import SpecError
     from runner.spec.loading import load_spec
 
     for candidate in _fix_candidates(loaded, error, inventory):

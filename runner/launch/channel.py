@@ -17,7 +17,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from runner.errors import TrackingError
+from runner.errors import RunnerError, TrackingError
 
 ANSWERED = frozenset({"built", "restored", "flush", "close"})  # the kinds the hub answers
 
@@ -192,6 +192,4 @@ class Hub:
 
 
 def _message(exc: BaseException) -> str:
-    from runner.errors import RunnerError
-
     return str(exc) if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}"

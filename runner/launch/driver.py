@@ -11,15 +11,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from runner.devices.inventory import HostLoad
+from runner.devices.inventory import HostLoad, peak_tflops
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
+from runner.launch.channel import Hub
+from runner.launch.elastic import LaunchFailed, launch_failure
+from runner.launch.failures import JobContext, oom_kill_count
+from runner.launch.resume import resume_command
+from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch, worker_args
+from runner.launch.worker import run_worker
 from runner.spec.loading import relocate_issues
+from runner.tracking.runs import check_fluent_run
 from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC, flops_uncounted
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.launch.failures import HangReports
-    from runner.launch.session import RunSession, Spooled
     from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
@@ -110,7 +116,6 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         TrainingError: training failed on some rank; the run is FAILED (exit 1).
         Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
     """
-    from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch
     from runner.plan import make_plan
 
     if options.started_at is None:
@@ -193,8 +198,6 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     """
     from statistics import median
 
-    from runner.devices.inventory import peak_tflops
-
     metrics: dict[str, float] = {}
     for worker in workers:
         for i, held in enumerate(worker.device_peaks):
@@ -243,7 +246,6 @@ def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
 
     if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:
         return options  # without mlflow imported, no fluent run can be active
-    from runner.tracking.runs import check_fluent_run
 
     parent = check_fluent_run(options.nested)
     if parent is None or options.parent_run_id is not None:
@@ -253,11 +255,6 @@ def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
 
 def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None) -> list[WorkerResult]:
     """Start the training processes and the hub, and end the run with their outcome (when this process owns it)."""
-    from runner.launch.channel import Hub
-    from runner.launch.elastic import LaunchFailed, launch_failure
-    from runner.launch.failures import JobContext, oom_kill_count
-    from runner.launch.session import worker_args
-
     hub = Hub(session.handle, session.open_store) if session is not None else None
     args = worker_args(plan, options, hub.address if hub is not None else None)
     status, error = "FAILED", None
@@ -309,8 +306,6 @@ def _interrupted(
     signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None, rank: int | None = None
 ) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
-    from runner.launch.resume import resume_command
-
     uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
     folder = session.checkpoint_dir if session is not None else ""
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
@@ -338,8 +333,6 @@ def _launch(
 ) -> list[WorkerResult]:
     """Run the training processes; return their results, rank 0's first. ``hangs`` receives the reports of ranks that
     hung after a stop signal (elastic launch only)."""
-    from runner.launch.worker import run_worker
-
     if plan.launch == "elastic":
         from runner.launch.elastic import launch_elastic, run_agent
 

@@ -22,9 +22,21 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrainingError
+from runner.launch.failures import (
+    JobContext,
+    describe_failure,
+    die_with_parent,
+    ended_by,
+    interruption,
+    oom_kill_count,
+    quiet_launcher_logs,
+    read_hang_reports,
+    restore_launcher_logs,
+)
+from runner.launch.worker import run_worker
 
 if TYPE_CHECKING:
-    from runner.launch.failures import HangReports, JobContext
+    from runner.launch.failures import HangReports
     from runner.launch.session import RunSession
     from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
@@ -43,8 +55,6 @@ class LaunchFailed(Exception):
 
 def launch_failure(exc: BaseException, context: JobContext) -> LaunchFailed:
     """:class:`LaunchFailed` of what a launch (or an in-process worker) raised."""
-    from runner.launch.failures import describe_failure, interruption
-
     stopped = interruption(exc)  # a signal to one rank: every rank stopped after the checkpoint
     if stopped is None and is_signal(exc):
         stopped = (int(getattr(exc, "sigval", signal.SIGTERM)), None)
@@ -63,8 +73,6 @@ def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerRe
 
     Raises LaunchFailed (with ``hangs``) when the job failed or stopped, TrainingError when the launcher died.
     """
-    from runner.launch.failures import ended_by, oom_kill_count
-
     oom_before = oom_kill_count()
     with tempfile.TemporaryDirectory(prefix="runner-agent-") as folder:
         path = Path(folder) / _AGENT_ARGS
@@ -87,8 +95,6 @@ def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerRe
 
 def _agent_main(path: Path) -> int:
     """The launcher process: run the job, leave its outcome (results or :class:`LaunchFailed`) beside ``path``."""
-    from runner.launch.failures import JobContext, die_with_parent
-
     plan, args, oom_before, driver = pickle.loads(path.read_bytes())
     die_with_parent(driver, signal.SIGTERM)  # a driver killed hard: stop the workers as a stop signal does
     _stop_once()
@@ -127,8 +133,6 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
     first. Raises ``ChildFailedError`` or ``SignalException``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from runner.launch.failures import quiet_launcher_logs, read_hang_reports, restore_launcher_logs
 
     par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
     assert rdzv is not None  # the plan has one for every elastic launch
@@ -194,8 +198,6 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
     ``args.report_dir`` for :func:`finished_despite`. A worker stops as on SIGTERM when its ``launcher`` ends."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from runner.launch.worker import run_worker
-
     _stop_when_gone(launcher)
     result = record(run_worker)(args)  # the failure's traceback in the launcher's error file
     rank = os.environ.get("RANK", "0")
@@ -237,8 +239,6 @@ def _stop_when_gone(pid: int) -> None:
 def finished_despite(exc: BaseException, folder: Path, local_workers: int) -> dict[int, WorkerResult | None] | None:
     """The workers' results when every rank of this node finished and the failures are only deaths by a signal after
     that (e.g. SIGABRT in gloo's teardown), each noted on standard error; else ``None`` (a real failure)."""
-    from runner.launch.failures import ended_by
-
     failures = getattr(exc, "failures", None) or {}
     files = {int(p.stem.rpartition("-")[2]): p for p in folder.glob(_RESULT_FILE.format(rank="*"))}
     if not failures or len(files) < local_workers:
@@ -351,7 +351,6 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
     """
     import dataclasses
 
-    from runner.launch.failures import ended_by, oom_kill_count
     from runner.training import WorkerResult
 
     assert args.hub is not None
@@ -407,8 +406,6 @@ _POLL_S = 0.1
 def main(argv: list[str] | None = None) -> int:
     """The child's entry: train the pickled arguments; the exit status says how it ended (the hub says why). With
     ``--agent``: the elastic launcher of a ddp or fsdp job (:func:`run_agent`)."""
-    from runner.launch.worker import run_worker
-
     argv = list(argv if argv is not None else sys.argv[1:])
     if argv[0] == "--ready":
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C before it is used: end quietly

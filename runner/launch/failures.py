@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import first_line
+from runner.errors import TrainingError, first_line
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -47,8 +47,6 @@ class JobContext:
 def describe_failure(exc: BaseException, context: JobContext) -> str:
     """One sentence for a failed job: the rank at its root and what ended it (``rank 1 hung: ...``, ``rank 0 failed:
     RuntimeError: ...``)."""
-    from runner.errors import TrainingError
-
     if isinstance(exc, TrainingError):  # runner's own words already name the cause and the fix
         return str(exc)
     failures: dict[int, Any] = getattr(exc, "failures", None) or {}

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from runner.errors import SpecError, SpecIssue, first_line, join_or, show
+from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, join_or, show, with_hint
 from runner.spec.loading import relocate_issues
+from runner.spec.reading import default_checkpoint_dir, folder_problem
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -103,7 +104,6 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
     Raises SpecError at ``checkpoint.dir``; TrackingError first when the default folder is beside an unwritable sqlite
     store.
     """
-    from runner.spec.reading import default_checkpoint_dir, folder_problem
     from runner.tracking.uri import check_reachable, sqlite_path
 
     settings = loaded.spec.checkpoint
@@ -144,8 +144,6 @@ def _check(
 def _compile_backend(name: str) -> None:
     """``train.compile_backend`` names a backend torch.compile knows (``torch._dynamo.list_backends``)."""
     import torch._dynamo
-
-    from runner.errors import did_you_mean, with_hint
 
     known = torch._dynamo.list_backends(exclude_tags=())
     if name not in known:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from runner.errors import UsageError, echo, show
+from runner.errors import DeviceError, UsageError, echo, show
 from runner.launch.resume import RESUMABLE
 
 if TYPE_CHECKING:
@@ -210,7 +210,6 @@ def _spec_side(loaded: LoadedSpec) -> Side:
 
     import torch
 
-    from runner.errors import DeviceError
     from runner.plan import make_plan
     from runner.tracking.tags import git_info
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from runner.errors import SpecError, SpecIssue, UsageError, show
+from runner.errors import SpecError, SpecIssue, UsageError, did_you_mean, show, with_hint
 
 if TYPE_CHECKING:
     from runner.launch.driver import ExecOptions
@@ -181,7 +181,6 @@ def _check_resume(
         CheckpointError: Every checkpoint is damaged.
         SpecError: The spec differs in keys not in ``allowed``.
     """
-    from runner.errors import did_you_mean, with_hint
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
     from runner.training.checkpoint import load_latest, spec_changes
 

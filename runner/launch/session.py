@@ -15,15 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue, TrackingError, echo
+from runner.errors import SpecError, SpecIssue, TrackingError, echo, show_notes
 from runner.launch.channel import HandedRun
+from runner.launch.prebuild import check_checkpoint_folder
+from runner.launch.resume import Owner, prepare_resume
+from runner.launch.worker import WorkerArgs
 from runner.spec.loading import relocate_issues
+from runner.spec.reading import default_checkpoint_dir
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress
     from runner.launch.driver import ExecOptions
     from runner.launch.resume import ResumePoint
-    from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.tracking.trackers import Tracker
@@ -100,7 +103,6 @@ class RunSession:
         return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
     def _create(self) -> None:
-        from runner.spec.reading import default_checkpoint_dir
         from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir, set_run_tags
 
         plan, uri, spec_dir = self.plan, self.plan.tracking_uri, self.plan.loaded.spec.checkpoint.dir
@@ -114,8 +116,6 @@ class RunSession:
             set_run_tags(uri, self.run_id, {CHECKPOINT_DIR_TAG: self.checkpoint_dir})
 
     def _show_notes(self) -> None:
-        from runner.errors import show_notes
-
         rank = self.plan.launcher.rank if self.plan.launch == "external" else 0
         self.shown = rank == 0 and self.options.parent_run_id is None  # trials report to their tool
         if self.shown:
@@ -289,7 +289,6 @@ class Spooled:
 def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, checkpoint_dir: str) -> None:
     """Give the run its final status, or keep it in the spool while the store does not answer (one quick check)."""
 
-    from runner.errors import TrackingError
     from runner.tracking import runs as tracking
     from runner.tracking.spool import append, spool_path
     from runner.tracking.uri import check_reachable
@@ -309,9 +308,6 @@ def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, chec
 
 def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
     """Check the checkpoint folder and the run to continue before any training process starts (docs/design.md §12)."""
-    from runner.launch.prebuild import check_checkpoint_folder
-    from runner.launch.resume import prepare_resume
-
     check_checkpoint_folder(plan.loaded, plan.tracking_uri)
     if options.resume is None:
         return requeued_run(plan, plan.owns_run)
@@ -354,8 +350,6 @@ def apply_plan_env(plan: Plan) -> None:
 
 def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> WorkerArgs:
     """What every worker gets: spec, devices, and where rank 0 reaches the driver (which hands down the run)."""
-    from runner.launch.worker import WorkerArgs
-
     return WorkerArgs(
         loaded=plan.loaded,
         plan=plan.devices,
@@ -374,7 +368,6 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
 
 def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> tuple[str | None, str]:
     """``(run id, experiment id)`` of this job's run: reopened, handed down, or started here (recording its owner)."""
-    from runner.launch.resume import Owner
     from runner.tracking import runs as tracking
     from runner.tracking.stored import set_run_tags
 

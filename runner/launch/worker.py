@@ -17,11 +17,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, stop_code, user_code_error
-from runner.launch.channel import HandedRun, HubAddress, Link
+from runner.launch.channel import ChannelTracker, HandedRun, HubAddress, Link
+from runner.launch.environment import LauncherEnvironment
+from runner.launch.failures import HangWatch, die_with_parent
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
-    from runner.launch.environment import LauncherEnvironment
     from runner.spec.loading import LoadedSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
@@ -62,8 +63,6 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
     Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build.
     """
     from runner.devices.inventory import apply_threads
-    from runner.launch.environment import LauncherEnvironment
-    from runner.launch.failures import HangWatch, die_with_parent
     from runner.strategies.registry import make_strategy
 
     apply_threads(args.plan)  # one rule for every mode, before any work (docs/design.md §4)
@@ -111,7 +110,6 @@ def _train(
 ) -> WorkerResult | None:
     """Build, report, resume, fit and send the outputs; apart from :func:`run_worker` so the model, wrapper and
     optimizer are released before the process group goes. ``None`` when the driver made no run."""
-    from runner.launch.channel import ChannelTracker
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
     from runner.training.data import seed_everything

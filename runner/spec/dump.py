@@ -17,7 +17,6 @@ from runner.spec.schema_parallel import MODES, ParallelSpec, modes_with
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
-    from runner.spec.schema import ExperimentSpec
 
 
 def dump_spec(spec: ExperimentSpec) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import HostLoad
-from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, UsageError
+from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, TrainingError, UsageError
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability, probe_model_and_data, reason
 from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool, write_chart
@@ -29,6 +29,7 @@ from runner.tools.bench_runs import (
     record_parent,
     start_bench_parent,
 )
+from runner.tracking.runs import delete_run
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -163,8 +164,6 @@ def _host_load(load: HostLoad, parent: Parent | None) -> str:
 
 def _delete_runs(parent: Parent | None, runnable: Sequence[Config]) -> None:
     """Delete the parent run and its child runs."""
-    from runner.tracking.runs import delete_run
-
     if parent is not None:
         for config in runnable:
             if config.child_run_id is not None:
@@ -215,7 +214,6 @@ def _probed(
     """Take the probe's answer (:func:`probe_model_and_data`'s ``(training samples, batch statistics, dropout)``, a
     failed :class:`Reply` or the probe's error): the model's layers into the report, the batch sizes into each
     configuration. Raises the probe's SpecError, or TrainingError when the probing process died."""
-    from runner.errors import TrainingError
     from runner.spec.loading import relocate_issues
 
     if isinstance(probe, SpecError):

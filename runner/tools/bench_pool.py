@@ -17,18 +17,16 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from runner.errors import DeviceError, Interrupted, SpecError, TrainingError, UsageError
+from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrainingError, UsageError
 from runner.spec.schema_parallel import REFERENCE_MODE
 from runner.tools.bench_figures import probe_model_and_data, reason
 from runner.tools.bench_report import BenchReport, ConfigResult, note_of
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
-    from pathlib import Path
 
     from runner.devices.resolve import DevicePlan
     from runner.spec.loading import LoadedSpec
-    from runner.tools.bench_report import BenchReport
     from runner.training import WorkerResult
 
 
@@ -239,7 +237,6 @@ def run_job(job: Job) -> Reply:
     """Train one repeat in this process; failures become replies, and no MLflow run is touched."""
     import tempfile
 
-    from runner.errors import RunnerError
     from runner.launch.worker import WorkerArgs, run_worker
 
     _set_launch_env(job)

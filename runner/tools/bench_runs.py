@@ -16,6 +16,10 @@ from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
 from runner.tools.bench_report import BenchReport, ConfigResult
+from runner.tracking.parents import record_summary
+from runner.tracking.runs import delete_run, end_run, start_run
+from runner.tracking.trackers import MlflowTracker
+from runner.tracking.uri import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -37,9 +41,6 @@ def start_parent(
 ) -> Parent | None:
     """The parent run of a bench or a parity check (``kind``), tagged ``runner.<kind>`` = ``parent`` with its
     configurations; ``None`` when tracking is off. Fills the report's run id, masked URI and experiment id."""
-    from runner.tracking.runs import start_run
-    from runner.tracking.uri import resolve_tracking_uri
-
     if not base.spec.tracking.enabled:
         return None
     uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.uri.open_store)
@@ -62,8 +63,6 @@ def ending(parent: Parent | None) -> Iterator[dict[str, str | None]]:
     """The parent-run lifecycle of bench and parity: end ``parent`` FINISHED, or with the ``status`` and ``error`` the
     body sets in the yielded dict; KILLED on an interrupt, FAILED naming an exception; a SpecError deletes it (a bad
     spec leaves no run)."""
-    from runner.tracking.runs import delete_run, end_run
-
     outcome: dict[str, str | None] = {"status": "FINISHED", "error": None}
     try:
         yield outcome
@@ -88,8 +87,6 @@ def start_child(
     parent: Parent | None, loaded: LoadedSpec, plan_description: dict[str, Any], result: ConfigResult, name: str
 ) -> str | None:
     """The configuration's child run, recorded as ``runner exec`` records a run (``None`` without tracking)."""
-    from runner.tracking.runs import start_run
-
     if parent is None:
         return None
     tags = {
@@ -111,8 +108,6 @@ def start_child(
 
 def log_history(uri: str, run_id: str, history: Sequence[tuple[int, dict[str, float]]]) -> None:
     """Log a repeat's metrics, step by step, as the training rank would have."""
-    from runner.tracking.trackers import MlflowTracker
-
     with MlflowTracker(uri, run_id) as tracker:
         for step, metrics in history:
             tracker.log_metrics(metrics, step=step)
@@ -120,8 +115,6 @@ def log_history(uri: str, run_id: str, history: Sequence[tuple[int, dict[str, fl
 
 def record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> None:
     """Log the bench params and figures on a finished child run."""
-    from runner.tracking.parents import record_summary
-
     params = {
         "bench.mode": result.mode,
         "bench.nproc": str(result.n),
@@ -135,8 +128,6 @@ def record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> Non
 
 def record_parent(report: BenchReport, parent: Parent) -> None:
     """Log per-configuration figures and params, ``bench/bench.json`` and ``bench/bench.png`` on the parent run."""
-    from runner.tracking.parents import record_summary
-
     metrics = {k: v for c in report.configs if c.status == "ok" for k, v in _figures(c, f"{c.config}/").items()}
     params = {
         "bench.steps": str(report.steps),
@@ -193,8 +184,6 @@ def open_child(config: Config, parent: Parent | None, name: str) -> None:
 
 def measure_config(config: Config, report: BenchReport, parent: Parent | None, pool: WarmPool, which: str) -> None:
     """Repeat one configuration until its figures are steady (or the repeats run out); finish its child run."""
-    from runner.tracking.runs import delete_run, end_run
-
     result, child = config.result, config.child_run_id
     uri = parent.uri if parent is not None else ""
     try:

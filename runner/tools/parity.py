@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale
+from runner.tools.bench_report import config_id
 from runner.tools.bench_runs import Parent, ending, log_history, start_parent
+from runner.tracking.parents import record_summary
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
@@ -235,7 +237,6 @@ def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, fol
     """The spec of one configuration: ``runner bench``'s, plus determinism, the spec's own epochs, checkpoints and
     ``<experiment>/parity``; SpecError or DeviceError when it does not validate or this machine cannot run it."""
     from runner.tools.bench import derive
-    from runner.tools.bench_report import config_id
 
     def adjust(data: dict[str, Any]) -> None:
         train, original = data["train"], loaded.data.get("train", {})
@@ -385,8 +386,6 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
 def _record(report: ParityReport, parent: Parent, folder: Path) -> None:
     """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
     import json
-
-    from runner.tracking.parents import record_summary
 
     uri, run_id = parent.uri, parent.run_id
     metrics: dict[str, float] = {}

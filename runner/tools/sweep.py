@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo
+from runner.spec.messages import locate_keys
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import (
     Progress,
@@ -69,7 +70,6 @@ def run_sweep(
         Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
     """
     from runner.spec.loading import load_spec
-    from runner.spec.messages import locate_keys
 
     say = log or functools.partial(echo, err=True)
     if jobs < 1:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, UsageError
+from runner.spec.dump import trial_run_name
+from runner.spec.messages import locate_keys
 from runner.spec.rules import UINT32_LIMIT
 from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep_space import SweepDefinition
@@ -128,9 +130,6 @@ def build_definition(
 
 def trial_names(loaded: LoadedSpec) -> list[str]:
     """The run names of a spec's sweep trials for ``runner plan``: a grid's, or the budget and space of a random one."""
-    from runner.spec.dump import trial_run_name
-    from runner.spec.messages import locate_keys
-
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
     if definition.method == "grid":
         return [trial_run_name(point) for point in definition.grid_points()]

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, RunnerError, echo
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, first_line
-from runner.tools.sweep_trials import trial_metric, trial_tags, without_sweep
+from runner.tools.sweep_store import SweepStore, open_storage
+from runner.tools.sweep_study import SweepStudy
+from runner.tools.sweep_trials import OptunaPruning, trial_metric, trial_tags, without_sweep
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -32,8 +34,6 @@ if TYPE_CHECKING:
 
     from runner.plan import Plan
     from runner.spec.schema import ExperimentSpec
-    from runner.tools.sweep_store import SweepStore
-    from runner.tools.sweep_study import SweepStudy
 
 
 TERMINATE_GRACE_S = 30.0  # how long stopped worker processes get to end their runs KILLED
@@ -89,8 +89,6 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
     from runner.tools.sweep_jobs import work
-    from runner.tools.sweep_store import SweepStore, open_storage
-    from runner.tools.sweep_study import SweepStudy
 
     code, me = 0, config.index
     try:
@@ -337,7 +335,6 @@ def _execute(
     """Load the trial's spec and run it with ``runner exec``'s driver; tag the run when the pruner stopped it."""
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.spec.loading import load_spec
-    from runner.tools.sweep_trials import OptunaPruning
 
     definition = study.definition
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra], setup.unset))

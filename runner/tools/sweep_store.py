@@ -17,7 +17,9 @@ from urllib.parse import urlsplit
 from runner.errors import echo
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
+from runner.tracking.runs import delete_run, end_run
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
+from runner.tracking.uri import check_reachable, resolve_tracking_uri
 
 if TYPE_CHECKING:
     from optuna.pruners import BasePruner
@@ -40,14 +42,10 @@ class SweepStore:
     @classmethod
     def for_spec(cls, spec: ExperimentSpec) -> SweepStore:
         """The store and experiment the spec's runs are recorded in."""
-        from runner.tracking.uri import resolve_tracking_uri
-
         return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
 
     def check(self) -> None:
         """Raise TrackingError when the store cannot be used."""
-        from runner.tracking.uri import check_reachable
-
         check_reachable(self.uri)
 
     def experiment_id(self) -> str:
@@ -106,8 +104,6 @@ class SweepStore:
 
     def delete(self, run_id: str) -> None:
         """Delete a parent run whose study could not be set up (no trial ever pointed at it)."""
-        from runner.tracking.runs import delete_run
-
         delete_run(self.uri, run_id)
 
     def reopen(self, run_id: str) -> None:
@@ -125,8 +121,6 @@ class SweepStore:
 
     def kill_taken_over(self, parent_id: str, numbers: Sequence[int]) -> None:
         """End KILLED the runs of trials whose worker died (the trials run again under a new run)."""
-        from runner.tracking.runs import end_run
-
         for number in numbers:
             runs = parents.child_runs(
                 self.uri, self.experiment_id(), parent_id, tags={"runner.sweep.optuna_trial": str(number)}
@@ -142,8 +136,6 @@ class SweepStore:
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
         """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
-        from runner.tracking.runs import end_run
-
         best = report.best if report.trials else None
         metrics: dict[str, float] = {}
         tags = {"runner.sweep.failed": str(report.failed), "runner.sweep.pruned_trials": str(report.pruned)}

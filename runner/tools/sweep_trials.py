@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
+from runner.spec.dump import spec_sha256
+from runner.spec.loading import spec_from_dict
+from runner.spec.messages import locate_keys
 from runner.tools.sweep_space import SweepDefinition, Trial, toml_value
+from runner.tools.sweep_store import make_pruner, open_storage
 from runner.tracking.tags import param_value, safe_key
 
 if TYPE_CHECKING:
@@ -26,9 +30,6 @@ SCHEDULER_PREFIXES = ("SLURM_",)
 
 def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
     """``loaded`` as a plain experiment: its ``[sweep]`` removed, hash recomputed."""
-    from runner.spec.dump import spec_sha256
-    from runner.spec.loading import spec_from_dict
-
     if loaded.spec.sweep is None and "sweep" not in loaded.data:
         return loaded
     data = {k: v for k, v in loaded.data.items() if k != "sweep"}
@@ -162,8 +163,6 @@ def _label(trial: Trial) -> str:
 
 def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, int | None]:
     """Keys of the spec's ``[sweep.params]`` that ``grid`` and ``random`` do not replace, with their line."""
-    from runner.spec.messages import locate_keys
-
     if base.spec.sweep is None:
         return {}
     given = {entry.partition("=")[0].strip() for entry in (*grid, *random)}
@@ -250,9 +249,6 @@ class OptunaPruning:
     def _reopen(self) -> optuna.Trial:
         """The trial, from its study in the storage (for a rank 0 that is not the sweep worker's process)."""
         import optuna
-
-        from runner.tools.sweep_space import SweepDefinition
-        from runner.tools.sweep_store import make_pruner, open_storage
 
         storage = open_storage(self.url, heartbeat=False)
         pruner = make_pruner(SweepDefinition.from_json(self.definition))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from runner.errors import store_errors
+from runner.tracking.runs import end_run, last_logged_steps
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 from runner.tracking.uri import client_for
 
@@ -123,8 +124,6 @@ def send_spool(
     status. Raises TrackingError, keeping the spool, when the store does not answer or rejects the values.
     """
     from mlflow.entities import Metric, RunTag
-
-    from runner.tracking.runs import end_run, last_logged_steps
 
     if not path.is_file():
         return None

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, store_errors
-from runner.tracking.tags import PLAN, RESOLVED
+from runner.spec.reading import default_checkpoint_dir
+from runner.tracking.tags import PLAN, RESOLVED, tag_run
 from runner.tracking.uri import absolute_uri, check_reachable, client_for, default_tracking_uri, local_store_missing
 
 if TYPE_CHECKING:
@@ -171,8 +172,6 @@ def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mappin
 
     The default folder beside a sqlite store when it exists, else the tag ``runner.checkpoint_dir``.
     """
-    from runner.spec.reading import default_checkpoint_dir
-
     default = default_checkpoint_dir(uri, spec_dir, run_id)
     if default.is_dir():
         return default
@@ -225,8 +224,6 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
 
 def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None) -> None:
     """Set tags on a run and add ``remarks`` to its description; TrackingError when MLflow rejects it."""
-    from runner.tracking.tags import tag_run
-
     with store_errors(f"tag MLflow run {run_id} at {uri}"):
         tag_run(client_for(uri), run_id, tags, remarks)
 

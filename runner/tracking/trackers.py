@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runner.errors import TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
+from runner.tracking.runs import last_logged_steps
 from runner.tracking.spool import Artifact, BatchSender, Item, Tags
 from runner.tracking.tags import METRICS_PER_BATCH, param_value
 from runner.tracking.uri import client_for
@@ -402,8 +403,6 @@ def make_tracker(
 def skip_logged_steps(tracker: Tracker, uri: str | None, run_id: str | None) -> Tracker:
     """Wrap ``tracker`` so a resumed run logs no step its history holds (unchanged for a NullTracker or untracked
     run)."""
-    from runner.tracking.runs import last_logged_steps
-
     if isinstance(tracker, NullTracker) or uri is None or run_id is None:
         return tracker
     return SkipLoggedSteps(tracker, last_logged_steps(uri, run_id))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from runner.errors import SpecError, SpecIssue, TrainingError, first_line
+from runner.training.metrics import check_metric_names
 from runner.training.models import resolve_factory, spec_issue
 
 if TYPE_CHECKING:
@@ -185,8 +186,6 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
 
 def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
     """Check before the run exists that ``[loss]`` builds and every ``[metrics]`` factory imports (SpecError)."""
-    from runner.training.metrics import check_metric_names
-
     loss = build_loss(spec.loss, spec_dir)
     if isinstance(loss, BuiltinLoss):
         _probe(loss, spec.loss.kwargs)
