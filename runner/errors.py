@@ -272,20 +272,35 @@ def show_notes(notes: list[str]) -> None:
         echo(f"runner: note: {note}", err=True)
 
 
-def show(value: Any, limit: int = 60) -> str:
-    """Render a value as TOML writes it (``true``, ``"text"``, ``[1, 2]``, ``nan``), cut to about ``limit``
-    characters."""
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def toml_value(value: Any) -> str:
+    """The one TOML value writer: a value on one line as ``--set key=<text>`` reads it back (``true``, ``"text"``,
+    ``[1, 2]``, ``{ a = 1, "b c" = 2 }``, ``nan``, ``-inf``); TypeError for a value TOML cannot write (``None``)."""
     if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, float) and not math.isfinite(value):
-        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    elif isinstance(value, (list, tuple)):
-        text = "[" + ", ".join(show(v, limit) for v in value) + "]"
-    elif isinstance(value, dict):
-        text = "{ " + ", ".join(f"{k} = {show(v, limit)}" for k, v in value.items()) + " }" if value else "{}"
-    else:
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, int | float):  # numpy's scalars too, without their repr
+        return str(int(value)) if isinstance(value, int) else repr(float(value))
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        quoted = {k: k if _BARE_KEY.fullmatch(str(k)) else json.dumps(str(k), ensure_ascii=False) for k in value}
+        return "{ " + ", ".join(f"{quoted[k]} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if hasattr(value, "isoformat"):
+        return str(value.isoformat())
+    raise TypeError(f"{value!r} ({type(value).__name__}) has no TOML form")
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """:func:`toml_value` (``str`` of a value TOML cannot write), cut to about ``limit`` characters."""
+    try:
+        text = toml_value(value)
+    except TypeError:
         text = str(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from runner.errors import toml_value
+
 SCHEMA_FILE = "runner.schema.json"
 TAPLO_FILE = ".taplo.toml"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -323,16 +325,7 @@ def _default(field: FieldInfo) -> str:
         return "table defaults"
     if value is None:
         return "unset"
-    return f"`{_cell(_toml(value))}`"
-
-
-def _toml(value: Any) -> str:
-    """A value as written in TOML: ``true``, ``"text"``, ``[64]``, ``{}``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict) and not value:
-        return "{}"
-    return json.dumps(value)
+    return f"`{_cell(toml_value(value))}`"
 
 
 def _cell(text: str) -> str:

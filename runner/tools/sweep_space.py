@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from runner.errors import toml_value
 from runner.spec.dump import trial_run_name
 from runner.spec.schema import SweepParam
 from runner.tracking.uri import ui_line
@@ -160,27 +161,6 @@ def decode_choice(values: Sequence[Any], choice: Any) -> Any:
     if all(isinstance(v, _PRIMITIVE) for v in values):
         return choice
     return tomllib.loads(f"v = {choice}")["v"]
-
-
-def toml_value(value: Any) -> str:
-    """One value as TOML value text (what ``--set key=<text>`` reads back); TypeError for ``None``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    raise TypeError(f"{value!r} ({type(value).__name__}) has no TOML form")
 
 
 def study_name(spec_name: str, trial_spec_sha256: str, definition: SweepDefinition) -> str:

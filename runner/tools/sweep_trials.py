@@ -10,11 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
+from runner.errors import DeviceError, SpecError, SpecIssue, UsageError, toml_value
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import spec_from_dict
 from runner.spec.messages import locate_keys
-from runner.tools.sweep_space import SweepDefinition, Trial, toml_value
+from runner.tools.sweep_space import SweepDefinition, Trial
 from runner.tools.sweep_store import make_pruner, open_storage
 from runner.tracking.tags import param_value, safe_key
 

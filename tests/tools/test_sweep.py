@@ -6,11 +6,12 @@ import json
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import tomllib
 
 from runner.cli import main
-from runner.errors import SpecError, UsageError, mask_secrets
+from runner.errors import SpecError, UsageError, mask_secrets, toml_value
 from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema import SweepParam, SweepSpec
@@ -26,7 +27,6 @@ from runner.tools.sweep_space import (
     decode_choice,
     encode_choices,
     study_name,
-    toml_value,
 )
 from runner.tools.sweep_store import default_storage_url, make_sampler
 from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
@@ -136,6 +136,7 @@ def test_toml_value_special_floats() -> None:
     assert toml_value(math.inf) == "inf" and toml_value(-math.inf) == "-inf" and toml_value(math.nan) == "nan"
     with pytest.raises(TypeError):
         toml_value(None)
+    assert toml_value(np.float64(0.1)) == "0.1" and toml_value({"b c": 1, "d": "é"}) == '{ "b c" = 1, d = "é" }'
 
 
 # --------------------------------------------------------------------------- definitions
