@@ -199,3 +199,13 @@ def test_store_errors_maps_mlflow_errors_once_and_passes_runners_own_through(tmp
     assert str(info.value) == "the experiment 'e' is deleted"  # not wrapped twice
     uri = f"sqlite:///{tmp_path}/m.db"
     assert client_for(uri) is client_for(uri) and client_for(uri) is not client_for(uri + "2")
+
+
+def test_first_line_names_an_error_by_its_first_line_or_a_tracebacks_last() -> None:
+    from runner.errors import first_line
+
+    assert first_line(RuntimeError("bad shape\nException raised from at::native ... (C++ frames)")) == "bad shape"
+    traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in f\n    x()\nValueError: boom\n'
+    assert first_line(traceback) == "ValueError: boom"
+    assert first_line("trial process exited with 1\nloading\n\nKeyError: 'lr'\n") == "KeyError: 'lr'"
+    assert first_line("") == "" and first_line(ValueError()) == ""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo
+from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo, first_line
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import (
@@ -26,7 +26,7 @@ from runner.tools.sweep_jobs import (
     swept_devices,
     work,
 )
-from runner.tools.sweep_space import SweepDefinition, SweepReport, first_line, study_name, write_plots
+from runner.tools.sweep_space import SweepDefinition, SweepReport, study_name, write_plots
 from runner.tools.sweep_store import GRACE_S, HEARTBEAT_S, StorageError, SweepStore, default_storage_url, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (

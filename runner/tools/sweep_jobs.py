@@ -20,8 +20,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, RunnerError, echo
-from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, first_line
+from runner.errors import Interrupted, RunnerError, echo, first_line
+from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 from runner.tools.sweep_store import SweepStore, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import OptunaPruning, trial_metric, trial_tags, without_sweep

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from runner.errors import toml_value
+from runner.errors import first_line, toml_value
 from runner.spec.dump import trial_run_name
 from runner.spec.schema import SweepParam
 from runner.tracking.uri import ui_line
@@ -266,14 +266,6 @@ def _show(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return "-" if value is None else (value if isinstance(value, str) else toml_value(value))
-
-
-def first_line(text: str) -> str:
-    """One line of an error: its first, or the last of a dead process's output (where the error is)."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return lines[-1] if lines[0].startswith("trial process exited") else lines[0]
 
 
 def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple[list[Path], list[str]]:

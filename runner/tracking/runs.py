@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import TrackingError, mask_secrets, store_errors
+from runner.errors import TrackingError, first_line, mask_secrets, store_errors
 from runner.tracking.tags import (
     PARAMS_PER_BATCH,
     git_artifacts,
@@ -227,12 +227,6 @@ def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param
         raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
-def error_summary(error: str) -> str:
-    """The line of an error that names it: a traceback's last line (``Type: message``), else the first line."""
-    lines = [line for line in error.strip().splitlines() if line.strip()] or [""]
-    return lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
-
-
 def _error_tag(error: str) -> str:
     """Keep both ends of a long error (a traceback ends with the exception message)."""
     text = error.strip()
@@ -254,7 +248,7 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
     error = mask_secrets(error) if error else error
     with store_errors(f"end MLflow run {run_id} at {uri} with status {status}"):
         if error:
-            tag_run(client, run_id, {"runner.error": error_summary(error)}, {"error": _error_tag(error)})
+            tag_run(client, run_id, {"runner.error": first_line(error)}, {"error": _error_tag(error)})
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
         client.set_terminated(run_id, status)
 
