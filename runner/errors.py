@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-_LAST_LINE_FIRST = ("Traceback (most recent call last)", "trial process exited")
+_TRACEBACK = "Traceback (most recent call last)"
 
 
 def first_line(error: BaseException | str) -> str:
     """The line of an error that names it, for quoting it: the first (torch's errors from C++ carry a stack trace
-    below it), or the last of a traceback or a dead trial process's output (``Type: message``)."""
+    below it), or a traceback's last (``Type: message``)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()] or [""]
-    return lines[-1] if lines[0].startswith(_LAST_LINE_FIRST) else lines[0]
+    return lines[-1] if lines[0].startswith(_TRACEBACK) else lines[0]
 
 
 _USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/]*@")

@@ -207,5 +207,6 @@ def test_first_line_names_an_error_by_its_first_line_or_a_tracebacks_last() -> N
     assert first_line(RuntimeError("bad shape\nException raised from at::native ... (C++ frames)")) == "bad shape"
     traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in f\n    x()\nValueError: boom\n'
     assert first_line(traceback) == "ValueError: boom"
-    assert first_line("trial process exited with 1\nloading\n\nKeyError: 'lr'\n") == "KeyError: 'lr'"
+    dead = "the sweep worker process exited with status 1\nloading\n\nKeyError: 'lr'\n"  # sweep_jobs' message
+    assert first_line(dead) == "the sweep worker process exited with status 1"
     assert first_line("") == "" and first_line(ValueError()) == ""

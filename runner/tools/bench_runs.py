@@ -40,7 +40,7 @@ def start_parent(
     base: LoadedSpec, report: BenchReport | ParityReport, kind: str, configs: list[str], **description: Any
 ) -> Parent | None:
     """The parent run of a bench or a parity check (``kind``), tagged ``runner.<kind>`` = ``parent`` with its
-    configurations; ``None`` when tracking is off. Fills the report's run id, masked URI and experiment id."""
+    configurations; ``None`` when tracking is off. Fills the report's run id, store URI and experiment id."""
     if not base.spec.tracking.enabled:
         return None
     uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.uri.open_store)

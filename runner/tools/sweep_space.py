@@ -175,7 +175,7 @@ PLOTS = ("optimization_history.png", "param_importances.png")
 
 @dataclass
 class SweepReport:
-    """Outcome of a sweep: the definition, one result per trial, the Optuna storage URL (masked)."""
+    """Outcome of a sweep: the definition, one result per trial, the Optuna storage URL (masked by the sinks)."""
 
     definition: SweepDefinition
     trials: list[TrialResult]

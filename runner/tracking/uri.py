@@ -137,7 +137,7 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked.
 
     Raises:
-        TrackingError: No answer, not an MLflow server, credentials rejected, or not writable (URI masked).
+        TrackingError: No answer, not an MLflow server, credentials rejected, or not writable (URI masked when shown).
     """
     scheme = urlsplit(uri).scheme
     if scheme in ("http", "https"):
