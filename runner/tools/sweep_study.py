@@ -159,21 +159,39 @@ class SweepStudy:
         return None if value is None else str(value)
 
     def next_trial(self) -> optuna.Trial | None:
-        """The next WAITING trial for this worker (the storage hands each to one caller only), or ``None``."""
+        """The next WAITING trial for this worker, or ``None``; each trial goes to one caller only."""
         import optuna
-        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         # Listed through the study (not the raw storage): Optuna's cache of the study then knows the trials.
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             trial_id = self.trial_id(frozen.number)
-            try:
-                if self.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
-                    self.storage.record_heartbeat(trial_id)
-                    return optuna.Trial(self.study, trial_id)
-            except UpdateFinishedTrialError:
-                continue
+            if self._claim(trial_id):
+                self.storage.record_heartbeat(trial_id)
+                return optuna.Trial(self.study, trial_id)
         return None
+
+    def _claim(self, trial_id: int) -> bool:
+        """WAITING -> RUNNING in one conditional UPDATE. Optuna's ``set_trial_state_values`` reads the state, then
+        writes it: on sqlite (no row lock) two workers both read WAITING and both ran the trial."""
+        from datetime import datetime
+
+        from optuna.storages._rdb import models
+        from optuna.trial import TrialState
+
+        trial, session = models.TrialModel, self.storage.scoped_session()
+        try:
+            waiting = session.query(trial).filter(trial.trial_id == trial_id, trial.state == TrialState.WAITING)
+            claimed = waiting.update({trial.state: TrialState.RUNNING}, synchronize_session=False)
+            if claimed == 1:  # in the same transaction, as Optuna records it
+                session.get(trial, trial_id).datetime_start = datetime.now()  # type: ignore[union-attr]
+            session.commit()
+        except Exception as exc:
+            session.rollback()
+            raise StorageError(f"cannot start trial {trial_id} in {self.url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            session.close()
+        return claimed == 1
 
     def trial_id(self, number: int) -> int:
         """The storage's id of trial ``number`` of this study."""

@@ -665,3 +665,45 @@ def test_take_over_ends_the_old_runs_of_the_trials_it_enqueues_again() -> None:
     take_over(SimpleNamespace(fail_stale=lambda: [3], parent_run_id="p"), store)  # type: ignore[arg-type]
     take_over(SimpleNamespace(fail_stale=lambda: [], parent_run_id="p"), store)  # type: ignore[arg-type]
     assert ended == [("p", [3])]
+
+
+def test_two_workers_racing_for_the_waiting_trials_never_claim_one_twice(tmp_path, monkeypatch) -> None:
+    """Each worker has its own connection to one sqlite storage. Optuna's WAITING -> RUNNING update reads the trial,
+    then writes it: two workers that both read WAITING both ran the trial, and the second's result raised
+    UpdateFinishedTrialError. The window between the read and the write is widened here to 50 ms."""
+    import threading
+    import time
+
+    from optuna.storages import RDBStorage
+
+    from runner.tools.sweep_store import open_storage
+    from runner.tools.sweep_study import SweepStudy
+
+    checked = RDBStorage.check_trial_is_updatable
+
+    def slow_check(self, trial_id, state):  # Optuna calls it between its read and its write
+        time.sleep(0.05)
+        return checked(self, trial_id, state)
+
+    monkeypatch.setattr(RDBStorage, "check_trial_is_updatable", slow_check)
+    definition = build_definition(None, grid=["seed=0,1,2,3,4,5"])
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    founder, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    workers = [founder, SweepStudy.join(open_storage(url), url, "s", definition)]
+    claimed: list[list[int]] = [[], []]
+    start = threading.Barrier(2)
+
+    def claim_all(k: int) -> None:
+        start.wait()
+        while (trial := workers[k].next_trial()) is not None:
+            claimed[k].append(trial.number)
+
+    threads = [threading.Thread(target=claim_all, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    numbers = claimed[0] + claimed[1]
+    assert sorted(numbers) == list(range(6)), claimed  # every trial claimed by exactly one worker
+    trials = founder.frozen_trials()
+    assert {t.state.name for t in trials} == {"RUNNING"} and all(t.datetime_start is not None for t in trials)
