@@ -283,14 +283,15 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore, since: fl
     """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish. The
     trials' results are read after the pending count: read before it, a trial that another worker ended in between
     still showed RUNNING, and the parent ended FAILED with every trial complete."""
-    pending = study.pending()
+    counts = study.counts()
+    pending = counts.get("WAITING", 0) + counts.get("RUNNING", 0)
     report.trials = study.results(since=since)
     metric = report.definition.metric
     if report.best is None and any(t.status == "FINISHED" for t in report.trials):
         report.notes.append(
             f"no finished trial logged the metric {metric!r}: pass --metric NAME (e.g. val/loss --mode min)"
         )
-    silent = study.silent_for() if pending and not study.counts().get("WAITING") else []
+    silent = study.silent_for() if pending and not counts.get("WAITING") else []
     if silent and min(silent) > 3 * HEARTBEAT_S:  # no live worker beats for them: theirs are likely gone
         wait = max(0.0, GRACE_S - min(silent))
         at = time.strftime("%H:%M:%S", time.localtime(time.time() + wait))

@@ -159,39 +159,25 @@ class SweepStudy:
         return None if value is None else str(value)
 
     def next_trial(self) -> optuna.Trial | None:
-        """The next WAITING trial for this worker, or ``None``; each trial goes to one caller only."""
+        """The next WAITING trial for this worker, or ``None``. It is moved to RUNNING in one conditional UPDATE, so
+        one caller only gets it (Optuna's read-then-write let two workers on sqlite both run it: docs/design.md §16)."""
+        from datetime import datetime
+
         import optuna
+        from optuna.storages._rdb.models import TrialModel as T
         from optuna.trial import TrialState
 
         # Listed through the study (not the raw storage): Optuna's cache of the study then knows the trials.
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             trial_id = self.trial_id(frozen.number)
-            if self._claim(trial_id):
-                self.storage.record_heartbeat(trial_id)
-                return optuna.Trial(self.study, trial_id)
+            with self.storage.scoped_session() as session, session.begin():
+                waiting = session.query(T).filter(T.trial_id == trial_id, T.state == TrialState.WAITING)
+                if waiting.update({T.state: TrialState.RUNNING}, synchronize_session=False) != 1:
+                    continue
+                session.get(T, trial_id).datetime_start = datetime.now()  # type: ignore[union-attr]
+            self.storage.record_heartbeat(trial_id)
+            return optuna.Trial(self.study, trial_id)
         return None
-
-    def _claim(self, trial_id: int) -> bool:
-        """WAITING -> RUNNING in one conditional UPDATE. Optuna's ``set_trial_state_values`` reads the state, then
-        writes it: on sqlite (no row lock) two workers both read WAITING and both ran the trial."""
-        from datetime import datetime
-
-        from optuna.storages._rdb import models
-        from optuna.trial import TrialState
-
-        trial, session = models.TrialModel, self.storage.scoped_session()
-        try:
-            waiting = session.query(trial).filter(trial.trial_id == trial_id, trial.state == TrialState.WAITING)
-            claimed = waiting.update({trial.state: TrialState.RUNNING}, synchronize_session=False)
-            if claimed == 1:  # in the same transaction, as Optuna records it
-                session.get(trial, trial_id).datetime_start = datetime.now()  # type: ignore[union-attr]
-            session.commit()
-        except Exception as exc:
-            session.rollback()
-            raise StorageError(f"cannot start trial {trial_id} in {self.url}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            session.close()
-        return claimed == 1
 
     def trial_id(self, number: int) -> int:
         """The storage's id of trial ``number`` of this study."""
@@ -291,11 +277,6 @@ class SweepStudy:
         for frozen in self.storage.get_all_trials(self.study_id, deepcopy=False):
             out[frozen.state.name] = out.get(frozen.state.name, 0) + 1
         return out
-
-    def pending(self) -> int:
-        """Trials not done yet: WAITING or RUNNING (in any worker)."""
-        counts = self.counts()
-        return counts.get("WAITING", 0) + counts.get("RUNNING", 0)
 
     def results(self, since: float | None = None) -> list[TrialResult]:
         """One result per trial number, from its latest attempt; trials that ended before ``since`` are ``reused``."""
