@@ -325,7 +325,8 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         if not isinstance(exc, Exception):
             raise
         return TrialResult(point.index, point.values, run_id, "FAILED", None, error)
-    study.tell(trial, result)
+    if not study.tell(trial, result):
+        echo(f"runner: trial {point.index} was taken over by another worker: this result is dropped", err=True)
     return result
 
 

@@ -209,21 +209,27 @@ class SweepStudy:
         trial.set_user_attr("runner.values", json.dumps(values, default=str))
         return Trial(index_of(frozen), values)
 
-    def tell(self, trial: optuna.Trial, result: TrialResult) -> None:
-        """Record a finished trial: COMPLETE with its metric, PRUNED, or FAIL (a KILLED one is enqueued again)."""
+    def tell(self, trial: optuna.Trial, result: TrialResult) -> bool:
+        """Record a finished trial: COMPLETE with its metric, PRUNED, or FAIL (a KILLED one is enqueued again).
+        False when another worker had taken it over (its heartbeat stopped): the result is not recorded."""
+        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.storages import RetryHeartbeatStaleTrialCallback
         from optuna.trial import TrialState
 
-        trial.set_user_attr(ATTR_RESULT, _recorded(result))  # one write: each is a database transaction
-        value = result.metric_value
-        if result.status == "FINISHED" and result.pruned:
-            self.study.tell(trial, state=TrialState.PRUNED)
-        elif result.status == "FINISHED" and value is not None and math.isfinite(value):
-            self.study.tell(trial, value)
-        else:
-            frozen = self.study.tell(trial, state=TrialState.FAIL)
-            if result.status == "KILLED":
-                RetryHeartbeatStaleTrialCallback()(self.study, frozen)
+        value, killed = result.metric_value, result.status == "KILLED"
+        try:
+            trial.set_user_attr(ATTR_RESULT, _recorded(result))  # one write: each is a database transaction
+            if result.status == "FINISHED" and result.pruned:
+                self.study.tell(trial, state=TrialState.PRUNED)
+            elif result.status == "FINISHED" and value is not None and math.isfinite(value):
+                self.study.tell(trial, value)
+            elif killed:
+                RetryHeartbeatStaleTrialCallback()(self.study, self.study.tell(trial, state=TrialState.FAIL))
+            else:
+                self.study.tell(trial, state=TrialState.FAIL)
+        except UpdateFinishedTrialError:
+            return False
+        return True
 
     def fail_dead(self, number: int, error: str) -> bool:
         """Fail trial ``number`` whose worker died; False when it had already finished and its result stands."""
@@ -320,17 +326,10 @@ def _result(definition: SweepDefinition, frozen: FrozenTrial, since: float | Non
     metric = attrs.get("metric")
     if state == "COMPLETE" and frozen.value is not None:
         metric = float(frozen.value)
-    return TrialResult(
-        index=index_of(frozen),
-        values=values,
-        run_id=attrs.get("run_id"),
-        status=str(attrs.get("status") or "FAILED"),
-        metric_value=None if metric is None else float(metric),
-        error=attrs.get("error"),
-        reused=reused,
-        pruned=state == "PRUNED",
-        pruned_epoch=attrs.get("pruned_epoch"),
-    )
+    status, value = str(attrs.get("status") or "FAILED"), None if metric is None else float(metric)
+    error, pruned = attrs.get("error"), state == "PRUNED"
+    return TrialResult(index_of(frozen), values, attrs.get("run_id"), status, value, error, reused, pruned,
+                       attrs.get("pruned_epoch"))  # fmt: skip
 
 
 def _recorded_values(definition: SweepDefinition, frozen: FrozenTrial) -> dict[str, Any]:

@@ -707,3 +707,20 @@ def test_two_workers_racing_for_the_waiting_trials_never_claim_one_twice(tmp_pat
     assert sorted(numbers) == list(range(6)), claimed  # every trial claimed by exactly one worker
     trials = founder.frozen_trials()
     assert {t.state.name for t in trials} == {"RUNNING"} and all(t.datetime_start is not None for t in trials)
+
+
+def test_a_result_told_after_another_worker_took_the_trial_over_is_dropped_not_raised(tmp_path) -> None:
+    """A worker paused past the grace (a suspended job) finds its trial failed and enqueued again by another worker:
+    its tell raised UpdateFinishedTrialError and the worker process died."""
+    from runner.tools.sweep_store import open_storage
+    from runner.tools.sweep_study import SweepStudy
+
+    definition = build_definition(None, grid=["seed=0,1"])
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
+    late, other = study.next_trial(), study.next_trial()
+    assert late is not None and other is not None
+    assert study.fail_dead(late.number, "no heartbeat for 60 s") is True  # as a take-over fails it
+    assert study.tell(late, TrialResult(late.number, {"seed": 0}, "r0", "FINISHED", 0.5)) is False
+    assert study.tell(other, TrialResult(other.number, {"seed": 1}, "r1", "FINISHED", 0.7)) is True
+    assert [(t.state.name, t.value) for t in study.study.trials] == [("FAIL", None), ("COMPLETE", 0.7)]
