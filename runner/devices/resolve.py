@@ -285,8 +285,7 @@ def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[in
 
 
 def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: list[str]) -> list[int]:
-    """Samples each device sees per forward pass; DeviceError when a world size only this machine fixes does not
-    divide."""
+    """Samples per device per forward pass; DeviceError when a world size only this machine fixes does not divide."""
     batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
     if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
         raise DeviceError(problem, key="data.batch_size")

@@ -28,8 +28,7 @@ _Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment, str], St
 
 
 def _fsdp(parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
-    """FSDP2, imported here: ``torch.distributed.fsdp`` and ``torch.distributed.checkpoint`` cost the other modes'
-    workers about a second of start-up."""
+    """FSDP2, imported here: ``torch.distributed.fsdp`` and its checkpoint cost other modes' workers ~1 s to start."""
     from runner.strategies.fsdp import FSDPStrategy
 
     return FSDPStrategy(plan, parallel, env, amp)

@@ -25,6 +25,7 @@ from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 from runner.tools.sweep_store import SweepStore, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import OptunaPruning, trial_metric, trial_tags, without_sweep
+from runner.tracking.runs import end_run
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -325,8 +326,11 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         if not isinstance(exc, Exception):
             raise
         return TrialResult(point.index, point.values, run_id, "FAILED", None, error)
-    if not study.tell(trial, result):
-        echo(f"runner: trial {point.index} was taken over by another worker: this result is dropped", err=True)
+    if not study.tell(trial, result):  # the other worker's attempt counts: this run ends KILLED, saying why
+        why = f"trial {point.index} was taken over by another worker while this one ran it: this result is dropped"
+        echo(f"runner: {why}", err=True)
+        with contextlib.suppress(Exception):  # a store in trouble: the note above is said all the same
+            end_run(store.uri, result.run_id or "", "KILLED", why)
     return result
 
 

@@ -201,8 +201,7 @@ def verify_digest(checkpoint: Path) -> None:
 
 
 def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None) -> Path:
-    """Write ``data`` to a fsync'ed temporary file in ``directory``, renamed to ``final`` when given; return the
-    path."""
+    """Write ``data`` to an fsync'ed temporary file in ``directory``, renamed to ``final`` if given; return the path."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -257,8 +257,7 @@ def _step(
 
 
 def _flop_counter() -> contextlib.AbstractContextManager[Any]:
-    """torch's ``FlopCounterMode``: matmuls, convolutions and attention of forward and backward (an activation
-    checkpoint's recomputation included), counted from shapes."""
+    """torch's ``FlopCounterMode``: matmul, conv and attention FLOPs of forward and backward (recomputation too)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     return FlopCounterMode(display=False)

@@ -709,10 +709,15 @@ def test_two_workers_racing_for_the_waiting_trials_never_claim_one_twice(tmp_pat
     assert {t.state.name for t in trials} == {"RUNNING"} and all(t.datetime_start is not None for t in trials)
 
 
-def test_a_result_told_after_another_worker_took_the_trial_over_is_dropped_not_raised(tmp_path) -> None:
+def test_a_result_told_after_another_worker_took_the_trial_over_is_dropped_not_raised(
+    tmp_path, ready_store: str, monkeypatch, capsys
+) -> None:
     """A worker paused past the grace (a suspended job) finds its trial failed and enqueued again by another worker:
-    its tell raised UpdateFinishedTrialError and the worker process died."""
-    from runner.tools.sweep_store import open_storage
+    its tell raised UpdateFinishedTrialError and the worker process died. Now its run ends KILLED, saying why."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.tools import sweep_jobs
+    from runner.tools.sweep_store import SweepStore, open_storage
     from runner.tools.sweep_study import SweepStudy
 
     definition = build_definition(None, grid=["seed=0,1"])
@@ -720,7 +725,18 @@ def test_a_result_told_after_another_worker_took_the_trial_over_is_dropped_not_r
     study, _ = SweepStudy.open(open_storage(url), url, "s", definition, found=lambda s: "p", spec_sha256="x")
     late, other = study.next_trial(), study.next_trial()
     assert late is not None and other is not None
-    assert study.fail_dead(late.number, "no heartbeat for 60 s") is True  # as a take-over fails it
-    assert study.tell(late, TrialResult(late.number, {"seed": 0}, "r0", "FINISHED", 0.5)) is False
+    client = MlflowClient(ready_store)
+    run_id = client.create_run(client.create_experiment("late")).info.run_id
+
+    def taken_over_meanwhile(study_, store, setup, trial, point, parent_id):
+        assert study.fail_dead(trial.number, "no heartbeat for 60 s") is True  # as a take-over fails it
+        return TrialResult(point.index, point.values, run_id, "FINISHED", 0.5)
+
+    monkeypatch.setattr(sweep_jobs, "_execute", taken_over_meanwhile)
+    result = sweep_jobs.run_trial(study, SweepStore(ready_store, "late"), None, late)  # type: ignore[arg-type]
+    assert result.status == "FINISHED" and result.run_id == run_id  # returned, not raised
+    assert "trial 0 was taken over by another worker while this one ran it" in capsys.readouterr().err
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert "taken over" in client.get_run(run_id).data.tags["runner.error"]
     assert study.tell(other, TrialResult(other.number, {"seed": 1}, "r1", "FINISHED", 0.7)) is True
     assert [(t.state.name, t.value) for t in study.study.trials] == [("FAIL", None), ("COMPLETE", 0.7)]
