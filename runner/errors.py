@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -284,10 +284,10 @@ def toml_value(value: Any) -> str:
     ``[1, 2]``, ``{ a = 1, "b c" = 2 }``, ``nan``, ``-inf``); TypeError for a value TOML cannot write (``None``)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, int | float):  # numpy's scalars too, without their repr
-        return str(int(value)) if isinstance(value, int) else repr(float(value))
+    if isinstance(value, numbers.Integral):  # numpy's integers too
+        return str(int(value))
+    if isinstance(value, numbers.Real):  # numpy's floats too, without their repr; nan, inf and -inf as TOML writes them
+        return repr(float(value))
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
     if isinstance(value, list | tuple):

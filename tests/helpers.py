@@ -9,8 +9,6 @@ table: a table's dict is merged into the base's table, and ``None`` removes a ke
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import signal
 import socket
@@ -21,6 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from subprocess import Popen
 from typing import TYPE_CHECKING, Any
+
+from runner.errors import toml_value  # the project's one TOML value writer
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -138,23 +138,6 @@ def spec_dict(base: Mapping[str, Any] = MINIMAL, **changes: Any) -> dict[str, An
         else:
             out[key] = value
     return out
-
-
-def toml_value(value: Any) -> str:
-    """One TOML value: strings, booleans, numbers (inf and nan included), arrays and inline tables."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
-    if isinstance(value, float) and not math.isfinite(value):
-        return ("-" if value < 0 else "") + ("nan" if math.isnan(value) else "inf")
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML for {value!r}")
 
 
 def toml_text(spec: Mapping[str, Any], *, compact: bool = False) -> str:

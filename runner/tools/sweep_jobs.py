@@ -329,8 +329,9 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
     if not study.tell(trial, result):  # the other worker's attempt counts: this run ends KILLED, saying why
         why = f"trial {point.index} was taken over by another worker while this one ran it: this result is dropped"
         echo(f"runner: {why}", err=True)
-        with contextlib.suppress(Exception):  # a store in trouble: the note above is said all the same
-            end_run(store.uri, result.run_id or "", "KILLED", why)
+        if result.run_id is not None:
+            with contextlib.suppress(Exception):  # a store in trouble: the note above is said all the same
+                end_run(store.uri, result.run_id, "KILLED", why)
     return result
 
 

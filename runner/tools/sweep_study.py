@@ -159,8 +159,7 @@ class SweepStudy:
         return None if value is None else str(value)
 
     def next_trial(self) -> optuna.Trial | None:
-        """The next WAITING trial for this worker, or ``None``. It is moved to RUNNING in one conditional UPDATE, so
-        one caller only gets it (Optuna's read-then-write let two workers on sqlite both run it: docs/design.md §16)."""
+        """The next WAITING trial or ``None``, taken in one conditional UPDATE (docs/design.md §16)."""
         from datetime import datetime
 
         import optuna
@@ -216,14 +215,14 @@ class SweepStudy:
         from optuna.storages import RetryHeartbeatStaleTrialCallback
         from optuna.trial import TrialState
 
-        value, killed = result.metric_value, result.status == "KILLED"
+        value = result.metric_value
         try:
             trial.set_user_attr(ATTR_RESULT, _recorded(result))  # one write: each is a database transaction
             if result.status == "FINISHED" and result.pruned:
                 self.study.tell(trial, state=TrialState.PRUNED)
             elif result.status == "FINISHED" and value is not None and math.isfinite(value):
                 self.study.tell(trial, value)
-            elif killed:
+            elif result.status == "KILLED":
                 RetryHeartbeatStaleTrialCallback()(self.study, self.study.tell(trial, state=TrialState.FAIL))
             else:
                 self.study.tell(trial, state=TrialState.FAIL)
@@ -327,9 +326,9 @@ def _result(definition: SweepDefinition, frozen: FrozenTrial, since: float | Non
     if state == "COMPLETE" and frozen.value is not None:
         metric = float(frozen.value)
     status, value = str(attrs.get("status") or "FAILED"), None if metric is None else float(metric)
-    error, pruned = attrs.get("error"), state == "PRUNED"
-    return TrialResult(index_of(frozen), values, attrs.get("run_id"), status, value, error, reused, pruned,
-                       attrs.get("pruned_epoch"))  # fmt: skip
+    return TrialResult(index=index_of(frozen), values=values, run_id=attrs.get("run_id"), status=status,
+                       metric_value=value, error=attrs.get("error"), reused=reused, pruned=state == "PRUNED",
+                       pruned_epoch=attrs.get("pruned_epoch"))  # fmt: skip
 
 
 def _recorded_values(definition: SweepDefinition, frozen: FrozenTrial) -> dict[str, Any]:

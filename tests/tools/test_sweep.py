@@ -137,6 +137,8 @@ def test_toml_value_special_floats() -> None:
     with pytest.raises(TypeError):
         toml_value(None)
     assert toml_value(np.float64(0.1)) == "0.1" and toml_value({"b c": 1, "d": "é"}) == '{ "b c" = 1, d = "é" }'
+    assert toml_value(np.int64(3)) == "3" and toml_value(np.float32(0.5)) == "0.5"  # raised TypeError: no TOML form
+    assert toml_value(np.float32("nan")) == "nan" and toml_value([np.float32("-inf")]) == "[-inf]"
 
 
 # --------------------------------------------------------------------------- definitions
