@@ -10,6 +10,7 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
@@ -67,49 +68,66 @@ class Link:
 
 
 class ChannelTracker:
-    """Rank 0's :class:`Tracker`: each call writes one small message to a local socket; the driver's tracker sends
-    it."""
+    """Rank 0's :class:`Tracker`: writes its calls to a local socket for the driver's tracker to send.
 
-    def __init__(self, link: Link) -> None:
+    Metric values logged within ``every_s`` of the last message wait, stamped with their time (ms since the epoch),
+    and go with the next message: one message per log step cost ddp-2 logging every step about 3 % of its time on 2
+    cores, in this process and in the driver's. Every other call sends them first, in order.
+    """
+
+    def __init__(self, link: Link, every_s: float = 0.2) -> None:
         self._link = link
+        self._every_s = every_s
+        self._pending: list[tuple[dict[str, float], int, int]] = []
+        self._sent_at = 0.0
         self._recorded = 0
         self._closed = False
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         if not isinstance(step, int):
             raise TypeError(f"step must be an int, not {type(step).__name__}")
         self._check_open()
-        self._link.send("metrics", {k: float(v) for k, v in metrics.items()}, step)
+        stamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        self._pending.append(({k: float(v) for k, v in metrics.items()}, step, stamp))
+        if time.monotonic() - self._sent_at >= self._every_s:
+            self._send_pending()
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        self._check_open()
         local = Path(path).resolve()
         if not local.exists():
             raise FileNotFoundError(f"artifact not found: {local}")
-        self._link.send("artifact", str(local), artifact_path)
+        self.send("artifact", str(local), artifact_path)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._check_open()
-        self._link.send("tags", dict(tags))
+        self.send("tags", dict(tags))
 
     def flush(self) -> None:
         self._check_open()
+        self._send_pending()
         self._recorded = int(self._link.ask("flush"))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._send_pending()
         self._recorded = int(self._link.ask("close"))
 
     def send(self, kind: str, *payload: Any) -> None:
         """Send another kind of message (``data``, ``model``) to the driver, in order with the rest."""
         self._check_open()
+        self._send_pending()
         self._link.send(kind, *payload)
 
     def recorded(self) -> int:
         """Metric values the run has numbered, as of the last :meth:`flush` (what a checkpoint records)."""
         return self._recorded
+
+    def _send_pending(self) -> None:
+        if self._pending:
+            self._link.send("metrics", self._pending)
+            self._pending = []
+        self._sent_at = time.monotonic()
 
     def _check_open(self) -> None:
         if self._closed:

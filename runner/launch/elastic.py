@@ -101,7 +101,7 @@ def _agent_main(path: Path) -> int:
     hangs: HangReports = {}
     outcome: list[WorkerResult] | LaunchFailed
     try:
-        outcome = launch_elastic(plan, args, hangs)
+        outcome = launch_elastic(plan, args, hangs, fork=True)
     except Exception as exc:  # SignalException included
         outcome = launch_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
     partial = path.with_name(_AGENT_OUTCOME + ".tmp")
@@ -128,9 +128,12 @@ def _stop_once() -> None:
         signal.signal(sig, stop)
 
 
-def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = None) -> list[WorkerResult]:
+def launch_elastic(
+    plan: Plan, args: WorkerArgs, hangs: HangReports | None = None, *, fork: bool = False
+) -> list[WorkerResult]:
     """Run ``plan``'s workers under the elastic launcher in this process; return their results, the logging rank's
-    first. Raises ``ChildFailedError`` or ``SignalException``."""
+    first. The workers fork from this process (``fork``: one that runs nothing else) or from a fork server. Raises
+    ``ChildFailedError`` or ``SignalException``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -146,16 +149,19 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
         rdzv_configs={"is_host": rdzv.node_rank == 0} if rdzv.nnodes > 1 else {},
         max_restarts=par.max_restarts,
         monitor_interval=0.1,
-        start_method="forkserver",
+        start_method="fork" if fork else "forkserver",
     )
     with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        launched = dataclasses.replace(args, launcher_pid=None, report_dir=log_dir)  # their parent: the fork server
+        launched = dataclasses.replace(args, launcher_pid=None, report_dir=log_dir)  # they watch this process
         quiet = quiet_launcher_logs(
             Path(tempfile.gettempdir()) / f"runner-ranks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         )
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        if fork:
+            preload()
+        else:
+            multiprocessing.set_forkserver_preload(list(PRELOAD))
         try:
             results = elastic_launch(config, run_and_leave_result)(launched, os.getpid())
         except Exception as exc:
@@ -174,10 +180,19 @@ def launch_elastic(plan: Plan, args: WorkerArgs, hangs: HangReports | None = Non
     return done
 
 
-# The workers fork from Python's fork server, which imports these once per job, instead of each spawned worker
-# importing torch (and, at its first optimizer step, torch._dynamo) again: ddp-2's start-up drops by about a quarter
-# (benchmarks/README.md). Nothing there starts CUDA, so forking from it is safe.
-FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.setup")
+# The workers fork from a process that imported these once per job, instead of each spawned worker importing torch
+# (and, at its first optimizer step, torch._dynamo) again (benchmarks/README.md): the launcher of its own process,
+# which imports them while the driver plans, else Python's fork server. Nothing there starts CUDA or OpenMP's threads,
+# so forking from it is safe.
+PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.setup")
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD`."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
 
 
 def _stop_forkserver() -> None:
@@ -198,6 +213,8 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
     ``args.report_dir`` for :func:`finished_despite`. A worker stops as on SIGTERM when its ``launcher`` ends."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not the launcher's, when forked from it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _stop_when_gone(launcher)
     result = record(run_worker)(args)  # the failure's traceback in the launcher's error file
     rank = os.environ.get("RANK", "0")
@@ -217,8 +234,8 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
 
 
 def _stop_when_gone(pid: int) -> None:
-    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second): a worker's parent, the
-    fork server, outlives a launcher killed hard (docs/design.md, runner/launch/elastic.py)."""
+    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second): the kernel's parent-death
+    signal does not come for a worker orphaned by a launcher killed hard (docs/design.md, runner/launch/elastic.py)."""
     import select
     import threading
 
@@ -317,10 +334,8 @@ def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def _ready_main(fd: int) -> int:
-    """The prestarted process: import torch, which both uses need (a launcher needs no more: its fork server imports
-    the workers' modules), then wait for its arguments (none: end)."""
-    import torch  # noqa: F401
-
+    """The prestarted process: import what both uses need (:data:`PRELOAD`), then wait for its arguments (none: end)."""
+    preload()
     with os.fdopen(fd) as pipe:
         text = pipe.read()
     if not text:

@@ -46,6 +46,7 @@ class RunSession:
         self.failure: BaseException | None = None
         self.shown = False
         self._tracker: Tracker | None = None
+        self._last_steps: dict[str, int] = {}  # metric name -> the last step a resumed run holds
         self._monitor: Any = None
         self._deferred: BaseException | None = None
         self._opened = resume is not None  # a resume opened the store before anything started
@@ -123,8 +124,9 @@ class RunSession:
 
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
         """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
+        from runner.tracking.runs import last_logged_steps
         from runner.tracking.spool import spool_path
-        from runner.tracking.trackers import make_tracker, skip_logged_steps
+        from runner.tracking.trackers import MlflowTracker
 
         uri, run_id, spec = self.plan.tracking_uri, self.run_id, self.plan.loaded.spec
         notes: list[str] = []
@@ -133,24 +135,22 @@ class RunSession:
         folder = Path(self.checkpoint_dir)
         if continuing:
             notes += _adopt_spool(uri, run_id, folder, recorded)
-        tracker = make_tracker(
-            uri,
-            run_id,
-            is_logger=True,
-            flush_every_s=spec.tracking.flush_every_s,
-            spool=spool_path(folder),
-            first_seq=recorded,
+        self._last_steps = last_logged_steps(uri, run_id) if resumed else {}  # a resumed run logs no step twice
+        self._tracker = MlflowTracker(
+            uri, run_id, flush_every_s=spec.tracking.flush_every_s, spool=spool_path(folder), first_seq=recorded
         )
-        self._tracker = skip_logged_steps(tracker, uri, run_id) if resumed else tracker
         if spec.tracking.system_metrics:
             from runner.tracking.trackers import start_system_metrics
 
             self._monitor = start_system_metrics(uri, run_id, resumed=resumed)
         return notes
 
-    def _metrics(self, metrics: dict[str, float], step: int) -> None:
+    def _metrics(self, logged: list[tuple[dict[str, float], int, int]]) -> None:
         if self._tracker is not None:
-            self._tracker.log_metrics(metrics, step)
+            for metrics, step, timestamp_ms in logged:
+                fresh = {k: v for k, v in metrics.items() if step > self._last_steps.get(k, -1)}
+                if fresh:
+                    self._tracker.log_metrics(fresh, step, timestamp_ms)
 
     def _tags(self, tags: dict[str, Any]) -> None:
         if self._tracker is not None:

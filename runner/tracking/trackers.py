@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runner.errors import TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
-from runner.tracking.runs import last_logged_steps
 from runner.tracking.spool import Artifact, BatchSender, Item, Tags
 from runner.tracking.tags import METRICS_PER_BATCH, param_value
 from runner.tracking.uri import client_for
@@ -100,10 +99,10 @@ class MlflowTracker(BatchSender):
             raise ValueError(f"invalid MLflow metric name {key!r}: {exc.message}") from None
         self._keys_ok.add(key)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Buffer metric values for one step (:meth:`Tracker.log_metrics`); returns without touching the network."""
         step = operator.index(step)
-        ts = int(time.time() * 1000)
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         values = []
         for key, value in metrics.items():
             if key not in self._keys_ok:
@@ -294,8 +293,9 @@ class Tracker(Protocol):
     block.
     """
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Record metric values (Python floats) at ``step``, the global optimizer step; does not block.
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """Record metric values (Python floats) at ``step``, the global optimizer step, taken at ``timestamp_ms`` (ms
+        since the epoch; default now); does not block.
 
         Raises:
             TypeError: ``step`` is not an integer.
@@ -326,7 +326,7 @@ class Tracker(Protocol):
 class NullTracker:
     """Records nothing (ranks other than 0, ``tracking.enabled = false``); starts no thread, imports no mlflow."""
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """Do nothing."""
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
@@ -348,67 +348,6 @@ class NullTracker:
         return None
 
 
-class SkipLoggedSteps:
-    """Drops metrics at steps the resumed run already holds (``last_steps``: name -> highest step); forwards the
-    rest."""
-
-    def __init__(self, inner: Tracker, last_steps: Mapping[str, int]):
-        self.inner = inner
-        self.last_steps = dict(last_steps)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Forward the metrics whose ``step`` is beyond what the run already holds."""
-        fresh = {k: v for k, v in metrics.items() if step > self.last_steps.get(k, -1)}
-        if fresh:
-            self.inner.log_metrics(fresh, step=step)
-
-    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        """Forward to the inner tracker."""
-        self.inner.log_artifact(path, artifact_path)
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Forward to the inner tracker."""
-        self.inner.set_tags(tags)
-
-    def flush(self) -> None:
-        """Forward to the inner tracker."""
-        self.inner.flush()
-
-    def close(self) -> None:
-        """Forward to the inner tracker."""
-        self.inner.close()
-
-    def recorded(self) -> int:
-        """The inner tracker's count of metric values recorded by the run (0 when it keeps none)."""
-        count = getattr(self.inner, "recorded", None)
-        return int(count()) if callable(count) else 0
-
-
-def make_tracker(
-    uri: str | None,
-    run_id: str | None,
-    *,
-    is_logger: bool,
-    flush_every_s: float,
-    spool: Path | None = None,
-    first_seq: int = 0,
-) -> Tracker:
-    """The tracker of one rank: an :class:`MlflowTracker` (its arguments) on the logging rank of a tracked run, else
-    a :class:`NullTracker`. ``uri`` and ``run_id`` are ``None`` when tracking is off."""
-    if is_logger and run_id is not None and uri is not None:
-        return MlflowTracker(uri, run_id, flush_every_s=flush_every_s, spool=spool, first_seq=first_seq)
-    return NullTracker()
-
-
-def skip_logged_steps(tracker: Tracker, uri: str | None, run_id: str | None) -> Tracker:
-    """Wrap ``tracker`` so a resumed run logs no step its history holds (unchanged for a NullTracker or untracked
-    run)."""
-    if isinstance(tracker, NullTracker) or uri is None or run_id is None:
-        return tracker
-    return SkipLoggedSteps(tracker, last_logged_steps(uri, run_id))
-
-
 if TYPE_CHECKING:  # mypy checks here that every tracker implements the protocol; nothing runs
     _null: Tracker = NullTracker()
     _buffered: Tracker = MlflowTracker("", "")
-    _skipping: Tracker = SkipLoggedSteps(NullTracker(), {})

@@ -22,7 +22,7 @@ class Recorder:
         if kind == "built":
             return HandedRun("run-1", "/tmp/ck", False)
         if kind == "flush":
-            return sum(len(p[1]) for p in self.seen if p[0] == "metrics")
+            return sum(len(values) for p in self.seen if p[0] == "metrics" for values, _, _ in p[1])
         if kind == "close":
             raise TrackingError("the store refused the last batch")
         return None
@@ -35,11 +35,13 @@ def test_messages_arrive_in_order_and_answers_come_back():
     link = Link(hub.address)
     try:
         assert link.ask("built", None, ["a note"]) == HandedRun("run-1", "/tmp/ck", False)
-        tracker = ChannelTracker(link)
+        tracker = ChannelTracker(link, every_s=3600)  # the first values go at once, the next wait for a message
         tracker.log_metrics({"train/loss": 1.5, "lr": 0.1}, step=1)
+        tracker.log_metrics({"train/loss": 1.25}, step=2, timestamp_ms=1_000)
+        tracker.log_metrics({"train/loss": 1.0}, step=3, timestamp_ms=2_000)
         tracker.set_tags({"k": "v"})
         tracker.flush()
-        assert tracker.recorded() == 2
+        assert tracker.recorded() == 4
         with pytest.raises(TrackingError, match="refused the last batch"):
             tracker.close()
         with pytest.raises(TrackingError, match="closed"):
@@ -48,8 +50,31 @@ def test_messages_arrive_in_order_and_answers_come_back():
         link.close()
         hub.stop()
     kinds = [m[0] for m in recorder.seen]
-    assert kinds == ["built", "metrics", "tags", "flush", "close"]
-    assert recorder.seen[1] == ("metrics", {"train/loss": 1.5, "lr": 0.1}, 1)
+    assert kinds == ["built", "metrics", "metrics", "tags", "flush", "close"]
+    ((first, step, stamp),) = recorder.seen[1][1]
+    assert (first, step) == ({"train/loss": 1.5, "lr": 0.1}, 1) and stamp > 1_000_000_000_000  # ms since the epoch
+    assert recorder.seen[2][1] == [({"train/loss": 1.25}, 2, 1_000), ({"train/loss": 1.0}, 3, 2_000)]
+
+
+def test_values_logged_after_the_interval_go_at_once_and_none_is_left_at_close():
+    recorder = Recorder()
+    hub = Hub(recorder.handle)
+    hub.start()
+    link = Link(hub.address)
+    try:
+        tracker = ChannelTracker(link, every_s=0.0)
+        for step in (1, 2):
+            tracker.log_metrics({"x": float(step)}, step=step, timestamp_ms=step)
+        late = ChannelTracker(link, every_s=3600)
+        late.log_metrics({"y": 1.0}, step=1, timestamp_ms=5)
+        late.log_metrics({"y": 2.0}, step=2, timestamp_ms=6)  # waits: sent by close
+        with pytest.raises(TrackingError):
+            late.close()
+    finally:
+        link.close()
+        hub.stop()
+    metrics = [p[1] for p in recorder.seen if p[0] == "metrics"]
+    assert metrics == [[({"x": 1.0}, 1, 1)], [({"x": 2.0}, 2, 2)], [({"y": 1.0}, 1, 5)], [({"y": 2.0}, 2, 6)]]
 
 
 def test_a_step_that_is_not_an_integer_is_refused_on_the_training_side():

@@ -160,8 +160,8 @@ def test_simultaneous_first_runs_on_a_new_store_all_succeed(tmp_path: Path) -> N
 # ----------------------------------------------------------------------------- item: a worker killed hard
 
 
-def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path, ready_store: str) -> None:
+    uri = ready_store
     spec = _spec(tmp_path, uri, DDP, epochs=2)
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), env=_env(FAULT="kill", FAULT_AT="3")))
     assert code == 1
@@ -170,9 +170,8 @@ def test_a_worker_killed_hard_is_reported_with_its_signal(tmp_path: Path) -> Non
     assert run.info.status == "FAILED" and "signal 9 (SIGKILL" in run.data.tags["runner.error"]
 
 
-def _training(tmp_path: Path, parallel: dict, step_s: str) -> tuple[str, subprocess.Popen, Path]:
+def _training(tmp_path: Path, uri: str, parallel: dict, step_s: str) -> tuple[str, subprocess.Popen, Path]:
     """A 100-epoch run whose training processes write their pids to ``pids/rank<N>``, once every one trains."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
     spec = _spec(tmp_path, uri, parallel, epochs=100)
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -187,10 +186,12 @@ def _parent(pid: int) -> int:
         return int(fh.read().split(")")[-1].split()[1])
 
 
-def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_workers_stop(tmp_path: Path) -> None:
-    uri, driver, pids = _training(tmp_path, DDP, "0.1")
+def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_workers_stop(
+    tmp_path: Path, ready_store: str
+) -> None:
+    uri, driver, pids = _training(tmp_path, ready_store, DDP, "0.1")
     workers = [int((pids / f"rank{r}").read_text()) for r in (0, 1)]
-    agent = _parent(_parent(workers[0]))  # a worker's parent is the fork server, whose parent is the launcher
+    agent = _parent(workers[0])  # a worker forks from the launcher
     assert "runner.launch.elastic" in Path(f"/proc/{agent}/cmdline").read_text() and _parent(agent) == driver.pid
     os.kill(agent, signal.SIGKILL)
     code, _, err = _finish(driver)
@@ -204,8 +205,10 @@ def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_worker
 # ----------------------------------------------------------------------------- item: an abort after the work
 
 
-def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_noted(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_noted(
+    tmp_path: Path, ready_store: str
+) -> None:
+    uri = ready_store
     spec = _spec(tmp_path, uri, {**DDP, "timeout_s": 300})  # a busy machine must not make it a hang
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), env=_env(RUNNER_TEST_ABORT_AT_EXIT="1")), 600)
     assert code == 0, err
@@ -219,8 +222,10 @@ def test_a_worker_aborting_at_exit_after_its_work_leaves_the_run_finished_and_no
 
 
 @pytest.mark.parametrize("parallel", [DDP, {"mode": "none"}], ids=["ddp-2", "none"])
-def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_path: Path, parallel: dict) -> None:
-    uri, driver, pids = _training(tmp_path, parallel, "0.1")
+def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(
+    tmp_path: Path, ready_store: str, parallel: dict
+) -> None:
+    uri, driver, pids = _training(tmp_path, ready_store, parallel, "0.1")
     spec, ranks = tmp_path / "spec.toml", range(parallel.get("nproc_per_node", 1))
     (run,) = _runs(uri)
     run_id = run.info.run_id
@@ -245,10 +250,10 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(tmp_p
 
 @pytest.mark.parametrize(("rank", "sig"), [(0, signal.SIGTERM), (1, signal.SIGINT)], ids=["term-rank0", "int-rank1"])
 def test_a_stop_signal_to_one_rank_ends_the_run_killed_naming_the_signal_and_rank(
-    tmp_path: Path, rank: int, sig: signal.Signals
+    tmp_path: Path, ready_store: str, rank: int, sig: signal.Signals
 ) -> None:
     """It ended FAILED with exit 1, named signal 2 for a SIGTERM, and blamed rank 1 when rank 0 got it."""
-    uri, driver, pids = _training(tmp_path, DDP, "0.05")
+    uri, driver, pids = _training(tmp_path, ready_store, DDP, "0.05")
     os.kill(int((pids / f"rank{rank}").read_text()), sig)
     code, _, err = _finish(driver)
     (run,) = _runs(uri)
@@ -260,8 +265,8 @@ def test_a_stop_signal_to_one_rank_ends_the_run_killed_naming_the_signal_and_ran
 # ----------------------------------------------------------------------------- item: a hung rank
 
 
-def test_a_hung_rank_is_killed_after_a_short_grace_and_named(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_hung_rank_is_killed_after_a_short_grace_and_named(tmp_path: Path, ready_store: str) -> None:
+    uri = ready_store
     # A timeout long enough that a loaded machine's slow start is not taken for the hang; no elapsed-time assert:
     # the grace's own message says that runner, not torch's 30 s wait after its SIGTERM, ended the rank.
     spec = _spec(tmp_path, uri, {**DDP, "timeout_s": 20, "hang_grace_s": 2}, epochs=2)
@@ -330,8 +335,8 @@ def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_pat
 
 
 @pytest.mark.skipif("on_nonfinite" not in TrainSpec.model_fields, reason="train.on_nonfinite is not on this branch")
-def test_a_non_finite_loss_stops_the_run_failed_without_a_nan_checkpoint(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_non_finite_loss_stops_the_run_failed_without_a_nan_checkpoint(tmp_path: Path, ready_store: str) -> None:
+    uri = ready_store
     spec = _spec(tmp_path, uri, epochs=3, checkpoint={"every_n_steps": 1})
     spec.write_text(spec.read_text().replace("lr = 0.1", "lr = 1e30"))
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec)))

@@ -8,18 +8,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from runner.errors import TrackingError
-from runner.tracking.trackers import (
-    MlflowTracker,
-    NullTracker,
-    SkipLoggedSteps,
-    Tracker,
-    make_tracker,
-    skip_logged_steps,
-)
+from runner.launch.channel import ChannelTracker
+from runner.launch.session import RunSession
+from runner.tracking.trackers import MlflowTracker, NullTracker, Tracker
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
@@ -52,6 +48,14 @@ def test_tracker_logs_2500_metrics_in_order(uri, client):
     ts = [m.timestamp for m in ordered]
     assert ts == sorted(ts)
     assert len(client.get_metric_history(run_id, "lr")) == 2500
+
+
+def test_a_value_keeps_the_time_it_was_taken_at_on_its_rank(uri, client):
+    run_id = new_run(client)
+    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+        tracker.log_metrics({"train/loss": 0.5}, step=3, timestamp_ms=1_234_567)
+    ((metric,),) = [client.get_metric_history(run_id, "train/loss")]
+    assert (metric.step, metric.value, metric.timestamp) == (3, 0.5, 1_234_567)
 
 
 def test_tracker_flush_semantics(uri, client):
@@ -181,7 +185,7 @@ def test_protocol_calls_cover_every_method_of_the_protocol():
 
 
 def test_every_tracker_has_every_protocol_method():
-    for cls in (NullTracker, MlflowTracker, SkipLoggedSteps):
+    for cls in (NullTracker, MlflowTracker, ChannelTracker):
         missing = [name for name in PROTOCOL_CALLS if not callable(getattr(cls, name, None))]
         assert not missing, (cls.__name__, missing)
 
@@ -213,64 +217,38 @@ print("ok")
     assert done.stdout.strip() == "ok"
 
 
-class Recorder:
-    """A tracker that records every call."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def log_metrics(self, metrics, step):
-        self.calls.append(("log_metrics", dict(metrics), step))
-
-    def log_artifact(self, path, artifact_path=None):
-        self.calls.append(("log_artifact", str(path), artifact_path))
-
-    def set_tags(self, tags):
-        self.calls.append(("set_tags", dict(tags)))
-
-    def flush(self):
-        self.calls.append(("flush",))
-
-    def close(self):
-        self.calls.append(("close",))
+def _session(uri: str, run_id: str, folder: Path) -> RunSession:
+    """A driver's session of ``run_id`` as the hub's handler, with only what its tracker's making reads."""
+    tracking = SimpleNamespace(flush_every_s=3600.0, system_metrics=False)
+    plan = SimpleNamespace(tracking_uri=uri, loaded=SimpleNamespace(spec=SimpleNamespace(tracking=tracking)))
+    session = RunSession(plan, None, None)  # type: ignore[arg-type]
+    session.run_id, session.checkpoint_dir = run_id, str(folder)
+    return session
 
 
-def test_skip_logged_steps_drops_only_the_steps_the_run_holds():
-    inner = Recorder()
-    tracker = SkipLoggedSteps(inner, {"train/loss": 5})
-    tracker.log_metrics({"train/loss": 1.0, "lr": 0.1}, step=5)
-    tracker.log_metrics({"train/loss": 2.0}, step=4)
-    tracker.log_metrics({"train/loss": 3.0}, step=6)
-    tracker.set_tags({"a": 1})
-    tracker.log_artifact("x.pt", "checkpoints")
-    tracker.flush()
-    tracker.close()
-    assert inner.calls == [
-        ("log_metrics", {"lr": 0.1}, 5),
-        ("log_metrics", {"train/loss": 3.0}, 6),
-        ("set_tags", {"a": 1}),
-        ("log_artifact", "x.pt", "checkpoints"),
-        ("flush",),
-        ("close",),
-    ]
-
-
-def test_make_tracker_and_skip_logged_steps(uri, client):
+def test_a_resumed_runs_session_logs_only_the_steps_the_run_lacks_at_the_ranks_times(uri, client, tmp_path):
     run_id = new_run(client)
-    assert isinstance(make_tracker(uri, run_id, is_logger=False, flush_every_s=1.0), NullTracker)
-    assert isinstance(make_tracker(None, None, is_logger=True, flush_every_s=1.0), NullTracker)
-    null = NullTracker()
-    assert skip_logged_steps(null, uri, run_id) is null
-    client.log_metric(run_id, "train/loss", 1.0, step=2)
-    tracker = make_tracker(uri, run_id, is_logger=True, flush_every_s=1.0)
-    try:
-        assert isinstance(tracker, MlflowTracker)
-        assert skip_logged_steps(tracker, None, None) is tracker
-        wrapped = skip_logged_steps(tracker, uri, run_id)
-        assert isinstance(wrapped, SkipLoggedSteps) and wrapped.last_steps == {"train/loss": 2}
-        wrapped.log_metrics({"train/loss": 9.0}, step=2)  # already held: dropped
-        wrapped.log_metrics({"train/loss": 0.5}, step=3)
-        wrapped.flush()
-    finally:
-        tracker.close()
-    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(2, 1.0), (3, 0.5)]
+    client.log_metric(run_id, "train/loss", 1.0, step=5)
+    session = _session(uri, run_id, tmp_path)
+    assert session.handle("restored", 0, True, False) == []  # resumed: what the run holds is read once
+    assert session._last_steps == {"train/loss": 5}
+    logged = [
+        ({"train/loss": 9.0, "lr": 0.1}, 5, 1_000),
+        ({"train/loss": 2.0}, 4, 2_000),
+        ({"train/loss": 3.0}, 6, 3_000),
+    ]
+    session.handle("metrics", logged)
+    assert session.handle("close") == 2  # values the run numbered: lr at 5, train/loss at 6
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value, m.timestamp) for m in history)[1:] == [(6, 3.0, 3_000)]
+    assert [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, "lr")] == [(5, 0.1, 1_000)]
+
+
+def test_a_new_runs_session_logs_every_step(uri, client, tmp_path):
+    run_id = new_run(client)
+    session = _session(uri, run_id, tmp_path)
+    session.handle("restored", 0, False, False)
+    assert session._last_steps == {}
+    session.handle("metrics", [({"train/loss": 1.0}, 1, 10), ({"train/loss": 0.5}, 2, 20)])
+    session.handle("close")
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
