@@ -342,7 +342,8 @@ def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | Non
         for row in rows:
             mib = [row[k] / size for k in ("params", "grads", "optimizer", "activations", "peak")]
             figures = "".join(f"{v:>{w}.1f}" for v, w in zip(mib, (9, 9, 9, 10, 10), strict=True))
-            fits = f"  {_margin(smallest - row['peak'])}" if smallest else ""
+            spare = ((smallest or 0) - row["peak"]) / 2**30
+            fits = (f"  yes, {spare:.1f} GiB spare" if spare >= 0 else f"  no, {-spare:.1f} GiB over") * bool(smallest)
             lines.append(
                 _row("", f"{name + ('*' if name == spec.parallel.mode else ''):<6} {row['device']:<7}{figures}{fits}")
             )
@@ -363,10 +364,6 @@ def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | Non
     if worst["peak"] > smallest:
         lines.append(_row("", "to fit: " + "; ".join(_switches(memory, worst, smallest, spec))))
     return lines
-
-
-def _margin(spare: int) -> str:
-    return f"yes, {spare / 2**30:.1f} GiB spare" if spare >= 0 else f"no, {-spare / 2**30:.1f} GiB over"
 
 
 def _switches(memory: Mapping[str, Any], worst: Mapping[str, int], total: int, spec: ExperimentSpec) -> list[str]:

@@ -201,13 +201,9 @@ class Hub:
             except Exception as exc:
                 if kind not in ANSWERED:
                     raise
-                answer = (False, _message(exc))
+                answer = (False, str(exc) if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}")
             if kind in ANSWERED:
                 try:
                     conn.send(answer)
                 except OSError:
                     return
-
-
-def _message(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}"

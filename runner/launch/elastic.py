@@ -56,7 +56,7 @@ class LaunchFailed(Exception):
 def launch_failure(exc: BaseException, context: JobContext) -> LaunchFailed:
     """:class:`LaunchFailed` of what a launch (or an in-process worker) raised."""
     stopped = interruption(exc)  # a signal to one rank: every rank stopped after the checkpoint
-    if stopped is None and is_signal(exc):
+    if stopped is None and type(exc).__name__ == "SignalException":  # torch elastic's: the launcher got a stop
         stopped = (int(getattr(exc, "sigval", signal.SIGTERM)), None)
     error = "" if stopped else describe_failure(exc, context)
     if getattr(exc, "ranks_log", None):
@@ -270,11 +270,6 @@ def finished_despite(exc: BaseException, folder: Path, local_workers: int) -> di
             flush=True,
         )
     return {rank: pickle.loads(path.read_bytes()) for rank, path in files.items()}
-
-
-def is_signal(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch elastic's ``SignalException`` (the launcher got SIGINT/SIGTERM)."""
-    return type(exc).__name__ == "SignalException"
 
 
 def spec_error_of_child(exc: BaseException) -> SpecError | None:

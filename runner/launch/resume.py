@@ -182,10 +182,10 @@ def _check_resume(
         SpecError: The spec differs in keys not in ``allowed``.
     """
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
-    from runner.training.checkpoint import load_latest, spec_changes
+    from runner.training.checkpoint import load_latest, peek, spec_changes
 
     current = flatten_spec(loaded.spec)
-    found = load_latest(directory)  # every checkpoint damaged: CheckpointError, exit 1
+    found = load_latest(directory, peek)  # every checkpoint damaged: CheckpointError, exit 1
     if found is None:
         raise _NoCheckpoint(f"nothing to resume: no checkpoint in {directory}")
     saved = found.payload["spec"]

@@ -57,7 +57,7 @@ class RunSession:
         """Reach the store while the training processes start; a new sqlite file is made only once the build is
         reported."""
         uri = self.plan.tracking_uri
-        if uri is None or self._opened or (early and _new_sqlite(uri)):
+        if uri is None or self._opened or (early and uri.startswith("sqlite:///") and not Path(uri[10:]).exists()):
             return
         from runner.tracking.uri import open_store
 
@@ -230,11 +230,6 @@ class RunSession:
         uri = self.plan.tracking_uri
         if self.run_id is not None and uri is not None and self.plan.owns_run:
             end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
-
-
-def _new_sqlite(uri: str) -> bool:
-    """Whether ``uri`` is a sqlite store whose file does not exist yet."""
-    return uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists()
 
 
 def _recorded(tracker: Tracker) -> int:

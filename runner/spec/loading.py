@@ -248,12 +248,8 @@ def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> i
         except SpecError as exc:
             status = exc.exit_code
             print(f"error {path}", file=sys.stdout)
-            echo(_indent(str(exc)), err=True)
+            echo("\n".join("  " + line for line in str(exc).splitlines()), err=True)
     return status
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())
 
 
 try:

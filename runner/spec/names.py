@@ -169,13 +169,8 @@ _MLFLOW_NAME = re.compile(r"^[/\w.\- ]*$")  # MLflow's metric key characters (it
 _MLFLOW_MAX = 250
 
 
-def is_import_path(name: str) -> bool:
-    """Whether ``name`` has the form ``pkg.module:attr`` (``attr`` may be dotted)."""
-    return bool(_PATH.match(name))
-
-
 def _check_name(name: str, builtins: tuple[str, ...], what: str, path_form: str) -> str:
-    if name in builtins or is_import_path(name):
+    if name in builtins or _PATH.match(name):  # pkg.module:attr
         return name
     expected = f"a built-in {what} ({', '.join(builtins)}) or {show(path_form)}"
     hint = did_you_mean(name, builtins)

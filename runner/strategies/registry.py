@@ -187,10 +187,6 @@ def _chunk_size(inputs: Any, kwargs: Any, dim: int) -> int:
     return 1
 
 
-def _count_batchnorm(module: nn.Module) -> int:
-    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-
-
 class DataParallelStrategy(SingleDevice):
     """``mode = "dp"``: one process drives every chosen GPU through ``torch.nn.DataParallel``.
 
@@ -223,7 +219,7 @@ class DataParallelStrategy(SingleDevice):
                 f"dp planned {self.num_devices} GPUs ({self.plan.selected}) but torch sees {seen}: "
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
             )
-        bn = _count_batchnorm(module)
+        bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
         if bn:
             warnings.warn(
                 f"model has {bn} BatchNorm layer(s): under dp their running statistics come from the first "

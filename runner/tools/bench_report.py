@@ -336,7 +336,7 @@ _REPEAT_NOISE = ("repeats differ", "p90 is")  # the wording of runner.tools.benc
 
 def _row(c: ConfigResult) -> list[str]:
     if c.status != "ok":
-        return [c.config, *["-"] * 11, f"{c.status}: {_one_line(c.reason)}"]
+        return [c.config, *["-"] * 11, f"{c.status}: {' '.join(c.reason.split())}"]  # on one line, whole
     mem = "/".join(f"{b / MIB:.0f}" for b in c.peak_memory_bytes) or "-"
     return [
         c.config,
@@ -367,11 +367,6 @@ def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
     if value is None or not math.isfinite(value):
         return "-"
     return fmt.format(value * scale)
-
-
-def _one_line(text: str) -> str:
-    """``text`` on one line, whole: a reason is never shortened."""
-    return " ".join(text.split())
 
 
 def _clean(value: Any) -> Any:

@@ -221,7 +221,9 @@ def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -
     the same values in any worker."""
     from optuna.samplers import GridSampler, RandomSampler, TPESampler
 
-    seed = definition.seed if trial_number is None else _trial_seed(definition.seed, trial_number)
+    seed = definition.seed
+    if trial_number is not None:
+        seed = int(hashlib.sha256(f"{seed}:{trial_number}".encode()).hexdigest()[:8], 16)
     if definition.method == "grid":
 
         class EnqueuedGrid(GridSampler):
@@ -240,10 +242,6 @@ def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -
     if definition.method == "random":
         return RandomSampler(seed=seed)
     return TPESampler(seed=seed)
-
-
-def _trial_seed(seed: int, number: int) -> int:
-    return int(hashlib.sha256(f"{seed}:{number}".encode()).hexdigest()[:8], 16)
 
 
 def make_pruner(definition: SweepDefinition) -> BasePruner:

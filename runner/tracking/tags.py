@@ -145,7 +145,7 @@ def run_tags(
         tags["runner.cuda_version"] = f"{cuda_version} (torch build; no GPU used)"
     remarks = {}
     if loaded.overrides or loaded.unset:
-        tags[OVERRIDES_TAG] = remarks["overrides"] = overrides_text(loaded)
+        tags[OVERRIDES_TAG] = remarks["overrides"] = shlex.join(loaded.command_line())  # --set k=v --unset k
     notes = _notes(plan_description)
     if notes:
         tags[NOTES_TAG] = "; ".join(notes)
@@ -286,11 +286,6 @@ def spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> di
     out[RESOLVED] = resolved_toml
     out[PLAN] = plan_json
     return out
-
-
-def overrides_text(loaded: LoadedSpec) -> str:
-    """The command line's changes to the spec file, as shell words: ``--set optim.lr=0.05 --unset devices.ids``."""
-    return shlex.join(loaded.command_line())
 
 
 GIT_TIMEOUT_S = 10.0

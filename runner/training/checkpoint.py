@@ -5,6 +5,7 @@ Details: docs/design.md, "Module notes", runner/training/checkpoint.py.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import os
@@ -12,16 +13,16 @@ import pickle
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from runner.errors import RunnerError, first_line
 
 if TYPE_CHECKING:
+    import torch
     from torch.optim.lr_scheduler import LRScheduler
 
     from runner.strategies.base import Precision
@@ -60,6 +61,8 @@ def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) ->
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{payload['state']['global_step']:08d}.pt"
     buffer = io.BytesIO()
+    import torch
+
     torch.save(payload, buffer)
     tmp = _write_atomic(directory, buffer.getbuffer(), final=None)
     try:
@@ -132,6 +135,8 @@ class PendingSave:
         if self.payload is None:
             return
         final, partial = self.final, self.partial
+        import torch
+
         buffer = io.BytesIO()
         torch.save(self.payload, buffer)
         _write_atomic(partial, buffer.getbuffer(), final=partial / META)
@@ -228,6 +233,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
     """The first value under ``obj`` that is neither a tensor nor plain (e.g. ``checkpoint["scheduler"][...] is a
     function``), or ``None``."""
+    import torch
+
     if isinstance(obj, (torch.Tensor, *_PLAIN)):
         return None
     if isinstance(obj, dict):
@@ -247,6 +254,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     Raises CheckpointError, naming the file: truncated or damaged, pickled objects (never executed), another format
     version, or runner's fields missing.
     """
+    import torch
+
     verify_digest(path)
     try:
         payload = torch.load(path / META if path.is_dir() else path, map_location="cpu", weights_only=True)
@@ -258,6 +267,39 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, ...
         raise CheckpointError(f"{path}: damaged or truncated checkpoint ({type(exc).__name__}: {exc})") from None
+    return _checked(path, payload)
+
+
+def peek(path: Path) -> dict[str, Any]:
+    """What :func:`read_checkpoint` returns, every tensor, dtype and size ``None``, without torch: the driver checks
+    a resume with it and never holds the weights. Unpickles nothing but plain values. Raises as
+    :func:`read_checkpoint`, except for the pickled objects that only the training process's load refuses."""
+    verify_digest(path)
+    try:
+        with zipfile.ZipFile(path / META if path.is_dir() else path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            payload = _Plain(io.BytesIO(archive.read(name))).load()
+    except Exception as exc:
+        raise CheckpointError(f"{path}: damaged or truncated checkpoint ({type(exc).__name__}: {exc})") from None
+    return _checked(path, payload)
+
+
+class _Plain(pickle.Unpickler):
+    """torch.save's pickle with every global (tensor rebuilders, dtypes, sizes) and storage read as ``None``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else _none
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def _none(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _checked(path: Path, payload: Any) -> dict[str, Any]:
+    """``payload`` when it is a runner checkpoint of this format; CheckpointError naming ``path`` otherwise."""
     version = payload.get("format") if isinstance(payload, dict) else None
     if isinstance(version, int) and version != FORMAT_VERSION:
         raise CheckpointError(
@@ -281,6 +323,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             ("pathlib", "PurePosixPath"),
             ("collections", "OrderedDict"),
         }
+        import torch
+
         if allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refused: the DCP metadata holds {module}.{name}")
@@ -335,8 +379,8 @@ def whole_model(found: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     return dict(state["model"])
 
 
-def load_latest(directory: Path) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``directory`` that reads back, past damaged ones; ``None`` when there is none.
+def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint) -> LoadedCheckpoint | None:
+    """The newest checkpoint of ``directory`` that ``read`` reads back, past damaged ones; ``None`` when there is none.
 
     Raises CheckpointError, listing each file and why, when none of them reads.
     """
@@ -344,7 +388,7 @@ def load_latest(directory: Path) -> LoadedCheckpoint | None:
     skipped: list[tuple[Path, str]] = []
     for path in reversed(files):
         try:
-            return LoadedCheckpoint(path, read_checkpoint(path), tuple(skipped))
+            return LoadedCheckpoint(path, read(path), tuple(skipped))
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
     if skipped:

@@ -203,7 +203,7 @@ class Progress:
         """Display the latest values (loss, epoch, ...): as the bar's postfix or as a plain line."""
         if not self.enabled:
             return
-        self._values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        self._values = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             return
@@ -236,10 +236,6 @@ class Progress:
     def _postfix(self) -> str:
         rate = f"samples/s={self.samples_per_s:.4g}" if self.samples else ""
         return " ".join(part for part in (self._values, rate) if part)
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 HINT = (

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,7 +137,27 @@ def test_a_checkpoint_carrying_a_pickled_payload_is_refused_not_executed(tmp_pat
     found = ckpt.load_latest(tmp_path)
     assert found is not None and found.path.name == "step-00000001.pt"
     assert "refused" in found.skipped[0][1]
+    assert ckpt.peek(tmp_path / "step-00000002.pt")["spec"] == {"optim.lr": None}  # read, not run
     assert not marker.exists()
+
+
+def test_a_peek_reads_the_plain_fields_without_torch_and_skips_a_damaged_checkpoint(tmp_path: Path) -> None:
+    """The driver checks a resume with ``peek``: it never holds the weights, nor imports torch."""
+    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
+    latest = ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
+    full, seen = ckpt.read_checkpoint(latest), ckpt.peek(latest)
+    for key in ("format", "spec", "spec_sha256", "state", "run_id", "tracking"):
+        assert seen[key] == full[key], key
+    assert seen["model"] == {"weight": None, "bias": None} and full["model"]["weight"].shape == (2, 2)
+    code = (
+        "import sys; from pathlib import Path; from runner.training.checkpoint import peek; "
+        f"assert peek(Path({str(latest)!r}))['state']['global_step'] == 2; assert 'torch' not in sys.modules"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
+    data = latest.read_bytes()
+    latest.write_bytes(data[: len(data) // 2])
+    found = ckpt.load_latest(tmp_path, ckpt.peek)
+    assert found is not None and found.path.name == "step-00000001.pt" and str(latest) in found.skipped[0][1]
 
 
 def test_an_old_format_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
