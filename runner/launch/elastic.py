@@ -180,10 +180,9 @@ def launch_elastic(
     return done
 
 
-# The workers fork from a process that imported these once per job, instead of each spawned worker importing torch
-# (and, at its first optimizer step, torch._dynamo) again (benchmarks/README.md): the launcher of its own process,
-# which imports them while the driver plans, else Python's fork server. Nothing there starts CUDA or OpenMP's threads,
-# so forking from it is safe.
+# The workers fork from a process that imported these once per job, instead of each importing torch (and, at its
+# first optimizer step, torch._dynamo) again: the launcher of its own process, which imports them while the driver
+# plans, else Python's fork server (benchmarks/README.md). Nothing there starts CUDA or OpenMP's threads.
 PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.setup")
 
 

@@ -22,6 +22,7 @@ from runner.launch.resume import Owner, prepare_resume
 from runner.launch.worker import WorkerArgs
 from runner.spec.loading import relocate_issues
 from runner.spec.reading import default_checkpoint_dir
+from runner.tracking.uri import local_store_missing
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress
@@ -57,7 +58,7 @@ class RunSession:
         """Reach the store while the training processes start; a new sqlite file is made only once the build is
         reported."""
         uri = self.plan.tracking_uri
-        if uri is None or self._opened or (early and uri.startswith("sqlite:///") and not Path(uri[10:]).exists()):
+        if uri is None or self._opened or (early and local_store_missing(uri)):
             return
         from runner.tracking.uri import open_store
 
