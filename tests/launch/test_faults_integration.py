@@ -54,8 +54,10 @@ class Faulty(torch.nn.Module):
         if self.training:
             self.calls += 1
             rank = os.environ.get("RANK", "0")
-            if os.environ.get("FAULT_PIDS"):
-                Path(os.environ["FAULT_PIDS"], f"rank{rank}").write_text(str(os.getpid()))
+            if self.calls == 1 and os.environ.get("FAULT_PIDS"):  # once, by rename: a reader never sees it half written
+                staged = Path(os.environ["FAULT_PIDS"], f".rank{rank}")
+                staged.write_text(str(os.getpid()))
+                staged.rename(staged.with_name(f"rank{rank}"))
             time.sleep(float(os.environ.get("FAULT_STEP_S", "0")))
             if self.calls == int(os.environ.get("FAULT_AT", "-1")) and rank == os.environ.get("FAULT_RANK", "1"):
                 if os.environ.get("FAULT") == "kill":
@@ -177,7 +179,7 @@ def _training(tmp_path: Path, uri: str, parallel: dict, step_s: str) -> tuple[st
     pids.mkdir()
     driver = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_PIDS=str(pids), FAULT_STEP_S=step_s))
     ranks = parallel.get("nproc_per_node", 1)
-    wait_for(lambda: len(list(pids.iterdir())) == ranks, "every training process to train", proc=driver)
+    wait_for(lambda: len(list(pids.glob("rank*"))) == ranks, "every training process to train", proc=driver)
     return uri, driver, pids
 
 
