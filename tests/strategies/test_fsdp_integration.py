@@ -140,13 +140,13 @@ def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes(tmp_path: Path) ->
     per_rank = elastic_run(_fsdp_bytes, 2, "fsdp-bytes")
     assert whole == BLOCKS * (WIDTH * WIDTH + WIDTH) * 4 * 3  # params, exp_avg, exp_avg_sq in float32
     assert per_rank[0][0] == per_rank[1][0] == pytest.approx(whole / 2, rel=0.01)
-    memory_spec(tmp_path)
+    spec = memory_spec(tmp_path).path
     code = (
         "import json, sys; from pathlib import Path; from runner.plan_report import fake_step; "
         "from runner.spec.loading import load_spec; "
         "print(json.dumps(fake_step(load_spec(Path(sys.argv[1])), 16, shards=2)))"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cnn.toml")], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     estimate, real = json.loads(done.stdout.splitlines()[-1]), per_rank[0][1]
     assert real is not None
