@@ -350,11 +350,23 @@ def did_you_mean(
     return suggest(close_matches(str(word), choices, n), render)
 
 
+STORE_LEFT_HANGING: list[str] = []  # tracking URIs a tracker stopped waiting for, with a request still in flight
+
+
 def exit_quickly(code: int) -> None:
     """Exit with ``code`` after ``gc.freeze()``: atexit callbacks and non-daemon threads still run, but the last
     collection of the teardown skips the objects alive now (torch's and mlflow's modules), about 1 s of every runner
-    process on a 2-core VM (benchmarks/README.md, start-up)."""
+    process on a 2-core VM (benchmarks/README.md, start-up).
+
+    After a tracker gave up on a store that does not answer (:data:`STORE_LEFT_HANGING`; its values are in the spool)
+    the process ends with ``os._exit``: MLflow's logging threads would hold it until their request times out
+    (``MLFLOW_HTTP_REQUEST_TIMEOUT``, 120 s, retried)."""
     import gc
+    import os
 
     gc.freeze()
+    if STORE_LEFT_HANGING:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

@@ -288,3 +288,39 @@ def elastic_run(fn: Callable[[], Any], nproc: int, name: str = "test") -> dict[i
         start_method="spawn",
     )
     return elastic_launch(config, fn)()
+
+
+class AsyncStore:
+    """An ``MlflowClient`` stand-in for asynchronous logging: each ``log_batch(..., synchronous=False)`` is sent to
+    the real client on a thread of its own, as MLflow's queue does. ``down`` fails it as a store that does not answer;
+    while ``gate`` is set and not released, it waits as a store that hangs."""
+
+    def __init__(self, real: Any):
+        import threading
+
+        self.real, self.down, self.calls, self.started = real, False, 0, threading.Event()
+        self.gate: Any = None
+
+    def log_batch(self, run_id: str, metrics: Any = (), tags: Any = (), synchronous: bool = True) -> Any:
+        import threading
+        from concurrent.futures import Future
+
+        from mlflow.utils.async_logging.run_operations import RunOperations
+
+        self.calls += 1
+        future: Future[None] = Future()
+
+        def send() -> None:
+            self.started.set()
+            try:
+                if self.gate is not None:
+                    assert self.gate.wait(120)
+                if self.down:
+                    raise ConnectionError("Connection refused")
+                self.real.log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=send, daemon=True).start()
+        return RunOperations([future])

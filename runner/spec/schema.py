@@ -149,7 +149,7 @@ class TrackingSpec(SpecTable):
     flush_every_s: float = Field(
         default=5.0,
         gt=0,
-        description="Send buffered metrics at least this often (seconds), off the training thread. Default: 5.",
+        description="Send buffered metrics at least this often (seconds), by MLflow's async logging. Default: 5.",
     )
 
     rule = rules.check_tracking

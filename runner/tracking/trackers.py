@@ -1,7 +1,6 @@
-"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, a resume filter, system
-metrics.
+"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, system metrics.
 
-The sender thread lives in :mod:`runner.tracking.spool`; outage rules in docs/design.md §8 and §12.
+Outage rules in docs/design.md §8 and §12.
 """
 
 from __future__ import annotations
@@ -13,13 +12,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from runner.errors import TrackingError, mask_secrets
+from runner.errors import STORE_LEFT_HANGING, TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
-from runner.tracking.spool import Artifact, BatchSender, Item, Tags
-from runner.tracking.tags import METRICS_PER_BATCH, param_value
+from runner.tracking.spool import Item
+from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH, param_value
 from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
@@ -33,17 +33,27 @@ log = logging.getLogger(__name__)
 MEMORY_ITEMS = 100_000  # metric values kept in memory while the store is away, before they go to the spool
 SPILL_AFTER_S = 5.0  # a flush waits this long for a store that stopped answering, then spools
 CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it leaves the rest in the spool
+_MAX_BACKOFF_S = 30.0
 
 
-class MlflowTracker(BatchSender):
-    """Logs metrics, tags and artifacts of one run from a background thread (docs/design.md §12).
+class Artifact(NamedTuple):
+    """A file or folder to upload: its absolute local path and the folder inside the run's artifacts."""
 
-    ``log_metrics``, ``set_tags`` and ``log_artifact`` append to a buffer; a daemon thread sends values in order with
-    ``MlflowClient.log_batch`` (``max_batch`` per request) every ``flush_every_s`` seconds or when ``max_batch`` wait.
-    Only :meth:`flush` and :meth:`close` wait on the network. Without a ``spool`` a failed request's error is raised as
-    :class:`TrackingError` by the next flush/close. With one, a store that does not answer is retried (pause up to 30
-    s); unsent values stay in memory up to ``max_memory``, then go to the spool, and a flush waits at most
-    ``spill_after_s``, so a checkpoint never stalls training. ``first_seq`` numbers values across resumes.
+    path: str
+    artifact_path: str | None
+
+
+class MlflowTracker:
+    """Logs the metrics, tags and artifacts of one run through MLflow's asynchronous logging (docs/design.md §12).
+
+    Values wait in memory until ``max_batch`` of them do or ``flush_every_s`` passed since the last batch left; then
+    one batch, with the tags set meanwhile, goes to ``MlflowClient.log_batch(..., synchronous=False)``, whose threads
+    send it. The next leaves when it completes, so values reach the store in order. Only :meth:`flush` and
+    :meth:`close` wait on the network; they also upload the artifacts. Without a ``spool`` a failed batch is raised as
+    :class:`TrackingError` by the next flush/close. With one, a batch the store did not take is handed over again
+    after a pause (1 s, doubling up to 30 s); unsent values stay in memory up to ``max_memory``, then go to the spool,
+    and a flush waits at most ``spill_after_s``, so a checkpoint never stalls training. ``first_seq`` numbers values
+    across resumes.
     """
 
     def __init__(
@@ -65,28 +75,32 @@ class MlflowTracker(BatchSender):
         self.max_batch = max(1, min(int(max_batch), METRICS_PER_BATCH))
         self.max_memory = max(self.max_batch, int(max_memory))
         self._client = client_for(uri)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # the sender waits on it
-        self._done = threading.Condition(self._lock)  # flush() waits on it
-        self._queue: deque[Item] = deque()  # values not yet taken by the sender, oldest first
-        self._batch: list[Item] = []  # the oldest unsent values, being sent (retried until sent)
+        # a failed batch is reported by flush/close (masked) or spooled, not logged by MLflow's thread on each try
+        logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
+        self._lock = threading.RLock()  # MLflow may complete a batch inside the call that hands it over
+        self._done = threading.Condition(self._lock)  # a batch completed
+        self._queue: deque[Item] = deque()  # values not handed over yet, oldest first
+        self._batch: list[Item] = []  # the oldest unsent values: in MLflow's hands, or to hand over again
+        self._batch_tags: dict[str, str] = {}  # the tags that go with them
         self._batch_end_offset: int | None = None  # spool offset past the batch, when read from the spool
-        self._ops: list[Tags | Artifact] = []
+        self._tags: dict[str, str] = {}
+        self._artifacts: list[Artifact] = []
+        self._inflight: Future[None] | None = None
+        self._timer: threading.Timer | None = None
+        self._timer_at = 0.0
+        self._next_due = time.monotonic() + self.flush_every_s
         self._recorded = self._sent = self._on_disk = first_seq  # next value; all before sent; all before safe
         self._read_at = 0  # spool offset from which values not known to be sent are read back
         self._spilled = False  # this tracker wrote values to the spool that may not be sent yet
-        self._ops_queued = self._ops_done = 0
         self._down_until: float | None = None  # the store does not answer: next attempt, monotonic seconds
         self._unanswered = False  # a flush gave up waiting on it: later flushes spill at once
         self._backoff = 0.0
-        self._flush_wanted = self._closing = self._closed = False
+        self._closed = False
         self._failures: list[tuple[str, BaseException]] = []
         self._lost = 0
         self._keys_ok: set[str] = set()
-        self._thread = threading.Thread(target=self._run, name=f"runner-mlflow-{run_id[:8]}", daemon=True)
-        self._thread.start()
 
-    # ---- training-thread side
+    # ---- the caller's side
 
     def _check_key(self, key: str) -> None:
         """Raise ValueError for a name MLflow would reject (checked once per name)."""
@@ -113,22 +127,25 @@ class MlflowTracker(BatchSender):
             for key, value in values:
                 self._queue.append(Item(self._recorded, key, value, ts, step))
                 self._recorded += 1
-            if len(self._queue) >= self.max_batch:
-                self._wake.notify()
             if self.spool is not None and len(self._queue) >= self.max_memory:
                 self._spill()
+            self._pump()
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Buffer run tags (:meth:`Tracker.set_tags`)."""
-        if tags:
-            self._add_op(Tags({str(k): param_value(v) for k, v in tags.items()}))
+        """Buffer run tags (:meth:`Tracker.set_tags`); they leave with the next batch."""
+        with self._lock:
+            self._check_open()
+            self._tags.update({str(k): param_value(v) for k, v in tags.items()})
+            self._pump()
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        """Buffer the upload of a file or folder (:meth:`Tracker.log_artifact`)."""
+        """Note a file or folder for the next flush or close to upload (:meth:`Tracker.log_artifact`)."""
         p = Path(path).resolve()
         if not p.exists():
             raise FileNotFoundError(f"artifact {p} does not exist")
-        self._add_op(Artifact(str(p), artifact_path))
+        with self._lock:
+            self._check_open()
+            self._artifacts.append(Artifact(str(p), artifact_path))
 
     def recorded(self) -> int:
         """Metric values recorded by the run so far (numbered across resumes); a checkpoint stores it."""
@@ -141,22 +158,19 @@ class MlflowTracker(BatchSender):
             return self._recorded - self._sent
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Block until everything buffered before this call is sent (with a spool: sent, or spooled).
+        """Block until everything buffered before this call is sent (with a spool: sent, or spooled), then upload the
+        artifacts (with a spool, only while the store answers).
 
         Raises:
-            TrackingError: Sending failed (reported once, with how many items were lost), the sender died, or
-                ``timeout_s`` passed.
+            TrackingError: Sending failed (reported once, with how many items were lost), or ``timeout_s`` passed.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            target, ops_target = self._recorded, self._ops_queued
+            target = self._recorded
             # a store that did not answer the last flush (hung, not refusing) is not waited for again until it answers
             away = self._down_until is not None or self._unanswered
             spill_at = time.monotonic() + (0.0 if away else self.spill_after_s)
-            if self._sent < target or self._ops_done < ops_target:
-                self._flush_wanted = True
-                self._wake.notify()
-            while (self._sent < target or self._ops_done < ops_target) and self._thread.is_alive():
+            while self._pumped_short_of(target):
                 now = time.monotonic()
                 if self.spool is not None and (self._down_until is not None or now >= spill_at):
                     break
@@ -170,16 +184,18 @@ class MlflowTracker(BatchSender):
                     )
                 self._done.wait(left)
             if self.spool is not None and self._sent < target:
-                self._unanswered = True  # cleared by the sender once a batch gets through
+                self._unanswered = True  # cleared once a batch gets through
                 self._spill()
-            pending = 0 if self.spool is not None else (target - self._sent) + (ops_target - self._ops_done)
-        self._raise_failures(pending)
+            answering = self._down_until is None and not self._unanswered
+            artifacts, self._artifacts = (self._artifacts, []) if answering else ([], self._artifacts)
+        self._upload(artifacts)
+        self._raise_failures()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Send everything buffered, then stop the sender thread (:meth:`Tracker.close`). With a spool, waits at most
-        :data:`CLOSE_WAIT_S` for a store that does not answer; the rest stays in the spool (tags too) for a resume."""
+        """Send everything buffered and stop (:meth:`Tracker.close`). With a spool, waits at most :data:`CLOSE_WAIT_S`
+        for a store that does not answer; the values and tags left go to the spool for a resume."""
         if self._closed:
-            self._raise_failures(0)
+            self._raise_failures()
             return
         try:
             if self.spool is None:
@@ -188,11 +204,12 @@ class MlflowTracker(BatchSender):
                 self._drain_or_spool(CLOSE_WAIT_S if timeout_s is None else timeout_s)
         finally:
             with self._lock:
-                self._closing = True
-                self._wake.notify()
-            self._thread.join(timeout=timeout_s if self.spool is None else 1.0)
-            self._closed = True
-        self._raise_failures(0)
+                self._closed = True
+                if self._timer is not None:
+                    self._timer.cancel()
+                if self._inflight is not None and self.spool is not None:  # its values are in the spool
+                    STORE_LEFT_HANGING.append(self.uri)
+        self._raise_failures()
 
     def __enter__(self) -> MlflowTracker:
         return self
@@ -209,39 +226,142 @@ class MlflowTracker(BatchSender):
             log.warning("%s", mask_secrets(str(err)))  # a sink: the log
 
     def _check_open(self) -> None:
-        if self._closing:
+        if self._closed:
             raise TrackingError(f"tracker of run {self.run_id} is closed; nothing more can be logged")
 
-    def _add_op(self, op: Tags | Artifact) -> None:
-        with self._lock:
-            self._check_open()
-            self._ops.append(op)
-            self._ops_queued += 1
+    def _pumped_short_of(self, target: int) -> bool:
+        """Hand over what is left at once (lock held); whether values before ``target``, or tags, are unsent."""
+        self._pump(urgent=True)
+        return self._sent < target or bool(self._tags or self._batch_tags)
 
     def _drain_or_spool(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for everything to be sent; then spool the values and tags that were not."""
         deadline = time.monotonic() + wait_s
         with self._lock:
-            self._flush_wanted = True
-            self._wake.notify()
-            while (self._sent < self._recorded or self._ops_done < self._ops_queued) and self._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._done.wait(min(0.5, left))
-            if self._sent < self._recorded:
+            while (short := self._pumped_short_of(self._recorded)) and time.monotonic() < deadline:
+                self._done.wait(min(0.5, max(0.01, deadline - time.monotonic())))
+            answering = self._sent >= self._recorded
+            if not answering:
                 self._spill()
-            tags = {k: v for op in self._ops if isinstance(op, Tags) for k, v in op.tags.items()}
-            artifacts = [op for op in self._ops if isinstance(op, Artifact)]
-            if tags:
+            tags = {**self._batch_tags, **self._tags}
+            if short and tags:  # tags are idempotent: a batch still in MLflow's hands may send them too
                 self._write_spool(tags=tags)
-            for op in artifacts:
-                self._failures.append((f"log_artifact {op.path}", TrackingError("the tracking store did not answer")))
-                self._lost += 1
-            self._ops.clear()
+            self._tags.clear()
+            artifacts, self._artifacts = self._artifacts, []
+        if answering:
+            self._upload(artifacts)
+            return
+        for op in artifacts:
+            self._failures.append((f"log_artifact {op.path}", TrackingError("the tracking store did not answer")))
+            self._lost += 1
+
+    # ---- handing batches to MLflow (lock held), and MLflow's threads calling back
+
+    def _pump(self, urgent: bool = False) -> None:
+        """Hand the next batch to MLflow when it is due and none is in flight; else wake up when it will be."""
+        if self._inflight is not None or self._closed:
+            return
+        now = time.monotonic()
+        if self._down_until is not None and now < self._down_until:
+            self._arm(self._down_until - now)
+            return
+        if not (self._batch or self._queue or self._on_disk > self._sent or self._tags):
+            return
+        due = urgent or self._down_until is not None or bool(self._batch) or len(self._queue) >= self.max_batch
+        if not due and now < self._next_due:
+            self._arm(self._next_due - now)
+            return
+        self._next_due = now + self.flush_every_s
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        batch = self._take_batch()
+        if not self._batch_tags:
+            self._batch_tags = {k: self._tags.pop(k) for k in list(self._tags)[:PARAMS_PER_BATCH]}
+        try:
+            operations = self._client.log_batch(
+                self.run_id,
+                metrics=[Metric(i.key, i.value, i.timestamp, i.step) for i in batch],
+                tags=[RunTag(k, v) for k, v in self._batch_tags.items()],
+                synchronous=False,
+            )
+            if operations is None:
+                raise TrackingError("MLflow's asynchronous log_batch returned nothing to wait on")
+            (future,) = operations._operation_futures  # RunOperations offers only a wait() without a timeout
+        except Exception as exc:
+            self._settle(exc)
+            return
+        self._inflight = future
+        future.add_done_callback(self._completed)
+
+    def _completed(self, future: Future[None]) -> None:
+        """On MLflow's thread: the batch in flight completed; hand over the next one if it is due."""
+        with self._lock:
+            if future is self._inflight:
+                self._inflight = None
+                self._settle(future.exception())
+                self._pump()
+
+    def _settle(self, error: BaseException | None) -> None:
+        """Account for the batch that left: sent, given up on (lost, reported), or to hand over again after a pause."""
+        if error is not None and self.spool is not None and spool_file.transient(error):
+            log.debug("the tracking store did not take %d values; retrying", len(self._batch), exc_info=error)
+            self._backoff = min(_MAX_BACKOFF_S, max(1.0, 2 * self._backoff))
+            self._down_until = time.monotonic() + self._backoff
+            self._arm(self._backoff)
+        else:
+            if error is not None:
+                log.debug("MLflow log_batch failed", exc_info=error)
+                self._failures.append((f"log_batch of {len(self._batch)} metrics", error))
+                self._lost += len(self._batch) + len(self._batch_tags)
+            else:
+                self._down_until, self._backoff, self._unanswered = None, 0.0, False
+            if self._batch:
+                self._sent = max(self._sent, self._batch[-1].seq + 1)
+            self._batch, self._batch_tags = [], {}
+            if self._batch_end_offset is not None:
+                self._read_at = self._batch_end_offset
+            if self.spool is not None and self._sent >= self._on_disk and self._spilled and not self._closed:
+                self.spool.unlink(missing_ok=True)  # everything in it was sent
+                self._read_at, self._spilled = 0, False
+        self._done.notify_all()
+
+    def _arm(self, delay: float) -> None:
+        """Call :meth:`_pump` again in ``delay`` seconds, unless a wake-up is set for that time or earlier."""
+        at = time.monotonic() + max(0.0, delay)
+        if self._timer is not None and self._timer.is_alive():
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer, self._timer_at = threading.Timer(max(0.0, delay), self._wake_up), at
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _wake_up(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._pump()
+
+    def _take_batch(self) -> list[Item]:
+        """The oldest unsent values: the batch handed over again, else from the spool, else from memory."""
+        if self._batch:
+            return list(self._batch)
+        self._batch_end_offset = None
+        if self._on_disk > self._sent and self.spool is not None:
+            contents, offset = spool_file.read(self.spool, self._read_at, limit=self.max_batch, after=self._sent - 1)
+            self._batch = [i for i in contents.items if i.seq < self._on_disk]
+            self._batch_end_offset = offset
+            if not self._batch:  # the spool holds nothing more that is unsent
+                self._sent = self._on_disk
+        if not self._batch:
+            while self._queue and len(self._batch) < self.max_batch:
+                self._batch.append(self._queue.popleft())
+        return list(self._batch)
 
     def _spill(self) -> None:
-        """Write every value that is neither sent nor in the spool to it (lock held); they leave memory."""
+        """Write every value that is neither sent nor in the spool to it; they leave memory."""
         items = [i for i in self._batch if i.seq >= self._on_disk] + list(self._queue)
         if items and self._write_spool(items=items):
             self._on_disk = self._recorded
@@ -257,22 +377,33 @@ class MlflowTracker(BatchSender):
             self._failures.append((f"writing the spool {self.spool}", exc))
             return False
 
-    def _raise_failures(self, pending: int) -> None:
-        """Raise the failures kept since the last call (once), or when items are left unsent."""
+    def _upload(self, artifacts: list[Artifact]) -> None:
+        """Upload artifacts on the caller's thread; a failure is reported by :meth:`_raise_failures`."""
+        for op in artifacts:
+            try:
+                if Path(op.path).is_dir():
+                    self._client.log_artifacts(self.run_id, op.path, op.artifact_path)
+                else:
+                    self._client.log_artifact(self.run_id, op.path, op.artifact_path)
+            except Exception as exc:
+                log.debug("MLflow log_artifact failed", exc_info=True)
+                with self._lock:
+                    self._failures.append((f"log_artifact {op.path}", exc))
+                    self._lost += 1
+
+    def _raise_failures(self) -> None:
+        """Raise the failures kept since the last call, once."""
         with self._lock:
             failures, self._failures = self._failures, []
             lost, self._lost = self._lost, 0
-            dead = not self._thread.is_alive() and not self._closing
-        if not failures and not pending and not dead:
+        if not failures:
             return
         what = f"{lost} items were not recorded" if lost else "items may be missing"
-        if pending:
-            what += f"; {pending} items are still unsent (the sender thread stopped)"
-        cause = failures[0][1] if failures else None
-        detail = f"; first error ({failures[0][0]}): {type(cause).__name__}: {cause}" if cause is not None else ""
+        cause = failures[0][1]
         more = f" ({len(failures)} failed requests)" if len(failures) > 1 else ""
         raise TrackingError(
-            f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}{detail}"
+            f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}; "
+            f"first error ({failures[0][0]}): {type(cause).__name__}: {cause}"
         ) from cause
 
 

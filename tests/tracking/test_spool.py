@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,19 +17,7 @@ from runner.errors import TrackingError
 from runner.launch.session import Spooled, end_run_or_spool
 from runner.tracking import spool
 from runner.tracking.trackers import MlflowTracker
-
-
-class Switch:
-    """An MlflowClient stand-in that forwards to the real one, or fails like a store that does not answer."""
-
-    def __init__(self, real: MlflowClient):
-        self.real, self.down, self.calls = real, False, 0
-
-    def log_batch(self, *args, **kwargs):
-        self.calls += 1
-        if self.down:
-            raise ConnectionError("Connection refused")
-        return self.real.log_batch(*args, **kwargs)
+from tests.helpers import AsyncStore, wait_for
 
 
 @pytest.fixture
@@ -38,9 +30,11 @@ def _steps(store: str, run_id: str, key: str = "m") -> list[int]:
     return sorted(m.step for m in MlflowClient(store).get_metric_history(run_id, key))
 
 
-def _tracker(store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs) -> tuple[MlflowTracker, Switch]:
+def _tracker(
+    store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs
+) -> tuple[MlflowTracker, AsyncStore]:
     tracker = MlflowTracker(store, run_id, flush_every_s=0.05, spool=path, spill_after_s=spill_after_s, **kwargs)
-    switch = Switch(tracker._client)
+    switch = AsyncStore(tracker._client)
     tracker._client = switch
     return tracker, switch
 
@@ -162,15 +156,8 @@ def test_a_store_that_hangs_delays_one_flush_only(ready_store: str, run: str, tm
 
     path = tmp_path / "ck" / spool.SPOOL_NAME
     tracker = MlflowTracker(ready_store, run, flush_every_s=0.05, spool=path, spill_after_s=2.0)
-    switch = tracker._client = Switch(tracker._client)
-    released = threading.Event()
-    real_log_batch = switch.log_batch
-
-    def hanging(*args, **kwargs):
-        released.wait(60)
-        return real_log_batch(*args, **kwargs)
-
-    switch.log_batch = hanging
+    switch = tracker._client = AsyncStore(tracker._client)
+    switch.gate = released = threading.Event()
     waits = []
     for step in range(3):
         tracker.log_metrics({"m": float(step)}, step=step)
@@ -181,3 +168,26 @@ def test_a_store_that_hangs_delays_one_flush_only(ready_store: str, run: str, tm
     released.set()
     tracker.close()
     assert _steps(ready_store, run) == [0, 1, 2]
+
+
+def test_a_process_that_gave_up_on_a_hanging_store_exits_without_waiting_for_its_request(tmp_path: Path) -> None:
+    """A socket that listens and never answers holds MLflow's request for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (600 s
+    here): close spools the value and the process ends at once, not when the request times out."""
+    path = tmp_path / spool.SPOOL_NAME
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        code = f"""
+from pathlib import Path
+from runner.errors import exit_quickly
+from runner.tracking.trackers import MlflowTracker
+tracker = MlflowTracker("http://127.0.0.1:{listener.getsockname()[1]}", "0" * 32, spool=Path({str(path)!r}))
+tracker.log_metrics({{"m": 1.0}}, step=0)
+tracker.close(timeout_s=1)
+exit_quickly(3)
+"""
+        env = {**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "600", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: proc.poll() is not None, "the process to exit", timeout_s=300)
+        assert proc.returncode == 3, proc.communicate()[1]
+    assert [(i.key, i.step) for i in spool.read(path)[0].items] == [("m", 0)]

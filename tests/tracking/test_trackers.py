@@ -16,6 +16,7 @@ from runner.errors import TrackingError
 from runner.launch.channel import ChannelTracker
 from runner.launch.session import RunSession
 from runner.tracking.trackers import MlflowTracker, NullTracker, Tracker
+from tests.helpers import AsyncStore
 
 
 def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
@@ -97,21 +98,10 @@ def test_tracker_sends_when_batch_is_full_or_due(uri, client):
 def test_tracker_never_blocks_the_caller(uri, client):
     run_id = new_run(client)
     tracker = MlflowTracker(uri, run_id, flush_every_s=0.05, max_batch=1)
-    real = tracker._client
-
-    release, entered = threading.Event(), threading.Event()
-
-    class Stuck:
-        """A store that takes no request until released (no timing: the caller must return all the same)."""
-
-        def log_batch(self, *args, **kwargs):
-            entered.set()
-            assert release.wait(120)
-            return real.log_batch(*args, **kwargs)
-
-    tracker._client = Stuck()
+    store = tracker._client = AsyncStore(tracker._client)
+    store.gate = release = threading.Event()  # a store that takes no request until released (no timing)
     tracker.log_metrics({"slow": 0.0}, step=0)
-    assert entered.wait(60)  # the sender is inside a request that does not return
+    assert store.started.wait(60)  # MLflow's thread is inside a request that does not return
     for step in range(1, 10):
         tracker.log_metrics({"slow": float(step)}, step=step)  # returns while the sender is stuck
     release.set()
