@@ -5,6 +5,7 @@ Outage rules in docs/design.md §8 and §12.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import operator
 import os
@@ -14,7 +15,7 @@ from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runner.errors import STORE_LEFT_HANGING, TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
@@ -34,13 +35,6 @@ MEMORY_ITEMS = 100_000  # metric values kept in memory while the store is away, 
 SPILL_AFTER_S = 5.0  # a flush waits this long for a store that stopped answering, then spools
 CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it leaves the rest in the spool
 _MAX_BACKOFF_S = 30.0
-
-
-class Artifact(NamedTuple):
-    """A file or folder to upload: its absolute local path and the folder inside the run's artifacts."""
-
-    path: str
-    artifact_path: str | None
 
 
 class MlflowTracker:
@@ -84,7 +78,7 @@ class MlflowTracker:
         self._batch_tags: dict[str, str] = {}  # the tags that go with them
         self._batch_end_offset: int | None = None  # spool offset past the batch, when read from the spool
         self._tags: dict[str, str] = {}
-        self._artifacts: list[Artifact] = []
+        self._artifacts: list[tuple[str, str | None]] = []  # (absolute local path, folder in the run's artifacts)
         self._inflight: Future[None] | None = None
         self._timer: threading.Timer | None = None
         self._timer_at = 0.0
@@ -145,7 +139,7 @@ class MlflowTracker:
             raise FileNotFoundError(f"artifact {p} does not exist")
         with self._lock:
             self._check_open()
-            self._artifacts.append(Artifact(str(p), artifact_path))
+            self._artifacts.append((str(p), artifact_path))
 
     def recorded(self) -> int:
         """Metric values recorded by the run so far (numbered across resumes); a checkpoint stores it."""
@@ -209,6 +203,8 @@ class MlflowTracker:
                     self._timer.cancel()
                 if self._inflight is not None and self.spool is not None:  # its values are in the spool
                     STORE_LEFT_HANGING.append(self.uri)
+                elif self._inflight is None:
+                    _skip_exit_drain(self._client)
         self._raise_failures()
 
     def __enter__(self) -> MlflowTracker:
@@ -251,8 +247,8 @@ class MlflowTracker:
         if answering:
             self._upload(artifacts)
             return
-        for op in artifacts:
-            self._failures.append((f"log_artifact {op.path}", TrackingError("the tracking store did not answer")))
+        for path, _ in artifacts:
+            self._failures.append((f"log_artifact {path}", TrackingError("the tracking store did not answer")))
             self._lost += 1
 
     # ---- handing batches to MLflow (lock held), and MLflow's threads calling back
@@ -377,18 +373,16 @@ class MlflowTracker:
             self._failures.append((f"writing the spool {self.spool}", exc))
             return False
 
-    def _upload(self, artifacts: list[Artifact]) -> None:
+    def _upload(self, artifacts: list[tuple[str, str | None]]) -> None:
         """Upload artifacts on the caller's thread; a failure is reported by :meth:`_raise_failures`."""
-        for op in artifacts:
+        for path, folder in artifacts:
             try:
-                if Path(op.path).is_dir():
-                    self._client.log_artifacts(self.run_id, op.path, op.artifact_path)
-                else:
-                    self._client.log_artifact(self.run_id, op.path, op.artifact_path)
+                upload = self._client.log_artifacts if Path(path).is_dir() else self._client.log_artifact
+                upload(self.run_id, path, folder)
             except Exception as exc:
                 log.debug("MLflow log_artifact failed", exc_info=True)
                 with self._lock:
-                    self._failures.append((f"log_artifact {op.path}", exc))
+                    self._failures.append((f"log_artifact {path}", exc))
                     self._lost += 1
 
     def _raise_failures(self) -> None:
@@ -405,6 +399,16 @@ class MlflowTracker:
             f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}; "
             f"first error ({failures[0][0]}): {type(cause).__name__}: {cause}"
         ) from cause
+
+
+def _skip_exit_drain(client: Any) -> None:
+    """Nothing of this tracker is left in MLflow's queue: unregister the queue's at-exit drain, which waits for its
+    idle loop's ``queue.get(timeout=1)``, a second added to the exit of every process that logged (measured: 4.5 s
+    against 3.6 s for a script that logs 20 values). A later tracker's close waits for its own batches again."""
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    drain = getattr(getattr(store, "_async_logging_queue", None), "_at_exit_callback", None)
+    if drain is not None:
+        atexit.unregister(drain)
 
 
 def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemMetricsMonitor:
@@ -455,22 +459,18 @@ class Tracker(Protocol):
 
 
 class NullTracker:
-    """Records nothing (ranks other than 0, ``tracking.enabled = false``); starts no thread, imports no mlflow."""
+    """Records nothing (ranks other than 0, ``tracking.enabled = false``; an artifact's path is not even checked);
+    starts no thread, imports no mlflow."""
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
-        """Do nothing."""
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None: ...
 
-    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
-        """Do nothing (``path`` is not even checked)."""
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None: ...
 
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Do nothing."""
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
 
-    def flush(self) -> None:
-        """Do nothing."""
+    def flush(self) -> None: ...
 
-    def close(self) -> None:
-        """Do nothing."""
+    def close(self) -> None: ...
 
     def __enter__(self) -> NullTracker:
         return self

@@ -109,6 +109,19 @@ def test_tracker_never_blocks_the_caller(uri, client):
     assert len(client.get_metric_history(run_id, "slow")) == 10
 
 
+def test_a_closed_tracker_leaves_mlflow_no_exit_drain_to_wait_on(uri, client, monkeypatch):
+    """MLflow's at-exit drain waits up to 1 s for its idle loop; after a close with nothing in flight it is dropped
+    (this also fails at once if MLflow moves the attributes the tracker reaches it through)."""
+    import atexit
+
+    unregistered: list = []
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)
+    tracker = MlflowTracker(uri, new_run(client), flush_every_s=3600)
+    tracker.log_metrics({"m": 1.0}, step=0)
+    tracker.close()
+    assert unregistered == [tracker._client._tracking_client.store._async_logging_queue._at_exit_callback]
+
+
 def test_tracker_tags_and_artifacts(tmp_path, uri, client):
     run_id = new_run(client)
     f = tmp_path / "notes.txt"
