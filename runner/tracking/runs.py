@@ -140,7 +140,7 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
 def mark_failed_quietly(client: MlflowClient, run_id: str) -> None:
     """End ``run_id`` FAILED while another error is on its way up; a failure here is only logged."""
     try:
-        client.set_terminated(run_id, "FAILED")
+        set_terminated(client, run_id, "FAILED")
     except Exception:  # the original error matters more
         log.debug("could not mark run %s FAILED", run_id, exc_info=True)
 
@@ -250,7 +250,18 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
         if error:
             tag_run(client, run_id, {"runner.error": first_line(error)}, {"error": _error_tag(error)})
             client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
-        client.set_terminated(run_id, status)
+        set_terminated(client, run_id, status)
+
+
+def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
+    """``MlflowClient.set_terminated`` without its ``shut_down_async_logging()``, which joins MLflow's idle logging
+    loop (``queue.get(timeout=1)``): 1 s a run. runner's tracker waited for its batches before the run ends."""
+    import time
+
+    from mlflow.entities import RunStatus
+
+    stamp = int(time.time() * 1000)
+    client._tracking_client.store.update_run_info(run_id, RunStatus.from_string(status), stamp, None)
 
 
 def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:

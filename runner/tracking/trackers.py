@@ -153,11 +153,8 @@ class MlflowTracker:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until everything buffered before this call is sent (with a spool: sent, or spooled), then upload the
-        artifacts (with a spool, only while the store answers).
-
-        Raises:
-            TrackingError: Sending failed (reported once, with how many items were lost), or ``timeout_s`` passed.
-        """
+        artifacts (with a spool, only while the store answers). TrackingError: sending failed (reported once, with
+        how many items were lost), or ``timeout_s`` passed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             target = self._recorded
@@ -422,29 +419,16 @@ def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemM
 
 @runtime_checkable
 class Tracker(Protocol):
-    """Where one rank sends its metrics, tags and artifacts; only rank 0 records anything.
-
-    :meth:`log_metrics` is on the hot path and must not wait on the network; only :meth:`flush` and :meth:`close` may
-    block.
-    """
+    """Where one rank sends its metrics, tags and artifacts; only rank 0 records anything. Only :meth:`flush` and
+    :meth:`close` may wait on the network. Every method raises TrackingError once the tracker is closed."""
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
-        """Record metric values (Python floats) at ``step``, the global optimizer step, taken at ``timestamp_ms`` (ms
-        since the epoch; default now); does not block.
-
-        Raises:
-            TypeError: ``step`` is not an integer.
-            ValueError: A name is not a valid MLflow metric name.
-            TrackingError: The tracker was closed.
-        """
+        """Record metric values at ``step`` (the global optimizer step), taken at ``timestamp_ms`` (ms since the epoch;
+        default now); does not block. TypeError: a step not an int; ValueError: a name MLflow rejects."""
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Record a local file or folder as an artifact; it must stay in place until the next flush or close.
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist (trackers that record nothing accept it).
-            TrackingError: The tracker was closed.
-        """
+        FileNotFoundError when ``path`` does not exist (trackers that record nothing accept it)."""
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set run tags, rendered like params; a later value for a key replaces the earlier. Raises TrackingError

@@ -122,6 +122,21 @@ def test_a_closed_tracker_leaves_mlflow_no_exit_drain_to_wait_on(uri, client, mo
     assert unregistered == [tracker._client._tracking_client.store._async_logging_queue._at_exit_callback]
 
 
+def test_ending_a_run_after_async_logging_does_not_shut_mlflow_logging_down(uri, client):
+    """MlflowClient.set_terminated joins MLflow's idle logging loop (up to 1 s a run); runner's end_run must not."""
+    from runner.tracking.runs import end_run
+
+    run_id = new_run(client)
+    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+        tracker.log_metrics({"m": 1.0}, step=0)
+    queue = tracker._client._tracking_client.store._async_logging_queue
+    assert queue.is_active()
+    end_run(uri, run_id, "FINISHED")
+    run = client.get_run(run_id)
+    assert queue.is_active() and run.info.status == "FINISHED" and run.info.end_time >= run.info.start_time
+    assert [m.value for m in client.get_metric_history(run_id, "m")] == [1.0]
+
+
 def test_tracker_tags_and_artifacts(tmp_path, uri, client):
     run_id = new_run(client)
     f = tmp_path / "notes.txt"
