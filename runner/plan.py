@@ -1,7 +1,5 @@
-"""What would run: devices, world size, batches, launch method and tracking target of a spec.
-
-Details: docs/design.md, "Module notes", runner/plan.py.
-"""
+"""What would run: devices, world size, batches, launch method and tracking target of a spec. Details: docs/design.md,
+"Module notes"."""
 
 from __future__ import annotations
 
@@ -142,13 +140,10 @@ def make_plan(
     inventory: Inventory | None = None,
     tracking_uri: str | None = None,
 ) -> Plan:
-    """Resolve devices, launch method, tracking target (``tracking_uri`` overrides) and run name of ``loaded``.
-
-    Raises:
-        DeviceError: The spec asks for devices this machine lacks, at the key's line.
-        UsageError: A torchrun world size or Slurm layout that does not fit, or non-integer launcher variables.
-        SpecError: ``parallel.nnodes > 1`` without ``parallel.rdzv_endpoint`` outside Slurm.
-    """
+    """Resolve devices, launch method, tracking target (``tracking_uri`` overrides) and run name of ``loaded``. Raises
+    DeviceError: The spec asks for devices this machine lacks, at the key's line. UsageError: A torchrun world size or
+    Slurm layout that does not fit, or non-integer launcher variables. SpecError: ``parallel.nnodes > 1`` without
+    ``parallel.rdzv_endpoint`` outside Slurm."""
     from runner.devices.inventory import probe_inventory
     from runner.devices.resolve import resolve_devices, threads_per_process
     from runner.spec.loading import key_line

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
-MAX_LINES = 20_124  # on the way to 18,000: lower it as lines go, never raise it (a feature pays for its lines)
+MAX_LINES = 19_934  # on the way to 18,000: lower it as lines go, never raise it (a feature pays for its lines)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}
@@ -76,8 +76,9 @@ def module_notes_missing(root: Path, design: str) -> list[str]:
     found = []
     for path in sorted(root.rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-        for target in re.findall(r'"Module notes", (runner/\S+\.py)', doc):
-            if target not in headings:
+        own = f"runner/{path.relative_to(root).as_posix()}"  # "Module notes" alone: the module's own heading
+        for named in re.findall(r'"Module notes"(?:, (runner/\S+\.py))?', doc):
+            if (target := named or own) not in headings:
                 found.append(f"{path.relative_to(root)} -> {target}")
     return found
 
@@ -89,3 +90,5 @@ def test_every_module_note_a_docstring_points_at_is_in_the_design_doc(tmp_path: 
     (tmp_path / "gone.py").write_text(pointing)
     assert module_notes_missing(tmp_path, design) == ["gone.py -> runner/gone.py"]
     assert module_notes_missing(tmp_path, design + "\n### runner/gone.py\n") == []
+    (tmp_path / "gone.py").write_text('"""One line. Details: docs/design.md, "Module notes"."""\n')
+    assert module_notes_missing(tmp_path, design) == ["gone.py -> runner/gone.py"]

@@ -1,7 +1,5 @@
 """The GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA; the process env.
-
-Numbering: docs/design.md, "Module notes", runner/devices/resolve.py.
-"""
+Numbering: docs/design.md, "Module notes", runner/devices/resolve.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Resolve the accelerator and device ids of a spec against the visible GPUs; narrow CUDA_VISIBLE_DEVICES.
-
-Details: docs/design.md, "Module notes", runner/devices/resolve.py.
-"""
+"""Resolve the accelerator and device ids of a spec against the visible GPUs; narrow CUDA_VISIBLE_DEVICES. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -131,12 +129,9 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
 
 
 def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> DevicePlan:
-    """Decide where a spec runs on this machine from ``env`` and ``inventory`` alone.
-
-    Raises:
-        DeviceError: A GPU asked for and missing, ids out of range, a CUDA-only setting without a GPU, a ddp
-            ``nproc_per_node`` unlike the GPU count, or a batch that the world size does not divide; at its key.
-    """
+    """Decide where a spec runs on this machine from ``env`` and ``inventory`` alone. Raises DeviceError: A GPU asked
+    for and missing, ids out of range, a CUDA-only setting without a GPU, a ddp ``nproc_per_node`` unlike the GPU
+    count, or a batch that the world size does not divide; at its key."""
     notes = list(inventory.notes)
     accelerator = _choose_accelerator(spec.devices, env, inventory, notes)
     if accelerator == "cpu":

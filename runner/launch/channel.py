@@ -1,7 +1,5 @@
 """The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens; no torch, no mlflow.
-
-Details: docs/design.md, "Module notes", runner/launch/channel.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

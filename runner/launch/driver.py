@@ -1,7 +1,5 @@
-"""Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
-
-Details: docs/design.md, "Module notes", runner/launch/driver.py.
-"""
+"""Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status. Details: docs/design.md,
+"Module notes"."""
 
 from __future__ import annotations
 
@@ -109,13 +107,10 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 
     One path for every mode (docs/design.md, "Process model"): plan, check what needs no build (a resume whose owner
     lives is refused here, before any training process starts), start the training processes while the store opens,
-    create the run once rank 0 reports the build, record what it sends, end the run.
-
-    Raises:
-        SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run is left behind.
-        TrainingError: training failed on some rank; the run is FAILED (exit 1).
-        Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
-    """
+    create the run once rank 0 reports the build, record what it sends, end the run. Raises SpecError, DeviceError,
+    UsageError, TrackingError: before any training (exit 2); no MLflow run is left behind. TrainingError: training
+    failed on some rank; the run is FAILED (exit 1). Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run
+    is KILLED (exit 130)."""
     from runner.plan import make_plan
 
     if options.started_at is None:

@@ -1,7 +1,5 @@
-"""Starting ddp workers through torch's elastic launcher, and reading why a launched job failed.
-
-Details: docs/design.md, "Module notes", runner/launch/elastic.py.
-"""
+"""Starting ddp workers through torch's elastic launcher, and reading why a launched job failed. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The one reader of the launcher's environment: rank, world size, restarts, the run handed down, the Slurm job.
-
-Imports neither torch nor mlflow. Details: docs/design.md, "Module notes", runner/launch/environment.py.
-"""
+"""The one reader of the launcher's environment: rank, world size, restarts, the run handed down, the Slurm job. Imports
+neither torch nor mlflow. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

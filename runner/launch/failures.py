@@ -1,7 +1,5 @@
-"""Why a launched job failed, in words (the error, signal, OOM kill or hang); a worker's two guards.
-
-Details: docs/design.md, "Module notes", runner/launch/failures.py.
-"""
+"""Why a launched job failed, in words (the error, signal, OOM kill or hang); a worker's two guards. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

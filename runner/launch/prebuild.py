@@ -1,7 +1,5 @@
-"""Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
-
-Details: docs/design.md, "Module notes", runner/launch/prebuild.py.
-"""
+"""Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

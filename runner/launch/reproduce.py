@@ -1,7 +1,5 @@
-"""``runner reproduce RUN_ID``: a new run from the resolved spec stored with an earlier one.
-
-Details: docs/design.md, "Module notes", runner/launch/reproduce.py.
-"""
+"""``runner reproduce RUN_ID``: a new run from the resolved spec stored with an earlier one. Details: docs/design.md,
+"Module notes"."""
 
 from __future__ import annotations
 
@@ -29,12 +27,8 @@ REPRODUCED_FROM_TAG = "runner.reproduced_from"
 def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str | None = None) -> ExecResult:
     """Start a new run from the spec stored with ``run_id`` in its store and train it to the end.
 
-    ``run_name`` defaults to the original's followed by ``(reproduced)``.
-
-    Raises:
-        UsageError: No such run, or one without runner's stored spec (naming run and store).
-        SpecError: The stored spec no longer validates.
-    """
+    ``run_name`` defaults to the original's followed by ``(reproduced)``. Raises UsageError: No such run, or one without
+    runner's stored spec (naming run and store). SpecError: The stored spec no longer validates."""
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.tracking.stored import read_stored_run, store_uri
 
@@ -71,12 +65,9 @@ def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
 
 
 def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
-    """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``).
-
-    Raises:
-        UsageError: No such run, no stored spec, a FINISHED run, or no checkpoint (naming run and store).
-        TrackingError: The store cannot be reached.
-    """
+    """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``). Raises UsageError: No such
+    run, no stored spec, a FINISHED run, or no checkpoint (naming run and store). TrackingError: The store cannot be
+    reached."""
     from runner.launch.driver import ExecOptions, exec_experiment
     from runner.tracking.stored import read_stored_run, store_uri
 

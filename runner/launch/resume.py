@@ -1,7 +1,5 @@
-"""Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file.
-
-Details: docs/design.md, "Module notes", runner/launch/resume.py.
-"""
+"""Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -46,13 +44,9 @@ class ResumePoint:
 
 
 def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
-    """Find the run ``--resume`` names and check the spec against its newest checkpoint.
-
-    Raises:
-        UsageError: Tracking is off, no such run, FINISHED with this spec, or a live owner on this host.
-        SpecError: The spec differs in keys not allowed to change.
-        CheckpointError: Every checkpoint of the run is damaged.
-    """
+    """Find the run ``--resume`` names and check the spec against its newest checkpoint. Raises UsageError: Tracking is
+    off, no such run, FINISHED with this spec, or a live owner on this host. SpecError: The spec differs in keys not
+    allowed to change. CheckpointError: Every checkpoint of the run is damaged."""
     from runner.tracking import runs as tracking
     from runner.tracking.stored import run_checkpoint_dir
     from runner.training.checkpoint import CheckpointError
@@ -174,13 +168,9 @@ def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """``(changes, complete, notes)``: the allowed spec changes (keys inactive on ``accelerator`` never count), and
-    whether the newest usable checkpoint covers all the training asked for.
-
-    Raises:
-        UsageError: No checkpoint, or ``allowed`` names a key the spec lacks.
-        CheckpointError: Every checkpoint is damaged.
-        SpecError: The spec differs in keys not in ``allowed``.
-    """
+    whether the newest usable checkpoint covers all the training asked for. Raises UsageError: No checkpoint, or
+    ``allowed`` names a key the spec lacks. CheckpointError: Every checkpoint is damaged. SpecError: The spec
+    differs in keys not in ``allowed``."""
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
     from runner.training.checkpoint import load_latest, peek, spec_changes
 

@@ -1,8 +1,5 @@
 """The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends, and
-end it (or keep its status in the spool while the store does not answer).
-
-Details: docs/design.md, "Module notes", runner/launch/session.py.
-"""
+end it (or keep its status in the spool while the store does not answer). Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""One training process: make the strategy and the tracker, then run the setup steps and the loop.
-
-Details: docs/design.md, "Module notes", runner/launch/worker.py.
-"""
+"""One training process: make the strategy and the tracker, then run the setup steps and the loop. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

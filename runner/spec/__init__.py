@@ -1,4 +1,2 @@
-"""What was asked: the spec schema and its rules, reading TOML and ``extends``, ``--set``, messages, dumping.
-
-Details: docs/design.md, "Module notes", runner/spec/__init__.py.
-"""
+"""What was asked: the spec schema and its rules, reading TOML and ``extends``, ``--set``, messages, dumping. Details:
+docs/design.md, "Module notes"."""

@@ -1,7 +1,5 @@
 """The JSON Schema of a spec file for editors (with the taplo config that ships it) and the Markdown key reference.
-
-Details: docs/design.md, "Module notes", runner/spec/editor_schema.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

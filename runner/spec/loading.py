@@ -1,7 +1,5 @@
-"""Load a spec: read its files, apply ``--set``, validate; ``runner validate`` and the ``extends`` chains.
-
-Details: docs/design.md, "Module notes", runner/spec/loading.py.
-"""
+"""Load a spec: read its files, apply ``--set``, validate; ``runner validate`` and the ``extends`` chains. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -61,11 +59,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), unset: Sequence[s
     """Read, compose, override and validate a spec file.
 
     ``extends`` deep-merges the named files under this one; ``unset`` keys are then removed and ``overrides``
-    (``"optim.lr=0.05"``, TOML values, else strings) applied last.
-
-    Raises:
-        SpecError: The file is missing, unreadable, not TOML, empty or invalid; every issue with file, line and key.
-    """
+    (``"optim.lr=0.05"``, TOML values, else strings) applied last. Raises SpecError: The file is missing, unreadable,
+    not TOML, empty or invalid; every issue with file, line and key."""
     shown = Path(path)
     absolute = Path(os.path.abspath(shown))
     issues: list[SpecIssue] = []

@@ -1,7 +1,5 @@
-"""Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories.
-
-Details: docs/design.md, "Module notes", runner/spec/names.py.
-"""
+"""Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

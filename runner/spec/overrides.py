@@ -1,7 +1,5 @@
-"""Apply ``--set dotted.key=value`` and ``--unset dotted.key`` to a spec dict read from its files.
-
-Details: docs/design.md, "Module notes", runner/spec/overrides.py.
-"""
+"""Apply ``--set dotted.key=value`` and ``--unset dotted.key`` to a spec dict read from its files. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Read spec files: TOML (binary, UTF-8) -> dict, ``extends`` merged in, the file and line of every key.
-
-Details: docs/design.md, "Module notes", runner/spec/reading.py.
-"""
+"""Read spec files: TOML (binary, UTF-8) -> dict, ``extends`` merged in, the file and line of every key. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

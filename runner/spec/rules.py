@@ -1,7 +1,5 @@
-"""Rules between fields of a spec, each checked in one place with one wording.
-
-Details: docs/design.md, "Module notes", runner/spec/rules.py.
-"""
+"""Rules between fields of a spec, each checked in one place with one wording. Details: docs/design.md, "Module
+notes"."""
 
 from __future__ import annotations
 

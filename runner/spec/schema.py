@@ -1,7 +1,5 @@
 """Pydantic models of an experiment spec: the root table and the loop's tables, their keys, types, ranges and meanings.
-
-Details: docs/design.md, "Module notes", runner/spec/schema.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The Strategy interface: how one process runs the model (device, wrapping, collectives, the stop decision).
-
-Details: docs/design.md, "Module notes", runner/strategies/base.py.
-"""
+"""The Strategy interface: how one process runs the model (device, wrapping, collectives, the stop decision). Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -30,10 +28,7 @@ T = TypeVar("T")
 
 def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
     """The modules sharded as one unit each, outermost first (``names``: ``parallel.fsdp_blocks``, or each child).
-
-    Raises:
-        SpecError: A name is no module class of the model (with a did-you-mean).
-    """
+    Raises SpecError: A name is no module class of the model (with a did-you-mean)."""
     if names is None:  # a child that shares a parameter with another (tied weights) stays with the root's unit
         children = [child for child in module.children() if any(True for _ in child.parameters())]
         return [child for child in children if not _shares_parameters(child, children)]
@@ -182,11 +177,8 @@ class Strategy(ABC):
         return optimizer.state_dict()
 
     def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:
-        """Load a whole state dict written by any mode (call on every rank).
-
-        Raises:
-            StateDictMismatchError: Keys are missing or unexpected, or a shape differs.
-        """
+        """Load a whole state dict written by any mode (call on every rank). Raises StateDictMismatchError: Keys are
+        missing or unexpected, or a shape differs."""
         load_state_dict_flexible(wrapped, state)
 
     def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -352,10 +344,7 @@ def key_list(keys: list[str]) -> str:
 
 def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` without a ``module.``/``_orig_mod.`` prefix shared by all keys; keys checked against ``target``.
-
-    Raises:
-        StateDictMismatchError: Keys are missing or unexpected (both are listed).
-    """
+    Raises StateDictMismatchError: Keys are missing or unexpected (both are listed)."""
     sd = _strip_uniform_prefixes(state_dict)
     expected = list(target.state_dict().keys())
     missing = [k for k in expected if k not in sd]

@@ -1,7 +1,5 @@
-"""``mode = "fsdp"``: one process per device, ``fully_shard`` (FSDP2) on the blocks and then the root.
-
-Details: docs/design.md, "Module notes", runner/strategies/fsdp.py.
-"""
+"""``mode = "fsdp"``: one process per device, ``fully_shard`` (FSDP2) on the blocks and then the root. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

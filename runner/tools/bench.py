@@ -1,7 +1,5 @@
-"""``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration.
-
-Details: docs/design.md, "Module notes", runner/tools/bench.py.
-"""
+"""``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -103,13 +101,9 @@ def run_bench(
     """Measure the spec under every configuration and record one parent MLflow run.
 
     Each repeat runs ``warmup`` untimed and ``steps`` timed steps; ``repeats = (min, max)``; files go to ``out_dir``.
-
-    Raises:
-        UsageError: Bad arguments, or started under torchrun.
-        SpecError: The spec is invalid, or its model or data cannot be built.
-        TrackingError: The tracking store cannot be reached.
-        Interrupted: SIGINT; the parent run and the running child end KILLED.
-    """
+    Raises UsageError: Bad arguments, or started under torchrun. SpecError: The spec is invalid, or its model or data
+    cannot be built. TrackingError: The tracking store cannot be reached. Interrupted: SIGINT; the parent run and the
+    running child end KILLED."""
     from runner.plan import launched_externally
     from runner.spec.loading import load_spec
 

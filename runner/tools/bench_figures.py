@@ -1,7 +1,5 @@
 """The figures of a ``runner bench`` comparison and how they are computed from each repeat's step times (no torch).
-
-Details: docs/design.md, "Module notes", runner/tools/bench_figures.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

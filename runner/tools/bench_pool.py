@@ -1,7 +1,5 @@
-"""Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration.
-
-Details: docs/design.md, "Module notes", runner/tools/bench_pool.py.
-"""
+"""Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON.
-
-Figures: :mod:`runner.tools.bench_figures` (definitions: docs/design.md, "Module notes"); the chart:
-:mod:`runner.tools.bench_pool`.
-"""
+"""The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON. Figures:
+:mod:`runner.tools.bench_figures` (docs/design.md, "Module notes", runner/tools/bench_figures.py)."""
 
 from __future__ import annotations
 

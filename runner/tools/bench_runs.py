@@ -209,11 +209,8 @@ def measure_config(config: Config, report: BenchReport, parent: Parent | None, p
 def repeats(
     config: Config, report: BenchReport, pool: WarmPool, which: str
 ) -> tuple[list[ConfigResult], list[tuple[int, dict[str, float]]], Reply | None]:
-    """Train ``config`` on the pool until steady: ``(one summarized row per repeat, first history, bad reply)``.
-
-    Raises:
-        Interrupted: SIGINT arrived, here or in a worker.
-    """
+    """Train ``config`` on the pool until steady: ``(one summarized row per repeat, first history, bad reply)``. Raises
+    Interrupted: SIGINT arrived, here or in a worker."""
     result = config.result
     rows: list[ConfigResult] = []
     history: list[tuple[int, dict[str, float]]] = []

@@ -172,13 +172,9 @@ def tolerance(precision: str, growth: float, scale: float) -> float:
 
 def run_parity(loaded: LoadedSpec, *, modes: Sequence[str] | None = None, steps: int | None = None) -> ParityReport:
     """Run ``none``, the control and each mode of ``modes`` (``None``: every mode this machine runs) for ``steps``
-    steps, compare them and record the verdict; ``report.failed`` counts the modes that differ.
-
-    Raises:
-        UsageError: An unknown mode, a named mode this machine cannot run, ``steps < 1``, or under torchrun.
-        TrainingError: ``none`` failed to train; the parent run is FAILED.
-        Interrupted: SIGINT/SIGTERM; the parent run is KILLED.
-    """
+    steps, compare them and record the verdict; ``report.failed`` counts the modes that differ. Raises UsageError:
+    An unknown mode, a named mode this machine cannot run, ``steps < 1``, or under torchrun. TrainingError: ``none``
+    failed to train; the parent run is FAILED. Interrupted: SIGINT/SIGTERM; the parent run is KILLED."""
     from runner.plan import launched_externally
 
     if steps is not None and steps < 1:

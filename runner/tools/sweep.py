@@ -1,7 +1,5 @@
 """``runner sweep``: trials of one spec searched by Optuna, as child runs of one MLflow run, over any number of workers.
-
-Details: docs/design.md, "Module notes", runner/tools/sweep.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -62,12 +60,9 @@ def run_sweep(
     Every trial is validated and planned before the study or parent exists. A trial that fails is recorded FAILED and
     the sweep goes on; the last worker ends the parent with the best trial and plots. ``jobs > 1`` (or ``processes``)
     runs trials in warm worker processes; ``storage`` and ``study`` default to ``[sweep]``'s, else sqlite beside the
-    store and a name derived from the spec.
-
-    Raises:
-        SpecError: The spec, definition, a trial or the storage is invalid; no run is created.
-        UsageError: Bad entries, tracking off, an unusable ``--storage``, or a study searching another sweep.
-        Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
+    store and a name derived from the spec. Raises SpecError: The spec, definition, a trial or the storage is invalid;
+    no run is created. UsageError: Bad entries, tracking off, an unusable ``--storage``, or a study searching another
+    sweep. Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
     """
     from runner.spec.loading import load_spec
 

@@ -93,13 +93,9 @@ def build_definition(
 ) -> SweepDefinition:
     """Merge the spec's ``[sweep]`` with the command line, whose entries add or replace keys and whose flags win.
 
-    A ``--random`` range turns a grid into a random sweep.
-
-    Raises:
-        UsageError: A malformed or repeated entry, nothing to sweep, a forbidden key, a bad ``--trials``, or no budget
-            for random or tpe.
-        SpecError: At the key's line: a range in a grid, ``trials`` over the grid, an empty ``int_uniform`` range.
-    """
+    A ``--random`` range turns a grid into a random sweep. Raises UsageError: A malformed or repeated entry, nothing to
+    sweep, a forbidden key, a bad ``--trials``, or no budget for random or tpe. SpecError: At the key's line: a range in
+    a grid, ``trials`` over the grid, an empty ``int_uniform`` range."""
     base = sweep or SweepSpec()
     lines = key_lines or {}
     params = _merge_params(base, cli.grid, cli.random)

@@ -1,7 +1,5 @@
 """Warm worker processes of a sweep: ``jobs`` processes pulling trial after trial, spread over GPUs, stopped together.
-
-Details: docs/design.md, "Module notes", runner/tools/sweep_jobs.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

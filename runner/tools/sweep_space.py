@@ -1,7 +1,5 @@
 """What a sweep searches, without running it: the definition, its Optuna search space, the trials and their results.
-
-Details: docs/design.md, "Module notes", runner/tools/sweep_space.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

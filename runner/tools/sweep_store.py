@@ -1,7 +1,5 @@
 """What a sweep records in MLflow (parent run, child runs, best trial, plots), and its Optuna storage, sampler, pruner.
-
-Details: docs/design.md, "Module notes", runner/tools/sweep_store.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

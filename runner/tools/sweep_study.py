@@ -1,7 +1,5 @@
-"""The sweep's Optuna study: who founds it, and the queue of trials every worker pulls from.
-
-Details: docs/design.md, "Module notes", runner/tools/sweep_study.py.
-"""
+"""The sweep's Optuna study: who founds it, and the queue of trials every worker pulls from. Details: docs/design.md,
+"Module notes"."""
 
 from __future__ import annotations
 
@@ -68,12 +66,8 @@ class SweepStudy:
         """``(study, founded)``: create the study and its trials, or join the one another worker made (same definition).
 
         The founder calls ``found`` once (it makes the parent run and returns its id) and records ``spec_sha256``;
-        ``unfound`` removes that run when the set-up fails after it.
-
-        Raises:
-            UsageError: The study exists with another definition, or its founder never finished setting it up.
-            StorageError: The storage refuses a request.
-        """
+        ``unfound`` removes that run when the set-up fails after it. Raises UsageError: The study exists with another
+        definition, or its founder never finished setting it up. StorageError: The storage refuses a request."""
         import optuna
 
         sampler, pruner = make_sampler(definition), make_pruner(definition)

@@ -81,12 +81,9 @@ def prepare_trials(
 ) -> list[tuple[LoadedSpec, Plan]]:
     """``(spec without [sweep], plan)`` per trial, every trial loaded, validated and planned before any runs.
 
-    ``in_file`` and ``on_cli`` map swept keys to their line or command-line entry, which a problem then names.
-
-    Raises:
-        SpecError: Trial specs that do not validate, each issue at its key and naming the trial, once.
-        DeviceError: Trials that ask for devices this machine lacks, a line each.
-    """
+    ``in_file`` and ``on_cli`` map swept keys to their line or command-line entry, which a problem then names. Raises
+    SpecError: Trial specs that do not validate, each issue at its key and naming the trial, once. DeviceError: Trials
+    that ask for devices this machine lacks, a line each."""
     from runner.devices.inventory import probe_inventory
     from runner.plan import make_plan
     from runner.spec.loading import load_spec, relocate_issues

@@ -1,7 +1,5 @@
 """Parent runs that group child runs (a sweep's trials, a bench's configurations): create, read, find, summarise.
-
-Details: docs/design.md, "Module notes", runner/tracking/parents.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

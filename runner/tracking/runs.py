@@ -1,7 +1,5 @@
-"""MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up.
-
-Details: docs/design.md, "Module notes", runner/tracking/runs.py.
-"""
+"""MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up. Details: docs/design.md,
+"Module notes"."""
 
 from __future__ import annotations
 
@@ -159,12 +157,8 @@ def start_run(
 
     An explicit run id, without MLflow's fluent run. Params are the keys that apply; tags from :func:`run_tags`;
     artifacts ``spec/`` and ``git/``. A failure after creation marks the run FAILED first. ``nested`` allows an active
-    fluent run and makes it the parent.
-
-    Raises:
-        TrackingError: A fluent run is active without ``nested``, the store is unreachable, the experiment is deleted,
-            or MLflow rejects a request.
-    """
+    fluent run and makes it the parent. Raises TrackingError: A fluent run is active without ``nested``, the store is
+    unreachable, the experiment is deleted, or MLflow rejects a request."""
     from mlflow.exceptions import MlflowException
 
     spec = loaded.spec

@@ -1,7 +1,5 @@
 """The metric spool: what could not reach the tracking store yet, kept in a JSON-lines file beside the checkpoints.
-
-Details: docs/design.md, "Module notes", runner/tracking/spool.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

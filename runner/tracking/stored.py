@@ -1,7 +1,5 @@
-"""A run read back from MLflow: its status, tags and stored spec; look runs up and tag them afterwards.
-
-Details: docs/design.md, "Module notes", runner/tracking/stored.py.
-"""
+"""A run read back from MLflow: its status, tags and stored spec; look runs up and tag them afterwards. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -56,12 +54,8 @@ def store_uri(given: str | None) -> str:
 
 
 def read_stored_run(uri: str, run_id: str) -> StoredRun:
-    """Read run ``run_id`` and its stored spec.
-
-    Raises:
-        TrackingError: The store cannot be reached.
-        UsageError: No such run (or deleted), or no ``spec/resolved.toml``; naming the run and store.
-    """
+    """Read run ``run_id`` and its stored spec. Raises TrackingError: The store cannot be reached. UsageError: No such
+    run (or deleted), or no ``spec/resolved.toml``; naming the run and store."""
     where = f"at {uri}"
     if local_store_missing(uri):
         raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")

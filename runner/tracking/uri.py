@@ -134,11 +134,8 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, before training, when the store cannot be used; nothing is written.
 
     http(s): ``GET /health``, then the REST API, no retries. sqlite and file stores: their folders are writable. Other
-    databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked.
-
-    Raises:
-        TrackingError: No answer, not an MLflow server, credentials rejected, or not writable (URI masked when shown).
-    """
+    databases: one SQLAlchemy connection within ``timeout_s``. Databricks is not checked. Raises TrackingError: No
+    answer, not an MLflow server, credentials rejected, or not writable (URI masked when shown)."""
     scheme = urlsplit(uri).scheme
     if scheme in ("http", "https"):
         _check_http(uri, timeout_s)

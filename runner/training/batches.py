@@ -1,7 +1,5 @@
 """The model's side of a step: move a batch to the devices, call forward, pick the prediction and the loss it returned.
-
-Details: docs/design.md, "Module notes", runner/training/batches.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

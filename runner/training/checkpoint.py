@@ -1,7 +1,5 @@
-"""Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup.
-
-Details: docs/design.md, "Module notes", runner/training/checkpoint.py.
-"""
+"""Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -51,12 +49,9 @@ class LoadedCheckpoint:
 def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) -> Path:
     """Write ``payload`` atomically as ``step-<global_step>.pt`` (rank 0) and keep the newest ``keep_last``.
 
-    Serialised in memory, written to a temporary file, fsync'ed and renamed; the folder is fsync'ed too.
-
-    Raises:
-        CheckpointError: ``payload`` holds something other than tensors and plain values.
-        OSError: The folder is not writable or the disk is full (no partial file is left).
-    """
+    Serialised in memory, written to a temporary file, fsync'ed and renamed; the folder is fsync'ed too. Raises
+    CheckpointError: ``payload`` holds something other than tensors and plain values. OSError: The folder is not
+    writable or the disk is full (no partial file is left)."""
     _check_plain(payload)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{payload['state']['global_step']:08d}.pt"

@@ -1,7 +1,5 @@
-"""Datasets: ``[data]`` into train and validation sets, the validation split, and the data's fingerprints.
-
-Details: docs/design.md, "Module notes", runner/training/data.py.
-"""
+"""Datasets: ``[data]`` into train and validation sets, the validation split, and the data's fingerprints. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -141,12 +139,9 @@ def _label_count(ds: Dataset, target: str | None) -> int:
 def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> DatasetBundle:
     """Build the train and validation datasets of ``spec.data`` (``val`` ``None`` without validation data).
 
-    ``data.root`` and factory imports are relative to ``spec_dir``.
-
-    Raises:
-        SpecError: An unknown dataset, missing files, rejected kwargs, options or a target that do not fit the samples,
-            or an empty dataset; each at its key, with the fix.
-    """
+    ``data.root`` and factory imports are relative to ``spec_dir``. Raises SpecError: An unknown dataset, missing files,
+    rejected kwargs, options or a target that do not fit the samples, or an empty dataset; each at its key, with the
+    fix."""
     data = spec.data
     name = data.dataset
     train, val, explicit, stats = load_source(data, spec_dir)

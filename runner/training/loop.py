@@ -1,7 +1,5 @@
 """The training loop: steps, evaluation and metric reduction, identical for every parallel mode; a rank's peak memory.
-
-Details: docs/design.md, "Module notes", runner/training/loop.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -43,11 +41,8 @@ def fit(
     """Train ``train_spec.epochs`` epochs, at most ``parts.total_steps`` steps, from ``state`` (``None``: scratch).
 
     Without ``checkpoint_spec`` no step or epoch checkpoints are written. Metrics are reduced, the same on every rank.
-
-    Raises:
-        Interrupted: A stop signal (docs/design.md, "Module notes"), after ``on_checkpoint(..., "signal")``.
-        TrainingError: A non-finite loss or norm under ``on_nonfinite = "stop"``, or an output that does not fit.
-    """
+    Raises Interrupted: A stop signal (docs/design.md, "Module notes"), after ``on_checkpoint(..., "signal")``.
+    TrainingError: A non-finite loss or norm under ``on_nonfinite = "stop"``, or an output that does not fit."""
     state = state or TrainState()
     strategy, loaders = parts.strategy, parts.loaders
     progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)

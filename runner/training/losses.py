@@ -1,7 +1,5 @@
-"""Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each summed over samples.
-
-Details: docs/design.md, "Module notes", runner/training/losses.py.
-"""
+"""Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each summed over samples. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Metrics of ``[metrics]``: torchmetrics objects per scope, updated on the device, synced across ranks when computed.
-
-Details: docs/design.md, "Module notes", runner/training/metrics.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -157,12 +155,9 @@ def _to_cpu(value: Any) -> Any:
 def build_metric_plan(spec: ExperimentSpec, info: DatasetInfo, spec_dir: Path | str | None) -> MetricPlan:
     """Turn ``[metrics]`` into recipes, each tried once so bad arguments fail before training.
 
-    Without ``[metrics]``, a classification loss on integer labels gets the counted ``accuracy``.
-
-    Raises:
-        SpecError: A factory that does not import or returns no ``torchmetrics.Metric``, rejected arguments, or a
-            classification metric without a class count.
-    """
+    Without ``[metrics]``, a classification loss on integer labels gets the counted ``accuracy``. Raises SpecError: A
+    factory that does not import or returns no ``torchmetrics.Metric``, rejected arguments, or a classification metric
+    without a class count."""
     if spec.metrics is None:
         if spec.loss.name in CLASSIFICATION_LOSSES and info.num_classes > 0:
             return MetricPlan(counted_accuracy=True)

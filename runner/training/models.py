@@ -1,7 +1,5 @@
 """Model registry: turn ``[model]`` (a torchvision builder, a built-in or ``pkg.module:factory``) into an nn.Module.
-
-Details: docs/design.md, "Module notes", runner/training/models.py.
-"""
+Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -240,12 +238,8 @@ def build_model(
 
     The data fills kwargs left out: ``mlp`` gets ``in_features`` and ``num_classes``, ``cnn`` ``in_channels`` and
     ``num_classes``, torchvision classifiers ``num_classes`` without pretrained weights; factories get their kwargs
-    only.
-
-    Raises:
-        SpecError: An unknown name (did-you-mean), a factory that fails or returns no ``nn.Module``, kwargs the builder
-            rejects (with its signature), or sizes that cannot be inferred.
-    """
+    only. Raises SpecError: An unknown name (did-you-mean), a factory that fails or returns no ``nn.Module``, kwargs the
+    builder rejects (with its signature), or sizes that cannot be inferred."""
     import torch
 
     name: str = model_spec.name

@@ -1,7 +1,5 @@
-"""Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives).
-
-Details: docs/design.md, "Module notes", runner/training/sampling.py.
-"""
+"""Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives). Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -172,11 +170,8 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
     """Build this rank's DataLoaders (docs/design.md, "Module notes", runner/training/sampling.py).
 
     Training: micro-batches of ``batch_size // (world_size * grad_accum_steps)`` in :class:`EpochSampler` order.
-    Validation: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``.
-
-    Raises:
-        SpecError: (``data.batch_size``) an epoch would have no step.
-    """
+    Validation: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``. Raises SpecError:
+    (``data.batch_size``) an epoch would have no step."""
     data = spec.data
     micro = data.batch_size // (world_size * spec.train.grad_accum_steps)
     num_train = _size(bundle.train)

@@ -1,7 +1,5 @@
-"""One rank's training in named steps: build, restore, checkpointer, train, finish; the tracker is handed in.
-
-Details: docs/design.md, "Module notes", runner/training/setup.py.
-"""
+"""One rank's training in named steps: build, restore, checkpointer, train, finish; the tracker is handed in. Details:
+docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -95,11 +93,8 @@ def build_parts(
     """Build data, model, optimizer, scheduler, loss and precision on a set-up strategy.
 
     ``dtype`` casts the model and every batch (``runner parity``); ``nudge`` moves each initial parameter by one ulp
-    (parity's control); ``bundle`` is the datasets when already built.
-
-    Raises:
-        SpecError: Something named in the spec does not build, a dict sample lacks the ``data.target`` needed, or
-            BatchNorm would meet a 1-sample training batch.
+    (parity's control); ``bundle`` is the datasets when already built. Raises SpecError: Something named in the spec
+    does not build, a dict sample lacks the ``data.target`` needed, or BatchNorm would meet a 1-sample training batch.
     """
     bundle = build_datasets(spec, spec_dir) if bundle is None else bundle
     loss, metrics = build_loss(spec.loss, spec_dir), build_metric_plan(spec, bundle.info, spec_dir)
@@ -158,12 +153,8 @@ def _setup_optimizer(
 
 def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: bool, restarted: bool) -> Restored:
     """Load the newest valid checkpoint of ``folder`` on ``resume`` or an elastic restart (RNG only at the same world
-    size).
-
-    Raises:
-        CheckpointError: Every checkpoint in ``folder`` is damaged.
-        StateDictMismatchError: The checkpoint's model does not fit the model built.
-    """
+    size). Raises CheckpointError: Every checkpoint in ``folder`` is damaged. StateDictMismatchError: The checkpoint's
+    model does not fit the model built."""
     if not (resume or restarted):
         return Restored(TrainState())
     found = ckpt.load_latest(folder)
