@@ -132,10 +132,12 @@ def _fsdp_bytes() -> tuple[int, dict[str, int] | None]:
 
 
 def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes(tmp_path: Path) -> None:
-    """And runner plan's fsdp-2 row (fake tensors, a fake process group) is within 5 % of a real rank's step.
+    """And runner plan's fsdp-2 row (fake tensors, a fake process group) is within 5 % of each real rank's step.
 
-    The estimate runs in a fresh process, as ``runner plan`` does: in this one, once (1 suite in 8), an earlier test's
-    state made its params 265,612 bytes where a rank measured 191,628."""
+    The breakdown is that of the moment of the peak. On real tensors two moments of a rank's step are within 0.2 % of
+    each other (gloo's threads free the all-gathered blocks when they finish), and in about 1 run in 12 a rank's peak
+    is the other one: params 191,628 and grads 260,236 bytes at 2,474,128 against 265,612 and 444,684 at 2,470,416.
+    So the kinds are checked where the rank's peak is the estimate's moment, the peak and optimizer state always."""
     whole, _ = _local_bytes("none")
     per_rank = elastic_run(_fsdp_bytes, 2, "fsdp-bytes")
     assert whole == BLOCKS * (WIDTH * WIDTH + WIDTH) * 4 * 3  # params, exp_avg, exp_avg_sq in float32
@@ -148,10 +150,19 @@ def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes(tmp_path: Path) ->
     )
     done = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    estimate, real = json.loads(done.stdout.splitlines()[-1]), per_rank[0][1]
-    assert real is not None
-    for kind in ("params", "grads", "optimizer", "activations", "peak"):
-        assert estimate[kind] == pytest.approx(real[kind], rel=0.05), (kind, estimate, real)
+    estimate = json.loads(done.stdout.splitlines()[-1])
+    kinds = ("params", "buffers", "grads", "optimizer", "activations")
+    assert sum(estimate[k] for k in kinds) == estimate["peak"]  # nothing else is counted at the peak
+    for rank in (0, 1):
+        real = per_rank[rank][1]
+        assert real is not None and sum(real[k] for k in kinds) == real["peak"], real
+        for kind in ("peak", "optimizer"):
+            assert estimate[kind] == pytest.approx(real[kind], rel=0.05), (rank, kind, estimate, real)
+        if real["params"] == pytest.approx(estimate["params"], rel=0.05):  # the rank's peak is the estimate's moment
+            for kind in kinds:
+                assert estimate[kind] == pytest.approx(real[kind], rel=0.05), (rank, kind, estimate, real)
+        else:  # the other moment: the rank's own shard (half the model, padded) and no block unsharded
+            assert estimate["grad_bytes"] / 2 <= real["params"] < estimate["params"], (rank, estimate, real)
 
 
 def test_a_sharded_checkpoint_resumes_on_any_process_count_into_the_same_run(write_spec, store: str, capsys) -> None:
