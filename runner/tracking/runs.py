@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -250,8 +251,6 @@ def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> Non
 def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
     """``MlflowClient.set_terminated`` without its ``shut_down_async_logging()``, which joins MLflow's idle logging
     loop (``queue.get(timeout=1)``): 1 s a run. runner's tracker waited for its batches before the run ends."""
-    import time
-
     from mlflow.entities import RunStatus
 
     stamp = int(time.time() * 1000)
@@ -260,8 +259,6 @@ def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
 
 def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
     """Log metrics known only once the job has ended at the run's last step; TrackingError when rejected."""
-    import time
-
     from mlflow.entities import Metric
 
     stamp = int(time.time() * 1000)
