@@ -39,12 +39,16 @@ class TensorPairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int | list[int]) -> Any:
+        """``(x[i], y[i])``; for a list of indices the batch ``[x[idx], y[idx]]``, as ``default_collate`` stacks it."""
+        if isinstance(i, list):
+            idx = torch.as_tensor(i, dtype=torch.long)
+            return [self.x[idx], self.y[idx]]
         return self.x[i], self.y[i]
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        return list(zip(self.x[idx].unbind(0), self.y[idx].unbind(0), strict=False))
+        x, y = self[indices]  # a plain DataLoader's batch, sample by sample
+        return list(zip(x.unbind(0), y.unbind(0), strict=True))
 
     def subset(self, indices: Sequence[int]) -> TensorPairDataset:
         """Return the samples at ``indices`` as a new in-memory dataset."""

@@ -240,3 +240,39 @@ def test_invalid_arguments():
         EpochSampler(10, 3, 0, 0, True, 4, False)  # 4 is not a multiple of 3
     with pytest.raises(ValueError):
         EvalSampler(10, 2, -1)
+
+
+def test_in_memory_loaders_give_each_batch_in_one_indexing_equal_to_stacked_samples(monkeypatch) -> None:
+    """runner's loaders never fetch an in-memory dataset sample by sample (a plain DataLoader's ``__getitems__``, then
+    ``default_collate``'s stack): the same tensors, about four times faster. Two ranks, two micro-batches a step."""
+    from torch.utils.data import default_collate
+
+    from runner.spec.loading import spec_from_dict
+    from runner.training.data import build_datasets
+    from runner.training.sampling import build_loaders
+    from runner.training.sources import TensorPairDataset
+
+    data = {"dataset": "synthetic", "batch_size": 8, "num_samples": 43, "input_shape": [4], "num_classes": 3}
+    tables = {"name": "t", "model": {"name": "mlp"}, "data": data, "devices": {"accelerator": "cpu"}}
+    spec = spec_from_dict({**tables, "optim": {"lr": 0.1}, "train": {"grad_accum_steps": 2}})
+    bundle = build_datasets(spec, None)
+    assert isinstance(bundle.train, TensorPairDataset) and bundle.val is not None
+
+    def one_by_one(self, indices):
+        raise AssertionError("fetched sample by sample")
+
+    for rank in range(2):
+        loaders = build_loaders(spec, bundle, rank, 2)
+        loaders.train_sampler.set_epoch(1)
+        order = loaders.train_sampler.indices()
+        chunks = [order[i : i + loaders.micro_batch] for i in range(0, len(order), loaders.micro_batch)]
+        val_order = list(range(rank, len(bundle.val), 2))
+        expected = [default_collate([bundle.train[i] for i in c]) for c in chunks]
+        expected_val = [default_collate([bundle.val[i] for i in val_order])]  # one evaluation batch
+        with monkeypatch.context() as patch:
+            patch.setattr(TensorPairDataset, "__getitems__", one_by_one)
+            got, got_val = list(loaders.train), list(loaders.val or [])
+        assert len(got) == len(chunks) > 2 and len(got_val) == 1
+        for batch, want in zip([*got, *got_val], [*expected, *expected_val], strict=True):
+            assert type(batch) is list and [t.dtype for t in batch] == [t.dtype for t in want]
+            assert all(torch.equal(a, b) for a, b in zip(batch, want, strict=True))
