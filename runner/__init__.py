@@ -3,9 +3,11 @@
 A TOML spec describes model, data, devices, parallel mode, seed, optimizer and tracking; ``runner exec SPEC`` validates
 it, trains and records one MLflow run.
 
-Importing this package imports neither torch nor mlflow, so ``runner validate`` answers instantly.
-"""
+Importing this package imports neither torch nor mlflow, so ``runner validate`` answers instantly."""
+
+import time
 
 __version__ = "0.1.0"
+IMPORTED_AT = time.time()  # the start of a process that another program exec'd into (launch/driver.py)
 
 __all__ = ["__version__"]

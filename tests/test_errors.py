@@ -161,6 +161,20 @@ def test_exec_summary_is_printed_by_rank_0_only():
     assert quiet.summary() == "status: FINISHED"
 
 
+def test_start_up_counts_from_runners_import_when_a_shell_execd_into_runner(tmp_path: Path) -> None:
+    """``sh -c 'setup && runner exec ...'`` runs its last command in the shell's own process, created before the setup:
+    the start-up figure must not include the setup (a fresh clone's README command 1 once reported 245 s)."""
+    import subprocess
+    import sys
+
+    stamp = tmp_path / "before-exec"
+    code = "from runner.launch.driver import process_started_at; print(repr(process_started_at(exec_gap_s=1.0)))"
+    script = f'sleep 1.5; date +%s.%N > {stamp}; exec "$0" -c "$1"'
+    done = subprocess.run(["sh", "-c", script, sys.executable, code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) >= float(stamp.read_text())  # not the shell's creation, 1.5 s before (as exec_gap_s=1e9)
+
+
 def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last_line():
     from types import SimpleNamespace
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from runner import IMPORTED_AT
 from runner.devices.inventory import HostLoad, peak_tflops
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.launch.channel import Hub
@@ -38,8 +39,7 @@ class ExecOptions:
     active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made against
     (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and stops
     training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process`` trains a
-    one-process job in this process; start-up is measured from ``started_at`` (default: process start).
-    """
+    one-process job in this process; start-up is measured from ``started_at`` (default: process start)."""
 
     run_name: str | None = None
     resume: str | None = None
@@ -189,8 +189,7 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
 
     ``memory/peak_allocated_mib/deviceN`` on CUDA, ``memory/peak_rss_mib/rankN`` on CPU; ``perf/flops_per_step``;
     ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak is
-    known. Returns the metrics, the compute line and the ``runner.mfu`` tag.
-    """
+    known. Returns the metrics, the compute line and the ``runner.mfu`` tag."""
     from statistics import median
 
     metrics: dict[str, float] = {}
@@ -227,11 +226,14 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     return metrics, f"{line}, MFU {mean / peak[0]:.1%}", f"{peak[0]:g} TFLOP/s {dtype} peak per device: {peak[1]}"
 
 
-def process_started_at() -> float:
-    """Clock time this process started (interpreter start-up and imports included)."""
+def process_started_at(exec_gap_s: float = 5.0) -> float:
+    """Clock time this process started (interpreter start-up and imports included). A process created over
+    ``exec_gap_s`` before it imported runner ran another program first (``sh -c 'setup && runner ...'`` execs its last
+    command in the shell's process): its start-up counts from the import of runner."""
     import psutil
 
-    return float(psutil.Process().create_time())
+    created = float(psutil.Process().create_time())
+    return created if IMPORTED_AT - created <= exec_gap_s else IMPORTED_AT
 
 
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:

@@ -36,8 +36,7 @@ class WorkerArgs:
     ``run_id`` exists before the workers only outside ``runner exec``; ``hub`` is where rank 0 reports the build and
     receives the run, checkpoint folder and resume flag that replace those fields (``None``: bench, no driver);
     ``launcher_pid`` is the process the worker dies with; ``report_dir`` takes hang reports; ``epoch_end`` runs on the
-    logging rank and every rank follows.
-    """
+    logging rank and every rank follows."""
 
     loaded: LoadedSpec
     plan: DevicePlan
@@ -58,8 +57,7 @@ class WorkerArgs:
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
     """Train one rank to the end or a stop signal; the rank's result, or ``None`` when the driver made no run.
 
-    Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build.
-    """
+    Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build."""
     from runner.devices.inventory import apply_threads
     from runner.strategies.registry import make_strategy
 

@@ -69,8 +69,7 @@ class EpochSampler(Sampler[int]):
     ``DistributedSampler``'s permutation without padding or duplicates, cut to the epoch's global batches
     (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the DataLoader's)
     from (seed, rank, epoch), so a resumed run reproduces worker seeds. Raises ValueError for a rank out of range or a
-    ``global_batch`` that is no multiple of ``W``.
-    """
+    ``global_batch`` that is no multiple of ``W``."""
 
     def __init__(
         self,

@@ -1,8 +1,7 @@
 """Dataset sources: each ``data.dataset`` name into datasets (split and info: :mod:`runner.training.data`).
 
 ``sklearn.digits``, ``sklearn.diabetes``, ``synthetic``, ``torchvision.<Name>``, ``imagefolder``,
-``pkg.module:factory``.
-"""
+``pkg.module:factory``."""
 
 from __future__ import annotations
 
@@ -313,8 +312,7 @@ def load_source(
     """``(train, val, explicit, normalization)`` of ``data.dataset``: ``val`` is the source's own validation set when
     ``explicit``, else ``None`` (split later); ``normalization`` is the inputs' ``(mean, std)`` or ``None``.
 
-    Raises SpecError as :func:`runner.training.data.build_datasets`.
-    """
+    Raises SpecError as :func:`runner.training.data.build_datasets`."""
     name = data.dataset
     if name == "sklearn.digits":
         digits, stats = _digits(data)
