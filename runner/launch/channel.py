@@ -4,6 +4,7 @@ Details: docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import tempfile
@@ -77,7 +78,7 @@ class ChannelTracker:
         self._link = link
         self._every_s = every_s
         self._pending: list[tuple[dict[str, float], int, int]] = []
-        self._sent_at = 0.0
+        self._sent_at = -math.inf  # the first values go at once, however recently the machine booted
         self._recorded = 0
         self._closed = False
 
@@ -136,8 +137,7 @@ class Hub:
     """The driver's end: a socket and one thread serving rank 0's messages in order through ``handle(kind, *payload)``.
 
     Its return value answers :data:`ANSWERED` kinds, its exception answers them as an error; ``before_accept`` runs
-    first (the driver opens the store there while the training processes build).
-    """
+    first (the driver opens the store there while the training processes build)."""
 
     def __init__(
         self, handle: Callable[..., Any], before_accept: Callable[[], None] = lambda: None, prefix: str = "runner-"
