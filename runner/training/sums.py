@@ -158,7 +158,7 @@ class Progress:
         self.samples = 0  # global samples of the epoch in progress
         self._start = time.perf_counter()
         self._excluded_s = 0.0  # seconds spent in phases (evaluation), left out of samples/s
-        self._last_line = 0.0
+        self._last_line = -math.inf  # the first line shows at once, however recently the machine booted
         self._values = ""
         self._bar: tqdm | None = None
         use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -98,6 +99,18 @@ def test_lines_off_a_terminal_name_the_phase_and_the_rate(capsys) -> None:
     err = capsys.readouterr().err.splitlines()
     assert re.fullmatch(r"step 1/2 loss=1\.25 samples/s=[0-9.e+]+", err[0]), err
     assert err[1] == "step 1/2 validating"
+
+
+def test_the_first_line_shows_at_once_on_a_machine_just_booted_and_the_next_waits(capsys, monkeypatch) -> None:
+    clock = iter([1.0, 2.0, 12.5])  # monotonic seconds since boot: the machine came up a second ago
+    fake = types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter)
+    monkeypatch.setattr(progress_module, "time", fake)
+    lines = Progress("lines", 10, every_s=10.0)
+    for step in (1, 2, 3):
+        lines.update(1, samples=16)
+        lines.show(step=step)
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" samples/s")[0] for line in err] == ["step 1/10 step=1", "step 3/10 step=3"]
 
 
 def test_other_ranks_and_off_print_nothing(capsys) -> None:
