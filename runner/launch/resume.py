@@ -86,8 +86,6 @@ def claim_run(uri: str, run_id: str) -> list[str]:
     """
     import time
 
-    from runner.launch.resume import settle
-
     settled = settle(uri, run_id)
     owner = settled.owner
     sent = settled.sent
@@ -124,7 +122,6 @@ def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
     """The newest run of ``experiment`` that exec can continue: KILLED, FAILED, or RUNNING with its owner gone."""
     import time
 
-    from runner.launch.resume import Owner
     from runner.tracking.stored import continuable_runs
 
     for info in continuable_runs(uri, experiment):

@@ -90,8 +90,6 @@ def schema_text() -> str:
 def write_editor_files(folder: str | Path) -> list[Path]:
     """Write ``runner.schema.json`` and ``.taplo.toml`` into ``folder`` and refresh a README's key reference; a taplo
     file or README this did not write is left alone. Returns the files written."""
-    from runner.spec.editor_schema import BEGIN, END, markdown_reference
-
     root = Path(folder)
     written = [root / SCHEMA_FILE]
     written[0].write_text(schema_text(), encoding="utf-8")
@@ -114,7 +112,6 @@ def emit_schema(*, write: str | None = None, output: str | None = None, markdown
     """``runner schema``: print the JSON Schema or the Markdown reference (to ``output``), or ``write`` the editor
     files into a folder, printing each path. UsageError names a file that cannot be written."""
     from runner.errors import UsageError
-    from runner.spec.editor_schema import markdown_reference
 
     try:
         if write is not None:

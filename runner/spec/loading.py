@@ -229,8 +229,6 @@ def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> i
     """Validate ``files`` (a base through the specs under ``dependents_in`` that extend it); return the exit status."""
     checked: list[str | Path] = list(files)
     if dependents_in:
-        from runner.spec.loading import plan_validation
-
         plan = plan_validation(files, dependents_in)
         for base, users in plan.bases.items():
             print(f"base  {base}: checked through {len(users)} spec(s) that extend it")

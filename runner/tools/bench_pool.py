@@ -214,8 +214,6 @@ def serve(conn: Connection) -> None:
 
 def _chart(job: Chart) -> Any:
     """The chart's path, or the exception drawing it raised."""
-    from runner.tools.bench_pool import write_chart
-
     try:
         return write_chart(job.report, job.path)
     except Exception as exc:

@@ -87,8 +87,6 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         log = os.open(config.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-    from runner.tools.sweep_jobs import work
-
     code, me = 0, config.index
     try:
         with sigterm_interrupts():
