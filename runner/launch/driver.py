@@ -13,13 +13,13 @@ from runner import IMPORTED_AT
 from runner.devices.inventory import HostLoad, peak_tflops
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.launch.channel import Hub
-from runner.launch.elastic import LaunchFailed, launch_failure
+from runner.launch.elastic import LaunchFailed, launch_elastic, launch_failure, run_agent, run_child
 from runner.launch.failures import JobContext, oom_kill_count
 from runner.launch.resume import resume_command
 from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch, worker_args
 from runner.launch.worker import run_worker
 from runner.spec.loading import relocate_issues
-from runner.tracking.runs import check_fluent_run
+from runner.tracking.runs import check_fluent_run, experiment_id_of, log_final_metrics
 from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC, flops_uncounted
 
@@ -148,8 +148,6 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 
 def _experiment_id(plan: Plan, session: RunSession | None) -> str:
     """The run's experiment id for the printed link: known when the driver created the run, else asked of the store."""
-    from runner.tracking.runs import experiment_id_of
-
     if session is None or session.run_id is None or not plan.tracking_uri:
         return ""
     return session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
@@ -163,7 +161,6 @@ def _record_end(
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
-        from runner.tracking.runs import log_final_metrics
         from runner.tracking.stored import set_run_tags
 
         with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
@@ -331,8 +328,6 @@ def _launch(
     """Run the training processes; return their results, rank 0's first. ``hangs`` receives the reports of ranks that
     hung after a stop signal (elastic launch only)."""
     if plan.launch == "elastic":
-        from runner.launch.elastic import launch_elastic, run_agent
-
         if plan.rendezvous is not None and plan.rendezvous.nnodes > 1:
             # c10d numbers the nodes by host name, then by the pid of the process that runs the launcher; the job's
             # rank 0 must be where its run's owner is (node 0 on one host, as the drivers start): launch here
@@ -341,8 +336,6 @@ def _launch(
     if session is not None and plan.launch != "elastic" and not options.in_process:
         # none and dp; and rank 0 started by torchrun or a Slurm task per device, which thus stays its job's
         # driver: the rank trains in a child that inherits its launcher's variables (docs/design.md §6)
-        from runner.launch.elastic import run_child
-
         return [run_child(args, session)]
     result = run_worker(args)
     if result is None:

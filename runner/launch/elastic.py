@@ -356,8 +356,6 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
 
     Raises Interrupted on a stop, the RunnerError the child reported, or TrainingError when it ended without one.
     """
-    import dataclasses
-
     from runner.training import WorkerResult
 
     assert args.hub is not None

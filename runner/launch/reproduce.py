@@ -182,8 +182,6 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
     if path.is_file():
         return _spec_side(load_spec(path))
     if path.suffix == ".toml":
-        from runner.errors import UsageError
-
         raise UsageError(f"{arg}: spec file not found (give a spec file or a run id)")
     stored = read_stored_run(store_uri(tracking_uri), arg)
     tags = stored.tags

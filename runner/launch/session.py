@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import SpecError, SpecIssue, TrackingError, echo, show_notes
 from runner.launch.channel import HandedRun
 from runner.launch.prebuild import check_checkpoint_folder
-from runner.launch.resume import Owner, prepare_resume
+from runner.launch.resume import Owner, ResumePoint, claim_run, prepare_resume
 from runner.launch.worker import WorkerArgs
 from runner.spec.loading import relocate_issues
 from runner.spec.reading import default_checkpoint_dir
-from runner.tracking.uri import local_store_missing
+from runner.tracking.uri import check_reachable, local_store_missing, open_store
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress
@@ -57,8 +57,6 @@ class RunSession:
         uri = self.plan.tracking_uri
         if uri is None or self._opened or (early and local_store_missing(uri)):
             return
-        from runner.tracking.uri import open_store
-
         self._opened = True
         try:
             open_store(uri)
@@ -284,7 +282,6 @@ def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, chec
 
     from runner.tracking import runs as tracking
     from runner.tracking.spool import append, spool_path
-    from runner.tracking.uri import check_reachable
 
     try:
         check_reachable(uri)
@@ -309,8 +306,6 @@ def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
 
 
 def _open_store(plan: Plan, options: ExecOptions) -> None:
-    from runner.tracking.uri import open_store
-
     if plan.tracking_uri is None:
         return
     try:
@@ -400,7 +395,6 @@ def requeued(plan: Plan) -> bool:
 
 def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
     """The run to continue on the owner of a requeued Slurm job (tag ``runner.slurm.job_id``), or ``None``."""
-    from runner.launch.resume import ResumePoint, claim_run
     from runner.tracking.runs import find_run_by_tag
 
     if not (owner and requeued(plan) and plan.tracking_uri is not None):

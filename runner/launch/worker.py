@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, stop_code, user_code_error
+from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, show_notes, stop_code, user_code_error
 from runner.launch.channel import ChannelTracker, HandedRun, HubAddress, Link
 from runner.launch.environment import LauncherEnvironment
 from runner.launch.failures import HangWatch, die_with_parent
@@ -148,8 +148,6 @@ def _fit(
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
         if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
-            from runner.errors import show_notes
-
             show_notes([note for note in notes if note not in _SHOWN_NOTES])
             _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
         if is_log_rank and restored.resumed_from is None and parts.data is not None:

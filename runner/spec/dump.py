@@ -234,8 +234,6 @@ def set_inactive_keys(spec: ExperimentSpec, accelerator: str | None = None) -> d
 
 def _written_keys(spec: ExperimentSpec) -> set[str]:
     """Dotted keys set explicitly (``model_fields_set``) in every table of ``spec``."""
-    from pydantic import BaseModel
-
     found: set[str] = set()
 
     def walk(model: BaseModel, prefix: str) -> None:

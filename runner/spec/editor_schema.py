@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from runner.errors import toml_value
+from runner.errors import UsageError, toml_value
 
 SCHEMA_FILE = "runner.schema.json"
 TAPLO_FILE = ".taplo.toml"
@@ -111,8 +111,6 @@ def write_editor_files(folder: str | Path) -> list[Path]:
 def emit_schema(*, write: str | None = None, output: str | None = None, markdown: bool = False) -> None:
     """``runner schema``: print the JSON Schema or the Markdown reference (to ``output``), or ``write`` the editor
     files into a folder, printing each path. UsageError names a file that cannot be written."""
-    from runner.errors import UsageError
-
     try:
         if write is not None:
             for path in write_editor_files(Path(write).resolve()):

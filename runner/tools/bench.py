@@ -27,7 +27,7 @@ from runner.tools.bench_runs import (
     record_parent,
     start_bench_parent,
 )
-from runner.tracking.runs import delete_run
+from runner.tracking.runs import delete_run, end_run
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -254,8 +254,6 @@ def _measure_all(
             measure_config(config, report, parent, pool, f"{i}/{len(runnable)}")
         except (Interrupted, KeyboardInterrupt):
             if parent is not None:  # the child runs not measured yet end with the bench
-                from runner.tracking.runs import end_run
-
                 for later in runnable[i:]:
                     if later.child_run_id is not None:
                         end_run(parent.uri, later.child_run_id, "KILLED")

@@ -216,8 +216,6 @@ def sigterm_interrupts() -> Iterator[None]:
 
 def _stop(procs: Sequence[BaseProcess]) -> None:
     """Ask worker processes to stop (their trials' runs end KILLED and are enqueued again), then kill what remains."""
-    import time
-
     for proc in procs:
         if proc.is_alive() and proc.pid is not None:
             with contextlib.suppress(ProcessLookupError):

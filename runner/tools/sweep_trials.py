@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError, toml_value
 from runner.spec.dump import spec_sha256
-from runner.spec.loading import spec_from_dict
+from runner.spec.loading import load_spec, relocate_issues, spec_from_dict
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_space import SweepDefinition, Trial
 from runner.tools.sweep_store import make_pruner, open_storage
@@ -86,7 +86,6 @@ def prepare_trials(
     that ask for devices this machine lacks, a line each."""
     from runner.devices.inventory import probe_inventory
     from runner.plan import make_plan
-    from runner.spec.loading import load_spec, relocate_issues
 
     env = trial_environ() if environ is None else dict(environ)
     inventory = probe_inventory(env)

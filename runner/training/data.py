@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from runner.errors import first_line
+from runner.errors import did_you_mean, first_line, with_hint
 from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset, load_source, source_text
 
@@ -82,8 +82,6 @@ def _first_sample(
     if isinstance(sample, dict):
         keys = tuple(str(k) for k in sample)
         if target is not None and target not in sample:
-            from runner.errors import did_you_mean, with_hint
-
             message = f"{name} yields dicts with keys {list(keys)}, none of them {target!r}"
             raise spec_issue("data.target", with_hint(message, did_you_mean(target, keys)))
         inputs = [v for k, v in sample.items() if k != target and isinstance(v, torch.Tensor)]

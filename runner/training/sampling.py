@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from runner.training.data import loader_generator, worker_init_fn
+from runner.training.data import derive_seed, loader_generator, worker_init_fn
 from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset
 
@@ -104,8 +104,6 @@ class EpochSampler(Sampler[int]):
         """Select the permutation of ``epoch`` and reseed the attached DataLoader generator, if any."""
         self.epoch = epoch
         if self.generator is not None:
-            from runner.training.data import derive_seed
-
             self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
 
     def set_start_batch(self, batch: int) -> None:
