@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -295,8 +296,6 @@ def describe_unrunnable(
 
 def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
     """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way."""
-    import dataclasses
-
     from runner.spec.overrides import parse_key
 
     fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
-MAX_LINES = 19_886  # on the way to 18,000: lower it as lines go, never raise it (a feature pays for its lines)
+MAX_LINES = 19_817  # on the way to 18,000: lower it as lines go, never raise it (a feature pays for its lines)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}
@@ -92,3 +92,23 @@ def test_every_module_note_a_docstring_points_at_is_in_the_design_doc(tmp_path: 
     assert module_notes_missing(tmp_path, design + "\n### runner/gone.py\n") == []
     (tmp_path / "gone.py").write_text('"""One line. Details: docs/design.md, "Module notes"."""\n')
     assert module_notes_missing(tmp_path, design) == ["gone.py -> runner/gone.py"]
+
+
+def python_claims(pyproject: str) -> set[str]:
+    """The Python versions ``pyproject.toml`` names as the oldest: install, mypy, ruff (e.g. ``{"3.11"}``)."""
+    import tomllib
+
+    data = tomllib.loads(pyproject)
+    ruff = data["tool"]["ruff"]["target-version"].removeprefix("py")
+    return {
+        data["project"]["requires-python"].removeprefix(">="),
+        data["tool"]["mypy"]["python_version"],
+        ruff[0] + "." + ruff[1:],
+    }
+
+
+def test_the_oldest_python_installed_on_is_the_one_the_code_is_checked_against() -> None:
+    # requires-python said 3.10 while mypy and ruff checked 3.11, and runner/launch/resume.py imports datetime.UTC (3.11)
+    assert python_claims((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8")) == {"3.11"}
+    claimed_older = '[project]\nrequires-python = ">=3.10"\n[tool.mypy]\npython_version = "3.11"\n[tool.ruff]\ntarget-version = "py311"\n'
+    assert python_claims(claimed_older) == {"3.10", "3.11"}

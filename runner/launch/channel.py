@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -155,8 +156,6 @@ class Hub:
 
     def stop(self, wait_s: float = 30.0) -> None:
         """Stop listening and wait (at most ``wait_s``) for the last message to be handled; remove the folder."""
-        import shutil
-
         self._stopped.set()
         # A hub still waiting for rank 0 is woken by a connection of its own, made on a thread: it must not
         # block this one when the hub is busy with rank 0's last messages.

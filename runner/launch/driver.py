@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from statistics import median
 from typing import TYPE_CHECKING
 
 from runner import IMPORTED_AT
@@ -187,8 +190,6 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     ``memory/peak_allocated_mib/deviceN`` on CUDA, ``memory/peak_rss_mib/rankN`` on CPU; ``perf/flops_per_step``;
     ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak is
     known. Returns the metrics, the compute line and the ``runner.mfu`` tag."""
-    from statistics import median
-
     metrics: dict[str, float] = {}
     for worker in workers:
         for i, held in enumerate(worker.device_peaks):
@@ -236,8 +237,6 @@ def process_started_at(exec_gap_s: float = 5.0) -> float:
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
     """A fluent MLflow run active on this thread is an error (TrackingError, exit 2, before anything starts), or with
     ``options.nested`` the run's parent: checked here, as the hub's thread that makes the run does not see it."""
-    import dataclasses
-
     if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:
         return options  # without mlflow imported, no fluent run can be active
 
@@ -309,8 +308,6 @@ def _interrupted(
 
 def checkpoint_note(folder: str, hangs: HangReports) -> str:
     """Which checkpoint a stopped job left: the stop's own, or (a rank hung before writing it) an older one or none."""
-    from pathlib import Path
-
     from runner.training.checkpoint import list_checkpoints
 
     saved = list_checkpoints(Path(folder)) if folder else []

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib
 import json
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrainingError
+from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrainingError, exit_quickly
 from runner.launch.failures import (
     JobContext,
     describe_failure,
@@ -186,8 +190,6 @@ PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.se
 
 def preload() -> None:
     """Import :data:`PRELOAD`."""
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
 
@@ -224,7 +226,6 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
         from multiprocessing.util import Finalize
 
         Finalize(None, os.abort, exitpriority=0)  # a forked worker ends with os._exit: atexit never runs
-    import gc
 
     gc.freeze()  # this process ends next: its teardown skips torch's objects (runner.errors.exit_quickly)
     return result
@@ -233,8 +234,6 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
 def _stop_when_gone(pid: int) -> None:
     """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second): the kernel's parent-death
     signal does not come for a worker orphaned by a launcher killed hard (docs/design.md, runner/launch/elastic.py)."""
-    import select
-    import threading
 
     def watch() -> None:
         try:
@@ -432,9 +431,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import importlib
-
-    from runner.errors import exit_quickly
-
     # this file again, as itself: what the agent pickles (LaunchFailed) is then found by its name
     exit_quickly(importlib.import_module("runner.launch.elastic").main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,8 +196,6 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
 
 def _spec_side(loaded: LoadedSpec) -> Side:
     """A spec file now: its flattened spec, its repository's git state, this machine's environment."""
-    import socket
-
     import torch
 
     from runner.plan import make_plan

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import shlex
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -84,8 +86,6 @@ def claim_run(uri: str, run_id: str) -> list[str]:
 
     Returns notes (an owner on another host cannot be checked). Raises UsageError when an owner here is alive.
     """
-    import time
-
     settled = settle(uri, run_id)
     owner = settled.owner
     sent = settled.sent
@@ -120,8 +120,6 @@ def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[str, list[s
 
 def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
     """The newest run of ``experiment`` that exec can continue: KILLED, FAILED, or RUNNING with its owner gone."""
-    import time
-
     from runner.tracking.stored import continuable_runs
 
     for info in continuable_runs(uri, experiment):
@@ -228,8 +226,6 @@ class Owner:
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> Owner | None:
         """The owner recorded in a run's tags, or ``None`` when there is none (runs made before owners were)."""
-        from datetime import UTC, datetime
-
         try:
             text = tags[TAGS[2]]
             when = datetime.strptime(text.rstrip("Z"), _TIME_FORMAT).replace(tzinfo=UTC) if "T" in text else None
@@ -240,8 +236,6 @@ class Owner:
 
     def tags(self) -> dict[str, str]:
         """The run tags that record this owner; the start time in UTC, ISO 8601, to the hundredth of a second."""
-        from datetime import UTC, datetime
-
         started = datetime.fromtimestamp(self.start_time, UTC).strftime(_TIME_FORMAT)[:-4] + "Z"
         return dict(zip(TAGS, (self.host, str(self.pid), started), strict=True))
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,8 +248,6 @@ def _check_parts(args: WorkerArgs, world_size: int) -> tuple[list[str], DatasetB
 
 def _report_failure(link: Link, exc: BaseException) -> None:
     """Tell the driver what rank 0 failed of (the exception itself when it crosses a pipe, else its text)."""
-    import pickle
-
     error: BaseException = exc
     try:
         pickle.loads(pickle.dumps(exc))  # some exceptions pickle but do not unpickle (a custom __init__)
@@ -345,8 +345,6 @@ class _StopFlag:
         return stop_code(self.signum, self._rank) if self._event.is_set() else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        import time
-
         now = time.monotonic()
         if self._first is not None and signum == signal.SIGINT and now - self._first > 1.0:
             raise KeyboardInterrupt

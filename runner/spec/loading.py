@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,14 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from runner.errors import SpecError, echo
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from runner.errors import SpecIssue
+from runner.errors import SpecError, SpecIssue, echo
 from runner.spec.dump import spec_sha256
 from runner.spec.messages import Loc, explain_errors, format_key, locate_keys
 from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
@@ -243,12 +237,6 @@ def validate_files(files: Sequence[str], dependents_in: Sequence[str] = ()) -> i
             print(f"error {path}", file=sys.stdout)
             echo("\n".join("  " + line for line in str(exc).splitlines()), err=True)
     return status
-
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 
 def extends_chain(path: Path) -> set[Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import tomllib
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -276,11 +277,6 @@ def _explain_union(errors: list[Mapping[str, Any]]) -> str:
     hint = did_you_mean(value, choices) if isinstance(value, str) else ""
     return with_hint(f"got {show(value)}; expected {join_or(expected)}", hint)
 
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 Loc = tuple  # tuple[str | int, ...]: table keys are str, array indices are int
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 from typing import Any
 
 from pydantic import BaseModel
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecIssue, did_you_mean, show, with_hint
 from runner.spec.messages import Loc, annotation_at, format_key, unwrap_optional

@@ -7,15 +7,11 @@ import copy
 import os
 import re
 import tempfile
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from runner.errors import SpecIssue, show
 from runner.spec.messages import Loc, format_key, line_of, locate_keys

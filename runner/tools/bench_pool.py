@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing
 import os
 import socket
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,8 +88,6 @@ class WarmPool:
 
     def start(self) -> None:
         """Start every missing worker; returns at once (they import torch in the background)."""
-        import multiprocessing
-
         from runner.devices.inventory import scoped_environ
 
         ctx = multiprocessing.get_context("spawn")
@@ -231,8 +231,6 @@ def _probe(job: Probe) -> Any:
 
 def run_job(job: Job) -> Reply:
     """Train one repeat in this process; failures become replies, and no MLflow run is touched."""
-    import tempfile
-
     from runner.launch.worker import WorkerArgs, run_worker
 
     _set_launch_env(job)

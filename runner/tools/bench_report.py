@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,8 +168,6 @@ def _memory(num_bytes: int) -> str:
 
 def _likely_cause(c: ConfigResult, base: ConfigResult) -> str:
     """Why a configuration measured faster than n x none: unequal thread budgets, a noisy baseline, or load."""
-    import os
-
     if c.thread_budget and base.thread_budget and c.thread_budget != base.thread_budget:
         return (
             f"unequal CPU thread budgets ({base.thread_budget} for none, {c.thread_budget} here): unset "
@@ -308,8 +307,6 @@ class BenchReport:
 
 def _shown(path: str) -> str:
     """``path`` relative to the working directory when it lies inside it, else unchanged."""
-    import os
-
     try:
         rel = os.path.relpath(path)
     except ValueError:  # another drive (Windows)

@@ -7,6 +7,7 @@ initial weights nudged by one ulp) sets the tolerance. Semantics: docs/design.md
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import tempfile
@@ -381,8 +382,6 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
 
 def _record(report: ParityReport, parent: Parent, folder: Path) -> None:
     """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
-    import json
-
     uri, run_id = parent.uri, parent.run_id
     metrics: dict[str, float] = {}
     for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:

@@ -3,15 +3,20 @@ Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+import shlex
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo, first_line
+from runner.spec.loading import LoadedSpec, load_spec
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import (
@@ -35,12 +40,12 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
+from runner.tracking.runs import end_run
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
 
     from runner.plan import Plan
-    from runner.spec.loading import LoadedSpec
 
 
 def run_sweep(
@@ -64,8 +69,6 @@ def run_sweep(
     no run is created. UsageError: Bad entries, tracking off, an unusable ``--storage``, or a study searching another
     sweep. Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
     """
-    from runner.spec.loading import load_spec
-
     say = log or functools.partial(echo, err=True)
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: give at least 1")
@@ -191,8 +194,6 @@ def _run_trials(
                 return  # the trial finished before its process died: its run and result stand
             run_id = store.trial_run(study.parent_run_id, number)
             if run_id is not None:
-                from runner.tracking.runs import end_run
-
                 end_run(store.uri, run_id, "FAILED", error)
 
         for error in WorkerPool(study, progress, dead).run(configs):
@@ -209,9 +210,6 @@ def _worker_configs(
     folder: Path,
 ) -> list[WorkerConfig]:
     """One config per warm worker: its GPU (when single-GPU trials are spread), its device view and log."""
-    import dataclasses
-    import os
-
     definition = study.definition
     pool = device_pool(base.spec, plans, definition) if jobs > 1 else None
     one_each = swept_devices(definition)
@@ -243,7 +241,6 @@ def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]
     if not extra:
         return dict(plans[0].devices.env) if plans else {}
     from runner.plan import make_plan
-    from runner.spec.loading import load_spec
 
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *extra], setup.unset))
     return dict(make_plan(loaded, env=setup.environ).devices.env)
@@ -268,8 +265,6 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
             checkpoint="the sweep stopped: its finished trials are kept and its running ones run again",
         ) from None
     except BaseException:
-        import traceback
-
         settle("FAILED", traceback.format_exc())
         raise
 
@@ -312,8 +307,6 @@ def _finish(report: SweepReport, study: SweepStudy, store: SweepStore, since: fl
 
 def continue_command(argv: Sequence[str] | None = None) -> str:
     """The command that continues the sweep: the same ``runner sweep ...`` (the study resumes where it stopped)."""
-    import shlex
-
     args = list(sys.argv[1:] if argv is None else argv)
     return "runner " + shlex.join(args)
 

@@ -6,6 +6,7 @@ Every problem is found before anything runs (docs/design.md §16).
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,6 @@ from runner.tools.sweep_space import SweepDefinition
 if TYPE_CHECKING:  # pragma: no cover
     from runner.spec.loading import LoadedSpec
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 # Swept keys may not change where or how a trial is recorded: every trial must be a
 # child of the parent run, in the parent's store and experiment.

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, RunnerError, echo, first_line
+from runner.spec.loading import load_spec
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
 from runner.tools.sweep_store import SweepStore, open_storage
 from runner.tools.sweep_study import SweepStudy
@@ -334,7 +335,6 @@ def _execute(
 ) -> TrialResult:
     """Load the trial's spec and run it with ``runner exec``'s driver; tag the run when the pruner stopped it."""
     from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.spec.loading import load_spec
 
     definition = study.definition
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra], setup.unset))

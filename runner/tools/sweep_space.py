@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import json
 import math
+import tomllib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +26,6 @@ if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 _PRIMITIVE = (str, int, float, bool, type(None))
 

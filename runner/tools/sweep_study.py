@@ -9,6 +9,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.errors import UsageError, mask_secrets
@@ -154,8 +155,6 @@ class SweepStudy:
 
     def next_trial(self) -> optuna.Trial | None:
         """The next WAITING trial or ``None``, taken in one conditional UPDATE (docs/design.md §16)."""
-        from datetime import datetime
-
         import optuna
         from optuna.storages._rdb.models import TrialModel as T
         from optuna.trial import TrialState

@@ -5,8 +5,10 @@ Imports neither mlflow nor torch.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import getpass
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+import runner
 from runner.errors import mask_secrets
 
 if TYPE_CHECKING:
@@ -39,9 +42,6 @@ _REMARK = re.compile(r"^\*\*([^*\n]+)\*\*: ?", re.MULTILINE)
 def _torch_versions() -> tuple[str, str]:
     """``(torch version, CUDA version of the torch build or "none")``, read from ``torch/version.py`` without
     importing torch (the driver of a none or dp job never does; docs/design.md §6)."""
-    import ast
-    import importlib.util
-
     found = importlib.util.find_spec("torch")
     if found is None or not found.submodule_search_locations:
         return "none", "none"
@@ -59,8 +59,6 @@ def _torch_versions() -> tuple[str, str]:
 
 
 def _runner_version() -> str:
-    import runner
-
     return str(getattr(runner, "__version__", "unknown"))
 
 

@@ -4,6 +4,7 @@ docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,8 +89,6 @@ class BuiltinLoss(Loss):
 
 def _out_of_bounds(exc: Exception, pred: torch.Tensor, classes: int) -> TrainingError | None:
     """torch's ``Target N is out of bounds`` as the spec key that fixes it (``None`` for other errors)."""
-    import re
-
     found = re.search(r"Target (-?\d+) is out of bounds", str(exc))
     if found is None:
         return None

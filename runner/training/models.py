@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,8 +118,6 @@ def installed_torchvision_names(key: str = "model.name") -> tuple[tuple[str, ...
 def write_torchvision_names(path: Path = GENERATED) -> Path:
     """Write ``runner/spec/torchvision_names.json`` from the installed torchvision (``python -m
     runner.training.models``)."""
-    from importlib.metadata import version
-
     models, datasets = installed_torchvision_names()
 
     data = {"version": version("torchvision").partition("+")[0], "models": models, "datasets": datasets}

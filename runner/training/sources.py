@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -109,9 +111,6 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
 def sklearn_table(file: str, delimiter: str | None = None) -> torch.Tensor:
     """A scikit-learn data file (``sklearn/datasets/data/<file>``) as float64 ``(rows, cols)``, read as its loaders
     read it, without importing scikit-learn (about 1.6 s a process). SpecError at ``data.dataset`` when missing."""
-    import gzip
-    import importlib.util
-
     import numpy as np
 
     found = importlib.util.find_spec("sklearn")

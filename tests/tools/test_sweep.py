@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import tomllib
 
 from runner.cli import main
 from runner.errors import SpecError, UsageError, mask_secrets, toml_value
