@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
-    from runner.spec.schema import ExperimentSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +49,6 @@ class RunHandle:
     experiment_name: str
     run_name: str = ""
     artifact_uri: str = ""
-
-
-def _spec_codec() -> tuple[Callable[[ExperimentSpec, str | None], dict[str, str]], Callable[[ExperimentSpec], str]]:
-    """``(spec_params, dump_spec)``: a run's params and its resolved spec (imported lazily)."""
-    from runner.spec.dump import dump_spec
-
-    return spec_params, dump_spec
 
 
 THREADS_PARAM = "runner.threads_per_process"
@@ -197,8 +189,9 @@ def _what_the_run_records(
     """``(params, text artifacts, tags)`` of a new run, credentials masked: they never leave the process."""
     from mlflow.entities import Param
 
-    params_of, dump_spec = _spec_codec()
-    params = [Param(k, mask_secrets(v)) for k, v in params_of(loaded.spec, _accelerator(plan_description)).items()]
+    from runner.spec.dump import dump_spec
+
+    params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, _accelerator(plan_description)).items()]
     threads = _planned(plan_description, "threads_per_process")
     if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
         params.append(Param(THREADS_PARAM, str(threads)))

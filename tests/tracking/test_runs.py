@@ -338,7 +338,7 @@ def test_start_run_fails_before_creating_anything_when_spec_cannot_be_dumped(tmp
     def boom(spec):
         raise RuntimeError("cannot dump")
 
-    monkeypatch.setattr(tracking, "_spec_codec", lambda: (lambda s, accelerator=None: {"name": "demo"}, boom))
+    monkeypatch.setattr("runner.spec.dump.dump_spec", boom)
     with pytest.raises(RuntimeError):
         start_run(loaded, {}, uri=uri)
     assert client.get_experiment_by_name("exp-demo") is None
