@@ -122,7 +122,8 @@ def _local_bytes(mode: str, measure: bool = False) -> tuple[int, dict[str, int] 
         from runner.plan_report import fake_step
 
         with tempfile.TemporaryDirectory() as folder:
-            return total, fake_step(memory_spec(Path(folder)), 16, fake=False, shards=2)
+            steps = [fake_step(memory_spec(Path(folder)), 16, fake=False, shards=2) for _ in range(3)]
+        return total, min(steps, key=lambda step: step["peak"])  # gloo's late frees only ever add to a peak
     finally:
         strategy.teardown()
 
@@ -137,7 +138,9 @@ def test_fsdp_halves_each_ranks_parameter_and_optimizer_bytes(tmp_path: Path) ->
     The breakdown is that of the moment of the peak. On real tensors two moments of a rank's step are within 0.2 % of
     each other (gloo's threads free the all-gathered blocks when they finish), and in about 1 run in 12 a rank's peak
     is the other one: params 191,628 and grads 260,236 bytes at 2,474,128 against 265,612 and 444,684 at 2,470,416.
-    So the kinds are checked where the rank's peak is the estimate's moment, the peak and optimizer state always."""
+    So the kinds are checked where the rank's peak is the estimate's moment, the peak and optimizer state always. Once
+    in a loaded CI run a rank's gloo threads freed late, and the activations of the one moment met the gradients of the
+    other: 2,688,272 bytes (+8.8 %). A late free only adds, so each rank's real figure is the lowest of three steps."""
     whole, _ = _local_bytes("none")
     per_rank = elastic_run(_fsdp_bytes, 2, "fsdp-bytes")
     assert whole == BLOCKS * (WIDTH * WIDTH + WIDTH) * 4 * 3  # params, exp_avg, exp_avg_sq in float32
