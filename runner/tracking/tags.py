@@ -58,10 +58,6 @@ def _torch_versions() -> tuple[str, str]:
     return values.get("__version__", "unknown"), values.get("cuda", "none")
 
 
-def _runner_version() -> str:
-    return str(getattr(runner, "__version__", "unknown"))
-
-
 def source_tags(source: str) -> dict[str, str]:
     """MLflow's source tags of a run started from the local file ``source`` (shown in the MLflow UI)."""
     return {"mlflow.source.type": "LOCAL", "mlflow.source.name": source}
@@ -128,7 +124,7 @@ def run_tags(
         **source_tags(spec_path),
         "runner.spec.path": spec_path,
         "runner.spec.sha256": loaded.sha256,
-        "runner.version": _runner_version(),
+        "runner.version": runner.__version__,
         "runner.torch_version": torch_version,
         "runner.cuda_version": cuda_version,
         "runner.hostname": socket.gethostname(),
