@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from statistics import median
 from typing import TYPE_CHECKING
 
 from runner import IMPORTED_AT
@@ -190,6 +189,8 @@ def end_figures(plan: Plan, options: ExecOptions, workers: list[WorkerResult]) -
     ``memory/peak_allocated_mib/deviceN`` on CUDA, ``memory/peak_rss_mib/rankN`` on CPU; ``perf/flops_per_step``;
     ``perf/tflops_per_s/<device>`` over the median step after the first two; ``perf/mfu/<device>`` only when the peak is
     known. Returns the metrics, the compute line and the ``runner.mfu`` tag."""
+    from statistics import median  # only here, once the job has ended: not on the way to the first step
+
     metrics: dict[str, float] = {}
     for worker in workers:
         for i, held in enumerate(worker.device_peaks):
