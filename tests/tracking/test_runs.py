@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.exceptions import MlflowException
 
+import runner
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
@@ -153,6 +154,7 @@ def test_start_run_records_params_tags_and_artifacts(tmp_path, uri, client, monk
     assert tags["runner.spec.path"] == "experiments/demo.toml"
     assert tags["runner.spec.sha256"] == loaded.sha256
     assert tags["runner.torch_version"]
+    assert tags["runner.version"] == runner.__version__
     cuda = tags["runner.cuda_version"]  # a CPU plan: the torch build's CUDA, said to be only that
     assert cuda == "none" or cuda.endswith(" (torch build; no GPU used)"), cuda
     assert tags["runner.devices"] == "Fake GPU A, Fake GPU B"
