@@ -81,21 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_exec(sub)
     _add_stored_run_commands(sub)
-    _add_status(sub)
     _add_sweep(sub)
     _add_bench(sub)
     _add_parity(sub)
     return parser
-
-
-def _add_status(sub: _Commands) -> None:
-    """``runner status [RUN_ID]``: runs still RUNNING, whether their owner lives; orphaned runs end KILLED."""
-    p = sub.add_parser(
-        "status", help="show RUNNING runs and their owner; mark KILLED those whose owner died without ending them"
-    )
-    p.add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run of the store)")
-    _tracking_uri_arg(p)
-    p.set_defaults(func=_status)
 
 
 def _add_exec(sub: _Commands) -> None:
@@ -121,11 +110,18 @@ def _add_exec(sub: _Commands) -> None:
 
 
 def _add_stored_run_commands(sub: _Commands) -> None:
-    """``runner resume``, ``reproduce``, ``export`` RUN_ID, ``runner diff A B``: from MLflow back to a run."""
+    """``runner status``, ``resume``, ``reproduce``, ``export`` RUN_ID, ``runner diff A B``: from MLflow to a run."""
+    p = sub.add_parser(
+        "status", help="show RUNNING runs and their owner; mark KILLED those whose owner died without ending them"
+    )
+    p.add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run of the store)")
+    _tracking_uri_arg(p)
+    p.set_defaults(func=_stored_run)
+
     p = sub.add_parser("resume", help="continue a KILLED or FAILED run with the spec stored in it (no spec file)")
     p.add_argument("run_id", metavar="RUN_ID")
     _tracking_uri_arg(p)
-    p.set_defaults(func=_resume)
+    p.set_defaults(func=_stored_run)
 
     p = sub.add_parser("reproduce", help="start a new run from the resolved spec stored in a run")
     p.add_argument("run_id", metavar="RUN_ID")
@@ -133,20 +129,20 @@ def _add_stored_run_commands(sub: _Commands) -> None:
     p.add_argument(
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
     )
-    p.set_defaults(func=_reproduce)
+    p.set_defaults(func=_stored_run)
 
     p = sub.add_parser("export", help="write the model of a run's newest checkpoint as a plain PyTorch state dict")
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
     _tracking_uri_arg(p)
-    p.set_defaults(func=_export)
+    p.set_defaults(func=_stored_run)
 
     p = sub.add_parser("diff", help="compare two runs or spec files: spec keys, git commits, environment")
     p.add_argument("a", metavar="A", help="a run id or a spec file")
     p.add_argument("b", metavar="B", help="a run id or a spec file")
     _tracking_uri_arg(p)
     p.add_argument("--json", action="store_true", help="print the differences as JSON")
-    p.set_defaults(func=_diff)
+    p.set_defaults(func=_stored_run)
 
 
 def _tracking_uri_arg(p: argparse.ArgumentParser) -> None:
@@ -336,46 +332,31 @@ def _summarized(job: Callable[[], Any]) -> int:
     from runner.launch.elastic import prestarted
 
     with prestarted():
-        result = job()
-    return _print_summary(result.summary())
-
-
-def _status(args: argparse.Namespace) -> int:
-    from runner.launch.resume import status_lines
-
-    for line in status_lines(args.tracking_uri, args.run_id):
-        echo(line)
-    return EXIT_OK
-
-
-def _resume(args: argparse.Namespace) -> int:
-    from runner.launch.reproduce import resume_run
-
-    return _summarized(lambda: resume_run(args.run_id, args.tracking_uri))
-
-
-def _reproduce(args: argparse.Namespace) -> int:
-    from runner.launch.reproduce import reproduce_run
-
-    return _summarized(lambda: reproduce_run(args.run_id, args.tracking_uri, run_name=args.run_name))
-
-
-def _export(args: argparse.Namespace) -> int:
-    from runner.launch.reproduce import export_run
-
-    return _print_summary(export_run(args.run_id, args.tracking_uri, args.out))
-
-
-def _print_summary(summary: str) -> int:
+        summary = job().summary()
     if summary:
         echo(summary)
     return EXIT_OK
 
 
-def _diff(args: argparse.Namespace) -> int:
-    from runner.launch.reproduce import show_diff
+def _stored_run(args: argparse.Namespace) -> int:
+    """``runner status``, ``resume``, ``reproduce``, ``export`` and ``diff``: commands on runs in the store."""
+    from runner.launch import reproduce
+    from runner.launch.resume import status_lines
 
-    show_diff(args.a, args.b, args.tracking_uri, as_json=args.json)
+    uri = args.tracking_uri
+    if args.command == "status":
+        lines = status_lines(uri, args.run_id)
+    elif args.command == "export":
+        lines = [reproduce.export_run(args.run_id, uri, args.out)]  # the summary: never empty
+    elif args.command == "diff":
+        reproduce.show_diff(args.a, args.b, uri, as_json=args.json)
+        lines = []
+    elif args.command == "resume":
+        return _summarized(lambda: reproduce.resume_run(args.run_id, uri))
+    else:
+        return _summarized(lambda: reproduce.reproduce_run(args.run_id, uri, run_name=args.run_name))
+    for line in lines:
+        echo(line)
     return EXIT_OK
 
 

@@ -40,7 +40,8 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
-from runner.tracking.runs import end_run
+from runner.tracking.runs import delete_run, end_run
+from runner.tracking.uri import check_reachable
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -80,7 +81,7 @@ def run_sweep(
     environ = trial_environ()
     plans = _checked_trials(base, definition, cli or CommandLine(), environ)
     store = SweepStore.for_spec(base.spec)
-    store.check()
+    check_reachable(store.uri)
     opened, report = _open_study(base, definition, store, storage, study, lines)
     started = time.time()
     done = sum(r.status not in ("WAITING", "RUNNING") for r in opened.results())
@@ -126,7 +127,7 @@ def _open_study(
         definition,
         found=lambda s: store.create_parent(base, base.overrides, definition, name, url),
         spec_sha256=trial_base.sha256,
-        unfound=store.delete,
+        unfound=lambda run_id: delete_run(store.uri, run_id),  # no trial ever pointed at it
     )
     notes = [] if founded else _joined(opened, store, trial_base.sha256)
     parent = opened.parent_run_id
@@ -252,7 +253,10 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
     def settle(status: str, error: str) -> None:
         report.trials = study.results()
         if not study.counts().get("RUNNING", 0):
-            store.end_quietly(report.parent_run_id, status, error, report)
+            try:
+                store.end(report.parent_run_id, status, error, report)
+            except Exception as exc:  # a tracking failure must not hide the error on its way up
+                echo(f"runner: could not end sweep run {report.parent_run_id} with status {status}: {exc}", err=True)
 
     try:
         with sigterm_interrupts():

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import Interrupted, RunnerError, echo, first_line
 from runner.spec.loading import load_spec
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
-from runner.tools.sweep_store import SweepStore, open_storage
+from runner.tools.sweep_store import PRUNED_TAG, SweepStore, open_storage
 from runner.tools.sweep_study import SweepStudy
-from runner.tools.sweep_trials import OptunaPruning, trial_metric, trial_tags, without_sweep
+from runner.tools.sweep_trials import OptunaPruning, trial_tags, without_sweep
+from runner.tracking import parents
 from runner.tracking.runs import end_run
 
 if TYPE_CHECKING:
@@ -353,8 +354,9 @@ def _execute(
     out = exec_experiment(loaded, options)
     stopped = out.workers[0].stopped_after_epoch if out.workers else None
     if stopped is not None and out.run_id is not None:
-        store.mark_pruned(out.run_id, stopped)
-    value = trial_metric(out.metrics, definition.metric)
+        tags = {PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(stopped)}  # it stays FINISHED (design §16)
+        parents.record_summary(store.uri, out.run_id, tags=tags)
+    value = None if (got := out.metrics.get(definition.metric)) is None else float(got)
     return TrialResult(
         point.index, point.values, out.run_id, "FINISHED", value, pruned=stopped is not None, pruned_epoch=stopped
     )

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from runner.errors import echo
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
-from runner.tracking.runs import delete_run, end_run
+from runner.tracking.runs import end_run
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
-from runner.tracking.uri import check_reachable, resolve_tracking_uri
+from runner.tracking.uri import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from optuna.pruners import BasePruner
@@ -41,10 +40,6 @@ class SweepStore:
     def for_spec(cls, spec: ExperimentSpec) -> SweepStore:
         """The store and experiment the spec's runs are recorded in."""
         return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
-
-    def check(self) -> None:
-        """Raise TrackingError when the store cannot be used."""
-        check_reachable(self.uri)
 
     def experiment_id(self) -> str:
         """Id of the sweep's experiment (created when missing)."""
@@ -100,37 +95,28 @@ class SweepStore:
             what="the sweep's parent run",
         )
 
-    def delete(self, run_id: str) -> None:
-        """Delete a parent run whose study could not be set up (no trial ever pointed at it)."""
-        delete_run(self.uri, run_id)
-
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""
         record = parents.find_run(self.uri, run_id)
         if record is not None and record.status != "RUNNING":
             parents.mark_running(self.uri, run_id)
 
+    def trial_runs(self, parent_id: str, number: int) -> list[Any]:
+        """The child runs of Optuna trial ``number``, oldest first (its last is the one of its latest attempt)."""
+        return parents.child_runs(self.uri, self.experiment_id(), parent_id, {"runner.sweep.optuna_trial": str(number)})
+
     def trial_run(self, parent_id: str, number: int) -> str | None:
         """The child run of Optuna trial ``number`` (for a trial whose training raised), or ``None``."""
-        runs = parents.child_runs(
-            self.uri, self.experiment_id(), parent_id, tags={"runner.sweep.optuna_trial": str(number)}
-        )
+        runs = self.trial_runs(parent_id, number)
         return runs[-1].run_id if runs else None
 
     def kill_taken_over(self, parent_id: str, numbers: Sequence[int]) -> None:
         """End KILLED the runs of trials whose worker died (the trials run again under a new run)."""
         for number in numbers:
-            runs = parents.child_runs(
-                self.uri, self.experiment_id(), parent_id, tags={"runner.sweep.optuna_trial": str(number)}
-            )
-            for run in runs:
+            for run in self.trial_runs(parent_id, number):
                 if run.status == "RUNNING":
                     why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
                     end_run(self.uri, run.run_id, "KILLED", why)
-
-    def mark_pruned(self, run_id: str, epoch: int) -> None:
-        """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
-        parents.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
         """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
@@ -146,13 +132,6 @@ class SweepStore:
             self.uri, run_id, metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots"
         )
         end_run(self.uri, run_id, status, error)
-
-    def end_quietly(self, run_id: str, status: str, error: str | None, report: SweepReport) -> None:
-        """:meth:`end` while another error is on its way up: a tracking failure must not hide it."""
-        try:
-            self.end(run_id, status, error, report)
-        except Exception as exc:
-            echo(f"runner: could not end sweep run {run_id} with status {status}: {exc}", err=True)
 
 
 def parent_run_name(name: str) -> str:

@@ -145,12 +145,6 @@ def trial_tags(trial: Trial, study: str | None = None, number: int | None = None
     return tuple(tags)
 
 
-def trial_metric(metrics: Mapping[str, float], name: str) -> float | None:
-    """The value of the sweep's metric among a trial's final metrics, or ``None`` when it was not logged."""
-    value = metrics.get(name)
-    return None if value is None else float(value)
-
-
 def _label(trial: Trial) -> str:
     if trial.index >= 0:
         return trial.label()
