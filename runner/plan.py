@@ -93,14 +93,9 @@ class Plan:
                 "max_restarts": par.max_restarts,
             }
         if self.slurm is not None:
-            out["slurm"] = slurm_facts(self.slurm)
+            fields = ("job_id", "ntasks", "nnodes", "procid", "nodeid", "nodelist", "restart_count")
+            out["slurm"] = {"layout": self.slurm.kind, **{name: getattr(self.slurm.job, name) for name in fields}}
         return out
-
-
-def slurm_facts(layout: SlurmLayout) -> dict[str, object]:
-    """JSON-able summary of a Slurm step for ``runner plan``: layout, job id, tasks, nodes, this task's place."""
-    fields = ("job_id", "ntasks", "nnodes", "procid", "nodeid", "nodelist", "restart_count")
-    return {"layout": layout.kind, **{name: getattr(layout.job, name) for name in fields}}
 
 
 def spec_facts(

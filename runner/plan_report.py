@@ -47,14 +47,22 @@ def format_plan(info: dict[str, Any]) -> str:
             lines.append(_row("", f"its store listens on {r['listens_on']}"))
     tracking = f"{info['tracking_uri']} (experiment {info['experiment']!r})" if info["tracking_uri"] else "off"
     if "slurm" in info:
-        lines.append(_row("slurm", _slurm_line(info["slurm"])))
+        slurm = info["slurm"]
+        requeued = f", requeued {slurm['restart_count']}x: resumes its run" if slurm["restart_count"] else ""
+        text = _SLURM_LAYOUTS[slurm["layout"]].format(**slurm)
+        counts = f"SLURM_NTASKS={slurm['ntasks']}, SLURM_NNODES={slurm['nnodes']}"
+        lines.append(_row("slurm", f"job {slurm['job_id']}, {text} ({counts}){requeued}"))
     lines.append(_row("tracking", tracking))
     lines.append(_row("checkpoints", info.get("checkpoint_dir") or "off"))
     if dev and dev.get("env"):
         lines.append(_row("environment", " ".join(f"{k}={v}" for k, v in dev["env"].items())))
     lines += [_row("inactive", text) for text in _inactive_lines(info.get("inactive") or {})]
     lines += [_row("note", note) for note in info.get("notes", [])]
-    lines += _trial_lines(info.get("trials"))
+    if (trials := info.get("trials")) is not None:
+        lines += [
+            _row("trials", f"{len(trials)} (runner sweep)"),
+            *(_row("", f"{i}: {t}") for i, t in enumerate(trials)),
+        ]
     return "\n".join(lines)  # what cannot run, and the fix, are the error's to print (once, on stderr)
 
 
@@ -86,23 +94,11 @@ def _inactive_lines(inactive: dict[str, str]) -> list[str]:
     return [f"{', '.join(keys)}: {why}" for why, keys in by_reason.items()]
 
 
-def _trial_lines(trials: list[str] | None) -> list[str]:
-    if trials is None:
-        return []
-    return [_row("trials", f"{len(trials)} (runner sweep)"), *(_row("", f"{i}: {t}") for i, t in enumerate(trials))]
-
-
 _SLURM_LAYOUTS = {
     "per-device": "one task per device: this task is rank {procid} of {ntasks}",
     "per-node": "one task per node: this task launches node {nodeid}'s workers ({nnodes} node(s))",
     "batch": "the batch script itself (not started by srun): one launcher on this node",
 }
-
-
-def _slurm_line(slurm: dict[str, Any]) -> str:
-    requeued = f", requeued {slurm['restart_count']}x: resumes its run" if slurm["restart_count"] else ""
-    text = _SLURM_LAYOUTS[slurm["layout"]].format(**slurm)
-    return f"job {slurm['job_id']}, {text} (SLURM_NTASKS={slurm['ntasks']}, SLURM_NNODES={slurm['nnodes']}){requeued}"
 
 
 def show_plan(

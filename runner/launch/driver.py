@@ -128,6 +128,9 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     run_id = session.run_id if session is not None else None
     host, compute = _record_end(plan, options, run_id, workers, HostLoad.since(load_before))
     folder = session.checkpoint_dir if session is not None else ""
+    experiment_id = ""  # for the printed link: known when the driver created the run, else asked of the store
+    if session is not None and session.run_id is not None and plan.tracking_uri:
+        experiment_id = session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
     return ExecResult(
         spooled=Spooled.of(folder) if run_id is not None else None,
         run_id=run_id,
@@ -142,17 +145,10 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
         rank=plan.launcher.rank if plan.launch == "external" else 0,
         notes_shown=session.shown if session is not None else False,
         startup_s=result.startup_s,
-        experiment_id=_experiment_id(plan, session),
+        experiment_id=experiment_id,
         host_note=host,
         compute=compute,
     )
-
-
-def _experiment_id(plan: Plan, session: RunSession | None) -> str:
-    """The run's experiment id for the printed link: known when the driver created the run, else asked of the store."""
-    if session is None or session.run_id is None or not plan.tracking_uri:
-        return ""
-    return session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
 
 
 def _record_end(

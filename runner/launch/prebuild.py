@@ -55,18 +55,13 @@ def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     from torch import nn
 
     batch, random = set(), set()
+    random_kinds = (nn.modules.dropout._DropoutNd, nn.RReLU)
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
             batch.add(type(m).__name__)
-        elif _is_random(m) and getattr(m, "p", 1.0) > 0:
+        elif (isinstance(m, random_kinds) or type(m).__name__ == "StochasticDepth") and getattr(m, "p", 1.0) > 0:
             random.add(type(m).__name__)
     return sorted(batch), sorted(random)
-
-
-def _is_random(module: torch.nn.Module) -> bool:
-    from torch import nn
-
-    return isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)) or type(module).__name__ == "StochasticDepth"
 
 
 def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:

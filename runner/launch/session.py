@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from runner.launch.resume import ResumePoint
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
-    from runner.tracking.trackers import Tracker
+    from runner.tracking.trackers import MlflowTracker
 
 
 class RunSession:
@@ -43,7 +43,7 @@ class RunSession:
         self.result: dict[str, Any] | None = None
         self.failure: BaseException | None = None
         self.shown = False
-        self._tracker: Tracker | None = None
+        self._tracker: MlflowTracker | None = None
         self._last_steps: dict[str, int] = {}  # metric name -> the last step a resumed run holds
         self._monitor: Any = None
         self._deferred: BaseException | None = None
@@ -95,7 +95,10 @@ class RunSession:
         if self.checkpoint_dir:  # the elastic agent restarted the workers: the same run, from its checkpoint
             return HandedRun(self.run_id, self.checkpoint_dir, True)
         self.plan = dataclasses.replace(self.plan, part_notes=tuple(notes))
-        self._show_notes()
+        rank = self.plan.launcher.rank if self.plan.launch == "external" else 0
+        self.shown = rank == 0 and self.options.parent_run_id is None  # trials report to their tool
+        if self.shown:
+            show_notes([*self.plan.notes, *(self.resume.notes if self.resume else [])])
         self._create()
         return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
@@ -111,12 +114,6 @@ class RunSession:
             self.checkpoint_dir = str(default_checkpoint_dir(uri, spec_dir, run_key))
         if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
             set_run_tags(uri, self.run_id, {CHECKPOINT_DIR_TAG: self.checkpoint_dir})
-
-    def _show_notes(self) -> None:
-        rank = self.plan.launcher.rank if self.plan.launch == "external" else 0
-        self.shown = rank == 0 and self.options.parent_run_id is None  # trials report to their tool
-        if self.shown:
-            show_notes([*self.plan.notes, *(self.resume.notes if self.resume else [])])
 
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
         """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
@@ -198,7 +195,7 @@ class RunSession:
         if self._tracker is None:
             return 0
         self._tracker.flush()
-        return _recorded(self._tracker)
+        return self._tracker.recorded()
 
     def _close(self) -> int:
         if self._monitor is not None:
@@ -208,7 +205,7 @@ class RunSession:
             return 0
         tracker, self._tracker = self._tracker, None
         tracker.close()
-        return _recorded(tracker)
+        return tracker.recorded()
 
     def _result(self, result: dict[str, Any]) -> None:
         self.result = result
@@ -226,11 +223,6 @@ class RunSession:
         uri = self.plan.tracking_uri
         if self.run_id is not None and uri is not None and self.plan.owns_run:
             end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
-
-
-def _recorded(tracker: Tracker) -> int:
-    count = getattr(tracker, "recorded", None)
-    return int(count()) if callable(count) else 0
 
 
 def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
@@ -301,17 +293,12 @@ def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
     check_checkpoint_folder(plan.loaded, plan.tracking_uri)
     if options.resume is None:
         return requeued_run(plan, plan.owns_run)
-    _open_store(plan, options)
+    if plan.tracking_uri is not None:
+        try:
+            open_store(plan.tracking_uri)  # reachable, writable; a new sqlite store is created under its lock
+        except TrackingError as exc:
+            raise store_error_at(exc, plan.loaded, options.tracking_uri) from None
     return prepare_resume(plan, options)
-
-
-def _open_store(plan: Plan, options: ExecOptions) -> None:
-    if plan.tracking_uri is None:
-        return
-    try:
-        open_store(plan.tracking_uri)  # reachable, writable; a new sqlite store is created under its lock
-    except TrackingError as exc:
-        raise store_error_at(exc, plan.loaded, options.tracking_uri) from None
 
 
 def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) -> TrackingError:

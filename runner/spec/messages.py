@@ -146,7 +146,8 @@ def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
         return with_hint(f"{got}; expected {expected}", hint)
     bound = (_between(loc, ctx) if kind in _BOUNDS else None) or _out_of_range(kind, ctx)
     if bound is not None:
-        optional = value == "" and not _field_required(loc)
+        field = _field_at(loc)  # None: a list item or an unknown key, which counts as required
+        optional = value == "" and field is not None and not field.is_required()
         return with_hint(f"{got}; expected {bound}", "remove the key for its default" if optional else "")
     return f"{got}; " + err["msg"].replace("Input should be", "expected").lower()
 
@@ -209,12 +210,6 @@ def _field_at(loc: Loc) -> FieldInfo | None:
     """The schema field of the key at ``loc``; ``None`` for a list item or an unknown key."""
     parent = annotation_at(loc[:-1])
     return parent.model_fields.get(loc[-1]) if isinstance(parent, type) and issubclass(parent, BaseModel) else None
-
-
-def _field_required(loc: Loc) -> bool:
-    """Whether the key at ``loc`` has no default (a list item or an unknown key counts as required)."""
-    field = _field_at(loc)
-    return field is None or field.is_required()
 
 
 def _number(limit: Any) -> str:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from runner.errors import SpecIssue, did_you_mean, show, with_hint
 from runner.spec.messages import Loc, annotation_at, format_key, unwrap_optional
-from runner.spec.reading import PATH_KEYS, Origin, Provenance, SpecTree, forget
+from runner.spec.reading import PATH_KEYS, Origin, SpecTree, forget
 from runner.spec.schema import ExperimentSpec
 
 ORIGIN = "--set"
@@ -86,7 +86,8 @@ def apply_override(tree: SpecTree, override: str, issues: list[SpecIssue]) -> No
     if loc in PATH_KEYS and isinstance(value, str) and value:
         value = os.path.abspath(os.path.expanduser(value))
     node[loc[-1]] = value
-    _set_origin(tree.provenance, loc, override)
+    forget(tree.provenance, loc)
+    tree.provenance[loc] = Origin(None, None, override)
 
 
 def _parent_table(data: dict[str, Any], loc: Loc, override: str, issues: list[SpecIssue]) -> dict[str, Any] | None:
@@ -100,11 +101,6 @@ def _parent_table(data: dict[str, Any], loc: Loc, override: str, issues: list[Sp
             return None
         node = child
     return node
-
-
-def _set_origin(provenance: Provenance, loc: Loc, override: str) -> None:
-    forget(provenance, loc)
-    provenance[loc] = Origin(None, None, override)
 
 
 def parse_key(text: str) -> Loc | None:
@@ -144,8 +140,10 @@ def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
         message = f"{show(key_text)}: expected a dotted key, e.g. --unset devices.ids"
         issues.append(SpecIssue(None, None, "", message, UNSET))
         return False
-    parent = _find_table(tree.data, loc[:-1])
-    if parent is not None and loc[-1] in parent:
+    parent: Any = tree.data
+    for part in loc[:-1]:
+        parent = parent.get(part) if isinstance(parent, dict) else None
+    if isinstance(parent, dict) and loc[-1] in parent:
         del parent[loc[-1]]
         forget(tree.provenance, loc)
         return True
@@ -155,13 +153,6 @@ def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
         message = with_hint("unknown key: neither the schema nor the spec has it", hint)
         issues.append(SpecIssue(None, None, format_key(loc), message, UNSET))
     return False
-
-
-def _find_table(data: dict[str, Any], loc: Loc) -> dict[str, Any] | None:
-    node: Any = data
-    for part in loc:
-        node = node.get(part) if isinstance(node, dict) else None
-    return node if isinstance(node, dict) else None
 
 
 def _tree_keys(data: dict[str, Any], prefix: Loc = ()) -> list[str]:

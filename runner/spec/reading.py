@@ -67,7 +67,10 @@ def _read_tree(
             continue
         merge(tree.data, tree.provenance, sub.data, sub.provenance, ())
         tree.sources += [s for s in sub.sources if all(s[0] != known for known, _ in tree.sources)]
-    _resolve_paths(raw, path.parent)
+    for table, key in PATH_KEYS:  # relative to the file that writes them
+        section = raw.get(table)
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            section[key] = os.path.normpath(path.parent / Path(section[key]).expanduser())
     own = {loc: Origin(shown, line) for loc, line in lines.items() if loc[:1] != ("extends",)}
     merge(tree.data, tree.provenance, raw, own, ())
     return tree if ok else None
@@ -252,13 +255,6 @@ def forget(provenance: Provenance, loc: Loc) -> None:
     """Drop the origins of ``loc`` and every key below it (they are about to be replaced)."""
     for known in [k for k in provenance if k[: len(loc)] == loc]:
         del provenance[known]
-
-
-def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
-    for table, key in PATH_KEYS:
-        section = raw.get(table)
-        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
-            section[key] = os.path.normpath(base / Path(section[key]).expanduser())
 
 
 def folder_problem(folder: Path) -> str | None:

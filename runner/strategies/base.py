@@ -42,7 +42,10 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
     wanted = set(names)
     blocks = [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
     for block in blocks:
-        if _shares_parameters(block, [b for b in blocks if not _nested(b, block)]):
+        others = [
+            b for b in blocks if not any(m is b for m in block.modules()) and not any(m is block for m in b.modules())
+        ]
+        if _shares_parameters(block, others):  # a nested block shares its parent's parameters
             raise SpecError(
                 SpecIssue(
                     None,
@@ -60,11 +63,6 @@ def _shares_parameters(block: nn.Module, others: list[nn.Module]) -> bool:
     """Whether ``block`` holds a parameter that one of ``others`` (``block`` itself aside) holds too."""
     own = {id(p) for p in block.parameters()}
     return any(id(p) in own for other in others if other is not block for p in other.parameters())
-
-
-def _nested(a: nn.Module, b: nn.Module) -> bool:
-    """Whether one of ``a`` and ``b`` contains the other (a nested block shares its parent's parameters)."""
-    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compile_blocks: bool) -> None:

@@ -252,7 +252,12 @@ def run_job(job: Job) -> Reply:
             os.environ.pop(key, None)
     if result is None:
         return Reply("failed", "the worker exited without a result")
-    return Reply("ok", result=result, cuda_peaks=_cuda_peaks())
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return Reply("ok", result=result)
+    return Reply(
+        "ok", result=result, cuda_peaks=[torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())]
+    )
 
 
 def _set_launch_env(job: Job) -> None:
@@ -280,13 +285,6 @@ def _reset_peaks() -> None:
             fh.write("5")  # Linux: reset the peak resident set size to the current one (proc(5))
     except OSError:
         pass
-
-
-def _cuda_peaks() -> list[int]:
-    torch: Any = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return []
-    return [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
 
 
 def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:

@@ -183,7 +183,10 @@ class WorkerPool:
         number, code = self._current.pop(config.index, None), proc.exitcode
         died = code not in (0, 130)
         if number is not None and died:
-            tail = _tail(config.log)
+            log = Path(config.log) if config.log is not None else None
+            tail = (
+                log.read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:] if log and log.is_file() else ""
+            )
             self.on_dead(number, f"the sweep worker process exited with status {code}\n{tail}".strip())
         again = code == 0 and config.max_trials is not None
         if died and self._restarts.get(config.index, 0) < RESTARTS:  # a replacement takes over the queue
@@ -191,12 +194,6 @@ class WorkerPool:
             again = True
         if again and self.study.counts().get("WAITING", 0):
             self._start(config)
-
-
-def _tail(log: str | None) -> str:
-    if log is None or not Path(log).is_file():
-        return ""
-    return Path(log).read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:]
 
 
 @contextlib.contextmanager
@@ -317,7 +314,8 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         raise
     except BaseException as exc:
         run_id = _quiet(lambda: store.trial_run(parent_id, trial.number))
-        error = _describe(exc)
+        error = f"{type(exc).__name__}: {exc}"  # runner's own errors say enough; anything else with its traceback
+        error += "" if isinstance(exc, RunnerError) else f"\n{traceback.format_exc()}"
         study.tell(trial, TrialResult(point.index, point.values, run_id, "FAILED", None, error))
         if not isinstance(exc, Exception):
             raise
@@ -360,13 +358,6 @@ def _execute(
     return TrialResult(
         point.index, point.values, out.run_id, "FINISHED", value, pruned=stopped is not None, pruned_epoch=stopped
     )
-
-
-def _describe(exc: BaseException) -> str:
-    """The error of a failed trial: the message of runner's own errors, a traceback for anything else."""
-    if isinstance(exc, RunnerError):
-        return f"{type(exc).__name__}: {exc}"
-    return f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
 
 
 def _quiet(find: Callable[[], str | None]) -> str | None:

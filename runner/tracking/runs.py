@@ -60,12 +60,6 @@ def _planned(plan_description: Mapping[str, Any], key: str) -> Any:
     return plan_description.get(key) or (nested.get(key) if isinstance(nested, Mapping) else None)
 
 
-def _accelerator(plan_description: Mapping[str, Any]) -> str | None:
-    """The accelerator of a plan description, or ``None``."""
-    value = _planned(plan_description, "accelerator")
-    return str(value) if value else None
-
-
 def check_fluent_run(nested: bool) -> str | None:
     """Raise when a fluent MLflow run is active and nesting was not asked for; return the parent id."""
     import mlflow
@@ -191,7 +185,8 @@ def _what_the_run_records(
 
     from runner.spec.dump import dump_spec
 
-    params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, _accelerator(plan_description)).items()]
+    accelerator = str(_planned(plan_description, "accelerator") or "") or None
+    params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, accelerator).items()]
     threads = _planned(plan_description, "threads_per_process")
     if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
         params.append(Param(THREADS_PARAM, str(threads)))

@@ -388,7 +388,12 @@ def refuse_half_migrated(path: Path) -> None:
     try:
         with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            version = _schema_version(db) if "alembic_version" in tables else None
+            row = (
+                db.execute("SELECT version_num FROM alembic_version").fetchone()
+                if "alembic_version" in tables
+                else None
+            )
+            version = str(row[0]) if row else None
             runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
     except sqlite3.DatabaseError as exc:
         raise TrackingError(f"tracking store {path}: not a readable sqlite database ({exc})") from None
@@ -408,11 +413,6 @@ def refuse_half_migrated(path: Path) -> None:
         f"tracking store {path} was left half-migrated by an interrupted or concurrent first use ({found}): "
         f"MLflow cannot open it and runner leaves it as it is; {fix}"
     )
-
-
-def _schema_version(db: sqlite3.Connection) -> str | None:
-    row = db.execute("SELECT version_num FROM alembic_version").fetchone()
-    return str(row[0]) if row else None
 
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default

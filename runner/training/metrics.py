@@ -116,9 +116,12 @@ class MetricSet:
     def state(self) -> dict[str, dict[str, Any]]:
         """The states of metrics that resume exactly (reduced by sum, cat, max or min), summed over ranks, on the
         CPU."""
+        from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
+
+        exact = (dim_zero_sum, dim_zero_cat, dim_zero_max, dim_zero_min)
         out: dict[str, dict[str, Any]] = {}
         for recipe, metric in zip(self.recipes, self.metrics, strict=True):
-            if not _resumable(metric):
+            if any(fn not in exact for fn in metric._reductions.values()):  # add_state's dist_reduce_fx, per state
                 continue
             with metric.sync_context(should_sync=True, should_unsync=True):
                 out[recipe.name] = {k: _to_cpu(getattr(metric, k)) for k in metric._defaults}
@@ -137,13 +140,6 @@ class MetricSet:
                     setattr(metric, key, [v.to(metric.device) for v in value])
                 else:
                     setattr(metric, key, value.to(metric.device))
-
-
-def _resumable(metric: Metric) -> bool:
-    from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
-
-    exact = (dim_zero_sum, dim_zero_cat, dim_zero_max, dim_zero_min)
-    return all(fn in exact for fn in metric._reductions.values())  # add_state's dist_reduce_fx, per state
 
 
 def _to_cpu(value: Any) -> Any:
@@ -218,7 +214,8 @@ def _builtin(
     kwargs = dict(args)
     if name == "top_k_accuracy":
         kwargs["top_k"] = kwargs.pop("k", 5)
-    kwargs.setdefault("task", _default_task(loss, info))
+    binary = info.target_shape in ((), (1,))
+    kwargs.setdefault("task", "multiclass" if loss != "bce_with_logits" else "binary" if binary else "multilabel")
     if name in _AVERAGE:
         kwargs.setdefault("average", _AVERAGE[name])
     if kwargs["task"] == "multiclass" and "num_classes" not in kwargs:
@@ -230,12 +227,6 @@ def _builtin(
     if train:
         kwargs.setdefault("validate_args", False)  # its checks read tensors on the host: a CUDA sync per step
     return lambda: classes[name](**kwargs)
-
-
-def _default_task(loss: str, info: DatasetInfo) -> str:
-    if loss != "bce_with_logits":
-        return "multiclass"
-    return "binary" if info.target_shape in ((), (1,)) else "multilabel"
 
 
 def _try(recipe: MetricRecipe, name: str) -> None:
