@@ -304,14 +304,16 @@ class Settled:
 def settle(uri: str, run_id: str) -> Settled:
     """Mark a RUNNING run KILLED when its owner on this host is gone; UsageError for no such run."""
     from runner.tracking import runs as tracking
-    from runner.tracking.stored import run_info
+    from runner.tracking.spool import send_spool, spool_path
+    from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_info
 
     info = run_info(uri, run_id)
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
     sent = None
     if info.status != "RUNNING" or (owner is not None and liveness == "gone"):  # no live process uses the spool
-        sent = _send_spool(uri, run_id, info.tags)
+        folder = info.tags.get(CHECKPOINT_DIR_TAG)  # where the run's spool is
+        sent = send_spool(uri, run_id, spool_path(folder)) if folder else None
         if sent is not None and sent.ended:
             return Settled(run_id, sent.ended, owner, liveness, uri=uri, sent=sent)
     if info.status != "RUNNING" or liveness != "gone" or owner is None:
@@ -322,15 +324,6 @@ def settle(uri: str, run_id: str) -> Settled:
     )
     tracking.end_run(uri, run_id, "KILLED", error)
     return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, uri=uri, sent=sent)
-
-
-def _send_spool(uri: str, run_id: str, tags: Mapping[str, str]) -> Sent | None:
-    """Send what the run's spool kept (its folder is tag ``runner.checkpoint_dir``), or ``None`` without one."""
-    from runner.tracking.spool import send_spool, spool_path
-    from runner.tracking.stored import CHECKPOINT_DIR_TAG
-
-    folder = tags.get(CHECKPOINT_DIR_TAG)
-    return send_spool(uri, run_id, spool_path(folder)) if folder else None
 
 
 def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:

@@ -224,11 +224,13 @@ def _check_or_load(
 ) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
     """Rank 0 checks what needs no build while the others load data, so every rank builds or none; returns ``(notes,
     datasets, spec error, another rank's failure)``."""
+    from runner.launch.prebuild import check_objectives, check_parts
     from runner.training.data import build_datasets
 
     try:
-        if strategy.rank == 0:
-            return *_check_parts(args, strategy.world_size), None, None
+        if strategy.rank == 0:  # loss and metrics, then every part by build or signature
+            check_objectives(args.loaded)
+            return *check_parts(args.loaded, strategy.world_size), None, None
         return [], build_datasets(args.loaded.spec, args.loaded.path.parent), None, None
     except SpecError as exc:
         return [], None, exc, None
@@ -236,14 +238,6 @@ def _check_or_load(
         if strategy.rank == 0:
             raise
         return [], None, None, exc
-
-
-def _check_parts(args: WorkerArgs, world_size: int) -> tuple[list[str], DatasetBundle | None]:
-    """The checks that must pass before a run exists (loss and metrics, every part by build or signature)."""
-    from runner.launch.prebuild import check_objectives, check_parts
-
-    check_objectives(args.loaded)
-    return check_parts(args.loaded, world_size)
 
 
 def _report_failure(link: Link, exc: BaseException) -> None:

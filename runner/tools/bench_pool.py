@@ -204,29 +204,16 @@ def serve(conn: Connection) -> None:
         if job is None:
             return
         torch.set_num_threads(threads)
-        if isinstance(job, Probe):
-            conn.send(_probe(job))
-        elif isinstance(job, Chart):
-            conn.send(_chart(job))
-        else:
+        if isinstance(job, Job):
             conn.send(run_job(job))
-
-
-def _chart(job: Chart) -> Any:
-    """The chart's path, or the exception drawing it raised."""
-    try:
-        return write_chart(job.report, job.path)
-    except Exception as exc:
-        return exc
-
-
-def _probe(job: Probe) -> Any:
-    """``(training samples, batch statistics, dropout)``, or the exception that building raised."""
-
-    try:
-        return probe_model_and_data(job.loaded)
-    except Exception as exc:
-        return exc
+            continue
+        try:  # a probe's figures or the chart's path; else the exception, for the caller to raise
+            answer: Any = (
+                probe_model_and_data(job.loaded) if isinstance(job, Probe) else write_chart(job.report, job.path)
+            )
+        except Exception as exc:
+            answer = exc
+        conn.send(answer)
 
 
 def run_job(job: Job) -> Reply:

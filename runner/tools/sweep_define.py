@@ -102,9 +102,8 @@ def build_definition(
     if cli.seed is not None and not 0 <= cli.seed < UINT32_LIMIT:
         raise UsageError(f"--seed {cli.seed}: give a seed >= 0 and < 2**32 (Optuna seeds NumPy's RandomState with it)")
     trials = cli.trials if cli.trials is not None else base.trials
-    _check_int_ranges(params, spec_file, lines)
+    _check_ranges(params, method == "grid", spec_file, lines)
     if method == "grid":
-        _check_no_ranges(params, spec_file, lines)
         trials = _grid_trials(params, trials, from_cli=cli.trials is not None, spec_file=spec_file, lines=lines)
     elif trials is None:
         raise UsageError(f"{method} sampling needs a trial budget: pass --trials N (or set sweep.trials)")
@@ -155,16 +154,10 @@ def _param_issue(key: str, spec_file: Path | None, lines: Mapping[tuple, int], m
     return SpecIssue(spec_file, lines.get(("sweep", "params", key)), f'sweep.params."{key}"', message)
 
 
-def _check_no_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, lines: Mapping[tuple, int]) -> None:
-    """SpecError with one located issue per grid key given as a range."""
-    ranges = [k for k, p in params.items() if p.values is None]
-    if ranges:
-        hint = 'a range (low/high) cannot be gridded: set sweep.method = "random" or "tpe" with trials, or list values'
-        raise SpecError([_param_issue(key, spec_file, lines, hint) for key in ranges])
-
-
-def _check_int_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, lines: Mapping[tuple, int]) -> None:
-    """SpecError with one located issue per ``int_uniform`` range that holds no integer."""
+def _check_ranges(
+    params: Mapping[str, SweepParam], grid: bool, spec_file: Path | None, lines: Mapping[tuple, int]
+) -> None:
+    """SpecError with one located issue per ``int_uniform`` range that holds no integer, else per range in a grid."""
     empty = [
         (k, p)
         for k, p in params.items()
@@ -173,6 +166,10 @@ def _check_int_ranges(params: Mapping[str, SweepParam], spec_file: Path | None, 
     if empty:
         message = "int_uniform range [{}, {}] holds no integer"
         raise SpecError([_param_issue(k, spec_file, lines, message.format(p.low, p.high)) for k, p in empty])
+    ranges = [k for k, p in params.items() if p.values is None] if grid else []
+    if ranges:
+        hint = 'a range (low/high) cannot be gridded: set sweep.method = "random" or "tpe" with trials, or list values'
+        raise SpecError([_param_issue(key, spec_file, lines, hint) for key in ranges])
 
 
 def _grid_trials(

@@ -5,45 +5,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import TrackingError, mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, mark_failed_quietly
+from runner.tracking.stored import RunRecord, run_record
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 from runner.tracking.uri import client_for, open_store
 
 if TYPE_CHECKING:
-    from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
 PARENT_TAG = "mlflow.parentRunId"
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A run as read back: status and start time (milliseconds since the epoch)."""
-
-    run_id: str
-    experiment_id: str
-    status: str
-    start_time_ms: int
-    tags: dict[str, str] = field(default_factory=dict)
-    params: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-def _record(run: Run) -> RunRecord:
-    return RunRecord(
-        run_id=run.info.run_id,
-        experiment_id=run.info.experiment_id,
-        status=run.info.status,
-        start_time_ms=int(run.info.start_time or 0),
-        tags=dict(run.data.tags),
-        params=dict(run.data.params),
-        metrics={k: float(v) for k, v in run.data.metrics.items()},
-    )
 
 
 def _client(uri: str) -> MlflowClient:
@@ -115,7 +89,7 @@ def find_run(uri: str, run_id: str) -> RunRecord | None:
     from mlflow.exceptions import MlflowException
 
     try:
-        return _record(_client(uri).get_run(run_id))
+        return run_record(_client(uri).get_run(run_id))
     except MlflowException:
         return None
     except Exception as exc:
@@ -139,7 +113,7 @@ def child_runs(
                 order_by=["attributes.start_time ASC"],
                 page_token=token,
             )
-            runs += [_record(run) for run in page]
+            runs += [run_record(run) for run in page]
             token = page.token
             if not token:
                 return runs

@@ -21,7 +21,7 @@ from runner.tracking.uri import absolute_uri, check_reachable, client_for, defau
 
 if TYPE_CHECKING:
     import torch
-    from mlflow.entities import Dataset
+    from mlflow.entities import Dataset, Run
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
@@ -130,18 +130,29 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class RunInfo:
-    """A run's status and start time (milliseconds since the epoch)."""
+class RunRecord:
+    """A run as read back: status, start time (milliseconds since the epoch), its experiment's name when asked."""
 
     run_id: str
+    experiment_id: str
     status: str
-    tags: dict[str, str]
+    start_time_ms: int
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     experiment: str = ""
     run_name: str = ""
-    start_time_ms: int = 0
 
 
-def run_info(uri: str, run_id: str) -> RunInfo:
+def run_record(run: Run, experiment: str = "") -> RunRecord:
+    """The :class:`RunRecord` of an MLflow ``Run``."""
+    info, data = run.info, run.data
+    metrics = {k: float(v) for k, v in data.metrics.items()}
+    return RunRecord(info.run_id, info.experiment_id, str(info.status), int(info.start_time or 0), dict(data.tags),
+                     dict(data.params), metrics, experiment, str(info.run_name or ""))  # fmt: skip
+
+
+def run_info(uri: str, run_id: str) -> RunRecord:
     """Status and tags of ``run_id``; UsageError for no such run, TrackingError when the store does not answer."""
     from mlflow.exceptions import MlflowException
 
@@ -155,7 +166,7 @@ def run_info(uri: str, run_id: str) -> RunInfo:
     if run.info.lifecycle_stage == "deleted":
         raise UsageError(f"{run_id}: the run is deleted at {uri}")
     experiment = client.get_experiment(run.info.experiment_id)
-    return RunInfo(run_id, str(run.info.status), dict(run.data.tags), experiment.name if experiment else "")
+    return run_record(run, experiment.name if experiment else "")
 
 
 CHECKPOINT_DIR_TAG = "runner.checkpoint_dir"
@@ -173,7 +184,7 @@ def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mappin
     return Path(tagged) if tagged else default
 
 
-def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
+def running_runs(uri: str, limit: int = 1000) -> list[RunRecord]:
     """Every RUNNING run at ``uri``, newest first, at most ``limit``."""
     from mlflow.entities import ViewType
 
@@ -188,12 +199,10 @@ def running_runs(uri: str, limit: int = 1000) -> list[RunInfo]:
             order_by=["attributes.start_time DESC"],
             max_results=limit,
         )
-    return [
-        RunInfo(r.info.run_id, str(r.info.status), dict(r.data.tags), experiments[r.info.experiment_id]) for r in runs
-    ]
+    return [run_record(r, experiments[r.info.experiment_id]) for r in runs]
 
 
-def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInfo]:
+def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunRecord]:
     """The KILLED, FAILED or RUNNING runs of ``experiment`` that ``runner exec`` could continue, newest first.
 
     Parents of sweeps and benches and child runs are left out; whether a RUNNING run's owner is gone is for
@@ -206,13 +215,13 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunInf
         if exp is None:
             return []
         runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    tags_of = [dict(r.data.tags) for r in runs]
+    records = [run_record(r, experiment) for r in runs]
     return [
-        RunInfo(r.info.run_id, str(r.info.status), tags, experiment, str(r.info.run_name or ""), r.info.start_time or 0)
-        for r, tags in zip(runs, tags_of, strict=True)
-        if r.info.status in ("RUNNING", "KILLED", "FAILED")
-        and "mlflow.parentRunId" not in tags
-        and "parent" not in (tags.get("runner.sweep"), tags.get("runner.bench"))
+        r
+        for r in records
+        if r.status in ("RUNNING", "KILLED", "FAILED")
+        and "mlflow.parentRunId" not in r.tags
+        and "parent" not in (r.tags.get("runner.sweep"), r.tags.get("runner.bench"))
     ]
 
 

@@ -4,6 +4,7 @@ docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import os
@@ -283,14 +284,10 @@ class _Plain(pickle.Unpickler):
     """torch.save's pickle with every global (tensor rebuilders, dtypes, sizes) and storage read as ``None``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else _none
+        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else lambda *a, **k: None
 
     def persistent_load(self, pid: Any) -> None:
         return None
-
-
-def _none(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _checked(path: Path, payload: Any) -> dict[str, Any]:
@@ -441,13 +438,9 @@ def spec_changes(saved: dict[str, Any], current: dict[str, Any], ignore: tuple[s
 
 
 def _fsync_dir(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -239,7 +239,9 @@ def _step(
     if parts.after_step is not None:
         parts.after_step()
     if len(report.result.step_times_s) == 1 and parts.started_at is not None:
-        _log_startup(parts, report.result, state.global_step + 1)
+        # from the command's start to the end of the first step; not in the history (it differs between equal runs)
+        report.result.startup_s = time.time() - parts.started_at
+        parts.tracker.log_metrics({STARTUP_METRIC: report.result.startup_s}, step=state.global_step + 1)
     state.global_step += 1
     state.batch_in_epoch += 1
     report.progress.update(1, samples=global_size)
@@ -252,14 +254,6 @@ def _step(
     if saved:
         _checkpoint(parts, state, "step", tally)
     _stop_if_asked(parts, state, tally, settle=asked or saved)
-
-
-def _log_startup(parts: LoopParts, result: FitResult, step: int) -> None:
-    """Record the time from the command's start to the end of the first step (kept out of the history: it is a
-    timing, like ``samples_per_s``, but differs between otherwise identical runs)."""
-    assert parts.started_at is not None
-    result.startup_s = time.time() - parts.started_at
-    parts.tracker.log_metrics({STARTUP_METRIC: result.startup_s}, step=step)
 
 
 def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]:

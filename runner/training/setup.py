@@ -109,7 +109,8 @@ def build_parts(
     wrapped = strategy.wrap(model, spec.train)
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
-    optimizer, scheduler = _setup_optimizer(spec, raw_model, total_steps)
+    optimizer = build_optimizer(spec.optim, raw_model.parameters())  # the unwrapped model's parameters
+    scheduler = build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
     return TrainingParts(
         model=wrapped,
         raw_model=raw_model,
@@ -141,14 +142,6 @@ def _setup_model(
             for param in model.parameters():
                 param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
     return model
-
-
-def _setup_optimizer(
-    spec: ExperimentSpec, raw_model: nn.Module, total_steps: int
-) -> tuple[torch.optim.Optimizer, LRScheduler | None]:
-    """The optimizer over the unwrapped model's parameters and the LR scheduler sized to the run."""
-    optimizer = build_optimizer(spec.optim, raw_model.parameters())
-    return optimizer, build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
 
 
 def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: bool, restarted: bool) -> Restored:
