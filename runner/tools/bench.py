@@ -132,8 +132,10 @@ def run_bench(
                 open_child(config, parent, report.name)
             answers = [pool.collect(rank) for rank in range(pool.size)] if runnable else [probe_model_and_data(base)]
             _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
-        except BaseException:
-            _delete_runs(parent, runnable)  # a model or dataset that does not build: a bad spec, no stray run
+        except BaseException:  # a model or dataset that does not build: a bad spec, no stray run
+            if parent is not None:
+                for run_id in [*(c.child_run_id for c in runnable if c.child_run_id), parent.run_id]:
+                    delete_run(parent.uri, run_id)
             raise
         _run_under_parent(runnable, report, parent, out, pool)
     finally:
@@ -154,15 +156,6 @@ def _host_load(load: HostLoad, parent: Parent | None) -> str:
             }
             set_run_tags(parent.uri, parent.run_id, tags, {"host load": text})
     return text
-
-
-def _delete_runs(parent: Parent | None, runnable: Sequence[Config]) -> None:
-    """Delete the parent run and its child runs."""
-    if parent is not None:
-        for config in runnable:
-            if config.child_run_id is not None:
-                delete_run(parent.uri, config.child_run_id)
-        delete_run(parent.uri, parent.run_id)
 
 
 def _pool_for(runnable: Sequence[Config]) -> WarmPool:

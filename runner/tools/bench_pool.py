@@ -317,7 +317,7 @@ def write_chart(report: BenchReport, path: Path) -> Path:
         ax.set_xticks(x, [n + marks.get(i, "") for i, n in enumerate(names)])
         top = max([v + e[1] for v, e in zip(values, errors, strict=False)] + [1.0])
         for i, (v, good) in enumerate(zip(values, ok, strict=False)):
-            label = fmt.format(v) if good else _status(report, i)
+            label = fmt.format(v) if good else (report.configs[i].status if i < len(report.configs) else "")
             ax.text(i, v + errors[i][1] + top * 0.01, label, ha="center", va="bottom", fontsize=8)
         ax.set_ylim(0, top * 1.15)
     ax1.set_title("throughput (samples/s, median of repeats; bars: slowest-fastest)", fontsize=9)
@@ -332,7 +332,3 @@ def write_chart(report: BenchReport, path: Path) -> Path:
         fig.supxlabel("\n".join(wrapped), fontsize=7, ha="left", x=0.01)
     fig.savefig(path, dpi=100)
     return path
-
-
-def _status(report: BenchReport, i: int) -> str:
-    return report.configs[i].status if i < len(report.configs) else ""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import TrackingError, mask_secrets, store_errors
-from runner.tracking.runs import ensure_experiment, mark_failed_quietly
+from runner.tracking.runs import ensure_experiment, record_or_fail
 from runner.tracking.stored import RunRecord, run_record
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 from runner.tracking.uri import client_for, open_store
@@ -74,13 +74,10 @@ def create_parent_run(
     with store_errors(f"create {what} at {uri}"):
         masked = {key: mask_secrets(value) for key, value in tags.items()}
         run_id = str(client.create_run(eid, tags=masked, run_name=mask_secrets(run_name)).info.run_id)
-    try:
-        _log_batches(client, run_id, metrics={}, params=params or {}, tags={}, step=0)
-        for artifact_file, text in (texts or {}).items():
-            client.log_text(run_id, mask_secrets(text), artifact_file)
-    except Exception as exc:
-        mark_failed_quietly(client, run_id)
-        raise TrackingError(f"could not record {what} {run_id} at {uri}: {exc}") from exc
+    from mlflow.entities import Param
+
+    masked_params = [Param(k, mask_secrets(v)) for k, v in (params or {}).items()]
+    record_or_fail(client, run_id, uri, what, masked_params, {k: mask_secrets(t) for k, t in (texts or {}).items()})
     return run_id
 
 

@@ -166,7 +166,7 @@ def start_run(
             f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
         ) from exc
     run_id = run.info.run_id
-    _record_spec(client, run_id, uri, params, texts)
+    record_or_fail(client, run_id, uri, "the spec of run", params, texts)
     return RunHandle(
         uri=uri,
         run_id=run_id,
@@ -198,8 +198,11 @@ def _what_the_run_records(
     return params, {k: mask_secrets(v) for k, v in texts.items()}, {k: mask_secrets(str(v)) for k, v in tags.items()}
 
 
-def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param], texts: Mapping[str, str]) -> None:
-    """Log a new run's params and text artifacts; on a failure end it FAILED, then raise TrackingError."""
+def record_or_fail(
+    client: MlflowClient, run_id: str, uri: str, what: str, params: list[Param], texts: Mapping[str, str]
+) -> None:
+    """Log a new run's params and text artifacts; on a failure end it FAILED, then raise TrackingError naming
+    ``what``."""
     try:
         for i in range(0, len(params), PARAMS_PER_BATCH):
             client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH], synchronous=True)
@@ -207,7 +210,7 @@ def _record_spec(client: MlflowClient, run_id: str, uri: str, params: list[Param
             client.log_text(run_id, text, artifact_file)
     except Exception as exc:
         mark_failed_quietly(client, run_id)
-        raise TrackingError(f"could not record the spec of run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+        raise TrackingError(f"could not record {what} {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def _error_tag(error: str) -> str:

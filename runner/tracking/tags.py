@@ -99,15 +99,6 @@ def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     return tags
 
 
-def _notes(plan_description: Mapping[str, Any]) -> list[str]:
-    """The plan's notes (what runs instead of a value that cannot apply, ids ignored on CPU, ...)."""
-    notes = plan_description.get("notes")
-    if notes is None:
-        nested = plan_description.get("devices")
-        notes = nested.get("notes") if isinstance(nested, Mapping) else None
-    return [str(n) for n in notes or ()]
-
-
 def run_tags(
     loaded: LoadedSpec,
     plan_description: Mapping[str, Any],
@@ -140,7 +131,10 @@ def run_tags(
     remarks = {}
     if loaded.overrides or loaded.unset:
         tags[OVERRIDES_TAG] = remarks["overrides"] = shlex.join(loaded.command_line())  # --set k=v --unset k
-    notes = _notes(plan_description)
+    notes = plan_description.get("notes")  # a whole plan's, else its device plan's
+    if notes is None and isinstance(nested := plan_description.get("devices"), Mapping):
+        notes = nested.get("notes")
+    notes = [str(n) for n in notes or ()]
     if notes:
         tags[NOTES_TAG] = "; ".join(notes)
         remarks["notes"] = "\n".join(f"- {n}" for n in notes) if len(notes) > 1 else notes[0]
