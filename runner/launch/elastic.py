@@ -33,7 +33,6 @@ from runner.launch.failures import (
     oom_kill_count,
     quiet_launcher_logs,
     read_hang_reports,
-    restore_launcher_logs,
 )
 from runner.launch.worker import run_worker
 
@@ -153,13 +152,11 @@ def launch_elastic(
         monitor_interval=0.1,
         start_method="fork" if fork else "forkserver",
     )
-    with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir:
+    ranks_log = Path(tempfile.gettempdir()) / f"runner-ranks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    with tempfile.TemporaryDirectory(prefix="runner-elastic-") as log_dir, quiet_launcher_logs(ranks_log) as quiet:
         # The launcher keeps per-attempt error files here, the workers their hang reports; removed when the job ends.
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
         launched = dataclasses.replace(args, launcher_pid=None, report_dir=log_dir)  # they watch this process
-        quiet = quiet_launcher_logs(
-            Path(tempfile.gettempdir()) / f"runner-ranks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        )
         if fork:
             preload()
         else:
@@ -173,8 +170,12 @@ def launch_elastic(
                     exc.ranks_log = str(quiet.path)  # type: ignore[attr-defined]  # named by the failure message
                 raise
         finally:
-            _stop_forkserver()
-            restore_launcher_logs(quiet)
+            # A fork server keeps the environment it started with: the next job in this process (a test, a sweep)
+            # starts a fresh one. ``ForkServer._stop`` is CPython's own (private) way, since 3.8.
+            from multiprocessing import forkserver  # not on the driver's way to the first step
+
+            with contextlib.suppress(Exception):
+                forkserver._forkserver._stop()  # type: ignore[attr-defined]
             if hangs is not None:
                 hangs.update(read_hang_reports(Path(log_dir)))
     done = [r for r in results.values() if r is not None]
@@ -192,15 +193,6 @@ def preload() -> None:
     """Import :data:`PRELOAD`."""
     for name in PRELOAD:
         importlib.import_module(name)
-
-
-def _stop_forkserver() -> None:
-    """End this process's fork server: a server keeps the environment it started with, so the next job in this
-    process (a test, a sweep) starts a fresh one. ``ForkServer._stop`` is CPython's own (private) way, since 3.8."""
-    from multiprocessing import forkserver
-
-    with contextlib.suppress(Exception):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 ABORT_AT_EXIT_VAR = "RUNNER_TEST_ABORT_AT_EXIT"  # fault injection: this rank aborts at exit after its work

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -192,31 +193,22 @@ class QuietCollectiveTimeouts(logging.Filter):
         return False
 
 
-def quiet_launcher_logs(path: Path) -> QuietCollectiveTimeouts:
-    """Install :class:`QuietCollectiveTimeouts` on torch's launcher loggers (undo: :func:`restore_launcher_logs`)."""
+@contextlib.contextmanager
+def quiet_launcher_logs(path: Path) -> Iterator[QuietCollectiveTimeouts]:
+    """:class:`QuietCollectiveTimeouts` on torch's launcher loggers, and on every one below them that exists (filters
+    do not propagate to children), while the block runs."""
     quiet = QuietCollectiveTimeouts(path)
-    for name in _LAUNCHER_LOGGERS:
-        for logger in _loggers_under(name):
-            logger.addFilter(quiet)
-    return quiet
-
-
-def restore_launcher_logs(quiet: QuietCollectiveTimeouts) -> None:
-    """Remove what :func:`quiet_launcher_logs` installed."""
-    for name in _LAUNCHER_LOGGERS:
-        for logger in _loggers_under(name):
+    below = tuple(f"{name}." for name in _LAUNCHER_LOGGERS)
+    existing = [lg for key, lg in logging.Logger.manager.loggerDict.items() if key.startswith(below)]
+    loggers = [logging.getLogger(name) for name in _LAUNCHER_LOGGERS]
+    loggers += [lg for lg in existing if isinstance(lg, logging.Logger)]  # not the manager's placeholders
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        for logger in loggers:
             logger.removeFilter(quiet)
-
-
-def _loggers_under(name: str) -> list[logging.Logger]:
-    """The logger ``name`` and every logger below it that exists (filters do not propagate to children)."""
-    found = [logging.getLogger(name)]
-    found += [
-        lg
-        for key, lg in logging.Logger.manager.loggerDict.items()
-        if key.startswith(name + ".") and isinstance(lg, logging.Logger)
-    ]
-    return found
 
 
 HANG_GRACE_S = 10.0  # the default of parallel.hang_grace_s
@@ -287,8 +279,8 @@ class HangWatch:
             frame = sys._current_frames().get(main) if main is not None else None
             if frame is None:
                 return
-            stack = _stack(frame)
-            if stack != last or _busy(frame):
+            stack, busy = _stack(frame)
+            if stack != last or busy:
                 last, still_since = stack, time.monotonic()
             elif time.monotonic() - still_since >= self.grace_s:
                 self._end(frame)
@@ -310,18 +302,12 @@ class HangWatch:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _stack(frame: FrameType | None) -> tuple[tuple[int, int], ...]:
-    """Where every frame of a stack is: code object and instruction (changes whenever Python runs)."""
-    out = []
+def _stack(frame: FrameType | None) -> tuple[tuple[tuple[int, int], ...], bool]:
+    """Where every frame of a stack is (code object and instruction: changes whenever Python runs), and whether one
+    is in :data:`_BUSY_FILES`."""
+    out, busy = [], False
     while frame is not None:
         out.append((id(frame.f_code), frame.f_lasti))
+        busy = busy or frame.f_code.co_filename.replace(os.sep, "/").endswith(_BUSY_FILES)
         frame = frame.f_back
-    return tuple(out)
-
-
-def _busy(frame: FrameType | None) -> bool:
-    while frame is not None:
-        if frame.f_code.co_filename.replace(os.sep, "/").endswith(_BUSY_FILES):
-            return True
-        frame = frame.f_back
-    return False
+    return tuple(out), busy
