@@ -56,7 +56,10 @@ def format_plan(info: dict[str, Any]) -> str:
     lines.append(_row("checkpoints", info.get("checkpoint_dir") or "off"))
     if dev and dev.get("env"):
         lines.append(_row("environment", " ".join(f"{k}={v}" for k, v in dev["env"].items())))
-    lines += [_row("inactive", text) for text in _inactive_lines(info.get("inactive") or {})]
+    by_reason: dict[str, list[str]] = {}  # "parallel.backend, parallel.timeout_s: ddp only (mode = "none")"
+    for key, why in (info.get("inactive") or {}).items():
+        by_reason.setdefault(why, []).append(key)
+    lines += [_row("inactive", f"{', '.join(keys)}: {why}") for why, keys in by_reason.items()]
     lines += [_row("note", note) for note in info.get("notes", [])]
     if (trials := info.get("trials")) is not None:
         lines += [
@@ -84,14 +87,6 @@ def _device_lines(info: dict[str, Any], dev: dict[str, Any]) -> list[str]:
         )
     world = f"{info['world_size']} ({dev['nnodes']} node(s) x {dev['nproc_per_node']} process(es))"
     return [*lines, _row("world size", world)]
-
-
-def _inactive_lines(inactive: dict[str, str]) -> list[str]:
-    """``parallel.backend, parallel.timeout_s: ddp only (mode = "none")``: inactive keys grouped by reason."""
-    by_reason: dict[str, list[str]] = {}
-    for key, why in inactive.items():
-        by_reason.setdefault(why, []).append(key)
-    return [f"{', '.join(keys)}: {why}" for why, keys in by_reason.items()]
 
 
 _SLURM_LAYOUTS = {

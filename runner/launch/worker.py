@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
-    from runner.training.data import DatasetBundle, DatasetInfo, SeedInfo
+    from runner.training.data import DatasetBundle, SeedInfo
     from runner.training.setup import Restored, TrainingParts
 
 
@@ -152,8 +152,10 @@ def _fit(
         if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
             show_notes([note for note in notes if note not in _SHOWN_NOTES])
             _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
-        if is_log_rank and restored.resumed_from is None and parts.data is not None:
-            _send_data(tracker, parts.data)
+        send = getattr(tracker, "send", None)  # a new run's data, for the driver to record as dataset inputs
+        if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
+            fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape")
+            send("data", {name: getattr(parts.data, name) for name in (*fields, "val_split_sha256")})
         checkpointer = setup.Checkpointer(
             parts, strategy, folder, args.loaded, run_id=handed.run_id, writer=is_log_rank, tracker=tracker
         )
@@ -249,15 +251,6 @@ def _report_failure(link: Link, exc: BaseException) -> None:
         error = TrainingError(f"{type(exc).__name__}: {exc}")
     with contextlib.suppress(OSError, ValueError):
         link.send("failed", error)
-
-
-def _send_data(tracker: Tracker, info: DatasetInfo) -> None:
-    """On the logging rank of a new run: the data's parts, for the driver to record as dataset inputs."""
-    send = getattr(tracker, "send", None)
-    if send is None:
-        return
-    fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape", "val_split_sha256")
-    send("data", {name: getattr(info, name) for name in fields})
 
 
 def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, folder: Path, step: int) -> None:

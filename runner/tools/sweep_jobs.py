@@ -268,7 +268,11 @@ def work(
 
     Raises Interrupted on SIGINT/SIGTERM, after enqueueing the running trial again.
     """
-    warm_up()
+    import runner.launch.driver  # what every trial runs (torch, MLflow, the training code), once, before the first
+    import runner.launch.worker
+    import runner.tracking.trackers
+    import runner.training.setup  # noqa: F401
+
     take_over(study, store)
     done = 0
     while max_trials is None or done < max_trials:
@@ -290,14 +294,6 @@ def take_over(study: SweepStudy, store: SweepStore) -> None:
     taken = study.fail_stale()
     if taken:
         store.kill_taken_over(study.parent_run_id, taken)
-
-
-def warm_up() -> None:
-    """Import what every trial runs (torch, MLflow, the training code) once, before the first trial starts."""
-    import runner.launch.driver
-    import runner.launch.worker
-    import runner.tracking.trackers
-    import runner.training.setup  # noqa: F401
 
 
 def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: optuna.Trial) -> TrialResult:
