@@ -119,13 +119,7 @@ def threads_per_process(requested: int, env: Mapping[str, str], cores: int, proc
 def chunk_sizes(total: int, parts: int) -> list[int]:
     """What ``torch.chunk`` (DataParallel's scatter) gives each of ``parts`` devices: 10 over 4 -> ``[3, 3, 3, 1]``."""
     size = math.ceil(total / parts)
-    out = []
-    left = total
-    for _ in range(parts):
-        take = min(size, left)
-        out.append(take)
-        left -= take
-    return out
+    return [max(0, min(size, total - k * size)) for k in range(parts)]
 
 
 def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory) -> DevicePlan:

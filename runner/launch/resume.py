@@ -275,12 +275,10 @@ class Settled:
 
     def line(self) -> str:
         """What ``runner status`` prints about the run."""
-        return self._state() + (self._sent() if self.sent is not None else "")
-
-    def _sent(self) -> str:
-        assert self.sent is not None
+        if self.sent is None:
+            return self._state()
         ended = f", and its final status {self.sent.ended}" if self.sent.ended else ""
-        return f"; sent the {self.sent.metrics} metric values its spool kept{ended}"
+        return f"{self._state()}; sent the {self.sent.metrics} metric values its spool kept{ended}"
 
     def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
