@@ -384,6 +384,9 @@ def _bench(args: argparse.Namespace) -> int:
     from runner.spec.schema_parallel import MODES
     from runner.tools.bench import run_bench
 
+    low, _, high = args.repeats.partition(":")  # "2:5" -> (2, 5); "3" -> (3, 3)
+    if not (low.isdigit() and (high or low).isdigit()):
+        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {args.repeats!r}")
     report = run_bench(
         args.file,
         _overrides(args),
@@ -392,7 +395,7 @@ def _bench(args: argparse.Namespace) -> int:
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
-        repeats=_repeats(args.repeats),
+        repeats=(int(low), int(high or low)),
         out_dir=args.out,
     )
     failed = print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")
@@ -406,15 +409,6 @@ def _parity(args: argparse.Namespace) -> int:
     report = run_parity(_load(args), modes=modes, steps=args.steps)
     failed = print_report(report, as_json=args.json, failure="the modes differ beyond rounding")
     return TrainingError.exit_code if failed else EXIT_OK
-
-
-def _repeats(text: str) -> tuple[int, int]:
-    """``"2:5"`` -> ``(2, 5)``; ``"3"`` -> ``(3, 3)``."""
-    low, _, high = text.partition(":")
-    try:
-        return int(low), int(high or low)
-    except ValueError:
-        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {text!r}") from None
 
 
 def _csv(text: str, kind: Callable[[str], _T]) -> list[_T]:

@@ -118,7 +118,7 @@ class RunSession:
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
         """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
         from runner.tracking.runs import last_logged_steps
-        from runner.tracking.spool import spool_path
+        from runner.tracking.spool import SPOOL_NAME, send_spool, spool_path
         from runner.tracking.trackers import MlflowTracker
 
         uri, run_id, spec = self.plan.tracking_uri, self.run_id, self.plan.loaded.spec
@@ -127,7 +127,13 @@ class RunSession:
             return notes
         folder = Path(self.checkpoint_dir)
         if continuing:
-            notes += _adopt_spool(uri, run_id, folder, recorded)
+            # Send what the spool kept from before the checkpoint; values recorded after it (seq >= recorded) are
+            # computed again, so they are dropped.
+            sent = send_spool(uri, run_id, spool_path(folder), before_seq=recorded, apply_end=False)
+            if sent is not None:
+                notes.append(
+                    f"sent {sent.metrics} metric values kept in {SPOOL_NAME} while the tracking store was away"
+                )
         self._last_steps = last_logged_steps(uri, run_id) if resumed else {}  # a resumed run logs no step twice
         self._tracker = MlflowTracker(
             uri, run_id, flush_every_s=spec.tracking.flush_every_s, spool=spool_path(folder), first_seq=recorded
@@ -223,18 +229,6 @@ class RunSession:
         uri = self.plan.tracking_uri
         if self.run_id is not None and uri is not None and self.plan.owns_run:
             end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
-
-
-def _adopt_spool(uri: str, run_id: str, folder: Path, recorded: int) -> list[str]:
-    """Before a resumed job logs: send what the run's spool kept from before the checkpoint; drop the rest. Values
-    recorded after the checkpoint (``seq >= recorded``) are computed again, so they are not sent."""
-    from runner.tracking.spool import send_spool, spool_path
-
-    path = spool_path(folder)
-    sent = send_spool(uri, run_id, path, before_seq=recorded, apply_end=False)
-    if sent is None:
-        return []
-    return [f"sent {sent.metrics} metric values kept in {path.name} while the tracking store was away"]
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,12 @@ def _open_study(
         spec_sha256=trial_base.sha256,
         unfound=lambda run_id: delete_run(store.uri, run_id),  # no trial ever pointed at it
     )
-    notes = [] if founded else _joined(opened, store, trial_base.sha256)
+    notes = []
+    if not founded:  # a study another worker created: reopen its parent run; note a trial spec that changed
+        store.reopen(opened.parent_run_id)
+        notes.append(f"continued study {name!r}: trials that ran before, here or in other workers, are not run again")
+        if opened.spec_sha256 not in (None, trial_base.sha256):  # pragma: no cover - the default name has the hash
+            notes.append("the trial spec differs from the study's first worker's")
     parent = opened.parent_run_id
     report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, url)
     report.experiment_id = store.experiment_id()
@@ -161,15 +166,6 @@ def _absolute(url: str) -> str:
         rest, sep, query = url[len(prefix) :].partition("?")
         return f"{prefix}{Path(rest).resolve()}{sep}{query}"
     return url
-
-
-def _joined(opened: SweepStudy, store: SweepStore, spec_sha256: str) -> list[str]:
-    """Join a study another worker created: reopen its parent run; note a trial spec that changed."""
-    store.reopen(opened.parent_run_id)
-    notes = [f"continued study {opened.name!r}: trials that ran before, here or in other workers, are not run again"]
-    if opened.spec_sha256 not in (None, spec_sha256):  # pragma: no cover - the default name includes the hash
-        notes.append("the trial spec differs from the study's first worker's")
-    return notes
 
 
 def _run_trials(

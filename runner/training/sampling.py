@@ -4,15 +4,15 @@ docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from runner.training.data import derive_seed, loader_generator, worker_init_fn
+from runner.training.data import dataset_len, derive_seed, loader_generator, worker_init_fn
 from runner.training.models import spec_issue
 from runner.training.sources import TensorPairDataset
 
@@ -165,7 +165,7 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
     (``data.batch_size``) an epoch would have no step."""
     data = spec.data
     micro = data.batch_size // (world_size * spec.train.grad_accum_steps)
-    num_train = _size(bundle.train)
+    num_train = dataset_len(bundle.train)
     sizes = global_batch_sizes(num_train, data.batch_size, data.drop_last, world_size)
     if not sizes:
         raise spec_issue(
@@ -186,9 +186,9 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
     )
     train = _loader(bundle.train, micro, sampler, generator=generator, **workers)
     val = None
-    if bundle.val is not None and _size(bundle.val) > 0:
+    if bundle.val is not None and dataset_len(bundle.val) > 0:
         eval_batch = math.ceil((data.eval_batch_size or data.batch_size) / world_size)
-        order = EvalSampler(_size(bundle.val), world_size, rank)
+        order = EvalSampler(dataset_len(bundle.val), world_size, rank)
         val = _loader(bundle.val, eval_batch, order, generator=loader_generator(spec.seed, rank), **workers)
     return Loaders(train, val, sampler, micro, len(sizes), sizes)
 
@@ -199,11 +199,6 @@ def _loader(dataset: Dataset, batch: int, sampler: Sampler[int], **options: Any)
     if isinstance(dataset, TensorPairDataset):
         return DataLoader(dataset, batch_size=None, sampler=BatchSampler(sampler, batch, drop_last=False), **options)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=False, **options)
-
-
-def _size(dataset: Dataset) -> int:
-    """``len(dataset)``: runner's datasets are map-style and sized (``Dataset`` does not declare ``__len__``)."""
-    return len(cast(Sized, dataset))
 
 
 def one_sample_batches(loaders: Loaders, world_size: int, replicas: int = 1) -> list[tuple[int, int, str]]:
@@ -241,7 +236,7 @@ def check_batchnorm_batches(
     raise spec_issue(
         "data.batch_size",
         f"the model has BatchNorm layers ({norms[0]!r}), which cannot train on one sample, but batch_size = "
-        f"{data.batch_size} over {_size(loaders.train.dataset)} training samples leaves a final batch of {size} "
+        f"{data.batch_size} over {dataset_len(loaders.train.dataset)} training samples leaves a final batch of {size} "
         f"samples and, with {', '.join(p for p in layout if p) or 'one device'}, a {where} of 1 sample: "
         "set data.drop_last = true (that batch is skipped), or choose another batch_size",
     )
