@@ -190,7 +190,6 @@ PRELOAD = ("torch", "torch._dynamo", "runner.launch.worker", "runner.training.se
 
 
 def preload() -> None:
-    """Import :data:`PRELOAD`."""
     for name in PRELOAD:
         importlib.import_module(name)
 

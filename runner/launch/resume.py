@@ -218,7 +218,6 @@ class Owner:
 
     @classmethod
     def this_process(cls) -> Owner:
-        """The calling process."""
         import psutil
 
         return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time())

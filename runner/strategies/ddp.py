@@ -235,7 +235,6 @@ class DDPStrategy(Strategy):
         return self._save_group
 
     def barrier(self) -> None:
-        """Wait until every rank arrives."""
         self._need_setup()
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])

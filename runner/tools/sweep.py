@@ -41,7 +41,7 @@ from runner.tools.sweep_trials import (
     without_sweep,
 )
 from runner.tracking.runs import delete_run, end_run
-from runner.tracking.uri import check_reachable
+from runner.tracking.uri import absolute_uri, check_reachable
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -147,7 +147,8 @@ def _open_storage(
     """Open the study's storage; one that cannot be opened is a UsageError (``--storage``), a SpecError at its line
     (``[sweep] storage``) or a TrackingError (the default, next to the MLflow store)."""
     from_spec = base.spec.sweep.storage if base.spec.sweep is not None else None
-    url = _absolute(given or from_spec or default_storage_url(tracking_uri, base.path.parent))
+    # a relative sqlite path resolved here, so every worker process opens the same file
+    url = absolute_uri(given or from_spec or default_storage_url(tracking_uri, base.path.parent))
     try:
         return url, open_storage(url)
     except StorageError as exc:
@@ -157,15 +158,6 @@ def _open_storage(
             issue = SpecIssue(base.path, lines.get(("sweep", "storage")), "sweep.storage", f"{exc} (fix the URL)")
             raise SpecError(issue) from None
         raise TrackingError(str(exc)) from None
-
-
-def _absolute(url: str) -> str:
-    """A relative sqlite path resolved against the current folder, so every worker process opens the same file."""
-    prefix = "sqlite:///"
-    if url.startswith(prefix) and not url[len(prefix) :].startswith(("/", ":memory:")):
-        rest, sep, query = url[len(prefix) :].partition("?")
-        return f"{prefix}{Path(rest).resolve()}{sep}{query}"
-    return url
 
 
 def _run_trials(

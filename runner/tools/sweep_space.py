@@ -138,7 +138,6 @@ class TrialResult:
     pruned_epoch: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form."""
         return dataclasses.asdict(self)
 
 

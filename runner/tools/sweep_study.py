@@ -39,7 +39,6 @@ class SweepStudy:
 
     @property
     def name(self) -> str:
-        """The study name."""
         return str(self.study.study_name)
 
     @classmethod

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from runner.errors import TrackingError, first_line
-from runner.spec.rules import store_uri_problem
+from runner.spec.rules import BARE_TRACKING_URIS, store_uri_problem
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec
 
 
-_BARE_URIS = ("databricks", "databricks-uc", "uc")
 _DATABASES = ("postgresql", "postgres", "mysql", "mssql")
 _SERVER_HINT = (
     "start a server with `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db`, "
@@ -43,7 +42,7 @@ def client_for(uri: str) -> MlflowClient:
 
 def _absolute_uri(uri: str, cwd: Path) -> str:
     """Resolve a relative sqlite path, ``file:`` URI or plain path against ``cwd``."""
-    if uri in _BARE_URIS:
+    if uri in BARE_TRACKING_URIS:
         return uri
     if uri.startswith("sqlite:"):
         prefix = "sqlite:///"
@@ -119,7 +118,7 @@ def _local_store_path(uri: str) -> tuple[str, Path] | None:
         from urllib.request import url2pathname
 
         return "file", Path(url2pathname(parts.path))
-    if uri not in _BARE_URIS and len(parts.scheme) <= 1:
+    if uri not in BARE_TRACKING_URIS and len(parts.scheme) <= 1:
         return "file", Path(uri).expanduser()
     return None
 
