@@ -103,7 +103,7 @@ def spec_facts(
 ) -> dict[str, Any]:
     """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
     from runner.spec.dump import set_inactive_keys
-    from runner.spec.reading import default_checkpoint_dir
+    from runner.tracking.uri import default_checkpoint_dir
 
     spec = loaded.spec
     checkpoints = None

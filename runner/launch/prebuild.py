@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, join_or, show, with_hint
 from runner.spec.loading import relocate_issues
-from runner.spec.reading import default_checkpoint_dir, folder_problem
+from runner.spec.reading import folder_problem
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
+from runner.tracking.uri import default_checkpoint_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -18,8 +18,7 @@ from runner.launch.prebuild import check_checkpoint_folder
 from runner.launch.resume import Owner, ResumePoint, claim_run, prepare_resume
 from runner.launch.worker import WorkerArgs
 from runner.spec.loading import relocate_issues
-from runner.spec.reading import default_checkpoint_dir
-from runner.tracking.uri import check_reachable, local_store_missing, open_store
+from runner.tracking.uri import check_reachable, default_checkpoint_dir, local_store_missing, open_store
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress

@@ -11,7 +11,6 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from runner.errors import SpecIssue, show
 from runner.spec.messages import Loc, format_key, line_of, locate_keys
@@ -275,18 +274,3 @@ def folder_problem(folder: Path) -> str | None:
         return f"{existing} does not let a folder be created in it ({exc.strerror or exc})"
     os.rmdir(probe)
     return None
-
-
-def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
-    """The absolute folder of one run's checkpoints: ``checkpoint.dir``, else beside a sqlite or file store, else the
-    working directory; ``/checkpoints/<run_key>`` below it."""
-    if spec_dir:
-        return Path(spec_dir) / run_key
-    base = Path.cwd()
-    if tracking_uri:
-        parsed = urlparse(tracking_uri)
-        if parsed.scheme == "sqlite":
-            base = Path(tracking_uri[len("sqlite:///") :]).parent
-        elif parsed.scheme in ("", "file"):
-            base = Path(parsed.path).parent
-    return (base / "checkpoints" / run_key).resolve()

@@ -10,13 +10,12 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
 from runner.tracking.runs import end_run
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
-from runner.tracking.uri import resolve_tracking_uri
+from runner.tracking.uri import local_store_path, resolve_tracking_uri
 
 if TYPE_CHECKING:
     from optuna.pruners import BasePruner
@@ -149,17 +148,10 @@ class StorageError(Exception):
 
 
 def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
-    """sqlite ``optuna.db`` beside a local MLflow store, else in ``cwd``."""
-    if tracking_uri.startswith("sqlite:///"):
-        path = Path(tracking_uri[len("sqlite:///") :].partition("?")[0])
-        if path.is_absolute():
-            return f"sqlite:///{path.parent / STORAGE_FILE}"
-    parts = urlsplit(tracking_uri)
-    if parts.scheme == "file" and not parts.netloc:
-        return f"sqlite:///{Path(parts.path).parent / STORAGE_FILE}"
-    if len(parts.scheme) <= 1 and tracking_uri.startswith("/"):
-        return f"sqlite:///{Path(tracking_uri).parent / STORAGE_FILE}"
-    return f"sqlite:///{(cwd or Path.cwd()).resolve() / STORAGE_FILE}"
+    """sqlite ``optuna.db`` beside a local MLflow store (an absolute URI), else in ``cwd``."""
+    local = local_store_path(tracking_uri)
+    folder = local[1].parent if local is not None else (cwd or Path.cwd()).resolve()
+    return f"sqlite:///{folder / STORAGE_FILE}"
 
 
 def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBStorage:

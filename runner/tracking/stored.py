@@ -15,9 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, store_errors
-from runner.spec.reading import default_checkpoint_dir
 from runner.tracking.tags import PLAN, RESOLVED, tag_run
-from runner.tracking.uri import absolute_uri, check_reachable, client_for, default_tracking_uri, local_store_missing
+from runner.tracking.uri import (
+    absolute_uri,
+    check_reachable,
+    client_for,
+    default_checkpoint_dir,
+    default_tracking_uri,
+    local_store_missing,
+)
 
 if TYPE_CHECKING:
     import torch

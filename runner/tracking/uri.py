@@ -102,11 +102,11 @@ def absolute_uri(uri: str, cwd: str | os.PathLike[str] | None = None) -> str:
 
 def local_store_missing(uri: str) -> bool:
     """Whether ``uri`` names a local store that does not exist yet (reading it would create an empty one)."""
-    local = _local_store_path(uri)
+    local = local_store_path(uri)
     return local is not None and not local[1].exists()
 
 
-def _local_store_path(uri: str) -> tuple[str, Path] | None:
+def local_store_path(uri: str) -> tuple[str, Path] | None:
     """``("sqlite"|"file", path)`` for local stores, ``None`` for anything else."""
     if uri.startswith("sqlite:///"):
         rest = uri[len("sqlite:///") :].partition("?")[0]
@@ -125,8 +125,17 @@ def _local_store_path(uri: str) -> tuple[str, Path] | None:
 
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI, or ``None`` for other stores (and in-memory sqlite)."""
-    local = _local_store_path(uri)
+    local = local_store_path(uri)
     return local[1] if local is not None and local[0] == "sqlite" else None
+
+
+def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
+    """The absolute folder of one run's checkpoints: ``checkpoint.dir``, else beside a sqlite or file store, else the
+    working directory; ``/checkpoints/<run_key>`` below it."""
+    if spec_dir:
+        return Path(spec_dir) / run_key
+    local = local_store_path(tracking_uri) if tracking_uri else None
+    return ((local[1].parent if local is not None else Path.cwd()) / "checkpoints" / run_key).resolve()
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
@@ -142,7 +151,7 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     if scheme.partition("+")[0] in _DATABASES:
         _check_database(uri, timeout_s)
         return
-    local = _local_store_path(uri)
+    local = local_store_path(uri)
     if local is None:
         return
     kind, path = local

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.launch.resume import Owner
-from runner.spec.reading import default_checkpoint_dir
+from runner.tracking.uri import default_checkpoint_dir
 
 pytestmark = pytest.mark.created_store
 

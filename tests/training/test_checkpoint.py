@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.spec.reading import default_checkpoint_dir
+from runner.tracking.uri import default_checkpoint_dir
 from runner.training import checkpoint as ckpt
 from runner.training.loop import TrainState
 
