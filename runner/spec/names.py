@@ -55,31 +55,19 @@ def _installed_differs() -> bool:
         return False
 
 
-def _torchvision_knows(bare: str | None, models: bool) -> bool:
-    """Whether torchvision has ``bare``: in the generated list, or maybe in another installed version."""
-    return bare is not None and (bare in torchvision_names()[0 if models else 1] or _installed_differs())
-
-
-def model_problem(name: str, spec_dir: Path | None) -> str | None:
-    """What is wrong with ``model.name``, or ``None``; a factory's module is only looked for with ``spec_dir``."""
-    if name in BUILTIN_MODELS:
+def name_problem(name: str, spec_dir: Path | None, *, model: bool) -> str | None:
+    """What is wrong with ``model.name`` (``model``) or ``data.dataset``, or ``None``; a factory's module is only
+    looked for with ``spec_dir``; a torchvision name passes when the list has it or another version is installed."""
+    if name in (BUILTIN_MODELS if model else BUILTIN_DATASETS):
         return None
     if ":" in name:
         return factory_problem(name, spec_dir)
-    if _torchvision_knows(torchvision_bare(name), models=True):
+    dataset_bare = name.removeprefix("torchvision.") if name.startswith("torchvision.") else None
+    bare = torchvision_bare(name) if model else dataset_bare
+    known = torchvision_names()[0 if model else 1]
+    if bare is not None and (bare in known or _installed_differs()):
         return None
-    return unknown_model(name, torchvision_names()[0])
-
-
-def dataset_problem(name: str, spec_dir: Path | None) -> str | None:
-    """What is wrong with ``data.dataset``, or ``None``; a factory's module is only looked for with ``spec_dir``."""
-    if name in BUILTIN_DATASETS:
-        return None
-    if ":" in name:
-        return factory_problem(name, spec_dir)
-    if name.startswith("torchvision.") and _torchvision_knows(name.removeprefix("torchvision."), models=False):
-        return None
-    return unknown_dataset(name, torchvision_names()[1])
+    return unknown_model(name, known) if model else unknown_dataset(name, known)
 
 
 def unknown_model(name: str, models: tuple[str, ...]) -> str:

@@ -3,6 +3,7 @@ Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -328,7 +329,7 @@ class ModelSpec(SpecTable):
     @field_validator("name")
     @classmethod
     def _known_model(cls, name: str, info: ValidationInfo) -> str:
-        return _known(names.model_problem, name, info)
+        return _known(functools.partial(names.name_problem, model=True), name, info)
 
 
 class DataSpec(SpecTable):
@@ -434,7 +435,7 @@ class DataSpec(SpecTable):
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, name: str, info: ValidationInfo) -> str:
-        return _known(names.dataset_problem, name, info)
+        return _known(functools.partial(names.name_problem, model=False), name, info)
 
 
 def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info: ValidationInfo) -> str:
