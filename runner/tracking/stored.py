@@ -34,15 +34,33 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class StoredRun:
-    """What runner recorded about one run: status, tags, the original spec path (may be gone), ``spec/plan.json``."""
+class RunRecord:
+    """A run as read back: status, start time (milliseconds since the epoch), its experiment's name when asked."""
 
     run_id: str
-    uri: str
-    status: str
-    run_name: str
     experiment_id: str
-    tags: dict[str, str]
+    status: str
+    start_time_ms: int
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    experiment: str = ""
+    run_name: str = ""
+
+
+def run_record(run: Run, experiment: str = "") -> RunRecord:
+    """The :class:`RunRecord` of an MLflow ``Run``."""
+    info, data = run.info, run.data
+    metrics = {k: float(v) for k, v in data.metrics.items()}
+    return RunRecord(info.run_id, info.experiment_id, str(info.status), int(info.start_time or 0), dict(data.tags),
+                     dict(data.params), metrics, experiment, str(info.run_name or ""))  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredRun(RunRecord):
+    """What runner recorded about one run: the record, the original spec path (may be gone), ``spec/plan.json``."""
+
+    uri: str
     resolved_text: str
     spec_path: Path
     plan: dict[str, Any] = field(default_factory=dict)
@@ -79,12 +97,8 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     plan = _json_object(texts.get(PLAN, ""))
     spec_path = Path(str(plan.get("spec") or run.data.tags.get("runner.spec.path") or "spec.toml"))
     return StoredRun(
-        run_id=run_id,
+        **vars(run_record(run)),
         uri=uri,
-        status=str(run.info.status),
-        run_name=str(run.info.run_name or ""),
-        experiment_id=str(run.info.experiment_id),
-        tags=dict(run.data.tags),
         resolved_text=texts[RESOLVED],
         spec_path=spec_path if spec_path.is_absolute() else Path.cwd() / spec_path,
         plan=plan,
@@ -133,29 +147,6 @@ def _json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A run as read back: status, start time (milliseconds since the epoch), its experiment's name when asked."""
-
-    run_id: str
-    experiment_id: str
-    status: str
-    start_time_ms: int
-    tags: dict[str, str] = field(default_factory=dict)
-    params: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    experiment: str = ""
-    run_name: str = ""
-
-
-def run_record(run: Run, experiment: str = "") -> RunRecord:
-    """The :class:`RunRecord` of an MLflow ``Run``."""
-    info, data = run.info, run.data
-    metrics = {k: float(v) for k, v in data.metrics.items()}
-    return RunRecord(info.run_id, info.experiment_id, str(info.status), int(info.start_time or 0), dict(data.tags),
-                     dict(data.params), metrics, experiment, str(info.run_name or ""))  # fmt: skip
 
 
 def run_info(uri: str, run_id: str) -> RunRecord:
