@@ -73,7 +73,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
         again = resume_command(run_id, uri, "reproduce")
         raise CheckpointError(f"{exc}\n`{again}` starts run {run_id} again from the same spec, anew") from None
     notes = chosen + claimed + notes
-    if complete and tracking.run_status(uri, run_id) == "FINISHED":
+    if complete and (found := tracking.find_run(uri, run_id)) is not None and found.status == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
             f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
@@ -111,7 +111,7 @@ def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[str, list[s
 
     if resume == "last":
         return _last_run(uri, experiment)
-    if not tracking.run_exists(uri, resume):
+    if tracking.find_run(uri, resume) is None:
         raise UsageError(
             f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
         )

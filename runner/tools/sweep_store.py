@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
-from runner.tracking.runs import end_run
+from runner.tracking.runs import end_run, find_run
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
 from runner.tracking.uri import local_store_path, resolve_tracking_uri
 
@@ -96,7 +96,7 @@ class SweepStore:
 
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""
-        record = parents.find_run(self.uri, run_id)
+        record = find_run(self.uri, run_id)
         if record is not None and record.status != "RUNNING":
             parents.mark_running(self.uri, run_id)
 

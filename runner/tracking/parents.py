@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.errors import TrackingError, mask_secrets, store_errors
+from runner.errors import mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, record_or_fail
 from runner.tracking.stored import RunRecord, run_record
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
@@ -79,18 +79,6 @@ def create_parent_run(
     masked_params = [Param(k, mask_secrets(v)) for k, v in (params or {}).items()]
     record_or_fail(client, run_id, uri, what, masked_params, {k: mask_secrets(t) for k, t in (texts or {}).items()})
     return run_id
-
-
-def find_run(uri: str, run_id: str) -> RunRecord | None:
-    """The run ``run_id`` at ``uri``, or ``None``; TrackingError when the store cannot be read."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return run_record(_client(uri).get_run(run_id))
-    except MlflowException:
-        return None
-    except Exception as exc:
-        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def child_runs(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
+    from runner.tracking.stored import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -258,13 +259,19 @@ def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step:
         client_for(uri).log_batch(run_id, metrics=values, synchronous=True)
 
 
-def run_exists(uri: str, run_id: str) -> bool:
-    """Whether ``run_id`` is a run of the store at ``uri`` (deleted runs do not count)."""
+def find_run(uri: str, run_id: str) -> RunRecord | None:
+    """The run ``run_id`` at ``uri``, or ``None`` (a deleted run too); TrackingError when the store cannot be read."""
+    from mlflow.exceptions import MlflowException
+
+    from runner.tracking.stored import run_record  # not on the driver's way to the first step
+
     try:
         run = client_for(uri).get_run(run_id)
-    except Exception:
-        return False
-    return bool(run.info.lifecycle_stage != "deleted")
+    except MlflowException:
+        return None
+    except Exception as exc:
+        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+    return None if run.info.lifecycle_stage == "deleted" else run_record(run)
 
 
 def delete_run(uri: str, run_id: str) -> None:
@@ -280,11 +287,6 @@ def delete_run(uri: str, run_id: str) -> None:
         if hasattr(store, "_hard_delete_run"):
             get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts()
             store._hard_delete_run(run_id)
-
-
-def run_status(uri: str, run_id: str) -> str:
-    """MLflow status of a run: ``RUNNING``, ``FINISHED``, ``FAILED`` or ``KILLED``."""
-    return str(client_for(uri).get_run(run_id).info.status)
 
 
 def experiment_id_of(uri: str, run_id: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from runner.errors import TrackingError
 from runner.tracking import parents
-from runner.tracking.runs import end_run
+from runner.tracking.runs import end_run, find_run
 
 
 @pytest.fixture
@@ -78,10 +78,10 @@ def test_find_run_and_child_runs_oldest_first(store, client):
     assert found[0].start_time_ms <= found[1].start_time_ms <= found[2].start_time_ms
     assert parents.child_runs(store, eid, "0" * 32) == []
 
-    record = parents.find_run(store, parent)
+    record = find_run(store, parent)
     assert record is not None and record.run_id == parent and record.experiment_id == eid
     assert record.params == {"group.size": "3"} and record.tags["kind"] == "parent"
-    assert parents.find_run(store, "0" * 32) is None
+    assert find_run(store, "0" * 32) is None
 
 
 def test_record_summary_and_mark_running(store, client, tmp_path):

@@ -21,10 +21,9 @@ from runner.tracking.runs import (
     RunHandle,
     delete_run,
     end_run,
+    find_run,
     last_logged_steps,
     reopen_run,
-    run_exists,
-    run_status,
     start_run,
 )
 from runner.tracking.stored import continuable_runs
@@ -376,8 +375,8 @@ def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     # sweep and bench parents, child runs and FINISHED runs are not candidates
     assert [r.run_id for r in continuable_runs(uri, "exp-demo")] == [first]
 
-    assert run_exists(uri, first) and not run_exists(uri, "0" * 32)
-    assert run_status(uri, first) == "RUNNING"
+    assert find_run(uri, first) is not None and find_run(uri, "0" * 32) is None
+    assert find_run(uri, first).status == "RUNNING"  # type: ignore[union-attr]
     client.log_metric(first, "train/loss", 1.0, step=3)
     client.log_metric(first, "train/loss", 0.5, step=7)
     client.log_metric(first, "val/loss", 0.9, step=5)
@@ -396,7 +395,7 @@ def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     artifacts = Path(client.get_run(first).info.artifact_uri.removeprefix("file://"))
     assert artifacts.is_dir()
     delete_run(uri, first)
-    assert not run_exists(uri, first)
+    assert find_run(uri, first) is None
     with pytest.raises(MlflowException):  # purged, as `mlflow gc` would, not only marked deleted
         client.get_run(first)
     assert not artifacts.exists()
