@@ -328,7 +328,7 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
 
     Raises UsageError for no such run or no store (none is created), TrackingError when it cannot be used.
     """
-    from runner.tracking.stored import STORE_HINT, running_runs, store_uri
+    from runner.tracking.stored import STORE_HINT, search_runs, store_uri
     from runner.tracking.uri import local_store_missing, open_store
 
     uri = store_uri(tracking_uri)
@@ -337,7 +337,7 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
     open_store(uri)
     if run_id is not None:
         return [settle(uri, run_id).line()]
-    running = running_runs(uri)
+    running = search_runs(uri, None, status="RUNNING", limit=1000)
     if not running:
         return [f"no RUNNING run at {uri}"]
     return [f"{settle(uri, info.run_id).line()}  [{info.experiment}]" for info in running]

@@ -375,14 +375,15 @@ def requeued(plan: Plan) -> bool:
 
 def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
     """The run to continue on the owner of a requeued Slurm job (tag ``runner.slurm.job_id``), or ``None``."""
-    from runner.tracking.runs import find_run_by_tag
+    from runner.tracking.stored import search_runs
 
     if not (owner and requeued(plan) and plan.tracking_uri is not None):
         return None
     assert plan.slurm is not None
     job = plan.slurm.job
-    run_id = find_run_by_tag(plan.tracking_uri, plan.experiment, SLURM_JOB_TAG, job.job_id)
-    if run_id is None:
+    found = search_runs(plan.tracking_uri, plan.experiment, {SLURM_JOB_TAG: job.job_id}, limit=1)
+    if not found:
         return None
+    run_id = found[0].run_id
     note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
     return ResumePoint(run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id)])

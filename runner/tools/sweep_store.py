@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
 from runner.tracking.runs import end_run, find_run
+from runner.tracking.stored import RunRecord, search_runs
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
 from runner.tracking.uri import local_store_path, resolve_tracking_uri
 
@@ -100,14 +101,15 @@ class SweepStore:
         if record is not None and record.status != "RUNNING":
             parents.mark_running(self.uri, run_id)
 
-    def trial_runs(self, parent_id: str, number: int) -> list[Any]:
-        """The child runs of Optuna trial ``number``, oldest first (its last is the one of its latest attempt)."""
-        return parents.child_runs(self.uri, self.experiment_id(), parent_id, {"runner.sweep.optuna_trial": str(number)})
+    def trial_runs(self, parent_id: str, number: int) -> list[RunRecord]:
+        """The child runs of Optuna trial ``number``, newest first (the first is its latest attempt's)."""
+        tags = {parents.PARENT_TAG: parent_id, "runner.sweep.optuna_trial": str(number)}
+        return search_runs(self.uri, self.experiment, tags)
 
     def trial_run(self, parent_id: str, number: int) -> str | None:
         """The child run of Optuna trial ``number`` (for a trial whose training raised), or ``None``."""
         runs = self.trial_runs(parent_id, number)
-        return runs[-1].run_id if runs else None
+        return runs[0].run_id if runs else None
 
     def kill_taken_over(self, parent_id: str, numbers: Sequence[int]) -> None:
         """End KILLED the runs of trials whose worker died (the trials run again under a new run)."""

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from runner.errors import mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, record_or_fail
-from runner.tracking.stored import RunRecord, run_record
 from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
 from runner.tracking.uri import client_for, open_store
 
@@ -79,29 +78,6 @@ def create_parent_run(
     masked_params = [Param(k, mask_secrets(v)) for k, v in (params or {}).items()]
     record_or_fail(client, run_id, uri, what, masked_params, {k: mask_secrets(t) for k, t in (texts or {}).items()})
     return run_id
-
-
-def child_runs(
-    uri: str, experiment_id: str, parent_run_id: str, tags: Mapping[str, str] | None = None
-) -> list[RunRecord]:
-    """Runs of ``experiment_id`` whose parent is ``parent_run_id`` (and with ``tags``), oldest first."""
-    client = _client(uri)
-    runs: list[RunRecord] = []
-    token = None
-    conditions = [f"tags.{PARENT_TAG} = '{parent_run_id}'"]
-    conditions += [f"tags.`{key}` = '{value}'" for key, value in (tags or {}).items()]
-    with store_errors(f"list the child runs of {parent_run_id} at {uri}"):
-        while True:
-            page = client.search_runs(
-                [experiment_id],
-                filter_string=" and ".join(conditions),
-                order_by=["attributes.start_time ASC"],
-                page_token=token,
-            )
-            runs += [run_record(run) for run in page]
-            token = page.token
-            if not token:
-                return runs
 
 
 def record_summary(

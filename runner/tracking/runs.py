@@ -297,24 +297,6 @@ def experiment_id_of(uri: str, run_id: str) -> str:
         return ""
 
 
-def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
-    """Id of the newest run of ``experiment`` whose tag ``key`` is ``value``, or ``None``; TrackingError if
-    unsearchable."""
-    client = client_for(uri)
-    with store_errors(f"search the runs of {experiment!r} at {uri}"):
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            return None
-        escaped = value.replace("'", "\\'")
-        runs = client.search_runs(
-            [exp.experiment_id],
-            filter_string=f"tags.`{key}` = '{escaped}'",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
-    return str(runs[0].info.run_id) if runs else None
-
-
 def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
     """Mark a stopped run RUNNING again for a resumed job; ``spec_change`` goes to tag ``runner.resume.spec_change``."""
     client = client_for(uri)

@@ -52,8 +52,18 @@ def run_record(run: Run, experiment: str = "") -> RunRecord:
     """The :class:`RunRecord` of an MLflow ``Run``."""
     info, data = run.info, run.data
     metrics = {k: float(v) for k, v in data.metrics.items()}
-    return RunRecord(info.run_id, info.experiment_id, str(info.status), int(info.start_time or 0), dict(data.tags),
-                     dict(data.params), metrics, experiment, str(info.run_name or ""))  # fmt: skip
+    started, name = int(info.start_time or 0), str(info.run_name or "")
+    return RunRecord(
+        info.run_id,
+        info.experiment_id,
+        str(info.status),
+        started,
+        dict(data.tags),
+        dict(data.params),
+        metrics,
+        experiment,
+        name,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,22 +191,33 @@ def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mappin
     return Path(tagged) if tagged else default
 
 
-def running_runs(uri: str, limit: int = 1000) -> list[RunRecord]:
-    """Every RUNNING run at ``uri``, newest first, at most ``limit``."""
+def search_runs(
+    uri: str, experiment: str | None, tags: Mapping[str, str] | None = None, *, status: str = "", limit: int = 0
+) -> list[RunRecord]:
+    """The runs of ``experiment`` (``None``: of every active experiment) with ``tags`` and ``status``, newest first;
+    at most ``limit``, else every one, page by page. No such experiment: none. TrackingError when unsearchable."""
     from mlflow.entities import ViewType
 
     client = client_for(uri)
+    quoted = {key: value.replace("'", "\\'") for key, value in (tags or {}).items()}
+    conditions = [f"tags.`{key}` = '{value}'" for key, value in quoted.items()]
+    conditions += [f"attributes.status = '{status}'"] if status else []
     with store_errors(f"search the runs at {uri}"):
-        experiments = {e.experiment_id: e.name for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
-        if not experiments:
-            return []
-        runs = client.search_runs(
-            list(experiments),
-            filter_string="attributes.status = 'RUNNING'",
-            order_by=["attributes.start_time DESC"],
-            max_results=limit,
-        )
-    return [run_record(r, experiments[r.info.experiment_id]) for r in runs]
+        if experiment is None:
+            names = {e.experiment_id: e.name for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
+        else:
+            found = client.get_experiment_by_name(experiment)
+            names = {found.experiment_id: experiment} if found is not None else {}
+        runs, token, newest = [], None, ["attributes.start_time DESC"]
+        while names:
+            page = client.search_runs(
+                list(names), " and ".join(conditions), order_by=newest, max_results=limit or 1000, page_token=token
+            )
+            runs += [run_record(r, names[r.info.experiment_id]) for r in page]
+            token = page.token
+            if limit or not token:
+                break
+    return runs
 
 
 def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunRecord]:
@@ -205,17 +226,9 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunRec
     Parents of sweeps and benches and child runs are left out; whether a RUNNING run's owner is gone is for
     :mod:`runner.launch.resume`.
     """
-
-    client = client_for(uri)
-    with store_errors(f"search the runs of experiment {experiment!r} at {uri}"):
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            return []
-        runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
-    records = [run_record(r, experiment) for r in runs]
     return [
         r
-        for r in records
+        for r in search_runs(uri, experiment, limit=limit)
         if r.status in ("RUNNING", "KILLED", "FAILED")
         and "mlflow.parentRunId" not in r.tags
         and "parent" not in (r.tags.get("runner.sweep"), r.tags.get("runner.bench"))

@@ -10,6 +10,7 @@ import pytest
 from runner.errors import TrackingError
 from runner.tracking import parents
 from runner.tracking.runs import end_run, find_run
+from runner.tracking.stored import search_runs
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_a_deleted_experiment_is_a_clear_error(store, client):
         _parent(store)
 
 
-def test_find_run_and_child_runs_oldest_first(store, client):
+def test_find_run_and_search_runs_newest_first(store, client):
     parent = _parent(store)
     eid = client.get_run(parent).info.experiment_id
     children = []
@@ -71,12 +72,16 @@ def test_find_run_and_child_runs_oldest_first(store, client):
     client.log_metric(children[1], "val/loss", 0.25)
     end_run(store, children[2], "FINISHED")
 
-    found = parents.child_runs(store, eid, parent)
-    assert [r.run_id for r in found] == children
-    assert [r.tags["i"] for r in found] == ["0", "1", "2"]
-    assert found[1].metrics == {"val/loss": 0.25} and found[2].status == "FINISHED"
-    assert found[0].start_time_ms <= found[1].start_time_ms <= found[2].start_time_ms
-    assert parents.child_runs(store, eid, "0" * 32) == []
+    name = client.get_experiment(eid).name
+    found = search_runs(store, name, {parents.PARENT_TAG: parent})
+    assert [r.run_id for r in found] == children[::-1]
+    assert [r.tags["i"] for r in found] == ["2", "1", "0"] and {r.experiment for r in found} == {name}
+    assert found[1].metrics == {"val/loss": 0.25} and found[0].status == "FINISHED"
+    assert found[0].start_time_ms >= found[1].start_time_ms >= found[2].start_time_ms
+    assert search_runs(store, name, {parents.PARENT_TAG: "0" * 32}) == []
+    assert [r.run_id for r in search_runs(store, name, {parents.PARENT_TAG: parent}, limit=1)] == [children[2]]
+    assert [r.run_id for r in search_runs(store, None, status="FINISHED")] == [children[2]]
+    assert search_runs(store, "no-such-experiment") == []
 
     record = find_run(store, parent)
     assert record is not None and record.run_id == parent and record.experiment_id == eid
