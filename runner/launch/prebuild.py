@@ -36,7 +36,7 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], Dataset
         model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
     except SpecError as exc:
         raise relocate_issues(exc, loaded) from None
-    return (difference_notes(model, loaded.spec) if model is not None else []), bundle
+    return difference_notes(model, loaded.spec), bundle
 
 
 def known_differences(loaded: LoadedSpec) -> list[str]:
@@ -47,7 +47,7 @@ def known_differences(loaded: LoadedSpec) -> list[str]:
         model = _model(spec, folder, _dataset(spec, folder))
     except Exception:  # the plan reports what it can; check_parts names a part that does not build
         return []
-    return difference_notes(model, spec) if model is not None else []
+    return difference_notes(model, spec)
 
 
 def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -65,16 +65,16 @@ def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     return sorted(batch), sorted(random)
 
 
-def difference_notes(model: torch.nn.Module, spec: ExperimentSpec) -> list[str]:
-    """Plan notes on why runs of ``spec`` will not match ``none`` step by step (docs/design.md §3): BatchNorm or
-    random layers under another mode."""
-    mode = spec.parallel.mode
-    if mode == REFERENCE_MODE:
+def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes: Sequence[str] = ()) -> list[str]:
+    """Why runs of ``spec`` under ``modes`` (default: its own) will not match ``none`` step by step (docs/design.md
+    §3), for the plan's notes and parity's causes: BatchNorm or random layers of ``model``."""
+    modes = [m for m in modes or [spec.parallel.mode] if m != REFERENCE_MODE]
+    if not modes or model is None:
         return []
     batch, random = layer_kinds(model)
-    notes = []
-    syncs = "sync_batchnorm" in MODES[mode].keys
-    if batch and not (syncs and spec.parallel.sync_batchnorm):
+    notes, mode = [], ", ".join(modes)
+    syncs = all("sync_batchnorm" in MODES[m].keys for m in modes)
+    if batch and not (syncs and spec.parallel.sync_batchnorm and spec.devices.accelerator != "cpu"):
         fix = (
             "set parallel.sync_batchnorm = true (CUDA) for batch statistics over the global batch"
             if syncs

@@ -326,27 +326,10 @@ def _compare(report: ParityReport) -> None:
 def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
     """The known causes of a mode difference this spec has (docs/design.md §3), else what to look for; the model is
     built on the ``meta`` device in this process (a factory is called once more)."""
-    from runner.launch.prebuild import layer_kinds
+    from runner.launch.prebuild import difference_notes
 
     spec = loaded.spec
-    model = _meta_model(loaded)
-    batch, random = layer_kinds(model) if model is not None else ([], [])
-    causes = []
-    synced = (
-        spec.parallel.sync_batchnorm
-        and spec.devices.accelerator != "cpu"
-        and all("sync_batchnorm" in MODES[m].keys for m in modes)
-    )
-    if batch and not synced:
-        causes.append(
-            f"{', '.join(batch)} without parallel.sync_batchnorm: under {', '.join(modes)} each device normalises "
-            "its own share of the batch; parallel.sync_batchnorm = true (ddp on CUDA) normalises over the global batch"
-        )
-    if random:
-        causes.append(
-            f"{', '.join(random)}: each rank draws its own random numbers, so the runs differ by chance; "
-            "compare with these layers off to check the rest"
-        )
+    causes = difference_notes(_meta_model(loaded), spec, modes)
     if spec.loss.name == "model" or ":" in spec.loss.name:
         causes.append(
             f"loss.name = {spec.loss.name!r} returns a mean over each rank's micro-batch: a mean weighted other than "

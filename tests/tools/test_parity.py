@@ -103,7 +103,7 @@ def test_tolerance(precision: str, growth: float, scale: float, expected: float)
     ("changes", "named"),
     [
         ({"model": {"name": "cnn", "kwargs": {"batch_norm": True, "width": 4}}}, "BatchNorm2d without parallel.sync"),
-        ({"model": {"name": "mlp", "kwargs": {"hidden": [8], "dropout": 0.5}}}, "Dropout: each rank draws"),
+        ({"model": {"name": "mlp", "kwargs": {"hidden": [8], "dropout": 0.5}}}, "Dropout: under ddp each rank"),
     ],
 )
 def test_likely_causes_name_the_layer(tmp_path, changes, named) -> None:

@@ -49,7 +49,10 @@ def test_agreeing_modes_exit_0_with_the_sensitivity_and_record_a_parent_with_chi
             {"model": {"name": "cnn", "kwargs": {"width": 4, "batch_norm": True}}, "data": {"input_shape": [1, 6, 6]}},
             "BatchNorm2d without parallel.sync_batchnorm",
         ),
-        ({"model": {"kwargs": {"hidden": [32], "dropout": 0.5}}}, "Dropout: each rank draws its own random numbers"),
+        (
+            {"model": {"kwargs": {"hidden": [32], "dropout": 0.5}}},
+            "Dropout: under ddp",
+        ),
     ],
     ids=["batchnorm", "dropout"],
 )
