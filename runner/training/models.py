@@ -19,6 +19,7 @@ from runner.spec.names import (
     BUILTIN_MODELS,
     GENERATED,
     NOT_DATASETS,
+    factory_problem,
     import_path_problem,
     torchvision_bare,
     unknown_model,
@@ -56,18 +57,12 @@ def resolve_factory(target: str, spec_dir: Path | str | None, key: str) -> Calla
         raise spec_issue(key, malformed)
     module_name, _, attr = target.partition(":")
     make_importable(spec_dir)
-    where = f"spec folder {Path(spec_dir).resolve()}, " if spec_dir is not None else ""
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise spec_issue(
-                key,
-                f"cannot import module {module_name!r} of {target!r}: not found in the {where}"
-                f"working directory {os.getcwd()} or installed packages (check the spelling, or put "
-                f"{module_name.split('.')[0]} next to the spec file)",
-            ) from None
-        raise spec_issue(key, f"importing module {module_name!r} of {target!r} failed: {exc}") from None
+        missing = exc.name and (module_name == exc.name or module_name.startswith(exc.name + "."))
+        problem = factory_problem(target, Path(spec_dir or os.getcwd())) if missing else None  # where it looked
+        raise spec_issue(key, problem or f"importing module {module_name!r} of {target!r} failed: {exc}") from None
     except Exception as exc:  # a user module that fails on import: report, never a traceback
         raise spec_issue(
             key, f"importing module {module_name!r} of {target!r} failed: {type(exc).__name__}: {exc}"
