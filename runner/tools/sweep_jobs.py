@@ -310,8 +310,9 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         raise
     except BaseException as exc:
         run_id = _quiet(lambda: store.trial_run(parent_id, trial.number))
-        error = f"{type(exc).__name__}: {exc}"  # runner's own errors say enough; anything else with its traceback
-        error += "" if isinstance(exc, RunnerError) else f"\n{traceback.format_exc()}"
+        error = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, RunnerError):  # runner's own errors say enough; anything else with its traceback
+            error += f"\n{traceback.format_exc()}"
         study.tell(trial, TrialResult(point.index, point.values, run_id, "FAILED", None, error))
         if not isinstance(exc, Exception):
             raise

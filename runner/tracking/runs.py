@@ -186,7 +186,8 @@ def _what_the_run_records(
 
     from runner.spec.dump import dump_spec
 
-    accelerator = str(_planned(plan_description, "accelerator") or "") or None
+    accelerator = _planned(plan_description, "accelerator")
+    accelerator = str(accelerator) if accelerator else None
     params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, accelerator).items()]
     threads = _planned(plan_description, "threads_per_process")
     if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
