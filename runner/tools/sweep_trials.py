@@ -15,7 +15,8 @@ from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec, relocate_issues, spec_from_dict
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_space import SweepDefinition, Trial
-from runner.tools.sweep_store import make_pruner, open_storage
+from runner.tools.sweep_store import open_storage
+from runner.tools.sweep_study import SweepStudy
 from runner.tracking.tags import param_value, safe_key
 
 if TYPE_CHECKING:
@@ -240,11 +241,7 @@ class OptunaPruning:
         """The trial, from its study in the storage (for a rank 0 that is not the sweep worker's process)."""
         import optuna
 
-        storage = open_storage(self.url, heartbeat=False)
-        pruner = make_pruner(SweepDefinition.from_json(self.definition))
-        study = optuna.load_study(
-            study_name=self.study_name, storage=storage, pruner=pruner, sampler=optuna.samplers.RandomSampler()
-        )
-        study_id = storage.get_study_id_from_name(self.study_name)
-        self._trial = optuna.Trial(study, storage.get_trial_id_from_study_id_trial_number(study_id, self.trial_number))
+        storage, definition = open_storage(self.url, heartbeat=False), SweepDefinition.from_json(self.definition)
+        study = SweepStudy.join(storage, self.url, self.study_name, definition)
+        self._trial = optuna.Trial(study.study, study.trial_id(self.trial_number))
         return self._trial
