@@ -31,6 +31,7 @@ from runner.launch.failures import (
     ended_by,
     interruption,
     oom_kill_count,
+    python_error,
     quiet_launcher_logs,
     read_hang_reports,
 )
@@ -263,11 +264,9 @@ def spec_error_of_child(exc: BaseException) -> SpecError | None:
     """The SpecError a DDP worker raised while building, recovered from the launcher's failure record."""
     marker = "runner.errors.SpecError: "
     for failure in (getattr(exc, "failures", None) or {}).values():
-        data = getattr(failure, "error_file_data", None) or {}
-        inner = data.get("message", {}) if isinstance(data, dict) else {}
-        trace = inner.get("extraInfo", {}).get("py_callstack", "") if isinstance(inner, dict) else ""
-        if marker in trace:
-            text = trace.rsplit(marker, 1)[1].strip()
+        text = python_error(failure)
+        if text.startswith(marker):
+            text = text.removeprefix(marker).strip()
             issues = []
             for line in text.splitlines():
                 key, sep, message = line.partition(": ")

@@ -100,3 +100,24 @@ def test_the_wait_on_a_training_child_asks_until_the_run_is_handed_over_then_blo
     assert _wait_passing_signals(child(1.5), handed_after_two) == 0
     assert asked == [False, False, None]  # asked three times in 1.5 s, then no wake-ups until the child ended
     assert _wait_passing_signals(child(60), lambda: True) == -signal.SIGKILL  # no run will be made: killed
+
+
+def test_a_ranks_spec_error_is_read_back_from_the_launchers_failure_record() -> None:
+    from types import SimpleNamespace
+
+    from runner.launch.elastic import spec_error_of_child
+
+    def failed(trace: str) -> SimpleNamespace:
+        record = SimpleNamespace(
+            exitcode=1, timestamp=0, error_file_data={"message": {"extraInfo": {"py_callstack": trace}}}
+        )
+        return SimpleNamespace(failures={1: record})
+
+    trace = "Traceback (most recent call last):\n  ...\nrunner.errors.SpecError: model.kwargs.width: got 0\ndata.target: no such key\n"
+    found = spec_error_of_child(failed(trace))
+    assert found is not None and [(i.key, i.message) for i in found.issues] == [
+        ("model.kwargs.width", "got 0"),
+        ("data.target", "no such key"),
+    ]
+    assert spec_error_of_child(failed("Traceback ...\nrunner.errors.TrainingError: diverged\n")) is None
+    assert spec_error_of_child(RuntimeError("no failures recorded")) is None
