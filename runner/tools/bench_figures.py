@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from runner.spec.schema_parallel import MODES
 
@@ -140,38 +140,24 @@ def steady(spread_value: float | None, tail_value: float | None) -> bool:
     return spread_value is not None and not noise(spread_value, tail_value)
 
 
-class Ran(Protocol):
-    """What one training of a configuration left: every rank's result and the logging rank's history."""
-
-    @property
-    def run_id(self) -> str | None: ...
-
-    @property
-    def workers(self) -> Sequence[WorkerResult]: ...
-
-    @property
-    def history(self) -> list[tuple[int, dict[str, float]]]: ...
-
-
 def summarize(
     result: ConfigResult,
-    exec_result: Ran,
+    ranks: Sequence[WorkerResult],
+    history: Sequence[tuple[int, Mapping[str, float]]],
     batch_sizes: Sequence[int],
-    *,
     warmup: int,
     steps: int,
     cuda_peaks: Sequence[int] = (),
 ) -> None:
-    """Fill ``result`` from one ``ExecResult`` of ``warmup + steps`` steps (``cuda_peaks`` of an in-process run,
-    bytes)."""
-    workers = sorted(exec_result.workers, key=lambda w: w.rank)
+    """Fill ``result`` from one training of ``warmup + steps`` steps: every rank's result, the logging rank's
+    ``history`` and ``cuda_peaks`` (bytes) of an in-process run."""
+    workers = sorted(ranks, key=lambda w: w.rank)
     timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
     slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
     times = timed[slowest]
     waits = list(workers[slowest].data_wait_s[warmup : warmup + len(times)])
     cycle = list(batch_sizes) or [0]
     samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
-    result.run_id = exec_result.run_id
     result.timed_steps = len(times)
     result.step_times_s = list(times)
     result.data_wait_s = waits
@@ -186,8 +172,8 @@ def summarize(
         result.peak_memory_bytes = [int(w.peak_memory_bytes) for w in workers]
         result.devices = [str(w.device) for w in workers]
     result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
-    result.final_loss = final_loss(exec_result.history)
-    result.train_losses = {int(step): float(m["train/loss"]) for step, m in exec_result.history if "train/loss" in m}
+    result.final_loss = final_loss(history)
+    result.train_losses = {int(step): float(m["train/loss"]) for step, m in history if "train/loss" in m}
 
 
 def final_loss(history: Sequence[tuple[int, Mapping[str, float]]]) -> float | None:

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.tools.parity import ParityReport
-    from runner.training import WorkerResult
 
 
 class Parent(NamedTuple):
@@ -168,14 +167,6 @@ class Config:
     child_run_id: str | None = None
 
 
-class _Trained(NamedTuple):
-    """One repeat's results in the shape :func:`runner.tools.bench_figures.summarize` reads."""
-
-    run_id: str | None
-    workers: list[WorkerResult]
-    history: list[tuple[int, dict[str, float]]]
-
-
 def open_child(config: Config, parent: Parent | None, name: str) -> None:
     """Create the configuration's child run (before measuring starts, while the workers warm up)."""
     if config.loaded is not None and config.plan is not None:
@@ -229,10 +220,9 @@ def repeats(
         workers = [r.result for r in replies if r.result is not None]
         history = history or workers[0].history
         row = ConfigResult(result.config, result.mode, result.n)
-        trained = _Trained(None, workers, workers[0].history)
         # the pool sees the widest configuration's GPUs; this one uses the first of them
         peaks = replies[0].cuda_peaks[: len(config.plan.devices.selected)] if config.plan else []
-        summarize(row, trained, config.batch_sizes, warmup=report.warmup, steps=report.steps, cuda_peaks=peaks)
+        summarize(row, workers, workers[0].history, config.batch_sizes, report.warmup, report.steps, peaks)
         rows.append(row)
         rates, times = [r.samples_per_s or 0.0 for r in rows], [t for r in rows for t in r.step_times_s]
         if len(rows) >= report.min_repeats and steady(spread(rates), tail(times)):

@@ -193,9 +193,8 @@ def test_summarize_uses_timed_steps_of_the_slowest_rank_and_the_last_loss() -> N
     history = [(s, {"train/loss": 1.0 / s, "lr": 0.1}) for s in range(1, 7)] + [(6, {"val/loss": 0.3})]
     fast = _worker(0, [9.0, 9.0, 0.10, 0.10, 0.10, 0.10], [1.0, 1.0, 0.01, 0.01, 0.01, 0.01])
     slow = _worker(1, [9.0, 9.0, 0.20, 0.20, 0.20, 0.40], [1.0, 1.0, 0.05, 0.05, 0.05, 0.05], peak=200 << 20)
-    exec_result = SimpleNamespace(run_id="abc", workers=[slow, fast], history=history)
     row = ConfigResult(config="ddp-2", mode="ddp", n=2)
-    summarize(row, exec_result, batch_sizes=[32, 32, 16], warmup=2, steps=4)
+    summarize(row, [slow, fast], history, batch_sizes=[32, 32, 16], warmup=2, steps=4)
     # steps 2..5 of a 3-step epoch: sizes 16, 32, 32, 16
     assert row.timed_steps == 4 and row.timed_samples == 96
     assert row.samples_per_s == pytest.approx(96 / 1.0)
@@ -203,15 +202,22 @@ def test_summarize_uses_timed_steps_of_the_slowest_rank_and_the_last_loss() -> N
     assert row.step_time_p90_s == pytest.approx(0.34)
     assert row.data_wait_fraction == pytest.approx(0.2)
     assert row.peak_memory_bytes == [100 << 20, 200 << 20] and row.peak_memory_kind == "cpu_rss"
-    assert row.devices == ["cpu", "cpu"] and row.run_id == "abc"
+    assert row.devices == ["cpu", "cpu"]
     assert row.final_loss == pytest.approx(1 / 6)
     assert row.train_losses == {s: pytest.approx(1.0 / s) for s in range(1, 7)}
 
 
 def test_summarize_reports_every_dp_device_from_the_cuda_peaks() -> None:
-    exec_result = SimpleNamespace(run_id="r", workers=[_worker(0, [0.1] * 3, [0.0] * 3, device="cuda:0")], history=[])
     row = ConfigResult(config="dp-2", mode="dp", n=2)
-    summarize(row, exec_result, [8], warmup=1, steps=2, cuda_peaks=[3 << 20, 1 << 20])
+    summarize(
+        row,
+        [_worker(0, [0.1] * 3, [0.0] * 3, device="cuda:0")],
+        [],
+        [8],
+        warmup=1,
+        steps=2,
+        cuda_peaks=[3 << 20, 1 << 20],
+    )
     assert row.peak_memory_bytes == [3 << 20, 1 << 20] and row.devices == ["cuda:0", "cuda:1"]
     assert row.peak_memory_kind == "cuda_allocated" and row.final_loss is None
 
