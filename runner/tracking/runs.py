@@ -9,7 +9,6 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, first_line, mask_secrets, store_errors
@@ -38,18 +37,6 @@ TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 # its GenAI view (traces overview, runs labelled "Evaluations"); the value is the UI's own.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 ERROR_TAG_CHARS = 1000
-
-
-@dataclass(frozen=True)
-class RunHandle:
-    """Where a run lives: its 32-hex-digit id and display name."""
-
-    uri: str
-    run_id: str
-    experiment_id: str
-    experiment_name: str
-    run_name: str = ""
-    artifact_uri: str = ""
 
 
 THREADS_PARAM = "runner.threads_per_process"
@@ -140,7 +127,7 @@ def start_run(
     uri: str | None = None,
     nested: bool = False,
     experiment: str | None = None,
-) -> RunHandle:
+) -> RunRecord:
     """Create the MLflow run and record its spec, provenance and plan; it is RUNNING until :func:`end_run`.
 
     An explicit run id, without MLflow's fluent run. Params are the keys that apply; tags from :func:`run_tags`;
@@ -148,6 +135,8 @@ def start_run(
     fluent run and makes it the parent. Raises TrackingError: A fluent run is active without ``nested``, the store is
     unreachable, the experiment is deleted, or MLflow rejects a request."""
     from mlflow.exceptions import MlflowException
+
+    from runner.tracking.stored import run_record
 
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
@@ -166,16 +155,8 @@ def start_run(
         raise TrackingError(
             f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
         ) from exc
-    run_id = run.info.run_id
-    record_or_fail(client, run_id, uri, "the spec of run", params, texts)
-    return RunHandle(
-        uri=uri,
-        run_id=run_id,
-        experiment_id=experiment_id,
-        experiment_name=experiment_name,
-        run_name=run.info.run_name or "",
-        artifact_uri=run.info.artifact_uri or "",
-    )
+    record_or_fail(client, run.info.run_id, uri, "the spec of run", params, texts)
+    return run_record(run, experiment_name)
 
 
 def _what_the_run_records(

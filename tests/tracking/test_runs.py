@@ -18,7 +18,6 @@ from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
 from runner.tracking.runs import (
-    RunHandle,
     delete_run,
     end_run,
     find_run,
@@ -26,7 +25,7 @@ from runner.tracking.runs import (
     reopen_run,
     start_run,
 )
-from runner.tracking.stored import continuable_runs
+from runner.tracking.stored import RunRecord, continuable_runs
 
 SPEC = """\
 name = "demo"
@@ -128,9 +127,9 @@ def test_start_run_records_params_tags_and_artifacts(tmp_path, uri, client, monk
 
     handle = start_run(loaded, PLAN, uri=uri)
 
-    assert isinstance(handle, RunHandle) and handle.uri == uri
+    assert isinstance(handle, RunRecord) and handle.status == "RUNNING"
     exp = client.get_experiment_by_name("exp-demo")
-    assert exp is not None and exp.experiment_id == handle.experiment_id and handle.experiment_name == "exp-demo"
+    assert exp is not None and exp.experiment_id == handle.experiment_id and handle.experiment == "exp-demo"
     runs = client.search_runs([exp.experiment_id])
     assert [r.info.run_id for r in runs] == [handle.run_id]
     run = runs[0]
@@ -241,7 +240,7 @@ def test_experiments_carry_the_training_kind_and_keep_a_kind_of_their_own(tmp_pa
 def test_start_run_defaults_experiment_to_spec_name(tmp_path, uri, client):
     spec_path = write_spec(tmp_path / "loose", SPEC.replace('experiment = "exp-demo"', 'run_name = "from-spec"'))
     handle = start_run(load_spec(spec_path), {}, uri=uri)
-    assert handle.experiment_name == "demo"
+    assert handle.experiment == "demo"
     assert client.get_run(handle.run_id).info.run_name == "from-spec"
 
 

@@ -62,7 +62,7 @@ def test_run_over_http_then_server_goes_away(tmp_path, mlflow_server, monkeypatc
     spec_path = tmp_path / "served.toml"
     spec_path.write_text(SPEC)
     handle = start_run(load_spec(spec_path), {"accelerator": "cpu", "world_size": 1}, uri=url)
-    assert handle.uri == url
+    assert handle.status == "RUNNING"
 
     tracker = MlflowTracker(url, handle.run_id, flush_every_s=0.5)
     for step in range(1500):  # two log_batch requests of <= 1000 metrics
