@@ -16,6 +16,7 @@ from runner.tracking.tags import (
     PARAMS_PER_BATCH,
     git_artifacts,
     git_info,
+    planned,
     run_tags,
     spec_artifacts,
     spec_params,
@@ -40,12 +41,6 @@ ERROR_TAG_CHARS = 1000
 
 
 THREADS_PARAM = "runner.threads_per_process"
-
-
-def _planned(plan_description: Mapping[str, Any], key: str) -> Any:
-    """``key`` of a plan description (a whole plan, or a device plan's), or ``None``."""
-    nested = plan_description.get("devices")
-    return plan_description.get(key) or (nested.get(key) if isinstance(nested, Mapping) else None)
 
 
 def check_fluent_run(nested: bool) -> str | None:
@@ -167,10 +162,10 @@ def _what_the_run_records(
 
     from runner.spec.dump import dump_spec
 
-    accelerator = _planned(plan_description, "accelerator")
+    accelerator = planned(plan_description, "accelerator")
     accelerator = str(accelerator) if accelerator else None
     params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, accelerator).items()]
-    threads = _planned(plan_description, "threads_per_process")
+    threads = planned(plan_description, "threads_per_process")
     if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
         params.append(Param(THREADS_PARAM, str(threads)))
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"

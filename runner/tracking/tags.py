@@ -79,6 +79,12 @@ def _git_tags(info: GitInfo) -> dict[str, str]:
     return tags
 
 
+def planned(plan_description: Mapping[str, Any], key: str) -> Any:
+    """``key`` of a plan description (a whole plan, or a device plan's), or ``None``."""
+    nested = plan_description.get("devices")
+    return plan_description.get(key) or (nested.get(key) if isinstance(nested, Mapping) else None)
+
+
 def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     """``runner.devices``, ``runner.world_size`` and ``runner.accelerator`` from a plan description.
     ``plan_description`` is either a ``DevicePlan`` description or a whole plan holding one under ``"devices"``."""
@@ -93,8 +99,7 @@ def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     elif device_plan.get("accelerator") == "cpu":
         tags["runner.devices"] = "cpu"
     for key in ("world_size", "accelerator"):
-        value = plan_description.get(key, device_plan.get(key))
-        if value is not None:
+        if (value := planned(plan_description, key)) is not None:
             tags[f"runner.{key}"] = value
     return tags
 
@@ -131,10 +136,7 @@ def run_tags(
     remarks = {}
     if loaded.overrides or loaded.unset:
         tags[OVERRIDES_TAG] = remarks["overrides"] = shlex.join(loaded.command_line())  # --set k=v --unset k
-    notes = plan_description.get("notes")  # a whole plan's, else its device plan's
-    if notes is None and isinstance(nested := plan_description.get("devices"), Mapping):
-        notes = nested.get("notes")
-    notes = [str(n) for n in notes or ()]
+    notes = [str(n) for n in planned(plan_description, "notes") or ()]
     if notes:
         tags[NOTES_TAG] = "; ".join(notes)
         remarks["notes"] = "\n".join(f"- {n}" for n in notes) if len(notes) > 1 else notes[0]
