@@ -324,9 +324,6 @@ class _StopFlag:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     def code(self) -> int:
         """0, or the :func:`~runner.errors.stop_code` of the first signal and this rank (the loop's ``should_stop``)."""
         return stop_code(self.signum, self._rank) if self._event.is_set() else 0
