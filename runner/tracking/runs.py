@@ -105,14 +105,6 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     return str(exp.experiment_id)
 
 
-def mark_failed_quietly(client: MlflowClient, run_id: str) -> None:
-    """End ``run_id`` FAILED while another error is on its way up; a failure here is only logged."""
-    try:
-        set_terminated(client, run_id, "FAILED")
-    except Exception:  # the original error matters more
-        log.debug("could not mark run %s FAILED", run_id, exc_info=True)
-
-
 def start_run(
     loaded: LoadedSpec,
     plan_description: Mapping[str, Any],
@@ -187,7 +179,10 @@ def record_or_fail(
         for artifact_file, text in texts.items():
             client.log_text(run_id, text, artifact_file)
     except Exception as exc:
-        mark_failed_quietly(client, run_id)
+        try:
+            set_terminated(client, run_id, "FAILED")
+        except Exception:  # the original error matters more
+            log.debug("could not mark run %s FAILED", run_id, exc_info=True)
         raise TrackingError(f"could not record {what} {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 

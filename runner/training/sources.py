@@ -9,7 +9,7 @@ import gzip
 import importlib.util
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -263,13 +263,14 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
 
 def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
+    signature: Any = "(...)"  # when even the signature cannot be read
     try:
-        inspect.signature(factory).bind(**data.kwargs)
+        signature = inspect.signature(factory)
+        signature.bind(**data.kwargs)
     except TypeError as exc:
-        raise spec_issue(
-            "data.kwargs",
-            f"{data.dataset!r} rejected kwargs {data.kwargs}: {first_line(exc)}; signature: {_sig(factory)}",
-        ) from None
+        called = f"{getattr(factory, '__name__', 'factory')}{signature}"
+        message = f"{data.dataset!r} rejected kwargs {data.kwargs}: {first_line(exc)}; signature: {called}"
+        raise spec_issue("data.kwargs", message) from None
     except ValueError:  # no signature (a builtin or C callable): the call decides
         pass
     try:
@@ -290,13 +291,6 @@ def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Data
             f"{data.dataset!r} returned a {type(result).__name__}, not a Dataset or a (train, val) tuple",
         )
     return result, None, False
-
-
-def _sig(fn: Callable[..., object]) -> str:
-    try:
-        return f"{getattr(fn, '__name__', 'factory')}{inspect.signature(fn)}"
-    except (TypeError, ValueError):
-        return "(...)"
 
 
 def _is_dataset(obj: object) -> bool:
