@@ -385,8 +385,10 @@ def _bench(args: argparse.Namespace) -> int:
     from runner.tools.bench import run_bench
 
     low, _, high = args.repeats.partition(":")  # "2:5" -> (2, 5); "3" -> (3, 3)
-    if not (low.isdigit() and (high or low).isdigit()):
-        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {args.repeats!r}")
+    try:
+        repeats = int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"--repeats: expected MIN:MAX (e.g. 2:5) or N, got {args.repeats!r}") from None
     report = run_bench(
         args.file,
         _overrides(args),
@@ -395,7 +397,7 @@ def _bench(args: argparse.Namespace) -> int:
         nprocs=_csv(args.nproc, int),
         steps=args.steps,
         warmup=args.warmup,
-        repeats=(int(low), int(high or low)),
+        repeats=repeats,
         out_dir=args.out,
     )
     failed = print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")

@@ -240,11 +240,9 @@ def run_job(job: Job) -> Reply:
     if result is None:
         return Reply("failed", "the worker exited without a result")
     torch: Any = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return Reply("ok", result=result)
-    return Reply(
-        "ok", result=result, cuda_peaks=[torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())]
-    )
+    on_cuda = torch is not None and torch.cuda.is_initialized()
+    peaks = [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())] if on_cuda else []
+    return Reply("ok", result=result, cuda_peaks=peaks)
 
 
 def _set_launch_env(job: Job) -> None:

@@ -40,6 +40,7 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
+from runner.tracking import parents
 from runner.tracking.runs import delete_run, end_run
 from runner.tracking.uri import absolute_uri, check_reachable
 
@@ -137,7 +138,7 @@ def _open_study(
             notes.append("the trial spec differs from the study's first worker's")
     parent = opened.parent_run_id
     report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, url)
-    report.experiment_id = store.experiment_id()
+    report.experiment_id = parents.experiment_id(store.uri, store.experiment)  # created when missing
     return opened, report
 
 

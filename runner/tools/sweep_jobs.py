@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import Interrupted, RunnerError, echo, first_line
 from runner.spec.loading import load_spec
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
-from runner.tools.sweep_store import PRUNED_TAG, SweepStore, open_storage
+from runner.tools.sweep_store import SweepStore, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import OptunaPruning, trial_tags, without_sweep
-from runner.tracking import parents
 from runner.tracking.runs import end_run
 
 if TYPE_CHECKING:
@@ -183,10 +182,9 @@ class WorkerPool:
         number, code = self._current.pop(config.index, None), proc.exitcode
         died = code not in (0, 130)
         if number is not None and died:
-            log = Path(config.log) if config.log is not None else None
-            tail = (
-                log.read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:] if log and log.is_file() else ""
-            )
+            tail = ""
+            if config.log is not None and Path(config.log).is_file():
+                tail = Path(config.log).read_text(encoding="utf-8", errors="replace")[-_FAILED_TAIL_CHARS:]
             self.on_dead(number, f"the sweep worker process exited with status {code}\n{tail}".strip())
         again = code == 0 and config.max_trials is not None
         if died and self._restarts.get(config.index, 0) < RESTARTS:  # a replacement takes over the queue
@@ -349,8 +347,7 @@ def _execute(
     out = exec_experiment(loaded, options)
     stopped = out.workers[0].stopped_after_epoch if out.workers else None
     if stopped is not None and out.run_id is not None:
-        tags = {PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(stopped)}  # it stays FINISHED (design §16)
-        parents.record_summary(store.uri, out.run_id, tags=tags)
+        store.mark_pruned(out.run_id, stopped)
     value = None if (got := out.metrics.get(definition.metric)) is None else float(got)
     return TrialResult(
         point.index, point.values, out.run_id, "FINISHED", value, pruned=stopped is not None, pruned_epoch=stopped

@@ -41,10 +41,6 @@ class SweepStore:
         """The store and experiment the spec's runs are recorded in."""
         return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
 
-    def experiment_id(self) -> str:
-        """Id of the sweep's experiment (created when missing)."""
-        return parents.experiment_id(self.uri, self.experiment)
-
     def create_parent(
         self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, study: str, storage: str
     ) -> str:
@@ -118,6 +114,10 @@ class SweepStore:
                 if run.status == "RUNNING":
                     why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
                     end_run(self.uri, run.run_id, "KILLED", why)
+
+    def mark_pruned(self, run_id: str, epoch: int) -> None:
+        """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
+        parents.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
         """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""

@@ -68,13 +68,13 @@ def create_parent_run(
 
     A failure while recording ends it FAILED first; TrackingError names ``what``.
     """
+    from mlflow.entities import Param
+
     eid = experiment_id(uri, experiment)
     client = _client(uri)
     with store_errors(f"create {what} at {uri}"):
         masked = {key: mask_secrets(value) for key, value in tags.items()}
         run_id = str(client.create_run(eid, tags=masked, run_name=mask_secrets(run_name)).info.run_id)
-    from mlflow.entities import Param
-
     masked_params = [Param(k, mask_secrets(v)) for k, v in (params or {}).items()]
     record_or_fail(client, run_id, uri, what, masked_params, {k: mask_secrets(t) for k, t in (texts or {}).items()})
     return run_id

@@ -396,12 +396,10 @@ def refuse_half_migrated(path: Path) -> None:
     try:
         with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            row = (
-                db.execute("SELECT version_num FROM alembic_version").fetchone()
-                if "alembic_version" in tables
-                else None
-            )
-            version = str(row[0]) if row else None
+            version = None
+            if "alembic_version" in tables:
+                row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+                version = str(row[0]) if row else None
             runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
     except sqlite3.DatabaseError as exc:
         raise TrackingError(f"tracking store {path}: not a readable sqlite database ({exc})") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -227,10 +227,7 @@ def _step(
     global_size = parts.loaders.global_batch_sizes[state.batch_in_epoch]
     counting = len(report.result.step_times_s) == report.count_at
     step_start = time.perf_counter()
-    from torch.utils.flop_counter import FlopCounterMode  # imported once a step is counted, not at start-up
-
-    # matmul, conv and attention FLOPs of forward and backward (recomputation too)
-    with FlopCounterMode(display=False) if counting else contextlib.nullcontext() as counter:
+    with _flop_counter() if counting else contextlib.nullcontext() as counter:
         waited = train_step(parts, batches, global_size, train_spec.clip_grad_norm, tally)
     report.result.step_times_s.append(time.perf_counter() - step_start)
     if counter is not None:
@@ -262,6 +259,13 @@ def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]
     parts.loaders.train_sampler.set_start_batch(state.batch_in_epoch)
     parts.model.train()
     return iter(parts.loaders.train)
+
+
+def _flop_counter() -> contextlib.AbstractContextManager[Any]:
+    """torch's ``FlopCounterMode`` (forward and backward FLOPs), imported for the one counted step, not every step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False)
 
 
 def _log_window(

@@ -263,7 +263,7 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
 
 def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
-    signature: Any = "(...)"  # when even the signature cannot be read
+    signature: inspect.Signature | str = "(...)"  # when even the signature cannot be read
     try:
         signature = inspect.signature(factory)
         signature.bind(**data.kwargs)
