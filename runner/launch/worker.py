@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
+    from runner.training.batches import TrainingParts
     from runner.training.data import DatasetBundle, SeedInfo
-    from runner.training.setup import Restored, TrainingParts
+    from runner.training.setup import Restored
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ def _fit(
 ) -> WorkerResult:
     """Train on built and restored parts, then send the outputs and the result (rank 0)."""
     from runner.training import flops_uncounted, setup
+    from runner.training.batches import LoopParts
 
     spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
@@ -160,12 +162,12 @@ def _fit(
             parts, strategy, folder, args.loaded, run_id=handed.run_id, writer=is_log_rank, tracker=tracker
         )
         epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
-        loop = setup.loop_parts(
-            parts,
-            strategy,
-            tracker,
-            checkpointer,
-            stop.code,
+        loop = LoopParts(
+            **vars(parts),
+            strategy=strategy,
+            tracker=tracker,
+            on_checkpoint=checkpointer,
+            should_stop=stop.code,
             sync_timing=args.sync_timing,
             epoch_end=epoch_end,
             started_at=args.started_at,

@@ -17,6 +17,7 @@ from runner.training.models import spec_issue
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
+    from torch.utils.data import Dataset
 
     from runner.spec.schema import ExperimentSpec
     from runner.strategies.base import Precision, Strategy
@@ -246,28 +247,47 @@ class FitResult:
 
 
 @dataclass
-class LoopParts:
-    """Everything the loop needs, built by :mod:`runner.training.setup`; the loop builds nothing itself.
-
-    ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is ``min(steps_per_epoch * epochs,
-    max_steps)``; ``on_checkpoint(state, reason)`` runs on all ranks; ``should_stop`` is 0 or a stop code;
-    ``sync_timing`` makes CUDA step times exact (bench); ``epoch_end(epoch, metrics)`` ends training when True on every
-    rank; ``after_step`` follows each step's timing (the profiler); from ``started_at`` the loop logs
-    ``time_to_first_step_s``; ``count_flops`` counts one step with ``FlopCounterMode``.
-    """
+class TrainingParts:
+    """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
+    ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is
+    ``min(steps_per_epoch * epochs, max_steps)``."""
 
     model: nn.Module
-    strategy: Strategy
+    raw_model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler | None
     scheduler_interval: str
+    precision: Precision
     loss: Loss
     loaders: Loaders
-    tracker: Tracker
     total_steps: int
-    precision: Precision
+    train_set: Dataset
     io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
     metrics: MetricPlan = field(default_factory=MetricPlan)
+    data: DatasetInfo | None = None
+
+    def example_input(self) -> Any:
+        """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""
+        sample = self.train_set[0]
+        if isinstance(sample, dict):
+            return {
+                k: v.unsqueeze(0) for k, v in sample.items() if isinstance(v, torch.Tensor) and k != self.io.target_key
+            }
+        return sample[0].unsqueeze(0)
+
+
+@dataclass(kw_only=True)
+class LoopParts(TrainingParts):
+    """The built parts and what the run adds; the loop builds nothing itself.
+
+    ``on_checkpoint(state, reason)`` runs on all ranks; ``should_stop`` is 0 or a stop code; ``sync_timing`` makes
+    CUDA step times exact (bench); ``epoch_end(epoch, metrics)`` ends training when True on every rank;
+    ``after_step`` follows each step's timing (the profiler); from ``started_at`` the loop logs
+    ``time_to_first_step_s``; ``count_flops`` counts one step with ``FlopCounterMode``.
+    """
+
+    strategy: Strategy
+    tracker: Tracker
     on_checkpoint: Callable[[TrainState, str], None] | None = None
     should_stop: Callable[[], int] = lambda: 0
     sync_timing: bool = False

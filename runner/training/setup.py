@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,51 +19,20 @@ from runner.strategies.base import Precision
 from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
-from runner.training.batches import BatchIO, check_target
+from runner.training.batches import BatchIO, TrainingParts, check_target
 from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
 from runner.training.loop import FitResult, LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
-from runner.training.losses import BuiltinLoss, Loss, build_loss, build_optimizer, build_scheduler, scheduler_interval
-from runner.training.metrics import MetricPlan, build_metric_plan
+from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, build_scheduler, scheduler_interval
+from runner.training.metrics import build_metric_plan
 from runner.training.models import build_model
-from runner.training.sampling import Loaders, build_loaders, check_batchnorm_batches
+from runner.training.sampling import build_loaders, check_batchnorm_batches
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import LRScheduler
-    from torch.utils.data import Dataset
-
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec, TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
-    from runner.training.data import DatasetBundle, DatasetInfo, SeedInfo
-
-
-@dataclass
-class TrainingParts:
-    """What :func:`build_parts` makes from the spec on one rank (``model`` wrapped, ``raw_model`` the user's)."""
-
-    model: nn.Module
-    raw_model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: LRScheduler | None
-    scheduler_interval: str
-    precision: Precision
-    loss: Loss
-    io: BatchIO
-    metrics: MetricPlan
-    loaders: Loaders
-    total_steps: int
-    train_set: Dataset
-    data: DatasetInfo | None = None
-
-    def example_input(self) -> Any:
-        """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""
-        sample = self.train_set[0]
-        if isinstance(sample, dict):
-            return {
-                k: v.unsqueeze(0) for k, v in sample.items() if isinstance(v, torch.Tensor) and k != self.io.target_key
-            }
-        return sample[0].unsqueeze(0)
+    from runner.training.data import DatasetBundle, SeedInfo
 
 
 @dataclass
@@ -260,41 +229,6 @@ def _recorded(tracker: Tracker) -> int:
     """The metric values the run's tracker has numbered (``MlflowTracker.recorded``); 0 for trackers that keep none."""
     count = getattr(tracker, "recorded", None)
     return int(count()) if callable(count) else 0
-
-
-def loop_parts(
-    parts: TrainingParts,
-    strategy: Strategy,
-    tracker: Tracker,
-    on_checkpoint: Callable[[TrainState, str], None],
-    should_stop: Callable[[], int],
-    *,
-    sync_timing: bool = False,
-    epoch_end: Callable[[int, dict[str, float]], bool] | None = None,
-    started_at: float | None = None,
-    count_flops: bool = False,
-) -> LoopParts:
-    """Assemble the loop's :class:`~runner.training.loop.LoopParts` from the built parts."""
-    return LoopParts(
-        model=parts.model,
-        strategy=strategy,
-        optimizer=parts.optimizer,
-        scheduler=parts.scheduler,
-        scheduler_interval=parts.scheduler_interval,
-        loss=parts.loss,
-        loaders=parts.loaders,
-        tracker=tracker,
-        total_steps=parts.total_steps,
-        precision=parts.precision,
-        io=parts.io,
-        metrics=parts.metrics,
-        on_checkpoint=on_checkpoint,
-        should_stop=should_stop,
-        sync_timing=sync_timing,
-        epoch_end=epoch_end,
-        started_at=started_at,
-        count_flops=count_flops,
-    )
 
 
 @contextlib.contextmanager

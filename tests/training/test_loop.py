@@ -94,6 +94,8 @@ def make_parts(
     model = strategy.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)))
     return LoopParts(
         model=model,
+        raw_model=model,
+        train_set=bundle.train,
         strategy=strategy,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         scheduler=None,

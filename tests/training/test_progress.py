@@ -131,6 +131,8 @@ def _fitted(spec: ExperimentSpec) -> LoopParts:
     model = nn.Linear(4, 2)
     parts = LoopParts(
         model=model,
+        raw_model=model,
+        train_set=bundle.train,
         strategy=strategy,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         scheduler=None,
