@@ -4,7 +4,6 @@ docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
@@ -77,10 +76,11 @@ def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compil
             block.compile(backend=train.compile_backend)
 
 
-class Strategy(ABC):
+class Strategy:
     """How one process runs the model: device, wrapping, collectives, the stop decision.
 
-    ``setup()`` ... ``teardown()`` (or ``with strategy:``); modelled on Lightning Fabric's ``Strategy``.
+    ``setup()`` ... ``teardown()`` (or ``with strategy:``); modelled on Lightning Fabric's ``Strategy``. Each method
+    answers for one process on one device (mode ``none``); the modes of several processes override them.
     """
 
     mode: ClassVar[str]
@@ -92,19 +92,19 @@ class Strategy(ABC):
 
     # process layout -------------------------------------------------------
     @property
-    @abstractmethod
     def rank(self) -> int:
         """Global rank of this process (0 .. world_size-1)."""
+        return 0
 
     @property
-    @abstractmethod
     def local_rank(self) -> int:
         """Rank of this process on its node."""
+        return 0
 
     @property
-    @abstractmethod
     def world_size(self) -> int:
         """Number of processes."""
+        return 1
 
     @property
     def is_main(self) -> bool:
@@ -122,11 +122,9 @@ class Strategy(ABC):
         return 1
 
     # lifecycle ------------------------------------------------------------
-    @abstractmethod
     def setup(self) -> None:
         """Prepare this process (join the process group, pick the device)."""
 
-    @abstractmethod
     def teardown(self) -> None:
         """Release what :meth:`setup` took; safe to call twice."""
 
@@ -140,10 +138,14 @@ class Strategy(ABC):
         self.teardown()
 
     # model ----------------------------------------------------------------
-    @abstractmethod
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to :attr:`device` and wrap it, applying ``train``'s checkpointing and compile in this
-        mode's order."""
+        mode's order (here: no wrapper, checkpointed blocks, the whole model compiled)."""
+        module = module.to(self.device)
+        transform_blocks(find_blocks(module, None), train, compile_blocks=False)
+        if train is not None and train.compile:
+            module.compile(backend=train.compile_backend)
+        return module
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """Return the user's model inside the wrapper (for state dicts and optimizers' views)."""
@@ -153,13 +155,13 @@ class Strategy(ABC):
         """The user's model holding all its parameters (to log it); a collective where they are sharded."""
         return self.unwrap(wrapped)
 
-    @abstractmethod
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         """Return the module to evaluate with (the wrapped one unless collectives would get in the way)."""
+        return wrapped
 
-    @abstractmethod
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
         """Context for micro-batches before the last one of a gradient-accumulation step (no gradient sync)."""
+        return contextlib.nullcontext()
 
     # state (Lightning Fabric's get_module_state_dict / get_optimizer_state) --------
     def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
@@ -208,26 +210,24 @@ class Strategy(ABC):
         set_state_dict(unwrap(wrapped), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     # collectives ----------------------------------------------------------
-    @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` (any shape) over all processes; returns a new tensor on ``tensor``'s device."""
+        """Sum ``tensor`` (any shape) over all processes, on ``tensor``'s device (one process: ``tensor`` itself)."""
+        return tensor
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """:meth:`all_reduce_sum` started now and read by calling the result (no collective: at once)."""
         reduced = self.all_reduce_sum(tensor)
         return lambda: reduced
 
-    @abstractmethod
     def barrier(self) -> None:
         """Wait for every process."""
 
-    @abstractmethod
     def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank."""
+        return [obj]
 
     stop_code: int = 0  # the agreed stop: 0, or a runner.errors.stop_code (the signal and the rank it reached)
 
-    @abstractmethod
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
         """Whether every rank stops now, given this rank's ``flag`` (0 or its :func:`stop_code`); the largest code is
         kept.
@@ -235,6 +235,8 @@ class Strategy(ABC):
         Like Fabric's ``reduce_boolean_decision(all=False)``; ``settle=False`` answers from what was agreed so far
         without a collective, ``settle=True`` (log steps, checkpoints, epoch ends) agrees on ``flag`` on every rank.
         """
+        self.stop_code = max(self.stop_code, int(flag))
+        return bool(flag)
 
 
 AmpMode = Literal["no", "bf16", "fp16"]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,7 +14,7 @@ from torch.nn.parallel import DataParallel
 
 from runner.errors import DeviceError, TrainingError
 from runner.launch.environment import LauncherEnvironment
-from runner.strategies.base import Strategy, find_blocks, transform_blocks
+from runner.strategies.base import Strategy
 from runner.strategies.ddp import DDPStrategy
 
 if TYPE_CHECKING:
@@ -54,66 +53,10 @@ def make_strategy(
     return STRATEGIES[plan.mode](parallel, plan, launcher, amp)
 
 
-T = TypeVar("T")
-
-
 class SingleDevice(Strategy):
-    """``mode = "none"``: one process, one device; collectives return their input, the stop decision answers at once."""
+    """``mode = "none"``: one process, one device: every method is :class:`Strategy`'s own."""
 
     mode = "none"
-
-    @property
-    def rank(self) -> int:
-        """Always 0."""
-        return 0
-
-    @property
-    def local_rank(self) -> int:
-        """Always 0."""
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        """Always 1."""
-        return 1
-
-    def setup(self) -> None:
-        """Nothing to prepare for one process."""
-
-    def teardown(self) -> None:
-        """Nothing to release."""
-
-    def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
-        """Move ``module`` to :attr:`device`; no wrapper. Checkpoints its blocks and compiles it as ``train`` asks."""
-        module = module.to(self.device)
-        transform_blocks(find_blocks(module, None), train, compile_blocks=False)
-        if train is not None and train.compile:
-            module.compile(backend=train.compile_backend)
-        return module
-
-    def eval_module(self, wrapped: nn.Module) -> nn.Module:
-        """The model itself."""
-        return wrapped
-
-    def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
-        """Nothing to skip: a null context."""
-        return contextlib.nullcontext()
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` itself (the sum over one process)."""
-        return tensor
-
-    def barrier(self) -> None:
-        """Nothing to wait for."""
-
-    def all_gather_object(self, obj: T) -> list[T]:
-        """``[obj]``."""
-        return [obj]
-
-    def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """``flag`` itself, at once, whatever ``settle`` says."""
-        self.stop_code = max(self.stop_code, int(flag))
-        return bool(flag)
 
 
 def check_gatherable(output: Any, path: str = "output") -> None:
