@@ -138,7 +138,7 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
         raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
-    _write_replacing(target, lambda handle: torch.save(whole_model(found), handle))
+    _write_replacing(target, lambda handle: torch.save(whole_model(found.path), handle))
     return (
         f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
         "load it with model.load_state_dict(torch.load(FILE))"

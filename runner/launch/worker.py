@@ -263,8 +263,8 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
     if spec.checkpoint.enabled and spec.checkpoint.log_to_mlflow:
         saved = list_checkpoints(folder)
         if saved:
-            newest = saved[-1]  # a sharded checkpoint is a folder: its files go under its name
-            tracker.log_artifact(str(newest), f"checkpoints/{newest.name}" if newest.is_dir() else "checkpoints")
+            newest = saved[-1]  # a folder: its files go under its name
+            tracker.log_artifact(str(newest), f"checkpoints/{newest.name}")
     if spec.profile is not None and (folder / "profile").is_dir():  # every profiled rank's, on one filesystem
         tracker.log_artifact(str(folder / "profile"), "profile")
     send = getattr(tracker, "send", None)

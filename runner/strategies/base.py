@@ -4,7 +4,7 @@ docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from runner.errors import SpecError, SpecIssue, TrainingError, did_you_mean, with_hint
+from runner.errors import SpecError, SpecIssue, did_you_mean, with_hint
 from runner.spec.schema_parallel import MODES, ModeTraits
 
 if TYPE_CHECKING:
@@ -163,33 +163,7 @@ class Strategy:
         """Context for micro-batches before the last one of a gradient-accumulation step (no gradient sync)."""
         return contextlib.nullcontext()
 
-    # state (Lightning Fabric's get_module_state_dict / get_optimizer_state) --------
-    def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
-        """The whole model's state dict, keys without wrapper prefixes, for a checkpoint.
-
-        A collective where the state is sharded: call it on every rank; only rank 0's answer is whole (the others may
-        get ``{}``). Tensors may stay on the device.
-        """
-        return unwrapped_state_dict(wrapped)
-
-    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole ``optimizer.state_dict()`` (parameters numbered in its order); as :meth:`model_state`."""
-        return optimizer.state_dict()
-
-    def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:
-        """Load a whole state dict written by any mode (call on every rank). Raises StateDictMismatchError: Keys are
-        missing or unexpected, or a shape differs."""
-        load_state_dict_flexible(wrapped, state)
-
-    def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load :meth:`optimizer_state`'s output, written by any mode (call on every rank)."""
-        optimizer.load_state_dict(state)
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        """Checkpoints are folders of every rank's shards (DCP), not files (the mode's ``shards_state``)."""
-        return MODES[self.mode].shards_state
-
+    # state: torch.distributed.checkpoint's (state_dict.py), as torchtitan's checkpointer uses it ---------------
     def save_group(self) -> Any:
         """The process group of background checkpoint saves (their collectives must not meet training's on the same
         group); ``None`` without a process group. Created on first call: call on every rank."""
@@ -197,7 +171,7 @@ class Strategy:
 
     def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model", "optimizer"}`` of ``torch.distributed.checkpoint.state_dict.get_state_dict``: this rank's
-        shards under fsdp, whole tensors in the other modes (a sharded checkpoint loads into either)."""
+        shards under fsdp, whole tensors in the other modes (a checkpoint of any mode loads into any)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(unwrap(wrapped), optimizer)
@@ -294,17 +268,7 @@ class Precision:
 
 
 _WRAPPERS = (DataParallel, DistributedDataParallel)
-_PREFIXES = ("module.", "_orig_mod.")  # DataParallel / DDP, torch.compile
 _MAX_KEYS_SHOWN = 20
-
-
-class StateDictMismatchError(TrainingError):
-    """A state dict does not fit a module; ``missing`` and ``unexpected`` list the keys."""
-
-    def __init__(self, message: str, missing: list[str], unexpected: list[str]):
-        super().__init__(message)
-        self.missing = missing
-        self.unexpected = unexpected
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -318,56 +282,8 @@ def unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
-def unwrapped_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``unwrap(module).state_dict()``: keys without a ``module.`` prefix, tensors on their devices."""
-    return unwrap(module).state_dict()
-
-
-def _strip_uniform_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(state_dict)
-    changed = True
-    while changed and out:
-        changed = False
-        for prefix in _PREFIXES:
-            if all(k.startswith(prefix) for k in out):
-                out = {k[len(prefix) :]: v for k, v in out.items()}
-                changed = True
-    return out
-
-
 def key_list(keys: list[str]) -> str:
     """``"a, b, c (+N more)"`` for at most 20 keys; ``"none"`` for no keys."""
     shown = ", ".join(keys[:_MAX_KEYS_SHOWN])
     more = f" (+{len(keys) - _MAX_KEYS_SHOWN} more)" if len(keys) > _MAX_KEYS_SHOWN else ""
     return f"{shown}{more}" if keys else "none"
-
-
-def fitted_state_dict(target: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` without a ``module.``/``_orig_mod.`` prefix shared by all keys; keys checked against ``target``.
-    Raises StateDictMismatchError: Keys are missing or unexpected (both are listed)."""
-    sd = _strip_uniform_prefixes(state_dict)
-    expected = list(target.state_dict().keys())
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in set(expected)]
-    if missing or unexpected:
-        raise StateDictMismatchError(
-            f"state dict does not fit {type(target).__name__}: missing keys: {key_list(missing)}; "
-            f"unexpected keys: {key_list(unexpected)} (was it saved from another model or model.kwargs?)",
-            missing,
-            unexpected,
-        )
-    return sd
-
-
-def load_state_dict_flexible(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    """Load a state dict saved in any mode into a model in any mode, strictly.
-
-    A ``module.`` or ``_orig_mod.`` prefix shared by every key is stripped; the model is unwrapped likewise. Raises
-    StateDictMismatchError for missing or unexpected keys (both listed) or a shape that differs.
-    """
-    target = unwrap(module)
-    sd = fitted_state_dict(target, state_dict)
-    try:
-        target.load_state_dict(sd, strict=True)
-    except RuntimeError as exc:
-        raise StateDictMismatchError(f"state dict does not fit {type(target).__name__}: {exc}", [], []) from exc

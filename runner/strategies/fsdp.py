@@ -10,16 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from runner.strategies.base import find_blocks, fitted_state_dict, transform_blocks, unwrap
+from runner.strategies.base import find_blocks, transform_blocks, unwrap
 from runner.strategies.ddp import DDPStrategy
 
 if TYPE_CHECKING:
@@ -29,7 +23,6 @@ if TYPE_CHECKING:
     from runner.spec.schema_parallel import ParallelSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
 
 def mixed_precision(amp: str) -> MixedPrecisionPolicy:
@@ -100,45 +93,6 @@ class FSDPStrategy(DDPStrategy):
     def no_sync(self, wrapped: nn.Module) -> contextlib.AbstractContextManager[object]:
         """Keep unsharded gradients without reduce-scattering them (micro-batches before the last one)."""
         return _no_gradient_sync(wrapped)
-
-    def model_state(self, wrapped: nn.Module) -> dict[str, Any]:
-        """The whole model on rank 0's CPU (``{}`` on the other ranks); a collective."""
-        return get_model_state_dict(unwrap(wrapped), options=_GATHER)
-
-    def optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer on rank 0's CPU, numbered as ``optimizer.state_dict()`` numbers it; a collective."""
-        model = unwrap(wrapped)
-        gathered: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=_GATHER))
-        if not gathered:
-            return {}
-        ids = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-        groups = [{**g, "params": [ids[n] for n in g["params"]]} for g in gathered["param_groups"]]
-        return {"state": {ids[n]: s for n, s in gathered["state"].items()}, "param_groups": groups}
-
-    def load_model_state(self, wrapped: nn.Module, state: dict[str, Any]) -> None:
-        """Shard a whole state dict (from any mode) into the model: each rank keeps its shards."""
-        assert self._replica is not None, "wrap() first"
-        fitted = fitted_state_dict(self._replica, state)  # the keys checked and named as in every mode
-        set_model_state_dict(unwrap(wrapped), fitted, options=StateDictOptions(full_state_dict=True))
-
-    def load_optimizer_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Shard a whole ``optimizer.state_dict()`` into ``optimizer``; a state without tensors is loaded as it is."""
-        if not any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in state["state"].values() for v in s.values()):
-            optimizer.load_state_dict(state)
-            return
-        model = unwrap(wrapped)
-        names = _param_names(model, optimizer)
-        by_name: dict[str, Any] = {
-            "state": {names[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-        }
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The model's names of the optimizer's parameters, in the optimizer's order (its state-dict numbering)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 @contextlib.contextmanager

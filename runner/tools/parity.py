@@ -299,7 +299,7 @@ def _train(
     result.run_id = done.run_id
     result.losses = {step: m["train/loss"] for step, m in done.history if "train/loss" in m}
     found = load_latest(Path(done.checkpoint_dir))
-    state = whole_model(found) if found is not None else {}
+    state = whole_model(found.path) if found is not None else {}
     result.params = {k: v.double() for k, v in state.items() if v.is_floating_point()}
 
 

@@ -1,5 +1,5 @@
-"""Checkpoints: atomic save by rank 0, keep-last rotation, validated load with fall-back, resume lookup. Details:
-docs/design.md, "Module notes"."""
+"""Checkpoints: every rank's DCP shards in one step folder, keep-last rotation, validated load with fall-back, resume
+lookup. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +28,13 @@ if TYPE_CHECKING:
     from runner.strategies.base import Precision
     from runner.training.loop import TrainState
 
-FORMAT_VERSION = 2  # 2: read with weights_only=True, records the metrics logged before it
-_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")
-META = "meta.pt"  # in a sharded checkpoint's folder: the payload without the model and optimizer
+FORMAT_VERSION = 3  # 3: a DCP folder in every mode (2: one file outside fsdp); records the metrics logged before it
+_NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a folder; a file is an earlier runner's, refused by its format
+META = "meta.pt"  # in a checkpoint's folder: the payload without the model and optimizer
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _PLAIN = (bool, int, float, str, bytes, type(None))
+# DCP without a process group (modes none and dp, `runner export`) is meant: its warning would only alarm
+warnings.filterwarnings("ignore", r"torch\.distributed is .*assuming the intent is to (save|load) in a single process")
 
 
 class CheckpointError(RunnerError):
@@ -45,31 +48,6 @@ class LoadedCheckpoint:
     path: Path
     payload: dict[str, Any]
     skipped: tuple[tuple[Path, str], ...] = ()
-
-
-def save_checkpoint(directory: Path, payload: dict[str, Any], keep_last: int) -> Path:
-    """Write ``payload`` atomically as ``step-<global_step>.pt`` (rank 0) and keep the newest ``keep_last``.
-
-    Serialised in memory, written to a temporary file, fsync'ed and renamed; the folder is fsync'ed too. Raises
-    CheckpointError: ``payload`` holds something other than tensors and plain values. OSError: The folder is not
-    writable or the disk is full (no partial file is left)."""
-    _check_plain(payload)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step-{payload['state']['global_step']:08d}.pt"
-    buffer = io.BytesIO()
-    import torch
-
-    torch.save(payload, buffer)
-    tmp = _write_atomic(directory, buffer.getbuffer(), final=None)
-    try:
-        write_digest(final, {final.name: hashlib.sha256(buffer.getbuffer()).hexdigest()})
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
-    _rotate(directory, keep_last)
-    return final
 
 
 def save_sharded(
@@ -201,16 +179,14 @@ def verify_digest(checkpoint: Path) -> None:
             )
 
 
-def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None) -> Path:
-    """Write ``data`` to an fsync'ed temporary file in ``directory``, renamed to ``final`` if given; return the path."""
+def _write_atomic(directory: Path, data: bytes | memoryview, final: Path) -> Path:
+    """Write ``data`` to an fsync'ed temporary file in ``directory``, then rename it to ``final``."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        if final is None:
-            return Path(tmp)
         os.replace(tmp, final)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -219,7 +195,7 @@ def _write_atomic(directory: Path, data: bytes | memoryview, final: Path | None)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest first (by global step); temporary files are ignored."""
+    """Checkpoints in ``directory``, oldest first (by global step); temporary files are ignored."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
@@ -245,7 +221,7 @@ def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load and check one checkpoint file, or a sharded folder's ``meta.pt`` after every digest, ``weights_only``.
+    """Load and check a checkpoint folder's ``meta.pt`` after every file's digest, ``weights_only``.
 
     Raises CheckpointError, naming the file: truncated or damaged, pickled objects (never executed), another format
     version, or runner's fields missing.
@@ -357,17 +333,15 @@ def _dcp_error(exc: BaseException) -> str:
     return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
 
 
-def whole_model(found: LoadedCheckpoint) -> dict[str, torch.Tensor]:
-    """The model state dict of a checkpoint, whole and on CPU; a sharded one is read without a process group."""
-    if not found.path.is_dir():
-        return dict(found.payload["model"])
+def whole_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The model state dict of the checkpoint ``folder``, whole and on CPU, read without a process group."""
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
-        state = _load_state_dict_from_keys({"model"}, storage_reader=_reader(found.path))
+        state = _load_state_dict_from_keys({"model"}, storage_reader=_reader(folder))
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{found.path}: the shards do not load ({_dcp_error(exc)})") from None
+        raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
     return dict(state["model"])
 
 
@@ -393,8 +367,6 @@ def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_c
 
 def build_payload(
     *,
-    model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
     scheduler: LRScheduler | None,
     scaler: Precision | None,
     state: TrainState,
@@ -404,13 +376,12 @@ def build_payload(
     run_id: str | None,
     metrics_recorded: int = 0,
 ) -> dict[str, Any]:
-    """Assemble the dict :func:`save_checkpoint` writes: whole model and optimizer states, scheduler and scaler, the
-    loop state, every rank's RNG states, the flattened spec and ``metrics_recorded`` (values sent or spooled when it
-    was taken: a resume sends the spooled ones before it and recomputes those after)."""
+    """Assemble ``meta.pt``: scheduler and scaler, the loop state, every rank's RNG states, the flattened spec and
+    ``metrics_recorded`` (values sent or spooled when it was taken: a resume sends the spooled ones before it and
+    recomputes those after); the model and optimizer are the folder's shards."""
     return {
         "format": FORMAT_VERSION,
-        "model": model_state,
-        "optimizer": optimizer_state,
+        "model": {},
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "state": {

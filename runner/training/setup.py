@@ -114,22 +114,18 @@ def _setup_model(
 
 
 def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: bool, restarted: bool) -> Restored:
-    """Load the newest valid checkpoint of ``folder`` on ``resume`` or an elastic restart (RNG only at the same world
-    size). Raises CheckpointError: Every checkpoint in ``folder`` is damaged. StateDictMismatchError: The checkpoint's
-    model does not fit the model built."""
+    """Load the newest valid checkpoint of ``folder`` on ``resume`` or an elastic restart, resharded to this job's
+    layout (RNG only at the same world size). Raises CheckpointError: Every checkpoint in ``folder`` is damaged, or
+    its model and optimizer do not fit the ones built."""
     if not (resume or restarted):
         return Restored(TrainState())
     found = ckpt.load_latest(folder)
     if found is None:
         return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
     payload = found.payload
-    if found.path.is_dir():  # a sharded checkpoint: every rank reads the shards its layout needs
-        state = strategy.sharded_state(parts.model, parts.optimizer)
-        ckpt.load_sharded(found.path, state)
-        strategy.set_sharded_state(parts.model, parts.optimizer, state)
-    else:
-        strategy.load_model_state(parts.model, payload["model"])
-        strategy.load_optimizer_state(parts.model, parts.optimizer, payload["optimizer"])
+    state = strategy.sharded_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
+    ckpt.load_sharded(found.path, state)
+    strategy.set_sharded_state(parts.model, parts.optimizer, state)
     if parts.scheduler is not None and payload["scheduler"] is not None:
         parts.scheduler.load_state_dict(payload["scheduler"])
     parts.precision.load_state_dict(payload["scaler"])
@@ -167,8 +163,8 @@ class Checkpointer:
         self.run_id, self.writer, self.tracker = run_id, writer, tracker
         flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
         self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
-        # sharded checkpoints saved while training goes on, on a group of their own (made here: a collective)
-        self.background = self.settings.enabled and self.settings.async_save and strategy.sharded_checkpoints
+        # checkpoints saved while training goes on (fsdp), on a group of their own (made here: a collective)
+        self.background = self.settings.enabled and self.settings.async_save and strategy.traits.shards_state
         self.group = strategy.save_group() if self.background else None
         self.pending: ckpt.PendingSave | None = None
 
@@ -179,21 +175,17 @@ class Checkpointer:
         if not self.settings.enabled:
             self.strategy.barrier()
             return
-        keep, model, optimizer = self.settings.keep_last, self.parts.model, self.parts.optimizer
-        if self.strategy.sharded_checkpoints:  # every rank writes its own shards: nothing is gathered
-            shards = self.strategy.sharded_state(model, optimizer)
-            payload = self._payload(state, rng_states, {}, {})
-            self.wait()  # one background save at a time, in step order
-            background = self.background and reason != "signal"
-            barrier = self.strategy.barrier
-            self.pending = ckpt.save_sharded(
-                self.folder, shards, payload, state.global_step, keep, barrier, background=background, group=self.group
-            )
-        else:  # the whole state on the writing rank
-            whole = self.strategy.model_state(model), self.strategy.optimizer_state(model, optimizer)
-            payload = self._payload(state, rng_states, *whole)
-            if payload is not None:
-                ckpt.save_checkpoint(self.folder, payload, keep)
+        shards = self.strategy.sharded_state(self.parts.model, self.parts.optimizer)  # nothing is gathered
+        payload = self._payload(state, rng_states)
+        self.wait()  # one background save at a time, in step order
+        keep, barrier, background = (
+            self.settings.keep_last,
+            self.strategy.barrier,
+            self.background and reason != "signal",
+        )
+        self.pending = ckpt.save_sharded(
+            self.folder, shards, payload, state.global_step, keep, barrier, background=background, group=self.group
+        )
         self.strategy.barrier()
 
     def wait(self) -> None:
@@ -202,9 +194,7 @@ class Checkpointer:
         if pending is not None:
             pending.finish()
 
-    def _payload(
-        self, state: TrainState, rng_states: list[dict[str, Any]], model: dict[str, Any], optimizer: dict[str, Any]
-    ) -> dict[str, Any] | None:
+    def _payload(self, state: TrainState, rng_states: list[dict[str, Any]]) -> dict[str, Any] | None:
         """What the writing rank saves (``None`` on the others)."""
         if not self.writer:
             return None
@@ -212,8 +202,6 @@ class Checkpointer:
         # continues from the checkpoint and only logs again what comes after it.
         self.tracker.flush()
         return ckpt.build_payload(
-            model_state=model,
-            optimizer_state=optimizer,
             scheduler=self.parts.scheduler,
             scaler=self.parts.precision,  # its state_dict() is None without scaling
             state=state,

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.devices.resolve import threads_per_process
-from runner.training.checkpoint import load_latest
+from runner.training.checkpoint import load_latest, whole_model
 from tests.helpers import PROBES
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
@@ -41,7 +41,7 @@ def _runs(store: str, experiment: str = "tests"):
 def _final_params(store: str, run_id: str) -> dict[str, torch.Tensor]:
     found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
     assert found is not None
-    return found.payload["model"]
+    return whole_model(found.path)
 
 
 def test_none_ddp_and_torchrun_agree_step_by_step_and_no_training_process_holds_mlflow(

@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.spec.schema import TrainSpec
 from runner.tracking.uri import refuse_half_migrated
-from runner.training.checkpoint import list_checkpoints, read_checkpoint
+from runner.training.checkpoint import list_checkpoints, whole_model
 from tests.helpers import MlflowServer, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -346,5 +346,5 @@ def test_a_non_finite_loss_stops_the_run_failed_without_a_nan_checkpoint(tmp_pat
     (run,) = _runs(uri)
     assert run.info.status == "FAILED"
     for path in list_checkpoints(Path(tmp_path, "checkpoints", run.info.run_id)):
-        for name, tensor in read_checkpoint(path)["model"].items():
+        for name, tensor in whole_model(path).items():
             assert torch.isfinite(tensor).all(), f"{path.name}: {name} holds non-finite values"

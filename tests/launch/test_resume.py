@@ -85,8 +85,6 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
     end_run(store, run_id, "KILLED")
     model = torch.nn.Linear(2, 2)
     payload = ckpt.build_payload(
-        model_state=model.state_dict(),
-        optimizer_state=torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
         scheduler=None,
         scaler=None,
         state=TrainState(epoch=1, global_step=5, batch_in_epoch=0),
@@ -95,7 +93,8 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
         spec_sha256="x",
         run_id=run_id,
     )
-    ckpt.save_checkpoint(default_checkpoint_dir(store, None, run_id), payload, keep_last=2)
+    shards = {"model": model.state_dict(), "optimizer": {}}
+    ckpt.save_sharded(default_checkpoint_dir(store, None, run_id), shards, payload, 5, 2, barrier=lambda: None)
     return run_id
 
 

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.launch.worker import STOPPING
-from runner.training.checkpoint import list_checkpoints, load_latest
+from runner.training.checkpoint import list_checkpoints, load_latest, whole_model
 from tests.helpers import ASSETS, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
@@ -81,7 +81,7 @@ def _histories(store: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
 def _final_model(store: str, run_id: str) -> dict[str, torch.Tensor]:
     found = load_latest(Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id)
     assert found is not None
-    return found.payload["model"]
+    return whole_model(found.path)
 
 
 def _start_until_marked(
@@ -183,14 +183,15 @@ def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, fini
     (run,) = _runs(store)
     folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
     files = list_checkpoints(folder)
-    assert [f.name for f in files][-2:] == ["step-00000010.pt", "step-00000015.pt"]
-    files[-1].write_bytes(files[-1].read_bytes()[:1000])
+    assert [f.name for f in files][-2:] == ["step-00000010", "step-00000015"]
+    shard = files[-1] / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     before = _histories(store, run.info.run_id)
     resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert resumed.returncode == 0, resumed.stderr
-    assert "step-00000015.pt" in resumed.stderr and "truncated" in resumed.stderr
+    assert "step-00000015: damaged: the SHA-256 of step-00000015/__0_0.distcp differs" in resumed.stderr
     assert resumed.stderr.count("skipped") == 1, resumed.stderr  # said once, by the worker that loads it
-    assert "resuming from step-00000010.pt" in resumed.stderr
+    assert "resuming from step-00000010" in resumed.stderr
     after = _histories(store, run.info.run_id)
     assert after == before  # epoch 3 recomputed to the same values, no step logged twice
     assert MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
@@ -204,14 +205,15 @@ def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(
     client = MlflowClient(store)
     client.set_terminated(run.info.run_id, "KILLED")
     folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
-    for path in list_checkpoints(folder):  # 64 bytes in the middle zeroed: torch.load alone reads it
-        data = bytearray(path.read_bytes())
+    for path in list_checkpoints(folder):  # 64 bytes in the middle zeroed: DCP alone reads them
+        shard = path / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
         data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
-        path.write_bytes(bytes(data))
+        shard.write_bytes(bytes(data))
     resumed = _runner(tmp_path, str(spec), "--resume", run.info.run_id)
     assert resumed.returncode == 1, resumed.stderr
     assert "every one is damaged, so none is used" in resumed.stderr and "Traceback" not in resumed.stderr
-    assert "step-00000010.pt: damaged" in resumed.stderr and "step-00000015.pt: damaged" in resumed.stderr
+    assert "step-00000010: damaged" in resumed.stderr and "step-00000015: damaged" in resumed.stderr
     assert "runner reproduce" in resumed.stderr
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
@@ -19,7 +21,7 @@ from runner.launch.environment import LauncherEnvironment
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.base import StateDictMismatchError, load_state_dict_flexible, unwrap, unwrapped_state_dict
+from runner.strategies.base import unwrap
 from runner.strategies.ddp import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
 from runner.strategies.registry import (
     DataParallelStrategy,
@@ -28,6 +30,7 @@ from runner.strategies.registry import (
     check_gatherable,
     make_strategy,
 )
+from runner.training import checkpoint as ckpt
 from tests.helpers import spec_object
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -260,57 +263,31 @@ def _wrap(mode: str, model: nn.Module) -> nn.Module:
 
 
 @pytest.mark.parametrize(("src", "dst"), list(itertools.product(["none", "dp", "ddp"], repeat=2)))
-@pytest.mark.parametrize("raw", [False, True], ids=["unwrapped_sd", "raw_sd"])
-def test_state_dict_round_trip_across_modes(request, src, dst, raw):
+def test_a_checkpoint_of_one_mode_loads_into_another(request, tmp_path: Path, src: str, dst: str) -> None:
+    """Keys carry no wrapper prefix: the strategies hand DCP the unwrapped model (``Strategy.sharded_state``)."""
     if "ddp" in (src, dst):
         request.getfixturevalue("ddp_one")  # DDP needs a process group; the others do without its set-up
     torch.manual_seed(0)
     source = _wrap(src, Net())
     with torch.no_grad():
         unwrap(source).bn.running_mean.add_(1.0)
-    state = source.state_dict() if raw else unwrapped_state_dict(source)
-    if raw and src != "none":
-        assert all(k.startswith("module.") for k in state)
-    if not raw:
-        assert not any(k.startswith("module.") for k in state)
+    saved = get_model_state_dict(unwrap(source))
+    assert not any(k.startswith("module.") for k in saved)
+    dcp.save({"model": saved}, checkpoint_id=tmp_path)
     torch.manual_seed(1)
     target = _wrap(dst, Net())
-    load_state_dict_flexible(target, state)
-    for (name, a), (_, b) in zip(
-        unwrap(source).state_dict().items(), unwrap(target).state_dict().items(), strict=False
-    ):
+    state = {"model": get_model_state_dict(unwrap(target))}
+    ckpt.load_sharded(tmp_path, state)
+    set_model_state_dict(unwrap(target), state["model"])
+    for (name, a), (_, b) in zip(unwrap(source).state_dict().items(), unwrap(target).state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
-def test_state_dict_compile_prefix_is_stripped():
-    source, target = Net(), Net()
-    state = {f"_orig_mod.module.{k}": v for k, v in source.state_dict().items()}
-    load_state_dict_flexible(target, state)
-    assert torch.equal(target.a.weight, source.a.weight)
-
-
-def test_state_dict_mismatch_lists_missing_and_unexpected_keys():
-    state = Net().state_dict()
-    state.pop("b.bias")
-    state["head.weight"] = torch.zeros(1)
-    with pytest.raises(StateDictMismatchError) as err:
-        load_state_dict_flexible(Net(), {f"module.{k}": v for k, v in state.items()})
-    assert err.value.missing == ["b.bias"] and err.value.unexpected == ["head.weight"]
-    assert "missing keys: b.bias" in str(err.value) and "unexpected keys: head.weight" in str(err.value)
-    assert isinstance(err.value, TrainingError)
-
-
-def test_state_dict_partial_prefix_is_not_stripped():
-    state = {("module." + k if k.startswith("a.") else k): v for k, v in Net().state_dict().items()}
-    with pytest.raises(StateDictMismatchError, match=r"module\.a\.weight"):
-        load_state_dict_flexible(Net(), state)
-
-
-def test_state_dict_shape_mismatch():
-    state = Net().state_dict()
-    state["b.weight"] = torch.zeros(5, 8)
-    with pytest.raises(StateDictMismatchError, match="size mismatch"):
-        load_state_dict_flexible(Net(), state)
+def test_a_checkpoint_of_another_model_does_not_load_and_names_the_key(tmp_path: Path) -> None:
+    dcp.save({"model": get_model_state_dict(nn.Linear(2, 2))}, checkpoint_id=tmp_path)
+    state = {"model": get_model_state_dict(Net())}
+    with pytest.raises(ckpt.CheckpointError, match=r"the shards do not load .*model\.a\.weight"):
+        ckpt.load_sharded(tmp_path, state)
 
 
 # --------------------------------------------------------------------------- gatherable outputs

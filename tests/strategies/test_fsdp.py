@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from runner.cli import main
@@ -14,7 +15,6 @@ from runner.launch.environment import LauncherEnvironment
 from runner.launch.prebuild import _compile_backend
 from runner.spec.dump import inactive_keys
 from runner.spec.schema_parallel import MODES, ParallelSpec
-from runner.strategies.base import StateDictMismatchError
 from runner.strategies.fsdp import FSDPStrategy, find_blocks
 from runner.strategies.registry import STRATEGIES, SingleDevice, make_strategy
 from tests.helpers import spec_text
@@ -107,37 +107,6 @@ def test_wrap_shards_blocks_then_root_and_evaluates_like_the_model(fsdp_one):
         torch.testing.assert_close(wrapped(x), reference(x))
 
 
-def test_state_round_trips_in_the_format_of_mode_none(fsdp_one):
-    strategy = fsdp_one()
-    torch.manual_seed(0)
-    plain = Net()
-    model = Net()
-    model.load_state_dict(plain.state_dict())
-    wrapped = strategy.wrap(model)
-    opt = torch.optim.Adam(wrapped.parameters(), lr=0.1)
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-    for m, o in ((wrapped, opt), (plain, plain_opt)):
-        m(x).sum().backward()
-        o.step()
-    single = SingleDevice(cpu_plan(make_spec()))
-    ours, theirs = strategy.optimizer_state(wrapped, opt), single.optimizer_state(plain, plain_opt)
-    assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
-    torch.testing.assert_close(ours["state"][0]["exp_avg"], theirs["state"][0]["exp_avg"])
-    torch.testing.assert_close(strategy.model_state(wrapped), single.model_state(plain))
-
-    fresh = strategy.wrap(Net())
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    strategy.load_model_state(fresh, single.model_state(plain))
-    strategy.load_optimizer_state(fresh, fresh_opt, theirs)
-    torch.testing.assert_close(strategy.model_state(fresh), single.model_state(plain))
-    torch.testing.assert_close(
-        strategy.optimizer_state(fresh, fresh_opt)["state"][3]["exp_avg_sq"], theirs["state"][3]["exp_avg_sq"]
-    )
-    with pytest.raises(StateDictMismatchError, match="missing keys: head.bias"):
-        strategy.load_model_state(fresh, {k: v for k, v in single.model_state(plain).items() if k != "head.bias"})
-
-
 def test_no_sync_accumulates_gradients_as_the_plain_model(fsdp_one):
     strategy = fsdp_one()
     torch.manual_seed(0)
@@ -194,6 +163,10 @@ def test_compile_and_checkpointing_are_refused_under_dp_and_an_unknown_backend_e
     assert caught.value.issues[0].key == "train.compile_backend" and '"inductor"' in caught.value.issues[0].message
 
 
+def _gathered(wrapped: nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+
+
 def _payload(step: int) -> dict:
     from runner.training.checkpoint import FORMAT_VERSION
 
@@ -222,8 +195,8 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     assert sorted(p.name for p in newest.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
     found = ckpt.load_latest(folder)
     assert found is not None and found.path == newest and found.payload["state"]["global_step"] == 3
-    whole = strategy.model_state(wrapped)  # gathered, as the none mode holds it
-    exported = ckpt.whole_model(found)  # what `runner export` writes: no process group needed
+    whole = _gathered(wrapped)  # as the none mode holds it
+    exported = ckpt.whole_model(found.path)  # what `runner export` writes: no process group needed
     assert exported.keys() == whole.keys()
     for key, value in whole.items():
         assert torch.equal(exported[key], value), key
@@ -236,15 +209,15 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     single.set_sharded_state(plain, plain_opt, state)
     for key, value in whole.items():
         assert torch.equal(plain.state_dict()[key], value), key
-    gathered = strategy.optimizer_state(wrapped, opt)
-    assert torch.equal(plain_opt.state_dict()["state"][0]["exp_avg"], gathered["state"][0]["exp_avg"])
+    first = next(iter(wrapped.parameters()))
+    assert torch.equal(plain_opt.state_dict()["state"][0]["exp_avg"], opt.state[first]["exp_avg"].full_tensor())
 
     fresh = strategy.wrap(Net())  # and back into fsdp
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     state = strategy.sharded_state(fresh, fresh_opt)
     ckpt.load_sharded(newest, state)
     strategy.set_sharded_state(fresh, fresh_opt, state)
-    for key, value in strategy.model_state(fresh).items():
+    for key, value in _gathered(fresh).items():
         assert torch.equal(value, whole[key]), key
 
 
@@ -282,19 +255,23 @@ def test_a_damaged_shard_or_a_metadata_that_would_run_code_is_never_loaded(fsdp_
         ckpt.load_sharded(folder / "step-00000001", state)
 
 
-def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one):
+def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one, tmp_path):
     # plain SGD keeps no tensor state: torch's full-state loader failed on it ("Expected device to be set"),
     # which ended an fsdp run FAILED when it resumed from a checkpoint of the digits example
-    strategy = fsdp_one()
+    from runner.training import checkpoint as ckpt
+
+    strategy, single = fsdp_one(), SingleDevice(cpu_plan(make_spec()))
     plain = Net()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
     plain(torch.randn(4, 8)).sum().backward()
     plain_opt.step()
-    saved = plain_opt.state_dict()
-    saved["param_groups"][0]["lr"] = 0.0125  # as a schedule would have left it
+    plain_opt.param_groups[0]["lr"] = 0.0125  # as a schedule would have left it
+    ckpt.save_sharded(tmp_path, single.sharded_state(plain, plain_opt), _payload(1), 1, 1, strategy.barrier)
     fresh = strategy.wrap(Net())
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
-    strategy.load_optimizer_state(fresh, fresh_opt, saved)
+    state = strategy.sharded_state(fresh, fresh_opt)
+    ckpt.load_sharded(tmp_path / "step-00000001", state)
+    strategy.set_sharded_state(fresh, fresh_opt, state)
     assert fresh_opt.param_groups[0]["lr"] == 0.0125
 
 
@@ -315,14 +292,14 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
         folder, strategy.sharded_state(wrapped, opt), _payload(1), 1, 2, strategy.barrier, background=True, group=group
     )
     assert pending is not None
-    before = {k: v.clone() for k, v in strategy.model_state(wrapped).items()}
+    before = {k: v.clone() for k, v in _gathered(wrapped).items()}
     with torch.no_grad():
         for p in wrapped.parameters():  # training goes on: the save holds the state it was given
             p.add_(1.0)
     pending.finish()
     found = ckpt.load_latest(folder)
     assert found is not None and found.path.name == "step-00000001"
-    for key, value in ckpt.whole_model(found).items():
+    for key, value in ckpt.whole_model(found.path).items():
         assert torch.equal(value, before[key]), key
 
     def fail(*_args, **_kwargs):

@@ -19,7 +19,7 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.strategies.registry import make_strategy
-from runner.training.checkpoint import load_latest
+from runner.training.checkpoint import load_latest, whole_model
 from tests.helpers import PROBES, elastic_run, memory_spec, spec_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]
@@ -72,10 +72,10 @@ def test_none_and_fsdp_agree_and_the_export_loads_in_plain_pytorch(
     folder = Path(store[len("sqlite:///") :]).parent / "checkpoints"
     reference = load_latest(folder / single.info.run_id)
     assert reference is not None
-    state = torch.load(out, weights_only=True)
-    assert state.keys() == reference.payload["model"].keys()
+    state, expected = torch.load(out, weights_only=True), whole_model(reference.path)
+    assert state.keys() == expected.keys()
     for key, value in state.items():
-        torch.testing.assert_close(value, reference.payload["model"][key], atol=1e-5, rtol=0)
+        torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0)
 
 
 def test_fsdp_blocks_naming_no_class_of_the_model_exits_2(write_spec, store: str, capsys) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic write, rotation, damaged-file fall-back, spec diff."""
+"""Checkpoint folders: atomic write, rotation, damaged-file fall-back, spec diff."""
 
 from __future__ import annotations
 
@@ -10,20 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from runner.tracking.uri import default_checkpoint_dir
 from runner.training import checkpoint as ckpt
 from runner.training.loop import TrainState
 
 
-def _payload(step: int, value: float = 1.0) -> dict:
-    model = torch.nn.Linear(2, 2)
-    with torch.no_grad():
-        model.weight.fill_(value)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _payload(step: int) -> dict:
     return ckpt.build_payload(
-        model_state=model.state_dict(),
-        optimizer_state=opt.state_dict(),
         scheduler=None,
         scaler=None,
         state=TrainState(epoch=1, global_step=step, batch_in_epoch=0),
@@ -34,45 +29,64 @@ def _payload(step: int, value: float = 1.0) -> dict:
     )
 
 
+def _save(folder: Path, step: int, value: float = 1.0, keep_last: int = 5, payload: dict | None = None) -> Path:
+    """Save a Linear(2, 2) whose weight is ``value`` (and a 64-value buffer ``table`` of ``value``) at ``step``."""
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("table", torch.full((64,), value))
+    with torch.no_grad():
+        model.weight.fill_(value)
+    model_state, optimizer_state = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    ckpt.save_sharded(folder, shards, payload or _payload(step), step, keep_last, barrier=lambda: None)
+    return folder / f"step-{step:08d}"
+
+
 def _save_unchecked(payload: dict, path: Path) -> None:
-    """Save what runner would refuse to write, with a matching digest (as a hostile or older writer would)."""
-    torch.save(payload, path)
-    ckpt.write_digest(path, {path.name: hashlib.sha256(path.read_bytes()).hexdigest()})
+    """Save what runner would refuse to write, with a matching digest (as a hostile or older writer would): a file
+    ``path``, or ``path/meta.pt`` when ``path`` is a folder."""
+    target = path / ckpt.META if path.is_dir() else path
+    torch.save(payload, target)
+    name = target.relative_to(path.parent).as_posix()
+    ckpt.write_digest(path, {name: hashlib.sha256(target.read_bytes()).hexdigest()})
+
+
+def _halve(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
 
 
 def test_save_then_load_latest_round_trips(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(3, 3.0), keep_last=5)
-    ckpt.save_checkpoint(tmp_path, _payload(7, 7.0), keep_last=5)
+    _save(tmp_path, 3, 3.0)
+    _save(tmp_path, 7, 7.0)
     found = ckpt.load_latest(tmp_path)
     assert found is not None
-    assert found.path.name == "step-00000007.pt"
+    assert found.path.name == "step-00000007"
     assert found.payload["state"]["global_step"] == 7
-    assert torch.all(found.payload["model"]["weight"] == 7.0)
+    assert torch.all(ckpt.whole_model(found.path)["weight"] == 7.0)
     assert found.skipped == ()
 
 
 def test_keep_last_rotates_oldest(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
-        ckpt.save_checkpoint(tmp_path, _payload(step), keep_last=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        _save(tmp_path, step, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000003", "step-00000004"]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".step-"))]
 
 
 def test_truncated_latest_falls_back_to_previous(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
-    latest = ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
-    data = latest.read_bytes()
-    latest.write_bytes(data[: len(data) // 2])
+    _save(tmp_path, 1, 1.0)
+    latest = _save(tmp_path, 2, 2.0)
+    _halve(latest / ckpt.META)
     found = ckpt.load_latest(tmp_path)
-    assert found is not None and found.path.name == "step-00000001.pt"
+    assert found is not None and found.path.name == "step-00000001"
     assert len(found.skipped) == 1
-    assert str(latest) in found.skipped[0][1] and "truncated" in found.skipped[0][1]
+    assert str(latest) in found.skipped[0][1] and "SHA-256 of step-00000002/meta.pt differs" in found.skipped[0][1]
 
 
 def test_all_damaged_is_an_error_naming_files(tmp_path: Path) -> None:
-    path = ckpt.save_checkpoint(tmp_path, _payload(1), keep_last=1)
-    path.write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="step-00000001.pt"):
+    path = _save(tmp_path, 1, keep_last=1)
+    (path / ckpt.META).write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="step-00000001"):
         ckpt.load_latest(tmp_path)
 
 
@@ -81,20 +95,21 @@ def test_empty_folder_has_no_checkpoint(tmp_path: Path) -> None:
 
 
 def test_failed_write_leaves_previous_checkpoint_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
+    _save(tmp_path, 1, 1.0)
 
     def boom(src: str, dst: str) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
-        ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
+        _save(tmp_path, 2, 2.0)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("step-00000002")) == [
-        "step-00000001.pt",
-        "step-00000001.pt.sha256",
+    assert sorted(p.name for p in tmp_path.iterdir() if "step-00000002" not in p.name) == [
+        "step-00000001",
+        "step-00000001.sha256",
     ]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp-")]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000001"]  # the half-made one is not used
     assert ckpt.load_latest(tmp_path).payload["state"]["global_step"] == 1
 
 
@@ -121,52 +136,52 @@ class _RunsCode:
 
 
 def test_checkpoints_are_read_with_weights_only(tmp_path: Path) -> None:
-    path = ckpt.save_checkpoint(tmp_path, _payload(3), keep_last=1)
-    raw = torch.load(path, weights_only=True)  # what runner does: tensors and plain values only
+    path = _save(tmp_path, 3, keep_last=1)
+    raw = torch.load(path / ckpt.META, weights_only=True)  # what runner does: tensors and plain values only
     assert raw["format"] == ckpt.FORMAT_VERSION and raw["tracking"] == {"metrics_recorded": 0}
 
 
 def test_a_checkpoint_carrying_a_pickled_payload_is_refused_not_executed(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=5)
+    _save(tmp_path, 1, 1.0)
     marker = tmp_path / "executed"
-    hostile = _payload(2, 2.0)
+    hostile = _payload(2)
     hostile["spec"] = {"optim.lr": _RunsCode(marker)}
-    _save_unchecked(hostile, tmp_path / "step-00000002.pt")
+    (tmp_path / "step-00000002").mkdir()
+    _save_unchecked(hostile, tmp_path / "step-00000002")
     with pytest.raises(ckpt.CheckpointError, match=r"refused: it carries pickled objects \(posix.system\)"):
-        ckpt.read_checkpoint(tmp_path / "step-00000002.pt")
+        ckpt.read_checkpoint(tmp_path / "step-00000002")
     found = ckpt.load_latest(tmp_path)
-    assert found is not None and found.path.name == "step-00000001.pt"
+    assert found is not None and found.path.name == "step-00000001"
     assert "refused" in found.skipped[0][1]
-    assert ckpt.peek(tmp_path / "step-00000002.pt")["spec"] == {"optim.lr": None}  # read, not run
+    assert ckpt.peek(tmp_path / "step-00000002")["spec"] == {"optim.lr": None}  # read, not run
     assert not marker.exists()
 
 
 def test_a_peek_reads_the_plain_fields_without_torch_and_skips_a_damaged_checkpoint(tmp_path: Path) -> None:
     """The driver checks a resume with ``peek``: it never holds the weights, nor imports torch."""
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
-    latest = ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
+    _save(tmp_path, 1, 1.0)
+    latest = _save(tmp_path, 2, 2.0)
     full, seen = ckpt.read_checkpoint(latest), ckpt.peek(latest)
-    for key in ("format", "spec", "spec_sha256", "state", "run_id", "tracking"):
+    for key in ("format", "spec", "spec_sha256", "state", "run_id", "tracking", "model"):
         assert seen[key] == full[key], key
-    assert seen["model"] == {"weight": None, "bias": None} and full["model"]["weight"].shape == (2, 2)
     code = (
         "import sys; from pathlib import Path; from runner.training.checkpoint import peek; "
         f"assert peek(Path({str(latest)!r}))['state']['global_step'] == 2; assert 'torch' not in sys.modules"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
-    data = latest.read_bytes()
-    latest.write_bytes(data[: len(data) // 2])
+    _halve(latest / ckpt.META)
     found = ckpt.load_latest(tmp_path, ckpt.peek)
-    assert found is not None and found.path.name == "step-00000001.pt" and str(latest) in found.skipped[0][1]
+    assert found is not None and found.path.name == "step-00000001" and str(latest) in found.skipped[0][1]
 
 
 def test_an_old_format_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """A file of format 2 (an earlier runner's none, dp and ddp checkpoints) is named, not loaded."""
     old = _payload(4)
-    old["format"] = 1
+    old["format"] = 2
     _save_unchecked(old, tmp_path / "step-00000004.pt")
     with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint") as info:
         ckpt.load_latest(tmp_path)
-    assert "written in checkpoint format 1" in str(info.value) and f"reads format {ckpt.FORMAT_VERSION}" in str(
+    assert "written in checkpoint format 2" in str(info.value) and f"reads format {ckpt.FORMAT_VERSION}" in str(
         info.value
     )
 
@@ -177,7 +192,7 @@ def test_a_payload_that_weights_only_would_refuse_is_not_saved(tmp_path: Path) -
     with pytest.raises(
         ckpt.CheckpointError, match=r"checkpoint\['scheduler'\]\['lr_lambdas'\]\[0\] is a builtins.function"
     ):
-        ckpt.save_checkpoint(tmp_path, payload, keep_last=1)
+        _save(tmp_path, 5, payload=payload)
     assert ckpt.list_checkpoints(tmp_path) == []
 
 
@@ -191,48 +206,46 @@ def _flip(data: bytearray, at: int) -> None:
 
 @pytest.mark.parametrize("damage", [_zero, _flip], ids=["zeroed", "0x7f"])
 def test_bytes_changed_inside_a_tensor_are_found_and_the_previous_checkpoint_used(tmp_path: Path, damage) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
-    payload = _payload(2, 2.0)
-    payload["model"]["table"] = torch.full((64,), 2.0)
-    latest = ckpt.save_checkpoint(tmp_path, payload, keep_last=3)
-    data = bytearray(latest.read_bytes())
-    at = data.find(torch.full((32,), 2.0).numpy().tobytes())  # inside the table's storage, inside the zip
-    assert at > 0
+    _save(tmp_path, 1, 1.0)
+    latest = _save(tmp_path, 2, 2.0)
+    shard = latest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    at = data.find(torch.full((32,), 2.0).numpy().tobytes())  # inside the table's storage
+    assert at >= 0
     damage(data, at)
-    latest.write_bytes(bytes(data))
-    assert not torch.equal(torch.load(latest, weights_only=True)["model"]["table"], payload["model"]["table"])
+    shard.write_bytes(bytes(data))
     found = ckpt.load_latest(tmp_path)
-    assert found is not None and found.path.name == "step-00000001.pt"
-    assert torch.all(found.payload["model"]["weight"] == 1.0)
+    assert found is not None and found.path.name == "step-00000001"
+    assert torch.all(ckpt.whole_model(found.path)["weight"] == 1.0)
     ((path, reason),) = found.skipped
-    assert path == latest and "step-00000002.pt" in reason and "SHA-256" in reason
+    assert path == latest and "SHA-256 of step-00000002/__0_0.distcp" in reason
 
 
 def test_a_checkpoint_without_its_digest_is_not_used(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, _payload(1, 1.0), keep_last=3)
-    latest = ckpt.save_checkpoint(tmp_path, _payload(2, 2.0), keep_last=3)
+    _save(tmp_path, 1, 1.0)
+    latest = _save(tmp_path, 2, 2.0)
     ckpt.digest_path(latest).unlink()
     found = ckpt.load_latest(tmp_path)
-    assert found is not None and found.path.name == "step-00000001.pt"
-    assert "no readable digest file step-00000002.pt.sha256" in found.skipped[0][1]
+    assert found is not None and found.path.name == "step-00000001"
+    assert "no readable digest file step-00000002.sha256" in found.skipped[0][1]
 
 
 def test_every_checkpoint_damaged_is_an_error_saying_none_is_used(tmp_path: Path) -> None:
     for step in (1, 2):
-        path = ckpt.save_checkpoint(tmp_path, _payload(step), keep_last=3)
-        data = bytearray(path.read_bytes())
+        meta = _save(tmp_path, step) / ckpt.META
+        data = bytearray(meta.read_bytes())
         _zero(data, len(data) // 2)
-        path.write_bytes(bytes(data))
+        meta.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match="every one is damaged, so none is used") as info:
         ckpt.load_latest(tmp_path)
     assert info.value.exit_code == 1
-    assert "step-00000001.pt" in str(info.value) and "step-00000002.pt" in str(info.value)
+    assert "step-00000001" in str(info.value) and "step-00000002" in str(info.value)
 
 
 def test_rotation_removes_digest_files_with_their_checkpoints(tmp_path: Path) -> None:
     for step in (1, 2, 3):
-        ckpt.save_checkpoint(tmp_path, _payload(step), keep_last=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.pt", "step-00000003.pt.sha256"]
+        _save(tmp_path, step, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000003.sha256"]
 
 
 def test_a_folder_checkpoint_is_verified_file_by_file(tmp_path: Path) -> None:

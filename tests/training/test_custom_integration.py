@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.training.checkpoint import list_checkpoints, read_checkpoint
+from runner.training.checkpoint import list_checkpoints, whole_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
@@ -282,8 +282,8 @@ def test_a_huge_lr_stops_the_run_failed_naming_the_step_and_keeps_the_good_check
     assert run.info.status == "FAILED"
     folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id
     saved = list_checkpoints(folder)
-    assert [p.name for p in saved] == ["step-00000002.pt", "step-00000003.pt"]  # keep_last = 2; step 4 never saved
-    for tensor in read_checkpoint(saved[-1])["model"].values():
+    assert [p.name for p in saved] == ["step-00000002", "step-00000003"]  # keep_last = 2; step 4 never saved
+    for tensor in whole_model(saved[-1]).values():
         assert torch.isfinite(tensor).all()
     assert all(math.isfinite(v) for _, v in _history(MlflowClient(store), run.info.run_id, "train/loss"))
 
