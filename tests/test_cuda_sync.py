@@ -18,7 +18,7 @@ import torch
 
 from runner.launch.driver import ExecOptions, exec_experiment
 from runner.spec.loading import load_spec
-from runner.training import loop, setup
+from runner.training import WorkerResult, loop, setup
 from tests.helpers import spec_text
 
 pytestmark = [
@@ -82,7 +82,7 @@ def test_no_device_sync_between_log_steps(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(loop, "_start_epoch", _checked_from(loop._start_epoch))
     fit = loop.fit
 
-    def fit_then_off(*args: Any, **kwargs: Any) -> loop.FitResult:
+    def fit_then_off(*args: Any, **kwargs: Any) -> WorkerResult:
         try:
             return fit(*args, **kwargs)
         finally:

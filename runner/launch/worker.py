@@ -184,7 +184,7 @@ def _fit(
         if spec.tracking.log_model:  # a collective where the parameters are sharded
             parts.raw_model = strategy.full_module(parts.model)
         if is_log_rank:
-            _send_outputs(args, tracker, parts, folder, fitted.state.global_step)
+            _send_outputs(args, tracker, parts, folder, fitted.global_step)
         result = setup.finish(fitted, strategy, restored.resumed_from, notes)
     finally:
         tracker.close()

@@ -232,21 +232,6 @@ class TrainState:
 
 
 @dataclass
-class FitResult:
-    """What :func:`fit` returns on every rank: last metric values, the logged history, each step's time and data wait
-    (seconds), the epoch ``epoch_end`` stopped after, ``startup_s``, and one step's FLOPs."""
-
-    state: TrainState
-    metrics: dict[str, float] = field(default_factory=dict)
-    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    data_wait_s: list[float] = field(default_factory=list)
-    stopped_after_epoch: int | None = None
-    startup_s: float | None = None
-    step_flops: int | None = None
-
-
-@dataclass
 class TrainingParts:
     """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
     ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is

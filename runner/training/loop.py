@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted, stop_origin
-from runner.training import STARTUP_METRIC
-from runner.training.batches import CollatedBatch, FitResult, LoopParts, TrainState
+from runner.training import STARTUP_METRIC, WorkerResult
+from runner.training.batches import CollatedBatch, LoopParts, TrainState
 from runner.training.metrics import MetricSet
 from runner.training.sampling import rank_batch_size
 from runner.training.sums import (
@@ -37,16 +37,18 @@ def fit(
     train_spec: TrainSpec,
     state: TrainState | None = None,
     checkpoint_spec: CheckpointSpec | None = None,
-) -> FitResult:
+) -> WorkerResult:
     """Train ``train_spec.epochs`` epochs, at most ``parts.total_steps`` steps, from ``state`` (``None``: scratch).
 
-    Without ``checkpoint_spec`` no step or epoch checkpoints are written. Metrics are reduced, the same on every rank.
+    Without ``checkpoint_spec`` no step or epoch checkpoints are written. Metrics are reduced, the same on every rank;
+    the result holds them, the logged history, each step's time and data wait (seconds), the epoch ``epoch_end``
+    stopped after, ``startup_s`` and one step's FLOPs (``state`` is where training ended).
     Raises Interrupted: A stop signal (docs/design.md, "Module notes"), after ``on_checkpoint(..., "signal")``.
     TrainingError: A non-finite loss or norm under ``on_nonfinite = "stop"``, or an output that does not fit."""
     state = state or TrainState()
     strategy, loaders = parts.strategy, parts.loaders
     progress = Progress(train_spec.progress, parts.total_steps, enabled=strategy.is_main, initial=state.global_step)
-    report = _Report(FitResult(state=state), parts.tracker, progress)
+    report = _Report(WorkerResult(rank=strategy.rank), parts.tracker, progress)
     if parts.count_flops:  # the second step of this job: the first pays for imports and the optimizer's state
         report.count_at = min(1, parts.total_steps - state.global_step - 1)
     held = strategy.rank == 0  # running sums restored from a checkpoint are held by rank 0 only
@@ -82,6 +84,7 @@ def fit(
             tally.window, _ = _log_window(parts, state, tally, report)  # the last step, when its log was not due
     finally:
         progress.close()
+    report.result.global_step = state.global_step
     return report.result
 
 
@@ -194,9 +197,9 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
 
 
 class _Report:
-    """Where metrics go: the :class:`FitResult` (last values, history), the tracker and the progress display."""
+    """Where metrics go: the result (last values, history), the tracker and the progress display."""
 
-    def __init__(self, result: FitResult, tracker: Tracker, progress: Progress):
+    def __init__(self, result: WorkerResult, tracker: Tracker, progress: Progress):
         self.result = result
         self.tracker = tracker
         self.progress = progress
@@ -321,7 +324,7 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
     parts.on_checkpoint(state, reason)
 
 
-__all__ = ["FitResult", "LoopParts", "TrainState", "device_peaks", "end_epoch", "evaluate", "fit", "train_step"]
+__all__ = ["LoopParts", "TrainState", "device_peaks", "end_epoch", "evaluate", "fit", "train_step"]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -21,7 +21,7 @@ from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, TrainingParts, check_target
 from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
-from runner.training.loop import FitResult, LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
+from runner.training.loop import LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import build_metric_plan
 from runner.training.models import build_model
@@ -247,7 +247,7 @@ def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[Lo
         yield dataclasses.replace(loop, after_step=prof.step)
 
 
-def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> FitResult:
+def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> WorkerResult:
     """Run :func:`fit`; DDP's unused-parameter error becomes a TrainingError naming them. Raises Interrupted on a
     stop."""
     try:
@@ -263,21 +263,13 @@ def describe_settings(seed_info: SeedInfo) -> str:
     return ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
 
 
-def finish(fitted: FitResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:
-    """Collect this rank's :class:`WorkerResult` (metrics, history, step times, peak memory)."""
-    return WorkerResult(
-        rank=strategy.rank,
-        metrics=fitted.metrics,
-        global_step=fitted.state.global_step,
-        history=fitted.history,
+def finish(fitted: WorkerResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:
+    """:func:`fit`'s result with the checkpoint resumed from, the notes and this rank's peak memory."""
+    return dataclasses.replace(
+        fitted,
         resumed_from=resumed_from,
         notes=notes,
-        step_times_s=fitted.step_times_s,
-        data_wait_s=fitted.data_wait_s,
         peak_memory_bytes=peak_memory_bytes(strategy.device),
         device=str(strategy.device),
         device_peaks=device_peaks(strategy.device, strategy.traits.replicas),
-        stopped_after_epoch=fitted.stopped_after_epoch,
-        startup_s=fitted.startup_s,
-        step_flops=fitted.step_flops,
     )

@@ -140,8 +140,8 @@ def without_timing(history: list[tuple[int, dict[str, float]]]) -> list[tuple[in
 
 def test_fit_logs_step_and_epoch_metrics_and_the_loss_falls() -> None:
     spec = make_spec()
-    tracker = RecordingTracker()
-    result = fit(make_parts(spec, tracker), spec.train)
+    tracker, state = RecordingTracker(), TrainState()
+    result = fit(make_parts(spec, tracker), spec.train, state)
 
     # train/loss, lr and train/step_accuracy every log_every_n_steps = 2 optimizer steps and at the last...
     assert tracker.steps_of("train/loss") == [2, 4, 6, 8, 10, 12, 14, 15]
@@ -165,18 +165,18 @@ def test_fit_logs_step_and_epoch_metrics_and_the_loss_falls() -> None:
     # The result holds what was logged, the final state and one time per optimizer step.
     assert result.history == tracker.calls
     assert result.metrics["val/loss"] == tracker.values_of("val/loss")[-1]
-    assert (result.state.epoch, result.state.global_step, result.state.batch_in_epoch) == (EPOCHS, 15, 0)
+    assert (state.epoch, state.global_step, state.batch_in_epoch, result.global_step) == (EPOCHS, 15, 0, 15)
     assert len(result.step_times_s) == len(result.data_wait_s) == 15
     assert all(0.0 <= wait <= step for wait, step in zip(result.data_wait_s, result.step_times_s, strict=True))
 
 
 def test_max_steps_ends_mid_epoch_and_still_evaluates() -> None:
     spec = make_spec(max_steps=7)
-    tracker = RecordingTracker()
-    result = fit(make_parts(spec, tracker), spec.train)
+    tracker, state = RecordingTracker(), TrainState()
+    result = fit(make_parts(spec, tracker), spec.train, state)
     assert tracker.steps_of("train/loss") == [2, 4, 6, 7]
     assert tracker.steps_of("train/epoch_loss") == [5, 7] and tracker.steps_of("val/loss") == [5, 7]
-    assert (result.state.epoch, result.state.global_step, result.state.batch_in_epoch) == (1, 7, 2)
+    assert (state.epoch, state.global_step, state.batch_in_epoch, result.global_step) == (1, 7, 2, 7)
 
 
 def test_a_run_shorter_than_log_every_n_steps_logs_train_loss_and_lr_at_its_last_step() -> None:
@@ -357,7 +357,7 @@ def test_warn_goes_on_logging_but_never_checkpoints_non_finite_weights(capsys) -
     saves, tracker = Saves(), RecordingTracker()
     parts = poison_forward(make_parts(spec, tracker, on_checkpoint=saves), at_call=6)  # step 6, in epoch 1
     result = fit(parts, spec.train, checkpoint_spec=spec.checkpoint)
-    assert result.state.global_step == 15
+    assert result.global_step == 15
     assert [c[0] for c in saves.calls] == [4, 5]  # steps 8, 10, 12, 15 hold NaN weights: not written
     assert math.isnan(tracker.values_of("train/loss")[-1])
     err = capsys.readouterr().err

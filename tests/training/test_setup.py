@@ -13,9 +13,10 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.loading import load_spec
 from runner.strategies.registry import SingleDevice
+from runner.training import WorkerResult
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
 from runner.training.data import SeedInfo
-from runner.training.loop import FitResult, TrainState
+from runner.training.loop import TrainState
 from runner.training.setup import (
     Checkpointer,
     build_parts,
@@ -120,7 +121,7 @@ def test_deterministic_settings_are_listed_in_order() -> None:
 
 
 def test_finish_collects_the_worker_result(loaded) -> None:
-    fitted = FitResult(TrainState(global_step=7), {"val/loss": 0.5}, [(7, {"val/loss": 0.5})], [0.1] * 7, [0.0] * 7)
+    fitted = WorkerResult(0, {"val/loss": 0.5}, 7, [(7, {"val/loss": 0.5})], step_times_s=[0.1] * 7)
     result = finish(fitted, _strategy(loaded), "step-00000005.pt", ["a note"])
     assert (result.rank, result.global_step, result.metrics, result.resumed_from) == (
         0,
