@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from runner.errors import mask_secrets, store_errors
 from runner.tracking.runs import ensure_experiment, record_or_fail
-from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH
+from runner.tracking.tags import log_in_batches
 from runner.tracking.uri import client_for, open_store
 
 if TYPE_CHECKING:
@@ -28,30 +28,6 @@ def experiment_id(uri: str, experiment: str) -> str:
     """Id of experiment ``experiment`` at ``uri``, created when missing; TrackingError if deleted or rejected."""
     with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
         return ensure_experiment(_client(uri), experiment, uri)
-
-
-def _log_batches(
-    client: MlflowClient,
-    run_id: str,
-    *,
-    metrics: Mapping[str, float],
-    params: Mapping[str, str],
-    tags: Mapping[str, str],
-    step: int,
-) -> None:
-    """Log metrics (at ``step``, timestamped now), params and tags within MLflow's per-request limits."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    now = int(time.time() * 1000)
-    metric_list = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-    param_list = [Param(k, mask_secrets(v)) for k, v in params.items()]
-    tag_list = [RunTag(k, mask_secrets(v)) for k, v in tags.items()]
-    for i in range(0, len(param_list), PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=param_list[i : i + PARAMS_PER_BATCH], synchronous=True)
-    for i in range(0, len(tag_list), PARAMS_PER_BATCH):
-        client.log_batch(run_id, tags=tag_list[i : i + PARAMS_PER_BATCH], synchronous=True)
-    for i in range(0, len(metric_list), METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metric_list[i : i + METRICS_PER_BATCH], synchronous=True)
 
 
 def create_parent_run(
@@ -93,9 +69,17 @@ def record_summary(
     step: int = 0,
 ) -> None:
     """Record what a parent or finished child sums up: metrics at ``step``, params, tags, files under ``files_dir``."""
-    client = _client(uri)
+    from mlflow.entities import Metric, Param, RunTag
+
+    client, now = _client(uri), int(time.time() * 1000)
     with store_errors(f"record the summary of run {run_id} at {uri}"):
-        _log_batches(client, run_id, metrics=metrics or {}, params=params or {}, tags=tags or {}, step=step)
+        log_in_batches(
+            client,
+            run_id,
+            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+            params=[Param(k, mask_secrets(v)) for k, v in (params or {}).items()],
+            tags=[RunTag(k, mask_secrets(v)) for k, v in (tags or {}).items()],
+        )
         for artifact_file, text in (texts or {}).items():
             client.log_text(run_id, mask_secrets(text), artifact_file)
         for file in files:

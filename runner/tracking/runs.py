@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, first_line, mask_secrets, store_errors
 from runner.tracking.tags import (
-    PARAMS_PER_BATCH,
     git_artifacts,
     git_info,
+    log_in_batches,
     planned,
     run_tags,
     spec_artifacts,
@@ -174,8 +174,7 @@ def record_or_fail(
     """Log a new run's params and text artifacts; on a failure end it FAILED, then raise TrackingError naming
     ``what``."""
     try:
-        for i in range(0, len(params), PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=params[i : i + PARAMS_PER_BATCH], synchronous=True)
+        log_in_batches(client, run_id, params=params)
         for artifact_file, text in texts.items():
             client.log_text(run_id, text, artifact_file)
     except Exception as exc:
@@ -228,7 +227,7 @@ def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step:
     stamp = int(time.time() * 1000)
     values = [Metric(key, float(value), stamp, step) for key, value in metrics.items()]
     with store_errors(f"log the final metrics of run {run_id}"):
-        client_for(uri).log_batch(run_id, metrics=values, synchronous=True)
+        log_in_batches(client_for(uri), run_id, metrics=values)
 
 
 def find_run(uri: str, run_id: str) -> RunRecord | None:

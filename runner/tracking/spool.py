@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from runner.errors import store_errors
 from runner.tracking.runs import end_run, last_logged_steps
-from runner.tracking.tags import METRICS_PER_BATCH
+from runner.tracking.tags import log_in_batches
 from runner.tracking.uri import client_for
 
 SPOOL_NAME = "metrics-spool.jsonl"
@@ -123,11 +123,8 @@ def send_spool(
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
         fresh = [i for i in wanted if i.step > last.get(i.key, -1)]
         client = client_for(uri)
-        for start in range(0, len(fresh), METRICS_PER_BATCH):
-            chunk = [Metric(i.key, i.value, i.timestamp, i.step) for i in fresh[start : start + METRICS_PER_BATCH]]
-            client.log_batch(run_id, metrics=chunk, synchronous=True)
-        if contents.tags:
-            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in contents.tags.items()], synchronous=True)
+        metrics = [Metric(i.key, i.value, i.timestamp, i.step) for i in fresh]
+        log_in_batches(client, run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in contents.tags.items()])
     ended = None
     if apply_end and contents.end is not None:
         end_run(uri, run_id, contents.end[0], contents.end[1])
