@@ -302,9 +302,9 @@ def settle(uri: str, run_id: str) -> Settled:
     """Mark a RUNNING run KILLED when its owner on this host is gone; UsageError for no such run."""
     from runner.tracking import runs as tracking
     from runner.tracking.spool import send_spool, spool_path
-    from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_info
+    from runner.tracking.stored import CHECKPOINT_DIR_TAG
 
-    info = run_info(uri, run_id)
+    info = tracking.run_info(uri, run_id)
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
     sent = None

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
-from runner.tracking.runs import end_run, find_run
-from runner.tracking.stored import RunRecord, search_runs
+from runner.tracking.runs import RunRecord, end_run, find_run
+from runner.tracking.stored import search_runs
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
 from runner.tracking.uri import local_store_path, resolve_tracking_uri
 

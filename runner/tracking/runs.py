@@ -9,9 +9,10 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import TrackingError, first_line, mask_secrets, store_errors
+from runner.errors import TrackingError, UsageError, first_line, mask_secrets, store_errors
 from runner.tracking.tags import (
     git_artifacts,
     git_info,
@@ -25,11 +26,10 @@ from runner.tracking.tags import (
 from runner.tracking.uri import client_for, open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:
-    from mlflow.entities import Param
+    from mlflow.entities import Param, Run
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
-    from runner.tracking.stored import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,39 @@ ERROR_TAG_CHARS = 1000
 
 
 THREADS_PARAM = "runner.threads_per_process"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run as read back: status, start time (milliseconds since the epoch), its experiment's name when asked."""
+
+    run_id: str
+    experiment_id: str
+    status: str
+    start_time_ms: int
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    experiment: str = ""
+    run_name: str = ""
+
+
+def run_record(run: Run, experiment: str = "") -> RunRecord:
+    """The :class:`RunRecord` of an MLflow ``Run``."""
+    info, data = run.info, run.data
+    metrics = {k: float(v) for k, v in data.metrics.items()}
+    started, name = int(info.start_time or 0), str(info.run_name or "")
+    return RunRecord(
+        info.run_id,
+        info.experiment_id,
+        str(info.status),
+        started,
+        dict(data.tags),
+        dict(data.params),
+        metrics,
+        experiment,
+        name,
+    )
 
 
 def check_fluent_run(nested: bool) -> str | None:
@@ -122,8 +155,6 @@ def start_run(
     fluent run and makes it the parent. Raises TrackingError: A fluent run is active without ``nested``, the store is
     unreachable, the experiment is deleted, or MLflow rejects a request."""
     from mlflow.exceptions import MlflowException
-
-    from runner.tracking.stored import run_record
 
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
@@ -234,15 +265,23 @@ def find_run(uri: str, run_id: str) -> RunRecord | None:
     """The run ``run_id`` at ``uri``, or ``None`` (a deleted run too); TrackingError when the store cannot be read."""
     from mlflow.exceptions import MlflowException
 
-    from runner.tracking.stored import run_record  # not on the driver's way to the first step
-
     try:
         run = client_for(uri).get_run(run_id)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such run, or no run id
+            return None
+        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {exc.message}") from None
     except Exception as exc:
         raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
     return None if run.info.lifecycle_stage == "deleted" else run_record(run)
+
+
+def run_info(uri: str, run_id: str) -> RunRecord:
+    """:func:`find_run`'s record; UsageError for no such run (or a deleted one)."""
+    record = find_run(uri, run_id)
+    if record is None:
+        raise UsageError(f"{run_id}: no such run at {uri}, or it is deleted (copy the run id from the MLflow UI)")
+    return record
 
 
 def delete_run(uri: str, run_id: str) -> None:

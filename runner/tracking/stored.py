@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, store_errors
+from runner.tracking.runs import RunRecord, run_info, run_record
 from runner.tracking.tags import PLAN, RESOLVED, tag_run
 from runner.tracking.uri import (
     absolute_uri,
@@ -27,43 +28,10 @@ from runner.tracking.uri import (
 
 if TYPE_CHECKING:
     import torch
-    from mlflow.entities import Dataset, Run
+    from mlflow.entities import Dataset
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A run as read back: status, start time (milliseconds since the epoch), its experiment's name when asked."""
-
-    run_id: str
-    experiment_id: str
-    status: str
-    start_time_ms: int
-    tags: dict[str, str] = field(default_factory=dict)
-    params: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    experiment: str = ""
-    run_name: str = ""
-
-
-def run_record(run: Run, experiment: str = "") -> RunRecord:
-    """The :class:`RunRecord` of an MLflow ``Run``."""
-    info, data = run.info, run.data
-    metrics = {k: float(v) for k, v in data.metrics.items()}
-    started, name = int(info.start_time or 0), str(info.run_name or "")
-    return RunRecord(
-        info.run_id,
-        info.experiment_id,
-        str(info.status),
-        started,
-        dict(data.tags),
-        dict(data.params),
-        metrics,
-        experiment,
-        name,
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,23 +125,6 @@ def _json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def run_info(uri: str, run_id: str) -> RunRecord:
-    """Status and tags of ``run_id``; UsageError for no such run, TrackingError when the store does not answer."""
-    from mlflow.exceptions import MlflowException
-
-    client = client_for(uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            raise UsageError(f"{run_id}: no such run at {uri} (copy the run id from the MLflow UI)") from None
-        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {exc.message}") from None
-    if run.info.lifecycle_stage == "deleted":
-        raise UsageError(f"{run_id}: the run is deleted at {uri}")
-    experiment = client.get_experiment(run.info.experiment_id)
-    return run_record(run, experiment.name if experiment else "")
 
 
 CHECKPOINT_DIR_TAG = "runner.checkpoint_dir"

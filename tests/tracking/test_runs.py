@@ -18,6 +18,7 @@ from runner.errors import TrackingError
 from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
 from runner.tracking.runs import (
+    RunRecord,
     delete_run,
     end_run,
     find_run,
@@ -25,7 +26,7 @@ from runner.tracking.runs import (
     reopen_run,
     start_run,
 )
-from runner.tracking.stored import RunRecord, continuable_runs
+from runner.tracking.stored import continuable_runs
 
 SPEC = """\
 name = "demo"
@@ -400,3 +401,19 @@ def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     assert not artifacts.exists()
     with pytest.raises(TrackingError, match="could not delete"):
         delete_run(uri, "0" * 32)
+
+
+def test_a_store_error_reading_a_run_is_not_mistaken_for_no_such_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_run once answered ``None`` for any MLflow error: a server's 500 read as "no such run"."""
+
+    class Failing:
+        def get_run(self, run_id: str) -> None:
+            raise MlflowException("the database is locked", error_code="INTERNAL_ERROR")
+
+    monkeypatch.setattr(tracking, "client_for", lambda uri: Failing())
+    with pytest.raises(
+        TrackingError, match="could not read MLflow run r1 at http://127.0.0.1:1: the database is locked"
+    ):
+        tracking.find_run("http://127.0.0.1:1", "r1")
+    with pytest.raises(TrackingError):
+        tracking.run_info("http://127.0.0.1:1", "r1")
