@@ -107,17 +107,9 @@ def build_definition(
         trials = _grid_trials(params, trials, from_cli=cli.trials is not None, spec_file=spec_file, lines=lines)
     elif trials is None:
         raise UsageError(f"{method} sampling needs a trial budget: pass --trials N (or set sweep.trials)")
-    return SweepDefinition(
-        method=method,
-        params=tuple(params.items()),
-        trials=trials,
-        seed=base.seed if cli.seed is None else cli.seed,
-        metric=cli.metric or base.metric,
-        goal=cli.goal or base.goal,
-        pruner=cli.pruner or base.pruner,
-        pruner_startup_trials=base.pruner_startup_trials,
-        pruner_warmup_epochs=base.pruner_warmup_epochs,
-    )
+    given = {"seed": cli.seed, "metric": cli.metric, "goal": cli.goal, "pruner": cli.pruner}
+    chosen = {key: value for key, value in given.items() if value is not None}
+    return SweepDefinition(**{**dict(base), **chosen, "method": method, "params": params, "trials": trials})
 
 
 def trial_names(loaded: LoadedSpec) -> list[str]:
@@ -125,7 +117,7 @@ def trial_names(loaded: LoadedSpec) -> list[str]:
     definition = build_definition(loaded.spec.sweep, spec_file=loaded.path, key_lines=locate_keys(loaded.source_text))
     if definition.method == "grid":
         return [trial_run_name(point) for point in definition.grid_points()]
-    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key, _ in definition.params)
+    space = ", ".join(f"{key} ~ {definition.describe(key)}" for key in definition.params)
     return [f"{definition.trials} trials sampled by {definition.method} from {space}"]
 
 

@@ -57,7 +57,7 @@ def device_pool(spec: ExperimentSpec, plans: Sequence[Plan], definition: SweepDe
 
 def swept_devices(definition: SweepDefinition) -> bool:
     """Whether trials differ in their devices (then every trial needs a process of its own)."""
-    return any(k == "devices" or k.startswith("devices.") for k, _ in definition.params)
+    return any(k == "devices" or k.startswith("devices.") for k in definition.params)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from runner.errors import first_line, toml_value
 from runner.spec.dump import trial_run_name
-from runner.spec.schema import SweepParam
+from runner.spec.schema import SweepSpec
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
@@ -30,46 +30,30 @@ if TYPE_CHECKING:
 _PRIMITIVE = (str, int, float, bool, type(None))
 
 
-@dataclass(frozen=True)
-class SweepDefinition:
-    """What a sweep searches, after the spec's ``[sweep]`` and the command line are merged.
+class SweepDefinition(SweepSpec):
+    """What a sweep searches: the spec's ``[sweep]`` merged with the command line, its trial budget known. Where it
+    runs (``storage``, ``study``) is no part of it: left out of its JSON and digest."""
 
-    ``method``: grid, random or tpe; ``params`` in a stable order; ``trials`` over every worker; ``metric`` ranks trials
-    and feeds the pruner (none, median, hyperband).
-    """
-
-    method: str
-    params: tuple[tuple[str, SweepParam], ...]
-    trials: int
-    seed: int = 0
-    metric: str = "val/accuracy"
-    goal: str = "max"
-    pruner: str = "none"
-    pruner_startup_trials: int = 5
-    pruner_warmup_epochs: int = 0
+    trials: int = Field(ge=1)
 
     def describe(self, key: str) -> str:
         """Return the definition of one swept key, e.g. ``[0.1, 0.01]`` or ``log_uniform(1e-05, 0.01)``."""
-        param = dict(self.params)[key]
+        param = self.params[key]
         if param.values is not None:
             return json.dumps(param.values, default=str)
         return f"{param.distribution}({param.low!r}, {param.high!r})"
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form; :meth:`from_json` reads it back."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "params"}
-        out["params"] = {k: p.model_dump(exclude_none=True, exclude_defaults=True) for k, p in self.params}
-        return out
+        return self.model_dump(mode="json", exclude={"storage", "study"}, exclude_none=True)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SweepDefinition:
         """Rebuild a definition written by :meth:`to_json`; ValueError for anything else."""
         try:
-            params = tuple((k, SweepParam.model_validate(v)) for k, v in data["params"].items())
-            names = {f.name for f in dataclasses.fields(cls)} - {"params"}
-            return cls(params=params, **{k: v for k, v in data.items() if k in names})
-        except (KeyError, TypeError, AttributeError, ValidationError) as exc:
-            raise ValueError(f"not a sweep definition: {exc}") from None
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"not a sweep definition: {first_line(exc)}") from None
 
     def digest(self) -> str:
         """Hex SHA-256 of :meth:`to_json`: two definitions search the same trials iff their digests match."""
@@ -77,19 +61,19 @@ class SweepDefinition:
 
     def grid_points(self) -> list[dict[str, Any]]:
         """The first :attr:`trials` points of the grid: the cartesian product in key order, the last key fastest."""
-        keys = [k for k, _ in self.params]
-        product = itertools.product(*(p.values or [] for _, p in self.params))
+        keys = list(self.params)
+        product = itertools.product(*(p.values or [] for p in self.params.values()))
         return [dict(zip(keys, point, strict=True)) for point in itertools.islice(product, self.trials)]
 
     def search_space(self) -> dict[str, list[Any]]:
         """Optuna's view of the grid: dotted key -> the choices as Optuna stores them (see :func:`encode_choices`)."""
-        return {k: encode_choices(p.values or []) for k, p in self.params}
+        return {k: encode_choices(p.values or []) for k, p in self.params.items()}
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         """One trial's values asked of Optuna key by key: explicit values categorical (lists and tables as TOML
         text), ranges float, ``int_uniform`` int over ``[ceil(low), floor(high)]``."""
         values: dict[str, Any] = {}
-        for key, param in self.params:
+        for key, param in self.params.items():
             if param.values is not None:
                 choices = encode_choices(param.values)
                 values[key] = decode_choice(param.values, trial.suggest_categorical(key, choices))
@@ -206,7 +190,7 @@ class SweepReport:
     def table(self) -> str:
         """Terminal table: trial, swept values, metric, status; the best trial marked ``*``."""
         d = self.definition
-        keys = [k for k, _ in d.params]
+        keys = list(d.params)
         best = self.best
         header = ["trial", *keys, d.metric, "status"]
         rows = []

@@ -68,7 +68,7 @@ class SweepStore:
             "sweep.pruner": definition.pruner,
         }
         limit = max_param_chars()
-        params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k, _ in definition.params})
+        params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k in definition.params})
         sweep_json = {
             "spec": str(base.path),
             "overrides": list(overrides),

@@ -116,7 +116,7 @@ class SweepStudy:
         if self.definition.method == "grid":
             space = self.definition.search_space()
             keys = list(space)
-            params = dict(self.definition.params)
+            params = self.definition.params
             for point in self.definition.grid_points():
                 study.enqueue_trial({k: space[k][(params[k].values or []).index(point[k])] for k in keys})
         else:
@@ -329,5 +329,5 @@ def _recorded_values(definition: SweepDefinition, frozen: FrozenTrial) -> dict[s
     if text:
         return dict(json.loads(text))
     given = {**frozen.system_attrs.get("fixed_params", {}), **frozen.params}
-    params = dict(definition.params)
+    params = definition.params
     return {k: decode_choice(params[k].values or [], v) if k in params else v for k, v in given.items()}

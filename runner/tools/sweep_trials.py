@@ -49,7 +49,7 @@ def trials_to_check(definition: SweepDefinition) -> list[Trial]:
     the others at their first (index ``-1``)."""
     if definition.method == "grid":
         return [Trial(i, point) for i, point in enumerate(definition.grid_points())]
-    options = {key: _candidates(p.values, p.low, p.high, p.distribution) for key, p in definition.params}
+    options = {key: _candidates(p.values, p.low, p.high, p.distribution) for key, p in definition.params.items()}
     first = {key: values[0] for key, values in options.items()}
     checks, seen = [], set()
     for key, values in options.items():

@@ -149,7 +149,7 @@ def test_command_line_adds_to_and_replaces_the_spec_params() -> None:
         params={"optim.lr": SweepParam(values=[0.1]), "seed": SweepParam(values=[0])}, metric="val/loss", goal="min"
     )
     d = build_definition(spec, grid=["optim.lr=0.5,0.05", "optim.momentum=0.0,0.9"])
-    assert [k for k, _ in d.params] == ["optim.lr", "seed", "optim.momentum"]  # replaced key keeps its place
+    assert list(d.params) == ["optim.lr", "seed", "optim.momentum"]  # replaced key keeps its place
     assert dict(d.params)["optim.lr"].values == [0.5, 0.05]
     assert (d.method, d.metric, d.goal, d.seed, d.trials) == ("grid", "val/loss", "min", 0, 4)  # the grid size
     d = build_definition(spec, grid=["seed=1,2"], trials=1, seed=7, metric="val/accuracy", goal="max")
