@@ -7,7 +7,6 @@ import gc
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -63,14 +62,6 @@ def describe_unused_parameters_error(exc: BaseException, module: nn.Module) -> T
     return TrainingError(f"ddp: parameters got no gradient in the previous step{where}: {listed}; {fix}")
 
 
-@dataclass(frozen=True)
-class _Layout:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-
-
 class DDPStrategy(Strategy):
     """``mode = "ddp"``: one process per device, DistributedDataParallel, a torch.distributed process group.
 
@@ -84,16 +75,16 @@ class DDPStrategy(Strategy):
         self.parallel = parallel
         self.env = env
         self.backend = plan.backend or ("nccl" if plan.accelerator == "cuda" else "gloo")
-        self._layout: _Layout | None = None
+        self._ready = False  # set up: the process group is joined
         self._owns_group = False
         self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
         self._save_group: Any = None  # CPU gloo group of background checkpoint saves, made when needed
         self._stopping = False  # the stop decision, final once True
 
-    def _need_setup(self) -> _Layout:
-        if self._layout is None:
+    def _need_setup(self) -> LauncherEnvironment:
+        if not self._ready:
             raise TrainingError("DDPStrategy used before setup(): call strategy.setup() in the worker first")
-        return self._layout
+        return self.env
 
     @property
     def rank(self) -> int:
@@ -123,31 +114,31 @@ class DDPStrategy(Strategy):
                 f"launches the workers), torchrun, or a scheduler that sets RANK, LOCAL_RANK, WORLD_SIZE, "
                 f"MASTER_ADDR, MASTER_PORT"
             )
-        layout = _Layout(env.rank, env.local_rank, env.world_size, env.local_world_size or self.plan.nproc_per_node)
-        self._place_process(layout)
+        self._place_process()
         timeout = timedelta(seconds=self.parallel.timeout_s)
         if not dist.is_initialized():
-            self._init_process_group(layout, timeout)
+            self._init_process_group(timeout)
         # Every rank is a member, so this is a ProcessGroup (not GroupMember.NON_GROUP_MEMBER).
         self._flag_group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))
-        self._layout = layout
+        self._ready = True
 
-    def _place_process(self, layout: _Layout) -> None:
+    def _place_process(self) -> None:
         """Pick this rank's device (the worker has already set its CPU threads)."""
         if self.plan.accelerator == "cuda":
             count = torch.cuda.device_count()
-            if layout.local_rank >= count:
+            local_rank = self.env.local_rank
+            if local_rank >= count:
                 raise DeviceError(
-                    f"LOCAL_RANK={layout.local_rank} but this process sees {count} GPU(s) "
+                    f"LOCAL_RANK={local_rank} but this process sees {count} GPU(s) "
                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): one process per GPU"
                 )
-            self.device = torch.device("cuda", layout.local_rank)
+            self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
         self.output_device = self.device
 
-    def _init_process_group(self, layout: _Layout, timeout: timedelta) -> None:
+    def _init_process_group(self, timeout: timedelta) -> None:
         """``init_process_group`` over ``env://`` (the launcher's store), one prefix per elastic attempt."""
         kwargs: dict[str, Any] = {"timeout": timeout}
         if self.backend == "nccl":
@@ -156,9 +147,9 @@ class DDPStrategy(Strategy):
             # After an elastic restart the workers reuse the agent's store, where the failed
             # attempt's keys (e.g. gloo's peer addresses) are still present: a new rank could
             # read a dead peer's address. A per-attempt prefix keeps attempts apart.
-            store, _, _ = next(dist.rendezvous("env://", layout.rank, layout.world_size, timeout=timeout))
+            store, _, _ = next(dist.rendezvous("env://", self.env.rank, self.env.world_size, timeout=timeout))
             kwargs["store"] = dist.PrefixStore(f"runner/attempt_{self.env.restart_count}", store)
-        dist.init_process_group(self.backend, rank=layout.rank, world_size=layout.world_size, **kwargs)
+        dist.init_process_group(self.backend, rank=self.env.rank, world_size=self.env.world_size, **kwargs)
         self._owns_group = True
 
     def teardown(self) -> None:
