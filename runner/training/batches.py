@@ -59,6 +59,7 @@ def describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+@dataclass
 class BatchIO:
     """How batches reach the model and what is taken out of its output (the contract: docs/design.md §13).
 
@@ -66,13 +67,10 @@ class BatchIO:
     loss; ``dtype`` casts a batch's floating tensors (``runner parity``).
     """
 
-    def __init__(
-        self, target_key: str | None, output: str | int | None, model_loss: bool, dtype: torch.dtype | None = None
-    ) -> None:
-        self.target_key = target_key
-        self.output = output
-        self.model_loss = model_loss
-        self.dtype = dtype
+    target_key: str | None
+    output: str | int | None
+    model_loss: bool
+    dtype: torch.dtype | None = None
 
     def prepare(self, batch: Any, device: torch.device, output_device: torch.device) -> Batch:
         """Move a collated batch to the devices: inputs to ``device``, the target to ``output_device``."""
