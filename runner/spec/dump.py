@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from runner.errors import show
 from runner.spec.overrides import parse_key
 from runner.spec.schema import ExperimentSpec
-from runner.spec.schema_parallel import MODES, ParallelSpec, modes_with
+from runner.spec.schema_parallel import ParallelSpec, modes_with
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -188,9 +188,6 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
         out["train.compile_backend"] = "compile only (train.compile = false)"
     if spec.optim.name != "sgd":
         out["optim.momentum"] = f'sgd only (optim.name = "{spec.optim.name}")'
-    if not par.traits.shards_state:
-        sharding = " and ".join(m for m, t in MODES.items() if t.shards_state)
-        out["checkpoint.async_save"] = f'{sharding} only (mode = "{par.mode}")'
     return out
 
 

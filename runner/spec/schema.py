@@ -176,7 +176,7 @@ class CheckpointSpec(SpecTable):
     async_save: bool = Field(
         default=False,
         description=(
-            "fsdp: write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) "
+            "Write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) "
             "while training goes on; the run waits for the last one before it ends. Default: false."
         ),
     )

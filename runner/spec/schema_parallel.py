@@ -37,7 +37,7 @@ class ModeTraits:
 
     ``launch``: ``"in-process"`` or ``"elastic"``; ``keys``: the ``[parallel]`` keys that apply (the others are
     inactive); ``replicas``: one process drives every GPU; ``transforms_blocks``: compile and activation checkpointing
-    apply; ``shards_state``: checkpoints stay sharded and ``checkpoint.async_save`` applies.
+    apply; ``shards_state``: parameters, gradients and optimizer state are sharded over the ranks.
     """
 
     launch: Literal["in-process", "elastic"]

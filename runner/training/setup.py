@@ -163,8 +163,8 @@ class Checkpointer:
         self.run_id, self.writer, self.tracker = run_id, writer, tracker
         flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
         self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
-        # checkpoints saved while training goes on (fsdp), on a group of their own (made here: a collective)
-        self.background = self.settings.enabled and self.settings.async_save and strategy.traits.shards_state
+        # checkpoints saved while training goes on, on a group of their own (made here: a collective)
+        self.background = self.settings.enabled and self.settings.async_save
         self.group = strategy.save_group() if self.background else None
         self.pending: ckpt.PendingSave | None = None
 

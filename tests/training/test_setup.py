@@ -120,6 +120,23 @@ def test_deterministic_settings_are_listed_in_order() -> None:
     assert describe_settings(info) == expected
 
 
+def test_a_background_save_under_mode_none_is_in_place_once_waited_for(write_spec, tmp_path: Path) -> None:
+    """checkpoint.async_save applies in every mode: without a process group DCP saves from a thread."""
+    loaded = load_spec(write_spec(), ["train.max_steps=7", "checkpoint.async_save=true"])
+    strategy = _strategy(loaded)
+    parts = build_parts(loaded.spec, loaded.path.parent, strategy)
+    folder = tmp_path / "ck"
+    save = Checkpointer(parts, strategy, folder, loaded, run_id="r1", writer=True, tracker=FlushCounter())
+    assert save.background
+    save(TrainState(epoch=1, global_step=3), "step")
+    assert save.pending is not None  # written by DCP's thread while training would go on
+    save.wait()
+    (path,) = list_checkpoints(folder)
+    assert path.name == "step-00000003" and read_checkpoint(path)["state"]["global_step"] == 3
+    save(TrainState(epoch=1, global_step=4), "signal")  # a stop's checkpoint is written before the call returns
+    assert save.pending is None and [p.name for p in list_checkpoints(folder)][-1] == "step-00000004"
+
+
 def test_finish_collects_the_worker_result(loaded) -> None:
     fitted = WorkerResult(0, {"val/loss": 0.5}, 7, [(7, {"val/loss": 0.5})], step_times_s=[0.1] * 7)
     result = finish(fitted, _strategy(loaded), "step-00000005.pt", ["a note"])
