@@ -16,8 +16,6 @@ from runner.errors import SpecError, SpecIssue, did_you_mean, with_hint
 from runner.spec.schema_parallel import MODES, ModeTraits
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from runner.devices.resolve import DevicePlan
     from runner.spec.schema import TrainSpec
 
@@ -79,7 +77,7 @@ def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compil
 class Strategy:
     """How one process runs the model: device, wrapping, collectives, the stop decision.
 
-    ``setup()`` ... ``teardown()`` (or ``with strategy:``); modelled on Lightning Fabric's ``Strategy``. Each method
+    ``setup()`` ... ``teardown()``; modelled on Lightning Fabric's ``Strategy``. Each method
     answers for one process on one device (mode ``none``); the modes of several processes override them.
     """
 
@@ -127,15 +125,6 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release what :meth:`setup` took; safe to call twice."""
-
-    def __enter__(self) -> Strategy:
-        self.setup()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.teardown()
 
     # model ----------------------------------------------------------------
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:

@@ -456,12 +456,6 @@ class NullTracker:
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> NullTracker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
 
 if TYPE_CHECKING:  # mypy checks here that every tracker implements the protocol; nothing runs
     _null: Tracker = NullTracker()

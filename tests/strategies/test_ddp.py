@@ -102,18 +102,20 @@ def test_make_strategy_picks_class_per_mode():
 
 def test_single_device_cpu_is_trivial():
     strategy = make_strategy(make_spec().parallel, cpu_plan(make_spec()))
-    with strategy:
-        assert (strategy.rank, strategy.local_rank, strategy.world_size, strategy.is_main) == (0, 0, 1, True)
-        assert strategy.device == torch.device("cpu") == strategy.output_device
-        model = Net()
-        wrapped = strategy.wrap(model)
-        assert wrapped is model and strategy.unwrap(wrapped) is model and strategy.eval_module(wrapped) is model
-        t = torch.tensor([1.0, 2.0])
-        assert torch.equal(strategy.all_reduce_sum(t), t)
-        assert strategy.all_gather_object("x") == ["x"]
-        strategy.barrier()
-        with strategy.no_sync(wrapped):
-            pass
+    strategy.setup()
+    assert (strategy.rank, strategy.local_rank, strategy.world_size, strategy.is_main) == (0, 0, 1, True)
+    assert strategy.device == torch.device("cpu") == strategy.output_device
+    model = Net()
+    wrapped = strategy.wrap(model)
+    assert wrapped is model and strategy.unwrap(wrapped) is model and strategy.eval_module(wrapped) is model
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(strategy.all_reduce_sum(t), t)
+    assert strategy.all_gather_object("x") == ["x"]
+    assert strategy.reduce_stop_decision(0, settle=True) is False and strategy.reduce_stop_decision(7) is True
+    strategy.barrier()
+    with strategy.no_sync(wrapped):
+        pass
+    strategy.teardown()
 
 
 def test_single_device_on_cuda_plan_targets_cuda0():

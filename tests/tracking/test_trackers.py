@@ -217,9 +217,7 @@ calls = {PROTOCOL_CALLS!r}
 threads = threading.active_count()
 tracker = NullTracker()
 assert isinstance(tracker, Tracker)
-with tracker as entered:
-    assert entered is tracker
-    results = {{name: getattr(tracker, name)(*args, **kwargs) for name, (args, kwargs) in calls.items()}}
+results = {{name: getattr(tracker, name)(*args, **kwargs) for name, (args, kwargs) in calls.items()}}
 tracker.close()
 assert results == dict.fromkeys(calls), results
 assert threading.active_count() == threads, threading.enumerate()
