@@ -114,12 +114,14 @@ class HostLoad:
             return f"busy: {text}: other work competed for the CPU, so speed figures are low and noisy"
         return f"quiet: {text}"
 
-    def summary(self, used: int) -> str:
-        """:meth:`describe` in one short line, for the run's tag: ``busy: load 3.4 -> 2.1 on 2 cores, 2 used``."""
+    def tags(self, used: int) -> dict[str, str]:
+        """A run's tags: ``runner.host_busy``, and ``runner.host_load``, :meth:`describe` in one short line (``busy:
+        load 3.4 -> 2.1 on 2 cores, 2 used``)."""
         steal = f", {self.steal:.0%} steal" if self.steal and self.steal >= 0.005 else ""
         state = "busy" if self.busy(used) else "quiet"
         cores = f"{self.cores} cores, {min(used, self.cores)} used"
-        return f"{state}: load {self.start:.1f} -> {self.end:.1f} on {cores}{steal}"
+        load = f"{state}: load {self.start:.1f} -> {self.end:.1f} on {cores}{steal}"
+        return {"runner.host_load": load, "runner.host_busy": str(self.busy(used)).lower()}
 
     def advice(self, used: int, threads: int, accelerator: str) -> str:
         """What to change when a CPU run with ``threads`` per process was ``busy``, else ``""``.

@@ -162,8 +162,7 @@ def _record_end(
         from runner.tracking.stored import set_run_tags
 
         with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
-            busy = str(load.busy(used)).lower()
-            tags = {"runner.host_load": load.summary(used), "runner.host_busy": busy, "runner.mfu": mfu}
+            tags = {**load.tags(used), "runner.mfu": mfu}
             set_run_tags(plan.tracking_uri, run_id, tags, {"host load": load.describe(used)})
             if workers:
                 log_final_metrics(plan.tracking_uri, run_id, metrics, max(w.global_step for w in workers))

@@ -150,11 +150,7 @@ def _host_load(load: HostLoad, parent: Parent | None) -> str:
         from runner.tracking.stored import set_run_tags
 
         with contextlib.suppress(TrackingError):
-            tags = {
-                "runner.host_load": load.summary(load.cores),
-                "runner.host_busy": str(load.busy(load.cores)).lower(),
-            }
-            set_run_tags(parent.uri, parent.run_id, tags, {"host load": text})
+            set_run_tags(parent.uri, parent.run_id, load.tags(load.cores), {"host load": text})
     return text
 
 

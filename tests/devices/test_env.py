@@ -27,9 +27,12 @@ def test_host_load_says_busy_when_the_load_exceeds_the_cores_the_run_used() -> N
     crowded = HostLoad(start=3.4, end=4.0, cores=2)
     assert crowded.busy(2) and crowded.describe(8).startswith("busy: ") and "the run used 2" in crowded.describe(8)
     assert HostLoad(start=0.1, end=0.2, cores=4, steal=0.2).describe(1).startswith("busy: ")
-    assert crowded.summary(8) == "busy: load 3.4 -> 4.0 on 2 cores, 2 used"  # the tag: one short line
+    assert crowded.tags(8) == {
+        "runner.host_load": "busy: load 3.4 -> 4.0 on 2 cores, 2 used",
+        "runner.host_busy": "true",
+    }
     assert (
-        HostLoad(start=0.1, end=0.2, cores=4, steal=0.2).summary(1)
+        HostLoad(start=0.1, end=0.2, cores=4, steal=0.2).tags(1)["runner.host_load"]
         == "busy: load 0.1 -> 0.2 on 4 cores, 1 used, 20% steal"
     )
     advice = "on a shared CPU one intra-op thread stalls less than 2: devices.threads_per_process = 1"
