@@ -58,19 +58,18 @@ class DevicePlan:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary for ``runner plan`` and MLflow, with each chosen device's numbering from id to uuid."""
-        devices = []
-        for pos, dev_id in enumerate(self.requested_ids):
-            devices.append(
-                {
-                    "id": dev_id,
-                    "cuda_index": pos,
-                    "entry": self.selected[pos],
-                    "physical_index": _at(self.physical_indices, pos),
-                    "name": self.names[pos],
-                    "uuid": self.uuids[pos],
-                    "total_memory_bytes": _at(self.total_memory_bytes, pos),
-                }
-            )
+        devices = [
+            {
+                "id": dev_id,
+                "cuda_index": pos,
+                "entry": self.selected[pos],
+                "physical_index": _at(self.physical_indices, pos),
+                "name": self.names[pos],
+                "uuid": self.uuids[pos],
+                "total_memory_bytes": _at(self.total_memory_bytes, pos),
+            }
+            for pos, dev_id in enumerate(self.requested_ids)
+        ]
         return {
             "accelerator": self.accelerator,
             "mode": self.mode,

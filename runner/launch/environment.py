@@ -3,6 +3,7 @@ neither torch nor mlflow. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -213,15 +214,13 @@ def expand_nodelist(text: str, scontrol: str | None = "auto") -> list[str]:
     """The hosts of a hostlist (``gpu[01-03,07],login1``): ``scontrol show hostnames``, else :func:`parse_nodelist`."""
     tool = shutil.which("scontrol") if scontrol == "auto" else scontrol
     if tool and text.strip():
-        try:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
             done = subprocess.run(
                 [tool, "show", "hostnames", text], capture_output=True, text=True, timeout=10, check=False
             )
             hosts = done.stdout.split()
             if done.returncode == 0 and hosts and not done.stderr.strip():
                 return hosts
-        except (OSError, subprocess.SubprocessError):
-            pass
     return parse_nodelist(text)
 
 

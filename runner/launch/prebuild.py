@@ -3,6 +3,7 @@ docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import typing
@@ -282,10 +283,8 @@ def _plain(sig: inspect.Signature) -> str:
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     """Parameter annotations of ``fn`` (``__init__``'s for a class); unresolvable ones are left out."""
     target = fn.__init__ if inspect.isclass(fn) else fn
-    try:
+    with contextlib.suppress(Exception):  # one name is missing (e.g. imported under TYPE_CHECKING): one by one
         return typing.get_type_hints(target)
-    except Exception:  # one name is missing (e.g. imported under TYPE_CHECKING): resolve them one by one
-        pass
     namespace = {**vars(typing), "Iterable": Iterable, "Sequence": Sequence, "Mapping": Mapping}
     namespace.update(getattr(target, "__globals__", {}))
     hints = {}

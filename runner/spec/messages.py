@@ -235,11 +235,9 @@ def _type_hint(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean is not a number"
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             float(value)
             return f"remove the quotes: write {value}"
-        except ValueError:
-            pass
         if value.lower() in ("true", "false"):
             return f"remove the quotes: write {value.lower()}"
     return ""

@@ -265,11 +265,8 @@ def _reset_peaks() -> None:
     if torch is not None and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(i)
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")  # Linux: reset the peak resident set size to the current one (proc(5))
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+        fh.write("5")  # Linux: reset the peak resident set size to the current one (proc(5))
 
 
 def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:

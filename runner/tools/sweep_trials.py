@@ -202,11 +202,8 @@ def _once_each(found: Sequence[tuple[SpecIssue, str]], trials: int) -> list[Spec
 
 def swept_on_cli(grid: Sequence[str], random: Sequence[str]) -> dict[str, str]:
     """Keys swept by ``--grid`` and ``--random`` entries, each with its entry as typed (``--grid optim.lr=0.1,1``)."""
-    out = {}
-    for flag, entries in (("--grid", grid), ("--random", random)):
-        for entry in entries:
-            out[entry.partition("=")[0].strip()] = f"{flag} {entry}"
-    return out
+    flagged = [("--grid", entry) for entry in grid] + [("--random", entry) for entry in random]
+    return {entry.partition("=")[0].strip(): f"{flag} {entry}" for flag, entry in flagged}
 
 
 class OptunaPruning:
