@@ -45,23 +45,14 @@ def typed_as(override: str) -> str:
     return override.typed if isinstance(override, FlagOverride) else f"{ORIGIN} {override}"
 
 
-def parallel_flags(
-    *,
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    nproc_per_node: int | None = None,
-    rdzv_endpoint: str | None = None,
-) -> list[str]:
-    """The ddp shorthand flags as ``--set`` entries (``nnodes=2`` -> ``parallel.nnodes=2``); unset flags give none."""
-    counts = {"nnodes": nnodes, "node_rank": node_rank, "nproc_per_node": nproc_per_node}
+def parallel_flags(**flags: int | str | None) -> list[str]:
+    """The ddp shorthand flags (``nnodes``, ``node_rank``, ``nproc_per_node``, ``rdzv_endpoint``) as ``--set`` entries
+    (``nnodes=2`` -> ``parallel.nnodes=2``); unset flags give none."""
     out: list[str] = []
-    for key, value in counts.items():
+    for key, value in flags.items():
         if value is not None:
-            option = "--" + key.replace("_", "-")
-            out.append(FlagOverride(f"parallel.{key}={value}", option, f"{option} {value}"))
-    if rdzv_endpoint is not None:
-        text = f"parallel.rdzv_endpoint={json.dumps(rdzv_endpoint)}"
-        out.append(FlagOverride(text, "--rdzv-endpoint", f"--rdzv-endpoint {rdzv_endpoint}"))
+            option, text = "--" + key.replace("_", "-"), json.dumps(value) if isinstance(value, str) else value
+            out.append(FlagOverride(f"parallel.{key}={text}", option, f"{option} {value}"))
     return out
 
 
