@@ -158,7 +158,7 @@ class Strategy:
         group); ``None`` without a process group. Created on first call: call on every rank."""
         return None
 
-    def sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def checkpoint_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``{"model", "optimizer"}`` of ``torch.distributed.checkpoint.state_dict.get_state_dict``: this rank's
         shards under fsdp, whole tensors in the other modes (a checkpoint of any mode loads into any)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -166,8 +166,8 @@ class Strategy:
         model_state, optimizer_state = get_state_dict(unwrap(wrapped), optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def set_sharded_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Put :meth:`sharded_state`'s dicts, filled from a checkpoint, into the model and the optimizer."""
+    def set_checkpoint_state(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Put :meth:`checkpoint_state`'s dicts, filled from a checkpoint, into the model and the optimizer."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(unwrap(wrapped), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -50,9 +50,9 @@ class LoadedCheckpoint:
     skipped: tuple[tuple[Path, str], ...] = ()
 
 
-def save_sharded(
+def save_checkpoint(
     directory: Path,
-    sharded: dict[str, Any],
+    state: dict[str, Any],
     payload: dict[str, Any] | None,
     global_step: int,
     keep_last: int,
@@ -61,8 +61,8 @@ def save_sharded(
     background: bool = False,
     group: Any = None,
 ) -> PendingSave | None:
-    """Write ``step-<global_step>/`` with every rank's DCP shards of ``sharded``; a collective, no rank gathers the
-    state.
+    """Write ``step-<global_step>/`` with every rank's DCP shards of ``state`` (``Strategy.checkpoint_state``); a
+    collective, no rank gathers the state.
 
     The writing rank passes ``payload`` (the rest; others ``None``): it fills a ``.partial`` folder, adds ``meta.pt``
     and every file's digest, renames it into place and rotates. With ``background``, ``dcp.async_save`` on ``group``
@@ -80,15 +80,15 @@ def save_sharded(
     barrier()  # the folder exists before any rank writes into it
     pending = PendingSave(final, partial, payload, keep_last)
     if not background:
-        dcp.save(sharded, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
+        dcp.save(state, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
         pending.finish()
         return None
-    pending.future = dcp.async_save(sharded, checkpoint_id=partial, process_group=group)
+    pending.future = dcp.async_save(state, checkpoint_id=partial, process_group=group)
     return pending
 
 
 class PendingSave:
-    """A sharded checkpoint being written; :meth:`finish` waits and puts it in place, or names its failure."""
+    """A checkpoint being written; :meth:`finish` waits and puts it in place, or names its failure."""
 
     def __init__(self, final: Path, partial: Path, payload: dict[str, Any] | None, keep_last: int) -> None:
         self.final, self.partial, self.payload, self.keep_last = final, partial, payload, keep_last
@@ -313,8 +313,8 @@ def _reader(folder: Path) -> Any:
     return SafeReader(folder)
 
 
-def load_sharded(folder: Path, state: dict[str, Any]) -> None:
-    """Fill ``state`` (``{"model", "optimizer"}`` of ``get_state_dict``, plain or sharded) from a sharded checkpoint,
+def load_checkpoint(folder: Path, state: dict[str, Any]) -> None:
+    """Fill ``state`` (``{"model", "optimizer"}`` of ``get_state_dict``, whole or sharded) from a checkpoint folder,
     resharded to this job's layout (a collective under a process group)."""
     import torch.distributed.checkpoint as dcp
 

@@ -123,9 +123,9 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     if found is None:
         return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
     payload = found.payload
-    state = strategy.sharded_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
-    ckpt.load_sharded(found.path, state)
-    strategy.set_sharded_state(parts.model, parts.optimizer, state)
+    state = strategy.checkpoint_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
+    ckpt.load_checkpoint(found.path, state)
+    strategy.set_checkpoint_state(parts.model, parts.optimizer, state)
     if parts.scheduler is not None and payload["scheduler"] is not None:
         parts.scheduler.load_state_dict(payload["scheduler"])
     parts.precision.load_state_dict(payload["scaler"])
@@ -175,15 +175,12 @@ class Checkpointer:
         if not self.settings.enabled:
             self.strategy.barrier()
             return
-        shards = self.strategy.sharded_state(self.parts.model, self.parts.optimizer)  # nothing is gathered
+        shards = self.strategy.checkpoint_state(self.parts.model, self.parts.optimizer)  # nothing is gathered
         payload = self._payload(state, rng_states)
         self.wait()  # one background save at a time, in step order
-        keep, barrier, background = (
-            self.settings.keep_last,
-            self.strategy.barrier,
-            self.background and reason != "signal",
-        )
-        self.pending = ckpt.save_sharded(
+        keep, barrier = self.settings.keep_last, self.strategy.barrier
+        background = self.background and reason != "signal"
+        self.pending = ckpt.save_checkpoint(
             self.folder, shards, payload, state.global_step, keep, barrier, background=background, group=self.group
         )
         self.strategy.barrier()

@@ -94,7 +94,7 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
         run_id=run_id,
     )
     shards = {"model": model.state_dict(), "optimizer": {}}
-    ckpt.save_sharded(default_checkpoint_dir(store, None, run_id), shards, payload, 5, 2, barrier=lambda: None)
+    ckpt.save_checkpoint(default_checkpoint_dir(store, None, run_id), shards, payload, 5, 2, barrier=lambda: None)
     return run_id
 
 

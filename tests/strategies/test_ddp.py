@@ -266,7 +266,7 @@ def _wrap(mode: str, model: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize(("src", "dst"), list(itertools.product(["none", "dp", "ddp"], repeat=2)))
 def test_a_checkpoint_of_one_mode_loads_into_another(request, tmp_path: Path, src: str, dst: str) -> None:
-    """Keys carry no wrapper prefix: the strategies hand DCP the unwrapped model (``Strategy.sharded_state``)."""
+    """Keys carry no wrapper prefix: the strategies hand DCP the unwrapped model (``Strategy.checkpoint_state``)."""
     if "ddp" in (src, dst):
         request.getfixturevalue("ddp_one")  # DDP needs a process group; the others do without its set-up
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def test_a_checkpoint_of_one_mode_loads_into_another(request, tmp_path: Path, sr
     torch.manual_seed(1)
     target = _wrap(dst, Net())
     state = {"model": get_model_state_dict(unwrap(target))}
-    ckpt.load_sharded(tmp_path, state)
+    ckpt.load_checkpoint(tmp_path, state)
     set_model_state_dict(unwrap(target), state["model"])
     for (name, a), (_, b) in zip(unwrap(source).state_dict().items(), unwrap(target).state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -289,7 +289,7 @@ def test_a_checkpoint_of_another_model_does_not_load_and_names_the_key(tmp_path:
     dcp.save({"model": get_model_state_dict(nn.Linear(2, 2))}, checkpoint_id=tmp_path)
     state = {"model": get_model_state_dict(Net())}
     with pytest.raises(ckpt.CheckpointError, match=r"the shards do not load .*model\.a\.weight"):
-        ckpt.load_sharded(tmp_path, state)
+        ckpt.load_checkpoint(tmp_path, state)
 
 
 # --------------------------------------------------------------------------- gatherable outputs

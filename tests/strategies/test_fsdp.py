@@ -184,7 +184,7 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     opt.step()
     folder = tmp_path / "ck"
     for step in (1, 2, 3):  # keep_last = 2: the oldest folder and its digest go
-        ckpt.save_sharded(folder, strategy.sharded_state(wrapped, opt), _payload(step), step, 2, strategy.barrier)
+        ckpt.save_checkpoint(folder, strategy.checkpoint_state(wrapped, opt), _payload(step), step, 2, strategy.barrier)
     assert sorted(p.name for p in folder.iterdir()) == [
         "step-00000002",
         "step-00000002.sha256",
@@ -204,9 +204,9 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     single = SingleDevice(cpu_plan(make_spec()))  # a sharded checkpoint resumes under none
     plain = Net()
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
-    state = single.sharded_state(plain, plain_opt)
-    ckpt.load_sharded(newest, state)
-    single.set_sharded_state(plain, plain_opt, state)
+    state = single.checkpoint_state(plain, plain_opt)
+    ckpt.load_checkpoint(newest, state)
+    single.set_checkpoint_state(plain, plain_opt, state)
     for key, value in whole.items():
         assert torch.equal(plain.state_dict()[key], value), key
     first = next(iter(wrapped.parameters()))
@@ -214,9 +214,9 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
 
     fresh = strategy.wrap(Net())  # and back into fsdp
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    state = strategy.sharded_state(fresh, fresh_opt)
-    ckpt.load_sharded(newest, state)
-    strategy.set_sharded_state(fresh, fresh_opt, state)
+    state = strategy.checkpoint_state(fresh, fresh_opt)
+    ckpt.load_checkpoint(newest, state)
+    strategy.set_checkpoint_state(fresh, fresh_opt, state)
     for key, value in _gathered(fresh).items():
         assert torch.equal(value, whole[key]), key
 
@@ -232,7 +232,7 @@ def test_a_damaged_shard_or_a_metadata_that_would_run_code_is_never_loaded(fsdp_
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     folder = tmp_path / "ck"
     for step in (1, 2):
-        ckpt.save_sharded(folder, strategy.sharded_state(wrapped, opt), _payload(step), step, 5, strategy.barrier)
+        ckpt.save_checkpoint(folder, strategy.checkpoint_state(wrapped, opt), _payload(step), step, 5, strategy.barrier)
     shard = folder / "step-00000002" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # damaged in place: same size, same name
@@ -250,9 +250,9 @@ def test_a_damaged_shard_or_a_metadata_that_would_run_code_is_never_loaded(fsdp_
     metadata.write_bytes(pickle.dumps(Exploit()))  # and its digest rewritten, as whoever can write the folder can
     digests = {f"step-00000001/{p.name}": ckpt._sha256(p) for p in (folder / "step-00000001").iterdir()}
     ckpt.write_digest(folder / "step-00000001", digests)
-    state = strategy.sharded_state(wrapped, opt)
+    state = strategy.checkpoint_state(wrapped, opt)
     with pytest.raises(ckpt.CheckpointError, match=r"refused: the DCP metadata holds (posix|os)\.system"):
-        ckpt.load_sharded(folder / "step-00000001", state)
+        ckpt.load_checkpoint(folder / "step-00000001", state)
 
 
 def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one, tmp_path):
@@ -266,12 +266,12 @@ def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one, tmp_path)
     plain(torch.randn(4, 8)).sum().backward()
     plain_opt.step()
     plain_opt.param_groups[0]["lr"] = 0.0125  # as a schedule would have left it
-    ckpt.save_sharded(tmp_path, single.sharded_state(plain, plain_opt), _payload(1), 1, 1, strategy.barrier)
+    ckpt.save_checkpoint(tmp_path, single.checkpoint_state(plain, plain_opt), _payload(1), 1, 1, strategy.barrier)
     fresh = strategy.wrap(Net())
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
-    state = strategy.sharded_state(fresh, fresh_opt)
-    ckpt.load_sharded(tmp_path / "step-00000001", state)
-    strategy.set_sharded_state(fresh, fresh_opt, state)
+    state = strategy.checkpoint_state(fresh, fresh_opt)
+    ckpt.load_checkpoint(tmp_path / "step-00000001", state)
+    strategy.set_checkpoint_state(fresh, fresh_opt, state)
     assert fresh_opt.param_groups[0]["lr"] == 0.0125
 
 
@@ -288,8 +288,15 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
     wrapped(torch.randn(4, 8)).sum().backward()
     opt.step()
     folder, group = tmp_path / "ck", strategy.save_group()
-    pending = ckpt.save_sharded(
-        folder, strategy.sharded_state(wrapped, opt), _payload(1), 1, 2, strategy.barrier, background=True, group=group
+    pending = ckpt.save_checkpoint(
+        folder,
+        strategy.checkpoint_state(wrapped, opt),
+        _payload(1),
+        1,
+        2,
+        strategy.barrier,
+        background=True,
+        group=group,
     )
     assert pending is not None
     before = {k: v.clone() for k, v in _gathered(wrapped).items()}
@@ -306,8 +313,15 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
         raise OSError("No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", fail)
-    pending = ckpt.save_sharded(
-        folder, strategy.sharded_state(wrapped, opt), _payload(2), 2, 2, strategy.barrier, background=True, group=group
+    pending = ckpt.save_checkpoint(
+        folder,
+        strategy.checkpoint_state(wrapped, opt),
+        _payload(2),
+        2,
+        2,
+        strategy.barrier,
+        background=True,
+        group=group,
     )
     assert pending is not None
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step-00000002 was not saved .*No space left"):

@@ -37,7 +37,7 @@ def _save(folder: Path, step: int, value: float = 1.0, keep_last: int = 5, paylo
         model.weight.fill_(value)
     model_state, optimizer_state = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
     shards = {"model": model_state, "optimizer": optimizer_state}
-    ckpt.save_sharded(folder, shards, payload or _payload(step), step, keep_last, barrier=lambda: None)
+    ckpt.save_checkpoint(folder, shards, payload or _payload(step), step, keep_last, barrier=lambda: None)
     return folder / f"step-{step:08d}"
 
 
