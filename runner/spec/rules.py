@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -28,29 +29,6 @@ class CrossFieldError(ValueError):
     def __init__(self, problems: list[Problem]):
         self.problems = problems
         super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
-
-
-# ----------------------------------------------------------------------------- wording shared with devices
-
-
-def mode_needs_cuda(mode: str, why: str) -> str:
-    """A CUDA-only mode (dp) on CPU; ``why`` says how the run ended up there (``accelerator = "cpu"``)."""
-    return f'mode = "{mode}" needs CUDA GPUs but {why}: use mode = "none", or "ddp" (backend gloo runs on CPU)'
-
-
-def nccl_needs_cuda(why: str) -> str:
-    """``backend = "nccl"`` on CPU; see :func:`mode_needs_cuda` for ``why``."""
-    return f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")'
-
-
-def sync_batchnorm_needs_cuda(why: str) -> str:
-    """``sync_batchnorm = true`` on CPU (SyncBatchNorm has no CPU kernel)."""
-    return f"sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel) but {why}: remove it, or run on GPUs"
-
-
-def fp16_needs_cuda(why: str) -> str:
-    """``amp = "fp16"`` on CPU (its GradScaler is CUDA-only)."""
-    return f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'
 
 
 BARE_TRACKING_URIS = ("databricks", "databricks-uc", "uc")
@@ -84,7 +62,8 @@ def store_uri_problem(uri: str) -> str | None:
             f"{show(mask_secrets(text))} is {what}: write three slashes and the path, "
             f'"sqlite:///{path}" (relative to here) or "sqlite:////abs/{path}"'
         )
-    if text in BARE_TRACKING_URIS or scheme.partition("+")[0] in TRACKING_SCHEMES or scheme in _plugin_schemes():
+    plugins = {entry.name.lower() for entry in entry_points(group="mlflow.tracking_store")}  # MLflow store plugins
+    if text in BARE_TRACKING_URIS or scheme.partition("+")[0] in TRACKING_SCHEMES or scheme in plugins:
         return None
     if len(scheme) > 1 and scheme != "file":
         return (
@@ -95,13 +74,6 @@ def store_uri_problem(uri: str) -> str | None:
         f"{show(text)} is a file store, which MLflow 3 no longer opens: use a database, "
         f"e.g. {example} (`mlflow migrate-filestore` moves existing runs into one), or a tracking server"
     )
-
-
-def _plugin_schemes() -> set[str]:
-    """URI schemes that installed MLflow plugins serve as tracking stores."""
-    from importlib.metadata import entry_points
-
-    return {entry.name.lower() for entry in entry_points(group="mlflow.tracking_store")}
 
 
 def batch_split_problem(batch: int, world_size: int, grad_accum_steps: int) -> str | None:
@@ -226,7 +198,8 @@ def static_world_size(spec: ExperimentSpec) -> int | None:
 
 def check_experiment(spec: ExperimentSpec) -> None:
     """Rules across tables that the spec alone decides; CrossFieldError with every problem at its key."""
-    problems = _device_problems(spec) + _layout_problems(spec) + _non_finite_problems(spec)
+    problems = cuda_only_problems(spec, ON_CPU) if spec.devices.accelerator == "cpu" else []
+    problems += _layout_problems(spec) + _non_finite_problems(spec)
     for key in ("compile", "activation_checkpointing"):
         if getattr(spec.train, key) and not spec.parallel.traits.transforms_blocks:
             why = "DataParallel copies the module onto every device at each forward"
@@ -243,11 +216,6 @@ def check_experiment(spec: ExperimentSpec) -> None:
         raise CrossFieldError(problems)
 
 
-def _device_problems(spec: ExperimentSpec) -> list[Problem]:
-    """CUDA-only settings under ``accelerator = "cpu"``."""
-    return cuda_only_problems(spec, ON_CPU) if spec.devices.accelerator == "cpu" else []
-
-
 def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
     """The CUDA-only settings of ``spec`` (dp, nccl, sync_batchnorm, fp16) for a run on CPU, each message ending in
     ``why``."""
@@ -255,13 +223,17 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
     keys = par.traits.keys  # an inactive key is never a problem (docs/design.md §10)
     problems: list[Problem] = []
     if par.traits.cuda_only:
-        problems.append(("parallel.mode", mode_needs_cuda(par.mode, why)))
+        fix = 'use mode = "none", or "ddp" (backend gloo runs on CPU)'
+        problems.append(("parallel.mode", f'mode = "{par.mode}" needs CUDA GPUs but {why}: {fix}'))
     if "backend" in keys and par.backend == "nccl":
-        problems.append(("parallel.backend", nccl_needs_cuda(why)))
+        problems.append(
+            ("parallel.backend", f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")')
+        )
     if "sync_batchnorm" in keys and par.sync_batchnorm:
-        problems.append(("parallel.sync_batchnorm", sync_batchnorm_needs_cuda(why)))
+        message = f"sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel) but {why}: remove it, or run on GPUs"
+        problems.append(("parallel.sync_batchnorm", message))
     if spec.train.amp == "fp16":
-        problems.append(("train.amp", fp16_needs_cuda(why)))
+        problems.append(("train.amp", f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'))
     return problems
 
 
@@ -297,12 +269,8 @@ def _non_finite_problems(spec: ExperimentSpec) -> list[Problem]:
         free.append(("scheduler.kwargs", spec.scheduler.kwargs))
     if spec.metrics is not None:
         free += [("metrics.train", spec.metrics.train), ("metrics.val", spec.metrics.val)]
-    return [(key, not_finite(value)) for prefix, tree in free for key, value in _non_finite(prefix, tree)]
-
-
-def not_finite(value: Any) -> str:
-    """The message for a value that is or holds ``inf`` or ``nan``."""
-    return f"got {show(value)}; expected finite numbers (inf and nan are not accepted in a spec)"
+    message = "got {}; expected finite numbers (inf and nan are not accepted in a spec)"
+    return [(key, message.format(show(value))) for prefix, tree in free for key, value in _non_finite(prefix, tree)]
 
 
 def _non_finite(key: str, value: Any) -> Iterator[tuple[str, Any]]:
