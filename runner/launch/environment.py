@@ -3,12 +3,9 @@ neither torch nor mlflow. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shutil
-import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -73,12 +70,16 @@ class SlurmJob:
         digits = re.sub(r"\D", "", self.job_id)[-4:]
         return SLURM_PORT_BASE + int(digits or 0)
 
-    def first_host(self, expand: Callable[[str], list[str]] | None = None) -> str:
-        """The step's first host, where rank 0 and the rendezvous run; ValueError for a malformed node list."""
-        hosts = (expand or expand_nodelist)(self.nodelist)
-        if not hosts:
-            raise ValueError(f"SLURM_JOB_NODELIST={self.nodelist!r} names no host")
-        return hosts[0]
+    @property
+    def first_host(self) -> str:
+        """The step's first host, where rank 0 and the rendezvous run: the hostlist's first item, each bracket at its
+        first number (``gpu[07-09,12],login1`` -> ``gpu07``, as ``scontrol show hostnames`` lists it first); ValueError
+        for a malformed list."""
+        text = self.nodelist.strip()
+        item = re.match(r"(?:[^,\s\[\]]|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+(?=$|[,\s])", text)
+        if item is None:
+            raise ValueError(f"SLURM_JOB_NODELIST={text!r} is not a Slurm hostlist such as gpu[01-04],login1")
+        return re.sub(r"\[(\d+)[^\]]*\]", r"\1", item.group())
 
     def layout(self, *, world_size: int, nproc_per_node: int, nnodes: int) -> SlurmLayout:
         """How this step's tasks become the spec's ranks (docs/design.md §15).
@@ -122,15 +123,15 @@ class SlurmLayout:
         """Whether this task creates and ends the job's one MLflow run (rank 0's task, node 0's launcher)."""
         return self.rank == 0 if self.kind == "per-device" else self.node_rank == 0
 
-    def rendezvous_endpoint(self, expand: Callable[[str], list[str]] | None = None) -> str:
+    def rendezvous_endpoint(self) -> str:
         """``first host:port`` of the job (ValueError for a malformed node list)."""
-        return f"{self.job.first_host(expand)}:{self.job.port}"
+        return f"{self.job.first_host}:{self.job.port}"
 
-    def worker_env(self, env: Mapping[str, str], expand: Callable[[str], list[str]] | None = None) -> dict[str, str]:
+    def worker_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """The torchrun variables of a per-device task; ``MASTER_ADDR``/``MASTER_PORT`` already in ``env`` are kept."""
         if self.kind != "per-device":
             raise ValueError(f"a {self.kind} Slurm task is not a worker")
-        host, _, port = self.rendezvous_endpoint(expand).rpartition(":")
+        host, _, port = self.rendezvous_endpoint().rpartition(":")
         return {
             "RANK": str(self.job.procid),
             "LOCAL_RANK": str(self.job.localid),
@@ -208,66 +209,6 @@ def parse_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> tuple
             raise ValueError(f"{name}={text!r} is not a Slurm tasks-per-node list such as 2(x3),1")
         out += [int(match.group(1))] * int(match.group(2) or 1)
     return tuple(out)
-
-
-def expand_nodelist(text: str, scontrol: str | None = "auto") -> list[str]:
-    """The hosts of a hostlist (``gpu[01-03,07],login1``): ``scontrol show hostnames``, else :func:`parse_nodelist`."""
-    tool = shutil.which("scontrol") if scontrol == "auto" else scontrol
-    if tool and text.strip():
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(
-                [tool, "show", "hostnames", text], capture_output=True, text=True, timeout=10, check=False
-            )
-            hosts = done.stdout.split()
-            if done.returncode == 0 and hosts and not done.stderr.strip():
-                return hosts
-    return parse_nodelist(text)
-
-
-def parse_nodelist(text: str) -> list[str]:
-    """Expand a hostlist without Slurm, as ``scontrol show hostnames`` does: ``a[1-2]-b[01,03]`` -> 4 hosts.
-
-    Zero padding is kept from ``LOW``; several brackets expand left to right, the last fastest. Raises ValueError for
-    unbalanced brackets, an empty item or a bad range.
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(text):
-        names = [""]
-        for literal, inner in re.findall(r"([^\[\]]*)(?:\[([^\[\]]*)\])?", item):
-            names = [name + literal for name in names]
-            if inner:
-                names = [name + number for name in names for number in _expand_ranges(inner, text)]
-        hosts += names
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """The items of a hostlist: split at commas (and spaces) outside brackets."""
-    items, depth, current = [], 0, ""
-    for char in text.strip():
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth not in (0, 1):
-            raise ValueError(f"node list {text!r}: nested or unbalanced brackets")
-        if char in ", " and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    if depth != 0:
-        raise ValueError(f"node list {text!r}: unbalanced brackets")
-    items.append(current)
-    return [i for i in items if i]
-
-
-def _expand_ranges(inner: str, text: str) -> list[str]:
-    numbers: list[str] = []
-    for part in inner.split(","):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
-        if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
-            raise ValueError(f"node list {text!r}: {part!r} is not a number or a range LOW-HIGH")
-        low, high = match.group(1), match.group(2) or match.group(1)
-        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-    return numbers
 
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:

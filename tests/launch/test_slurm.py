@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,6 @@ from runner.errors import SpecError, UsageError
 from runner.launch.environment import (
     LauncherEnvironment,
     SlurmJob,
-    expand_nodelist,
-    parse_nodelist,
     parse_tasks_per_node,
 )
 from runner.plan import make_plan
@@ -55,39 +52,24 @@ def load(tmp_path: Path, mode: str = "ddp", parallel: dict | None = None):
 
 
 @pytest.mark.parametrize(
-    ("text", "hosts"),
+    ("text", "host"),
     [
-        ("n07", ["n07"]),
-        ("n[07-09]", ["n07", "n08", "n09"]),
-        ("gpu[009-011,3],login1", ["gpu009", "gpu010", "gpu011", "gpu3", "login1"]),
-        ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
-        ("a[1],b", ["a1", "b"]),
-        ("host0 host1", ["host0", "host1"]),
+        ("n07", "n07"),
+        ("n[07-09]", "n07"),
+        ("gpu[009-011,3],login1", "gpu009"),
+        ("rack[1-2]-node[01-02]", "rack1-node01"),
+        ("a[1],b", "a1"),
+        ("host0 host1", "host0"),
     ],
 )
-def test_nodelist_brackets_expand_like_scontrol(text: str, hosts: list[str]) -> None:
-    assert parse_nodelist(text) == hosts
+def test_the_first_host_is_the_one_scontrol_lists_first(text: str, host: str) -> None:
+    assert SlurmJob(job_id="1", nodelist=text).first_host == host
 
 
-@pytest.mark.parametrize("text", ["n[07-", "n[1-2]]", "n[a-b]", "n[9-3]", "n[[1]]"])
+@pytest.mark.parametrize("text", ["n[07-", "n[1-2]]", "n[a-b]", "n[[1]]", ""])
 def test_a_malformed_nodelist_is_an_error_naming_it(text: str) -> None:
-    with pytest.raises(ValueError, match="node list"):
-        parse_nodelist(text)
-
-
-def _fake_scontrol(tmp_path: Path, script: str) -> str:
-    tool = tmp_path / "scontrol"
-    tool.write_text("#!/bin/sh\n" + script, encoding="utf-8")
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-    return str(tool)
-
-
-def test_scontrol_show_hostnames_is_used_where_it_works(tmp_path: Path) -> None:
-    tool = _fake_scontrol(tmp_path, 'test "$1 $2" = "show hostnames" && printf "alpha\\nbeta\\n"\n')
-    assert expand_nodelist("whatever[1-2]", scontrol=tool) == ["alpha", "beta"]
-    broken = _fake_scontrol(tmp_path, "echo 'slurm_load_ctl_conf error' >&2; exit 1\n")
-    assert expand_nodelist("n[1-2]", scontrol=broken) == ["n1", "n2"]  # the parser takes over
-    assert expand_nodelist("n[1-2]", scontrol=None) == ["n1", "n2"]
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
+        _ = SlurmJob(job_id="1", nodelist=text).first_host
 
 
 def test_tasks_per_node_lists_expand() -> None:
@@ -107,7 +89,7 @@ def test_detect_reads_the_step_and_the_port_comes_from_the_job_id() -> None:
     assert job.tasks_per_node == (2, 2) and job.local_tasks == 2 and job.restart_count == 2 and job.in_step
     assert job.port == 15000 + 4321
     assert SlurmJob(job_id="1234567").port == 15000 + 4567
-    assert job.first_host(parse_nodelist) == "n07"
+    assert job.first_host == "n07"
     assert SlurmJob.detect({}) is None
     assert not SlurmJob.detect({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "2"}).in_step  # the batch script itself
 
@@ -174,7 +156,7 @@ def test_plan_of_a_per_node_task_meets_on_the_first_host(tmp_path: Path) -> None
     assert plan.launch == "elastic" and plan.slurm.kind == "per-node" and not plan.owns_run
     assert plan.rendezvous is not None
     assert (plan.rendezvous.nnodes, plan.rendezvous.node_rank) == (2, 1)
-    assert plan.rendezvous.endpoint == f"{expand_nodelist('n[07-08]')[0]}:{15000 + 4321}"
+    assert plan.rendezvous.endpoint == f"n07:{15000 + 4321}"
     assert plan.rendezvous.run_id == "slurm-4321"
     one = make_plan(load(tmp_path), env=step(ntasks=1), inventory=NO_GPU)
     assert one.launch == "elastic" and one.owns_run and one.rendezvous.endpoint is None  # a free local port
