@@ -126,7 +126,7 @@ def _open_study(
         url,
         name,
         definition,
-        found=lambda s: store.create_parent(base, base.overrides, definition, name, url),
+        found=lambda s: store.create_parent(base, definition, name, url),
         spec_sha256=trial_base.sha256,
         unfound=lambda run_id: delete_run(store.uri, run_id),  # no trial ever pointed at it
     )

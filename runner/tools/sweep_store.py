@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
 from runner.tracking import parents
-from runner.tracking.runs import RunRecord, end_run, find_run
+from runner.tracking.runs import RunRecord, delete_run, end_run, find_run, start_run
 from runner.tracking.stored import search_runs
-from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key, source_tags
+from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key
 from runner.tracking.uri import local_store_path, resolve_tracking_uri
 
 if TYPE_CHECKING:
@@ -41,55 +41,29 @@ class SweepStore:
         """The store and experiment the spec's runs are recorded in."""
         return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
 
-    def create_parent(
-        self, base: LoadedSpec, overrides: Sequence[str], definition: SweepDefinition, study: str, storage: str
-    ) -> str:
-        """Create the parent run: the definition as params, the study and storage as tags, ``sweep.json``, the spec
-        file."""
+    def create_parent(self, base: LoadedSpec, definition: SweepDefinition, study: str, storage: str) -> str:
+        """Create the parent run as ``runner exec`` records a run (:func:`~runner.tracking.runs.start_run`), with the
+        definition as params, the study and storage as tags and ``sweep.json``."""
         recorded = json.dumps(definition.to_json(), default=str)
-        tags = {
-            "runner.sweep": "parent",
-            "runner.sweep.study": study,
-            "runner.sweep.storage": storage,
-            "runner.sweep.overrides": json.dumps(list(overrides)),
-            "runner.sweep.unset": json.dumps(list(base.unset)),
-            "runner.spec.path": str(base.path),
-            "runner.spec.sha256": base.sha256,
-            **source_tags(str(base.path)),
-        }
+        tags = {"runner.sweep": "parent", "runner.sweep.study": study, "runner.sweep.storage": storage}
         if len(recorded) <= max_tag_chars():
             tags["runner.sweep.definition"] = recorded
-        params = {
-            "sweep.method": definition.method,
-            "sweep.seed": str(definition.seed),
-            "sweep.metric": definition.metric,
-            "sweep.goal": definition.goal,
-            "sweep.trials": str(definition.trials),
-            "sweep.pruner": definition.pruner,
-        }
+        fields = ("method", "seed", "metric", "goal", "trials", "pruner")
+        params = {f"sweep.{name}": str(getattr(definition, name)) for name in fields}
         limit = max_param_chars()
         params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k in definition.params})
-        sweep_json = {
-            "spec": str(base.path),
-            "overrides": list(overrides),
-            "unset": list(base.unset),
-            "study": study,
-            "storage": storage,
-            "definition": definition.to_json(),
-        }
-        texts = {
-            "sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n",
-            f"spec/{base.path.name}": base.source_text,
-        }
-        return parents.create_parent_run(
-            self.uri,
-            self.experiment,
-            run_name=parent_run_name(base.spec.name),
-            tags=tags,
-            params=params,
-            texts=texts,
-            what="the sweep's parent run",
+        sweep_json: dict[str, Any] = {"spec": str(base.path), "overrides": base.overrides, "unset": base.unset}
+        sweep_json |= {"study": study, "storage": storage, "definition": definition.to_json()}
+        run = start_run(
+            base, {"mode": "sweep"}, parent_run_name(base.spec.name), tags, uri=self.uri, experiment=self.experiment
         )
+        texts = {"sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n"}
+        try:
+            parents.record_summary(self.uri, run.run_id, params=params, texts=texts)
+        except BaseException:
+            delete_run(self.uri, run.run_id)
+            raise
+        return run.run_id
 
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import mask_secrets, store_errors
-from runner.tracking.runs import ensure_experiment, record_or_fail
+from runner.tracking.runs import ensure_experiment
 from runner.tracking.tags import log_in_batches
 from runner.tracking.uri import client_for, open_store
 
@@ -28,32 +28,6 @@ def experiment_id(uri: str, experiment: str) -> str:
     """Id of experiment ``experiment`` at ``uri``, created when missing; TrackingError if deleted or rejected."""
     with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
         return ensure_experiment(_client(uri), experiment, uri)
-
-
-def create_parent_run(
-    uri: str,
-    experiment: str,
-    *,
-    run_name: str,
-    tags: Mapping[str, str],
-    params: Mapping[str, str] | None = None,
-    texts: Mapping[str, str] | None = None,
-    what: str = "the parent run",
-) -> str:
-    """Create a RUNNING run for child runs to point at, with tags, params and text artifacts; return its id.
-
-    A failure while recording ends it FAILED first; TrackingError names ``what``.
-    """
-    from mlflow.entities import Param
-
-    eid = experiment_id(uri, experiment)
-    client = _client(uri)
-    with store_errors(f"create {what} at {uri}"):
-        masked = {key: mask_secrets(value) for key, value in tags.items()}
-        run_id = str(client.create_run(eid, tags=masked, run_name=mask_secrets(run_name)).info.run_id)
-    masked_params = [Param(k, mask_secrets(v)) for k, v in (params or {}).items()]
-    record_or_fail(client, run_id, uri, what, masked_params, {k: mask_secrets(t) for k, t in (texts or {}).items()})
-    return run_id
 
 
 def record_summary(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -11,6 +10,7 @@ from runner.errors import TrackingError
 from runner.tracking import parents
 from runner.tracking.runs import end_run, find_run
 from runner.tracking.stored import search_runs
+from runner.tracking.uri import client_for
 
 
 @pytest.fixture
@@ -19,40 +19,19 @@ def store(uri: str) -> str:
     return uri
 
 
-def _parent(store: str, **kwargs) -> str:
-    return parents.create_parent_run(
-        store,
-        "group",
-        run_name=kwargs.pop("run_name", "p"),
-        tags=kwargs.pop("tags", {"kind": "parent"}),
-        params=kwargs.pop("params", {"group.size": "3"}),
-        texts=kwargs.pop("texts", {"notes/plan.json": '{"a": 1}\n'}),
-        **kwargs,
+def _parent(store: str) -> str:
+    client = client_for(store)
+    run_id = str(
+        client.create_run(parents.experiment_id(store, "group"), tags={"kind": "parent"}, run_name="p").info.run_id
     )
+    client.log_param(run_id, "group.size", "3")
+    return run_id
 
 
-def test_create_parent_run_records_tags_params_and_texts(store, client, tmp_path):
-    run_id = _parent(store, params={f"p{i}": str(i) for i in range(150)})  # more than one batch of params
-    run = client.get_run(run_id)
-    assert run.info.status == "RUNNING" and run.info.run_name == "p"
-    assert client.get_experiment(run.info.experiment_id).name == "group"
-    assert run.data.tags["kind"] == "parent"
-    assert len(run.data.params) == 150 and run.data.params["p149"] == "149"
-    assert Path(client.download_artifacts(run_id, "notes/plan.json", str(tmp_path))).read_text() == '{"a": 1}\n'
-    assert parents.experiment_id(store, "group") == run.info.experiment_id  # found, not created again
-
-
-def test_create_parent_run_ends_it_failed_when_recording_fails(store, client, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
-    def broken(self, run_id, text, artifact_file):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(MlflowClient, "log_text", broken)
-    with pytest.raises(TrackingError, match=r"could not record the group's parent run \w+ at .*disk full"):
-        _parent(store, what="the group's parent run")
-    (run,) = client.search_runs([client.get_experiment_by_name("group").experiment_id])
-    assert run.info.status == "FAILED"
+def test_the_experiment_is_created_once(store, client):
+    eid = parents.experiment_id(store, "group")
+    assert client.get_experiment(eid).name == "group"
+    assert parents.experiment_id(store, "group") == eid  # found, not created again
 
 
 def test_a_deleted_experiment_is_a_clear_error(store, client):
