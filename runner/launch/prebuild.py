@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import types
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, join_or, show, with_hint
+from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, show, with_hint
 from runner.spec.loading import relocate_issues
+from runner.spec.messages import value_problem
 from runner.spec.reading import folder_problem
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tracking.uri import default_checkpoint_dir
@@ -254,12 +254,11 @@ def check_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
     except TypeError as exc:
         raise SpecError(SpecIssue(None, None, key, f"{first_line(exc)}; signature: {title}")) from None
     hints = _hints(fn)
-    issues = []
-    for name, value in kwargs.items():
-        expected = hints.get(name)
-        if expected is not None and not matches(value, expected):
-            message = f"got {show(value)}; expected {describe(expected)} (signature: {title})"
-            issues.append(SpecIssue(None, None, f"{key}.{name}", message))
+    issues = [
+        SpecIssue(None, None, f"{key}.{name}", f"{problem} (signature: {title})")
+        for name, value in kwargs.items()
+        if name in hints and (problem := value_problem(value, hints[name]))
+    ]
     if issues:
         raise SpecError(issues)
 
@@ -294,53 +293,6 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         except Exception:
             continue
     return hints
-
-
-def matches(value: Any, expected: Any) -> bool:
-    """Whether a TOML value fits an annotation (unknown annotations accept everything)."""
-    origin, args = get_origin(expected), get_args(expected)
-    if expected is Any or expected is object:
-        return True
-    if expected is type(None) or expected is None:
-        return value is None
-    if origin in (Union, types.UnionType):
-        return any(matches(value, arg) for arg in args)
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in args)
-    if expected is bool:
-        return isinstance(value, bool)
-    if expected is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if expected is str:
-        return isinstance(value, str)
-    container = origin or expected
-    if container in (list, tuple, Sequence, Iterable, typing.Sequence, typing.Iterable):
-        if not isinstance(value, list):
-            return False
-        inner = [a for a in args if a is not Ellipsis]
-        return all(any(matches(v, a) for a in inner) for v in value) if inner else True
-    if container in (dict, Mapping, typing.Mapping):
-        return isinstance(value, dict)
-    return True
-
-
-def describe(expected: Any) -> str:
-    """How an annotation is named in a message: ``a whole number``, ``a number or a list``, ..."""
-    origin, args = get_origin(expected), get_args(expected)
-    if origin in (Union, types.UnionType):
-        return join_or([describe(a) for a in args if a is not type(None)] + (["none"] if type(None) in args else []))
-    if origin is Literal:
-        return join_or([show(a) for a in args])
-    names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", dict: "a table"}
-    if expected in names:
-        return names[expected]
-    if (origin or expected) in (list, tuple, Sequence, Iterable, typing.Sequence, typing.Iterable):
-        plural = {bool: "true/false values", int: "whole numbers", float: "numbers", str: "strings"}
-        inner = [plural.get(a, describe(a)) for a in args if a is not Ellipsis]
-        return f"a list of {join_or(inner)}" if inner else "a list"
-    return getattr(expected, "__name__", str(expected))
 
 
 def check_objectives(loaded: LoadedSpec) -> None:

@@ -152,6 +152,31 @@ def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
     return f"{got}; " + err["msg"].replace("Input should be", "expected").lower()
 
 
+def value_problem(value: Any, expected: Any) -> str | None:
+    """``got X; expected Y (hint)`` when a TOML value is of another kind than annotation ``expected`` (pydantic's
+    strict validation); ``None`` when it fits, or when only a check TOML cannot pass fails (a tuple, a class)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(expected).validate_python(value, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if not all(e["type"] in _TOML_KINDS for e in errors):
+            return None
+        if len(errors) > 1:
+            return _explain_union(errors)
+        item = format_key(errors[0]["loc"])
+        return f"{item}: " * bool(item) + _wrong_value(errors[0]["loc"], errors[0])
+    except Exception:  # an annotation pydantic cannot build a validator for: the call decides
+        return None
+    return None
+
+
+_TOML_KINDS = frozenset(
+    {"int_type", "float_type", "bool_type", "string_type", "list_type", "literal_error", "none_required"}
+)
+
+
 def _wrong_type(kind: str, value: Any) -> tuple[str, str] | None:
     """``(what was expected, hint)`` for a type error, or ``None`` when ``kind`` is not one."""
     if kind in ("int_type", "int_from_float", "int_parsing"):
@@ -253,7 +278,7 @@ def _missing(loc: Loc) -> str:
     return f"required key is missing: add {loc[-1]} = ... {where}{about}"
 
 
-def _explain_union(errors: list[Mapping[str, Any]]) -> str:
+def _explain_union(errors: Sequence[Mapping[str, Any]]) -> str:
     """One message for a value that matched none of the members of a union."""
     value = errors[0].get("input")
     expected: list[str] = []
