@@ -7,6 +7,7 @@ Each :class:`~runner.errors.RunnerError` carries its own ``exit_code``; :func:`m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -111,46 +112,31 @@ def _add_exec(sub: _Commands) -> None:
 
 def _add_stored_run_commands(sub: _Commands) -> None:
     """``runner status``, ``resume``, ``reproduce``, ``export`` RUN_ID, ``runner diff A B``: from MLflow to a run."""
-    p = sub.add_parser(
-        "status", help="show RUNNING runs and their owner; mark KILLED those whose owner died without ending them"
-    )
-    p.add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run of the store)")
-    _tracking_uri_arg(p)
-    p.set_defaults(func=_stored_run)
-
-    p = sub.add_parser("resume", help="continue a KILLED or FAILED run with the spec stored in it (no spec file)")
-    p.add_argument("run_id", metavar="RUN_ID")
-    _tracking_uri_arg(p)
-    p.set_defaults(func=_stored_run)
-
-    p = sub.add_parser("reproduce", help="start a new run from the resolved spec stored in a run")
-    p.add_argument("run_id", metavar="RUN_ID")
-    _tracking_uri_arg(p)
-    p.add_argument(
+    helps = {
+        "status": "show RUNNING runs and their owner; mark KILLED those whose owner died without ending them",
+        "resume": "continue a KILLED or FAILED run with the spec stored in it (no spec file)",
+        "reproduce": "start a new run from the resolved spec stored in a run",
+        "export": "write the model of a run's newest checkpoint as a plain PyTorch state dict",
+        "diff": "compare two runs or spec files: spec keys, git commits, environment",
+    }
+    p = {name: sub.add_parser(name, help=text) for name, text in helps.items()}
+    p["status"].add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run)")
+    for name in ("resume", "reproduce", "export"):
+        p[name].add_argument("run_id", metavar="RUN_ID")
+    p["reproduce"].add_argument(
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
     )
-    p.set_defaults(func=_stored_run)
-
-    p = sub.add_parser("export", help="write the model of a run's newest checkpoint as a plain PyTorch state dict")
-    p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
-    _tracking_uri_arg(p)
-    p.set_defaults(func=_stored_run)
-
-    p = sub.add_parser("diff", help="compare two runs or spec files: spec keys, git commits, environment")
-    p.add_argument("a", metavar="A", help="a run id or a spec file")
-    p.add_argument("b", metavar="B", help="a run id or a spec file")
-    _tracking_uri_arg(p)
-    p.add_argument("--json", action="store_true", help="print the differences as JSON")
-    p.set_defaults(func=_stored_run)
-
-
-def _tracking_uri_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tracking-uri",
-        metavar="URI",
-        help="the MLflow store holding the run (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
-    )
+    p["export"].add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
+    p["diff"].add_argument("a", metavar="A", help="a run id or a spec file")
+    p["diff"].add_argument("b", metavar="B", help="a run id or a spec file")
+    p["diff"].add_argument("--json", action="store_true", help="print the differences as JSON")
+    for parser in p.values():
+        parser.add_argument(
+            "--tracking-uri",
+            metavar="URI",
+            help="the MLflow store holding the run (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+        )
+        parser.set_defaults(func=_stored_run)
 
 
 def _add_sweep(sub: _Commands) -> None:
@@ -184,7 +170,9 @@ def _add_sweep(sub: _Commands) -> None:
     p.add_argument("--study", metavar="NAME", help="Optuna study name (default: from the spec and the sweep)")
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="trials this worker runs at a time (default 1)")
     p.add_argument("--metric", metavar="NAME", help="metric that ranks trials (default: sweep.metric or val/accuracy)")
-    p.add_argument("--mode", choices=["max", "min"], help="whether larger or smaller is better (default: max)")
+    p.add_argument(
+        "--mode", dest="goal", choices=["max", "min"], help="whether larger or smaller is better (default: max)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_sweep)
 
@@ -363,16 +351,7 @@ def _stored_run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from runner.tools.sweep import CommandLine, run_sweep
 
-    flags = CommandLine(
-        grid=args.grid,
-        random=args.random,
-        method=args.method,
-        trials=args.trials,
-        seed=args.seed,
-        metric=args.metric,
-        goal=args.mode,
-        pruner=args.pruner,
-    )
+    flags = CommandLine(**{field.name: getattr(args, field.name) for field in dataclasses.fields(CommandLine)})
     report = run_sweep(
         args.file, _overrides(args), args.unset, cli=flags, jobs=args.jobs, storage=args.storage, study=args.study
     )
