@@ -294,7 +294,7 @@ ALLOWED = [
     ("cli-tools", "runner/cli.py", "def sweep():\n    from runner.tools.sweep import run_sweep\n"),
     ("core-tools", "runner/tools/sweep.py", "from runner.tools.sweep_space import expand\n"),
     ("mlflow", "runner/tracking/runs.py", "import mlflow\nfrom mlflow.tracking import MlflowClient\n"),
-    ("mlflow", "runner/tools/sweep_store.py", "from runner.tracking import parents\n"),
+    ("mlflow", "runner/tools/sweep_store.py", "from runner.tracking import runs\n"),
     (
         "training",
         "runner/training/loop.py",

@@ -16,8 +16,7 @@ from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
 from runner.tools.bench_report import BenchReport, ConfigResult
-from runner.tracking.parents import record_summary
-from runner.tracking.runs import delete_run, end_run, start_run
+from runner.tracking.runs import delete_run, end_run, record_summary, start_run
 from runner.tracking.trackers import MlflowTracker
 from runner.tracking.uri import resolve_tracking_uri
 

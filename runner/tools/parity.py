@@ -22,7 +22,7 @@ from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale
 from runner.tools.bench_report import config_id
 from runner.tools.bench_runs import Parent, ending, log_history, start_parent
-from runner.tracking.parents import record_summary
+from runner.tracking.runs import record_summary
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:

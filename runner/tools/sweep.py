@@ -40,7 +40,7 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
-from runner.tracking import parents
+from runner.tracking import runs as parents
 from runner.tracking.runs import delete_run, end_run
 from runner.tracking.uri import absolute_uri, check_reachable
 

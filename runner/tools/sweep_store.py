@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
-from runner.tracking import parents
+from runner.tracking import runs as parents
 from runner.tracking.runs import RunRecord, delete_run, end_run, find_run, start_run
 from runner.tracking.stored import search_runs
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key

@@ -8,8 +8,9 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import TrackingError, UsageError, first_line, mask_secrets, store_errors
@@ -323,3 +324,56 @@ def last_logged_steps(uri: str, run_id: str) -> dict[str, int]:
     client = client_for(uri)
     keys = client.get_run(run_id).data.metrics.keys()
     return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1) for key in keys}
+
+
+# ----------------------------------------------------------------------------- parent runs (docs/design.md)
+
+
+def _opened(uri: str) -> MlflowClient:
+    open_store(uri)  # the first use of a new sqlite store creates it, under its lock
+    return client_for(uri)
+
+
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def experiment_id(uri: str, experiment: str) -> str:
+    """Id of experiment ``experiment`` at ``uri``, created when missing; TrackingError if deleted or rejected."""
+    with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
+        return ensure_experiment(_opened(uri), experiment, uri)
+
+
+def record_summary(
+    uri: str,
+    run_id: str,
+    *,
+    metrics: Mapping[str, float] | None = None,
+    params: Mapping[str, str] | None = None,
+    tags: Mapping[str, str] | None = None,
+    texts: Mapping[str, str] | None = None,
+    files: Sequence[str | Path] = (),
+    files_dir: str | None = None,
+    step: int = 0,
+) -> None:
+    """Record what a parent or finished child sums up: metrics at ``step``, params, tags, files under ``files_dir``."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    client, now = _opened(uri), int(time.time() * 1000)
+    with store_errors(f"record the summary of run {run_id} at {uri}"):
+        log_in_batches(
+            client,
+            run_id,
+            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+            params=[Param(k, mask_secrets(v)) for k, v in (params or {}).items()],
+            tags=[RunTag(k, mask_secrets(v)) for k, v in (tags or {}).items()],
+        )
+        for artifact_file, text in (texts or {}).items():
+            client.log_text(run_id, mask_secrets(text), artifact_file)
+        for file in files:
+            client.log_artifact(run_id, str(file), files_dir)
+
+
+def mark_running(uri: str, run_id: str) -> None:
+    """Set a stopped run RUNNING again (a parent whose children run again); TrackingError when rejected."""
+    with store_errors(f"reopen MLflow run {run_id} at {uri}"):
+        _opened(uri).update_run(run_id, status="RUNNING")

@@ -191,7 +191,9 @@ def test_describe_and_bind() -> None:
 
     def f(a: int, *, b: str = "x") -> None: ...
 
-    with pytest.raises(SpecError, match=r"got 1; expected a string \(quote it: \"1\"\) \(signature: f\(a: int, b: str = 'x'\)\)"):
+    with pytest.raises(
+        SpecError, match=r"got 1; expected a string \(quote it: \"1\"\) \(signature: f\(a: int, b: str = 'x'\)\)"
+    ):
         check_call(f, (1,), {"b": 1}, "k")
     with pytest.raises(SpecError, match="unexpected keyword argument 'c'"):
         check_call(f, (1,), {"c": 1}, "k")

@@ -1,4 +1,4 @@
-"""Tests of runner.tracking.parents: parent runs, their children and summaries, in a throw-away sqlite store."""
+"""Tests of runner.tracking.runs' parent runs: parent runs, their children and summaries, in a throw-away sqlite store."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from runner.errors import TrackingError
-from runner.tracking import parents
+from runner.tracking import runs as parents
 from runner.tracking.runs import end_run, find_run
 from runner.tracking.stored import search_runs
 from runner.tracking.uri import client_for
