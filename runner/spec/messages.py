@@ -3,6 +3,7 @@ Y (hint)``)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import re
@@ -299,7 +300,10 @@ def _explain_union(errors: Sequence[Mapping[str, Any]]) -> str:
 Loc = tuple  # tuple[str | int, ...]: table keys are str, array indices are int
 
 _BARE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-_SCALAR_END = frozenset(",]}\n#")
+_TOKEN = re.compile(  # the strings first: a "#", "[" or "=" inside one is text
+    r"""(?P<s>\"\"\"(?:[^\\]|\\.)*?\"{3,5}|'\'\'[\s\S]*?'{3,5}|"(?:[^"\\\n]|\\.)*"|'[^'\n]*')"""
+    r"|(?P<c>#[^\n]*)|(?P<n>\n)|(?P<p>[\[\]{}=,.])|(?P<w>[^\s\[\]{}=,.#\"']+)"
+)
 
 
 def locate_keys(text: str) -> dict[Loc, int]:
@@ -321,165 +325,99 @@ def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
 
 
 class _Scanner:
-    """A forgiving, position-tracking reader of valid TOML that records where keys are."""
+    """A forgiving reader of valid TOML's tokens that records the line of each key."""
 
     def __init__(self, text: str):
-        self.s = text
+        self.tokens = [(m.lastgroup, m.group(), m.start()) for m in _TOKEN.finditer(text) if m.lastgroup != "c"]
+        self.breaks = [m.start() for m in re.finditer("\n", text)]
         self.i = 0
-        self.line = 1
         self.lines: dict[Loc, int] = {}
         self.array_tables: dict[Loc, int] = {}
 
-    # -- low level
-    def peek(self, n: int = 1) -> str:
-        return self.s[self.i : self.i + n]
+    def at(self, *texts: str) -> bool:
+        return self.i < len(self.tokens) and self.tokens[self.i][1] in texts
 
-    def advance(self, n: int = 1) -> None:
-        self.line += self.s.count("\n", self.i, self.i + n)
-        self.i += n
+    def line(self) -> int:
+        return bisect.bisect(self.breaks, self.tokens[self.i][2]) + 1
 
-    def skip_blank(self, newlines: bool) -> None:
-        """Skip spaces and tabs (and newlines and comments when ``newlines``)."""
-        while self.i < len(self.s):
-            c = self.s[self.i]
-            if c in " \t\r" or (newlines and c == "\n"):
-                self.advance()
-            elif c == "#" and newlines:
-                end = self.s.find("\n", self.i)
-                self.advance((len(self.s) if end < 0 else end) - self.i)
-            else:
-                return
+    def skip_lines(self) -> None:
+        while self.at("\n"):
+            self.i += 1
 
     def place(self, loc: Loc, line: int, overwrite: bool = True) -> None:
         if overwrite or loc not in self.lines:
             self.lines[loc] = line
 
-    # -- grammar
     def document(self) -> None:
         table: Loc = ()
-        while True:
-            self.skip_blank(newlines=True)
-            if self.i >= len(self.s):
-                return
-            if self.peek() == "[":
-                table = self.header()
-            else:
-                self.keyval(table)
-            self.skip_blank(newlines=False)
-            if self.peek() == "#":
-                self.skip_blank(newlines=True)
+        self.skip_lines()
+        while self.i < len(self.tokens):
+            table = self.header() if self.at("[") else self.keyval(table)
+            self.skip_lines()
 
     def header(self) -> Loc:
-        is_array = self.peek(2) == "[["
-        self.advance(2 if is_array else 1)
-        line = self.line
+        line, start = self.line(), self.tokens[self.i][2]
+        is_array = self.tokens[self.i + 1][1:] == ("[", start + 1)  # "[[", not "[ ["
+        self.i += 1 + is_array
         key = self.key()
-        self.skip_blank(newlines=False)
-        self.advance(2 if is_array else 1)
+        self.i += 1 + is_array
         for n in range(1, len(key)):
             self.place(key[:n], line, overwrite=False)
         if is_array:
-            index = self.array_tables.get(key, -1) + 1
-            self.array_tables[key] = index
+            self.array_tables[key] = index = self.array_tables.get(key, -1) + 1
             self.place(key, line, overwrite=False)
             key = (*key, index)
         self.place(key, line)
         return key
 
-    def keyval(self, table: Loc) -> None:
-        line = self.line
+    def keyval(self, table: Loc) -> Loc:
+        line = self.line()
         key = table + self.key()
         for n in range(len(table) + 1, len(key)):
             self.place(key[:n], line, overwrite=False)
         self.place(key, line)
-        self.skip_blank(newlines=False)
-        if self.peek() != "=":
+        if not self.at("="):
             raise ValueError("expected '='")
-        self.advance()
-        self.skip_blank(newlines=False)
+        self.i += 1
         self.value(key)
+        return table
 
     def key(self) -> Loc:
         parts: list[str] = []
         while True:
-            self.skip_blank(newlines=False)
-            c = self.peek()
-            if c in ('"', "'"):
-                start = self.i
-                self.string()
-                parts.append(tomllib.loads(f"k = {self.s[start : self.i]}")["k"])
-            else:
-                start = self.i
-                while self.i < len(self.s) and self.s[self.i] in _BARE:
-                    self.i += 1
-                if start == self.i:
-                    raise ValueError("empty key")
-                parts.append(self.s[start : self.i])
-            self.skip_blank(newlines=False)
-            if self.peek() != ".":
+            kind, text, _ = self.tokens[self.i]
+            if kind not in ("s", "w"):
+                raise ValueError("expected a key")
+            parts.append(tomllib.loads(f"k = {text}")["k"] if kind == "s" else text)
+            self.i += 1
+            if not self.at("."):
                 return tuple(parts)
-            self.advance()
-
-    def string(self) -> None:
-        quote = self.peek()
-        if self.peek(3) == quote * 3:
-            self.advance(3)
-            end = self._find_close(quote * 3, escapes=quote == '"')
-            self.advance(end + 3 - self.i)
-            while self.peek() == quote:  # up to two quotes may end the content
-                self.advance()
-            return
-        self.advance()
-        end = self._find_close(quote, escapes=quote == '"')
-        self.advance(end + 1 - self.i)
-
-    def _find_close(self, delim: str, escapes: bool) -> int:
-        j = self.i
-        while True:
-            if escapes and self.s[j] == "\\":
-                j += 2
-                continue
-            if self.s.startswith(delim, j):
-                return j
-            if j >= len(self.s):
-                raise ValueError("unterminated string")
-            j += 1
+            self.i += 1
 
     def value(self, loc: Loc) -> None:
-        c = self.peek()
-        if c in ('"', "'"):
-            self.string()
-        elif c == "[":
-            self.advance()
-            index = 0
-            while True:
-                self.skip_blank(newlines=True)
-                if self.peek() == "]":
-                    self.advance()
-                    return
-                self.place((*loc, index), self.line)
-                self.value((*loc, index))
-                index += 1
-                self.skip_blank(newlines=True)
-                if self.peek() == ",":
-                    self.advance()
-        elif c == "{":
-            self.advance()
-            while True:
-                self.skip_blank(newlines=True)
-                if self.peek() == "}":
-                    self.advance()
-                    return
-                self.keyval(loc)
-                self.skip_blank(newlines=True)
-                if self.peek() == ",":
-                    self.advance()
-        else:
+        """Skip one value, recording the lines of an array's elements and an inline table's keys."""
+        if not self.at("[", "{"):
             start = self.i
-            while self.i < len(self.s) and self.s[self.i] not in _SCALAR_END:
-                self.i += 1
+            while self.i < len(self.tokens) and not self.at(",", "]", "}", "\n"):
+                self.i += 1  # a scalar: its parts ("1", ".", "5") up to what ends it
             if start == self.i:
                 raise ValueError("empty value")
+            return
+        close, index = "]" if self.at("[") else "}", 0
+        self.i += 1
+        self.skip_lines()
+        while not self.at(close):
+            if close == "]":
+                self.place((*loc, index), self.line())
+                self.value((*loc, index))
+                index += 1
+            else:
+                self.keyval(loc)
+            self.skip_lines()
+            if self.at(","):
+                self.i += 1
+            self.skip_lines()
+        self.i += 1
 
 
 def format_key(loc: Sequence[str | int]) -> str:

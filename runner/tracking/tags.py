@@ -5,7 +5,6 @@ Imports neither mlflow nor torch.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import getpass
 import importlib.util
@@ -45,17 +44,12 @@ def _torch_versions() -> tuple[str, str]:
     found = importlib.util.find_spec("torch")
     if found is None or not found.submodule_search_locations:
         return "none", "none"
-    values: dict[str, str] = {}
     try:
-        tree = ast.parse((Path(next(iter(found.submodule_search_locations))) / "version.py").read_text())
-    except (OSError, SyntaxError):
+        text = (Path(next(iter(found.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
         return "unknown", "unknown"
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        value = getattr(node, "value", None)
-        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
-            values[target.id] = str(value.value) if value.value is not None else "none"
-    return values.get("__version__", "unknown"), values.get("cuda", "none")
+    version, cuda = (re.search(rf"^{name}\b.*= '([^']*)'", text, re.MULTILINE) for name in ("__version__", "cuda"))
+    return version.group(1) if version else "unknown", cuda.group(1) if cuda else "none"
 
 
 def source_tags(source: str) -> dict[str, str]:

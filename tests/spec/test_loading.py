@@ -253,6 +253,21 @@ def test_locate_keys_follows_toml_syntax():
     assert line_of(lines, ("train", "epochs")) == 1  # nowhere: first line
 
 
+def test_locate_keys_reads_strings_numbers_and_nesting_as_toml_does():
+    text = (
+        'a = """x\n""""\n'  # 1-2: a multi-line string that ends in a quote
+        "b = 'a # not a comment'\n"  # 3
+        "c = [ [1.5, 2], [{ d = -inf }] ]\n"  # 4
+        "e = 1979-05-27 07:32:00Z\n"  # 5
+        '[ "x.y" . z ]\n'  # 6
+        'w = "[not] = a table"\n'  # 7
+    )
+    tomllib.loads(text)
+    lines = locate_keys(text)
+    assert (lines[("b",)], lines[("c", 1, 0, "d")], lines[("e",)]) == (3, 4, 5)
+    assert lines[("x.y", "z", "w")] == 7 and ("not",) not in lines
+
+
 def test_format_key():
     assert format_key(("sweep", "params", "optim.lr", "values", 0)) == 'sweep.params."optim.lr".values[0]'
 
