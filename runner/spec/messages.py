@@ -315,6 +315,16 @@ def locate_keys(text: str) -> dict[Loc, int]:
     return scanner.lines
 
 
+def nested_beyond(text: str, limit: int) -> int | None:
+    """The first line where ``[`` and ``{`` outside strings and comments nest beyond ``limit`` levels, or ``None``."""
+    depth = 0
+    for m in _TOKEN.finditer(text):
+        depth += (m.group() in ("[", "{")) - (m.group() in ("]", "}"))
+        if depth > limit:
+            return text.count("\n", 0, m.start()) + 1
+    return None
+
+
 def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
     """The 1-based line of key path ``loc`` (``("parallel", "mode")``), else of its nearest located ancestor, else 1."""
     loc = tuple(loc)

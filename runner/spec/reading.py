@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import SpecIssue, show
-from runner.spec.messages import Loc, format_key, line_of, locate_keys
+from runner.spec.messages import Loc, format_key, line_of, locate_keys, nested_beyond
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the
 # file that wrote them (``--set`` values against the working directory).
@@ -120,7 +120,7 @@ def _read_file(path: Path, shown: Path, issues: list[SpecIssue]) -> tuple[dict[s
         issues.append(SpecIssue(shown, line, "", message))
         return None
     text = text.removeprefix("\ufeff")
-    deep = _too_deep(text)
+    deep = nested_beyond(text, MAX_NESTING)
     if deep is not None:  # Python's TOML parser recurses once per level: stop before it does
         message = f"arrays and inline tables nest more than {MAX_NESTING} levels deep here; flatten the value"
         issues.append(SpecIssue(shown, deep, _key_on_line(text.split("\n"), deep), message))
@@ -134,36 +134,6 @@ def _read_file(path: Path, shown: Path, issues: list[SpecIssue]) -> tuple[dict[s
 
 
 MAX_NESTING = 32
-_OPEN, _CLOSE = "[{", "]}"
-
-
-def _too_deep(text: str) -> int | None:
-    """The first line where ``[``/``{`` outside strings and comments nest beyond :data:`MAX_NESTING`."""
-    depth, line, i, quote = 0, 1, 0, ""
-    while i < len(text):
-        if quote:
-            if text.startswith(quote, i):
-                i, quote = i + len(quote), ""
-                continue
-            i += 2 if text[i] == "\\" and quote[0] == '"' else 1
-            line += text[i - 1] == "\n"
-            continue
-        char = text[i]
-        if char in "\"'":
-            quote = text[i : i + 3] if text.startswith(char * 3, i) else char
-            i += len(quote)
-            continue
-        if char == "#":
-            i = text.find("\n", i) if "\n" in text[i:] else len(text)
-            continue
-        line += char == "\n"
-        depth += (char in _OPEN) - (char in _CLOSE)
-        if depth > MAX_NESTING:
-            return line
-        i += 1
-    return None
-
-
 _AT = re.compile(r"\s*\((?:at line (\d+), column (\d+)|at end of document)\)\s*$")
 
 
