@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 import stat
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, UsageError, echo, show
 from runner.launch.resume import RESUMABLE
@@ -99,22 +99,6 @@ def _export_target(target: Path) -> Path:
     raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
 
 
-def _write_replacing(target: Path, write: Callable[[BinaryIO], None]) -> None:
-    """``write`` into a hidden ``.NAME.partial`` beside ``target``, then rename it over; UsageError if it cannot."""
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as handle:
-            write(handle)
-        os.replace(partial, target)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc}); name a writable path") from None
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-
-
 def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
     """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
 
@@ -124,7 +108,7 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     import torch
 
     from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
-    from runner.training.checkpoint import CheckpointError, load_latest, whole_model
+    from runner.training.checkpoint import CheckpointError, load_latest, whole_model, write_atomic
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
@@ -138,7 +122,13 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
         raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
-    _write_replacing(target, lambda handle: torch.save(whole_model(found.path), handle))
+    buffer = io.BytesIO()
+    torch.save(whole_model(found.path), buffer)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target.parent, buffer.getbuffer(), final=target)
+    except OSError as exc:
+        raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc}); name a writable path") from None
     return (
         f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
         "load it with model.load_state_dict(torch.load(FILE))"

@@ -113,7 +113,7 @@ class PendingSave:
 
         buffer = io.BytesIO()
         torch.save(self.payload, buffer)
-        _write_atomic(partial, buffer.getbuffer(), final=partial / META)
+        write_atomic(partial, buffer.getbuffer(), final=partial / META)
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         write_digest(final, {f"{final.name}/{p.relative_to(partial).as_posix()}": _sha256(p) for p in files})
         if final.exists():  # an epoch's checkpoint at the step of a step checkpoint
@@ -152,7 +152,7 @@ def digest_path(checkpoint: Path) -> Path:
 def write_digest(checkpoint: Path, digests: dict[str, str]) -> Path:
     """Write ``checkpoint``'s digest file (``sha256sum`` format, paths relative to its folder) atomically."""
     text = "".join(f"{sha}  {name}\n" for name, sha in sorted(digests.items()))
-    return _write_atomic(checkpoint.parent, text.encode(), final=digest_path(checkpoint))
+    return write_atomic(checkpoint.parent, text.encode(), final=digest_path(checkpoint))
 
 
 def verify_digest(checkpoint: Path) -> None:
@@ -179,7 +179,7 @@ def verify_digest(checkpoint: Path) -> None:
             )
 
 
-def _write_atomic(directory: Path, data: bytes | memoryview, final: Path) -> Path:
+def write_atomic(directory: Path, data: bytes | memoryview, final: Path) -> Path:
     """Write ``data`` to an fsync'ed temporary file in ``directory``, then rename it to ``final``."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
