@@ -52,11 +52,6 @@ def _torch_versions() -> tuple[str, str]:
     return version.group(1) if version else "unknown", cuda.group(1) if cuda else "none"
 
 
-def source_tags(source: str) -> dict[str, str]:
-    """MLflow's source tags of a run started from the local file ``source`` (shown in the MLflow UI)."""
-    return {"mlflow.source.type": "LOCAL", "mlflow.source.name": source}
-
-
 def _git_tags(info: GitInfo) -> dict[str, str]:
     """``runner.git.*`` and MLflow's ``mlflow.source.git.*`` tags of a working tree."""
     tags = {
@@ -111,7 +106,8 @@ def run_tags(
     torch_version, cuda_version = _torch_versions()
     spec_path = info.relpath(loaded.path) if info is not None else str(Path(loaded.path).resolve())
     tags: dict[str, Any] = {
-        **source_tags(spec_path),
+        "mlflow.source.type": "LOCAL",  # MLflow's source of a run started from a local file, shown in its UI
+        "mlflow.source.name": spec_path,
         "runner.spec.path": spec_path,
         "runner.spec.sha256": loaded.sha256,
         "runner.version": runner.__version__,

@@ -275,7 +275,7 @@ def _checked(path: Path, payload: Any) -> dict[str, Any]:
             f"{FORMAT_VERSION} only, so it cannot continue from it (start the run again, or resume it with the "
             "runner version that wrote it)"
         )
-    if version != FORMAT_VERSION or "model" not in payload:
+    if version != FORMAT_VERSION or "state" not in payload:
         raise CheckpointError(f"{path}: not a runner checkpoint (format {FORMAT_VERSION} expected)")
     return payload
 
@@ -381,7 +381,6 @@ def build_payload(
     recomputes those after); the model and optimizer are the folder's shards."""
     return {
         "format": FORMAT_VERSION,
-        "model": {},
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "state": {

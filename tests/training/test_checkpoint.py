@@ -162,7 +162,7 @@ def test_a_peek_reads_the_plain_fields_without_torch_and_skips_a_damaged_checkpo
     _save(tmp_path, 1, 1.0)
     latest = _save(tmp_path, 2, 2.0)
     full, seen = ckpt.read_checkpoint(latest), ckpt.peek(latest)
-    for key in ("format", "spec", "spec_sha256", "state", "run_id", "tracking", "model"):
+    for key in ("format", "spec", "spec_sha256", "state", "run_id", "tracking"):
         assert seen[key] == full[key], key
     code = (
         "import sys; from pathlib import Path; from runner.training.checkpoint import peek; "
@@ -184,6 +184,12 @@ def test_an_old_format_checkpoint_is_refused_with_the_reason(tmp_path: Path) -> 
     assert "written in checkpoint format 2" in str(info.value) and f"reads format {ckpt.FORMAT_VERSION}" in str(
         info.value
     )
+
+
+def test_a_file_of_the_format_without_the_loop_state_is_not_a_runner_checkpoint(tmp_path: Path) -> None:
+    _save_unchecked({"format": ckpt.FORMAT_VERSION, "weights": {}}, tmp_path / "step-00000003.pt")
+    with pytest.raises(ckpt.CheckpointError, match="not a runner checkpoint"):
+        ckpt.read_checkpoint(tmp_path / "step-00000003.pt")
 
 
 def test_a_payload_that_weights_only_would_refuse_is_not_saved(tmp_path: Path) -> None:
