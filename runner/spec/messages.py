@@ -12,7 +12,7 @@ import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from runner.errors import did_you_mean, join_or, show, suggest, with_hint
@@ -156,8 +156,6 @@ def _wrong_value(loc: Loc, err: Mapping[str, Any]) -> str:
 def value_problem(value: Any, expected: Any) -> str | None:
     """``got X; expected Y (hint)`` when a TOML value is of another kind than annotation ``expected`` (pydantic's
     strict validation); ``None`` when it fits, or when only a check TOML cannot pass fails (a tuple, a class)."""
-    from pydantic import TypeAdapter, ValidationError
-
     try:
         TypeAdapter(expected).validate_python(value, strict=True)
     except ValidationError as exc:
