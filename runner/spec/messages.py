@@ -165,7 +165,7 @@ def value_problem(value: Any, expected: Any) -> str | None:
         if len(errors) > 1:
             return _explain_union(errors)
         item = format_key(errors[0]["loc"])
-        return f"{item}: " * bool(item) + _wrong_value(errors[0]["loc"], errors[0])
+        return (f"{item}: " if item else "") + _wrong_value(errors[0]["loc"], errors[0])
     except Exception:  # an annotation pydantic cannot build a validator for: the call decides
         return None
     return None

@@ -40,8 +40,7 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
-from runner.tracking import runs as parents
-from runner.tracking.runs import delete_run, end_run
+from runner.tracking.runs import delete_run, end_run, experiment_id
 from runner.tracking.uri import absolute_uri, check_reachable
 
 if TYPE_CHECKING:
@@ -138,7 +137,7 @@ def _open_study(
             notes.append("the trial spec differs from the study's first worker's")
     parent = opened.parent_run_id
     report = SweepReport(definition, [], parent, store.uri, store.experiment, notes, name, url)
-    report.experiment_id = parents.experiment_id(store.uri, store.experiment)  # created when missing
+    report.experiment_id = experiment_id(store.uri, store.experiment)  # created when missing
     return opened, report
 
 

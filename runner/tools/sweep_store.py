@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.tools.sweep_space import SweepDefinition, SweepReport
-from runner.tracking import runs as parents
-from runner.tracking.runs import RunRecord, delete_run, end_run, find_run, start_run
+from runner.tracking import runs
+from runner.tracking.runs import RunRecord
 from runner.tracking.stored import search_runs
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key
 from runner.tracking.uri import local_store_path, resolve_tracking_uri
@@ -54,26 +54,26 @@ class SweepStore:
         params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k in definition.params})
         sweep_json: dict[str, Any] = {"spec": str(base.path), "overrides": base.overrides, "unset": base.unset}
         sweep_json |= {"study": study, "storage": storage, "definition": definition.to_json()}
-        run = start_run(
+        run = runs.start_run(
             base, {"mode": "sweep"}, parent_run_name(base.spec.name), tags, uri=self.uri, experiment=self.experiment
         )
         texts = {"sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n"}
         try:
-            parents.record_summary(self.uri, run.run_id, params=params, texts=texts)
+            runs.record_summary(self.uri, run.run_id, params=params, texts=texts)
         except BaseException:
-            delete_run(self.uri, run.run_id)
+            runs.delete_run(self.uri, run.run_id)
             raise
         return run.run_id
 
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""
-        record = find_run(self.uri, run_id)
+        record = runs.find_run(self.uri, run_id)
         if record is not None and record.status != "RUNNING":
-            parents.mark_running(self.uri, run_id)
+            runs.mark_running(self.uri, run_id)
 
     def trial_runs(self, parent_id: str, number: int) -> list[RunRecord]:
         """The child runs of Optuna trial ``number``, newest first (the first is its latest attempt's)."""
-        tags = {parents.PARENT_TAG: parent_id, "runner.sweep.optuna_trial": str(number)}
+        tags = {runs.PARENT_TAG: parent_id, "runner.sweep.optuna_trial": str(number)}
         return search_runs(self.uri, self.experiment, tags)
 
     def trial_run(self, parent_id: str, number: int) -> str | None:
@@ -87,11 +87,11 @@ class SweepStore:
             for run in self.trial_runs(parent_id, number):
                 if run.status == "RUNNING":
                     why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
-                    end_run(self.uri, run.run_id, "KILLED", why)
+                    runs.end_run(self.uri, run.run_id, "KILLED", why)
 
     def mark_pruned(self, run_id: str, epoch: int) -> None:
         """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
-        parents.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
+        runs.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
         """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
@@ -103,10 +103,10 @@ class SweepStore:
             tags["runner.sweep.best_run_id"] = best.run_id or ""
             tags["runner.sweep.best_trial"] = str(best.index)
         texts = {"sweep_report.json": json.dumps(report.to_json(), indent=2, default=str) + "\n"}
-        parents.record_summary(
+        runs.record_summary(
             self.uri, run_id, metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots"
         )
-        end_run(self.uri, run_id, status, error)
+        runs.end_run(self.uri, run_id, status, error)
 
 
 def parent_run_name(name: str) -> str:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from runner.errors import TrackingError
-from runner.tracking import runs as parents
+from runner.tracking import runs
 from runner.tracking.runs import end_run, find_run
 from runner.tracking.stored import search_runs
 from runner.tracking.uri import client_for
@@ -22,16 +22,16 @@ def store(uri: str) -> str:
 def _parent(store: str) -> str:
     client = client_for(store)
     run_id = str(
-        client.create_run(parents.experiment_id(store, "group"), tags={"kind": "parent"}, run_name="p").info.run_id
+        client.create_run(runs.experiment_id(store, "group"), tags={"kind": "parent"}, run_name="p").info.run_id
     )
     client.log_param(run_id, "group.size", "3")
     return run_id
 
 
 def test_the_experiment_is_created_once(store, client):
-    eid = parents.experiment_id(store, "group")
+    eid = runs.experiment_id(store, "group")
     assert client.get_experiment(eid).name == "group"
-    assert parents.experiment_id(store, "group") == eid  # found, not created again
+    assert runs.experiment_id(store, "group") == eid  # found, not created again
 
 
 def test_a_deleted_experiment_is_a_clear_error(store, client):
@@ -52,13 +52,13 @@ def test_find_run_and_search_runs_newest_first(store, client):
     end_run(store, children[2], "FINISHED")
 
     name = client.get_experiment(eid).name
-    found = search_runs(store, name, {parents.PARENT_TAG: parent})
+    found = search_runs(store, name, {runs.PARENT_TAG: parent})
     assert [r.run_id for r in found] == children[::-1]
     assert [r.tags["i"] for r in found] == ["2", "1", "0"] and {r.experiment for r in found} == {name}
     assert found[1].metrics == {"val/loss": 0.25} and found[0].status == "FINISHED"
     assert found[0].start_time_ms >= found[1].start_time_ms >= found[2].start_time_ms
-    assert search_runs(store, name, {parents.PARENT_TAG: "0" * 32}) == []
-    assert [r.run_id for r in search_runs(store, name, {parents.PARENT_TAG: parent}, limit=1)] == [children[2]]
+    assert search_runs(store, name, {runs.PARENT_TAG: "0" * 32}) == []
+    assert [r.run_id for r in search_runs(store, name, {runs.PARENT_TAG: parent}, limit=1)] == [children[2]]
     assert [r.run_id for r in search_runs(store, None, status="FINISHED")] == [children[2]]
     assert search_runs(store, "no-such-experiment") == []
 
@@ -72,7 +72,7 @@ def test_record_summary_and_mark_running(store, client, tmp_path):
     run_id = _parent(store)
     chart = tmp_path / "chart.png"
     chart.write_bytes(b"\x89PNG")
-    parents.record_summary(
+    runs.record_summary(
         store,
         run_id,
         metrics={"best/val/loss": 0.5, "count": 3},
@@ -90,10 +90,10 @@ def test_record_summary_and_mark_running(store, client, tmp_path):
     assert {"report.json", "figures/chart.png"} <= names
 
     end_run(store, run_id, "FAILED")
-    parents.mark_running(store, run_id)
+    runs.mark_running(store, run_id)
     assert client.get_run(run_id).info.status == "RUNNING"
     assert "runner.resume.count" not in client.get_run(run_id).data.tags  # only the status changes
     with pytest.raises(TrackingError, match="could not record the summary"):
-        parents.record_summary(store, "0" * 32, tags={"a": "b"})
+        runs.record_summary(store, "0" * 32, tags={"a": "b"})
     with pytest.raises(TrackingError, match="could not reopen"):
-        parents.mark_running(store, "0" * 32)
+        runs.mark_running(store, "0" * 32)
