@@ -288,16 +288,14 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
     wrapped(torch.randn(4, 8)).sum().backward()
     opt.step()
     folder, group = tmp_path / "ck", strategy.save_group()
-    pending = ckpt.save_checkpoint(
-        folder,
-        strategy.checkpoint_state(wrapped, opt),
-        _payload(1),
-        1,
-        2,
-        strategy.barrier,
-        background=True,
-        group=group,
-    )
+
+    def save(step: int) -> ckpt.PendingSave | None:  # in the background, keeping the newest two
+        state = strategy.checkpoint_state(wrapped, opt)
+        return ckpt.save_checkpoint(
+            folder, state, _payload(step), step, 2, strategy.barrier, background=True, group=group
+        )
+
+    pending = save(1)
     assert pending is not None
     before = {k: v.clone() for k, v in _gathered(wrapped).items()}
     with torch.no_grad():
@@ -313,16 +311,7 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
         raise OSError("No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", fail)
-    pending = ckpt.save_checkpoint(
-        folder,
-        strategy.checkpoint_state(wrapped, opt),
-        _payload(2),
-        2,
-        2,
-        strategy.barrier,
-        background=True,
-        group=group,
-    )
+    pending = save(2)
     assert pending is not None
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint step-00000002 was not saved .*No space left"):
         pending.finish()
