@@ -9,5 +9,3 @@ import time
 
 __version__ = "0.1.0"
 IMPORTED_AT = time.time()  # the start of a process that another program exec'd into (launch/driver.py)
-
-__all__ = ["__version__"]

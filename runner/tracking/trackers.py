@@ -146,11 +146,6 @@ class MlflowTracker:
         with self._lock:
             return self._recorded
 
-    def unsent(self) -> int:
-        """Metric values not known to have reached the store (with a spool, they are in it after ``close``)."""
-        with self._lock:
-            return self._recorded - self._sent
-
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until everything buffered before this call is sent (with a spool: sent, or spooled), then upload the
         artifacts (with a spool, only while the store answers). TrackingError: sending failed (reported once, with

@@ -276,7 +276,7 @@ def open_store(uri: str) -> None:
                 except TrackingError:
                     if not _holds_nothing(path):
                         raise
-                    _create_aside(uri, path)  # other clients broke a new store racing each other: nothing is lost
+                    _create_aside(uri, path, replace=True)  # other clients broke a new store racing each other
                 _first_open(uri, path)
                 _refuse_half_migrated_when_still(path)  # what a concurrent creator left must be a whole schema
         except Timeout:
@@ -298,14 +298,22 @@ def _holds_a_schema(path: Path) -> bool:
         return True  # not ours to judge here: refuse_half_migrated names what is wrong with it
 
 
-def _create_aside(uri: str, path: Path) -> None:
-    """Create and migrate a new store in a hidden file beside ``path`` and move it into place whole, so no other
-    client migrates the same new file at once (two alembic migrations can break a sqlite file)."""
-    aside = path.with_name(f".{path.name}.{os.getpid()}.creating")
+def _create_aside(uri: str, path: Path, replace: bool = False) -> None:
+    """Create and migrate a new store in a hidden file beside ``path`` and put it in place whole, so no other client
+    migrates the same new file at once (two alembic migrations can break a sqlite file). Without ``replace``, a file
+    that appeared meanwhile is kept: replacing one a client migrates pairs its journal with ours (disk I/O error)."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}-{time.monotonic_ns()}.creating")  # MLflow caches a URI's engine
     query = uri.partition("?")[2]
     try:
         _first_open(f"sqlite:///{aside}" + (f"?{query}" if query else ""))
-        if _holds_nothing(path):  # else a store appeared meanwhile and is in use: it is opened as it is
+        try:
+            if not replace:
+                os.link(aside, path)  # never over a file that appeared meanwhile: FileExistsError
+        except FileExistsError:
+            wait_until_still(path)  # the client that created it is migrating it
+        except OSError:  # a file system without hard links: the same, but for a tiny window
+            replace = not path.exists()
+        if replace:
             os.replace(aside, path)
     finally:
         aside.unlink(missing_ok=True)

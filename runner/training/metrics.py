@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from runner.training.batches import Batch, BatchIO, ModelOutput
     from runner.training.data import DatasetInfo
 
-_CLASSIFICATION = ("accuracy", "top_k_accuracy", "f1", "precision", "recall", "auroc")
 _AVERAGE = {"accuracy": "micro", "top_k_accuracy": "micro", "f1": "macro", "precision": "macro", "recall": "macro"}
 
 

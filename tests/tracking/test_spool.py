@@ -72,7 +72,7 @@ def test_values_wait_in_the_spool_while_the_store_is_away_and_are_sent_once_when
     _wait(lambda: not path.exists())  # everything in it was sent
     tracker.log_metrics({"m": 12.0}, step=12)
     tracker.close()
-    assert _steps(ready_store, run) == list(range(13)) and tracker.unsent() == 0
+    assert _steps(ready_store, run) == list(range(13)) and not path.exists()
 
 
 def test_memory_is_bounded_while_the_store_is_away(ready_store: str, run: str, tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_close_while_the_store_is_away_leaves_values_and_tags_in_the_spool(
     tracker._client.real = None  # never reached again: close must not wait on it
     t0 = time.monotonic()
     tracker.close(timeout_s=1.0)
-    assert time.monotonic() - t0 < 30 and tracker.unsent() == 2 and tracker.recorded() == 103  # not stuck on it
+    assert time.monotonic() - t0 < 30 and tracker.recorded() == 103  # not stuck on it
     kept, _ = spool.read(path)
     assert sorted((i.seq, i.key, i.step) for i in kept.items) == [(101, "m", 1), (102, "lr", 1)]
     assert kept.tags == {"phase": "late"}

@@ -91,6 +91,27 @@ def test_a_new_store_that_other_clients_left_half_migrated_and_empty_is_made_who
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".creating")] == []
 
 
+def test_a_file_that_appears_while_runner_makes_its_store_aside_is_kept_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing a new file another client is migrating paired its journal with runner's file: "disk I/O error"."""
+    uri, path = f"sqlite:///{tmp_path}/s.db", tmp_path / "s.db"
+    path.write_bytes(b"")  # another client's new file, created while runner migrated its own aside
+    store_module._create_aside(uri, path)
+    assert path.stat().st_size == 0  # kept: opened as it is once still
+    store_module._create_aside(uri, path, replace=True)  # it then proved broken: a second aside in one process
+    assert store_module._holds_a_schema(path)
+    path.unlink()
+
+    def no_links(source: Path, target: Path) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(store_module.os, "link", no_links)
+    store_module._create_aside(uri, path)  # a file system without hard links
+    assert store_module._holds_a_schema(path)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".creating")] == []
+
+
 def test_exec_on_a_half_migrated_store_exits_2_without_a_traceback(
     write_spec, store: str, _created_store: Path, capsys
 ) -> None:
