@@ -21,7 +21,7 @@ from runner.launch.resume import resume_command
 from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch, worker_args
 from runner.launch.worker import run_worker
 from runner.spec.loading import relocate_issues
-from runner.tracking.runs import check_fluent_run, experiment_id_of, log_final_metrics
+from runner.tracking.runs import check_fluent_run, experiment_id_of, record_summary
 from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC, flops_uncounted
 
@@ -165,7 +165,8 @@ def _record_end(
             tags = {**load.tags(used), "runner.mfu": mfu}
             set_run_tags(plan.tracking_uri, run_id, tags, {"host load": load.describe(used)})
             if workers:
-                log_final_metrics(plan.tracking_uri, run_id, metrics, max(w.global_step for w in workers))
+                step = max(w.global_step for w in workers)
+                record_summary(plan.tracking_uri, run_id, metrics=metrics, step=step)
     return host_note(plan, load), compute
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ from runner.tracking.tags import (
 from runner.tracking.uri import client_for, open_store, resolve_tracking_uri, sqlite_path
 
 if TYPE_CHECKING:
-    from mlflow.entities import Param, Run
+    from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
@@ -174,47 +175,33 @@ def start_run(
         raise TrackingError(
             f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
         ) from exc
-    record_or_fail(client, run.info.run_id, uri, "the spec of run", params, texts)
+    try:
+        record_summary(uri, run.info.run_id, params=params, texts=texts)
+    except TrackingError:
+        with contextlib.suppress(Exception):  # the original error matters more
+            set_terminated(client, run.info.run_id, "FAILED")
+        raise
     return run_record(run, experiment_name)
 
 
 def _what_the_run_records(
     loaded: LoadedSpec, plan_description: Mapping[str, Any], extra_tags: Mapping[str, Any] | None, parent: str | None
-) -> tuple[list[Param], dict[str, str], dict[str, str]]:
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """``(params, text artifacts, tags)`` of a new run, credentials masked: they never leave the process."""
-    from mlflow.entities import Param
-
     from runner.spec.dump import dump_spec
 
     accelerator = planned(plan_description, "accelerator")
     accelerator = str(accelerator) if accelerator else None
-    params = [Param(k, mask_secrets(v)) for k, v in spec_params(loaded.spec, accelerator).items()]
+    params = {k: mask_secrets(v) for k, v in spec_params(loaded.spec, accelerator).items()}
     threads = planned(plan_description, "threads_per_process")
     if threads is not None:  # the CPU threads each training process used (docs/design.md §3)
-        params.append(Param(THREADS_PARAM, str(threads)))
+        params[THREADS_PARAM] = str(threads)
     plan_json = json.dumps(dict(plan_description), indent=2, sort_keys=True, default=str) + "\n"
     texts = spec_artifacts(loaded, dump_spec(loaded.spec), plan_json)
     info = git_info(loaded.path)
     texts.update(git_artifacts(info))
     tags = run_tags(loaded, plan_description, info, extra_tags, parent)
     return params, {k: mask_secrets(v) for k, v in texts.items()}, {k: mask_secrets(str(v)) for k, v in tags.items()}
-
-
-def record_or_fail(
-    client: MlflowClient, run_id: str, uri: str, what: str, params: list[Param], texts: Mapping[str, str]
-) -> None:
-    """Log a new run's params and text artifacts; on a failure end it FAILED, then raise TrackingError naming
-    ``what``."""
-    try:
-        log_in_batches(client, run_id, params=params)
-        for artifact_file, text in texts.items():
-            client.log_text(run_id, text, artifact_file)
-    except Exception as exc:
-        try:
-            set_terminated(client, run_id, "FAILED")
-        except Exception:  # the original error matters more
-            log.debug("could not mark run %s FAILED", run_id, exc_info=True)
-        raise TrackingError(f"could not record {what} {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def _error_tag(error: str) -> str:
@@ -250,16 +237,6 @@ def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
 
     stamp = int(time.time() * 1000)
     client._tracking_client.store.update_run_info(run_id, RunStatus.from_string(status), stamp, None)
-
-
-def log_final_metrics(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
-    """Log metrics known only once the job has ended at the run's last step; TrackingError when rejected."""
-    from mlflow.entities import Metric
-
-    stamp = int(time.time() * 1000)
-    values = [Metric(key, float(value), stamp, step) for key, value in metrics.items()]
-    with store_errors(f"log the final metrics of run {run_id}"):
-        log_in_batches(client_for(uri), run_id, metrics=values)
 
 
 def find_run(uri: str, run_id: str) -> RunRecord | None:

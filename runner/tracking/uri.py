@@ -259,9 +259,9 @@ def open_store(uri: str) -> None:
     Every process calls it before its first MLflow request. Raises TrackingError: unreachable or not writable, the lock
     held past :data:`LOCK_TIMEOUT_S`, a half-migrated sqlite store (with the fix), or MLflow's refusal.
     """
-    check_reachable(uri)
     if uri in _opened:
         return
+    check_reachable(uri)
     path = sqlite_path(uri)
     if path is not None:
         from filelock import FileLock, Timeout
