@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
     from runner.spec.loading import LoadedSpec
-
-log = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 # MLflow 3's UI shows an experiment with this tag in its model-training view (Runs, charts) instead of
@@ -332,11 +329,12 @@ def record_summary(
     files_dir: str | None = None,
     step: int = 0,
 ) -> None:
-    """Record what a parent or finished child sums up: metrics at ``step``, params, tags, files under ``files_dir``."""
+    """Log to a run in a few requests: metrics at ``step``, params, tags, texts, files under ``files_dir``
+    (credentials masked); TrackingError when MLflow rejects them."""
     from mlflow.entities import Metric, Param, RunTag
 
     client, now = _opened(uri), int(time.time() * 1000)
-    with store_errors(f"record the summary of run {run_id} at {uri}"):
+    with store_errors(f"log to run {run_id} at {uri}"):
         log_in_batches(
             client,
             run_id,

@@ -310,7 +310,8 @@ def _create_aside(uri: str, path: Path, replace: bool = False) -> None:
             if not replace:
                 os.link(aside, path)  # never over a file that appeared meanwhile: FileExistsError
         except FileExistsError:
-            wait_until_still(path)  # the client that created it is migrating it
+            if _holds_nothing(path):  # new: the client that created it may be migrating it
+                wait_until_still(path)
         except OSError:  # a file system without hard links: the same, but for a tiny window
             replace = not path.exists()
         if replace:

@@ -93,7 +93,7 @@ def test_record_summary_and_mark_running(store, client, tmp_path):
     runs.mark_running(store, run_id)
     assert client.get_run(run_id).info.status == "RUNNING"
     assert "runner.resume.count" not in client.get_run(run_id).data.tags  # only the status changes
-    with pytest.raises(TrackingError, match="could not record the summary"):
+    with pytest.raises(TrackingError, match="could not log to run"):
         runs.record_summary(store, "0" * 32, tags={"a": "b"})
     with pytest.raises(TrackingError, match="could not reopen"):
         runs.mark_running(store, "0" * 32)
