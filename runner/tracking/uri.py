@@ -309,9 +309,8 @@ def _create_aside(uri: str, path: Path, replace: bool = False) -> None:
         try:
             if not replace:
                 os.link(aside, path)  # never over a file that appeared meanwhile: FileExistsError
-        except FileExistsError:
-            if _holds_nothing(path):  # new: the client that created it may be migrating it
-                wait_until_still(path)
+        except FileExistsError:  # the client that made it may be migrating it (seconds); one in use is never still
+            wait_until_still(path, timeout_s=30.0)
         except OSError:  # a file system without hard links: the same, but for a tiny window
             replace = not path.exists()
         if replace:
