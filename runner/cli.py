@@ -355,8 +355,7 @@ def _sweep(args: argparse.Namespace) -> int:
     report = run_sweep(
         args.file, _overrides(args), args.unset, cli=flags, jobs=args.jobs, storage=args.storage, study=args.study
     )
-    failed = print_report(report, as_json=args.json, failure=f"{report.failed} of {len(report.trials)} trials failed")
-    return TrainingError.exit_code if failed else EXIT_OK
+    return print_report(report, as_json=args.json, failure=f"{report.failed} of {len(report.trials)} trials failed")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -379,8 +378,7 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=repeats,
         out_dir=args.out,
     )
-    failed = print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")
-    return TrainingError.exit_code if failed else EXIT_OK
+    return print_report(report, as_json=args.json, failure=f"{report.failed} configuration(s) failed")
 
 
 def _parity(args: argparse.Namespace) -> int:
@@ -388,8 +386,7 @@ def _parity(args: argparse.Namespace) -> int:
 
     modes = _csv(args.modes, str) if args.modes is not None else None
     report = run_parity(_load(args), modes=modes, steps=args.steps)
-    failed = print_report(report, as_json=args.json, failure="the modes differ beyond rounding")
-    return TrainingError.exit_code if failed else EXIT_OK
+    return print_report(report, as_json=args.json, failure="the modes differ beyond rounding")
 
 
 def _csv(text: str, kind: Callable[[str], _T]) -> list[_T]:
@@ -443,11 +440,11 @@ class ToolReport(Protocol):
     def to_json(self) -> dict[str, Any]: ...
 
 
-def print_report(report: ToolReport, *, as_json: bool, failure: str) -> bool:
-    """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error and return
-    True (the command then exits 1)."""
+def print_report(report: ToolReport, *, as_json: bool, failure: str) -> int:
+    """Print ``report`` as a table (or JSON); when part of it failed, say ``failure`` on standard error. Returns the
+    command's exit status: 1 when part failed."""
     echo(json.dumps(report.to_json(), indent=2) if as_json else report.table())
     if report.failed:
         echo(f"runner: {failure}", err=True)
-        return True
-    return False
+        return TrainingError.exit_code
+    return EXIT_OK
