@@ -159,14 +159,10 @@ def _record_end(
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
-        from runner.tracking.stored import set_run_tags
-
         with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
-            tags = {**load.tags(used), "runner.mfu": mfu}
-            set_run_tags(plan.tracking_uri, run_id, tags, {"host load": load.describe(used)})
-            if workers:
-                step = max(w.global_step for w in workers)
-                record_summary(plan.tracking_uri, run_id, metrics=metrics, step=step)
+            step, tags = max((w.global_step for w in workers), default=0), {**load.tags(used), "runner.mfu": mfu}
+            remarks = {"host load": load.describe(used)}
+            record_summary(plan.tracking_uri, run_id, metrics=metrics, step=step, tags=tags, remarks=remarks)
     return host_note(plan, load), compute
 
 

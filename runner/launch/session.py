@@ -102,7 +102,8 @@ class RunSession:
         return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
     def _create(self) -> None:
-        from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir, set_run_tags
+        from runner.tracking.runs import record_summary
+        from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir
 
         plan, uri, spec_dir = self.plan, self.plan.tracking_uri, self.plan.loaded.spec.checkpoint.dir
         self.run_id, self.experiment_id = open_run(plan, self.options, plan.owns_run, self.resume)
@@ -112,7 +113,7 @@ class RunSession:
         else:
             self.checkpoint_dir = str(default_checkpoint_dir(uri, spec_dir, run_key))
         if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
-            set_run_tags(uri, self.run_id, {CHECKPOINT_DIR_TAG: self.checkpoint_dir})
+            record_summary(uri, self.run_id, tags={CHECKPOINT_DIR_TAG: self.checkpoint_dir})
 
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
         """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
@@ -337,13 +338,12 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
 def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> tuple[str | None, str]:
     """``(run id, experiment id)`` of this job's run: reopened, handed down, or started here (recording its owner)."""
     from runner.tracking import runs as tracking
-    from runner.tracking.stored import set_run_tags
 
     if resume is not None:
         if owner:
             spec_change = json.dumps(resume.changes) if resume.changes else None
             tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
-            set_run_tags(resume.uri, resume.run_id, Owner.this_process().tags())  # docs/design.md §12
+            tracking.record_summary(resume.uri, resume.run_id, tags=Owner.this_process().tags())  # docs/design.md §12
         return resume.run_id, ""
     if not owner or plan.tracking_uri is None:
         return None, ""

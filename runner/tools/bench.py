@@ -27,7 +27,7 @@ from runner.tools.bench_runs import (
     record_parent,
     start_bench_parent,
 )
-from runner.tracking.runs import delete_run, end_run
+from runner.tracking.runs import delete_run, end_run, record_summary
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -147,10 +147,8 @@ def _host_load(load: HostLoad, parent: Parent | None) -> str:
     """How busy the host was while the configurations ran, for the report and the parent's tags."""
     text = load.describe(load.cores)  # the largest configuration uses every core
     if parent is not None:
-        from runner.tracking.stored import set_run_tags
-
         with contextlib.suppress(TrackingError):
-            set_run_tags(parent.uri, parent.run_id, load.tags(load.cores), {"host load": text})
+            record_summary(parent.uri, parent.run_id, tags=load.tags(load.cores), remarks={"host load": text})
     return text
 
 

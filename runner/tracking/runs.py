@@ -328,9 +328,10 @@ def record_summary(
     files: Sequence[str | Path] = (),
     files_dir: str | None = None,
     step: int = 0,
+    remarks: Mapping[str, str] | None = None,
 ) -> None:
-    """Log to a run in a few requests: metrics at ``step``, params, tags, texts, files under ``files_dir``
-    (credentials masked); TrackingError when MLflow rejects them."""
+    """Log to a run in a few requests: metrics at ``step``, params, tags, texts, files under ``files_dir``, and
+    ``remarks`` added to its description (credentials masked); TrackingError when MLflow rejects them."""
     from mlflow.entities import Metric, Param, RunTag
 
     client, now = _opened(uri), int(time.time() * 1000)
@@ -346,6 +347,8 @@ def record_summary(
             client.log_text(run_id, mask_secrets(text), artifact_file)
         for file in files:
             client.log_artifact(run_id, str(file), files_dir)
+        if remarks:
+            tag_run(client, run_id, {}, {k: mask_secrets(v) for k, v in remarks.items()})
 
 
 def mark_running(uri: str, run_id: str) -> None:

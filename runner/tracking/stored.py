@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, store_errors
 from runner.tracking.runs import RunRecord, run_info, run_record
-from runner.tracking.tags import PLAN, RESOLVED, tag_run
+from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import (
     absolute_uri,
     check_reachable,
@@ -184,12 +184,6 @@ def continuable_runs(uri: str, experiment: str, limit: int = 100) -> list[RunRec
         and "mlflow.parentRunId" not in r.tags
         and "parent" not in (r.tags.get("runner.sweep"), r.tags.get("runner.bench"))
     ]
-
-
-def set_run_tags(uri: str, run_id: str, tags: Mapping[str, str], remarks: Mapping[str, str] | None = None) -> None:
-    """Set tags on a run and add ``remarks`` to its description; TrackingError when MLflow rejects it."""
-    with store_errors(f"tag MLflow run {run_id} at {uri}"):
-        tag_run(client_for(uri), run_id, tags, remarks)
 
 
 MODEL_NAME = "model"
