@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 NOTES_TAG = "runner.notes"
 DESCRIPTION_TAG = "mlflow.note.content"  # the run's description: Markdown at the top of its page in the MLflow UI
 # The longest runner.* tag value, one line: MLflow's UI cuts a tag chip and a column at their width; the full text
-# goes to the run's description (description_with). The two paths, which resume and export read, are kept whole.
+# goes to the run's description (description_with). Kept whole: the paths resume and export read, the long texts.
 COLUMN_CHARS = 80
 _REMARKS_HEADING = "#### runner"
 _REMARK = re.compile(r"^\*\*([^*\n]+)\*\*: ?", re.MULTILINE)
@@ -147,8 +147,8 @@ def column_value(text: str, limit: int = COLUMN_CHARS) -> str:
 
 
 def column_tags(tags: Mapping[str, str]) -> dict[str, str]:
-    """``tags`` with every ``runner.*`` value but the two paths made a :func:`column_value`; other keys unchanged."""
-    whole = ("runner.spec.path", "runner.checkpoint_dir")
+    """``tags`` with every ``runner.*`` value but those kept whole made a :func:`column_value`; other keys unchanged."""
+    whole = ("runner.spec.path", "runner.checkpoint_dir", "runner.parity.summary", "runner.bench.recommendation")
     return {k: column_value(v) if k.startswith("runner.") and k not in whole else v for k, v in tags.items()}
 
 

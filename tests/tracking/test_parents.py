@@ -97,3 +97,15 @@ def test_record_summary_and_mark_running(store, client, tmp_path):
         runs.record_summary(store, "0" * 32, tags={"a": "b"})
     with pytest.raises(TrackingError, match="could not reopen"):
         runs.mark_running(store, "0" * 32)
+
+
+def test_record_summary_writes_runner_tags_as_column_values_and_remarks_into_the_description(store, client):
+    """As every tag runner writes: a ``runner.*`` value is one line of at most 80 characters, but the long texts."""
+    run_id = _parent(store)
+    long = "no MFU: peak fp32 FLOP/s of NVIDIA H100 80GB HBM3 unknown; set devices.peak_tflops and  more"
+    summary = "the modes agree\n  ddp-2  " + "x" * 200
+    tags = {"runner.mfu": long, "runner.parity.summary": summary, "other": long}
+    runs.record_summary(store, run_id, tags=tags, remarks={"host load": "quiet"})
+    got = client.get_run(run_id).data.tags
+    assert got["runner.mfu"] == long.replace("  ", " ")[:79] + "…" and got["other"] == long
+    assert got["runner.parity.summary"] == summary and "**host load**: quiet" in got["mlflow.note.content"]
