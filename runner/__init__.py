@@ -1,9 +1,5 @@
-"""runner: a declarative experiment runner for PyTorch.
-
-A TOML spec describes model, data, devices, parallel mode, seed, optimizer and tracking; ``runner exec SPEC`` validates
-it, trains and records one MLflow run.
-
-Importing this package imports neither torch nor mlflow, so ``runner validate`` answers instantly."""
+"""runner: a declarative experiment runner for PyTorch. A TOML spec in, one MLflow run out: ``runner exec SPEC``
+validates it, trains and records the run. Importing this package imports neither torch nor mlflow."""
 
 import time
 

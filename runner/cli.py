@@ -1,8 +1,5 @@
-"""Command line: parse arguments, call the library, map errors to exit codes. Nothing more.
-
-Exit status: 0 success, 1 the training job failed, 2 bad spec or bad command line, 130 interrupted (SIGINT or SIGTERM).
-Each :class:`~runner.errors.RunnerError` carries its own ``exit_code``; :func:`main` maps them with one ``except``.
-"""
+"""Command line: parse arguments, call the library, map errors to exit codes (docs/design.md §9). Nothing more: each
+:class:`~runner.errors.RunnerError` carries its own ``exit_code``; :func:`main` maps them with one ``except``."""
 
 from __future__ import annotations
 
@@ -57,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="show what would run: devices, world size, batches, launch, tracking")
     _spec_args(p)
-    _unset_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--spec", action="store_true", help="also print the resolved spec (TOML, every default)")
     p.add_argument(
@@ -92,7 +88,6 @@ def _add_exec(sub: _Commands) -> None:
     """``runner exec FILE``: train and record one run."""
     p = sub.add_parser("exec", help="train the experiment and record it in MLflow")
     _spec_args(p)
-    _unset_arg(p)
     p.add_argument(
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: spec name, mode, changed values)"
     )
@@ -145,7 +140,6 @@ def _add_sweep(sub: _Commands) -> None:
         "sweep", help="search many trials of one spec with Optuna (grid, random, tpe), as child runs of one MLflow run"
     )
     _spec_args(p)
-    _unset_arg(p)
     p.add_argument(
         "--grid",
         action="append",
@@ -181,7 +175,6 @@ def _add_bench(sub: _Commands) -> None:
     """``runner bench FILE``: none / dp / ddp measured side by side."""
     p = sub.add_parser("bench", help="measure none / dp / ddp side by side on this machine")
     _spec_args(p)
-    _unset_arg(p)
     p.add_argument(
         "--modes",
         metavar="M1,M2",
@@ -211,7 +204,6 @@ def _add_parity(sub: _Commands) -> None:
         "parity", help="check that every parallel mode trains this spec as none does (float64, step by step)"
     )
     _spec_args(p)
-    _unset_arg(p)
     p.add_argument(
         "--modes", metavar="M1,M2", help="modes to compare with none (default: every mode this machine runs)"
     )
@@ -238,9 +230,6 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT", help="ddp: c10d rendezvous endpoint (parallel.rdzv_endpoint)"
     )
-
-
-def _unset_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--unset",
         action="append",
@@ -259,7 +248,7 @@ def _run_name(text: str) -> str:
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    from runner.spec.overrides import parallel_flags
+    from runner.spec.reading import parallel_flags
 
     ddp = {flag: getattr(args, flag) for flag in ("nnodes", "node_rank", "nproc_per_node", "rdzv_endpoint")}
     return [*args.overrides, *parallel_flags(**ddp)]
@@ -284,7 +273,7 @@ def _plan(args: argparse.Namespace) -> int:
     loaded = _load(args)
     sweep_trials: Callable[[LoadedSpec], list[str]] | None = None
     if loaded.spec.sweep is not None:
-        from runner.tools.sweep_define import trial_names
+        from runner.tools.sweep_trials import trial_names
 
         sweep_trials = trial_names
     show_plan(
@@ -315,8 +304,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _summarized(job: Callable[[], Any]) -> int:
-    """Run ``job`` (a run's driver), its training child started first: it imports torch while this process reads the
-    spec and plans (:func:`runner.launch.elastic.prestarted`); print the summary of the result."""
+    """Run ``job``, a run's driver, its training child prestarted (importing torch meanwhile); print the summary."""
     from runner.launch.elastic import prestarted
 
     with prestarted():

@@ -1,8 +1,5 @@
-"""Exception hierarchy: every error raised on purpose, each class carrying its exit status and heading; notes.
-
-Exit status (docs/design.md): 0 success, 1 the training job failed, 2 bad spec, bad command line, missing devices or an
-unreachable tracking store (all found before training), 130 interrupted.
-"""
+"""Exception hierarchy: every error raised on purpose, each class carrying its exit status (docs/design.md §9) and
+heading; notes, and the wording helpers of messages."""
 
 from __future__ import annotations
 
@@ -354,13 +351,8 @@ STORE_LEFT_HANGING: list[str] = []  # tracking URIs a tracker stopped waiting fo
 
 
 def exit_quickly(code: int) -> None:
-    """Exit with ``code`` after ``gc.freeze()``: atexit callbacks and non-daemon threads still run, but the last
-    collection of the teardown skips the objects alive now (torch's and mlflow's modules), about 1 s of every runner
-    process on a 2-core VM (benchmarks/README.md, start-up).
-
-    After a tracker gave up on a store that does not answer (:data:`STORE_LEFT_HANGING`; its values are in the spool)
-    the process ends with ``os._exit``: MLflow's logging threads would hold it until their request times out
-    (``MLFLOW_HTTP_REQUEST_TIMEOUT``, 120 s, retried)."""
+    """Exit with ``code`` after ``gc.freeze()`` (docs/design.md §6, step 6); with ``os._exit`` once a tracker gave up
+    on a store that hangs (:data:`STORE_LEFT_HANGING`): MLflow's threads would hold the process for minutes (§12)."""
     import gc
     import os
 

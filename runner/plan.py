@@ -250,9 +250,7 @@ def _slurm_layout(
 
 
 def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) -> Rendezvous:
-    """Where runner's elastic launcher meets the other nodes: the spec's settings, or the Slurm job's (``launching``
-    is False under torchrun, whose rendezvous the workers joined). Raises SpecError for several nodes and no endpoint
-    outside a Slurm step, at ``parallel.nnodes``' line, and UsageError when the Slurm node list cannot be read."""
+    """Where the elastic launcher meets other nodes: the spec's settings, else the Slurm job's; SpecError for none."""
     from runner.spec.loading import relocate_issues
 
     par = loaded.spec.parallel
@@ -291,7 +289,7 @@ def describe_unrunnable(
 
 def _command_line_without(loaded: LoadedSpec, fix: Sequence[str]) -> list[str]:
     """``loaded``'s ``--unset``/``--set`` arguments less each ``--set`` of a key that ``fix`` sets another way."""
-    from runner.spec.overrides import parse_key
+    from runner.spec.reading import parse_key
 
     fixed = {parse_key(item.partition("=")[0]) for item in fix[1::2]}
     kept = tuple(o for o in loaded.overrides if parse_key(o.partition("=")[0]) not in fixed)
@@ -314,11 +312,8 @@ def plan_or_problem(
 def find_fix(
     loaded: LoadedSpec, error: DeviceError, *, env: Mapping[str, str], inventory: Inventory
 ) -> list[str] | None:
-    """The first ``--set`` arguments that make ``loaded`` run here, tried for real (validated and resolved), or
-    ``None``.
-
-    Candidates: a change of the key the error names, then the CPU alone and with each other mode.
-    """
+    """The first ``--set`` arguments that make ``loaded`` run here, tried for real, or ``None``: a change of the key the
+    error names, then the CPU alone and with each other mode."""
     from runner.devices.resolve import resolve_devices
     from runner.spec.loading import load_spec
 

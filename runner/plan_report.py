@@ -146,17 +146,8 @@ _KINDS = {  # torch's kinds of memory (MemTracker's, then FSDPMemTracker's) -> t
 
 
 def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
-    """Bytes per device of one training step of the spec's model, batch and optimizer, in each mode (docs/design.md
-    §10).
-
-    Two steps under ``FakeTensorMode`` and ``MemTracker`` (the second, with optimizer state, counts): nothing is
-    allocated, no GPU needed. Measured at the global and the per-device batch; dp's device 0 adds the batch it scatters,
-    the outputs it gathers and the optimizer state; ddp adds its buckets unless ``gradient_as_bucket_view``; fsdp is
-    measured sharded over a fake group under ``FSDPMemTracker``.
-
-    Returns ``{"devices", "global_batch", "modes": {mode: [per-device figures]}}``, or ``{"error": why}`` when the step
-    cannot run on fake tensors.
-    """
+    """Bytes per device of one training step in each mode, from fake steps (docs/design.md §10): ``{"devices",
+    "global_batch", "flops_per_step", "modes": {mode: [per-device rows]}}``, or ``{"error": why}`` if none runs."""
     try:
         whole = fake_step(loaded, loaded.spec.data.batch_size, count_flops=True)
         local = fake_step(loaded, -(-loaded.spec.data.batch_size // devices))
@@ -196,11 +187,8 @@ def _devices_of(loaded: LoadedSpec, info: Mapping[str, Any], inventory: Inventor
 def fake_step(
     loaded: LoadedSpec, batch: int, *, fake: bool = True, shards: int = 1, count_flops: bool = False
 ) -> dict[str, int]:
-    """Peak bytes by kind of the second of two steps of ``batch`` samples (the first makes the optimizer state).
-
-    ``fake=False`` runs real CPU tensors (what the estimate is checked against); ``shards`` > 1 shards the model as fsdp
-    does and gives one rank's figures; ``count_flops`` also counts the first step's FLOPs.
-    """
+    """Peak bytes by kind of the second of two steps of ``batch`` samples (docs/design.md §10); ``fake=False`` runs real
+    CPU tensors, ``shards`` > 1 gives one fsdp rank's figures, ``count_flops`` counts the first step's FLOPs."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -248,9 +236,7 @@ def fake_step(
 
 
 def _step(model: Any, optimizer: Any, x: Any, y: Any, amp: bool, count: bool) -> tuple[Any, int]:
-    """One training step; returns its output and, with ``count``, the FLOPs of its forward and backward. The loss
-    stands in as cross-entropy on class targets ``y``, else a mean. ``FlopCounterMode`` keeps tensors of its own, so
-    a measured step runs without it."""
+    """One training step (cross-entropy on class targets ``y``, else a mean); ``count``: its FLOPs (untracked steps)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -273,9 +259,7 @@ def _bytes(tensors: Any) -> int:
 
 @contextlib.contextmanager
 def _process_group(size: int, fake: bool) -> Iterator[Any]:
-    """A device mesh of ``size`` ranks (none below 2): over a fake process group (``fake_pg``'s backend and
-    ``FakeStore``, as torch's memory-tracker tests use: every collective answered, this process rank 0), destroyed on
-    exit; over the caller's process group for a real step. RuntimeError: a fake group where one exists already."""
+    """A ``size``-rank CPU mesh (``None`` below 2) over a fake process group as torch's tests make, or the caller's."""
     if size < 2:
         yield None
         return

@@ -193,9 +193,7 @@ def _text(value: Any) -> str:
 
 
 def _map_visible(value: str | None, rows: list[GpuRow]) -> tuple[list[GpuInfo], list[str]]:
-    """Apply CUDA's ``CUDA_VISIBLE_DEVICES`` rules to the machine's GPUs (PCI bus order). CUDA's rules (mirrored by
-    ``torch.cuda._parse_visible_devices``): unset means all; an item that matches no device ends the list (so ``""``
-    and ``-1`` mean none); a repeated item hides every device; ``GPU-`` items match a unique UUID prefix."""
+    """The machine's GPUs (PCI bus order) that ``CUDA_VISIBLE_DEVICES`` leaves, by CUDA's rules (docs/design.md §4)."""
     if value is None:
         return [GpuInfo(pos, name, uuid, mem, str(idx), idx) for pos, (idx, name, uuid, mem) in enumerate(rows)], []
     notes: list[str] = []
@@ -289,11 +287,7 @@ def cuda_initialized() -> bool:
 
 def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.environ) -> None:
     """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices, in ``devices.ids``
-    order.
-
-    Raises DeviceError when CUDA is already initialised and the plan would change its view (CUDA reads the variable
-    once).
-    """
+    order; DeviceError when CUDA, which reads the variable once, is initialised and the plan would change its view."""
     changes = {k: v for k, v in plan.env.items() if environ.get(k) != v}
     if changes and cuda_initialized():
         now = {k: environ.get(k) for k in changes}

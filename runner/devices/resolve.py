@@ -98,11 +98,7 @@ def _at(values: Sequence[Any], pos: int) -> Any:
 
 
 def threads_per_process(requested: int, env: Mapping[str, str], cores: int, processes: int) -> tuple[int, str]:
-    """``(threads, source)`` for each training process, the same rule in every mode.
-
-    ``devices.threads_per_process``, else ``OMP_NUM_THREADS``, else usable cores (affinity, at most
-    ``SLURM_CPUS_PER_TASK``) // the training processes that share them.
-    """
+    """``(threads, source)`` for each training process, the same rule in every mode (docs/design.md §3)."""
     if requested > 0:
         return requested, "devices.threads_per_process"
     omp = env.get("OMP_NUM_THREADS", "").strip()

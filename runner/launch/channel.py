@@ -68,12 +68,8 @@ class Link:
 
 
 class ChannelTracker:
-    """Rank 0's :class:`Tracker`: writes its calls to a local socket for the driver's tracker to send.
-
-    Metric values logged within ``every_s`` of the last message wait, stamped with their time (ms since the epoch),
-    and go with the next message: a message per step cost rank 0 about 2.5 % of its time under ddp-2 logging every
-    step on 2 cores, and woke the driver's hub as often (benchmarks/README.md). Every other call sends them first.
-    """
+    """Rank 0's :class:`Tracker`: writes its calls to a local socket for the driver's tracker to send; metric values
+    logged within ``every_s`` of the last message go with the next call (module note)."""
 
     def __init__(self, link: Link, every_s: float = 0.2) -> None:
         self._link = link

@@ -105,14 +105,11 @@ class ExecResult:
 
 
 def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) -> ExecResult:
-    """Run the experiment of ``loaded`` to the end and record it in MLflow.
+    """Run the experiment of ``loaded`` to the end and record it in MLflow, one path for every mode (docs/design.md §6).
 
-    One path for every mode (docs/design.md, "Process model"): plan, check what needs no build (a resume whose owner
-    lives is refused here, before any training process starts), start the training processes while the store opens,
-    create the run once rank 0 reports the build, record what it sends, end the run. Raises SpecError, DeviceError,
-    UsageError, TrackingError: before any training (exit 2); no MLflow run is left behind. TrainingError: training
-    failed on some rank; the run is FAILED (exit 1). Interrupted: stopped by SIGINT/SIGTERM after a checkpoint; the run
-    is KILLED (exit 130)."""
+    Raises SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run is left
+    behind. TrainingError: training failed on some rank; the run is FAILED (exit 1). Interrupted: stopped by
+    SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130)."""
     from runner.plan import make_plan
 
     if options.started_at is None:
@@ -154,8 +151,7 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 def _record_end(
     plan: Plan, options: ExecOptions, run_id: str | None, workers: list[WorkerResult], load: HostLoad
 ) -> tuple[str, str]:
-    """Record the host's load and each device's peak memory and compute in one tag and one metric request; return the
-    summary's host note and compute line."""
+    """Record host load, peak memory and compute per device; return the summary's host and compute lines."""
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
@@ -228,8 +224,7 @@ def process_started_at(exec_gap_s: float = 5.0) -> float:
 
 
 def _with_fluent_parent(plan: Plan, options: ExecOptions) -> ExecOptions:
-    """A fluent MLflow run active on this thread is an error (TrackingError, exit 2, before anything starts), or with
-    ``options.nested`` the run's parent: checked here, as the hub's thread that makes the run does not see it."""
+    """An active fluent run: the parent with ``options.nested``, else TrackingError (the hub's thread sees none)."""
     if "mlflow" not in sys.modules or plan.tracking_uri is None or not plan.owns_run:
         return options  # without mlflow imported, no fluent run can be active
 
@@ -315,8 +310,7 @@ def checkpoint_note(folder: str, hangs: HangReports) -> str:
 def _launch(
     plan: Plan, args: WorkerArgs, hangs: HangReports, options: ExecOptions, session: RunSession | None
 ) -> list[WorkerResult]:
-    """Run the training processes; return their results, rank 0's first. ``hangs`` receives the reports of ranks that
-    hung after a stop signal (elastic launch only)."""
+    """Run the training processes; return their results, rank 0's first; ``hangs`` gets hung ranks' reports."""
     if plan.launch == "elastic":
         if plan.rendezvous is not None and plan.rendezvous.nnodes > 1:
             # c10d numbers the nodes by host name, then by the pid of the process that runs the launcher; the job's

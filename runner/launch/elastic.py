@@ -70,11 +70,9 @@ _AGENT_ARGS, _AGENT_OUTCOME = "agent-args.pkl", "agent-outcome.pkl"
 
 
 def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerResult]:
-    """Run ``plan``'s workers under the elastic launcher in a process of its own (docs/design.md §6), which gets this
-    one's stop signals; return their results, the logging rank's first.
-
-    Raises LaunchFailed (with ``hangs``) when the job failed or stopped, TrainingError when the launcher died.
-    """
+    """Run ``plan``'s workers under the elastic launcher in a process of its own that gets this one's stop signals
+    (module note); return their results, the logging rank's first. Raises LaunchFailed (with ``hangs``) when the job
+    failed or stopped, TrainingError when the launcher died."""
     oom_before = oom_kill_count()
     with tempfile.TemporaryDirectory(prefix="runner-agent-") as folder:
         path = Path(folder) / _AGENT_ARGS
@@ -113,9 +111,7 @@ def _agent_main(path: Path) -> int:
 
 
 def _stop_once() -> None:
-    """SIGINT and SIGTERM stop the job once: a signal less than 1 s after the first is the same stop, delivered twice
-    (the driver passes on what a terminal or Slurm also sent here), as the workers count it (runner.launch.worker); a
-    later one stops again."""
+    """SIGINT and SIGTERM stop the job once: a signal within 1 s of the first is the same stop (module note)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     first: list[float] = []
@@ -224,8 +220,7 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
 
 
 def _stop_when_gone(pid: int) -> None:
-    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second): the kernel's parent-death
-    signal does not come for a worker orphaned by a launcher killed hard (docs/design.md, runner/launch/elastic.py)."""
+    """SIGTERM this process once process ``pid`` ends (a pidfd, else a poll every second; module note)."""
 
     def watch() -> None:
         try:
@@ -368,9 +363,7 @@ def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
 
 
 def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool | None] | None = None) -> int:
-    """Wait for ``child``; a SIGINT or SIGTERM this process gets meanwhile is passed on to it. Once ``pointless()``
-    (the store could not be opened: no run will be made) the child is killed rather than left to import torch and
-    build for nothing; once it says ``None`` (it never will be) the wait blocks: no wake-ups while the child trains."""
+    """Wait for ``child``, passing SIGINT/SIGTERM on; kill it once ``pointless()`` says no run will be made."""
 
     def pass_on(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(OSError):

@@ -82,13 +82,8 @@ class SlurmJob:
         return re.sub(r"\[(\d+)[^\]]*\]", r"\1", item.group())
 
     def layout(self, *, world_size: int, nproc_per_node: int, nnodes: int) -> SlurmLayout:
-        """How this step's tasks become the spec's ranks (docs/design.md §15).
-
-        ``"batch"``: not started by ``srun``, one process. ``"per-node"``: one task per node and ``SLURM_NNODES`` equal
-        to ``parallel.nnodes``, each an elastic launcher. ``"per-device"``: ``SLURM_NTASKS`` equal to ``world_size``,
-        each task one worker (Lightning's SLURMEnvironment). Raises ValueError, with both sides' numbers, when none
-        fits.
-        """
+        """How this step's tasks become the spec's ranks: ``"batch"``, ``"per-node"`` or ``"per-device"``
+        (docs/design.md §15). Raises ValueError, with both sides' numbers, when none fits."""
         if not self.in_step:
             return SlurmLayout("batch", self, nnodes=nnodes, node_rank=0, world_size=world_size)
         tasks, nodes = self.ntasks, self.nnodes

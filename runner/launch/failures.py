@@ -303,8 +303,7 @@ class HangWatch:
 
 
 def _stack(frame: FrameType | None) -> tuple[tuple[tuple[int, int], ...], bool]:
-    """Where every frame of a stack is (code object and instruction: changes whenever Python runs), and whether one
-    is in :data:`_BUSY_FILES`."""
+    """Each frame's code object and instruction (they change as Python runs), and whether one is in ``_BUSY_FILES``."""
     out, busy = [], False
     while frame is not None:
         out.append((id(frame.f_code), frame.f_lasti))

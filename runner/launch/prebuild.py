@@ -94,11 +94,8 @@ def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes:
 
 
 def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
-    """Check the run's checkpoint folder can be written before the run exists.
-
-    Raises SpecError at ``checkpoint.dir``; TrackingError first when the default folder is beside an unwritable sqlite
-    store.
-    """
+    """Check the run's checkpoint folder can be written before the run exists: SpecError at ``checkpoint.dir``, or
+    TrackingError first when the default folder is beside an unwritable sqlite store."""
     from runner.tracking.uri import check_reachable, sqlite_path
 
     settings = loaded.spec.checkpoint
@@ -147,8 +144,7 @@ def _compile_backend(name: str) -> None:
 
 
 def _unless_unbuildable_here(step: Callable[..., Any], *args: Any) -> Any:
-    """Run one check; an error other than :class:`SpecError` means the part cannot be built on stand-ins (e.g. a
-    fused optimizer over a CPU parameter): the worker builds it for real and reports it there."""
+    """Run one check; an error but SpecError means stand-ins cannot build the part: the worker builds and reports it."""
     try:
         return step(*args)
     except SpecError:

@@ -129,9 +129,10 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
         write_atomic(target.parent, buffer.getbuffer(), final=target)
     except OSError as exc:
         raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc}); name a writable path") from None
+    skipped = "".join(f"\nnote: skipped {why}" for _, why in found.skipped)  # as a resume notes them
     return (
         f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
-        "load it with model.load_state_dict(torch.load(FILE))"
+        f"load it with model.load_state_dict(torch.load(FILE)){skipped}"
     )
 
 

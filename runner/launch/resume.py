@@ -162,10 +162,7 @@ def _spec_changed(
 def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
-    """``(changes, complete, notes)``: the allowed spec changes (keys inactive on ``accelerator`` never count), and
-    whether the newest usable checkpoint covers all the training asked for. Raises UsageError: No checkpoint, or
-    ``allowed`` names a key the spec lacks. CheckpointError: Every checkpoint is damaged. SpecError: The spec
-    differs in keys not in ``allowed``."""
+    """``(changes, complete, notes)``: allowed spec changes; whether the newest usable checkpoint ends the training."""
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
     from runner.training.checkpoint import load_latest, peek, spec_changes
 

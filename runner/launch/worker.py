@@ -107,8 +107,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
 def _train(
     args: WorkerArgs, strategy: Strategy, env: LauncherEnvironment, stop: _StopFlag, link: Link | None
 ) -> WorkerResult | None:
-    """Build, report, resume, fit and send the outputs; apart from :func:`run_worker` so the model, wrapper and
-    optimizer are released before the process group goes. ``None`` when the driver made no run."""
+    """Build, report, resume, fit, send; its own frame frees the parts before the group goes (``None``: no run)."""
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
     from runner.training.data import seed_everything
@@ -194,8 +193,7 @@ def _fit(
 def _build_and_report(
     args: WorkerArgs, strategy: Strategy, link: Link | None
 ) -> tuple[TrainingParts | None, HandedRun]:
-    """Build on every rank, agree on the outcome, and let rank 0 report it to the driver, which only then makes the
-    run (docs/design.md §1). Returns ``(parts, handed)``, ``parts`` ``None`` without a run."""
+    """Build on every rank, agree, and rank 0 reports to the driver, which then makes the run: ``(parts, handed)``."""
     from runner.training import setup
 
     spec, spec_dir = args.loaded.spec, args.loaded.path.parent
@@ -226,8 +224,7 @@ def _build_and_report(
 def _check_or_load(
     args: WorkerArgs, strategy: Strategy
 ) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
-    """Rank 0 checks what needs no build while the others load data, so every rank builds or none; returns ``(notes,
-    datasets, spec error, another rank's failure)``."""
+    """Rank 0 checks what needs no build while the others load data: ``(notes, datasets, spec error, failure)``."""
     from runner.launch.prebuild import check_objectives, check_parts
     from runner.training.data import build_datasets
 
@@ -306,8 +303,7 @@ STOPPING = "runner: stopping after this step, a checkpoint first; Ctrl-C again (
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM handler: the first signal asks the loop to stop; a second SIGINT over a second later raises
-    ``KeyboardInterrupt`` (signals within a second count as one). Rank 0 prints :data:`STOPPING`."""
+    """The first SIGINT/SIGTERM asks the loop to stop (rank 0 prints ``STOPPING``); a SIGINT 1 s on interrupts."""
 
     def __init__(self, announce: bool = False, rank: int = 0) -> None:
         self._announce, self._rank, self.signum = announce, rank, 0

@@ -11,7 +11,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from runner.errors import show
-from runner.spec.overrides import parse_key
+from runner.spec.reading import parse_key
 from runner.spec.schema import ExperimentSpec
 from runner.spec.schema_parallel import ParallelSpec, modes_with
 

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ValidationError
 from runner.errors import SpecError, SpecIssue, echo
 from runner.spec.dump import spec_sha256
 from runner.spec.messages import Loc, explain_errors, format_key, locate_keys
-from runner.spec.overrides import apply_override, apply_unset, option_of, parse_key, typed_as
-from runner.spec.reading import Origin, Provenance, read_tree
+from runner.spec.reading import Origin, apply_override, apply_unset, option_of, parse_key, read_tree, typed_as
 from runner.spec.rules import INT64_LIMIT
 from runner.spec.schema import ExperimentSpec
 
@@ -150,9 +149,7 @@ def _line_in(lines: dict[Loc, int], key: str) -> int | None:
 def _validate(
     data: dict[str, Any], where: Callable[[Loc], Origin], issues: list[SpecIssue], context: dict[str, Any] | None = None
 ) -> ExperimentSpec | None:
-    """Validate ``data``; add one located issue per problem and return None on failure. ``context`` ``{"spec_dir":
-    folder}`` also checks model and dataset names (:mod:`runner.spec.names`). Every integer, also inside ``kwargs``,
-    must fit torch's int64 (:func:`_beyond_int64`)."""
+    """Validate ``data``, one located issue per problem (``None`` on failure); ``context`` adds the name checks."""
     overflows = dict(_beyond_int64(data))
     try:
         spec = ExperimentSpec.model_validate(data, context=context)
@@ -179,9 +176,7 @@ def _validate(
 
 
 def _beyond_int64(value: Any, loc: Loc = ()) -> Iterator[tuple[Loc, str]]:
-    """``(key path, message)`` of every integer under ``value`` outside torch's int64 (``-2**63 <= n < 2**63``). TOML
-    integers are 64-bit, but Python's reader and ``--set`` take any size; torch raises on a larger one (an
-    ``OverflowError``, or a ``TypeError`` carrying a C++ stack trace), maybe only mid-run."""
+    """``(key path, message)`` of each integer outside torch's int64: TOML readers take any, torch fails mid-run."""
     if isinstance(value, dict):
         for key, item in value.items():
             yield from _beyond_int64(item, (*loc, key))
@@ -192,7 +187,7 @@ def _beyond_int64(value: Any, loc: Loc = ()) -> Iterator[tuple[Loc, str]]:
         yield loc, f"got {value}; expected a whole number from -2**63 to 2**63 - 1 (torch takes 64-bit integers)"
 
 
-def _origin_of(provenance: Provenance, loc: Loc, top: Path) -> Origin:
+def _origin_of(provenance: dict[Loc, Origin], loc: Loc, top: Path) -> Origin:
     """Where ``loc`` (or its nearest written ancestor) came from; the top file's first line if nowhere."""
     for n in range(len(loc), 0, -1):
         if loc[:n] in provenance:

@@ -213,9 +213,7 @@ def _out_of_range(kind: str, ctx: Mapping[str, Any]) -> str | None:
 
 
 def _between(loc: Loc, ctx: Mapping[str, Any]) -> str | None:
-    """``a value >= 0 and < 9223372036854775808 (2**63)``: both bounds of the field at ``loc``, from the schema.
-    ``None`` for a field with one bound (``_out_of_range`` words it) and for a list item. A float field's bounds
-    print as floats, as pydantic's ``ctx`` gives them."""
+    """Both bounds of the field at ``loc`` (``a value >= 0 and < 2**63``); ``None`` for one bound or a list item."""
     field = _field_at(loc)
     if field is None:  # a list item: pydantic's context names the one bound it broke
         return None
@@ -244,9 +242,7 @@ def _number(limit: Any) -> str:
 
 
 def _subject(loc: Loc, message: str) -> Loc:
-    """Key a table validator's message is about: its first word when that names a field of the table. Table rules in
-    :mod:`runner.spec.rules` start their messages with the offending key (``ids [0, 0] lists [0] more than once``),
-    so the issue can point at that key's line."""
+    """The key a table rule's message starts with (:mod:`runner.spec.rules` names it first), else ``loc``."""
     table = annotation_at(loc)
     word = re.match(r"[A-Za-z_]\w*", message)
     if word and isinstance(table, type) and issubclass(table, BaseModel) and word.group() in table.model_fields:

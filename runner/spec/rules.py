@@ -238,8 +238,7 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
 
 
 def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
-    """Device ids, processes and the batch split, where the spec alone fixes them (none with several ids only gets a
-    note; ``grad_accum_steps`` is checked even when the world size waits for the machine)."""
+    """Device ids, processes and the batch split where the spec alone fixes them (``grad_accum_steps`` always)."""
     dev, par = spec.devices, spec.parallel
     ids = dev.ids if isinstance(dev.ids, list) else None
     problems: list[Problem] = []

@@ -439,9 +439,7 @@ class DataSpec(SpecTable):
 
 
 def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info: ValidationInfo) -> str:
-    """Check a model or dataset name (:mod:`runner.spec.names`) when validating a spec file. A spec file is validated
-    with ``context={"spec_dir": its folder}`` (:func:`runner.spec.loading.load_spec`); a spec validated without one (a
-    dict, a run's stored spec) has its names checked when built."""
+    """Check a model or dataset name when a file is validated (``context`` has its ``spec_dir``); else when built."""
     if not isinstance(info.context, dict) or "spec_dir" not in info.context:
         return name
     problem = problem_of(name, info.context["spec_dir"])

@@ -1,8 +1,5 @@
-"""The ``[devices]`` and ``[parallel]`` tables: which devices, and how the model is replicated over them.
-
-Their static rules are :func:`runner.spec.rules.check_devices` and :func:`runner.spec.rules.check_parallel`; what needs
-the machine (visible GPUs, CUDA) is checked by :mod:`runner.devices.resolve`.
-"""
+"""The ``[devices]`` and ``[parallel]`` tables: which devices, and how the model is replicated over them (static rules:
+:mod:`runner.spec.rules`; what needs the machine: :mod:`runner.devices.resolve`)."""
 
 from __future__ import annotations
 

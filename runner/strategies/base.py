@@ -192,12 +192,9 @@ class Strategy:
     stop_code: int = 0  # the agreed stop: 0, or a runner.errors.stop_code (the signal and the rank it reached)
 
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """Whether every rank stops now, given this rank's ``flag`` (0 or its :func:`stop_code`); the largest code is
-        kept.
-
-        Like Fabric's ``reduce_boolean_decision(all=False)``; ``settle=False`` answers from what was agreed so far
-        without a collective, ``settle=True`` (log steps, checkpoints, epoch ends) agrees on ``flag`` on every rank.
-        """
+        """Whether every rank stops now, given this rank's ``flag`` (0 or its :func:`stop_code`; the largest is kept),
+        as Fabric's ``reduce_boolean_decision(all=False)``: ``settle=True`` agrees on it, ``settle=False`` answers
+        without a collective."""
         self.stop_code = max(self.stop_code, int(flag))
         return bool(flag)
 

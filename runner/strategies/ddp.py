@@ -240,12 +240,8 @@ class DDPStrategy(Strategy):
         return out
 
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
-        """Whether every rank stops now: True once any rank passed a flag to a settling call, and final from then on.
-
-        ``settle=False`` (the hot path) answers what was agreed without a collective; ``settle=True`` reduces the flag
-        on the CPU gloo group, so the device is never synchronised for it. Every rank makes the same calls in the same
-        order.
-        """
+        """True once any rank passed a flag to a settling call, final from then on; ``settle=True`` reduces on the CPU
+        gloo group (the device is never synchronised for it), in the same order on every rank."""
         self._need_setup()
         if settle and not self._stopping:
             buf = torch.tensor([int(flag)], dtype=torch.int64)

@@ -192,9 +192,7 @@ def _probed(
     runnable: Sequence[Config],
     probe: tuple[int, bool, bool] | Reply | BaseException,
 ) -> None:
-    """Take the probe's answer (:func:`probe_model_and_data`'s ``(training samples, batch statistics, dropout)``, a
-    failed :class:`Reply` or the probe's error): the model's layers into the report, the batch sizes into each
-    configuration. Raises the probe's SpecError, or TrainingError when the probing process died."""
+    """Take the probe's answer: the model's layers into the report, batch sizes into each configuration, or raise."""
     from runner.spec.loading import relocate_issues
 
     if isinstance(probe, SpecError):

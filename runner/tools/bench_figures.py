@@ -126,8 +126,7 @@ def noise(spread_value: float | None, tail_value: float | None) -> list[str]:
 
 
 def _above(value: float, limit: float, digits: int, kind: str) -> str:
-    """``value`` (above ``limit``) with ``digits`` decimals, or as many more as it takes not to print as ``limit``.
-    ``1.504`` against a limit of 1.5 prints ``1.504``, not ``1.5``: a reason must not read "1.5x (limit 1.5x)"."""
+    """``value`` with the decimals that keep it from printing as ``limit`` (1.504, not "1.5x (limit 1.5x)")."""
     for n in range(digits, digits + 7):
         text = f"{value:.{n}{kind}}"
         if text != f"{limit:.{n}{kind}}":

@@ -99,8 +99,7 @@ def finish_comparisons(
 
 
 def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]:
-    """Flags that need ``none``: ddp-1 far below it; an efficiency above 100 % beyond the spread, which is then
-    withdrawn (``scaling_efficiency = None``): it is a measurement problem, never a result."""
+    """Flags that need ``none``: ddp-1 far below it; an efficiency over 100 % beyond the spread, then withdrawn."""
     eff = c.scaling_efficiency
     if base is None or eff is None or c is base:
         return []

@@ -1,7 +1,5 @@
-"""The MLflow side of ``runner bench``: the parent run, one child run per configuration, their figures and files.
-
-Also: measuring one ``runner bench`` configuration: its repeats on the warm pool, until steady, and its child run.
-"""
+"""The MLflow side of ``runner bench``: the parent run, one child run per configuration, their figures and files; and
+measuring one configuration: its repeats on the warm pool, until steady."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``.
-
-Each configuration is a deterministic ``runner exec`` of the same spec and seed; the control (``none`` in float32,
-initial weights nudged by one ulp) sets the tolerance. Semantics: docs/design.md §17.
-"""
+"""``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``; a
+perturbed control sets the tolerance. Semantics: docs/design.md §17."""
 
 from __future__ import annotations
 
@@ -204,8 +201,7 @@ _Config = tuple[str, str, int, "LoadedSpec"]  # (config id, mode, n, its spec)
 def _configurations(
     loaded: LoadedSpec, modes: Sequence[str] | None, steps: int, folder: Path
 ) -> tuple[LoadedSpec, list[_Config], list[ModeResult]]:
-    """``none``'s spec, the other configurations that run here, and the skipped ones (not named in ``modes``);
-    UsageError for an unknown mode, or a named one that cannot run here (naming what is missing)."""
+    """``none``'s spec, the configurations that run here, the skipped ones; UsageError for a named one that cannot."""
     from runner.devices.inventory import probe_inventory
     from runner.tools.bench import check_modes
 
@@ -231,8 +227,7 @@ def _configurations(
 
 
 def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, folder: Path) -> LoadedSpec:
-    """The spec of one configuration: ``runner bench``'s, plus determinism, the spec's own epochs, checkpoints and
-    ``<experiment>/parity``; SpecError or DeviceError when it does not validate or this machine cannot run it."""
+    """One configuration's spec: bench's, with determinism, its own epochs, checkpoints, ``<experiment>/parity``."""
     from runner.tools.bench import derive
 
     def adjust(data: dict[str, Any]) -> None:
@@ -304,8 +299,7 @@ def _train(
 
 
 def _compare(report: ParityReport) -> None:
-    """Fill every configuration's |Δ| against ``none`` (the control's against float32 ``none``), the tolerances from
-    the control, the first step beyond."""
+    """Fill each |Δ| against ``none`` (the control's: float32 ``none``), the tolerances, the first step beyond."""
     none = report.modes[0]
     for m, base in [(report.control, report.reference or none), *((m, none) for m in report.modes[1:])]:
         if m.status != "ok":
@@ -342,8 +336,7 @@ def likely_causes(loaded: LoadedSpec, modes: Sequence[str]) -> list[str]:
 
 
 def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
-    """The spec's model built on ``meta`` (no storage), else on the CPU (a model whose construction computes on its
-    weights cannot be built on ``meta``), or ``None`` when it cannot be built at all."""
+    """The spec's model on ``meta``, else on the CPU (its construction may compute on weights), else ``None``."""
     import torch
 
     from runner.training.data import build_datasets

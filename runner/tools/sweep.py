@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo, first_line
 from runner.spec.loading import LoadedSpec, load_spec
 from runner.spec.messages import locate_keys
-from runner.tools.sweep_define import CommandLine, build_definition
 from runner.tools.sweep_jobs import (
     Progress,
     TrialSetup,
@@ -33,6 +32,8 @@ from runner.tools.sweep_space import SweepDefinition, SweepReport, study_name, w
 from runner.tools.sweep_store import GRACE_S, HEARTBEAT_S, StorageError, SweepStore, default_storage_url, open_storage
 from runner.tools.sweep_study import SweepStudy
 from runner.tools.sweep_trials import (
+    CommandLine,
+    build_definition,
     prepare_trials,
     swept_in_file,
     swept_on_cli,
@@ -144,8 +145,7 @@ def _open_study(
 def _open_storage(
     base: LoadedSpec, given: str | None, tracking_uri: str, lines: dict[tuple, int]
 ) -> tuple[str, RDBStorage]:
-    """Open the study's storage; one that cannot be opened is a UsageError (``--storage``), a SpecError at its line
-    (``[sweep] storage``) or a TrackingError (the default, next to the MLflow store)."""
+    """Open the study's storage; else UsageError (``--storage``), SpecError (``[sweep] storage``) or TrackingError."""
     from_spec = base.spec.sweep.storage if base.spec.sweep is not None else None
     # a relative sqlite path resolved here, so every worker process opens the same file
     url = absolute_uri(given or from_spec or default_storage_url(tracking_uri, base.path.parent))
@@ -170,13 +170,36 @@ def _run_trials(
     progress: Progress,
     processes: bool = False,
 ) -> None:
-    """Run trials until none waits: in this process (CPU, one at a time), else in warm worker processes."""
+    """Run trials until none waits: in this process (CPU, one at a time), else in warm worker processes, each with
+    its GPU (when single-GPU trials are spread), its device view and log."""
     cuda = any(plan.devices.accelerator == "cuda" for plan in plans)
     if jobs == 1 and not cuda and not processes:
         work(study, store, setup, progress)
         return
+    definition = study.definition
+    pool = device_pool(base.spec, plans, definition) if jobs > 1 else None
+    one_each = swept_devices(definition)
     with tempfile.TemporaryDirectory(prefix="runner-sweep-") as tmp:
-        configs = _worker_configs(study, store, setup, base, plans, jobs, Path(tmp))
+        configs = []
+        for k in range(jobs):
+            extra: tuple[str, ...] = () if pool is None else (f"devices.ids=[{pool[k % len(pool)]}]",)
+            env = {} if one_each else _device_env(setup, extra, plans)
+            if plans and plans[0].devices.accelerator == "cpu" and jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+            configs.append(
+                WorkerConfig(
+                    index=k,
+                    url=study.url,
+                    study=study.name,
+                    definition=definition.to_json(),
+                    tracking_uri=store.uri,
+                    experiment=store.experiment,
+                    setup=dataclasses.replace(setup, extra=extra),
+                    env=env,
+                    log=str(Path(tmp) / f"worker-{k}.log") if jobs > 1 else None,
+                    max_trials=1 if one_each else None,
+                )
+            )
 
         def dead(number: int, error: str) -> None:
             if not study.fail_dead(number, error):
@@ -187,42 +210,6 @@ def _run_trials(
 
         for error in WorkerPool(study, progress, dead).run(configs):
             echo(f"runner: {first_line(error)}", err=True)
-
-
-def _worker_configs(
-    study: SweepStudy,
-    store: SweepStore,
-    setup: TrialSetup,
-    base: LoadedSpec,
-    plans: Sequence[Plan],
-    jobs: int,
-    folder: Path,
-) -> list[WorkerConfig]:
-    """One config per warm worker: its GPU (when single-GPU trials are spread), its device view and log."""
-    definition = study.definition
-    pool = device_pool(base.spec, plans, definition) if jobs > 1 else None
-    one_each = swept_devices(definition)
-    configs = []
-    for k in range(jobs):
-        extra: tuple[str, ...] = () if pool is None else (f"devices.ids=[{pool[k % len(pool)]}]",)
-        env = {} if one_each else _device_env(setup, extra, plans)
-        if plans and plans[0].devices.accelerator == "cpu" and jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
-        configs.append(
-            WorkerConfig(
-                index=k,
-                url=study.url,
-                study=study.name,
-                definition=definition.to_json(),
-                tracking_uri=store.uri,
-                experiment=store.experiment,
-                setup=dataclasses.replace(setup, extra=extra),
-                env=env,
-                log=str(folder / f"worker-{k}.log") if jobs > 1 else None,
-                max_trials=1 if one_each else None,
-            )
-        )
-    return configs
 
 
 def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]) -> dict[str, str]:
@@ -262,9 +249,7 @@ def _run_to_the_end(report: SweepReport, study: SweepStudy, store: SweepStore, r
 
 
 def _finish(report: SweepReport, study: SweepStudy, store: SweepStore, since: float) -> None:
-    """End the parent run when no trial waits or runs anywhere: FINISHED, or FAILED when a trial did not finish. The
-    trials' results are read after the pending count: read before it, a trial that another worker ended in between
-    still showed RUNNING, and the parent ended FAILED with every trial complete."""
+    """End the parent once no trial waits or runs anywhere: FINISHED, or FAILED if one did not (module note)."""
     counts = study.counts()
     pending = counts.get("WAITING", 0) + counts.get("RUNNING", 0)
     report.trials = study.results(since=since)

@@ -172,12 +172,8 @@ def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -
     if definition.method == "grid":
 
         class EnqueuedGrid(GridSampler):
-            """GridSampler whose end-of-trial bookkeeping skips the enqueued points (every grid trial is one).
-
-            A trial made by ``enqueue_trial`` gets its values as fixed params and no ``grid_id``; Optuna's
-            ``GridSampler.after_trial`` reads that attribute once a single grid point is left unvisited, which raised
-            ``KeyError: 'grid_id'`` at the end of a one-point grid.
-            """
+            """GridSampler whose end-of-trial bookkeeping skips enqueued points, as every grid trial is: they carry no
+            ``grid_id``, which Optuna's ``after_trial`` read at the end of a one-point grid (``KeyError``)."""
 
             def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
                 if "grid_id" in trial.system_attrs:

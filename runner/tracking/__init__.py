@@ -1,7 +1,5 @@
-"""Everything MLflow: the store and its URI, the run lifecycle, parent runs, provenance tags, trackers.
-
-No other package of runner imports mlflow; the package map is in docs/design.md.
-"""
+"""Everything MLflow: the store and its URI, the run lifecycle, parent runs, provenance tags, trackers. No other
+package of runner imports mlflow; the package map is in docs/design.md."""
 
 import os
 

@@ -1,7 +1,5 @@
 """Provenance of a new run (tags, git artifacts), how values and names are written to MLflow, and its spec records.
-
-Imports neither mlflow nor torch.
-"""
+Imports neither mlflow nor torch."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ _REMARK = re.compile(r"^\*\*([^*\n]+)\*\*: ?", re.MULTILINE)
 
 
 def _torch_versions() -> tuple[str, str]:
-    """``(torch version, CUDA version of the torch build or "none")``, read from ``torch/version.py`` without
-    importing torch (the driver of a none or dp job never does; docs/design.md §6)."""
+    """``(torch version, its CUDA version or "none")`` from ``torch/version.py``, without importing torch (§6)."""
     found = importlib.util.find_spec("torch")
     if found is None or not found.submodule_search_locations:
         return "none", "none"
@@ -75,8 +72,7 @@ def planned(plan_description: Mapping[str, Any], key: str) -> Any:
 
 
 def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
-    """``runner.devices``, ``runner.world_size`` and ``runner.accelerator`` from a plan description.
-    ``plan_description`` is either a ``DevicePlan`` description or a whole plan holding one under ``"devices"``."""
+    """``runner.devices``, ``runner.world_size``, ``runner.accelerator`` of a plan's (or its devices') description."""
     tags: dict[str, Any] = {}
     nested = plan_description.get("devices")
     device_plan = nested if isinstance(nested, Mapping) else plan_description

@@ -1,7 +1,5 @@
-"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, system metrics.
-
-Outage rules in docs/design.md §8 and §12.
-"""
+"""What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, system metrics. Outage rules:
+docs/design.md §8 and §12."""
 
 from __future__ import annotations
 
@@ -38,17 +36,10 @@ _MAX_BACKOFF_S = 30.0
 
 
 class MlflowTracker:
-    """Logs the metrics, tags and artifacts of one run through MLflow's asynchronous logging (docs/design.md §12).
-
-    Values wait in memory until ``max_batch`` of them do or ``flush_every_s`` passed since the last batch left; then
-    one batch, with the tags set meanwhile, goes to ``MlflowClient.log_batch(..., synchronous=False)``, whose threads
-    send it. The next leaves when it completes, so values reach the store in order. Only :meth:`flush` and
-    :meth:`close` wait on the network; they also upload the artifacts. Without a ``spool`` a failed batch is raised as
-    :class:`TrackingError` by the next flush/close. With one, a batch the store did not take is handed over again
-    after a pause (1 s, doubling up to 30 s); unsent values stay in memory up to ``max_memory``, then go to the spool,
-    and a flush waits at most ``spill_after_s``, so a checkpoint never stalls training. ``first_seq`` numbers values
-    across resumes.
-    """
+    """Logs one run's metrics, tags and artifacts in batches (``max_batch`` values, or every ``flush_every_s``) through
+    MLflow's asynchronous logging, one batch in its hands at a time, so values arrive in order; only :meth:`flush` and
+    :meth:`close` wait on the network and upload artifacts. Without a ``spool`` a failed batch is raised by the next of
+    them; with one, nothing is lost or stalls (docs/design.md §12); ``first_seq`` numbers values across resumes."""
 
     def __init__(
         self,
@@ -394,9 +385,7 @@ class MlflowTracker:
 
 
 def _skip_exit_drain(client: Any) -> None:
-    """Nothing of this tracker is left in MLflow's queue: unregister the queue's at-exit drain, which waits for its
-    idle loop's ``queue.get(timeout=1)``, a second added to the exit of every process that logged (measured: 4.5 s
-    against 3.6 s for a script that logs 20 values). A later tracker's close waits for its own batches again."""
+    """Unregister MLflow's at-exit queue drain once nothing of ours is queued: it slows each exit (§6)."""
     store = getattr(getattr(client, "_tracking_client", None), "store", None)
     drain = getattr(getattr(store, "_async_logging_queue", None), "_at_exit_callback", None)
     if drain is not None:

@@ -1,7 +1,5 @@
 """The tracking store: which URI a run logs to, whether it can be used before training, its first (locked) open.
-
-Importing this module imports neither mlflow nor torch.
-"""
+Importing this module imports neither mlflow nor torch."""
 
 from __future__ import annotations
 
@@ -203,8 +201,7 @@ def _check_database(uri: str, timeout_s: float) -> None:
 
 
 def _check_http(uri: str, timeout_s: float) -> None:
-    """``GET /health``, then the REST API, through MLflow's own client (so every credential MLflow sends goes along);
-    not retried. Any answer but 200 from both is a :class:`TrackingError`."""
+    """``GET /health``, then the REST API, once each through MLflow's client (its credentials); 200 or TrackingError."""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -299,9 +296,7 @@ def _holds_a_schema(path: Path) -> bool:
 
 
 def _create_aside(uri: str, path: Path, replace: bool = False) -> None:
-    """Create and migrate a new store in a hidden file beside ``path`` and put it in place whole, so no other client
-    migrates the same new file at once (two alembic migrations can break a sqlite file). Without ``replace``, a file
-    that appeared meanwhile is kept: replacing one a client migrates pairs its journal with ours (disk I/O error)."""
+    """Make and migrate a new store beside ``path``, then link it into place; a file that appeared is kept (§12)."""
     aside = path.with_name(f".{path.name}.{os.getpid()}-{time.monotonic_ns()}.creating")  # MLflow caches a URI's engine
     query = uri.partition("?")[2]
     try:
@@ -337,8 +332,7 @@ def _holds_nothing(path: Path) -> bool:
 
 
 def _first_open(uri: str, path: Path | None = None) -> None:
-    """Open the store with MLflow; a schema another client is creating or upgrading is waited for (up to
-    :data:`OPEN_ATTEMPTS` tries, each after the file was still for :data:`STILL_S`). A refusal is a TrackingError."""
+    """Open the store with MLflow, waiting out a schema another client creates (:data:`OPEN_ATTEMPTS` tries)."""
     from mlflow.exceptions import MlflowException
 
     for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO

@@ -274,11 +274,7 @@ def _flop_counter() -> contextlib.AbstractContextManager[Any]:
 def _log_window(
     parts: LoopParts, state: TrainState, tally: Tally, report: _Report, overlap: bool = False
 ) -> tuple[RunningSums, bool]:
-    """Log ``train/loss``, ``lr`` and ``train/step_<metric>`` of the steps since the last log: every
-    ``log_every_n_steps`` steps and after the run's last step. Returns fresh sums and whether any rank was asked to
-    stop, which rides in the sums' reduction (a second collective per log step cost ddp-2 about 10 %). With
-    ``overlap`` the reduction runs while the next step trains and ``report.finish_pending`` logs it after that step
-    (a blocking one cost ddp-2 logging every step 16 % on 2 CPU cores: benchmarks/README.md); asked is then False."""
+    """Log the step metrics since the last log; return fresh sums and whether a rank asked (False: ``overlap``)."""
     step, lr, stop_asked = state.global_step, parts.optimizer.param_groups[0]["lr"], bool(parts.should_stop())
     shown_epoch = state.epoch - (state.batch_in_epoch == 0 and state.epoch > 0)  # the last step's, after its epoch
     window_metrics = tally.window_metrics.compute()
@@ -309,9 +305,7 @@ def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle:
 
 
 def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) -> None:
-    """Record the running sums and metric states in ``state`` (collectives on every rank), then save. Nothing
-    non-finite is saved: a non-finite step since the last check stops the run first (``stop``), and weights that are
-    not finite are never written (``stop`` and ``warn``)."""
+    """Record the sums and metric states (collectives on every rank), then save; nothing non-finite is saved (§14)."""
     if parts.on_checkpoint is None:
         return
     strategy = parts.strategy

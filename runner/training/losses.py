@@ -190,8 +190,7 @@ def check_objectives(spec: ExperimentSpec, spec_dir: Path | str | None) -> None:
 
 
 def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
-    """Call a built-in loss once on a 2-sample stand-in batch, so a kwarg torch checks only in forward
-    (``label_smoothing`` outside [0, 1]) is a SpecError at ``loss.kwargs`` before the run exists."""
+    """Call a built-in loss on a 2-sample stand-in: a kwarg checked only in forward is a SpecError before the run."""
     if loss.name in PER_SAMPLE:
         classes = len(kwargs.get("weight") or [0, 0, 0])
         prediction, target = torch.zeros(2, classes), torch.zeros(2, dtype=torch.long)

@@ -1,7 +1,5 @@
-"""Dataset sources: each ``data.dataset`` name into datasets (split and info: :mod:`runner.training.data`).
-
-``sklearn.digits``, ``sklearn.diabetes``, ``synthetic``, ``torchvision.<Name>``, ``imagefolder``,
-``pkg.module:factory``."""
+"""Dataset sources, each ``data.dataset`` name into datasets: ``sklearn.digits``, ``sklearn.diabetes``, ``synthetic``,
+``torchvision.<Name>``, ``imagefolder``, ``pkg.module:factory`` (split and info: :mod:`runner.training.data`)."""
 
 from __future__ import annotations
 

@@ -206,7 +206,8 @@ def test_resume_refuses_finished_unknown_and_foreign_runs(write_spec, store: str
 
 
 def _export_replaces_only_a_regular_file(run_id: str, tmp_path: Path, capsys) -> None:
-    """``runner export --out`` refuses a folder, a link, a FIFO and a device, and leaves no partial file."""
+    """``runner export --out`` refuses a folder, a link, a FIFO and a device, and leaves no partial file; past a newer
+    damaged checkpoint it exports the last good one and names the one it skipped."""
     capsys.readouterr()
     folder, fifo, link, plain = tmp_path / "folder", tmp_path / "fifo", tmp_path / "link", tmp_path / "plain.pt"
     folder.mkdir()
@@ -224,6 +225,15 @@ def _export_replaces_only_a_regular_file(run_id: str, tmp_path: Path, capsys) ->
     assert not list(tmp_path.glob(".*.partial")), list(tmp_path.iterdir())
     assert main(["export", run_id, "--out", str(plain)]) == 0  # a regular file is replaced
     assert torch.load(plain, weights_only=True).keys()
+    capsys.readouterr()
+    newest = max(p for p in (tmp_path / "checkpoints" / run_id).iterdir() if p.is_dir())
+    damaged = newest.with_name("step-99999999")  # a newer checkpoint, damaged: export names it and uses the last good
+    shutil.copytree(newest, damaged)
+    shutil.copyfile(f"{newest}.sha256", f"{damaged}.sha256")
+    (damaged / "meta.pt").write_bytes(b"not a checkpoint")
+    assert main(["export", run_id, "--out", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert f"(from {newest.name})" in out and f"\nnote: skipped {damaged}: damaged: " in out, out
 
 
 # ----------------------------------------------------------------------------- reproduce, diff

@@ -326,7 +326,7 @@ def test_a_bad_shorthand_flag_is_named_as_typed(write_spec, capsys, flags: list,
 def test_a_shorthand_flag_is_a_plain_set_in_records_and_survives_pickling() -> None:
     import pickle
 
-    from runner.spec.overrides import FlagOverride, parallel_flags, typed_as
+    from runner.spec.reading import FlagOverride, parallel_flags, typed_as
 
     (flag,) = parallel_flags(nproc_per_node=2)
     assert flag == "parallel.nproc_per_node=2" and typed_as(flag) == "--nproc-per-node 2"

@@ -16,8 +16,6 @@ from runner.spec.dump import spec_sha256
 from runner.spec.loading import load_spec
 from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep import run_sweep
-from runner.tools.sweep_define import CommandLine, parse_grid, parse_random
-from runner.tools.sweep_define import build_definition as _build
 from runner.tools.sweep_jobs import device_pool
 from runner.tools.sweep_space import (
     SweepDefinition,
@@ -29,7 +27,17 @@ from runner.tools.sweep_space import (
     study_name,
 )
 from runner.tools.sweep_store import default_storage_url, make_sampler
-from runner.tools.sweep_trials import prepare_trials, trial_environ, trial_tags, trials_to_check, without_sweep
+from runner.tools.sweep_trials import (
+    CommandLine,
+    parse_grid,
+    parse_random,
+    prepare_trials,
+    trial_environ,
+    trial_tags,
+    trials_to_check,
+    without_sweep,
+)
+from runner.tools.sweep_trials import build_definition as _build
 
 
 def build_definition(sweep=None, *, spec_file=None, key_lines=None, **flags) -> SweepDefinition:

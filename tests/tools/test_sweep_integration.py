@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.errors import Interrupted
 from runner.tools.sweep import run_sweep
-from runner.tools.sweep_define import CommandLine
+from runner.tools.sweep_trials import CommandLine
 from tests.helpers import spec_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]
@@ -274,9 +274,9 @@ def test_a_trial_whose_worker_stopped_beating_is_run_again(tmp_path: Path, monke
     import time
 
     import runner.tools.sweep_store as storage_module
-    from runner.tools.sweep_define import build_definition
     from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_trials import build_definition
 
     monkeypatch.setattr(storage_module, "GRACE_S", 1)
     definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
@@ -304,9 +304,9 @@ def test_a_worker_that_finds_only_silent_running_trials_says_when_to_take_them_o
 
     import runner.tools.sweep as sweep_module
     from runner.errors import RunnerError
-    from runner.tools.sweep_define import build_definition
     from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_trials import build_definition
     from tests.helpers import wait_for
 
     definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
@@ -331,10 +331,10 @@ def test_a_trial_another_worker_ends_just_before_the_last_check_counts_as_finish
     from types import SimpleNamespace
 
     import runner.tools.sweep as sweep_module
-    from runner.tools.sweep_define import build_definition
     from runner.tools.sweep_space import SweepReport, TrialResult
     from runner.tools.sweep_store import open_storage
     from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_trials import build_definition
 
     definition = build_definition(None, CommandLine(grid=["seed=0,1"]))
     url = f"sqlite:///{tmp_path}/optuna.db"
