@@ -174,14 +174,14 @@ class LossSpec(SpecTable):
         description=(
             "Loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, nll (torch.nn losses), `model` (forward "
             "gets the targets and returns the loss, or an object with a `loss` entry) or `pkg.module:function` "
-            "(gets `(prediction, target)`, returns the mean over its samples). Default: cross_entropy."
+            "(gets `(prediction, target)`, returns the mean over its samples)."
         ),
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
             "Keyword arguments of the loss, e.g. `{ label_smoothing = 0.1 }` or `{ pos_weight = [2.0] }` "
-            "(lists become tensors); runner chooses the reduction. Default: none."
+            "(lists become tensors); runner chooses the reduction."
         ),
     )
 
@@ -285,12 +285,12 @@ class MetricsSpec(SpecTable):
             "log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, "
             'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), '
             '`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of '
-            "forward's output, logged as its mean over the samples. Default: none."
+            "forward's output, logged as its mean over the samples."
         ),
     )
     val: list[MetricEntry] = Field(
         default_factory=list,
-        description="Metrics of the validation split, logged as `val/<name>`; entries as for `train`. Default: none.",
+        description="Metrics of the validation split, logged as `val/<name>`; entries as for `train`.",
     )
 
     @field_validator("train", "val")

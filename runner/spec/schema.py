@@ -19,12 +19,10 @@ from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 class OptimSpec(SpecTable):
     """``[optim]``: the optimizer (torch.optim)."""
 
-    name: Literal["sgd", "adam", "adamw"] = Field(
-        default="sgd", description="Optimizer: sgd, adam or adamw. Default: sgd."
-    )
+    name: Literal["sgd", "adam", "adamw"] = Field(default="sgd", description="Optimizer: sgd, adam or adamw.")
     lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd only: momentum factor. Default: 0.")
-    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw). Default: 0.")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd only: momentum factor.")
+    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw).")
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -47,7 +45,7 @@ class SchedulerSpec(SpecTable):
     )
     interval: Literal["epoch", "step"] = Field(
         default="epoch",
-        description="Call scheduler.step() after every `epoch` or every optimizer `step`. Default: epoch.",
+        description="Call scheduler.step() after every `epoch` or every optimizer `step`.",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -58,20 +56,18 @@ class SchedulerSpec(SpecTable):
 class TrainSpec(SpecTable):
     """``[train]``: the loop."""
 
-    epochs: int = Field(default=1, ge=1, description="Passes over the training set. Default: 1.")
+    epochs: int = Field(default=1, ge=1, description="Passes over the training set.")
     max_steps: int | None = Field(
         default=None, ge=1, description="Stop after this many optimizer steps, even mid-epoch. Default: no limit."
     )
     grad_accum_steps: int = Field(
         default=1,
         ge=1,
-        description=(
-            "Micro-batches accumulated per optimizer step; the global batch is split into this many. Default: 1."
-        ),
+        description="Micro-batches accumulated per optimizer step; the global batch is split into this many.",
     )
     amp: Literal["no", "bf16", "fp16"] = Field(
         default="no",
-        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler). Default: no.",
+        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler).",
     )
     clip_grad_norm: float | None = Field(
         default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
@@ -80,42 +76,40 @@ class TrainSpec(SpecTable):
         default=False,
         description=(
             "torch.compile the model: the model under none, the wrapped model under ddp, each block before "
-            "sharding under fsdp; not under dp. Default: false."
+            "sharding under fsdp; not under dp."
         ),
     )
     compile_backend: str = Field(
         default="inductor",
         min_length=1,
-        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()). Default: inductor.",
+        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()).",
     )
     activation_checkpointing: bool = Field(
         default=False,
         description=(
             "Recompute each block's activations in backward instead of keeping them (non-reentrant "
             "torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child "
-            "with parameters): less memory, about one more forward. Not under dp. Default: false."
+            "with parameters): less memory, about one more forward. Not under dp."
         ),
     )
     on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
         default="stop",
-        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`. Default: stop.",
+        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`.",
     )
     log_every_n_steps: int = Field(
-        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step. Default: 10."
+        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step."
     )
-    eval_every_n_epochs: int = Field(
-        default=1, ge=1, description="Evaluate on the validation split every N epochs. Default: 1."
-    )
+    eval_every_n_epochs: int = Field(default=1, ge=1, description="Evaluate on the validation split every N epochs.")
     progress: Literal["auto", "bar", "lines", "off"] = Field(
         default="auto",
-        description="Progress display: a bar on a terminal, plain lines otherwise (auto). Default: auto.",
+        description="Progress display: a bar on a terminal, plain lines otherwise (auto).",
     )
 
 
 class TrackingSpec(SpecTable):
     """``[tracking]``: MLflow."""
 
-    enabled: bool = Field(default=True, description="Record the run in MLflow. Default: true.")
+    enabled: bool = Field(default=True, description="Record the run in MLflow.")
     uri: str | None = Field(
         default=None,
         description=(
@@ -139,16 +133,14 @@ class TrackingSpec(SpecTable):
         default=False,
         description=(
             "Log the trained model with mlflow.pytorch.log_model at the end (a LoggedModel with an input example, "
-            "a signature and the input normalisation inside). Default: false."
+            "a signature and the input normalisation inside)."
         ),
     )
-    system_metrics: bool = Field(
-        default=False, description="Record MLflow system metrics (CPU, memory, GPU). Default: false."
-    )
+    system_metrics: bool = Field(default=False, description="Record MLflow system metrics (CPU, memory, GPU).")
     flush_every_s: float = Field(
         default=5.0,
         gt=0,
-        description="Send buffered metrics at least this often (seconds), by MLflow's async logging. Default: 5.",
+        description="Send buffered metrics at least this often (seconds), by MLflow's async logging.",
     )
 
     rule = rules.check_tracking
@@ -157,7 +149,7 @@ class TrackingSpec(SpecTable):
 class CheckpointSpec(SpecTable):
     """``[checkpoint]``: periodic, atomic checkpoints for resume."""
 
-    enabled: bool = Field(default=True, description="Write checkpoints. Default: true.")
+    enabled: bool = Field(default=True, description="Write checkpoints.")
     dir: str | None = Field(
         default=None,
         description=(
@@ -165,19 +157,17 @@ class CheckpointSpec(SpecTable):
             "directory when given with --set. Default: `checkpoints/<run id>` next to the tracking store."
         ),
     )
-    every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs. Default: 1.")
+    every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs.")
     every_n_steps: int | None = Field(
         default=None, ge=1, description="Also checkpoint every N optimizer steps. Default: off."
     )
-    keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints. Default: 2.")
-    log_to_mlflow: bool = Field(
-        default=False, description="Also log the final checkpoint as an MLflow artifact. Default: false."
-    )
+    keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints.")
+    log_to_mlflow: bool = Field(default=False, description="Also log the final checkpoint as an MLflow artifact.")
     async_save: bool = Field(
         default=False,
         description=(
             "Write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) "
-            "while training goes on; the run waits for the last one before it ends. Default: false."
+            "while training goes on; the run waits for the last one before it ends."
         ),
     )
 
@@ -185,60 +175,9 @@ class CheckpointSpec(SpecTable):
 class ProfileSpec(SpecTable):
     """``[profile]``: ``torch.profiler`` around a few training steps; its trace and top operators become artifacts."""
 
-    wait: int = Field(default=1, ge=0, description="Optimizer steps run before the profiler starts. Default: 1.")
-    active: int = Field(default=3, ge=1, description="Steps recorded (after one warm-up step). Default: 3.")
-    ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile themselves. Default: [0].")
-
-
-class ExperimentSpec(SpecTable):
-    """A whole experiment spec: the root of the TOML file."""
-
-    name: str = Field(min_length=1, description="Experiment name; also the default MLflow experiment.")
-    description: str = Field(
-        default="", description="Free text, recorded as the MLflow run description. Default: empty."
-    )
-    seed: int = Field(
-        default=0,
-        ge=0,
-        lt=INT64_LIMIT,
-        description=(
-            "Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 "
-            "(torch.manual_seed takes 64 bits, and epoch e shuffles with seed + e). Default: 0."
-        ),
-    )
-    deterministic: bool = Field(
-        default=False,
-        description="Use PyTorch's deterministic algorithms (and the settings they need). Default: false.",
-    )
-    tags: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            'Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1". Default: none.'
-        ),
-    )
-    model: ModelSpec = Field(description="The network to build.")
-    data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
-    devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")
-    parallel: ParallelSpec = Field(
-        default_factory=ParallelSpec, description="Parallel mode (none, dp, ddp) and its options."
-    )
-    optim: OptimSpec = Field(description="The optimizer.")
-    scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
-    loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
-    metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
-    train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
-    sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
-    profile: ProfileSpec | None = Field(
-        default=None,
-        description=(
-            "Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top "
-            "operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."
-        ),
-    )
-
-    rule = rules.check_experiment
+    wait: int = Field(default=1, ge=0, description="Optimizer steps run before the profiler starts.")
+    active: int = Field(default=3, ge=1, description="Steps recorded (after one warm-up step).")
+    ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile themselves.")
 
 
 class SweepParam(SpecTable):
@@ -248,7 +187,7 @@ class SweepParam(SpecTable):
     low: float | None = Field(default=None, description="Lower bound of a sampled range (random and tpe).")
     high: float | None = Field(default=None, description="Upper bound of a sampled range (random and tpe).")
     distribution: Literal["uniform", "log_uniform", "int_uniform"] = Field(
-        default="uniform", description="How a range is sampled. Default: uniform."
+        default="uniform", description="How a range is sampled."
     )
 
     rule = rules.check_sweep_param
@@ -260,7 +199,7 @@ class SweepSpec(SpecTable):
     method: Literal["grid", "random", "tpe"] = Field(
         default="grid",
         description="Optuna sampler: grid (GridSampler, every combination), random (RandomSampler) or tpe "
-        "(TPESampler). Default: grid.",
+        "(TPESampler).",
     )
     trials: int | None = Field(
         default=None,
@@ -272,23 +211,19 @@ class SweepSpec(SpecTable):
         default=0,
         ge=0,
         lt=UINT32_LIMIT,
-        description="Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState). Default: 0.",
+        description="Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState).",
     )
-    metric: str = Field(default="val/accuracy", description="Metric that ranks trials. Default: val/accuracy.")
-    goal: Literal["max", "min"] = Field(
-        default="max", description="Whether a larger or smaller metric is better. Default: max."
-    )
+    metric: str = Field(default="val/accuracy", description="Metric that ranks trials.")
+    goal: Literal["max", "min"] = Field(default="max", description="Whether a larger or smaller metric is better.")
     pruner: Literal["none", "median", "hyperband"] = Field(
         default="none",
         description="Stop poor trials early on the per-epoch metric: none, median (MedianPruner) or hyperband "
-        "(HyperbandPruner). Default: none.",
+        "(HyperbandPruner).",
     )
     pruner_startup_trials: int = Field(
-        default=5, ge=0, description="median only: trials that finish before any is pruned. Default: 5."
+        default=5, ge=0, description="median only: trials that finish before any is pruned."
     )
-    pruner_warmup_epochs: int = Field(
-        default=0, ge=0, description="Epochs every trial trains before it may be pruned. Default: 0."
-    )
+    pruner_warmup_epochs: int = Field(default=0, ge=0, description="Epochs every trial trains before it may be pruned.")
     storage: str | None = Field(
         default=None,
         description="Optuna storage URL of the study, shared by every worker, e.g. "
@@ -320,7 +255,7 @@ class ModelSpec(SpecTable):
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`. Default: none.",
+        description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`.",
     )
     output: str | int | None = Field(
         default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
@@ -347,18 +282,16 @@ class DataSpec(SpecTable):
         default=None,
         description=(
             "Folder holding the data for torchvision and imagefolder datasets; a relative path is relative to "
-            "the file that writes it, or to the current directory when given with --set. Default: none."
+            "the file that writes it, or to the current directory when given with --set."
         ),
     )
     download: bool = Field(
         default=False,
-        description=(
-            "Let torchvision download missing files into `root`. Default: false (runs never touch the network)."
-        ),
+        description=("Let torchvision download missing files into `root`; without it runs never touch the network."),
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra keyword arguments for the dataset builder or factory. Default: none.",
+        description="Extra keyword arguments for the dataset builder or factory.",
     )
     target: str | None = Field(default=None, min_length=1, description='Dict samples: the target key, e.g. "labels".')
     image_size: int | None = Field(
@@ -390,9 +323,7 @@ class DataSpec(SpecTable):
         default=0.2,
         ge=0.0,
         lt=1.0,
-        description=(
-            "Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables. Default: 0.2."
-        ),
+        description="Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables.",
     )
     split_seed: int = Field(
         default=0,
@@ -400,35 +331,24 @@ class DataSpec(SpecTable):
         lt=INT64_LIMIT,
         description=(
             "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
-            "`seed` score on the same validation samples; 0 <= split_seed < 2**63 (a torch.Generator seed). "
-            "Default: 0."
+            "`seed` score on the same validation samples; 0 <= split_seed < 2**63 (a torch.Generator seed)."
         ),
     )
-    shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch. Default: true.")
-    drop_last: bool = Field(
-        default=False, description="Drop the last incomplete training batch of each epoch. Default: false."
-    )
-    num_workers: int = Field(
-        default=0, ge=0, le=256, description="DataLoader worker processes per rank (at most 256). Default: 0."
-    )
-    pin_memory: bool = Field(
-        default=False, description="Pin host memory for faster host-to-GPU copies. Default: false."
-    )
+    shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch.")
+    drop_last: bool = Field(default=False, description="Drop the last incomplete training batch of each epoch.")
+    num_workers: int = Field(default=0, ge=0, le=256, description="DataLoader worker processes per rank (at most 256).")
+    pin_memory: bool = Field(default=False, description="Pin host memory for faster host-to-GPU copies.")
     persistent_workers: bool = Field(
         default=False,
-        description="Keep DataLoader workers alive between epochs (needs num_workers > 0). Default: false.",
+        description="Keep DataLoader workers alive between epochs (needs num_workers > 0).",
     )
-    num_samples: int = Field(
-        default=1024, ge=1, lt=INT64_LIMIT, description="`synthetic` only: number of samples. Default: 1024."
-    )
+    num_samples: int = Field(default=1024, ge=1, lt=INT64_LIMIT, description="`synthetic` only: number of samples.")
     input_shape: list[TorchSize] = Field(
         default_factory=lambda: [64],
         min_length=1,
-        description="`synthetic` only: shape of one sample, e.g. [3, 32, 32]. Default: [64].",
+        description="`synthetic` only: shape of one sample, e.g. [3, 32, 32].",
     )
-    num_classes: int = Field(
-        default=10, ge=2, lt=INT64_LIMIT, description="`synthetic` only: number of classes. Default: 10."
-    )
+    num_classes: int = Field(default=10, ge=2, lt=INT64_LIMIT, description="`synthetic` only: number of classes.")
 
     rule = rules.check_data
 
@@ -446,3 +366,50 @@ def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info
     if problem is not None:
         raise ValueError(problem)
     return name
+
+
+class ExperimentSpec(SpecTable):
+    """A whole experiment spec: the root of the TOML file."""
+
+    name: str = Field(min_length=1, description="Experiment name; also the default MLflow experiment.")
+    description: str = Field(default="", description="Free text, recorded as the MLflow run description.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=INT64_LIMIT,
+        description=(
+            "Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 "
+            "(torch.manual_seed takes 64 bits, and epoch e shuffles with seed + e)."
+        ),
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="Use PyTorch's deterministic algorithms (and the settings they need).",
+    )
+    tags: dict[str, str] = Field(
+        default_factory=dict,
+        description='Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1".',
+    )
+    model: ModelSpec = Field(description="The network to build.")
+    data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
+    devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")
+    parallel: ParallelSpec = Field(
+        default_factory=ParallelSpec, description="Parallel mode (none, dp, ddp, fsdp) and its options."
+    )
+    optim: OptimSpec = Field(description="The optimizer.")
+    scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
+    loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
+    metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
+    sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
+    profile: ProfileSpec | None = Field(
+        default=None,
+        description=(
+            "Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top "
+            "operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."
+        ),
+    )
+
+    rule = rules.check_experiment

@@ -72,14 +72,14 @@ class DevicesSpec(SpecTable):
 
     accelerator: Accelerator = Field(
         default="auto",
-        description="`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU). Default: auto.",
+        description="`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU).",
     )
     ids: list[int] | Literal["all"] = Field(
         default="all",
         description=(
             "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
             "or `all`. mode = none runs on the first of them (a note says so). Inactive when the run is on "
-            "CPU. Default: all."
+            "CPU."
         ),
     )
     threads_per_process: int = Field(
@@ -87,8 +87,7 @@ class DevicesSpec(SpecTable):
         ge=0,
         description=(
             "CPU threads (torch intra-op and inter-op) of each training process; 0 = OMP_NUM_THREADS when set, "
-            "else the usable cores (CPU affinity; under Slurm its CPUs per task) / training processes on the node. "
-            "Default: 0."
+            "else the usable cores (CPU affinity; under Slurm its CPUs per task) / training processes on the node."
         ),
     )
 
@@ -113,26 +112,26 @@ class ParallelSpec(SpecTable):
         description=(
             "`none` (one device), `dp` (torch.nn.DataParallel, one process), "
             "`ddp` (DistributedDataParallel, one process per device) or `fsdp` (fully_shard: parameters, "
-            "gradients and optimizer state sharded over one process per device). Default: none."
+            "gradients and optimizer state sharded over one process per device)."
         ),
     )
     # --- dp
     output_device: int | None = Field(
         default=None, ge=0, description="dp only: device id (from devices.ids) that gathers outputs. Default: first id."
     )
-    dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along. Default: 0.")
+    dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along.")
     # --- ddp
     backend: Literal["auto", "nccl", "gloo"] = Field(
         default="auto",
-        description="ddp and fsdp: process-group backend; auto = nccl on CUDA, gloo on CPU. Default: auto.",
+        description="ddp and fsdp: process-group backend; auto = nccl on CUDA, gloo on CPU.",
     )
     nproc_per_node: int | None = Field(
         default=None,
         ge=1,
         description="ddp and fsdp: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
     )
-    nnodes: int = Field(default=1, ge=1, description="ddp and fsdp: number of nodes. Default: 1.")
-    node_rank: int = Field(default=0, ge=0, description="ddp and fsdp: rank of this node, 0 .. nnodes-1. Default: 0.")
+    nnodes: int = Field(default=1, ge=1, description="ddp and fsdp: number of nodes.")
+    node_rank: int = Field(default=0, ge=0, description="ddp and fsdp: rank of this node, 0 .. nnodes-1.")
     rdzv_endpoint: str | None = Field(
         default=None,
         description="ddp and fsdp: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
@@ -140,36 +139,32 @@ class ParallelSpec(SpecTable):
     rdzv_id: str = Field(
         default="runner",
         min_length=1,
-        description="ddp and fsdp: rendezvous (job) id shared by all nodes. Default: runner.",
+        description="ddp and fsdp: rendezvous (job) id shared by all nodes.",
     )
-    max_restarts: int = Field(
-        default=0, ge=0, description="ddp and fsdp: elastic restarts of failed workers. Default: 0."
-    )
+    max_restarts: int = Field(default=0, ge=0, description="ddp and fsdp: elastic restarts of failed workers.")
     timeout_s: float = Field(
         default=1800.0,
         gt=0,
-        description="ddp and fsdp: process-group timeout in seconds; a hung collective fails after it. Default: 1800.",
+        description="ddp and fsdp: process-group timeout in seconds; a hung collective fails after it.",
     )
     hang_grace_s: float = Field(
         default=10.0,
         gt=0,
         description=(
             "ddp and fsdp: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
-            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait. Default: 10."
+            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait."
         ),
     )
     find_unused_parameters: bool = Field(
-        default=False, description="ddp only: allow parameters that get no gradient in a step. Default: false."
+        default=False, description="ddp only: allow parameters that get no gradient in a step."
     )
-    static_graph: bool = Field(
-        default=False, description="ddp only: the set of used parameters never changes. Default: false."
-    )
+    static_graph: bool = Field(default=False, description="ddp only: the set of used parameters never changes.")
     gradient_as_bucket_view: bool = Field(
         default=False,
-        description="ddp only: gradients are views into the all-reduce buckets (saves memory). Default: false.",
+        description="ddp only: gradients are views into the all-reduce buckets (saves memory).",
     )
     sync_batchnorm: bool = Field(
-        default=False, description="ddp and fsdp, CUDA only: convert BatchNorm layers to SyncBatchNorm. Default: false."
+        default=False, description="ddp and fsdp, CUDA only: convert BatchNorm layers to SyncBatchNorm."
     )
     # --- fsdp
     fsdp_blocks: list[str] | None = Field(
@@ -183,7 +178,7 @@ class ParallelSpec(SpecTable):
         default=True,
         description=(
             "fsdp only: free the gathered parameters after forward and gather them again for backward "
-            "(less memory, more communication). Default: true."
+            "(less memory, more communication)."
         ),
     )
 
