@@ -16,16 +16,7 @@ from pydantic import BaseModel, ValidationError
 from runner.errors import SpecError, SpecIssue, echo
 from runner.spec.dump import spec_sha256
 from runner.spec.messages import Loc, explain_errors, format_key, locate_keys
-from runner.spec.reading import (
-    Origin,
-    apply_override,
-    apply_unset,
-    extends_of,
-    option_of,
-    parse_key,
-    read_tree,
-    typed_as,
-)
+from runner.spec.reading import Origin, apply_override, apply_unset, option_of, parse_key, read_tree, typed_as
 from runner.spec.rules import INT64_LIMIT
 from runner.spec.schema import ExperimentSpec
 
@@ -249,16 +240,25 @@ def extends_chain(path: Path) -> set[Path]:
     todo = [Path(os.path.realpath(path))]
     while todo:
         current = todo.pop()
-        try:
-            raw = tomllib.loads(current.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-            continue
-        for base, _ in extends_of(raw, {}, current, []):  # a bad value ends the chain, as validation names it
+        for base in _extends_of(current):
             real = Path(os.path.realpath(current.parent / base))
             if real not in seen:
                 seen.add(real)
                 todo.append(real)
     return seen
+
+
+def _extends_of(path: Path) -> list[str]:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    value = raw.get("extends")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    return []
 
 
 @dataclass

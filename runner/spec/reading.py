@@ -63,7 +63,7 @@ def _read_tree(
     chain = (*chain, (Path(os.path.realpath(path)), shown))
     tree = SpecTree({}, {}, text, [(Path(os.path.normpath(path)), text)])
     ok = True
-    for base in extends_of(raw, lines, shown, issues):
+    for base in _extends_of(raw, lines, shown, issues):
         sub = _read_base(path, shown, base, chain, issues)
         if sub is None:
             ok = False
@@ -194,7 +194,7 @@ def _key_on_line(lines: list[str], line: int) -> str:
     return format_key(max(here, key=len)) if here else ""
 
 
-def extends_of(
+def _extends_of(
     raw: dict[str, Any], lines: dict[Loc, int], shown: Path, issues: list[SpecIssue]
 ) -> list[tuple[str, int]]:
     """Pop ``extends`` from ``raw``; return [(relative path, line)]; bad values become issues."""
