@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from runner.spec.editor_schema import BEGIN, END, markdown_reference
-from runner.spec.schema import ExperimentSpec, SweepParam
+from runner.spec.schema import ExperimentSpec
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -45,7 +45,7 @@ def test_a_description_leaves_a_plain_default_to_the_default_column() -> None:
     """The reference's default column (and the JSON Schema's ``default``) says a value default once; a description
     that says it again drifts when the default changes. ``Default:`` stays for what an unset key means."""
     restated = []
-    for model in {*_tables(), SweepParam}:
+    for model in set(_tables()):
         for name, field in model.model_fields.items():
             default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
             if default is not None and default is not PydanticUndefined and "Default:" in (field.description or ""):
