@@ -267,31 +267,16 @@ _SPEC_MODULE = re.compile(r"runner\.spec\.\w+\.")  # `runner.spec.schema.SweepPa
 def markdown_reference() -> str:
     """One Markdown table per spec table between :data:`BEGIN` and :data:`END`; README.md carries it verbatim
     (tested)."""
-    from runner.spec.schema import ExperimentSpec, SweepParam
+    from runner.spec.messages import schema_fields
+    from runner.spec.schema import SweepParam
 
-    parts = [BEGIN, ""]
-    top, tables = [], []
-    for name, field in ExperimentSpec.model_fields.items():
-        model = _model_of(field.annotation)
-        if model is None:
-            top.append((name, field))
-        else:
-            tables.append((name, model, field))
-    parts += _table("top level", top)
-    for name, model, _ in tables:
-        rows = list(model.model_fields.items())
-        parts += _table(f"[{name}]", rows)
+    fields = schema_fields()
+    parts = [BEGIN, "", *_table("top level", [(k, f) for k, f, table in fields if "." not in k and not table])]
+    for name in [key for key, _, table in fields if table]:
+        parts += _table(f"[{name}]", [(k.rpartition(".")[2], f) for k, f, _ in fields if k.rpartition(".")[0] == name])
     parts += _table('[sweep.params."dotted.key"]', list(SweepParam.model_fields.items()))
     parts.append(END)
     return "\n".join(parts)
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    candidates = [annotation, *getattr(annotation, "__args__", ())]
-    for cand in candidates:
-        if isinstance(cand, type) and issubclass(cand, BaseModel):
-            return cand
-    return None
 
 
 def _table(title: str, rows: list[tuple[str, FieldInfo]]) -> list[str]:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, echo
 from runner.spec.dump import spec_sha256
-from runner.spec.messages import Loc, explain_errors, format_key, locate_keys
+from runner.spec.messages import Loc, explain_errors, format_key, locate_keys, schema_fields
 from runner.spec.reading import Origin, apply_override, apply_unset, option_of, parse_key, read_tree, typed_as
 from runner.spec.rules import INT64_LIMIT
 from runner.spec.schema import ExperimentSpec
@@ -198,17 +198,13 @@ def _origin_of(provenance: dict[Loc, Origin], loc: Loc, top: Path) -> Origin:
     return Origin(top, 1)
 
 
-def _required_keys(model: type[BaseModel] = ExperimentSpec, prefix: str = "") -> list[str]:
+def _required_keys() -> list[str]:
     """Dotted keys a spec must set, e.g. ``name``, ``model.name``, ``data.batch_size``."""
-    keys = []
-    for name, info in model.model_fields.items():
-        if info.is_required():
-            ann = info.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                keys += _required_keys(ann, f"{prefix}{name}.")
-            else:
-                keys.append(prefix + name)
-    return keys
+    required = {""}  # the root, then each required key of a required table (a table comes before its keys)
+    for key, info, _ in schema_fields():
+        if info.is_required() and key.rpartition(".")[0] in required:
+            required.add(key)
+    return [key for key, _, table in schema_fields() if key in required and not table]
 
 
 EXIT_OK = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import json
 import re
 import tomllib
@@ -88,16 +89,26 @@ def unwrap_optional(ann: Any) -> Any:
     return ann
 
 
-def _elsewhere(key: str, model: type[BaseModel] = ExperimentSpec, prefix: Loc = ()) -> list[str]:
-    """Dotted keys of other tables that have a field called ``key``."""
-    found = []
-    for name, field in model.model_fields.items():
-        ann = unwrap_optional(field.annotation)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            found += _elsewhere(key, ann, (*prefix, name))
-        elif name == key and prefix:
-            found.append(format_key((*prefix, name)))
-    return found
+@functools.cache
+def schema_fields() -> tuple[tuple[str, FieldInfo, bool], ...]:
+    """``(dotted key, field, is a table)`` of every key of the spec schema, each table before its keys."""
+    found: list[tuple[str, FieldInfo, bool]] = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = unwrap_optional(field.annotation)
+            table = isinstance(ann, type) and issubclass(ann, BaseModel)
+            found.append((prefix + name, field, table))
+            if table:
+                walk(ann, f"{prefix}{name}.")
+
+    walk(ExperimentSpec, "")
+    return tuple(found)
+
+
+def _elsewhere(key: str) -> list[str]:
+    """Dotted keys of tables that have a field called ``key``."""
+    return [k for k, _, table in schema_fields() if not table and k.endswith(f".{key}")]
 
 
 def _choices(expected: str) -> list[str]:

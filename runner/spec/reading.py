@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from runner.errors import SpecIssue, did_you_mean, show, with_hint
-from runner.spec.messages import Loc, annotation_at, format_key, line_of, locate_keys, nested_beyond, unwrap_optional
-from runner.spec.schema import ExperimentSpec
+from runner.spec.messages import Loc, annotation_at, format_key, line_of, locate_keys, nested_beyond, schema_fields
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the
 # file that wrote them (``--set`` values against the working directory).
@@ -375,7 +372,7 @@ def apply_unset(tree: SpecTree, key_text: str, issues: list[SpecIssue]) -> bool:
         forget(tree.provenance, loc)
         return True
     if annotation_at(loc) is None:
-        known = sorted(set(schema_keys()) | set(_tree_keys(tree.data)))
+        known = sorted({key for key, _, _ in schema_fields()} | set(_tree_keys(tree.data)))
         hint = did_you_mean(format_key(loc), known, render=str)
         message = with_hint("unknown key: neither the schema nor the spec has it", hint)
         issues.append(SpecIssue(None, None, format_key(loc), message, UNSET))
@@ -389,19 +386,4 @@ def _tree_keys(data: dict[str, Any], prefix: Loc = ()) -> list[str]:
         out.append(format_key(loc))
         if isinstance(value, dict):
             out += _tree_keys(value, loc)
-    return out
-
-
-def schema_keys() -> list[str]:
-    """Every dotted key of the spec schema, tables included (``parallel``, ``parallel.mode``, ...)."""
-    out: list[str] = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, info in model.model_fields.items():
-            out.append(prefix + name)
-            ann = unwrap_optional(info.annotation)
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-
-    walk(ExperimentSpec, "")
     return out

@@ -37,14 +37,7 @@ if TYPE_CHECKING:
 # Swept keys may not change where or how a trial is recorded: every trial must be a
 # child of the parent run, in the parent's store and experiment.
 FORBIDDEN_PREFIXES = ("sweep", "tracking")
-_RANDOM_KINDS = {
-    "": "uniform",
-    "uniform": "uniform",
-    "log": "log_uniform",
-    "log_uniform": "log_uniform",
-    "int": "int_uniform",
-    "int_uniform": "int_uniform",
-}
+_RANDOM_KINDS = {"": "uniform", "log": "log_uniform", "int": "int_uniform"}  # --random's suffix: its distribution
 
 
 def parse_grid(entry: str) -> tuple[str, SweepParam]:
@@ -65,15 +58,16 @@ def parse_random(entry: str) -> tuple[str, SweepParam]:
     key, text = _split(entry, "--random", "KEY=LOW:HIGH[:log|:int]", "optim.lr=1e-4:1e-1:log")
     parts = text.split(":")
     kind = parts[2].strip().lower() if len(parts) == 3 else ""
-    if len(parts) not in (2, 3) or kind not in _RANDOM_KINDS:
+    kind = _RANDOM_KINDS.get(kind, kind)  # the distribution's own name is taken too
+    if len(parts) not in (2, 3) or kind not in _RANDOM_KINDS.values():
         raise UsageError(f"--random {entry}: expected KEY=LOW:HIGH, KEY=LOW:HIGH:log or KEY=LOW:HIGH:int")
     try:
         low, high = float(parts[0]), float(parts[1])
     except ValueError:
         raise UsageError(f"--random {entry}: LOW and HIGH must be numbers, got {parts[0]!r} and {parts[1]!r}") from None
-    if _RANDOM_KINDS[kind] == "int_uniform" and math.ceil(low) > math.floor(high):
+    if kind == "int_uniform" and math.ceil(low) > math.floor(high):
         raise UsageError(f"--random {entry}: the range [{low}, {high}] holds no integer")
-    return key, _param(f"--random {entry}", low=low, high=high, distribution=_RANDOM_KINDS[kind])
+    return key, _param(f"--random {entry}", low=low, high=high, distribution=kind)
 
 
 @dataclass(frozen=True)

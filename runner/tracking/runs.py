@@ -153,8 +153,6 @@ def start_run(
     artifacts ``spec/`` and ``git/``. A failure after creation marks the run FAILED first. ``nested`` allows an active
     fluent run and makes it the parent. Raises TrackingError: A fluent run is active without ``nested``, the store is
     unreachable, the experiment is deleted, or MLflow rejects a request."""
-    from mlflow.exceptions import MlflowException
-
     spec = loaded.spec
     uri = uri or resolve_tracking_uri(spec)
     parent_run_id = check_fluent_run(nested)
@@ -165,13 +163,9 @@ def start_run(
     experiment_name = experiment or spec.tracking.experiment or spec.name
 
     client = client_for(uri)
-    try:
+    with store_errors(f"create an MLflow run in experiment {experiment_name!r} at {uri}"):
         experiment_id = ensure_experiment(client, experiment_name, uri)
         run = client.create_run(experiment_id, tags=tags, run_name=run_name)
-    except MlflowException as exc:
-        raise TrackingError(
-            f"could not create an MLflow run in experiment {experiment_name!r} at {uri}: {exc}"
-        ) from exc
     try:
         record_summary(uri, run.info.run_id, params=params, texts=texts)
     except TrackingError:
@@ -240,14 +234,13 @@ def find_run(uri: str, run_id: str) -> RunRecord | None:
     """The run ``run_id`` at ``uri``, or ``None`` (a deleted run too); TrackingError when the store cannot be read."""
     from mlflow.exceptions import MlflowException
 
-    try:
-        run = client_for(uri).get_run(run_id)
-    except MlflowException as exc:
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such run, or no run id
-            return None
-        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {exc.message}") from None
-    except Exception as exc:
-        raise TrackingError(f"could not read MLflow run {run_id} at {uri}: {type(exc).__name__}: {exc}") from exc
+    with store_errors(f"read MLflow run {run_id} at {uri}"):
+        try:
+            run = client_for(uri).get_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such run, or no run id
+                return None
+            raise
     return None if run.info.lifecycle_stage == "deleted" else run_record(run)
 
 

@@ -345,7 +345,7 @@ def _first_open(uri: str, path: Path | None = None) -> None:
             text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
             racing = any(sign in text for sign in ("already exists", "database is locked", "out-of-date database"))
             if not racing or attempt == OPEN_ATTEMPTS - 1:
-                first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+                first = first_line(text) or type(exc).__name__
                 raise TrackingError(f"MLflow cannot open the tracking store {uri}: {first[:500]}") from None
             if path is None or not wait_until_still(path):
                 time.sleep(0.5 * 2**attempt)
