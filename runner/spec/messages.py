@@ -294,10 +294,9 @@ def _explain_union(errors: Sequence[Mapping[str, Any]]) -> str:
             found = _choices((err.get("ctx") or {}).get("expected", ""))
             choices += found
             expected += [show(c) for c in found]
-        elif err["type"] == "list_type":
-            expected.append("a list")
-        else:
-            expected.append(err["msg"].replace("Input should be ", ""))
+        else:  # a TOML kind: a string, a list, a table (pydantic's dictionary), ...
+            kind = ("a table", "") if err["type"] == "dict_type" else _wrong_type(err["type"], value)
+            expected.append(kind[0] if kind else err["msg"].replace("Input should be ", ""))
     hint = did_you_mean(value, choices) if isinstance(value, str) else ""
     return with_hint(f"got {show(value)}; expected {join_or(expected)}", hint)
 
@@ -333,10 +332,7 @@ def nested_beyond(text: str, limit: int) -> int | None:
 def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
     """The 1-based line of key path ``loc`` (``("parallel", "mode")``), else of its nearest located ancestor, else 1."""
     loc = tuple(loc)
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in lines:
-            return lines[loc[:n]]
-    return 1
+    return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), 1)
 
 
 class _Scanner:

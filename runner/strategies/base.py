@@ -43,16 +43,12 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
             b for b in blocks if not any(m is b for m in block.modules()) and not any(m is block for m in b.modules())
         ]
         if _shares_parameters(block, others):  # a nested block shares its parent's parameters
-            raise SpecError(
-                SpecIssue(
-                    None,
-                    None,
-                    "parallel.fsdp_blocks",
-                    f"a {type(block).__name__} block shares a parameter with another block (tied weights), which "
-                    "FSDP cannot shard apart: leave that class out of fsdp_blocks, or fsdp_blocks = [] shards "
-                    "the model as one unit",
-                )
+            message = (
+                f"a {type(block).__name__} block shares a parameter with another block (tied weights), which "
+                "FSDP cannot shard apart: leave that class out of fsdp_blocks, or fsdp_blocks = [] shards the model "
+                "as one unit"
             )
+            raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
     return blocks
 
 
@@ -228,18 +224,11 @@ class Precision:
         self._scaler.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the gradients of ``optimizer``'s parameters by the scale, in place (before clipping).
-
-        A no-op without scaling. At most once per optimizer step.
-        """
+        """Divide the gradients by the scale in place, before clipping; once per step at most (a no-op unscaled)."""
         self._scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the optimizer step and update the scale.
-
-        With scaling, the step is skipped when the gradients hold ``inf``/``NaN`` and the scale shrinks; without, this
-        is ``optimizer.step()``.
-        """
+        """``optimizer.step()``; with scaling, skipped when the gradients hold ``inf``/``NaN`` (the scale shrinks)."""
         self._scaler.step(optimizer)
         self._scaler.update()
 

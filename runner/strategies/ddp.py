@@ -201,10 +201,7 @@ class DDPStrategy(Strategy):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape) over all ranks: a detached copy on its device; gloo reduces on CPU, nccl on
         this rank's GPU."""
-        self._need_setup()
-        buf = tensor.detach().to(self._collective_device(), copy=True)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        return buf.to(tensor.device)
+        return self.all_reduce_sum_async(tensor)()
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The sum started with ``async_op``: the ranks go on training while it runs; calling the result waits."""

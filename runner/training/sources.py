@@ -185,12 +185,7 @@ def _expected_path(cls: type, root: Path) -> Path:
 
 
 def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
-    tvd = torchvision_package("data.dataset").datasets
-
-    cls_name = data.dataset[len("torchvision.") :]
-    cls: Any = getattr(tvd, cls_name, None)
-    if cls_name in NOT_DATASETS or not inspect.isclass(cls) or not issubclass(cls, Dataset):
-        raise _unknown_dataset(data.dataset)
+    cls = dataset_source(data.dataset, spec_dir)
     root = _root(data, spec_dir)
     kwargs = dict(data.kwargs)
     params = inspect.signature(cls).parameters
@@ -208,7 +203,7 @@ def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
         raise spec_issue(
             "data.kwargs",
             f"{data.dataset} rejected kwargs {data.kwargs}: {first_line(exc)}; "
-            f"signature: {cls_name}{inspect.signature(cls)}",
+            f"signature: {cls.__name__}{inspect.signature(cls)}",
         ) from None
     except (RuntimeError, OSError) as exc:
         expected = _expected_path(cls, root)

@@ -27,6 +27,9 @@ CASES: dict[str, tuple[int | None, str, tuple[str, ...]]] = {
     "nan_in_kwargs.toml": (10, "optim.kwargs.eps", ("got nan", "expected finite numbers")),
     "inf_in_sweep.toml": (10, 'sweep.params."optim.lr".values', ("[0.1, -inf]", "holds inf or nan")),
     "mode_typo.toml": (8, "parallel.mode", ('got "dpp"', '"none", "dp", "ddp" or "fsdp"', 'did you mean "dp"?')),
+    # a value that fits no member of a union: one message naming every member, in TOML's words
+    "ids_word.toml": (9, "devices.ids", ('got "al"; expected a list or "all"', 'did you mean "all"?')),
+    "metric_number.toml": (10, "metrics.train[1]", ("got 3; expected a string or a table",)),
     "ddp_batch_indivisible.toml": (6, "data.batch_size", ("batch_size = 10", "world size 4")),
     "nccl_on_cpu.toml": (11, "parallel.backend", ("nccl", "cpu", "gloo")),
     "sync_batchnorm_cpu.toml": (11, "parallel.sync_batchnorm", ("sync_batchnorm needs CUDA",)),
