@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import tomli_w
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from runner.errors import show
 from runner.spec.reading import parse_key
@@ -49,24 +49,15 @@ def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
 
 
 def _plain_table(model: BaseModel, inactive: dict[str, str], prefix: str = "") -> dict[str, Any]:
-    """Plain dict of ``model``: set fields, plus every default that applies and validates alongside them."""
-    cls = type(model)
+    """Plain dict of ``model``: the fields set, and every default that applies (an inactive one is left out, §10)."""
     values = {}
-    for name in cls.model_fields:
+    for name, field in type(model).model_fields.items():
+        if name not in model.model_fields_set and is_inactive(prefix + name, inactive):
+            continue
         value = _plain(getattr(model, name), inactive, f"{prefix}{name}.")
-        if value is None or (value == {} and not cls.model_fields[name].is_required()):
-            continue
-        values[name] = value
-    chosen = {n: v for n, v in values.items() if n in model.model_fields_set}
-    for name, value in values.items():
-        if name in chosen or is_inactive(prefix + name, inactive):
-            continue
-        if _validates(cls, {**chosen, name: value}):
-            chosen[name] = value
-    result = {n: v for n, v in values.items() if n in chosen}
-    if _validates(cls, result, expect=model):
-        return result
-    return {n: v for n, v in values.items() if n in model.model_fields_set}
+        if value is not None and (value != {} or field.is_required()):
+            values[name] = value
+    return values
 
 
 def _plain(value: Any, inactive: dict[str, str], prefix: str) -> Any:
@@ -77,14 +68,6 @@ def _plain(value: Any, inactive: dict[str, str], prefix: str) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v, inactive, prefix) for v in value]
     return value
-
-
-def _validates(cls: type[BaseModel], data: dict[str, Any], expect: BaseModel | None = None) -> bool:
-    try:
-        made = cls.model_validate(data)
-    except ValidationError:
-        return False
-    return expect is None or made == expect
 
 
 def _jsonable(value: Any) -> Any:
