@@ -15,7 +15,7 @@ from runner.devices.inventory import HostLoad
 from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, TrainingError, UsageError
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_figures import LOSS_TOLERANCE, comparability, probe_model_and_data, reason
-from runner.tools.bench_pool import Chart, Probe, Reply, WarmPool, write_chart
+from runner.tools.bench_pool import Probe, Reply, WarmPool, write_chart
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
 from runner.tools.bench_runs import (
     Config,
@@ -249,17 +249,12 @@ def _measure_all(
     report.recommendation = recommend(report.configs)
     report.json_path = str(out / "bench.json")
     report.png_path = str(out / "bench.png")
-    drawn = pool.size > 0
-    if drawn:  # a worker draws the chart (matplotlib) while this process records the runs
-        pool.submit(0, Chart(report, Path(report.png_path)))
     if parent is not None:
         for row in report.configs:
             if row.status == "ok" and row.run_id:
                 record_child(parent.uri, row, report.warmup, report.steps)
     write_json(report, Path(report.json_path))
-    chart = pool.collect(0) if drawn else None
-    if not isinstance(chart, Path):  # no worker, or it could not draw: draw here (and raise what fails)
-        write_chart(report, Path(report.png_path))
+    write_chart(report, Path(report.png_path))
     if parent is not None:
         record_parent(report, parent)
 

@@ -52,14 +52,6 @@ class Probe:
     loaded: LoadedSpec
 
 
-@dataclass(frozen=True)
-class Chart:
-    """Draw ``bench.png`` (:func:`runner.tools.bench_pool.write_chart`) once measuring is over."""
-
-    report: BenchReport
-    path: Path
-
-
 @dataclass
 class Reply:
     """A rank's answer for one repeat: ``ok``, ``skipped``, ``failed`` or ``interrupted``, with its result and CUDA
@@ -126,7 +118,7 @@ class WarmPool:
         first_bad = next((r for r in replies if r is not None and r.status != "ok"), None)
         return [r if r is not None else (first_bad or Reply("failed", "no reply")) for r in replies]
 
-    def submit(self, rank: int, message: Probe | Chart) -> None:
+    def submit(self, rank: int, message: Probe) -> None:
         """Send ``message`` to worker ``rank`` without waiting; :meth:`collect` fetches the answer."""
         self.start()
         slot = self._procs[rank]
@@ -207,10 +199,8 @@ def serve(conn: Connection) -> None:
         if isinstance(job, Job):
             conn.send(run_job(job))
             continue
-        try:  # a probe's figures or the chart's path; else the exception, for the caller to raise
-            answer: Any = (
-                probe_model_and_data(job.loaded) if isinstance(job, Probe) else write_chart(job.report, job.path)
-            )
+        try:  # a probe's figures, else the exception, for the caller to raise
+            answer: Any = probe_model_and_data(job.loaded)
         except Exception as exc:
             answer = exc
         conn.send(answer)
