@@ -224,7 +224,7 @@ class Precision:
         self._scaler.scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the gradients by the scale in place, before clipping; once per step at most (a no-op unscaled)."""
+        """Divide the gradients by the scale in place, before clipping; at most once a step, a no-op without scaling."""
         self._scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
