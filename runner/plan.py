@@ -68,17 +68,9 @@ class Plan:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
-        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name, self.devices.accelerator)
-        spec = self.loaded.spec
-        par = spec.parallel
-        out.update(
-            {
-                "devices": self.devices.describe(),
-                "world_size": self.devices.world_size,
-                "launch": self.launch,
-                "notes": self.notes,
-            }
-        )
+        devices, par = self.devices, self.loaded.spec.parallel
+        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name, devices.accelerator)
+        out.update(devices=devices.describe(), world_size=devices.world_size, launch=self.launch, notes=self.notes)
         if self.rendezvous is not None:
             rdzv = self.rendezvous
             out["rendezvous"] = {

@@ -3,6 +3,7 @@ docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,24 +71,12 @@ class DevicePlan:
             }
             for pos, dev_id in enumerate(self.requested_ids)
         ]
-        return {
-            "accelerator": self.accelerator,
-            "mode": self.mode,
-            "devices": devices,
-            "visible": list(self.visible),
-            "nnodes": self.nnodes,
-            "nproc_per_node": self.nproc_per_node,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "global_batch": self.global_batch,
-            "grad_accum_steps": self.grad_accum_steps,
-            "per_device_batch": list(self.per_device_batch),
-            "output_device": self.output_index if self.replicas else None,
-            "env": dict(self.env),
-            "notes": list(self.notes),
-            "threads_per_process": self.threads_per_process,
-            "threads_from": self.threads_from,
-        }
+        plain = {k: v for k, v in dataclasses.asdict(self).items() if k not in _PER_DEVICE}  # copies of every list
+        return {**plain, "devices": devices, "output_device": self.output_index if self.replicas else None}
+
+
+# DevicePlan's fields that describe() folds into one entry per device (``output_index``: dp's ``output_device``)
+_PER_DEVICE = ("requested_ids", "selected", "names", "uuids", "physical_indices", "total_memory_bytes", "output_index")
 
 
 def _at(values: Sequence[Any], pos: int) -> Any:

@@ -130,24 +130,12 @@ class ParityReport:
         )
 
     def to_json(self) -> dict[str, Any]:
-        def row(m: ModeResult) -> dict[str, Any]:
-            keep = ("config", "mode", "n", "run_id", "max_loss_delta", "max_param_delta", "first_beyond", "status")
-            return {**{k: getattr(m, k) for k in keep}, "reason": m.reason, "losses": m.losses}
-
-        return {
-            "spec": self.spec,
-            "verdict": self.verdict(),
-            "precision": self.precision,
-            "steps": self.steps,
-            "perturbation": PERTURBATION,
-            "loss_tolerance": self.loss_tolerance,
-            "param_tolerance": self.param_tolerance,
-            "sensitivity": self.sensitivity(),
-            "causes": self.causes if self.differing else [],
-            "notes": self.notes,
-            "configurations": [row(m) for m in [*self.modes, self.control, self.reference] if m is not None],
-            "parent_run_id": self.parent_run_id,
-        }
+        """The report's fields, the verdict and the sensitivity; each configuration without its tensors and |Δ|s."""
+        rows = [m for m in [*self.modes, self.control, self.reference] if m is not None]
+        configurations = [{k: v for k, v in vars(m).items() if k not in ("params", "loss_deltas")} for m in rows]
+        plain = {k: v for k, v in vars(self).items() if k not in ("modes", "control", "reference")}
+        verdict = {"verdict": self.verdict(), "perturbation": PERTURBATION, "sensitivity": self.sensitivity()}
+        return {**plain, **verdict, "causes": self.causes if self.differing else [], "configurations": configurations}
 
 
 def _e(value: float | None) -> str:

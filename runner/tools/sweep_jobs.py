@@ -302,19 +302,17 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
     try:
         with study.heartbeat(trial):
             result = _execute(study, store, setup, trial, point, parent_id)
-    except (Interrupted, KeyboardInterrupt):
-        run_id = _quiet(lambda: store.trial_run(parent_id, trial.number))
-        study.tell(trial, TrialResult(point.index, point.values, run_id, "KILLED", None, "interrupted"))
-        raise
     except BaseException as exc:
         run_id = _quiet(lambda: store.trial_run(parent_id, trial.number))
-        error = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, RunnerError):  # runner's own errors say enough; anything else with its traceback
+        stopped = isinstance(exc, (Interrupted, KeyboardInterrupt))
+        error = "interrupted" if stopped else f"{type(exc).__name__}: {exc}"
+        if not stopped and not isinstance(exc, RunnerError):  # runner's own errors say enough; others bring a trace
             error += f"\n{traceback.format_exc()}"
-        study.tell(trial, TrialResult(point.index, point.values, run_id, "FAILED", None, error))
-        if not isinstance(exc, Exception):
+        failed = TrialResult(point.index, point.values, run_id, "KILLED" if stopped else "FAILED", None, error)
+        study.tell(trial, failed)  # a KILLED trial is enqueued again
+        if stopped or not isinstance(exc, Exception):
             raise
-        return TrialResult(point.index, point.values, run_id, "FAILED", None, error)
+        return failed
     if not study.tell(trial, result):  # the other worker's attempt counts: this run ends KILLED, saying why
         why = f"trial {point.index} was taken over by another worker while this one ran it: this result is dropped"
         echo(f"runner: {why}", err=True)

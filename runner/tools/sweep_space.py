@@ -223,20 +223,9 @@ class SweepReport:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able summary (``runner sweep --json``; artifact ``sweep_report.json`` of the parent)."""
-        best = self.best
-        return {
-            "parent_run_id": self.parent_run_id,
-            "tracking_uri": self.tracking_uri,
-            "experiment": self.experiment,
-            "study": self.study,
-            "storage": self.storage,
-            "definition": self.definition.to_json(),
-            "failed": self.failed,
-            "pruned": self.pruned,
-            "best": None if best is None else best.to_json(),
-            "trials": [t.to_json() for t in self.trials],
-            "notes": list(self.notes),
-        }
+        best, plain = self.best, dataclasses.asdict(self)  # the trials as dicts, copies of the lists
+        totals = {"failed": self.failed, "pruned": self.pruned, "best": None if best is None else best.to_json()}
+        return {**plain, "definition": self.definition.to_json(), **totals}
 
 
 def _show(value: Any) -> str:

@@ -383,14 +383,7 @@ def build_payload(
         "format": FORMAT_VERSION,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "state": {
-            "epoch": state.epoch,
-            "global_step": state.global_step,
-            "batch_in_epoch": state.batch_in_epoch,
-            "epoch_sums": state.epoch_sums,
-            "window_sums": state.window_sums,
-            "metric_states": state.metric_states,
-        },
+        "state": dict(vars(state)),  # TrainState(**payload["state"]) rebuilds it
         "rng": rng_states,
         "spec": spec_flat,
         "spec_sha256": spec_sha256,
