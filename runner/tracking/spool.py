@@ -49,8 +49,7 @@ def append(
     end: tuple[str, str | None] | None = None,
 ) -> int:
     """Append records (and a run ``end``) to the spool at ``path`` and fsync it; return the values written. OSError."""
-    lines = [json.dumps({"seq": i.seq, "key": i.key, "value": i.value, "timestamp": i.timestamp, "step": i.step})
-             for i in items]  # fmt: skip
+    lines = [json.dumps(item._asdict()) for item in items]
     count = len(lines)
     if tags:
         lines.append(json.dumps({"tags": dict(tags)}))
@@ -84,9 +83,7 @@ def read(path: Path, offset: int = 0, limit: int | None = None, after: int = -1)
                 continue
             if "seq" in record:
                 if record["seq"] > after:
-                    out.items.append(
-                        Item(record["seq"], record["key"], float(record["value"]), record["timestamp"], record["step"])
-                    )
+                    out.items.append(Item(**record))
             elif "tags" in record:
                 out.tags.update(record["tags"])
             elif "end" in record:
