@@ -279,12 +279,7 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> Se
         settings["torch.backends.cudnn.benchmark"] = "False"
     elif torch.are_deterministic_algorithms_enabled():
         torch.use_deterministic_algorithms(False)
-    return SeedInfo(
-        seed=seed,
-        rank=rank,
-        worker_base_seed=derive_seed(seed, rank, 0),
-        deterministic_settings=settings,
-    )
+    return SeedInfo(seed, rank, derive_seed(seed, rank, 0), settings)
 
 
 def capture_rng_state() -> dict[str, Any]:
