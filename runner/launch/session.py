@@ -319,6 +319,7 @@ def apply_plan_env(plan: Plan) -> None:
 
 def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> WorkerArgs:
     """What every worker gets: spec, devices, and where rank 0 reaches the driver (which hands down the run)."""
+    handed = {name: getattr(options, name) for name in ("sync_timing", "epoch_end", "dtype", "nudge", "started_at")}
     return WorkerArgs(
         loaded=plan.loaded,
         plan=plan.devices,
@@ -326,12 +327,8 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
         tracking_uri=plan.tracking_uri,
         checkpoint_dir="",
         resume=requeued(plan),
-        sync_timing=options.sync_timing,
-        epoch_end=options.epoch_end,
         hub=hub,
-        dtype=options.dtype,
-        nudge=options.nudge,
-        started_at=options.started_at,
+        **handed,
     )
 
 

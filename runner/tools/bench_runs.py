@@ -137,17 +137,10 @@ def record_parent(report: BenchReport, parent: Parent) -> None:
 
 def _figures(result: ConfigResult, prefix: str) -> dict[str, float]:
     """The metrics of one configuration: ``bench/<prefix><figure>``, figures that exist only."""
-    values = {
-        "samples_per_s": result.samples_per_s,
-        "step_time_median_s": result.step_time_median_s,
-        "step_time_p90_s": result.step_time_p90_s,
-        "data_wait_fraction": result.data_wait_fraction,
-        "scaling_efficiency": result.scaling_efficiency,
-        "final_loss": result.final_loss,
-        "samples_per_s_spread": result.spread,
-        "step_time_tail": result.tail,
-        "peak_memory_max_bytes": float(max(result.peak_memory_bytes)) if result.peak_memory_bytes else None,
-    }
+    names = ("samples_per_s", "step_time_median_s", "step_time_p90_s", "data_wait_fraction", "scaling_efficiency")
+    values = {name: getattr(result, name) for name in (*names, "final_loss")}
+    peak = float(max(result.peak_memory_bytes)) if result.peak_memory_bytes else None
+    values.update(samples_per_s_spread=result.spread, step_time_tail=result.tail, peak_memory_max_bytes=peak)
     return {f"bench/{prefix}{k}": float(v) for k, v in values.items() if v is not None}
 
 
