@@ -144,19 +144,13 @@ def _spec_changed(
 ) -> SpecError:
     """The refusal of a resume whose spec differs from the run's in ``keys``: which --set to repeat, or how not to."""
     again = f"`runner resume {run_id}` continues it with its own spec and --set values, " if run_id else ""
-    return SpecError(
-        [
-            SpecIssue(
-                loaded.path,
-                None,
-                k,
-                f"differs from the resumed run: was {show(saved.get(k))}, now {show(current.get(k))}: repeat "
-                f"--set {k}={show(saved.get(k))} if the run was started with it; {again}or pass "
-                f"--allow-spec-change {k} to train on with the new value",
-            )
-            for k in keys
-        ]
-    )
+    issues = []
+    for k in keys:
+        was, now = show(saved.get(k)), show(current.get(k))
+        fix = f"repeat --set {k}={was} if the run was started with it; {again}or pass --allow-spec-change {k}"
+        message = f"differs from the resumed run: was {was}, now {now}: {fix} to train on with the new value"
+        issues.append(SpecIssue(loaded.path, None, k, message))
+    return SpecError(issues)
 
 
 def _check_resume(

@@ -203,13 +203,8 @@ def check_experiment(spec: ExperimentSpec) -> None:
     for key in ("compile", "activation_checkpointing"):
         if getattr(spec.train, key) and not spec.parallel.traits.transforms_blocks:
             why = "DataParallel copies the module onto every device at each forward"
-            problems.append(
-                (
-                    f"train.{key}",
-                    f'{key} cannot apply under mode = "{spec.parallel.mode}" ({why}): '
-                    'use mode = "none", "ddp" or "fsdp", or set it to false',
-                )
-            )
+            fix = 'use mode = "none", "ddp" or "fsdp", or set it to false'
+            problems.append((f"train.{key}", f'{key} cannot apply under mode = "{spec.parallel.mode}" ({why}): {fix}'))
     if spec.sweep is not None and spec.sweep.method != "grid" and spec.sweep.trials is None:
         problems.append(("sweep.trials", f'method = "{spec.sweep.method}" needs a trial budget: set trials = N'))
     if problems:
@@ -226,9 +221,8 @@ def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
         fix = 'use mode = "none", or "ddp" (backend gloo runs on CPU)'
         problems.append(("parallel.mode", f'mode = "{par.mode}" needs CUDA GPUs but {why}: {fix}'))
     if "backend" in keys and par.backend == "nccl":
-        problems.append(
-            ("parallel.backend", f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")')
-        )
+        message = f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")'
+        problems.append(("parallel.backend", message))
     if "sync_batchnorm" in keys and par.sync_batchnorm:
         message = f"sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel) but {why}: remove it, or run on GPUs"
         problems.append(("parallel.sync_batchnorm", message))

@@ -349,15 +349,7 @@ def git_info(path: str | os.PathLike[str]) -> GitInfo | None:
     untracked_all = [f for f in (others or "").split("\0") if f]
     remote = _git(root, "remote", "get-url", "origin")
     remote_url = mask_secrets(remote.strip()) if remote and remote.strip() else None  # tokens in https remotes
-    return GitInfo(
-        root=root,
-        commit=commit,
-        branch=branch,
-        dirty=dirty,
-        remote_url=remote_url,
-        untracked=untracked_all[:MAX_UNTRACKED_LISTED],
-        untracked_count=len(untracked_all),
-    )
+    return GitInfo(root, commit, branch, dirty, remote_url, untracked_all[:MAX_UNTRACKED_LISTED], len(untracked_all))
 
 
 def git_diff(info: GitInfo, max_bytes: int = 5 * 1024 * 1024) -> str:
