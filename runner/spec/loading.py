@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from runner.errors import SpecError, SpecIssue, echo
 from runner.spec.dump import spec_sha256
-from runner.spec.messages import Loc, explain_errors, format_key, locate_keys, schema_fields
+from runner.spec.messages import Loc, explain_errors, format_key, locate_keys, nearest, schema_fields
 from runner.spec.reading import Origin, apply_override, apply_unset, option_of, parse_key, read_tree, typed_as
 from runner.spec.rules import INT64_LIMIT
 from runner.spec.schema import ExperimentSpec
@@ -143,7 +143,7 @@ def _line_in(lines: dict[Loc, int], key: str) -> int | None:
     for part in key.split("."):  # "metrics.val[1]" -> ("metrics", "val", 1)
         name, *indices = part.split("[")
         loc = (*loc, name, *(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit()))
-    return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+    return nearest(lines, loc)
 
 
 def _validate(
@@ -189,9 +189,8 @@ def _beyond_int64(value: Any, loc: Loc = ()) -> Iterator[tuple[Loc, str]]:
 
 def _origin_of(provenance: dict[Loc, Origin], loc: Loc, top: Path) -> Origin:
     """Where ``loc`` (or its nearest written ancestor) came from; the top file's first line if nowhere."""
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in provenance:
-            return provenance[loc[:n]]
+    if (found := nearest(provenance, loc)) is not None:
+        return found
     for known, origin in provenance.items():  # e.g. an unknown table created only by --set a.b.c=1
         if known[: len(loc)] == loc:
             return origin

@@ -11,7 +11,7 @@ import re
 import tomllib
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -302,6 +302,7 @@ def _explain_union(errors: Sequence[Mapping[str, Any]]) -> str:
 
 
 Loc = tuple  # tuple[str | int, ...]: table keys are str, array indices are int
+_T = TypeVar("_T")
 
 _BARE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _TOKEN = re.compile(  # the strings first: a "#", "[" or "=" inside one is text
@@ -329,10 +330,10 @@ def nested_beyond(text: str, limit: int) -> int | None:
     return None
 
 
-def line_of(lines: Mapping[Loc, int], loc: Sequence[str | int]) -> int:
-    """The 1-based line of key path ``loc`` (``("parallel", "mode")``), else of its nearest located ancestor, else 1."""
+def nearest(found: Mapping[Loc, _T], loc: Sequence[str | int]) -> _T | None:
+    """What ``found`` holds for key path ``loc`` (``("parallel", "mode")``), else for its nearest ancestor; or None."""
     loc = tuple(loc)
-    return next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), 1)
+    return next((found[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in found), None)
 
 
 class _Scanner:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import SpecIssue, did_you_mean, show, with_hint
-from runner.spec.messages import Loc, annotation_at, format_key, line_of, locate_keys, nested_beyond, schema_fields
+from runner.spec.messages import Loc, annotation_at, format_key, locate_keys, nearest, nested_beyond, schema_fields
 
 # Keys holding filesystem paths; relative values are resolved against the folder of the
 # file that wrote them (``--set`` values against the working directory).
@@ -199,11 +199,11 @@ def _extends_of(
     if value is None:
         return []
     if isinstance(value, str):
-        return [(value, line_of(lines, ("extends",)))]
+        return [(value, nearest(lines, ("extends",)) or 1)]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return [(v, line_of(lines, ("extends", i))) for i, v in enumerate(value)]
+        return [(v, nearest(lines, ("extends", i)) or 1) for i, v in enumerate(value)]
     message = f"got {show(value)}; expected a file name or a list of file names"
-    issues.append(SpecIssue(shown, line_of(lines, ("extends",)), "extends", message))
+    issues.append(SpecIssue(shown, nearest(lines, ("extends",)) or 1, "extends", message))
     return []
 
 

@@ -13,7 +13,7 @@ import pytest
 from runner.errors import SpecError
 from runner.spec.dump import dump_spec, flatten_spec
 from runner.spec.loading import LoadedSpec, load_spec, spec_from_dict
-from runner.spec.messages import format_key, line_of, locate_keys
+from runner.spec.messages import format_key, locate_keys, nearest
 from tests.helpers import SMALL, spec_text
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -248,9 +248,9 @@ def test_locate_keys_follows_toml_syntax():
     assert lines[("devices", "ids", 1)] == 12
     assert lines[("sweep", "params", "optim.lr", "values")] == 15
     assert lines[("runs", 1, "n")] == 19
-    assert line_of(lines, ("model", "kwargs", "missing")) == 8  # nearest ancestor
-    assert line_of(lines, ("devices", "accelerator")) == 9  # table header
-    assert line_of(lines, ("train", "epochs")) == 1  # nowhere: first line
+    assert nearest(lines, ("model", "kwargs", "missing")) == 8  # nearest ancestor
+    assert nearest(lines, ("devices", "accelerator")) == 9  # table header
+    assert nearest(lines, ("train", "epochs")) is None  # nowhere: the callers say line 1
 
 
 def test_locate_keys_reads_strings_numbers_and_nesting_as_toml_does():
