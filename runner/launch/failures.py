@@ -195,11 +195,11 @@ class QuietCollectiveTimeouts(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_launcher_logs(path: Path) -> Iterator[QuietCollectiveTimeouts]:
-    """:class:`QuietCollectiveTimeouts` on torch's launcher loggers, and on every one below them that exists (filters
-    do not propagate to children), while the block runs."""
+    """:class:`QuietCollectiveTimeouts` on torch's launcher loggers and every one below them (filters do not
+    propagate), while the block runs; the registry is read as a copy: the hub thread may make loggers meanwhile."""
     quiet = QuietCollectiveTimeouts(path)
     below = tuple(f"{name}." for name in _LAUNCHER_LOGGERS)
-    existing = [lg for key, lg in logging.Logger.manager.loggerDict.items() if key.startswith(below)]
+    existing = [lg for key, lg in logging.Logger.manager.loggerDict.copy().items() if key.startswith(below)]
     loggers = [logging.getLogger(name) for name in _LAUNCHER_LOGGERS]
     loggers += [lg for lg in existing if isinstance(lg, logging.Logger)]  # not the manager's placeholders
     for logger in loggers:

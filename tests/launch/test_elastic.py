@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -12,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from runner.errors import SpecError, SpecIssue
 from runner.launch.elastic import LaunchFailed, _stop_once, launch_failure
-from runner.launch.failures import JobContext
+from runner.launch.failures import JobContext, quiet_launcher_logs
 
 
 def test_a_launch_failure_crosses_to_the_driver_whole() -> None:
@@ -121,3 +122,23 @@ def test_a_ranks_spec_error_is_read_back_from_the_launchers_failure_record() -> 
     ]
     assert spec_error_of_child(failed("Traceback ...\nrunner.errors.TrainingError: diverged\n")) is None
     assert spec_error_of_child(RuntimeError("no failures recorded")) is None
+
+
+class _GrowingLoggers(dict):
+    """A logger registry to which another thread adds a logger while it is being iterated."""
+
+    def items(self):  # type: ignore[override]
+        for pair in super().items():
+            self.setdefault("another.library", logging.PlaceHolder(logging.getLogger("x")))
+            yield pair
+
+
+def test_the_launcher_loggers_are_quieted_while_another_thread_makes_loggers(tmp_path, monkeypatch) -> None:
+    """A two-node driver launches in its own process while its hub thread opens the store (importing mlflow): the
+    registry of loggers must be read without iterating it live (a flaky 'dictionary changed size' before)."""
+    child = logging.getLogger("torch.distributed.elastic.agent.server")
+    registry = _GrowingLoggers(logging.Logger.manager.loggerDict)
+    monkeypatch.setattr(logging.Logger.manager, "loggerDict", registry)
+    with quiet_launcher_logs(tmp_path / "ranks.log") as quiet:
+        assert quiet in child.filters and quiet in logging.getLogger("torch.distributed.elastic").filters
+    assert quiet not in child.filters
