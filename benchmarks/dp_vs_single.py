@@ -77,7 +77,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from runner.strategies.registry import make_strategy
+    from runner.strategies import make_strategy
 
     strategy = make_strategy(spec.parallel, plan)
     strategy.setup()

@@ -195,7 +195,7 @@ def fake_step(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from runner.strategies.base import find_blocks, transform_blocks
-    from runner.strategies.fsdp import mixed_precision, shard
+    from runner.strategies.distributed import mixed_precision, shard
     from runner.training.losses import build_optimizer
     from runner.training.models import build_model
 

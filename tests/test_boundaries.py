@@ -255,7 +255,7 @@ CROSSINGS = [
     ("core-tools", "runner/plan.py", "def plan():\n    import runner.tools.bench\n"),
     ("core-tools", "runner/training/loop.py", "from ..tools.sweep import run_sweep\n"),
     ("cli-tools", "runner/cli.py", "from runner.tools.sweep import run_sweep\n"),
-    ("mlflow", "runner/strategies/ddp.py", "import mlflow.pytorch\n"),
+    ("mlflow", "runner/strategies/distributed.py", "import mlflow.pytorch\n"),
     ("mlflow", "runner/tools/bench.py", "def record():\n    from mlflow.tracking import MlflowClient\n"),
     ("mlflow", "runner/launch/worker.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mlflow\n"),
     ("mlflow", "runner/devices/inventory.py", "import importlib\nm = importlib.import_module('mlflow')\n"),
@@ -294,7 +294,7 @@ ALLOWED = [
     ("cli-tools", "runner/cli.py", "def sweep():\n    from runner.tools.sweep import run_sweep\n"),
     ("core-tools", "runner/tools/sweep.py", "from runner.tools.sweep_space import expand\n"),
     ("mlflow", "runner/tracking/runs.py", "import mlflow\nfrom mlflow.tracking import MlflowClient\n"),
-    ("mlflow", "runner/tools/sweep_store.py", "from runner.tracking import runs\n"),
+    ("mlflow", "runner/tools/sweep_space.py", "from runner.tracking import runs\n"),
     (
         "training",
         "runner/training/loop.py",

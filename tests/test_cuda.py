@@ -21,7 +21,8 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import TrainingError
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.registry import DataParallelStrategy, make_strategy
+from runner.strategies import make_strategy
+from runner.strategies.base import DataParallelStrategy
 from tests.helpers import elastic_run, spec_object
 
 pytestmark = pytest.mark.cuda

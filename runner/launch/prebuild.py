@@ -196,7 +196,7 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     except SpecError:
         model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when real
     if "fsdp_blocks" in spec.parallel.traits.keys:
-        from runner.strategies.fsdp import find_blocks
+        from runner.strategies.base import find_blocks
 
         find_blocks(model, spec.parallel.fsdp_blocks)
     return model

@@ -62,7 +62,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
 
     Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build."""
     from runner.devices.inventory import apply_threads
-    from runner.strategies.registry import make_strategy
+    from runner.strategies import make_strategy
 
     apply_threads(args.plan)  # one rule for every mode, before any work (docs/design.md §4)
     env = LauncherEnvironment.detect()  # the one read of the launcher's variables in a worker

@@ -28,9 +28,8 @@ from runner.tools.sweep_jobs import (
     swept_devices,
     work,
 )
-from runner.tools.sweep_space import SweepDefinition, SweepReport, study_name, write_plots
-from runner.tools.sweep_store import GRACE_S, HEARTBEAT_S, StorageError, SweepStore, default_storage_url, open_storage
-from runner.tools.sweep_study import SweepStudy
+from runner.tools.sweep_space import SweepDefinition, SweepReport, SweepStore, study_name, write_plots
+from runner.tools.sweep_study import GRACE_S, HEARTBEAT_S, StorageError, SweepStudy, default_storage_url, open_storage
 from runner.tools.sweep_trials import (
     CommandLine,
     build_definition,

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, RunnerError, echo, first_line
 from runner.spec.loading import load_spec
-from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult
-from runner.tools.sweep_store import SweepStore, open_storage
-from runner.tools.sweep_study import SweepStudy
+from runner.tools.sweep_space import SweepDefinition, SweepStore, Trial, TrialResult
+from runner.tools.sweep_study import SweepStudy, open_storage
 from runner.tools.sweep_trials import OptunaPruning, trial_tags, without_sweep
 from runner.tracking.runs import end_run
 

@@ -1,5 +1,5 @@
-"""What a sweep searches, without running it: the definition, its Optuna search space, the trials and their results.
-Details: docs/design.md, "Module notes"."""
+"""What a sweep searches and what it records: the definition, its Optuna search space, the trials, their results,
+and the sweep's runs in MLflow (parent, children, best trial, plots). Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -20,11 +20,18 @@ from pydantic import Field, ValidationError
 from runner.errors import first_line, toml_value
 from runner.spec.dump import trial_run_name
 from runner.spec.schema import SweepSpec
-from runner.tracking.uri import ui_line
+from runner.tracking import runs
+from runner.tracking.runs import RunRecord
+from runner.tracking.stored import search_runs
+from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key
+from runner.tracking.uri import resolve_tracking_uri, ui_line
 
 if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
+
+    from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
 
 
 _PRIMITIVE = (str, int, float, bool, type(None))
@@ -260,3 +267,90 @@ def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple
         finally:
             plt.close("all")
     return files, notes
+
+
+PRUNED_TAG = "runner.sweep.pruned"
+
+
+class SweepStore:
+    """The sweep's runs in one store and experiment; nothing touches the store before a method needs it."""
+
+    def __init__(self, uri: str, experiment: str):
+        self.uri, self.experiment = uri, experiment
+
+    @classmethod
+    def for_spec(cls, spec: ExperimentSpec) -> SweepStore:
+        """The store and experiment the spec's runs are recorded in."""
+        return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
+
+    def create_parent(self, base: LoadedSpec, definition: SweepDefinition, study: str, storage: str) -> str:
+        """Create the parent run as ``runner exec`` records a run (:func:`~runner.tracking.runs.start_run`), with the
+        definition as params, the study and storage as tags and ``sweep.json``."""
+        recorded = json.dumps(definition.to_json(), default=str)
+        tags = {"runner.sweep": "parent", "runner.sweep.study": study, "runner.sweep.storage": storage}
+        if len(recorded) <= max_tag_chars():
+            tags["runner.sweep.definition"] = recorded
+        fields = ("method", "seed", "metric", "goal", "trials", "pruner")
+        params = {f"sweep.{name}": str(getattr(definition, name)) for name in fields}
+        limit = max_param_chars()
+        params.update({safe_key(f"sweep.params.{k}"): definition.describe(k)[:limit] for k in definition.params})
+        sweep_json: dict[str, Any] = {"spec": str(base.path), "overrides": base.overrides, "unset": base.unset}
+        sweep_json |= {"study": study, "storage": storage, "definition": definition.to_json()}
+        run = runs.start_run(
+            base, {"mode": "sweep"}, parent_run_name(base.spec.name), tags, uri=self.uri, experiment=self.experiment
+        )
+        texts = {"sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n"}
+        try:
+            runs.record_summary(self.uri, run.run_id, params=params, texts=texts)
+        except BaseException:
+            runs.delete_run(self.uri, run.run_id)
+            raise
+        return run.run_id
+
+    def reopen(self, run_id: str) -> None:
+        """Mark the parent RUNNING again when a worker joins a stopped sweep."""
+        record = runs.find_run(self.uri, run_id)
+        if record is not None and record.status != "RUNNING":
+            runs.mark_running(self.uri, run_id)
+
+    def trial_runs(self, parent_id: str, number: int) -> list[RunRecord]:
+        """The child runs of Optuna trial ``number``, newest first (the first is its latest attempt's)."""
+        tags = {runs.PARENT_TAG: parent_id, "runner.sweep.optuna_trial": str(number)}
+        return search_runs(self.uri, self.experiment, tags)
+
+    def trial_run(self, parent_id: str, number: int) -> str | None:
+        """The child run of Optuna trial ``number`` (for a trial whose training raised), or ``None``."""
+        runs = self.trial_runs(parent_id, number)
+        return runs[0].run_id if runs else None
+
+    def kill_taken_over(self, parent_id: str, numbers: Sequence[int]) -> None:
+        """End KILLED the runs of trials whose worker died (the trials run again under a new run)."""
+        for number in numbers:
+            for run in self.trial_runs(parent_id, number):
+                if run.status == "RUNNING":
+                    why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
+                    runs.end_run(self.uri, run.run_id, "KILLED", why)
+
+    def mark_pruned(self, run_id: str, epoch: int) -> None:
+        """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
+        runs.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
+
+    def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
+        """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
+        best = report.best if report.trials else None
+        metrics: dict[str, float] = {}
+        tags = {"runner.sweep.failed": str(report.failed), "runner.sweep.pruned_trials": str(report.pruned)}
+        if best is not None and best.metric_value is not None:
+            metrics[safe_key(f"best/{report.definition.metric}")] = float(best.metric_value)
+            tags["runner.sweep.best_run_id"] = best.run_id or ""
+            tags["runner.sweep.best_trial"] = str(best.index)
+        texts = {"sweep_report.json": json.dumps(report.to_json(), indent=2, default=str) + "\n"}
+        runs.record_summary(
+            self.uri, run_id, metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots"
+        )
+        runs.end_run(self.uri, run_id, status, error)
+
+
+def parent_run_name(name: str) -> str:
+    """The sweep's parent run name: the spec name with ``-sweep`` appended, unless it already ends with it."""
+    return name if name.endswith("-sweep") else f"{name}-sweep"

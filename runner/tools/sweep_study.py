@@ -4,20 +4,25 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.errors import UsageError, mask_secrets
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
-from runner.tools.sweep_store import HEARTBEAT_S, StorageError, make_pruner, make_sampler
+from runner.tracking.uri import local_store_path
 
 if TYPE_CHECKING:
     import optuna
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
     from optuna.storages import RDBStorage
     from optuna.trial import FrozenTrial
 
@@ -331,3 +336,87 @@ def _recorded_values(definition: SweepDefinition, frozen: FrozenTrial) -> dict[s
     given = {**frozen.system_attrs.get("fixed_params", {}), **frozen.params}
     params = definition.params
     return {k: decode_choice(params[k].values or [], v) if k in params else v for k, v in given.items()}
+
+
+HEARTBEAT_S = 10  # a running trial's worker writes a heartbeat this often (seconds)
+GRACE_S = 60  # a running trial without a heartbeat for this long is failed and enqueued again
+STORAGE_FILE = "optuna.db"
+
+
+class StorageError(Exception):
+    """The Optuna storage cannot be opened or used (the caller says where its URL came from)."""
+
+
+def default_storage_url(tracking_uri: str, cwd: Path | None = None) -> str:
+    """sqlite ``optuna.db`` beside a local MLflow store (an absolute URI), else in ``cwd``."""
+    local = local_store_path(tracking_uri)
+    folder = local[1].parent if local is not None else (cwd or Path.cwd()).resolve()
+    return f"sqlite:///{folder / STORAGE_FILE}"
+
+
+def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBStorage:
+    """Open (creating on first use) the Optuna RDB storage at ``url``; sqlite waits 60 s for a lock.
+
+    Workers creating a new storage's tables at once race, and the loser tries again (``attempts``). ``heartbeat`` fails
+    trials whose worker went silent. Raises StorageError: malformed URL, driver missing, or refused.
+    """
+    import optuna
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeats, retries
+    engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    beat: dict[str, Any] = {}
+    if heartbeat:
+        beat = {
+            "heartbeat_interval": HEARTBEAT_S,
+            "grace_period": GRACE_S,
+            "heartbeat_stale_trial_callback": RetryHeartbeatStaleTrialCallback(),
+        }
+    for attempt in range(attempts):
+        try:
+            return RDBStorage(url, engine_kwargs=engine_kwargs, **beat)
+        except Exception as exc:
+            racing = any(word in str(exc).lower() for word in ("already exists", "unique", "duplicate"))
+            if racing and attempt + 1 < attempts:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            raise StorageError(f"cannot open Optuna storage {url}: {type(exc).__name__}: {exc}") from None
+    raise StorageError(f"cannot open Optuna storage {url}")  # pragma: no cover
+
+
+def make_sampler(definition: SweepDefinition, trial_number: int | None = None) -> BaseSampler:
+    """Optuna's grid, random or TPE sampler, seeded from ``definition.seed`` and ``trial_number`` so a trial draws
+    the same values in any worker."""
+    from optuna.samplers import GridSampler, RandomSampler, TPESampler
+
+    seed = definition.seed
+    if trial_number is not None:
+        seed = int(hashlib.sha256(f"{seed}:{trial_number}".encode()).hexdigest()[:8], 16)
+    if definition.method == "grid":
+
+        class EnqueuedGrid(GridSampler):
+            """GridSampler whose end-of-trial bookkeeping skips enqueued points, as every grid trial is: they carry no
+            ``grid_id``, which Optuna's ``after_trial`` read at the end of a one-point grid (``KeyError``)."""
+
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                if "grid_id" in trial.system_attrs:
+                    super().after_trial(study, trial, state, values)
+
+        return EnqueuedGrid(definition.search_space(), seed=definition.seed)
+    if definition.method == "random":
+        return RandomSampler(seed=seed)
+    return TPESampler(seed=seed)
+
+
+def make_pruner(definition: SweepDefinition) -> BasePruner:
+    """Optuna's NopPruner, MedianPruner or HyperbandPruner for ``definition.pruner``; steps are epochs."""
+    from optuna.pruners import HyperbandPruner, MedianPruner, NopPruner
+
+    if definition.pruner == "median":
+        return MedianPruner(
+            n_startup_trials=definition.pruner_startup_trials, n_warmup_steps=definition.pruner_warmup_epochs
+        )
+    if definition.pruner == "hyperband":
+        return HyperbandPruner(min_resource=max(1, definition.pruner_warmup_epochs))
+    return NopPruner()

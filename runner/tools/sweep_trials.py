@@ -23,8 +23,7 @@ from runner.spec.messages import locate_keys
 from runner.spec.rules import UINT32_LIMIT
 from runner.spec.schema import SweepParam, SweepSpec
 from runner.tools.sweep_space import SweepDefinition, Trial
-from runner.tools.sweep_store import open_storage
-from runner.tools.sweep_study import SweepStudy
+from runner.tools.sweep_study import SweepStudy, open_storage
 from runner.tracking.tags import param_value, safe_key
 
 if TYPE_CHECKING:

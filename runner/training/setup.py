@@ -16,7 +16,7 @@ from torch import nn
 from runner.errors import mask_secrets
 from runner.spec.dump import flatten_spec
 from runner.strategies.base import Precision
-from runner.strategies.ddp import describe_unused_parameters_error, is_unused_parameters_error
+from runner.strategies.distributed import describe_unused_parameters_error, is_unused_parameters_error
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, TrainingParts, check_target

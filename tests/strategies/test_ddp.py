@@ -21,15 +21,15 @@ from runner.launch.environment import LauncherEnvironment
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.base import unwrap
-from runner.strategies.ddp import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
-from runner.strategies.registry import (
+from runner.strategies import make_strategy
+from runner.strategies.base import (
     DataParallelStrategy,
     SingleDevice,
     _GatherCheckedDataParallel,
     check_gatherable,
-    make_strategy,
+    unwrap,
 )
+from runner.strategies.distributed import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
 from runner.training import checkpoint as ckpt
 from tests.helpers import spec_object
 

@@ -15,8 +15,9 @@ from runner.launch.environment import LauncherEnvironment
 from runner.launch.prebuild import _compile_backend
 from runner.spec.dump import inactive_keys
 from runner.spec.schema_parallel import MODES, ParallelSpec
-from runner.strategies.fsdp import FSDPStrategy, find_blocks
-from runner.strategies.registry import STRATEGIES, SingleDevice, make_strategy
+from runner.strategies import STRATEGIES, make_strategy
+from runner.strategies.base import SingleDevice, find_blocks
+from runner.strategies.distributed import FSDPStrategy
 from tests.helpers import spec_text
 from tests.strategies.test_ddp import DIST_VARS, clean_dist_env, cpu_plan, free_port, make_spec  # noqa: F401
 

@@ -18,7 +18,7 @@ from runner.cli import main
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
-from runner.strategies.registry import make_strategy
+from runner.strategies import make_strategy
 from runner.training.checkpoint import load_latest, whole_model
 from tests.helpers import PROBES, elastic_run, memory_spec, spec_object
 

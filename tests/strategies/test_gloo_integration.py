@@ -12,7 +12,7 @@ from runner.devices.inventory import Inventory, apply_threads
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.registry import make_strategy
+from runner.strategies import make_strategy
 from tests.helpers import elastic_run, spec_object
 
 pytestmark = pytest.mark.integration

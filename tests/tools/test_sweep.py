@@ -26,7 +26,7 @@ from runner.tools.sweep_space import (
     encode_choices,
     study_name,
 )
-from runner.tools.sweep_store import default_storage_url, make_sampler
+from runner.tools.sweep_study import default_storage_url, make_sampler
 from runner.tools.sweep_trials import (
     CommandLine,
     parse_grid,
@@ -593,7 +593,7 @@ def test_report_without_a_metric_has_no_best() -> None:
     ("name", "expected"), [("digits-mlp", "digits-mlp-sweep"), ("digits-mlp-lr-sweep", "digits-mlp-lr-sweep")]
 )
 def test_the_parent_run_is_named_after_the_spec_with_one_sweep_suffix(name: str, expected: str) -> None:
-    from runner.tools.sweep_store import parent_run_name
+    from runner.tools.sweep_space import parent_run_name
 
     assert parent_run_name(name) == expected
 
@@ -616,8 +616,7 @@ def test_every_enqueued_grid_point_can_be_told_down_to_the_last(grid: list[str])
 
 
 def test_a_worker_that_dies_after_its_trial_finished_leaves_the_result_standing(tmp_path) -> None:
-    from runner.tools.sweep_store import open_storage
-    from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_study import SweepStudy, open_storage
 
     definition = build_definition(None, grid=["seed=0,1"])
     url = f"sqlite:///{tmp_path}/optuna.db"
@@ -648,7 +647,7 @@ def test_the_interrupt_message_names_the_command_that_continues_the_sweep() -> N
 def test_a_taken_over_trials_old_run_ends_killed(ready_store: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    from runner.tools.sweep_store import SweepStore
+    from runner.tools.sweep_space import SweepStore
 
     client = MlflowClient(ready_store)
     experiment = client.create_experiment("taken")
@@ -686,8 +685,7 @@ def test_two_workers_racing_for_the_waiting_trials_never_claim_one_twice(tmp_pat
 
     from optuna.storages import RDBStorage
 
-    from runner.tools.sweep_store import open_storage
-    from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_study import SweepStudy, open_storage
 
     checked = RDBStorage.check_trial_is_updatable
 
@@ -727,8 +725,8 @@ def test_a_result_told_after_another_worker_took_the_trial_over_is_dropped_not_r
     from mlflow.tracking import MlflowClient
 
     from runner.tools import sweep_jobs
-    from runner.tools.sweep_store import SweepStore, open_storage
-    from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_space import SweepStore
+    from runner.tools.sweep_study import SweepStudy, open_storage
 
     definition = build_definition(None, grid=["seed=0,1"])
     url = f"sqlite:///{tmp_path}/optuna.db"

@@ -273,9 +273,8 @@ def test_a_worker_process_that_dies_fails_its_trial_and_another_takes_over(flaky
 def test_a_trial_whose_worker_stopped_beating_is_run_again(tmp_path: Path, monkeypatch) -> None:
     import time
 
-    import runner.tools.sweep_store as storage_module
-    from runner.tools.sweep_store import open_storage
-    from runner.tools.sweep_study import SweepStudy
+    import runner.tools.sweep_study as storage_module
+    from runner.tools.sweep_study import SweepStudy, open_storage
     from runner.tools.sweep_trials import build_definition
 
     monkeypatch.setattr(storage_module, "GRACE_S", 1)
@@ -304,8 +303,7 @@ def test_a_worker_that_finds_only_silent_running_trials_says_when_to_take_them_o
 
     import runner.tools.sweep as sweep_module
     from runner.errors import RunnerError
-    from runner.tools.sweep_store import open_storage
-    from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_study import SweepStudy, open_storage
     from runner.tools.sweep_trials import build_definition
     from tests.helpers import wait_for
 
@@ -332,8 +330,7 @@ def test_a_trial_another_worker_ends_just_before_the_last_check_counts_as_finish
 
     import runner.tools.sweep as sweep_module
     from runner.tools.sweep_space import SweepReport, TrialResult
-    from runner.tools.sweep_store import open_storage
-    from runner.tools.sweep_study import SweepStudy
+    from runner.tools.sweep_study import SweepStudy, open_storage
     from runner.tools.sweep_trials import build_definition
 
     definition = build_definition(None, CommandLine(grid=["seed=0,1"]))

@@ -15,7 +15,7 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import SpecError, TrainingError
 from runner.spec.loading import spec_from_dict
-from runner.strategies.registry import (
+from runner.strategies.base import (
     SingleDevice,
     _chunk_size,
     _GatherCheckedDataParallel,

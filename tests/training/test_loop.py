@@ -22,9 +22,8 @@ from runner.errors import Interrupted, TrainingError
 from runner.launch.environment import LauncherEnvironment
 from runner.spec.names import MetricsSpec
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.base import Precision, Strategy
-from runner.strategies.ddp import DDPStrategy
-from runner.strategies.registry import SingleDevice
+from runner.strategies.base import Precision, SingleDevice, Strategy
+from runner.strategies.distributed import DDPStrategy
 from runner.training.data import build_datasets
 from runner.training.loop import LoopParts, TrainState, fit
 from runner.training.losses import build_loss

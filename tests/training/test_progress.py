@@ -14,8 +14,7 @@ from torch import nn
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.schema import ExperimentSpec
-from runner.strategies.base import Precision
-from runner.strategies.registry import SingleDevice
+from runner.strategies.base import Precision, SingleDevice
 from runner.tracking.trackers import NullTracker
 from runner.training import sums as progress_module
 from runner.training.data import build_datasets

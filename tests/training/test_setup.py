@@ -12,7 +12,7 @@ import torch
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.spec.loading import load_spec
-from runner.strategies.registry import SingleDevice
+from runner.strategies.base import SingleDevice
 from runner.training import WorkerResult
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
 from runner.training.data import SeedInfo
@@ -150,12 +150,12 @@ def test_finish_collects_the_worker_result(loaded) -> None:
     assert result.peak_memory_bytes > 0  # this process's peak resident set size
 
 
-def test_training_imports_neither_mlflow_nor_tracking_nor_fsdp_outside_fsdp() -> None:
-    # fsdp and torch.distributed.checkpoint cost each ddp worker about a second of start-up
+def test_training_and_the_strategies_import_neither_mlflow_nor_tracking_nor_fsdp() -> None:
+    # fsdp and torch.distributed.checkpoint cost each ddp worker about a second of start-up: fsdp imports them late
     code = (
-        "import sys, runner.training.setup, runner.launch.worker, runner.strategies.registry; "
+        "import sys, runner.training.setup, runner.launch.worker, runner.strategies.distributed; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow' or m.startswith('runner.tracking')"
-        " or m.startswith(('torch.distributed.fsdp', 'torch.distributed.checkpoint', 'runner.strategies.fsdp'))))"
+        " or m.startswith(('torch.distributed.fsdp', 'torch.distributed.checkpoint'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True, timeout=120
