@@ -80,24 +80,20 @@ class HostLoad:
     steal: float | None = None
 
     @staticmethod
-    def read() -> tuple[float, tuple[int, int] | None]:
-        """The 1-minute load average now and ``/proc/stat``'s (steal, total) CPU ticks, for :meth:`since`."""
-        try:
-            with open("/proc/stat") as stat:
-                ticks = [int(x) for x in stat.readline().split()[1:]]
-            counters: tuple[int, int] | None = (ticks[7] if len(ticks) > 7 else 0, sum(ticks))
-        except (OSError, ValueError):
-            counters = None
-        return (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0), counters
+    def read() -> tuple[float, tuple[float, float]]:
+        """The 1-minute load average now and the CPU's (steal, total) seconds (psutil), for :meth:`since`."""
+        import psutil
+
+        times = psutil.cpu_times()
+        return psutil.getloadavg()[0], (getattr(times, "steal", 0.0), sum(times))
 
     @classmethod
-    def since(cls, started: tuple[float, tuple[int, int] | None]) -> HostLoad:
+    def since(cls, started: tuple[float, tuple[float, float]]) -> HostLoad:
         """The load from a reading at the run's start (:meth:`read`) to now."""
         end, counters = cls.read()
-        steal = None
-        if started[1] is not None and counters is not None and counters[1] > started[1][1]:
-            steal = (counters[0] - started[1][0]) / (counters[1] - started[1][1])
-        return cls(started[0], end, affinity_cores(), steal if steal else None)
+        (steal_before, total_before), (steal, total) = started[1], counters
+        stolen = (steal - steal_before) / (total - total_before) if total > total_before else None
+        return cls(started[0], end, affinity_cores(), stolen or None)
 
     def busy(self, used: int) -> bool:
         """Whether other work competed with the run: the load exceeded the ``used`` cores, or CPU was stolen."""

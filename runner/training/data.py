@@ -257,10 +257,8 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> Se
     """Seed Python, NumPy, torch and CUDA (lazily: CUDA is never initialised here); optionally force determinism.
 
     ``deterministic`` sets ``torch.use_deterministic_algorithms``, cuDNN determinism and ``CUBLAS_WORKSPACE_CONFIG``;
-    ``False`` turns deterministic algorithms off again. Raises ValueError for a negative seed.
+    ``False`` turns deterministic algorithms off again.
     """
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

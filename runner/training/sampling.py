@@ -23,12 +23,7 @@ if TYPE_CHECKING:
 
 def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, world_size: int) -> list[int]:
     """Sizes of every global batch ``B`` of one epoch: ``[B] * (N // B)`` plus ``N % B`` when kept (never below ``W``).
-    Raises ValueError for a size that is not positive."""
-    if num_samples < 0 or global_batch < 1 or world_size < 1:
-        raise ValueError(
-            "need num_samples >= 0, global_batch >= 1, world_size >= 1; "
-            f"got {num_samples}, {global_batch}, {world_size}"
-        )
+    Like every function here, it takes the validated spec's sizes (docs/design.md §1) and checks none again."""
     sizes = [global_batch] * (num_samples // global_batch)
     rest = num_samples % global_batch
     if rest and not drop_last and rest >= world_size:
@@ -39,17 +34,13 @@ def global_batch_sizes(num_samples: int, global_batch: int, drop_last: bool, wor
 def rank_batch_size(global_size: int, world_size: int, rank: int) -> int:
     """How many samples of a global batch rank ``rank`` gets: positions ``rank::world_size``, so sizes differ by one at
     most. The loop divides a rank's summed loss by ``global_size / world_size`` so DDP's average is the exact global
-    mean. Raises ValueError for a rank out of range."""
-    _check_rank(rank, world_size)
+    mean."""
     return len(range(rank, global_size, world_size))
 
 
 def micro_batch_sizes(global_size: int, world_size: int, rank: int, micro_batch: int) -> list[int]:
     """Sizes of the micro-batches this rank loads for one step: ``grad_accum_steps`` x ``micro_batch`` when full,
-    else the rank's share cut into ``micro_batch`` chunks. Raises ValueError for a rank out of range or ``micro_batch
-    < 1``."""
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    else the rank's share cut into ``micro_batch`` chunks."""
     n = rank_batch_size(global_size, world_size, rank)
     return [min(micro_batch, n - start) for start in range(0, n, micro_batch)]
 
@@ -68,8 +59,7 @@ class EpochSampler(Sampler[int]):
 
     ``DistributedSampler``'s permutation without padding or duplicates, cut to the epoch's global batches
     (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the DataLoader's)
-    from (seed, rank, epoch), so a resumed run reproduces worker seeds. Raises ValueError for a rank out of range or a
-    ``global_batch`` that is no multiple of ``W``."""
+    from (seed, rank, epoch), so a resumed run reproduces worker seeds."""
 
     def __init__(
         self,
@@ -83,9 +73,6 @@ class EpochSampler(Sampler[int]):
         *,
         generator: torch.Generator | None = None,
     ):
-        _check_rank(rank, world_size)
-        if global_batch % world_size:
-            raise ValueError(f"global_batch {global_batch} is not a multiple of world_size {world_size}")
         self.num_samples = num_samples
         self.world_size = world_size
         self.rank = rank
@@ -107,9 +94,7 @@ class EpochSampler(Sampler[int]):
             self.generator.manual_seed(derive_seed(self.seed, self.rank, epoch))
 
     def set_start_batch(self, batch: int) -> None:
-        """Start the next iteration at global batch ``batch`` (0: the whole epoch); ValueError when out of range."""
-        if not 0 <= batch <= len(self.batch_sizes):
-            raise ValueError(f"start batch {batch} is not in [0, {len(self.batch_sizes)}]")
+        """Start the next iteration at global batch ``batch`` (0: the whole epoch)."""
         self.start_batch = batch
 
     def indices(self) -> list[int]:
@@ -130,7 +115,6 @@ class EvalSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` reads ``r::W`` in order, every sample once; sum metrics across ranks."""
 
     def __init__(self, num_samples: int, world_size: int, rank: int):
-        _check_rank(rank, world_size)
         self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
 
     def __iter__(self) -> Iterator[int]:
@@ -138,11 +122,6 @@ class EvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.num_samples, self.world_size))
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size = {world_size})")
 
 
 @dataclass

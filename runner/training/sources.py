@@ -30,10 +30,7 @@ class TensorPairDataset(Dataset):
     batches."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        if len(x) != len(y):
-            raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
-        self.x = x
-        self.y = y
+        self.x, self.y = x, y
 
     def __len__(self) -> int:
         return len(self.x)
