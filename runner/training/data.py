@@ -254,7 +254,8 @@ def worker_init_fn(worker_id: int) -> None:
 
 
 def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> SeedInfo:
-    """Seed Python, NumPy, torch and CUDA (lazily: CUDA is never initialised here); optionally force determinism.
+    """Seed Python, NumPy, torch and every device (``torch.manual_seed``, lazily: CUDA is never initialised here);
+    optionally force determinism.
 
     ``deterministic`` sets ``torch.use_deterministic_algorithms``, cuDNN determinism and ``CUBLAS_WORKSPACE_CONFIG``;
     ``False`` turns deterministic algorithms off again.
@@ -262,8 +263,6 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> Se
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
     settings: dict[str, str] = {}
     if deterministic:
         if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
