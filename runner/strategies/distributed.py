@@ -80,31 +80,25 @@ class DDPStrategy(Strategy):
         self.parallel = parallel
         self.env = env
         self.backend = plan.backend or ("nccl" if plan.accelerator == "cuda" else "gloo")
-        self._ready = False  # set up: the process group is joined
         self._owns_group = False
         self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
         self._save_group: Any = None  # CPU gloo group of background checkpoint saves, made when needed
         self._stopping = False  # the stop decision, final once True
 
-    def _need_setup(self) -> LauncherEnvironment:
-        if not self._ready:
-            raise TrainingError("DDPStrategy used before setup(): call strategy.setup() in the worker first")
-        return self.env
-
     @property
     def rank(self) -> int:
         """Global rank (``RANK``)."""
-        return self._need_setup().rank
+        return self.env.rank
 
     @property
     def local_rank(self) -> int:
         """Rank on this node (``LOCAL_RANK``)."""
-        return self._need_setup().local_rank
+        return self.env.local_rank
 
     @property
     def world_size(self) -> int:
         """Processes in the job (``WORLD_SIZE``)."""
-        return self._need_setup().world_size
+        return self.env.world_size
 
     def setup(self) -> None:
         """Join the process group (``timeout = parallel.timeout_s``; ``cuda:LOCAL_RANK`` under nccl) and make the CPU
@@ -125,7 +119,6 @@ class DDPStrategy(Strategy):
             self._init_process_group(timeout)
         # Every rank is a member, so this is a ProcessGroup (not GroupMember.NON_GROUP_MEMBER).
         self._flag_group = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))
-        self._ready = True
 
     def _place_process(self) -> None:
         """Pick this rank's device (the worker has already set its CPU threads)."""
@@ -173,7 +166,6 @@ class DDPStrategy(Strategy):
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to this rank's device, convert BatchNorm if asked, checkpoint blocks, wrap in DDP, then
         compile."""
-        self._need_setup()
         module = module.to(self.device)
         par = self.parallel
         if par.sync_batchnorm and self.device.type == "cuda":
@@ -210,7 +202,6 @@ class DDPStrategy(Strategy):
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The sum started with ``async_op``: the ranks go on training while it runs; calling the result waits."""
-        self._need_setup()
         buf = tensor.detach().to(self._collective_device(), copy=True)
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
 
@@ -228,7 +219,6 @@ class DDPStrategy(Strategy):
         return self._save_group
 
     def barrier(self) -> None:
-        self._need_setup()
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
@@ -236,7 +226,6 @@ class DDPStrategy(Strategy):
 
     def all_gather_object(self, obj: T) -> list[T]:
         """Return every rank's ``obj`` (picklable), indexed by rank, on every rank."""
-        self._need_setup()
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -244,7 +233,6 @@ class DDPStrategy(Strategy):
     def reduce_stop_decision(self, flag: int, *, settle: bool = False) -> bool:
         """True once any rank passed a flag to a settling call, final from then on; ``settle=True`` reduces on the CPU
         gloo group (the device is never synchronised for it), in the same order on every rank."""
-        self._need_setup()
         if settle and not self._stopping:
             buf = torch.tensor([int(flag)], dtype=torch.int64)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._flag_group)
@@ -301,7 +289,6 @@ class FSDPStrategy(DDPStrategy):
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to this rank's device, checkpoint and compile each block (torchtitan's order), shard each,
         then the root; SpecError for an ``fsdp_blocks`` class the model lacks."""
-        self._need_setup()
         find_blocks(module, self.parallel.fsdp_blocks)  # names checked before any work
         module = module.to(self.device)
         if self.parallel.sync_batchnorm and self.device.type == "cuda":
