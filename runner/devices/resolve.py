@@ -141,7 +141,7 @@ def resolve_devices(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inv
         env=child_env,
         notes=notes,
         grad_accum_steps=spec.train.grad_accum_steps,
-        output_index=_output_index(spec.parallel, spec.devices, ids),
+        output_index=_output_index(spec.parallel, ids),
         physical_indices=[g.physical_index for g in chosen],
         total_memory_bytes=[g.total_memory_bytes for g in chosen],
         threads_per_process=threads,
@@ -223,7 +223,7 @@ def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Invent
     return ids
 
 
-def _output_index(par: ParallelSpec, devices: DevicesSpec, ids: list[int]) -> int:
+def _output_index(par: ParallelSpec, ids: list[int]) -> int:
     """dp: position of ``output_device`` among the chosen ids; DeviceError when it is not one of them."""
     if "output_device" not in par.traits.keys or par.output_device is None:
         return 0

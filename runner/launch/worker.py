@@ -307,7 +307,6 @@ class _StopFlag:
 
     def __init__(self, announce: bool = False, rank: int = 0) -> None:
         self._announce, self._rank, self.signum = announce, rank, 0
-        self._event = threading.Event()
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
 
@@ -324,7 +323,7 @@ class _StopFlag:
 
     def code(self) -> int:
         """0, or the :func:`~runner.errors.stop_code` of the first signal and this rank (the loop's ``should_stop``)."""
-        return stop_code(self.signum, self._rank) if self._event.is_set() else 0
+        return stop_code(self.signum, self._rank) if self._first is not None else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
@@ -335,7 +334,6 @@ class _StopFlag:
             self.signum = signum
             if self._announce and signum == signal.SIGINT:  # a SIGTERM also comes from the launcher when a peer failed
                 os.write(2, STOPPING.encode())  # not print(): the main thread may be inside a write to stderr
-        self._event.set()
 
 
 __all__ = ["Interrupted", "WorkerArgs", "run_worker"]

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from runner.training import WorkerResult
 
 LOSS_TOLERANCE = 1e-4
-NOT_COMPARABLE = "not comparable: batch-statistics layers"
 SPREAD_LIMIT = 0.10  # repeats' samples/s may differ by 10 % of their median
 TAIL_LIMIT = 1.5  # step p90 may be 1.5x the step p50
 DDP1_FLOOR = 0.8  # ddp-1 below 80 % of none: DDP's fixed cost per step dominates, or load

@@ -17,7 +17,6 @@ from runner.errors import TrackingError, UsageError, first_line, mask_secrets, s
 from runner.tracking.tags import (
     git_artifacts,
     git_info,
-    log_in_batches,
     planned,
     run_tags,
     spec_artifacts,
@@ -329,11 +328,11 @@ def record_summary(
 
     client, now = _opened(uri), int(time.time() * 1000)
     with store_errors(f"log to run {run_id} at {uri}"):
-        log_in_batches(
-            client,
+        client.log_batch(
             run_id,
             metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
             params=[Param(k, mask_secrets(v)) for k, v in (params or {}).items()],
+            synchronous=True,  # MLflow splits it into requests within its limits
         )
         for artifact_file, text in (texts or {}).items():
             client.log_text(run_id, mask_secrets(text), artifact_file)

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 from runner.errors import store_errors
 from runner.tracking.runs import end_run, last_logged_steps
-from runner.tracking.tags import log_in_batches
 from runner.tracking.uri import client_for
 
 SPOOL_NAME = "metrics-spool.jsonl"
@@ -119,9 +118,9 @@ def send_spool(
         last = last_logged_steps(uri, run_id)
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
         fresh = [i for i in wanted if i.step > last.get(i.key, -1)]
-        client = client_for(uri)
         metrics = [Metric(i.key, i.value, i.timestamp, i.step) for i in fresh]
-        log_in_batches(client, run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in contents.tags.items()])
+        tags = [RunTag(k, v) for k, v in contents.tags.items()]
+        client_for(uri).log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)  # split within MLflow's limits
     ended = None
     if apply_end and contents.end is not None:
         end_run(uri, run_id, contents.end[0], contents.end[1])

@@ -12,7 +12,7 @@ import re
 import shlex
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -181,17 +181,8 @@ def git_artifacts(info: GitInfo | None) -> dict[str, str]:
     return out
 
 
-PARAMS_PER_BATCH = 100  # MLflow's limit for params (and tags) in one log_batch request
-METRICS_PER_BATCH = 1000  # MLflow's limit for metrics in one log_batch request
-
-
-def log_in_batches(client: MlflowClient, run_id: str, **entities: Sequence[Any]) -> None:
-    """``log_batch`` of MLflow entities by kind (``metrics``, ``params``, ``tags``), waited for, within the
-    per-request limits; MlflowException when the store rejects them."""
-    for key, items in entities.items():
-        size = METRICS_PER_BATCH if key == "metrics" else PARAMS_PER_BATCH
-        for i in range(0, len(items), size):
-            client.log_batch(run_id, **{key: list(items[i : i + size])}, synchronous=True)
+PARAMS_PER_BATCH = 100  # MLflow's most params (or tags) in one log_batch request
+ENTITIES_PER_BATCH = 1000  # MLflow's most metrics, params and tags in one request: log_batch splits a larger call
 
 
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")

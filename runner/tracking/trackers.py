@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from runner.errors import STORE_LEFT_HANGING, TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
 from runner.tracking.spool import Item
-from runner.tracking.tags import METRICS_PER_BATCH, PARAMS_PER_BATCH, param_value
+from runner.tracking.tags import ENTITIES_PER_BATCH, PARAMS_PER_BATCH, param_value
 from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
@@ -33,20 +33,22 @@ MEMORY_ITEMS = 100_000  # metric values kept in memory while the store is away, 
 SPILL_AFTER_S = 5.0  # a flush waits this long for a store that stopped answering, then spools
 CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it leaves the rest in the spool
 _MAX_BACKOFF_S = 30.0
+MAX_BATCH = ENTITIES_PER_BATCH - PARAMS_PER_BATCH  # with its tags, a batch is one MLflow request: one future
 
 
 class MlflowTracker:
-    """Logs one run's metrics, tags and artifacts in batches (``max_batch`` values, or every ``flush_every_s``) through
-    MLflow's asynchronous logging, one batch in its hands at a time, so values arrive in order; only :meth:`flush` and
-    :meth:`close` wait on the network and upload artifacts. Without a ``spool`` a failed batch is raised by the next of
-    them; with one, nothing is lost or stalls (docs/design.md §12); ``first_seq`` numbers values across resumes."""
+    """Logs one run's metrics, tags and artifacts in batches (``max_batch`` values, at most :data:`MAX_BATCH`, or every
+    ``flush_every_s``) through MLflow's asynchronous logging, one batch in its hands at a time, so values arrive in
+    order; only :meth:`flush` and :meth:`close` wait on the network and upload artifacts. Without a ``spool`` a failed
+    batch is raised by the next of them; with one, nothing is lost or stalls (docs/design.md §12); ``first_seq``
+    numbers values across resumes."""
 
     def __init__(
         self,
         uri: str,
         run_id: str,
         flush_every_s: float = 5.0,
-        max_batch: int = METRICS_PER_BATCH,
+        max_batch: int = MAX_BATCH,
         *,
         spool: Path | None = None,
         first_seq: int = 0,
@@ -57,7 +59,7 @@ class MlflowTracker:
             raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
         self.uri, self.run_id, self.spool = uri, run_id, spool
         self.flush_every_s, self.spill_after_s = float(flush_every_s), float(spill_after_s)
-        self.max_batch = max(1, min(int(max_batch), METRICS_PER_BATCH))
+        self.max_batch = max(1, min(int(max_batch), MAX_BATCH))
         self.max_memory = max(self.max_batch, int(max_memory))
         self._client = client_for(uri)
         # a failed batch is reported by flush/close (masked) or spooled, not logged by MLflow's thread on each try

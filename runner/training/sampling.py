@@ -78,8 +78,6 @@ class EpochSampler(Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
-        self.global_batch = global_batch
-        self.drop_last = drop_last
         self.generator = generator
         self.epoch = 0
         self.start_batch = 0

@@ -16,7 +16,6 @@ from runner.errors import SpecError, SpecIssue, UsageError
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tools.bench import bench_spec_data, configurations
 from runner.tools.bench_figures import (
-    NOT_COMPARABLE,
     comparability,
     final_loss,
     first_beyond,
@@ -32,6 +31,7 @@ from runner.tools.bench_pool import write_chart
 from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NOT_COMPARABLE = "not comparable: batch-statistics layers"  # what a bench of a model with BatchNorm says
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -51,6 +51,20 @@ def test_tracker_logs_2500_metrics_in_order(uri, client):
     assert len(client.get_metric_history(run_id, "lr")) == 2500
 
 
+def test_a_full_batch_of_values_and_tags_goes_in_one_request(uri, client):
+    # Bug: a batch of 1,000 values with a tag made MLflow split it into two requests, which the tracker took for a
+    # failed batch: every value was reported lost (or, with a spool, sent again and again).
+    run_id = new_run(client)
+    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    tracker.set_tags({f"t{i}": str(i) for i in range(150)})
+    for step in range(2000):
+        tracker.log_metrics({"m": float(step)}, step=step)
+    tracker.flush(timeout_s=120)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "m")) == list(range(2000))
+    assert {f"t{i}" for i in range(150)} <= set(client.get_run(run_id).data.tags)
+    tracker.close()
+
+
 def test_a_value_keeps_the_time_it_was_taken_at_on_its_rank(uri, client):
     run_id = new_run(client)
     with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
