@@ -13,7 +13,7 @@ from runner.spec.loading import load_spec
 from runner.training import WorkerResult
 
 REPO = Path(__file__).parents[1]
-NO_GPU = Inventory([], False, None, "no GPU", [])
+NO_GPU = Inventory([], False, "no GPU", [])
 
 
 def test_the_main_spec_has_no_note_on_a_cpu_machine() -> None:

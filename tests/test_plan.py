@@ -12,7 +12,7 @@ from runner.plan import launched_externally, make_plan
 from runner.spec.loading import key_line, load_spec
 from tests.helpers import SMALL, memory_spec, spec_text
 
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 WORKER = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
 
 
@@ -82,7 +82,7 @@ def test_plan_describes_itself(tmp_path: Path):
 
 
 def gpu_free() -> Inventory:
-    return Inventory([GpuInfo(0, "x")], False, None, "fake", [])
+    return Inventory([GpuInfo(0, "x")], False, "fake", [])
 
 
 # ----------------------------------------------------------------------------- memory per device (runner plan)

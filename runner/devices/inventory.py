@@ -135,7 +135,6 @@ class Inventory:
 
     gpus: list[GpuInfo] = field(default_factory=list)
     cuda_available: bool = False
-    inherited_visible: str | None = None
     source: str = "none"
     notes: list[str] = field(default_factory=list)
     cores: int = field(default_factory=affinity_cores)
@@ -242,11 +241,10 @@ def _torch_has_cuda() -> bool:
 def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> Inventory:
     """List the GPUs visible to runner without initialising CUDA: NVML's, narrowed by an inherited
     ``CUDA_VISIBLE_DEVICES`` (integers or ``GPU-`` UUIDs; empty or ``-1``: none). Only reads ``env``."""
-    inherited = env.get(VISIBLE_VAR)
     rows = read_nvml(nvml)
     if isinstance(rows, str):
-        return Inventory([], False, inherited, rows, [])
-    gpus, notes = _map_visible(inherited, rows)
+        return Inventory([], False, rows, [])
+    gpus, notes = _map_visible(env.get(VISIBLE_VAR), rows)
     order = env.get(ORDER_VAR)
     if (
         order not in (None, DEFAULT_ORDER)
@@ -260,7 +258,7 @@ def probe_inventory(env: Mapping[str, str] = os.environ, nvml: Any = None) -> In
     cuda_ok = bool(gpus) and _torch_has_cuda()
     if gpus and not cuda_ok:
         notes.append("GPUs are visible but the installed torch is built without CUDA")
-    return Inventory(gpus, cuda_ok, inherited, f"NVML ({len(rows)} GPU(s) on the machine)", notes)
+    return Inventory(gpus, cuda_ok, f"NVML ({len(rows)} GPU(s) on the machine)", notes)
 
 
 def peak_tflops(name: str, dtype: str) -> tuple[float, str] | None:

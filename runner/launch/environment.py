@@ -150,10 +150,7 @@ class LauncherEnvironment:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    local_world_size: int | None = None
     restart_count: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
     run_id: str | None = None
     missing: tuple[str, ...] = ()
     slurm: SlurmJob | None = None
@@ -170,10 +167,7 @@ class LauncherEnvironment:
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
             world_size=_int(env, "WORLD_SIZE", 1),
-            local_world_size=_opt_int(env, "LOCAL_WORLD_SIZE"),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-            master_addr=env.get("MASTER_ADDR") or None,
-            master_port=_opt_int(env, "MASTER_PORT"),
             run_id=env.get(RUN_ID_VAR) or None,
             missing=tuple(k for k in PROCESS_GROUP_VARS if k not in env),
             slurm=SlurmJob.detect(env),
@@ -207,14 +201,9 @@ def parse_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> tuple
 
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    value = _opt_int(env, key)
-    return default if value is None else value
-
-
-def _opt_int(env: Mapping[str, str], key: str) -> int | None:
     text = env.get(key)
     if text is None or text == "":
-        return None
+        return default
     try:
         return int(text)
     except ValueError:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
     from runner.training.batches import TrainingParts
-    from runner.training.data import DatasetBundle, SeedInfo
+    from runner.training.data import DatasetBundle
     from runner.training.setup import Restored
 
 
@@ -113,7 +113,7 @@ def _train(
     from runner.training.data import seed_everything
 
     spec = args.loaded.spec
-    seed_info = seed_everything(spec.seed, rank=strategy.rank, deterministic=spec.deterministic)
+    seeded = seed_everything(spec.seed, deterministic=spec.deterministic)
     parts, handed = _build_and_report(args, strategy, link)
     if parts is None:
         return None
@@ -125,7 +125,7 @@ def _train(
         continuing = handed.resume or env.restarted
         restored.notes += link.ask("restored", restored.metrics_recorded, resumed, continuing)
         tracker = ChannelTracker(link)
-    return _fit(args, strategy, parts, restored, tracker, handed, seed_info, stop, is_log_rank)
+    return _fit(args, strategy, parts, restored, tracker, handed, seeded, stop, is_log_rank)
 
 
 def _fit(
@@ -135,7 +135,7 @@ def _fit(
     restored: Restored,
     tracker: Tracker,
     handed: HandedRun,
-    seed_info: SeedInfo,
+    seeded: dict[str, str],
     stop: _StopFlag,
     is_log_rank: bool,
 ) -> WorkerResult:
@@ -147,7 +147,7 @@ def _fit(
     try:
         notes = list(restored.notes)
         if spec.deterministic:
-            settings = setup.describe_settings(seed_info)
+            settings = setup.describe_settings(seeded)
             notes.append(f"deterministic mode: {settings}")
             tracker.set_tags({"runner.deterministic_settings": settings})
         if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once

@@ -8,7 +8,7 @@ import json
 import os
 import random
 from collections.abc import Sequence, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -221,17 +221,6 @@ def part_digest(settings: str, part: str, members: Sequence[int] | Sequence[str]
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 
-@dataclass(frozen=True)
-class SeedInfo:
-    """What :func:`seed_everything` used: the seed, this rank's epoch-0 worker seed, the deterministic settings it
-    set."""
-
-    seed: int
-    rank: int
-    worker_base_seed: int
-    deterministic_settings: dict[str, str] = field(default_factory=dict)
-
-
 def derive_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed, a pure function of non-negative ``parts`` (``numpy.random.SeedSequence``)."""
     state = np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint64)[0]
@@ -253,9 +242,9 @@ def worker_init_fn(worker_id: int) -> None:
     random.seed(worker_seed)
 
 
-def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> SeedInfo:
+def seed_everything(seed: int, deterministic: bool = False) -> dict[str, str]:
     """Seed Python, NumPy, torch and every device (``torch.manual_seed``, lazily: CUDA is never initialised here);
-    optionally force determinism.
+    optionally force determinism. Returns the settings it set, by name (none unless ``deterministic``).
 
     ``deterministic`` sets ``torch.use_deterministic_algorithms``, cuDNN determinism and ``CUBLAS_WORKSPACE_CONFIG``;
     ``False`` turns deterministic algorithms off again.
@@ -276,7 +265,7 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> Se
         settings["torch.backends.cudnn.benchmark"] = "False"
     elif torch.are_deterministic_algorithms_enabled():
         torch.use_deterministic_algorithms(False)
-    return SeedInfo(seed, rank, derive_seed(seed, rank, 0), settings)
+    return settings
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from runner.spec.schema import ExperimentSpec, TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
-    from runner.training.data import DatasetBundle, SeedInfo
+    from runner.training.data import DatasetBundle
 
 
 @dataclass
@@ -255,9 +255,9 @@ def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> WorkerRes
         raise
 
 
-def describe_settings(seed_info: SeedInfo) -> str:
+def describe_settings(settings: dict[str, str]) -> str:
     """The settings deterministic mode switched on, ``"setting=value, ..."`` (for a note and a tag)."""
-    return ", ".join(f"{k}={v}" for k, v in seed_info.deterministic_settings.items())
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def finish(fitted: WorkerResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:

@@ -18,7 +18,7 @@ from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from tests.helpers import SMALL, spec_text
 
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 
 
 def step(ntasks: int = 2, nnodes: int = 1, procid: int = 0, nodeid: int = 0, **extra: str) -> dict[str, str]:
@@ -128,8 +128,9 @@ def test_a_per_device_task_becomes_the_worker_torchrun_would_start() -> None:
     layout = launcher.slurm.layout(world_size=2, nproc_per_node=2, nnodes=1)
     worker = launcher.as_slurm_worker(layout, env)
     assert worker.external and (worker.rank, worker.local_rank, worker.world_size) == (1, 1, 2)
-    assert (worker.local_world_size, worker.master_port) == (2, 15000 + 4321)
-    assert worker.master_addr == "n07" and not worker.missing
+    made = layout.worker_env(env)
+    assert (made["LOCAL_WORLD_SIZE"], made["MASTER_ADDR"], made["MASTER_PORT"]) == ("2", "n07", str(15000 + 4321))
+    assert not worker.missing
     kept = layout.worker_env({"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400"})
     assert (kept["MASTER_ADDR"], kept["MASTER_PORT"]) == ("10.1.1.1", "29400")  # the user's choice wins
 

@@ -21,12 +21,12 @@ from tests.helpers import readme_example
 REPO = Path(__file__).parents[2]
 SHIPPED = sorted((REPO / "experiments").glob("*.toml"))
 DDP_SPEC = REPO / "experiments" / "digits_mlp_ddp.toml"
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 MODES = ("none", "dp", "ddp")
 
 
 def gpus(n: int) -> Inventory:
-    return Inventory([GpuInfo(i, f"Fake GPU {i}") for i in range(n)], True, None, "fake", [])
+    return Inventory([GpuInfo(i, f"Fake GPU {i}") for i in range(n)], True, "fake", [])
 
 
 def mode(m: str) -> list[str]:

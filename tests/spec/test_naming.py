@@ -12,7 +12,7 @@ from runner.spec.loading import load_spec
 REPO = Path(__file__).parents[2]
 DIGITS = REPO / "experiments" / "digits_mlp.toml"
 DDP = REPO / "experiments" / "digits_mlp_ddp.toml"
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 
 
 def name_of(path: Path, sets: tuple[str, ...] = (), unset: tuple[str, ...] = ()) -> str:

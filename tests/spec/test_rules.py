@@ -14,11 +14,11 @@ from runner.spec.loading import spec_from_dict
 from runner.spec.schema import ExperimentSpec
 from runner.spec.schema_parallel import DevicesSpec
 
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 
 
 def gpus(n: int) -> Inventory:
-    return Inventory([GpuInfo(i, f"gpu {i}") for i in range(n)], True, None, "fake", [])
+    return Inventory([GpuInfo(i, f"gpu {i}") for i in range(n)], True, "fake", [])
 
 
 def raw(mode: str = "none", accelerator: str = "auto", batch: int = 8, **tables: dict) -> dict:

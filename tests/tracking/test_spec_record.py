@@ -18,7 +18,7 @@ from runner.tracking.stored import read_stored_run
 from runner.tracking.tags import spec_artifacts
 
 REPO = Path(__file__).parents[2]
-NO_GPU = Inventory([], False, None, "nvidia-smi not found", [])
+NO_GPU = Inventory([], False, "nvidia-smi not found", [])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from runner.spec.loading import load_spec
 from runner.strategies.base import SingleDevice
 from runner.training import WorkerResult
 from runner.training.checkpoint import list_checkpoints, read_checkpoint
-from runner.training.data import SeedInfo
 from runner.training.loop import TrainState
 from runner.training.setup import (
     Checkpointer,
@@ -114,8 +113,8 @@ def test_restore_without_a_checkpoint(loaded, tmp_path: Path) -> None:
 
 
 def test_deterministic_settings_are_listed_in_order() -> None:
-    assert describe_settings(SeedInfo(0, 0, 1)) == ""
-    info = SeedInfo(0, 0, 1, {"torch.use_deterministic_algorithms": "True", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    assert describe_settings({}) == ""
+    info = {"torch.use_deterministic_algorithms": "True", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     expected = "torch.use_deterministic_algorithms=True, CUBLAS_WORKSPACE_CONFIG=:4096:8"
     assert describe_settings(info) == expected
 
