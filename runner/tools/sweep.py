@@ -58,7 +58,6 @@ def run_sweep(
     jobs: int = 1,
     storage: str | None = None,
     study: str | None = None,
-    log: Callable[[str], None] | None = None,
     processes: bool = False,
 ) -> SweepReport:
     """Run a sweep's trials that no worker has run as child runs of its parent MLflow run.
@@ -70,7 +69,7 @@ def run_sweep(
     no run is created. UsageError: Bad entries, tracking off, an unusable ``--storage``, or a study searching another
     sweep. Interrupted: SIGINT/SIGTERM; running trials are enqueued again, the parent KILLED when none runs elsewhere.
     """
-    say = log or functools.partial(echo, err=True)
+    say = functools.partial(echo, err=True)
     if jobs < 1:
         raise UsageError(f"--jobs {jobs}: give at least 1")
     base = load_spec(path, list(overrides), unset)

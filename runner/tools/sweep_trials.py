@@ -219,10 +219,9 @@ def without_sweep(loaded: LoadedSpec) -> LoadedSpec:
     return dataclasses.replace(loaded, spec=spec, data=data, sha256=spec_sha256(spec))
 
 
-def trial_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def trial_environ() -> dict[str, str]:
     """This environment without a scheduler's variables: a trial is never a Slurm job's run (docs/design.md §15-§16)."""
-    source = os.environ if environ is None else environ
-    return {k: v for k, v in source.items() if not k.startswith(SCHEDULER_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if not k.startswith(SCHEDULER_PREFIXES)}
 
 
 def trials_to_check(definition: SweepDefinition) -> list[Trial]:

@@ -392,10 +392,9 @@ def build_payload(
     }
 
 
-def spec_changes(saved: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
-    """Dotted keys that differ between two flattened specs, leaving out those that cannot change results and
-    ``ignore``."""
-    quiet = ("tracking.", "train.progress", "checkpoint.", "description", *tuple(ignore))
+def spec_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys that differ between two flattened specs, leaving out those that cannot change results."""
+    quiet = ("tracking.", "train.progress", "checkpoint.", "description")
     keys = set(saved) | set(current)
     return sorted(k for k in keys if not k.startswith(quiet) and saved.get(k) != current.get(k))
 
