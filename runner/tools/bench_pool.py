@@ -163,14 +163,10 @@ class WarmPool:
             if slot is not None:
                 with contextlib.suppress(OSError):
                     slot[1].send(None)
-        for i, slot in enumerate(self._procs):
+        for slot in self._procs:
             if slot is not None:
                 slot[0].join(timeout=5)
-                if slot[0].is_alive():
-                    slot[0].kill()
-                    slot[0].join(timeout=5)
-                slot[1].close()
-                self._procs[i] = None
+        self._stop(range(self.size))  # what is still alive is killed
 
 
 # ----------------------------------------------------------------------------- inside a worker

@@ -260,8 +260,8 @@ def work(
     max_trials: int | None = None,
     *,
     on_start: Callable[[int], object] | None = None,
-) -> int:
-    """Run WAITING trials until none is left or ``max_trials`` ran; return how many ran.
+) -> None:
+    """Run WAITING trials until none is left or ``max_trials`` ran.
 
     Raises Interrupted on SIGINT/SIGTERM, after enqueueing the running trial again.
     """
@@ -283,7 +283,6 @@ def work(
             on_start(trial.number)
         report(run_trial(study, store, setup, trial))
         done += 1
-    return done
 
 
 def take_over(study: SweepStudy, store: SweepStore) -> None:

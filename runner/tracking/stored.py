@@ -245,8 +245,8 @@ def log_model(
     *,
     step: int = 0,
     normalization: tuple[float, float] | None = None,
-) -> str:
-    """Log the unwrapped model as a LoggedModel of ``run_id``, linked to the metrics at ``step``; return its id.
+) -> None:
+    """Log the unwrapped model as a LoggedModel of ``run_id``, linked to the metrics at ``step``.
 
     ``create_logged_model`` then ``mlflow.pytorch.log_model(model_id=...)``, without MLflow's fluent run stack. The
     model is pickled (``pt2`` needs a traceable forward). ``example`` is one input before normalisation (a tensor or a
@@ -271,7 +271,6 @@ def log_model(
             signature=signature,
             serialization_format="pickle",
         )
-    return str(logged.model_id)
 
 
 VAL_SPLIT_TAG = "runner.data.val_split_sha256"

@@ -25,15 +25,14 @@ def flops_uncounted(spec: ExperimentSpec, timed: bool) -> str | None:
 
 @dataclass
 class WorkerResult:
-    """What a worker returns (the driver uses the logging rank's): steps, history, the checkpoint resumed from,
-    notes, each step's time and data wait, peak memory of the rank and of each GPU it drove (bytes), the device,
-    ``stopped_after_epoch``, :data:`STARTUP_METRIC` and one step's FLOPs (``None`` when not counted)."""
+    """What a worker returns (the driver uses the logging rank's): steps, history, notes, each step's time and data
+    wait, peak memory of the rank and of each GPU it drove (bytes), the device, ``stopped_after_epoch``,
+    :data:`STARTUP_METRIC` and one step's FLOPs (``None`` when not counted)."""
 
     rank: int
     metrics: dict[str, float] = field(default_factory=dict)
     global_step: int = 0
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    resumed_from: str | None = None
     notes: list[str] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     data_wait_s: list[float] = field(default_factory=list)

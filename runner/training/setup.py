@@ -260,11 +260,10 @@ def describe_settings(settings: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
-def finish(fitted: WorkerResult, strategy: Strategy, resumed_from: str | None, notes: list[str]) -> WorkerResult:
-    """:func:`fit`'s result with the checkpoint resumed from, the notes and this rank's peak memory."""
+def finish(fitted: WorkerResult, strategy: Strategy, notes: list[str]) -> WorkerResult:
+    """:func:`fit`'s result with the notes and this rank's peak memory."""
     return dataclasses.replace(
         fitted,
-        resumed_from=resumed_from,
         notes=notes,
         peak_memory_bytes=peak_memory_bytes(strategy.device),
         device=str(strategy.device),

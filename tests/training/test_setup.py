@@ -138,13 +138,8 @@ def test_a_background_save_under_mode_none_is_in_place_once_waited_for(write_spe
 
 def test_finish_collects_the_worker_result(loaded) -> None:
     fitted = WorkerResult(0, {"val/loss": 0.5}, 7, [(7, {"val/loss": 0.5})], step_times_s=[0.1] * 7)
-    result = finish(fitted, _strategy(loaded), "step-00000005.pt", ["a note"])
-    assert (result.rank, result.global_step, result.metrics, result.resumed_from) == (
-        0,
-        7,
-        {"val/loss": 0.5},
-        "step-00000005.pt",
-    )
+    result = finish(fitted, _strategy(loaded), ["a note"])
+    assert (result.rank, result.global_step, result.metrics) == (0, 7, {"val/loss": 0.5})
     assert result.history == fitted.history and result.notes == ["a note"] and result.device == "cpu"
     assert result.peak_memory_bytes > 0  # this process's peak resident set size
 
