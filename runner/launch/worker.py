@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, show_notes, stop_code, user_code_error
+from runner.errors import RunnerError, SpecError, TrainingError, show_notes, stop_code, user_code_error
 from runner.launch.channel import ChannelTracker, HandedRun, HubAddress, Link
 from runner.launch.environment import LauncherEnvironment
 from runner.launch.failures import HangWatch, die_with_parent
@@ -334,6 +334,3 @@ class _StopFlag:
             self.signum = signum
             if self._announce and signum == signal.SIGINT:  # a SIGTERM also comes from the launcher when a peer failed
                 os.write(2, STOPPING.encode())  # not print(): the main thread may be inside a write to stderr
-
-
-__all__ = ["Interrupted", "WorkerArgs", "run_worker"]

@@ -293,6 +293,3 @@ def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Co
         plan.devices.nproc_per_node if MODES[mode].elastic else 1
     )
     return Config(result, loaded, plan.devices.accelerator, plan.devices.world_size, plan=plan)
-
-
-__all__ = ["BenchReport", "ConfigResult", "bench_spec_data", "configurations", "run_bench"]

@@ -284,6 +284,3 @@ def continue_command(argv: Sequence[str] | None = None) -> str:
     """The command that continues the sweep: the same ``runner sweep ...`` (the study resumes where it stopped)."""
     args = list(sys.argv[1:] if argv is None else argv)
     return "runner " + shlex.join(args)
-
-
-__all__ = ["CommandLine", "SweepDefinition", "run_sweep"]

@@ -318,9 +318,6 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
     parts.on_checkpoint(state, reason)
 
 
-__all__ = ["LoopParts", "TrainState", "device_peaks", "end_epoch", "evaluate", "fit", "train_step"]
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
     if device.type == "cuda":
