@@ -97,8 +97,7 @@ class ParityReport:
         differ = self.differing
         head = "the modes differ beyond rounding" if differ else "the modes agree"
         lines = [f"runner parity: {self.name}: {head} ({self.precision}, {self.steps} steps, deterministic)"]
-        for m in self.modes[1:]:
-            lines.append(f"  {m.config:<8} {self._line(m)}")
+        lines += [f"  {m.config:<8} {self._line(m)}" for m in self.modes[1:]]
         lines.append(f"  {'control':<8} none in float32, initial weights nudged by one ulp: {self.sensitivity()}")
         lines += [f"  likely cause: {cause}" for cause in (self.causes if differ else [])]
         lines += [f"  note: {note}" for note in self.notes]

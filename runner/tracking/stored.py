@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
 from runner.errors import TrackingError, UsageError, store_errors
-from runner.tracking.runs import RunRecord, run_info, run_record
+from runner.tracking.runs import RunRecord, find_run, run_info, run_record
 from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import (
     absolute_uri,
@@ -62,20 +62,16 @@ def read_stored_run(uri: str, run_id: str) -> StoredRun:
     if local_store_missing(uri):
         raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")
     check_reachable(uri)
-    client = client_for(uri)
-    try:
-        run = client.get_run(run_id)
-    except Exception:
-        run = None
-    if run is None or run.info.lifecycle_stage == "deleted":
+    record = find_run(uri, run_id)
+    if record is None:
         raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {STORE_HINT}")
-    texts = _download_texts(client, run_id, (RESOLVED, PLAN))
+    texts = _download_texts(client_for(uri), run_id, (RESOLVED, PLAN))
     if RESOLVED not in texts:
-        raise UsageError(_not_an_exec_run(run_id, where, dict(run.data.tags)))
+        raise UsageError(_not_an_exec_run(run_id, where, record.tags))
     plan = _json_object(texts.get(PLAN, ""))
-    spec_path = Path(str(plan.get("spec") or run.data.tags.get("runner.spec.path") or "spec.toml"))
+    spec_path = Path(str(plan.get("spec") or record.tags.get("runner.spec.path") or "spec.toml"))
     return StoredRun(
-        **vars(run_record(run)),
+        **vars(record),
         uri=uri,
         resolved_text=texts[RESOLVED],
         spec_path=spec_path if spec_path.is_absolute() else Path.cwd() / spec_path,
