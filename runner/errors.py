@@ -204,7 +204,8 @@ def _key_of(frame: Any) -> str:
     return _KEYS.get(Path(frame.f_code.co_filename).name, "data.dataset")
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``unknown signal`` for a number that names none."""
     import signal
 
     try:
@@ -243,12 +244,12 @@ class Interrupted(RunnerError):
         self.checkpoint = checkpoint  # which checkpoint exists, e.g. "a checkpoint was written at the stop (...)"
         self.rank = rank  # the rank the signal reached, in a job of several
         where = f" at rank {rank}" if rank is not None else ""
-        super().__init__(f"interrupted by signal {signum} ({_signal_name(signum)}){where}")
+        super().__init__(f"interrupted by signal {signum} ({signal_name(signum)}){where}")
 
     def hint(self) -> str:
         """The run that was stopped and the command that continues it (``command``, else ``runner resume RUN_ID``)."""
         where = f" at rank {self.rank}" if self.rank is not None else ""
-        by = f"{_signal_name(self.signum)}{where}"
+        by = f"{signal_name(self.signum)}{where}"
         if self.run_id or self.command:
             command = self.command or f"runner resume {self.run_id}"
             killed = f"run {self.run_id} is KILLED ({by}); " if self.run_id else ""

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import TrainingError, first_line
+from runner.errors import TrainingError, first_line, signal_name
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -97,11 +97,7 @@ def ended_by(exitcode: int, oom_kills_before: int | None) -> str:
             "or a crash in native code)"
         )
     number = -exitcode
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    text = f"was killed by signal {number} ({name}, exit code {exitcode})"
+    text = f"was killed by signal {number} ({signal_name(number)}, exit code {exitcode})"
     now = oom_kill_count()
     if oom_kills_before is not None and now is not None and now > oom_kills_before:
         return text + (

@@ -223,7 +223,6 @@ class RunSession:
 
     def end(self, status: str, error: str | None) -> None:
         """Close what rank 0 left open and give the run its final status (kept in the spool while the store is away)."""
-
         with contextlib.suppress(Exception):  # the run's status matters more than a last batch the store refused
             self._close()
         uri = self.plan.tracking_uri

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -275,10 +276,8 @@ class SweepStudy:
 
     def counts(self) -> dict[str, int]:
         """Trials by Optuna state name (``WAITING``, ``RUNNING``, ``COMPLETE``, ``PRUNED``, ``FAIL``)."""
-        out: dict[str, int] = {}
-        for frozen in self.storage.get_all_trials(self.study_id, deepcopy=False):
-            out[frozen.state.name] = out.get(frozen.state.name, 0) + 1
-        return out
+        trials = self.storage.get_all_trials(self.study_id, deepcopy=False)
+        return dict(collections.Counter(t.state.name for t in trials))
 
     def results(self, since: float | None = None) -> list[TrialResult]:
         """One result per trial number, from its latest attempt; trials that ended before ``since`` are ``reused``."""
