@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale
+from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale, reason
 from runner.tools.bench_report import config_id
 from runner.tools.bench_runs import Parent, ending, log_history, start_parent
 from runner.tracking.runs import record_summary
@@ -204,9 +204,7 @@ def _configurations(
         try:
             others.append((config, mode, 2, _mode_spec(loaded, mode, 2, steps, cpu, folder)))
         except (SpecError, DeviceError) as exc:
-            why = (
-                f"{mode} needs 2 GPUs; this machine has {gpus}" if MODES[mode].replicas else " ".join(str(exc).split())
-            )
+            why = f"{mode} needs 2 GPUs; this machine has {gpus}" if MODES[mode].replicas else reason(exc)
             if modes is not None:
                 raise UsageError(f"--modes: {config} cannot run on this machine: {why}") from None
             skipped.append(ModeResult(config, mode, 2, status="skipped", reason=why))
@@ -254,7 +252,7 @@ def _run_all(report: ParityReport, base: LoadedSpec, others: list[_Config], pare
         try:
             _train(result, loaded, parent, dtype)
         except TrainingError as exc:
-            result.status, result.reason = "failed", " ".join(str(exc).split())
+            result.status, result.reason = "failed", reason(exc)
     report.steps = max(none.losses, default=report.steps)  # the spec's epochs may end the runs first
     _compare(report)
     if report.differing:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
-from runner.errors import TrackingError, UsageError, store_errors
+from runner.errors import UsageError, store_errors
 from runner.tracking.runs import RunRecord, find_run, run_info, run_record
 from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import (
@@ -291,22 +291,20 @@ def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_s
 
     inputs = [DatasetInput(_dataset(r), tags=[InputTag("mlflow.data.context", r.context)]) for r in records]
     client = client_for(uri)
-    for attempt in range(ATTEMPTS):
-        try:
-            if inputs:
-                client.log_inputs(run_id, datasets=inputs)
-            if val_split_sha256:
-                client.set_tag(run_id, VAL_SPLIT_TAG, val_split_sha256)
-            return
-        except Exception as exc:
-            # Runs of one experiment logging the same dataset at once (sweep workers) race on its row: the
-            # loser's "UNIQUE constraint failed: datasets..." means it is logged, and the next try links it.
-            if attempt + 1 < ATTEMPTS and _transient(exc):
+    with store_errors(f"record the datasets of run {run_id} at {uri}"):
+        for attempt in range(ATTEMPTS):
+            try:
+                if inputs:
+                    client.log_inputs(run_id, datasets=inputs)
+                if val_split_sha256:
+                    client.set_tag(run_id, VAL_SPLIT_TAG, val_split_sha256)
+                return
+            except Exception as exc:
+                # Runs of one experiment logging the same dataset at once (sweep workers) race on its row: the
+                # loser's "UNIQUE constraint failed: datasets..." means it is logged, and the next try links it.
+                if attempt + 1 == ATTEMPTS or not _transient(exc):
+                    raise
                 time.sleep(0.2 * 2**attempt)
-                continue
-            raise TrackingError(
-                f"could not record the datasets of run {run_id} at {uri}: {type(exc).__name__}: {exc}"
-            ) from exc
 
 
 def _transient(exc: BaseException) -> bool:
