@@ -206,14 +206,14 @@ def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) 
     """Build the optimizer over a stand-in parameter, then the scheduler, and step it as the run would."""
     import torch
 
-    from runner.training.losses import build_optimizer, build_scheduler, scheduler_class, scheduler_interval
+    from runner.training.losses import SCHEDULERS, build_optimizer, build_scheduler, scheduler_interval
     from runner.training.setup import count_total_steps
     from runner.training.sums import lr_problem
 
     optimizer = build_optimizer(spec.optim, [torch.nn.Parameter(torch.zeros(1))])
     if spec.scheduler is None:
         return
-    check_call(scheduler_class(spec.scheduler), (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
+    check_call(SCHEDULERS[spec.scheduler.name], (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
     total = count_total_steps(steps_per_epoch, spec.train) if steps_per_epoch is not None else None
     stand_in = total or spec.train.max_steps or DRY_RUN_STEPS  # the data not built here: the run's length unknown
     scheduler = build_scheduler(spec.scheduler, optimizer, stand_in, spec.train.epochs)

@@ -209,7 +209,7 @@ def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
 _Built = TypeVar("_Built")
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-_SCHEDULERS = {
+SCHEDULERS = {  # [scheduler] name -> its torch.optim.lr_scheduler class
     "step": torch.optim.lr_scheduler.StepLR,
     "multistep": torch.optim.lr_scheduler.MultiStepLR,
     "exponential": torch.optim.lr_scheduler.ExponentialLR,
@@ -241,7 +241,7 @@ def build_scheduler(
     """
     if scheduler_spec is None:
         return None
-    cls = _SCHEDULERS[scheduler_spec.name]
+    cls = SCHEDULERS[scheduler_spec.name]
     kwargs = dict(scheduler_spec.kwargs)
     calls = total_steps if scheduler_spec.interval == "step" else epochs
     if scheduler_spec.name == "cosine":
@@ -250,12 +250,6 @@ def build_scheduler(
         kwargs.setdefault("max_lr", optimizer.param_groups[0]["lr"])
         kwargs.setdefault("total_steps", max(1, total_steps))
     return _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
-
-
-def scheduler_class(scheduler_spec: SchedulerSpec) -> type:
-    """The ``torch.optim.lr_scheduler`` class of ``[scheduler]`` (e.g. ``StepLR`` for ``name = "step"``)."""
-    cls: type = _SCHEDULERS[scheduler_spec.name]
-    return cls
 
 
 def scheduler_interval(scheduler_spec: SchedulerSpec | None) -> str:
