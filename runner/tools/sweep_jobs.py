@@ -301,7 +301,10 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         with study.heartbeat(trial):
             result = _execute(study, store, setup, trial, point, parent_id)
     except BaseException as exc:
-        run_id = _quiet(lambda: store.trial_run(parent_id, trial.number))
+        try:
+            run_id = store.trial_run(parent_id, trial.number)
+        except Exception:  # the store cannot answer: the trial's own error matters more
+            run_id = None
         stopped = isinstance(exc, (Interrupted, KeyboardInterrupt))
         error = "interrupted" if stopped else f"{type(exc).__name__}: {exc}"
         if not stopped and not isinstance(exc, RunnerError):  # runner's own errors say enough; others bring a trace
@@ -348,11 +351,3 @@ def _execute(
     return TrialResult(
         point.index, point.values, out.run_id, "FINISHED", value, pruned=stopped is not None, pruned_epoch=stopped
     )
-
-
-def _quiet(find: Callable[[], str | None]) -> str | None:
-    """``find()``, or ``None`` when the store cannot answer (the trial's own error matters more)."""
-    try:
-        return find()
-    except Exception:
-        return None

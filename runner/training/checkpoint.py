@@ -73,7 +73,8 @@ def save_checkpoint(
     final = directory / f"step-{global_step:08d}"
     partial = directory / f".{final.name}.partial"
     if payload is not None:
-        _check_plain(payload)
+        if (problem := plain_problem(payload)) is not None:
+            raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) refuses: {problem}")
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
@@ -121,12 +122,6 @@ class PendingSave:
         os.replace(partial, final)
         _fsync_dir(final.parent)
         _rotate(final.parent, self.keep_last)
-
-
-def _check_plain(payload: dict[str, Any]) -> None:
-    problem = plain_problem(payload)
-    if problem is not None:
-        raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) would refuse: {problem}")
 
 
 def _sha256(path: Path) -> str:
