@@ -108,9 +108,9 @@ class Trial:
         return trial_run_name(self.values)
 
     def label(self) -> str:
-        """Short text for messages: ``trial 3 (optim.lr=0.01, seed=2)``."""
+        """Short text for messages: ``trial 3 (optim.lr=0.01, seed=2)``; ``values (...)`` for a check's point (-1)."""
         inner = ", ".join(f"{k}={toml_value(v)}" for k, v in self.values.items())
-        return f"trial {self.index} ({inner})"
+        return f"trial {self.index} ({inner})" if self.index >= 0 else f"values ({inner})"
 
 
 @dataclass

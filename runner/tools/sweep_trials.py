@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from runner.errors import DeviceError, SpecError, SpecIssue, UsageError, toml_value
+from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
 from runner.spec.dump import spec_sha256, trial_run_name
 from runner.spec.loading import load_spec, relocate_issues, spec_from_dict
 from runner.spec.messages import locate_keys
@@ -279,17 +279,17 @@ def prepare_trials(
         try:
             loaded = without_sweep(load_spec(path, [*overrides, *trial.overrides()], unset))
         except SpecError as exc:
-            issues += [(where.place(issue, trial), _label(trial)) for issue in exc.issues]
+            issues += [(where.place(issue, trial), trial.label()) for issue in exc.issues]
             continue
         model_error = _model_error(loaded, checked)
         if model_error is not None:
             located = relocate_issues(model_error, loaded)  # at model.name's line in the spec file
-            issues += [(where.place(issue, trial), _label(trial)) for issue in located.issues]
+            issues += [(where.place(issue, trial), trial.label()) for issue in located.issues]
             continue
         try:
             out.append((loaded, make_plan(loaded, env=env, inventory=inventory)))
         except (DeviceError, UsageError, SpecError) as exc:
-            device_errors.append(f"{_label(trial)}: {exc}")
+            device_errors.append(f"{trial.label()}: {exc}")
     if issues:
         raise SpecError(_once_each(issues, len(trials)))
     if device_errors:
@@ -324,12 +324,6 @@ def trial_tags(trial: Trial, study: str | None = None, number: int | None = None
         tags.append(("runner.sweep.optuna_trial", str(number)))
     tags += [(safe_key(f"sweep.{k}"), param_value(v)) for k, v in trial.values.items()]
     return tuple(tags)
-
-
-def _label(trial: Trial) -> str:
-    if trial.index >= 0:
-        return trial.label()
-    return "values (" + ", ".join(f"{k}={toml_value(v)}" for k, v in trial.values.items()) + ")"
 
 
 def swept_in_file(base: LoadedSpec, grid: Sequence[str], random: Sequence[str]) -> dict[str, int | None]:
