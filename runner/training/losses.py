@@ -14,7 +14,7 @@ from torch import nn
 
 from runner.errors import SpecError, SpecIssue, TrainingError, first_line
 from runner.training.metrics import check_metric_names
-from runner.training.models import resolve_factory, spec_issue
+from runner.training.models import parameter_names, resolve_factory, spec_issue
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -38,10 +38,7 @@ WHOLE = ("output", "batch", "prediction", "target")
 
 def _named_parameters(function: Callable[..., Any]) -> set[str]:
     """The parameter names of ``function`` when they include ``output`` or ``batch``, else the empty set."""
-    try:
-        names = set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # no signature (a builtin or C function)
-        return set()
+    names = parameter_names(function)
     return names if names & {"output", "batch"} else set()
 
 

@@ -306,7 +306,7 @@ def _torchvision_builder(
     models = torchvision_package().models
     builder = models.get_model_builder(bare)
     kwargs.setdefault("weights", None)
-    if "weights_backbone" in _parameters(builder):
+    if "weights_backbone" in parameter_names(builder):
         kwargs.setdefault("weights_backbone", None)
     classifier = bare in models.list_models(module=models)
     if classifier and kwargs["weights"] is None:
@@ -314,7 +314,8 @@ def _torchvision_builder(
     return builder, kwargs
 
 
-def _parameters(fn: Callable[..., Any]) -> set[str]:
+def parameter_names(fn: Callable[..., Any]) -> set[str]:
+    """The parameter names of ``fn``; none for a callable without a signature (a builtin or C function)."""
     try:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
