@@ -134,7 +134,6 @@ def _value_rules() -> dict[str, list[Schema]]:
     """Rules on single values (:mod:`runner.spec.rules`), true in every file, by table."""
     return {
         "DevicesSpec": [{"properties": {"ids": {"minItems": 1, "uniqueItems": True, "items": {"minimum": 0}}}}],
-        "DataSpec": [{"properties": {"input_shape": {"items": {"minimum": 1}}}}],
         "ParallelSpec": [{"properties": {"rdzv_endpoint": {"pattern": "^.+:[0-9]+$"}}}],
         "OptimSpec": [
             {

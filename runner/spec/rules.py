@@ -114,8 +114,6 @@ def check_data(data: DataSpec) -> None:
         raise ValueError("persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)")
     if (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")) and data.root is None:
         raise ValueError(f"dataset {data.dataset!r} reads files: set data.root to the folder that holds them")
-    if any(d < 1 for d in data.input_shape):
-        raise ValueError(f"input_shape {data.input_shape} must contain positive sizes only")
 
 
 def check_devices(devices: DevicesSpec) -> None:

@@ -240,7 +240,7 @@ class SweepSpec(SpecTable):
     )
 
 
-TorchSize = Annotated[int, Field(lt=INT64_LIMIT)]  # a tensor dimension: torch takes a C int64
+TorchSize = Annotated[int, Field(ge=1, lt=INT64_LIMIT)]  # a tensor dimension: torch takes a C int64
 
 
 class ModelSpec(SpecTable):

@@ -35,6 +35,7 @@ def _line_of(text: str, key: str) -> int:
         ({"data": {"split_seed": HUGE}}, "data.split_seed", "expected a value >= 0 and < 9223372036854775808"),
         ({"data": {"num_samples": 2**63}}, "data.num_samples", "expected a value >= 1 and < 9223372036854775808"),
         ({"data": {"input_shape": [2, HUGE]}}, "data.input_shape[1]", "expected a value < 9223372036854775808"),
+        ({"data": {"input_shape": [0, 3]}}, "data.input_shape[0]", "got 0; expected a value >= 1"),
         ({"sweep": {"seed": 2**32}}, "sweep.seed", "expected a value >= 0 and < 4294967296 (2**32)"),
         # 2**63 - 1 passes as an int64 but failed after the run existed (a FAILED run, no key named; or, for
         # num_workers, a DataLoader that forked until the machine stalled)
