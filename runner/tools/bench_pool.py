@@ -232,8 +232,7 @@ def run_job(job: Job) -> Reply:
 
 
 def _set_launch_env(job: Job) -> None:
-    for key in _LAUNCH_VARS:
-        os.environ.pop(key, None)
+    """The launcher's variables of a rank of a process group (run_job removes them after each job)."""
     if job.ddp:
         os.environ.update(
             RANK=str(job.rank),

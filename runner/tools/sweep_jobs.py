@@ -90,8 +90,8 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
     code, me = 0, config.index
     try:
         with sigterm_interrupts():
-            storage = open_storage(config.url)
-            study = SweepStudy.join(storage, config.url, config.study, SweepDefinition.from_json(config.definition))
+            storage, definition = open_storage(config.url), SweepDefinition.model_validate(config.definition)
+            study = SweepStudy.join(storage, config.url, config.study, definition)
             store = SweepStore(config.tracking_uri, config.experiment)
             work(
                 study,

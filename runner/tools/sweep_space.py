@@ -10,12 +10,12 @@ import json
 import math
 import tomllib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from runner.errors import first_line, toml_value
 from runner.spec.dump import trial_run_name
@@ -51,16 +51,8 @@ class SweepDefinition(SweepSpec):
         return f"{param.distribution}({param.low!r}, {param.high!r})"
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able form; :meth:`from_json` reads it back."""
+        """JSON-able form; ``model_validate`` reads it back (pydantic's ValidationError, a ValueError, otherwise)."""
         return self.model_dump(mode="json", exclude={"storage", "study"}, exclude_none=True)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SweepDefinition:
-        """Rebuild a definition written by :meth:`to_json`; ValueError for anything else."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ValueError(f"not a sweep definition: {first_line(exc)}") from None
 
     def digest(self) -> str:
         """Hex SHA-256 of :meth:`to_json`: two definitions search the same trials iff their digests match."""

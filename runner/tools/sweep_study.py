@@ -141,7 +141,7 @@ class SweepStudy:
             time.sleep(pause)
             pause = min(1.0, pause * 2)
         recorded = self.storage.get_study_user_attrs(self.study_id).get(ATTR_DEFINITION)
-        if recorded is not None and SweepDefinition.from_json(recorded).digest() != self.definition.digest():
+        if recorded is not None and SweepDefinition.model_validate(recorded).digest() != self.definition.digest():
             raise UsageError(
                 f"study {self.name!r} in {self.url} searches another sweep ({json.dumps(recorded)}); "
                 "give the same [sweep] and flags as its first worker, or another --study name"

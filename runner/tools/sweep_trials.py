@@ -412,7 +412,7 @@ class OptunaPruning:
         """The trial, from its study in the storage (for a rank 0 that is not the sweep worker's process)."""
         import optuna
 
-        storage, definition = open_storage(self.url, heartbeat=False), SweepDefinition.from_json(self.definition)
+        storage, definition = open_storage(self.url, heartbeat=False), SweepDefinition.model_validate(self.definition)
         study = SweepStudy.join(storage, self.url, self.study_name, definition)
         self._trial = optuna.Trial(study.study, study.trial_id(self.trial_number))
         return self._trial

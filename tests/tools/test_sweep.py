@@ -213,13 +213,13 @@ def test_definition_json_round_trip() -> None:
     d = build_definition(
         None, grid=["seed=0,1", "model.kwargs.hidden=[8],[16]"], random=["optim.lr=1e-3:1e-1:log"], trials=5, seed=3
     )
-    back = SweepDefinition.from_json(d.to_json())
+    back = SweepDefinition.model_validate(d.to_json())
     assert back == d and back.digest() == d.digest()
     other = build_definition(None, grid=["seed=0,1"], random=["optim.lr=1e-3:1e-1:log"], trials=5, seed=4)
     assert other.digest() != d.digest()
     assert d.describe("optim.lr") == "log_uniform(0.001, 0.1)" and d.describe("seed") == "[0, 1]"
     with pytest.raises(ValueError):
-        SweepDefinition.from_json({"method": "grid"})
+        SweepDefinition.model_validate({"method": "grid"})
 
 
 # --------------------------------------------------------------------------- expansion
