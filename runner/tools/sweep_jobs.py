@@ -13,7 +13,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -97,7 +97,7 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
                 study,
                 store,
                 config.setup,
-                lambda r: messages.put(("result", me, r.to_json())),
+                lambda r: messages.put(("result", me, asdict(r))),
                 config.max_trials,
                 on_start=lambda number: messages.put(("start", me, number)),
             )

@@ -120,9 +120,6 @@ class TrialResult:
     pruned: bool = False
     pruned_epoch: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def encode_choices(values: Sequence[Any]) -> list[Any]:
     """Optuna's categorical choices for explicit values: as they are, or all as TOML text when one is a list or
@@ -223,7 +220,7 @@ class SweepReport:
     def to_json(self) -> dict[str, Any]:
         """JSON-able summary (``runner sweep --json``; artifact ``sweep_report.json`` of the parent)."""
         best, plain = self.best, dataclasses.asdict(self)  # the trials as dicts, copies of the lists
-        totals = {"failed": self.failed, "pruned": self.pruned, "best": None if best is None else best.to_json()}
+        totals = {"failed": self.failed, "pruned": self.pruned, "best": best and dataclasses.asdict(best)}
         return {**plain, "definition": self.definition.to_json(), **totals}
 
 
