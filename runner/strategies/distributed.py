@@ -192,9 +192,6 @@ class DDPStrategy(Strategy):
             return wrapped.no_sync()
         return contextlib.nullcontext()
 
-    def _collective_device(self) -> torch.device:
-        return torch.device("cpu") if self.backend == "gloo" else self.device
-
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape) over all ranks: a detached copy on its device; gloo reduces on CPU, nccl on
         this rank's GPU."""
@@ -202,7 +199,8 @@ class DDPStrategy(Strategy):
 
     def all_reduce_sum_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The sum started with ``async_op``: the ranks go on training while it runs; calling the result waits."""
-        buf = tensor.detach().to(self._collective_device(), copy=True)
+        device = torch.device("cpu") if self.backend == "gloo" else self.device  # where the backend reduces
+        buf = tensor.detach().to(device, copy=True)
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
 
         def result() -> torch.Tensor:

@@ -41,7 +41,7 @@ from runner.tools.sweep_trials import (
     without_sweep,
 )
 from runner.tracking.runs import delete_run, end_run, experiment_id
-from runner.tracking.uri import absolute_uri, check_reachable
+from runner.tracking.uri import absolute_uri, check_reachable, resolve_tracking_uri
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -79,7 +79,7 @@ def run_sweep(
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
     plans = _checked_trials(base, definition, cli or CommandLine(), environ)
-    store = SweepStore.for_spec(base.spec)
+    store = SweepStore(resolve_tracking_uri(base.spec), base.spec.tracking.experiment or base.spec.name)
     check_reachable(store.uri)
     opened, report = _open_study(base, definition, store, storage, study, lines)
     started = time.time()

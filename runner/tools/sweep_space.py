@@ -24,14 +24,13 @@ from runner.tracking import runs
 from runner.tracking.runs import RunRecord
 from runner.tracking.stored import search_runs
 from runner.tracking.tags import max_param_chars, max_tag_chars, safe_key
-from runner.tracking.uri import resolve_tracking_uri, ui_line
+from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
     import optuna
     from optuna.trial import FrozenTrial
 
     from runner.spec.loading import LoadedSpec
-    from runner.spec.schema import ExperimentSpec
 
 
 _PRIMITIVE = (str, int, float, bool, type(None))
@@ -266,11 +265,6 @@ class SweepStore:
 
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
-
-    @classmethod
-    def for_spec(cls, spec: ExperimentSpec) -> SweepStore:
-        """The store and experiment the spec's runs are recorded in."""
-        return cls(resolve_tracking_uri(spec), spec.tracking.experiment or spec.name)
 
     def create_parent(self, base: LoadedSpec, definition: SweepDefinition, study: str, storage: str) -> str:
         """Create the parent run as ``runner exec`` records a run (:func:`~runner.tracking.runs.start_run`), with the
