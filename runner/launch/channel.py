@@ -136,16 +136,13 @@ class Hub:
     Its return value answers :data:`ANSWERED` kinds, its exception answers them as an error; ``before_accept`` runs
     first (the driver opens the store there while the training processes build)."""
 
-    def __init__(
-        self, handle: Callable[..., Any], before_accept: Callable[[], None] = lambda: None, prefix: str = "runner-"
-    ) -> None:
+    def __init__(self, handle: Callable[..., Any], before_accept: Callable[[], None] = lambda: None) -> None:
         self._handle, self._before = handle, before_accept
-        self.folder = tempfile.mkdtemp(prefix=prefix)
+        self.folder = tempfile.mkdtemp(prefix="runner-")
         self.address = HubAddress(str(Path(self.folder) / "hub.sock"), secrets.token_bytes(16))
         self._listener = Listener(self.address.path, family="AF_UNIX", authkey=self.address.key)
         self._thread = threading.Thread(target=self._serve, name="runner-hub", daemon=True)
         self._stopped = threading.Event()
-        self.error: BaseException | None = None  # what the hub's thread itself died of
 
     def start(self) -> None:
         self._thread.start()
@@ -165,23 +162,20 @@ class Hub:
             Client(self.address.path, family="AF_UNIX", authkey=self.address.key).close()
 
     def _serve(self) -> None:
-        try:
-            with contextlib.suppress(Exception):  # the handler keeps what went wrong for the answer to rank 0
-                self._before()
-            while not self._stopped.is_set():
-                try:
-                    conn = self._listener.accept()
-                except (AuthenticationError, EOFError, ConnectionError):
-                    continue  # a stranger without the key, or a peer gone before the handshake
-                except OSError:
-                    return
-                if self._stopped.is_set():
-                    conn.close()
-                    return
-                with conn:
-                    self._serve_one(conn)
-        except BaseException as exc:
-            self.error = exc
+        with contextlib.suppress(Exception):  # the handler keeps what went wrong for the answer to rank 0
+            self._before()
+        while not self._stopped.is_set():
+            try:
+                conn = self._listener.accept()
+            except (AuthenticationError, EOFError, ConnectionError):
+                continue  # a stranger without the key, or a peer gone before the handshake
+            except OSError:
+                return
+            if self._stopped.is_set():
+                conn.close()
+                return
+            with conn:  # an error of the handler's own ends the hub (traceback on stderr); rank 0 finds its pipe closed
+                self._serve_one(conn)
 
     def _serve_one(self, conn: Connection) -> None:
         while True:
