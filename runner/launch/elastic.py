@@ -36,7 +36,6 @@ from runner.launch.failures import (
     read_hang_reports,
 )
 from runner.launch.worker import run_worker
-from runner.training.checkpoint import write_atomic
 
 if TYPE_CHECKING:
     from runner.launch.failures import HangReports
@@ -105,6 +104,8 @@ def _agent_main(path: Path) -> int:
         outcome = launch_elastic(plan, args, hangs, fork=True)
     except Exception as exc:  # SignalException included
         outcome = launch_failure(exc, JobContext(plan.loaded.spec.parallel.timeout_s, oom_before, hangs))
+    from runner.training.checkpoint import write_atomic  # here: not on the driver's way to the first step
+
     write_atomic(path.parent, pickle.dumps((outcome, hangs)), final=path.with_name(_AGENT_OUTCOME))  # whole or absent
     return 0
 
@@ -206,6 +207,8 @@ def run_and_leave_result(args: WorkerArgs, launcher: int) -> WorkerResult | None
     rank = os.environ.get("RANK", "0")
     if args.report_dir is not None:
         path = Path(args.report_dir) / _RESULT_FILE.format(rank=rank)
+        from runner.training.checkpoint import write_atomic
+
         write_atomic(path.parent, pickle.dumps(result), final=path)  # whole or absent
     if os.environ.get(ABORT_AT_EXIT_VAR) == rank:  # at the process's exit, after its result went back
         from multiprocessing.util import Finalize

@@ -330,7 +330,7 @@ class _StopFlag:
         if self._first is not None and signum == signal.SIGINT and now - self._first > 1.0:
             raise KeyboardInterrupt
         if self._first is None:
+            self.signum = signum  # before _first, which code() reads
             self._first = now
-            self.signum = signum
             if self._announce and signum == signal.SIGINT:  # a SIGTERM also comes from the launcher when a peer failed
                 os.write(2, STOPPING.encode())  # not print(): the main thread may be inside a write to stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo, first_line
+from runner.plan import Plan, experiment_of, make_plan
 from runner.spec.loading import LoadedSpec, load_spec
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_jobs import (
@@ -45,8 +46,6 @@ from runner.tracking.uri import absolute_uri, check_reachable, resolve_tracking_
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
-
-    from runner.plan import Plan
 
 
 def run_sweep(
@@ -79,7 +78,7 @@ def run_sweep(
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
     plans = _checked_trials(base, definition, cli or CommandLine(), environ)
-    store = SweepStore(resolve_tracking_uri(base.spec), base.spec.tracking.experiment or base.spec.name)
+    store = SweepStore(resolve_tracking_uri(base.spec), experiment_of(base))
     check_reachable(store.uri)
     opened, report = _open_study(base, definition, store, storage, study, lines)
     started = time.time()
@@ -214,8 +213,6 @@ def _device_env(setup: TrialSetup, extra: tuple[str, ...], plans: Sequence[Plan]
     """The device view a warm worker keeps for all its trials (``CUDA_VISIBLE_DEVICES`` of its GPU or the spec's)."""
     if not extra:
         return dict(plans[0].devices.env) if plans else {}
-    from runner.plan import make_plan
-
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *extra], setup.unset))
     return dict(make_plan(loaded, env=setup.environ).devices.env)
 

@@ -181,10 +181,6 @@ def git_artifacts(info: GitInfo | None) -> dict[str, str]:
     return out
 
 
-PARAMS_PER_BATCH = 100  # MLflow's most params (or tags) in one log_batch request
-ENTITIES_PER_BATCH = 1000  # MLflow's most metrics, params and tags in one request: log_batch splits a larger call
-
-
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 
 

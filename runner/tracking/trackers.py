@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from runner.errors import STORE_LEFT_HANGING, TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
 from runner.tracking.spool import Item
-from runner.tracking.tags import ENTITIES_PER_BATCH, PARAMS_PER_BATCH, param_value
+from runner.tracking.tags import param_value
 from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ MEMORY_ITEMS = 100_000  # metric values kept in memory while the store is away, 
 SPILL_AFTER_S = 5.0  # a flush waits this long for a store that stopped answering, then spools
 CLOSE_WAIT_S = 10.0  # close() waits this long for an absent store before it leaves the rest in the spool
 _MAX_BACKOFF_S = 30.0
+PARAMS_PER_BATCH = 100  # MLflow's most params (or tags) in one log_batch request
+ENTITIES_PER_BATCH = 1000  # MLflow's most metrics, params and tags in one request: log_batch splits a larger call
 MAX_BATCH = ENTITIES_PER_BATCH - PARAMS_PER_BATCH  # with its tags, a batch is one MLflow request: one future
 
 
