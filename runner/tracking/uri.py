@@ -343,7 +343,7 @@ def _first_open(uri: str, path: Path | None = None) -> None:
             return
         except Exception as exc:  # MlflowException, sqlalchemy / alembic errors of a damaged database
             text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
-            racing = any(sign in text for sign in ("already exists", "database is locked", "out-of-date database"))
+            racing = any(sign in text for sign in ("already exists", "is locked", "out-of-date", "Online migration"))
             if not racing or attempt == OPEN_ATTEMPTS - 1:
                 first = first_line(text) or type(exc).__name__
                 raise TrackingError(f"MLflow cannot open the tracking store {uri}: {first[:500]}") from None
