@@ -157,7 +157,7 @@ def make_plan(
     rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.traits.elastic else None
     uri = tracking_uri_of(loaded, tracking_uri)
     name = run_name_of(loaded, devices)
-    return Plan(loaded, devices, uri, experiment_of(loaded), launch, launcher, name, rendezvous, slurm)
+    return Plan(loaded, devices, uri, loaded.spec.experiment_name, launch, launcher, name, rendezvous, slurm)
 
 
 def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
@@ -166,10 +166,6 @@ def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
     if not loaded.spec.tracking.enabled:
         return None
     return given if given is not None else resolve_tracking_uri(loaded.spec)
-
-
-def experiment_of(loaded: LoadedSpec) -> str:
-    return loaded.spec.tracking.experiment or loaded.spec.name
 
 
 def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
@@ -268,7 +264,7 @@ def describe_unrunnable(
     """What ``runner plan`` shows for a spec this machine cannot run: like :meth:`Plan.describe` with ``devices =
     None``, ``asked``, ``missing`` (the error) and ``try`` (the command with ``fix``, or ``None``)."""
     spec = loaded.spec
-    info = spec_facts(loaded, tracking_uri_of(loaded, None), experiment_of(loaded), run_name_of(loaded, None))
+    info = spec_facts(loaded, tracking_uri_of(loaded, None), loaded.spec.experiment_name, run_name_of(loaded, None))
     ids = spec.devices.ids
     shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
     launch: Launch = spec.parallel.traits.launch

@@ -413,3 +413,7 @@ class ExperimentSpec(SpecTable):
     )
 
     rule = rules.check_experiment
+
+    @property
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or self.name

@@ -182,7 +182,7 @@ def _report(
         max_repeats=repeats[1],
         configs=[c.result for c in configs],
         loss_tolerance=LOSS_TOLERANCE,
-        experiment=f"{spec.tracking.experiment or spec.name}/bench",
+        experiment=f"{spec.experiment_name}/bench",
     )
 
 

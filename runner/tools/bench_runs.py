@@ -40,7 +40,7 @@ def start_parent(
     if not base.spec.tracking.enabled:
         return None
     uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.uri.open_store)
-    experiment = report.experiment or base.spec.tracking.experiment or base.spec.name
+    experiment = report.experiment or base.spec.experiment_name
     handle = start_run(
         base,
         {"mode": kind, kind: {"configurations": configs, **description.pop(kind, {})}, **description},

@@ -226,7 +226,7 @@ def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, fol
         if cpu:
             data["devices"]["accelerator"] = "cpu"
         data["checkpoint"] = {"dir": str(folder / config_id(mode, n)), "every_n_steps": steps, "keep_last": 1}
-        experiment = f"{loaded.spec.tracking.experiment or loaded.spec.name}/parity"
+        experiment = f"{loaded.spec.experiment_name}/parity"
         data.setdefault("tracking", {}).update(log_model=False, experiment=experiment)
 
     return derive(loaded, mode, n, steps, 0, adjust)[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import Interrupted, RunnerError, SpecError, SpecIssue, TrackingError, UsageError, echo, first_line
-from runner.plan import Plan, experiment_of, make_plan
+from runner.plan import Plan, make_plan
 from runner.spec.loading import LoadedSpec, load_spec
 from runner.spec.messages import locate_keys
 from runner.tools.sweep_jobs import (
@@ -78,7 +78,7 @@ def run_sweep(
     definition = build_definition(base.spec.sweep, cli or CommandLine(), spec_file=base.path, key_lines=lines)
     environ = trial_environ()
     plans = _checked_trials(base, definition, cli or CommandLine(), environ)
-    store = SweepStore(resolve_tracking_uri(base.spec), experiment_of(base))
+    store = SweepStore(resolve_tracking_uri(base.spec), base.spec.experiment_name)
     check_reachable(store.uri)
     opened, report = _open_study(base, definition, store, storage, study, lines)
     started = time.time()

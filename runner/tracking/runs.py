@@ -159,7 +159,7 @@ def start_run(
     # Everything that can fail without the network is computed before the run exists.
     params, texts, tags = _what_the_run_records(loaded, plan_description, extra_tags, parent_run_id)
     run_name = mask_secrets(run_name or spec.tracking.run_name or "") or None
-    experiment_name = experiment or spec.tracking.experiment or spec.name
+    experiment_name = experiment or spec.experiment_name
 
     client = client_for(uri)
     with store_errors(f"create an MLflow run in experiment {experiment_name!r} at {uri}"):
