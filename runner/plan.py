@@ -157,7 +157,7 @@ def make_plan(
     rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.traits.elastic else None
     uri = tracking_uri_of(loaded, tracking_uri)
     name = run_name_of(loaded, devices)
-    return Plan(loaded, devices, uri, loaded.spec.experiment_name, launch, launcher, name, rendezvous, slurm)
+    return Plan(loaded, devices, uri, spec.experiment_name, launch, launcher, name, rendezvous, slurm)
 
 
 def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
@@ -264,7 +264,7 @@ def describe_unrunnable(
     """What ``runner plan`` shows for a spec this machine cannot run: like :meth:`Plan.describe` with ``devices =
     None``, ``asked``, ``missing`` (the error) and ``try`` (the command with ``fix``, or ``None``)."""
     spec = loaded.spec
-    info = spec_facts(loaded, tracking_uri_of(loaded, None), loaded.spec.experiment_name, run_name_of(loaded, None))
+    info = spec_facts(loaded, tracking_uri_of(loaded, None), spec.experiment_name, run_name_of(loaded, None))
     ids = spec.devices.ids
     shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
     launch: Launch = spec.parallel.traits.launch
