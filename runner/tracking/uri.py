@@ -247,6 +247,7 @@ def _check_http(uri: str, timeout_s: float) -> None:
 
 LOCK_TIMEOUT_S = 300.0  # a first migration takes seconds; a lock held longer is a stuck process
 OPEN_ATTEMPTS = 6  # a concurrent creator's migration takes seconds
+RACE_SIGNS = ("already exists", "database is locked", "out-of-date database", "Online migration", "duplicate column")
 _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engine; tables exist from then on)
 
 
@@ -343,8 +344,7 @@ def _first_open(uri: str, path: Path | None = None) -> None:
             return
         except Exception as exc:  # MlflowException, sqlalchemy / alembic errors of a damaged database
             text = exc.message if isinstance(exc, MlflowException) else f"{type(exc).__name__}: {exc}"
-            racing = any(sign in text for sign in ("already exists", "is locked", "out-of-date", "Online migration"))
-            if not racing or attempt == OPEN_ATTEMPTS - 1:
+            if attempt == OPEN_ATTEMPTS - 1 or not any(sign in text for sign in RACE_SIGNS):
                 first = first_line(text) or type(exc).__name__
                 raise TrackingError(f"MLflow cannot open the tracking store {uri}: {first[:500]}") from None
             if path is None or not wait_until_still(path):

@@ -135,12 +135,13 @@ def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration  # starts several processes
-@pytest.mark.parametrize("race", ["create", "migrate"])
+@pytest.mark.parametrize("race", ["create", "migrate", "add-column"])
 def test_another_client_creating_the_tables_at_the_same_moment_is_waited_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str
 ) -> None:
-    """Another process creates the schema while runner's first open runs: CREATE TABLE fails, or alembic finds the
-    version row moved under it (seen in CI: four runs and two clients on one new file), then the open works."""
+    """Another process creates the schema while runner's first open runs: CREATE TABLE or a step's ADD COLUMN fails,
+    or alembic finds the version row moved under it (seen in CI: four runs and two clients on one new file), then the
+    open works."""
     import subprocess
     import sys
 
@@ -150,7 +151,8 @@ def test_another_client_creating_the_tables_at_the_same_moment_is_waited_for(
 
     moved = "Online migration expected to match one row when updating 'a' to 'b' in 'alembic_version'; 0 found"
     exists = OperationalError("CREATE TABLE experiments (...)", {}, Exception("table experiments already exists"))
-    error = CommandError(moved) if race == "migrate" else exists
+    added = OperationalError("ALTER TABLE runs ADD COLUMN x", {}, Exception("duplicate column name: x"))
+    error = {"create": exists, "migrate": CommandError(moved), "add-column": added}[race]
 
     uri = f"sqlite:///{tmp_path}/fresh.db"
     real, calls = db_utils._initialize_tables, []
