@@ -43,7 +43,6 @@ class Plan:
     loaded: LoadedSpec
     devices: DevicePlan
     tracking_uri: str | None
-    experiment: str
     launch: Launch
     launcher: LauncherEnvironment
     run_name: str = ""
@@ -69,7 +68,7 @@ class Plan:
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
         devices, par = self.devices, self.loaded.spec.parallel
-        out = spec_facts(self.loaded, self.tracking_uri, self.experiment, self.run_name, devices.accelerator)
+        out = spec_facts(self.loaded, self.tracking_uri, self.run_name, devices.accelerator)
         out.update(devices=devices.describe(), world_size=devices.world_size, launch=self.launch, notes=self.notes)
         if self.rendezvous is not None:
             rdzv = self.rendezvous
@@ -90,9 +89,7 @@ class Plan:
         return out
 
 
-def spec_facts(
-    loaded: LoadedSpec, uri: str | None, experiment: str, run_name: str, accelerator: str | None = None
-) -> dict[str, Any]:
+def spec_facts(loaded: LoadedSpec, uri: str | None, run_name: str, accelerator: str | None = None) -> dict[str, Any]:
     """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
     from runner.spec.dump import set_inactive_keys
     from runner.tracking.uri import default_checkpoint_dir
@@ -109,7 +106,7 @@ def spec_facts(
         "global_batch_size": spec.data.batch_size,
         "grad_accum_steps": spec.train.grad_accum_steps,
         "tracking_uri": uri,
-        "experiment": experiment,
+        "experiment": spec.experiment_name,
         "checkpoint_dir": checkpoints,
         "inactive": set_inactive_keys(spec, accelerator),
         "overrides": loaded.command_line(),
@@ -157,7 +154,7 @@ def make_plan(
     rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.traits.elastic else None
     uri = tracking_uri_of(loaded, tracking_uri)
     name = run_name_of(loaded, devices)
-    return Plan(loaded, devices, uri, spec.experiment_name, launch, launcher, name, rendezvous, slurm)
+    return Plan(loaded, devices, uri, launch, launcher, name, rendezvous, slurm)
 
 
 def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
@@ -264,7 +261,7 @@ def describe_unrunnable(
     """What ``runner plan`` shows for a spec this machine cannot run: like :meth:`Plan.describe` with ``devices =
     None``, ``asked``, ``missing`` (the error) and ``try`` (the command with ``fix``, or ``None``)."""
     spec = loaded.spec
-    info = spec_facts(loaded, tracking_uri_of(loaded, None), spec.experiment_name, run_name_of(loaded, None))
+    info = spec_facts(loaded, tracking_uri_of(loaded, None), run_name_of(loaded, None))
     ids = spec.devices.ids
     shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
     launch: Launch = spec.parallel.traits.launch

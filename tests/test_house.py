@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
-MAX_LINES = 17_998  # the budget (issue 33): lower it as lines go, never raise it (a feature pays for its lines)
+MAX_LINES = 17_995  # the budget (issue 33): lower it as lines go, never raise it (a feature pays for its lines)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}

@@ -56,7 +56,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-    run_id, chosen = _resolve_resume(uri, plan.experiment, options.resume)
+    run_id, chosen = _resolve_resume(uri, spec.experiment_name, options.resume)
     claimed = claim_run(uri, run_id) if plan.owns_run else []
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
     try:

@@ -377,7 +377,7 @@ def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
         return None
     assert plan.slurm is not None
     job = plan.slurm.job
-    found = search_runs(plan.tracking_uri, plan.experiment, {SLURM_JOB_TAG: job.job_id}, limit=1)
+    found = search_runs(plan.tracking_uri, plan.loaded.spec.experiment_name, {SLURM_JOB_TAG: job.job_id}, limit=1)
     if not found:
         return None
     run_id = found[0].run_id
