@@ -1,22 +1,52 @@
-"""The size budget of the package (docs/design.md, package map): modules, lines, module and function lengths,
+"""The size budget of the package (docs/design.md, package map): modules, code lines, module and function lengths,
 and no mode name compared outside ``runner/strategies/`` and the mode table. Each check runs on a small fake
-tree too, so it is shown to fail when it should."""
+tree too, so it is shown to fail when it should.
+
+Code is measured in sloc: lines that hold a token of code, found by the tokenizer and the AST, so blank lines,
+comments and docstrings do not count. A budget in plain lines rewarded moving explanations out of the code and
+joining statements; one in sloc does not: a docstring costs nothing, and two statements on one line are still
+code on that line.
+"""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
-MAX_LINES = 17_995  # the budget (issue 33): lower it as lines go, never raise it (a feature pays for its lines)
+MAX_SLOC = 14_500  # the budget (issue 64) for every feature of the cycle: lower it as code goes, never raise it
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}
 _MODE_COMPARED = re.compile(
     r"""mode\w*\s*(==|!=|in)\s*[({\[]?["'](none|dp|ddp|fsdp)["']|["'](none|dp|ddp|fsdp)["']\s*(==|!=)\s*\w*mode"""
 )
+
+
+_NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+
+
+def sloc(text: str) -> int:
+    """The lines of ``text`` that hold code: a token other than a comment or a line end, outside every docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))  # type: ignore[operator]
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in _NOT_CODE:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings)
 
 
 def long_functions(root: Path) -> list[str]:
@@ -49,13 +79,20 @@ def mode_names_compared(root: Path) -> list[str]:
 
 def test_the_package_keeps_its_size_budget() -> None:
     assert len(list(ROOT.rglob("*.py"))) <= MAX_MODULES
-    assert sum(len(p.read_text(encoding="utf-8").splitlines()) for p in ROOT.rglob("*.py")) <= MAX_LINES
+    assert sum(sloc(p.read_text(encoding="utf-8")) for p in ROOT.rglob("*.py")) <= MAX_SLOC
     assert long_modules(ROOT) == []
     assert long_functions(ROOT) == []
 
 
 def test_no_mode_name_is_compared_outside_the_strategies_and_the_mode_table() -> None:
     assert mode_names_compared(ROOT) == []
+
+
+def test_sloc_counts_code_and_nothing_else() -> None:
+    text = '"""Module.\n\nMore."""\n\n# a comment\nx = 1  # and one after code\n\n\ndef f(a,\n      b):\n'
+    text += '    """Doc."""\n    return (a +\n            b)\n\ny = """not a docstring,\nbut a string"""\n'
+    assert sloc(text) == 7  # x; def over two lines; return over two; the assigned string's two lines
+    assert sloc("a = 1; b = 2\n") == 1
 
 
 def test_each_check_reports_what_crosses_it(tmp_path: Path) -> None:
