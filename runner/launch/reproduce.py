@@ -108,14 +108,14 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     import torch
 
     from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
-    from runner.training.checkpoint import CheckpointError, load_latest, whole_model, write_atomic
+    from runner.training.checkpoint import CheckpointError, load_latest, read_with_model, write_atomic
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
     spec = stored.loaded().spec
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
     try:
-        found = load_latest(directory)
+        found = load_latest(directory, read_with_model)  # a RUNNING run's rotation may delete one as it is read
     except CheckpointError as exc:
         raise UsageError(f"run {run_id}: {exc}") from None
     if found is None:
@@ -123,7 +123,7 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
     buffer = io.BytesIO()
-    torch.save(whole_model(found.path), buffer)
+    torch.save(found.payload["model"], buffer)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target.parent, buffer.getbuffer(), final=target)

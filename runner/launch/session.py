@@ -176,22 +176,32 @@ class RunSession:
         record_data(uri, run_id, records, info["val_split_sha256"])
 
     def _model(self, path: str, step: int, normalization: tuple[float, float] | None) -> None:
-        """Log the model rank 0 saved to ``path`` (``{"model": module, "example": input}``) with MLflow."""
+        """Log the model whose state rank 0 saved to ``path`` with MLflow. The file holds tensors and plain values
+        only (``{"state", "example", "input_shape", "num_classes"}``) and is read with ``weights_only``: the model is
+        built here from the spec, as the ranks built it, and takes the saved state, so nothing from the checkpoint
+        folder is unpickled as an object."""
         import torch
 
         from runner.tracking.stored import log_model
-        from runner.training.models import make_importable
+        from runner.training.models import build_model
 
         if self.plan.tracking_uri is None or self.run_id is None:
             return
         if self._tracker is not None:
             self._tracker.flush()  # the last step's metrics are linked to the model: they must be in MLflow
-        make_importable(self.plan.loaded.path.parent)  # the user's model classes unpickle from there
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
+        loaded = self.plan.loaded
+        model = build_model(
+            loaded.spec.model,
+            loaded.path.parent,
+            input_shape=saved.get("input_shape"),
+            num_classes=saved.get("num_classes"),
+        )
+        model.load_state_dict(saved["state"], assign=True)  # assign: the trained dtype, not the built one
         log_model(
             self.plan.tracking_uri,
             self.run_id,
-            saved["model"],
+            model,
             saved["example"],
             step=step,
             normalization=normalization,

@@ -275,7 +275,9 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
         example = {k: v.cpu() for k, v in example.items()} if isinstance(example, dict) else example.cpu()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f".model-{os.getpid()}.pt"
-        torch.save({"model": parts.raw_model.cpu(), "example": example}, path)
+        info = parts.data  # what the driver's build of the model needs, as the ranks' build had it
+        built = {"input_shape": list(info.input_shape), "num_classes": info.num_classes} if info is not None else {}
+        torch.save({"state": parts.raw_model.cpu().state_dict(), "example": example, **built}, path)
         try:
             tracker.flush()
             send("model", str(path), step, stats)

@@ -264,7 +264,7 @@ def _train(
 ) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
     from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.training.checkpoint import load_latest, whole_model
+    from runner.training.checkpoint import load_latest, read_with_model
 
     options = ExecOptions(
         run_name=f"{result.config} parity {loaded.spec.name}",
@@ -278,8 +278,8 @@ def _train(
     done = exec_experiment(loaded, options)
     result.run_id = done.run_id
     result.losses = {step: m["train/loss"] for step, m in done.history if "train/loss" in m}
-    found = load_latest(Path(done.checkpoint_dir))
-    state = whole_model(found.path) if found is not None else {}
+    found = load_latest(Path(done.checkpoint_dir), read_with_model)
+    state = found.payload["model"] if found is not None else {}
     result.params = {k: v.double() for k, v in state.items() if v.is_floating_point()}
 
 

@@ -275,32 +275,91 @@ def _checked(path: Path, payload: Any) -> dict[str, Any]:
     return payload
 
 
+# Every global a DCP ``.metadata`` of runner's names, by exact module and name: DCP's own metadata classes, sizes,
+# layouts and paths (dtypes are checked apart). A prefix such as "any name under torch.distributed.checkpoint" is not
+# enough: pickle protocol 4 resolves a dotted name, so ``filesystem`` + ``os.system`` reaches any function.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch sizes, dtypes and layouts, and paths; refuses every other global."""
+    """Builds the globals of :data:`_METADATA_GLOBALS` and torch's dtypes, each by exact name; refuses every other."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = module.startswith("torch.distributed.checkpoint.") or (module, name) in {
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"),
-            ("collections", "OrderedDict"),
-        }
+        import importlib
+
         import torch
 
-        if allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused: the DCP metadata holds {module}.{name}")
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." not in name and (dtype or name in _METADATA_GLOBALS.get(module, ())):
+            return getattr(importlib.import_module(module), name)
+        raise pickle.UnpicklingError(
+            f"refused: its .metadata names {module}.{name}, which is not one of DCP's metadata classes; "
+            "unpickling it could run code"
+        )
+
+
+def _weights_only(value: io.BytesIO, fqn: str) -> Any:
+    """One non-tensor item of a checkpoint (an optimizer's ``lr``, say), read with ``torch.load(weights_only=True)``:
+    DCP's own planner unpickles these without that limit, which runs whatever a crafted shard pickles."""
+    import torch
+
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        objects = sorted(set(_GLOBAL.findall(str(exc)))) or ["an object that is not a tensor or plain value"]
+        raise CheckpointError(
+            f"refused: its item {fqn} carries pickled objects ({', '.join(objects)}) that loading would execute"
+        ) from None
+
+
+def _planner(keys: set[str] | None = None) -> Any:
+    """DCP's load planner (with ``keys``: the one that builds those keys from the metadata alone), reading every
+    non-tensor item with :func:`_weights_only`."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class WeightsOnly(DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner):  # type: ignore[misc]
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], _weights_only(value, fqn))
+            else:
+                self.state_dict[fqn] = _weights_only(value, fqn)
+
+    return WeightsOnly() if keys is None else WeightsOnly(keys=keys)
 
 
 def _reader(folder: Path) -> Any:
-    """DCP's ``FileSystemReader`` of ``folder``, reading ``.metadata`` with :class:`_MetadataUnpickler`."""
+    """DCP's ``FileSystemReader`` of ``folder`` whose ``.metadata`` is read here, first, with
+    :class:`_MetadataUnpickler`: a refusal is then a CheckpointError of its own, not one of DCP's wrapped failures.
+
+    Raises CheckpointError: The metadata names a global outside DCP's own, or does not unpickle."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with (folder / ".metadata").open("rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with (folder / ".metadata").open("rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
             if getattr(metadata, "storage_meta", None) is not None:
                 metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -313,8 +372,9 @@ def load_checkpoint(folder: Path, state: dict[str, Any]) -> None:
     resharded to this job's layout (a collective under a process group)."""
     import torch.distributed.checkpoint as dcp
 
+    reader = _reader(folder)
     try:
-        dcp.load(state, storage_reader=_reader(folder))
+        dcp.load(state, storage_reader=reader, planner=_planner())
     except (Exception, dcp.CheckpointException) as exc:
         raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
 
@@ -324,40 +384,54 @@ def _dcp_error(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return first_line(exc)
-    causes = {rank: getattr(e, "exception", None) or e for rank, e in failures.items()}
+    causes = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}  # (exception, its frames)
     return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
 
 
 def whole_model(folder: Path) -> dict[str, torch.Tensor]:
     """The model state dict of the checkpoint ``folder``, whole and on CPU, read without a process group."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    try:
-        state = _load_state_dict_from_keys({"model"}, storage_reader=_reader(folder))
+    state: dict[str, Any] = {}
+    reader, alone = _reader(folder), not (dist.is_available() and dist.is_initialized())
+    try:  # what DCP's _load_state_dict_from_keys does, with runner's reader and planner
+        _load_state_dict(state, storage_reader=reader, planner=_planner({"model"}), no_dist=alone)
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
     return dict(state["model"])
 
 
 def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``directory`` that ``read`` reads back, past damaged ones; ``None`` when there is none.
+    """The newest checkpoint of ``directory`` that ``read`` reads back, past damaged or refused ones; ``None`` when
+    there is none. The folder is listed again after each failure, so a checkpoint that a running job's rotation
+    deleted while it was read is passed over (not reported) and one saved meanwhile is tried.
 
     Raises CheckpointError, listing each file and why, when none of them reads.
     """
-    files = list_checkpoints(directory)
     skipped: list[tuple[Path, str]] = []
-    for path in reversed(files):
+    tried: set[Path] = set()
+    while untried := [p for p in reversed(list_checkpoints(directory)) if p not in tried]:
+        path = untried[0]
+        tried.add(path)
         try:
             return LoadedCheckpoint(path, read(path), tuple(skipped))
         except CheckpointError as exc:
-            skipped.append((path, str(exc)))
+            if path.exists():  # else rotated away while it was read
+                skipped.append((path, str(exc)))
     if skipped:
         raise CheckpointError(
             f"no usable checkpoint in {directory}: every one is damaged, so none is used:\n"
             + "\n".join(reason for _, reason in skipped)
         )
     return None
+
+
+def read_with_model(path: Path) -> dict[str, Any]:
+    """:func:`read_checkpoint`'s payload with the whole model under ``"model"`` (:func:`whole_model`): for
+    :func:`load_latest`, so a checkpoint whose shards do not load is passed over as a damaged one is."""
+    return {**read_checkpoint(path), "model": whole_model(path)}
 
 
 def build_payload(

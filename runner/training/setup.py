@@ -119,12 +119,17 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     its model and optimizer do not fit the ones built."""
     if not (resume or restarted):
         return Restored(TrainState())
-    found = ckpt.load_latest(folder)
+    state = strategy.checkpoint_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
+
+    def read(path: Path) -> dict[str, Any]:  # a checkpoint whose shards do not load is passed over, on every rank
+        payload = ckpt.read_checkpoint(path)
+        ckpt.load_checkpoint(path, state)
+        return payload
+
+    found = ckpt.load_latest(folder, read)
     if found is None:
         return Restored(TrainState(), notes=[f"no checkpoint in {folder}: starting from step 0"] if resume else [])
     payload = found.payload
-    state = strategy.checkpoint_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
-    ckpt.load_checkpoint(found.path, state)
     strategy.set_checkpoint_state(parts.model, parts.optimizer, state)
     if parts.scheduler is not None and payload["scheduler"] is not None:
         parts.scheduler.load_state_dict(payload["scheduler"])

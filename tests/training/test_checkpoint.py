@@ -271,3 +271,119 @@ def test_a_folder_checkpoint_is_verified_file_by_file(tmp_path: Path) -> None:
     (folder / "__1_0.distcp").unlink()
     with pytest.raises(ckpt.CheckpointError, match="files differ from the ones recorded"):
         ckpt.verify_digest(folder)
+
+
+def _shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _redigest(folder: Path) -> None:
+    """Rewrite ``folder``'s digest file to match its files, as whoever can write the folder can."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    ckpt.write_digest(folder, {p.relative_to(folder.parent).as_posix(): ckpt._sha256(p) for p in files})
+
+
+def _dotted_global_pickle(command: str) -> bytes:
+    """A protocol-4 pickle that calls ``torch.distributed.checkpoint.filesystem`` + ``os.system`` (a dotted name
+    under a module DCP owns) with ``command``."""
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
+
+    global_ = text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93"  # STACK_GLOBAL
+    return b"\x80\x04" + global_ + text(command) + b"\x85R."  # TUPLE1, REDUCE, STOP
+
+
+def test_a_crafted_dcp_metadata_is_refused_by_name_and_the_previous_checkpoint_used(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 1.0)
+    newest = _save(tmp_path, 2, 2.0)
+    marker = tmp_path / "executed"
+    (newest / ".metadata").write_bytes(_dotted_global_pickle(f"touch {marker}"))
+    _redigest(newest)
+    with pytest.raises(ckpt.CheckpointError, match=r"refused: its \.metadata names "):
+        ckpt.whole_model(newest)
+    state = {"model": torch.nn.Linear(2, 2).state_dict()}
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"names torch\.distributed\.checkpoint\.filesystem\.os\.system, which"
+    ):
+        ckpt.load_checkpoint(newest, state)
+    found = ckpt.load_latest(tmp_path, ckpt.read_with_model)  # what `runner export` reads
+    assert found is not None and found.path.name == "step-00000001"
+    assert torch.all(found.payload["model"]["weight"] == 1.0) and "refused" in found.skipped[0][1]
+    assert not marker.exists()
+
+
+def test_a_crafted_non_tensor_item_in_a_shard_is_refused_not_executed(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 1.0)
+    marker = tmp_path / "executed"
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("table", torch.full((64,), 2.0))
+    model_state, optimizer_state = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer_state["param_groups"][0]["lr"] = _RunsCode(marker)  # stored as a DCP byte item
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    ckpt.save_checkpoint(tmp_path, shards, _payload(2), 2, 5, barrier=lambda: None)
+    assert not marker.exists()
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("table", torch.zeros(64))
+    state = _shards(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    with pytest.raises(ckpt.CheckpointError, match=r"refused: its item optimizer\.param_groups\.0\.lr carries"):
+        ckpt.load_checkpoint(tmp_path / "step-00000002", state)
+    assert not marker.exists()
+
+    def read(path: Path) -> dict:  # what a resume does on every rank
+        payload = ckpt.read_checkpoint(path)
+        ckpt.load_checkpoint(path, state)
+        return payload
+
+    found = ckpt.load_latest(tmp_path, read)
+    assert found is not None and found.path.name == "step-00000001" and "refused" in found.skipped[0][1]
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.1 and not marker.exists()
+
+
+def test_plain_non_tensor_items_still_load(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    ckpt.save_checkpoint(
+        tmp_path,
+        _shards(model, optimizer),
+        _payload(1),
+        1,
+        5,
+        barrier=lambda: None,
+    )
+    fresh = torch.nn.Linear(2, 2)
+    state = _shards(fresh, torch.optim.Adam(fresh.parameters()))
+    ckpt.load_checkpoint(tmp_path / "step-00000001", state)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.01 and tuple(group["betas"]) == (0.8, 0.9) and group["amsgrad"] is False
+
+
+def test_a_checkpoint_rotated_away_while_it_is_read_is_passed_over(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 1.0)
+    _save(tmp_path, 2, 2.0)
+
+    def read_while_rotating(path: Path) -> dict:  # a running job saves step 3 and rotates step 2 away meanwhile
+        if path.name == "step-00000002":
+            _save(tmp_path, 3, 3.0, keep_last=1)
+        return ckpt.read_with_model(path)
+
+    found = ckpt.load_latest(tmp_path, read_while_rotating)
+    assert found is not None and found.path.name == "step-00000003" and found.skipped == ()
+    assert torch.all(found.payload["model"]["weight"] == 3.0)
+
+
+def test_nothing_in_runner_loads_a_file_with_weights_only_false() -> None:
+    # The logged model crossed from rank 0 to the driver as a pickled module read with weights_only=False, from the
+    # checkpoint folder; it crosses as a state dict now, and the driver builds the module from the spec.
+    package = Path(ckpt.__file__).parents[1]
+    found = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "weights_only=False" in line.replace(" ", "")
+    ]
+    assert found == []
