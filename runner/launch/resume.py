@@ -3,6 +3,7 @@ docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
@@ -37,28 +38,47 @@ LAYOUT_KEYS = (
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A run to continue: the allowed spec changes ``{key: [old, new]}`` and notes for the user."""
+    """A run to continue: the allowed spec changes ``{key: [old, new]}``, notes for the user, and the checkpoint
+    folder this process holds the run's claim on (:func:`take_claim`; ``""``: not the owner)."""
 
     run_id: str
     uri: str
     changes: dict[str, list[Any]]
     notes: list[str]
+    claimed: str = ""
 
 
 def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
-    """Find the run ``--resume`` names and check the spec against its newest checkpoint. Raises UsageError: Tracking is
-    off, no such run, FINISHED with this spec, or a live owner on this host. SpecError: The spec differs in keys not
-    allowed to change. CheckpointError: Every checkpoint of the run is damaged."""
-    from runner.tracking import runs as tracking
+    """Find the run ``--resume`` names, claim it for this process and check the spec against its newest checkpoint.
+
+    Raises UsageError: Tracking is off, no such run, FINISHED with this spec, or another process owns it. SpecError:
+    The spec differs in keys not allowed to change. CheckpointError: Every checkpoint of the run is damaged."""
     from runner.tracking.stored import run_checkpoint_dir
-    from runner.training.checkpoint import CheckpointError
 
     uri, spec = plan.tracking_uri, plan.loaded.spec
     if uri is None or options.resume is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
     run_id, chosen = _resolve_resume(uri, spec.experiment_name, options.resume)
-    claimed = claim_run(uri, run_id) if plan.owns_run else []
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
+    claimed = claim_run(uri, run_id, directory) if plan.owns_run else []
+    try:
+        changes, notes = _checked_resume(plan, options, uri, directory, run_id)
+    except BaseException as exc:
+        drop_claim(directory)  # this process will not continue the run
+        if isinstance(exc, UsageError):
+            raise UsageError("; ".join([*chosen, str(exc)])) from None
+        raise
+    return ResumePoint(run_id, uri, changes, chosen + claimed + notes, str(directory) if plan.owns_run else "")
+
+
+def _checked_resume(
+    plan: Plan, options: ExecOptions, uri: str, directory: Path, run_id: str
+) -> tuple[dict[str, list[Any]], list[str]]:
+    """``(allowed spec changes, notes)`` of continuing ``run_id`` from ``directory``; a refusal for want of a
+    checkpoint says how to start the run again instead."""
+    from runner.tracking import runs as tracking
+    from runner.training.checkpoint import CheckpointError
+
     try:
         changes, complete, notes = _check_resume(
             plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator, run_id
@@ -66,26 +86,95 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
     except _NoCheckpoint as exc:
         again = resume_command(run_id, uri, "reproduce")
         hint = f"run {run_id} ended before its first checkpoint; `{again}` starts it again from the same spec, anew"
-        raise UsageError("; ".join([*chosen, f"{exc}: {hint}"])) from None
-    except UsageError as exc:
-        raise UsageError("; ".join([*chosen, str(exc)])) from None
+        raise UsageError(f"{exc}: {hint}") from None
     except CheckpointError as exc:
         again = resume_command(run_id, uri, "reproduce")
         raise CheckpointError(f"{exc}\n`{again}` starts run {run_id} again from the same spec, anew") from None
-    notes = chosen + claimed + notes
     if complete and (found := tracking.find_run(uri, run_id)) is not None and found.status == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
             f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
         )
-    return ResumePoint(run_id, uri, changes, notes)
+    return changes, notes
 
 
-def claim_run(uri: str, run_id: str) -> list[str]:
-    """Make sure no live process owns ``run_id`` (docs/design.md §12): a gone owner's run is marked KILLED first.
+OWNER_LOCK = ".owner.lock"  # in a run's checkpoint folder: locked by the process that owns the run, while it does
+OWNER_FILE = ".owner"  # beside it: that process, as the owner tags record it (JSON), for the refusal to name
+_CLAIMS: dict[Path, Any] = {}  # this process's claims: checkpoint folder -> its held FileLock
 
-    Returns notes (an owner on another host cannot be checked). Raises UsageError when an owner here is alive.
-    """
+
+def take_claim(folder: Path, run_id: str) -> None:
+    """Claim ``run_id`` for this process in one atomic step: an exclusive lock (``flock``, through filelock) on
+    ``folder/.owner.lock``, taken without waiting and held until :func:`drop_claim` or this process's end.
+
+    Of two processes that claim one run at once, exactly one gets it: the kernel decides. Checking the owner tags
+    first and recording them later left a window in which two resumes both saw no live owner and both ran. The
+    kernel lets go of the lock however its holder ends (SIGKILL included), so a claim is never stale. Raises
+    UsageError naming the holder when another process has the run."""
+    from filelock import FileLock, Timeout
+
+    from runner.training.checkpoint import write_atomic
+
+    if folder in _CLAIMS:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / OWNER_LOCK, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UsageError(_claimed_by_another(folder, run_id)) from None
+    _CLAIMS[folder] = lock
+    write_atomic(folder, json.dumps(Owner.this_process().tags()).encode(), final=folder / OWNER_FILE)
+
+
+def drop_claim(folder: Path | str) -> None:
+    """Let go of this process's claim on the run of checkpoint folder ``folder``, if it has one."""
+    lock = _CLAIMS.pop(Path(folder), None)
+    if lock is not None:
+        lock.release()
+
+
+def _claimed_by_another(folder: Path, run_id: str, wait_s: float = 5.0) -> str:
+    """The refusal of a run another process has claimed, naming that process once it has recorded itself (it does
+    right after its lock; the file may still name an earlier owner that is gone, so up to ``wait_s`` is waited)."""
+    deadline = time.monotonic() + wait_s
+    while (owner := _recorded_owner(folder)) is None or owner.liveness() == "gone":
+        if time.monotonic() > deadline:
+            owner = None
+            break
+        time.sleep(0.05)
+    who = owner.describe() if owner is not None else "another process"
+    stop = f"stop it first (kill -TERM {owner.pid}) or wait" if owner is not None else "wait"
+    return (
+        f"--resume {run_id}: the run is owned by {who}, which holds {folder / OWNER_LOCK}; a second process would "
+        f"write the same checkpoints and metrics: {stop} for it to end"
+    )
+
+
+def _recorded_owner(folder: Path) -> Owner | None:
+    """The owner that ``folder/.owner`` records, or ``None``."""
+    try:
+        return Owner.from_tags(json.loads((folder / OWNER_FILE).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def claim_run(uri: str, run_id: str, folder: Path) -> list[str]:
+    """Claim ``run_id`` for this process (:func:`take_claim` on its checkpoint ``folder``), then make sure no live
+    process owns it by its tags (docs/design.md §12): a gone owner's run is marked KILLED first.
+
+    Returns notes (an owner on another host cannot be checked). Raises UsageError when another process holds the
+    claim, or an owner here is alive (the claim is then dropped)."""
+    take_claim(folder, run_id)
+    try:
+        return _settled_notes(uri, run_id)
+    except BaseException:
+        drop_claim(folder)
+        raise
+
+
+def _settled_notes(uri: str, run_id: str) -> list[str]:
+    """The notes of a run no live process owns, after :func:`settle`; UsageError when its owner here is alive."""
     settled = settle(uri, run_id)
     owner = settled.owner
     sent = settled.sent

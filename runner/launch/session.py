@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import SpecError, SpecIssue, TrackingError, echo, show_notes
 from runner.launch.channel import HandedRun
 from runner.launch.prebuild import check_checkpoint_folder
-from runner.launch.resume import Owner, ResumePoint, claim_run, prepare_resume
+from runner.launch.resume import Owner, ResumePoint, claim_run, drop_claim, prepare_resume, take_claim
 from runner.launch.worker import WorkerArgs
 from runner.spec.loading import relocate_issues
 from runner.tracking.uri import check_reachable, default_checkpoint_dir, local_store_missing, open_store
@@ -113,6 +113,8 @@ class RunSession:
         else:
             self.checkpoint_dir = str(default_checkpoint_dir(uri, spec_dir, run_key))
         if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
+            if plan.owns_run:  # a resume claimed it already; a new run is claimed before any rank trains
+                take_claim(Path(self.checkpoint_dir), self.run_id)
             record_summary(uri, self.run_id, tags={CHECKPOINT_DIR_TAG: self.checkpoint_dir})
 
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
@@ -236,8 +238,13 @@ class RunSession:
         with contextlib.suppress(Exception):  # the run's status matters more than a last batch the store refused
             self._close()
         uri = self.plan.tracking_uri
-        if self.run_id is not None and uri is not None and self.plan.owns_run:
-            end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
+        try:
+            if self.run_id is not None and uri is not None and self.plan.owns_run:
+                end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
+        finally:  # the run has its end: another process may continue it
+            drop_claim(self.checkpoint_dir)
+            if self.resume is not None:  # claimed before the run was handed down (no run when the build failed)
+                drop_claim(self.resume.claimed)
 
 
 @dataclass(frozen=True)
@@ -381,7 +388,7 @@ def requeued(plan: Plan) -> bool:
 
 def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
     """The run to continue on the owner of a requeued Slurm job (tag ``runner.slurm.job_id``), or ``None``."""
-    from runner.tracking.stored import search_runs
+    from runner.tracking.stored import run_checkpoint_dir, search_runs
 
     if not (owner and requeued(plan) and plan.tracking_uri is not None):
         return None
@@ -392,4 +399,7 @@ def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
         return None
     run_id = found[0].run_id
     note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
-    return ResumePoint(run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id)])
+    folder = run_checkpoint_dir(plan.tracking_uri, run_id, plan.loaded.spec.checkpoint.dir, found[0].tags)
+    return ResumePoint(
+        run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id, folder)], str(folder)
+    )

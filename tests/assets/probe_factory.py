@@ -1,7 +1,8 @@
 """A test model factory, `probe_factory:build`: a small MLP that marks a point in training or crashes once there.
 
 The environment steers it: PROBE_MARKER (a file to touch), PROBE_AT (from which training call), PROBE_CRASH (rank 1
-exits hard once instead), PROBE_SLEEP (seconds rank 0 then takes per call, so a signal lands mid-run).
+exits hard once instead), PROBE_SLEEP (seconds rank 0 then takes per call, so a signal lands mid-run), PROBE_BUILD_SLEEP
+(seconds the build takes: a window between a driver's start and its run's creation).
 """
 
 import os
@@ -38,4 +39,5 @@ class Probe(torch.nn.Module):
 
 
 def build(**kwargs):
+    time.sleep(float(os.environ.get("PROBE_BUILD_SLEEP", "0")))
     return Probe(**kwargs)

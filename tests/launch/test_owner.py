@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.errors import UsageError
-from runner.launch.resume import Owner, claim_run, settle
+from runner.launch.resume import OWNER_FILE, Owner, claim_run, drop_claim, settle, take_claim
+
+REPO = Path(__file__).parents[2]
 
 
 def _dead_pid() -> int:
@@ -77,18 +82,80 @@ def test_status_on_an_empty_store_says_so(ready_store: str, capsys) -> None:
     assert "no RUNNING run at" in capsys.readouterr().out
 
 
-def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_store: str) -> None:
+def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_store: str, tmp_path: Path) -> None:
     me = Owner.this_process()
     alive = _run_owned_by(ready_store, me)
     with pytest.raises(UsageError, match=rf"still RUNNING in pid {me.pid} on host .*kill -TERM {me.pid}"):
-        claim_run(ready_store, alive)
+        claim_run(ready_store, alive, tmp_path / "alive")
     orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
-    (note,) = claim_run(ready_store, orphan)
+    (note,) = claim_run(ready_store, orphan, tmp_path / "orphan")
     assert "which is gone: marked KILLED" in note
     assert MlflowClient(ready_store).get_run(orphan).info.status == "KILLED"
-    assert claim_run(ready_store, _run_owned_by(ready_store, me, status="KILLED")) == []
-    (note,) = claim_run(ready_store, _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0)))
+    assert claim_run(ready_store, _run_owned_by(ready_store, me, status="KILLED"), tmp_path / "killed") == []
+    (note,) = claim_run(ready_store, _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0)), tmp_path / "far")
     assert "cannot tell whether it is alive: continuing" in note
+    for folder in ("orphan", "killed", "far"):
+        drop_claim(tmp_path / folder)
+    assert not _claimed_elsewhere(tmp_path / "alive")  # a refused claim is let go at once
+
+
+_CLAIMER = """
+import sys, time
+from pathlib import Path
+from runner.errors import UsageError
+from runner.launch.resume import take_claim
+folder, go = Path(sys.argv[1]), Path(sys.argv[2])
+while not go.exists():  # every claimer starts its claim at the same moment
+    time.sleep(0.001)
+try:
+    take_claim(folder, "r1")
+    print("won", flush=True)
+    time.sleep(600)  # holds the claim until killed
+except UsageError as exc:
+    print(f"lost: {exc}", flush=True)
+"""
+
+
+def _claimer(folder: Path, go: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-c", _CLAIMER, str(folder), str(go)], stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _claimed_elsewhere(folder: Path) -> bool:
+    """Whether a process other than this one holds ``folder``'s claim (a claim of this process's own is let go)."""
+    try:
+        take_claim(folder, "r1")
+    except UsageError:
+        return True
+    drop_claim(folder)
+    return False
+
+
+@pytest.mark.integration  # starts several processes
+def test_of_claims_started_together_exactly_one_wins_and_a_killed_owner_lets_go(tmp_path: Path) -> None:
+    folder, go = tmp_path / "ck", tmp_path / "go"
+    claimers = [_claimer(folder, go) for _ in range(4)]
+    go.touch()  # exactly one wins however their starts interleave: the winner holds its claim until killed
+    lines = {}
+    for proc in claimers:
+        assert proc.stdout is not None
+        lines[proc] = proc.stdout.readline().strip()
+    winners = [proc for proc, line in lines.items() if line == "won"]
+    assert len(winners) == 1, list(lines.values())
+    (winner,) = winners
+    for proc, line in lines.items():
+        if proc is not winner:
+            assert f"the run is owned by pid {winner.pid} on host " in line, line
+            assert f"kill -TERM {winner.pid}" in line and proc.wait(timeout=60) == 0
+    with pytest.raises(UsageError, match=f"owned by pid {winner.pid}"):
+        take_claim(folder, "r1")
+    winner.kill()  # SIGKILL: no handler runs, and the kernel still lets go of the lock
+    winner.wait(timeout=60)
+    take_claim(folder, "r1")
+    assert json.loads((folder / OWNER_FILE).read_text())["runner.owner.pid"] == str(os.getpid())
+    drop_claim(folder)
 
 
 @pytest.mark.integration  # starts several processes: the driver's training child

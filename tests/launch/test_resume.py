@@ -132,7 +132,7 @@ def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, 
     spec = write_spec('[parallel]\nmode = "ddp"\nnproc_per_node = 2\n')
     run_id = _killed_run_with_checkpoint(spec, store)
     claimed: list[str] = []
-    monkeypatch.setattr(resume, "claim_run", lambda uri, rid: claimed.append(rid) or [])
+    monkeypatch.setattr(resume, "claim_run", lambda uri, rid, folder: claimed.append(rid) or [])
     plan = make_plan(load_spec(spec))
     assert plan.rendezvous is not None and plan.owns_run
     resume.prepare_resume(plan, ExecOptions(resume=run_id))

@@ -218,6 +218,38 @@ def test_resume_with_every_checkpoint_damaged_in_place_exits_1_and_uses_none(
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 
+def test_of_two_resumes_started_together_exactly_one_runs(tmp_path: Path, finished: tuple[Path, str]) -> None:
+    # Both used to run: each saw no live owner in the run's tags before either recorded itself, and every metric
+    # from the resume step on was stored twice. The claim is one atomic lock now: the other exits 2 naming the owner.
+    spec, store = finished
+    (run,) = _runs(store)
+    run_id = run.info.run_id
+    MlflowClient(store).set_terminated(run_id, "KILLED")
+    folder = Path(store[len("sqlite:///") :]).parent / "checkpoints" / run_id
+    shutil.rmtree(folder / "step-00000015")  # the newest left is step 10: epoch 3 is trained again
+    (folder / "step-00000015.sha256").unlink()
+    before = _histories(store, run_id)
+    # The build takes 8 s: before the claim was one step, both drivers were then between their check of the owner
+    # and the record of theirs, so both ran. Training takes 0.3 s a step, so the first is still running when the
+    # second comes.
+    env = _env(PROBE_BUILD_SLEEP="8", PROBE_MARKER=str(tmp_path / "marker"), PROBE_AT="1", PROBE_SLEEP="0.3")
+    command = [sys.executable, "-m", "runner", "exec", str(spec), "--resume", run_id]
+    both = [subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outcomes = sorted((proc.wait(timeout=240), proc.communicate()[1]) for proc in both)
+    assert [code for code, _ in outcomes] == [0, 2], outcomes
+    refused = outcomes[1][1]
+    assert "the run is owned by pid " in refused or "already FINISHED" in refused, refused  # or it came too late
+    assert "Traceback" not in refused
+    after = _histories(store, run_id)
+    for key in KEYS:
+        steps = [step for step, _ in after[key]]
+        assert steps == sorted(set(steps)), f"{key}: steps logged twice {steps}"
+    assert after == before  # epoch 3 recomputed once, to the same values
+    client = MlflowClient(store)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(run_id).data.tags["runner.resume.count"] == "1"
+
+
 def test_resume_with_edited_spec_exits_2_listing_keys(
     tmp_path: Path, finished: tuple[Path, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
