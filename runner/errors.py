@@ -24,18 +24,30 @@ def first_line(error: BaseException | str) -> str:
     return lines[-1] if lines[0].startswith(_TRACEBACK) else lines[0]
 
 
-_USER_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s/:@'\"]*):[^\s/]*@")
-_HTTP_TOKEN = re.compile(r"(?P<head>\bhttps?://)[^\s/:@'\"]+@")
+_AUTHORITY = re.compile(r"\b(?P<scheme>[a-zA-Z][\w+.-]*)://(?P<authority>[^\s/?#]*)")
 _QUERY_SECRET = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key)=)[^&;\s'\"]*")
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with every URL's credentials replaced by ``***``: passwords, a bare http(s) user (a token), and
-    ``password=``/``token=`` query values; a password runs to the authority's last ``@``, as ``urllib.parse`` reads
-    it."""
-    text = _USER_PASSWORD.sub(r"\g<head>:***@", text)
-    text = _HTTP_TOKEN.sub(lambda m: m.group(0) if m.group(0).endswith("***@") else m.group("head") + "***@", text)
-    return _QUERY_SECRET.sub(r"\g<head>***", text)
+    ``password=``/``token=`` query values.
+
+    The authority is read as ``urllib.parse`` reads it: the user information runs to its last ``@`` and the user name
+    to its first ``:``, so an e-mail address as user name (``http://alice@corp.example:pw@host``) and a ``'`` in a
+    user or a token are masked too; a user name alone is kept, except over http(s), where it is a token."""
+    return _QUERY_SECRET.sub(r"\g<head>***", _AUTHORITY.sub(_masked_authority, text))
+
+
+def _masked_authority(match: re.Match[str]) -> str:
+    """One ``scheme://authority`` with its credentials masked (see :func:`mask_secrets`)."""
+    scheme, authority = match.group("scheme"), match.group("authority")
+    userinfo, at, host = authority.rpartition("@")
+    if not at:
+        return match.group(0)
+    user, colon, _ = userinfo.partition(":")
+    if colon:
+        return f"{scheme}://{user}:***@{host}"
+    return f"{scheme}://***@{host}" if scheme.lower() in ("http", "https") else match.group(0)
 
 
 class RunnerError(Exception):

@@ -63,6 +63,9 @@ class Plan:
         notes = [*self.devices.notes, *self.part_notes]
         if self.loaded.spec.sweep is not None:
             notes.append(f"[sweep] is ignored by runner exec; run `runner sweep {self.loaded.path}` for the study")
+        profile, world = self.loaded.spec.profile, self.devices.world_size
+        if profile is not None and (absent := [r for r in profile.ranks if r >= world]):
+            notes.append(f"profile.ranks {absent} will record nothing: this job has ranks 0 to {world - 1}")
         return notes
 
     def describe(self) -> dict[str, Any]:

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from subprocess import Popen
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from runner.errors import toml_value  # the project's one TOML value writer
 
@@ -266,8 +269,9 @@ class MlflowServer:
                 self.proc.wait(timeout=20)
 
 
-def elastic_run(fn: Callable[[], Any], nproc: int, name: str = "test") -> dict[int, Any]:
-    """Run ``fn`` on ``nproc`` spawned local ranks with torch elastic (c10d on a free localhost port, no restarts).
+def elastic_run(fn: Callable[..., Any], nproc: int, name: str = "test", *args: Any) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nproc`` spawned local ranks with torch elastic (c10d on a free localhost port, no
+    restarts).
 
     Returns:
         ``fn``'s return value of each rank, by global rank.
@@ -287,7 +291,7 @@ def elastic_run(fn: Callable[[], Any], nproc: int, name: str = "test") -> dict[i
         monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, fn)()
+    return elastic_launch(config, fn)(*args)
 
 
 class AsyncStore:
@@ -324,3 +328,25 @@ class AsyncStore:
 
         threading.Thread(target=send, daemon=True).start()
         return RunOperations([future])
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size_kib: int) -> Iterator[Path]:
+    """``folder`` as a tmpfs of ``size_kib`` KiB for the block: a real disk that fills up (ENOSPC). Skips the test
+    where mounting is not allowed (it needs root, as CI has)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"needs permission to mount a small tmpfs as a full disk: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(folder: Path, leave_kib: int) -> None:
+    """Fill ``folder``'s disk with a file until ``leave_kib`` KiB or less are free."""
+    free = shutil.disk_usage(folder).free
+    (folder / "filler").write_bytes(bytes(max(0, free - leave_kib * 1024)))

@@ -193,6 +193,14 @@ def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last
         "  m.py:3 in loss: return x[5]",
     ]
     assert python_error(failure("Traceback ...\nRuntimeError: plain\n")) == "RuntimeError: plain"
+    multi_line = (  # fully_shard's refusal of a ModuleList: its repr spans lines; the last one is ")"
+        'Traceback (most recent call last):\n  File "fsdp.py", line 9, in fully_shard\n    raise ValueError(\n'
+        "ValueError: fully_shard does not support containers that do not implement forward: ModuleList(\n"
+        "  (0-1): 2 x Block()\n)\n"
+    )
+    assert python_error(failure(multi_line)) == (
+        "ValueError: fully_shard does not support containers that do not implement forward: ModuleList("
+    )
 
 
 def test_store_errors_maps_mlflow_errors_once_and_passes_runners_own_through(tmp_path: Path) -> None:

@@ -123,13 +123,19 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
     workers = _run_to_the_end(plan, options, session)
     result = workers[0]
     run_id = session.run_id if session is not None else None
-    host, compute = _record_end(plan, options, run_id, workers, HostLoad.since(load_before))
     folder = session.checkpoint_dir if session is not None else ""
+    spooled = Spooled.of(folder) if run_id is not None else None
+    # A store that did not take the run's end is not asked again now: each request would wait out MLflow's HTTP
+    # retries (minutes), and the spool already holds the run's values and status.
+    answering = run_id is not None and not (spooled is not None and spooled.status is not None)
+    host, compute = _record_end(plan, options, run_id if answering else None, workers, HostLoad.since(load_before))
     experiment_id = ""  # for the printed link: known when the driver created the run, else asked of the store
     if session is not None and session.run_id is not None and plan.tracking_uri:
-        experiment_id = session.experiment_id or experiment_id_of(plan.tracking_uri, session.run_id)
+        experiment_id = session.experiment_id or (
+            experiment_id_of(plan.tracking_uri, session.run_id) if answering else ""
+        )
     return ExecResult(
-        spooled=Spooled.of(folder) if run_id is not None else None,
+        spooled=spooled,
         run_id=run_id,
         status="FINISHED",
         metrics=result.metrics,

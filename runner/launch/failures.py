@@ -81,12 +81,23 @@ def python_error(failure: ProcessFailure) -> str:
         trace = inner.get("extraInfo", {}).get("py_callstack", "")
         if trace.strip():
             lines = trace.strip().splitlines()
-            own = max((i for i, x in enumerate(lines) if x.startswith("runner.errors.")), default=len(lines) - 1)
-            text = "\n".join(lines[own:])
-            return re.sub(r"^runner\.errors\.(TrainingError|UserCodeError): ", "", text)
+            own = max((i for i, x in enumerate(lines) if x.startswith("runner.errors.")), default=None)
+            if own is not None:  # runner's own error: every line of it
+                return re.sub(r"^runner\.errors\.(TrainingError|UserCodeError): ", "", "\n".join(lines[own:]))
+            return first_line("\n".join(lines[_exception_start(lines) :]))
         return str(inner.get("message", ""))
     text = str(inner)
     return "" if text == "<NONE>" else text
+
+
+def _exception_start(lines: list[str]) -> int:
+    """Where a traceback's exception line is: after its last frame (``  File ...`` and the code line under it). The
+    message may span lines (a multi-line repr): its last line, once taken, was ``)``."""
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return len(lines) - 1
+    start = frames[-1] + 1
+    return start + 1 if start < len(lines) - 1 and lines[start].startswith("    ") else start
 
 
 def ended_by(exitcode: int, oom_kills_before: int | None) -> str:

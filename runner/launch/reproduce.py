@@ -108,7 +108,8 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     import torch
 
     from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
-    from runner.training.checkpoint import CheckpointError, load_latest, read_with_model, write_atomic
+    from runner.training.checkpoint import CheckpointError, load_latest, write_atomic
+    from runner.training.shards import read_with_model
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)

@@ -246,7 +246,7 @@ def _check_resume(
     loaded: LoadedSpec, directory: Path, allowed: tuple[str, ...], accelerator: str | None = None, run_id: str = ""
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """``(changes, complete, notes)``: allowed spec changes; whether the newest usable checkpoint ends the training."""
-    from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys
+    from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys, set_keys
     from runner.training.checkpoint import load_latest, peek, spec_changes
 
     current = flatten_spec(loaded.spec)
@@ -260,7 +260,14 @@ def _check_resume(
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
     inactive = run_inactive_keys(loaded.spec, accelerator)  # inert keys (§10) are no change, as in `runner diff`
-    changed = [k for k in spec_changes(saved, current) if not is_inactive(k, inactive)]
+    # A default that did not apply to the run (so its checkpoint has no value for it) and applies now, unset, is no
+    # change either: a none run continued under fsdp takes parallel.backend's default, which nobody chose.
+    chosen = set_keys(loaded.spec)
+    changed = [
+        k
+        for k in spec_changes(saved, current)
+        if not is_inactive(k, inactive) and (k in saved or any(k == c or k.startswith(c + ".") for c in chosen))
+    ]
     free = (*allowed, *LAYOUT_KEYS)
     unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in free)]
     if unexpected:

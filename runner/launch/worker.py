@@ -184,7 +184,7 @@ def _fit(
             parts.raw_model = strategy.full_module(parts.model)
         if is_log_rank:
             _send_outputs(args, tracker, parts, folder, fitted.global_step)
-        result = setup.finish(fitted, strategy, notes)
+        result = setup.finish(fitted, strategy, notes + setup.profile_notes(spec, strategy.rank, folder))
     finally:
         tracker.close()
     return result

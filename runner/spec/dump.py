@@ -48,6 +48,19 @@ def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
     return flat
 
 
+def set_keys(model: BaseModel, prefix: str = "") -> set[str]:
+    """The dotted keys that ``model`` sets itself (in its file, a base it extends, or ``--set``), not by default; a
+    free table set (``model.kwargs``) covers every key under it."""
+    keys = set()
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            keys |= set_keys(value, f"{prefix}{name}.")
+        else:
+            keys.add(prefix + name)
+    return keys
+
+
 def _plain_table(model: BaseModel, inactive: dict[str, str], prefix: str = "") -> dict[str, Any]:
     """Plain dict of ``model``: the fields set, and every default that applies (an inactive one is left out, §10)."""
     values = {}

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import stat
 import tempfile
 import tomllib
 from dataclasses import dataclass, field
@@ -102,7 +103,10 @@ def _read_file(path: Path, shown: Path, issues: list[SpecIssue]) -> tuple[dict[s
         issues.append(SpecIssue(shown, None, "", "is a directory, not a spec file: give the path of a .toml file"))
         return None
     try:
-        blob = path.read_bytes()
+        blob = _bounded_read(path)
+    except _NotASpecFile as exc:
+        issues.append(SpecIssue(shown, None, "", str(exc)))
+        return None
     except FileNotFoundError:
         issues.append(SpecIssue(shown, None, "", f"spec file not found (looked for {path})"))
         return None
@@ -135,6 +139,35 @@ def _read_file(path: Path, shown: Path, issues: list[SpecIssue]) -> tuple[dict[s
 
 
 MAX_NESTING = 32
+MAX_SPEC_BYTES = 4 * 2**20  # a spec is a page of text; 4 MiB is far past any, and bounds what a wrong path reads
+
+
+class _NotASpecFile(OSError):
+    """The path is no regular file (a device, a FIFO, a socket) or is larger than :data:`MAX_SPEC_BYTES`."""
+
+
+def _bounded_read(path: Path) -> bytes:
+    """The bytes of the regular file ``path`` (links followed), at most :data:`MAX_SPEC_BYTES`.
+
+    A spec path that is a link to ``/dev/zero`` was read until the kernel's OOM killer ended the process, one to
+    ``/dev/urandom`` read on, and a FIFO blocked forever: it is opened without blocking and checked by its open
+    descriptor (no race with a rename), and read to the bound. Raises _NotASpecFile, or OSError from the system."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "no regular file"
+            )
+            raise _NotASpecFile(f"is {kind}, not a spec file: give the path of a .toml file")
+        blob = fh.read(MAX_SPEC_BYTES + 1)
+    if len(blob) > MAX_SPEC_BYTES:
+        raise _NotASpecFile(
+            f"is larger than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec: give the path of a .toml file"
+        )
+    return blob
+
+
 _AT = re.compile(r"\s*\((?:at line (\d+), column (\d+)|at end of document)\)\s*$")
 
 

@@ -114,6 +114,16 @@ def check_data(data: DataSpec) -> None:
         raise ValueError("persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)")
     if (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")) and data.root is None:
         raise ValueError(f"dataset {data.dataset!r} reads files: set data.root to the folder that holds them")
+    if data.dataset == "synthetic":
+        size = data.num_samples * math.prod(data.input_shape) * 4  # float32 samples, made in memory at once
+        if size > SYNTHETIC_MAX_BYTES:
+            raise ValueError(
+                f"num_samples = {data.num_samples} of input_shape {data.input_shape} make {size / 2**30:.3g} GiB of "
+                f"float32 samples in memory, over {SYNTHETIC_MAX_BYTES // 2**30} GiB: lower num_samples or input_shape"
+            )
+
+
+SYNTHETIC_MAX_BYTES = 64 * 2**30  # synthetic data is made whole in host memory: past this it is a typo
 
 
 def check_devices(devices: DevicesSpec) -> None:

@@ -140,7 +140,8 @@ class TrackingSpec(SpecTable):
     flush_every_s: float = Field(
         default=5.0,
         gt=0,
-        description="Send buffered metrics at least this often (seconds), by MLflow's async logging.",
+        le=3600,
+        description="Send buffered metrics at least this often (seconds, at most an hour), by MLflow's async logging.",
     )
 
     rule = rules.check_tracking
@@ -175,9 +176,11 @@ class CheckpointSpec(SpecTable):
 class ProfileSpec(SpecTable):
     """``[profile]``: ``torch.profiler`` around a few training steps; its trace and top operators become artifacts."""
 
-    wait: int = Field(default=1, ge=0, description="Optimizer steps run before the profiler starts.")
-    active: int = Field(default=3, ge=1, description="Steps recorded (after one warm-up step).")
-    ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile themselves.")
+    wait: int = Field(default=1, ge=0, lt=INT64_LIMIT, description="Optimizer steps run before the profiler starts.")
+    active: int = Field(default=3, ge=1, lt=INT64_LIMIT, description="Steps recorded (after one warm-up step).")
+    ranks: list[Annotated[int, Field(ge=0, lt=INT64_LIMIT)]] = Field(
+        default_factory=lambda: [0], description="Ranks that profile themselves (global ranks, from 0)."
+    )
 
 
 class SweepParam(SpecTable):

@@ -145,11 +145,13 @@ class ParallelSpec(SpecTable):
     timeout_s: float = Field(
         default=1800.0,
         gt=0,
-        description="ddp and fsdp: process-group timeout in seconds; a hung collective fails after it.",
+        le=7 * 24 * 3600,
+        description="ddp and fsdp: process-group timeout in seconds (at most a week); a hung collective fails then.",
     )
     hang_grace_s: float = Field(
         default=10.0,
         gt=0,
+        le=3600,
         description=(
             "ddp and fsdp: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
             "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait."

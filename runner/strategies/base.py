@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -30,7 +30,7 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
     """The modules sharded as one unit each, outermost first (``names``: ``parallel.fsdp_blocks``, or each child).
     Raises SpecError: A name is no module class of the model (with a did-you-mean)."""
     if names is None:  # a child that shares a parameter with another (tied weights) stays with the root's unit
-        children = [child for child in module.children() if any(True for _ in child.parameters())]
+        children = list(_units(module))
         return [child for child in children if not _shares_parameters(child, children)]
     present = sorted({type(m).__name__ for m in module.modules()})
     for name in names:
@@ -38,6 +38,14 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
             hint = did_you_mean(name, present, n=3)
             message = with_hint(f"{name!r} is no module class of the model", hint)
             message += f"; its classes are {', '.join(present)}"
+            raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
+        container = next((m for m in module.modules() if type(m).__name__ == name and not _has_forward(m)), None)
+        if container is not None:
+            items = sorted({type(m).__name__ for m in container.children()})
+            message = (
+                f"{name!r} is a container without a forward of its own, which fully_shard cannot take as a unit: "
+                f"name the class of its items ({', '.join(items) or 'it has none'})"
+            )
             raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
     wanted = set(names)
     blocks = [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
@@ -53,6 +61,24 @@ def find_blocks(module: nn.Module, names: list[str] | None) -> list[nn.Module]:
             )
             raise SpecError(SpecIssue(None, None, "parallel.fsdp_blocks", message))
     return blocks
+
+
+def _units(module: nn.Module) -> Iterator[nn.Module]:
+    """The children of ``module`` that hold parameters, each a unit; a container without a forward of its own
+    (``nn.ModuleList``, ``nn.ModuleDict``: the layers of a hand-written transformer) gives its items instead, as
+    ``fully_shard`` refuses such a container (torchtitan shards ``model.layers`` item by item)."""
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if _has_forward(child):
+            yield child
+        else:
+            yield from _units(child)
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class defines ``forward`` (``nn.ModuleList`` and ``nn.ModuleDict`` do not)."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _shares_parameters(block: nn.Module, others: list[nn.Module]) -> bool:

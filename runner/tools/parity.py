@@ -264,7 +264,8 @@ def _train(
 ) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
     from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.training.checkpoint import load_latest, read_with_model
+    from runner.training.checkpoint import load_latest
+    from runner.training.shards import read_with_model
 
     options = ExecOptions(
         run_name=f"{result.config} parity {loaded.spec.name}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import RunnerError, first_line
 
 if TYPE_CHECKING:
-    import torch
     from torch.optim.lr_scheduler import LRScheduler
 
     from runner.strategies.base import Precision
@@ -76,12 +76,16 @@ def save_checkpoint(
         if (problem := plain_problem(payload)) is not None:
             raise CheckpointError(f"cannot save a checkpoint that torch.load(weights_only=True) refuses: {problem}")
         directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        for stale in directory.glob(".step-*.partial"):  # one save at a time: any other is a failed one's remains
+            shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()  # the folder exists before any rank writes into it
     pending = PendingSave(final, partial, payload, keep_last)
     if not background:
-        dcp.save(state, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
+        try:
+            dcp.save(state, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
+        except (Exception, dcp.CheckpointException) as exc:  # DCP's own exception is no Exception
+            raise pending.failed(exc) from None
         pending.finish()
         return None
     pending.future = dcp.async_save(state, checkpoint_id=partial, process_group=group)
@@ -104,14 +108,19 @@ class PendingSave:
             try:
                 self.future.result()
             except (Exception, dcp.CheckpointException) as exc:
-                raise CheckpointError(
-                    f"checkpoint {self.final.name} was not saved ({_dcp_error(exc)}); it is not used"
-                ) from None
+                raise self.failed(exc) from None
         if self.payload is None:
             return
-        final, partial = self.final, self.partial
+        try:
+            self._put_in_place()
+        except OSError as exc:
+            raise self.failed(exc) from None
+
+    def _put_in_place(self) -> None:
+        """Add ``meta.pt`` and the digest, rename the folder into place and rotate (the writing rank)."""
         import torch
 
+        final, partial = self.final, self.partial
         buffer = io.BytesIO()
         torch.save(self.payload, buffer)
         write_atomic(partial, buffer.getbuffer(), final=partial / META)
@@ -122,6 +131,32 @@ class PendingSave:
         os.replace(partial, final)
         _fsync_dir(final.parent)
         _rotate(final.parent, self.keep_last)
+
+    def failed(self, exc: BaseException) -> CheckpointError:
+        """The error of a save that failed with ``exc``; its ``.partial`` folder is removed, so a full disk does not
+        stay full of it (every rank may remove it: the folder is shared)."""
+        shutil.rmtree(self.partial, ignore_errors=True)
+        cause = dcp_error(exc) if not isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        message = f"checkpoint {self.final.name} was not saved in {self.final.parent} ({cause}); it is not used"
+        if _disk_full(exc):
+            message += (
+                "; the disk is full (ENOSPC): free space there, lower checkpoint.keep_last, or point checkpoint.dir "
+                "at a disk with room; the run can be resumed from its last checkpoint once there is room"
+            )
+        return CheckpointError(message)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or a rank's cause that DCP wrapped in it, is a full disk or quota (ENOSPC, EDQUOT)."""
+    failures = getattr(exc, "failures", None)
+    causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()] if isinstance(failures, dict) else []
+    for cause in [exc, *causes]:
+        error: BaseException | None = cause
+        while error is not None:
+            if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+                return True
+            error = error.__cause__ or error.__context__
+    return False
 
 
 def _sha256(path: Path) -> str:
@@ -215,6 +250,11 @@ def plain_problem(obj: Any, where: str = "checkpoint") -> str | None:
     return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def pickled_objects(exc: pickle.UnpicklingError) -> str:
+    """The globals that ``torch.load(weights_only=True)`` refused to build, as its error names them."""
+    return ", ".join(sorted(set(_GLOBAL.findall(str(exc))))) or "an object that is not a tensor or plain value"
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load and check a checkpoint folder's ``meta.pt`` after every file's digest, ``weights_only``.
 
@@ -227,9 +267,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         payload = torch.load(path / META if path.is_dir() else path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        objects = sorted(set(_GLOBAL.findall(str(exc)))) or ["an object that is not a tensor or plain value"]
         raise CheckpointError(
-            f"{path}: refused: it carries pickled objects ({', '.join(objects)}) that loading would execute; "
+            f"{path}: refused: it carries pickled objects ({pickled_objects(exc)}) that loading would execute; "
             "runner checkpoints hold only tensors and plain values and are read with torch.load(weights_only=True)"
         ) from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, ...
@@ -275,132 +314,13 @@ def _checked(path: Path, payload: Any) -> dict[str, Any]:
     return payload
 
 
-# Every global a DCP ``.metadata`` of runner's names, by exact module and name: DCP's own metadata classes, sizes,
-# layouts and paths (dtypes are checked apart). A prefix such as "any name under torch.distributed.checkpoint" is not
-# enough: pickle protocol 4 resolves a dotted name, so ``filesystem`` + ``os.system`` reaches any function.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds the globals of :data:`_METADATA_GLOBALS` and torch's dtypes, each by exact name; refuses every other."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
-        import torch
-
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if "." not in name and (dtype or name in _METADATA_GLOBALS.get(module, ())):
-            return getattr(importlib.import_module(module), name)
-        raise pickle.UnpicklingError(
-            f"refused: its .metadata names {module}.{name}, which is not one of DCP's metadata classes; "
-            "unpickling it could run code"
-        )
-
-
-def _weights_only(value: io.BytesIO, fqn: str) -> Any:
-    """One non-tensor item of a checkpoint (an optimizer's ``lr``, say), read with ``torch.load(weights_only=True)``:
-    DCP's own planner unpickles these without that limit, which runs whatever a crafted shard pickles."""
-    import torch
-
-    try:
-        return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        objects = sorted(set(_GLOBAL.findall(str(exc)))) or ["an object that is not a tensor or plain value"]
-        raise CheckpointError(
-            f"refused: its item {fqn} carries pickled objects ({', '.join(objects)}) that loading would execute"
-        ) from None
-
-
-def _planner(keys: set[str] | None = None) -> Any:
-    """DCP's load planner (with ``keys``: the one that builds those keys from the metadata alone), reading every
-    non-tensor item with :func:`_weights_only`."""
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
-    class WeightsOnly(DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner):  # type: ignore[misc]
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], _weights_only(value, fqn))
-            else:
-                self.state_dict[fqn] = _weights_only(value, fqn)
-
-    return WeightsOnly() if keys is None else WeightsOnly(keys=keys)
-
-
-def _reader(folder: Path) -> Any:
-    """DCP's ``FileSystemReader`` of ``folder`` whose ``.metadata`` is read here, first, with
-    :class:`_MetadataUnpickler`: a refusal is then a CheckpointError of its own, not one of DCP's wrapped failures.
-
-    Raises CheckpointError: The metadata names a global outside DCP's own, or does not unpickle."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        with (folder / ".metadata").open("rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{folder}: {exc}") from None
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if getattr(metadata, "storage_meta", None) is not None:
-                metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(folder)
-
-
-def load_checkpoint(folder: Path, state: dict[str, Any]) -> None:
-    """Fill ``state`` (``{"model", "optimizer"}`` of ``get_state_dict``, whole or sharded) from a checkpoint folder,
-    resharded to this job's layout (a collective under a process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    reader = _reader(folder)
-    try:
-        dcp.load(state, storage_reader=reader, planner=_planner())
-    except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
-
-
-def _dcp_error(exc: BaseException) -> str:
+def dcp_error(exc: BaseException) -> str:
     """The cause of a DCP failure: each rank's, where DCP wrapped them (its ``CheckpointException``)."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return first_line(exc)
     causes = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}  # (exception, its frames)
     return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
-
-
-def whole_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The model state dict of the checkpoint ``folder``, whole and on CPU, read without a process group."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    reader, alone = _reader(folder), not (dist.is_available() and dist.is_initialized())
-    try:  # what DCP's _load_state_dict_from_keys does, with runner's reader and planner
-        _load_state_dict(state, storage_reader=reader, planner=_planner({"model"}), no_dist=alone)
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{folder}: the shards do not load ({_dcp_error(exc)})") from None
-    return dict(state["model"])
 
 
 def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint) -> LoadedCheckpoint | None:
@@ -426,12 +346,6 @@ def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_c
             + "\n".join(reason for _, reason in skipped)
         )
     return None
-
-
-def read_with_model(path: Path) -> dict[str, Any]:
-    """:func:`read_checkpoint`'s payload with the whole model under ``"model"`` (:func:`whole_model`): for
-    :func:`load_latest`, so a checkpoint whose shards do not load is passed over as a damaged one is."""
-    return {**read_checkpoint(path), "model": whole_model(path)}
 
 
 def build_payload(

@@ -68,7 +68,7 @@ def fit(
             while state.batch_in_epoch < loaders.steps_per_epoch and state.global_step < parts.total_steps:
                 _step(parts, batches, state, tally, report, train_spec, every_n_steps)
             report.finish_pending()
-            _stop_if_asked(parts, state, tally, settle=True)
+            _stop_if_asked(parts, state, tally, report, settle=True)
             if not end_epoch(parts, train_spec, state, tally, report):
                 break  # max_steps reached mid-epoch
             state.epoch += 1
@@ -76,7 +76,7 @@ def fit(
             tally.epoch = None
             if checkpoint_spec is not None and state.epoch % checkpoint_spec.every_n_epochs == 0:
                 _checkpoint(parts, state, "epoch", tally)
-            _stop_if_asked(parts, state, tally, settle=True)
+            _stop_if_asked(parts, state, tally, report, settle=True)
             if parts.epoch_end is not None and parts.epoch_end(state.epoch - 1, report.result.history[-1][1]):
                 report.result.stopped_after_epoch = state.epoch - 1
                 break
@@ -253,7 +253,7 @@ def _step(
         asked = asked or now
     if saved:
         _checkpoint(parts, state, "step", tally)
-    _stop_if_asked(parts, state, tally, settle=asked or saved)
+    _stop_if_asked(parts, state, tally, report, settle=asked or saved)
 
 
 def _start_epoch(parts: LoopParts, state: TrainState) -> Iterator[CollatedBatch]:
@@ -296,9 +296,17 @@ def _log_window(
     return RunningSums(parts.strategy.output_device), log()
 
 
-def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, *, settle: bool) -> None:
-    """When the strategy's stop decision says so: checkpoint with reason ``"signal"``, then raise ``Interrupted``."""
+def _stop_if_asked(parts: LoopParts, state: TrainState, tally: Tally, report: _Report, *, settle: bool) -> None:
+    """When the strategy's stop decision says so: log the step whose reduction is still running, checkpoint with
+    reason ``"signal"``, then raise ``Interrupted``.
+
+    Under several ranks a log step's values are reduced while the next step trains (``report.pending``). A stop
+    decided at that log step would otherwise checkpoint without them: the checkpoint's count of recorded values
+    would leave them out, the window they came from is already emptied, and a resume starts after that step, so
+    its ``train/loss`` and ``lr`` were lost. Every rank has the same pending log, so the reduction it waits for is
+    one collective."""
     if parts.strategy.reduce_stop_decision(parts.should_stop(), settle=settle):
+        report.finish_pending()
         _checkpoint(parts, state, "signal", tally)
         signum, rank = stop_origin(parts.strategy.stop_code)
         raise Interrupted(signum or 2, rank=rank if parts.strategy.world_size > 1 and signum else None)

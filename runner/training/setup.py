@@ -26,6 +26,7 @@ from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, bui
 from runner.training.metrics import build_metric_plan
 from runner.training.models import build_model
 from runner.training.sampling import build_loaders, check_batchnorm_batches
+from runner.training.shards import load_checkpoint
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -123,7 +124,7 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
 
     def read(path: Path) -> dict[str, Any]:  # a checkpoint whose shards do not load is passed over, on every rank
         payload = ckpt.read_checkpoint(path)
-        ckpt.load_checkpoint(path, state)
+        load_checkpoint(path, state)
         return payload
 
     found = ckpt.load_latest(folder, read)
@@ -247,6 +248,18 @@ def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[Lo
     steps = schedule(wait=profile.wait, warmup=1, active=profile.active, repeat=1)
     with torch_profile(activities=activities, schedule=steps, on_trace_ready=ready, record_shapes=True) as prof:
         yield dataclasses.replace(loop, after_step=prof.step)
+
+
+def profile_notes(spec: ExperimentSpec, rank: int, folder: Path) -> list[str]:
+    """A note when ``[profile]`` asked this rank to record and it recorded nothing: the job ended before
+    ``wait`` steps, the warm-up step and ``active`` steps had run."""
+    profile = spec.profile
+    if profile is None or rank not in profile.ranks or (folder / "profile" / f"rank{rank}.trace.json").exists():
+        return []
+    return [
+        f"[profile] recorded nothing on rank {rank}: the job ended before wait = {profile.wait} steps, one warm-up "
+        f"step and active = {profile.active} steps had run; lower profile.wait"
+    ]
 
 
 def train(loop: LoopParts, spec: ExperimentSpec, state: TrainState) -> WorkerResult:

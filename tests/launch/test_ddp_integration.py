@@ -16,7 +16,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.devices.resolve import threads_per_process
-from runner.training.checkpoint import load_latest, whole_model
+from runner.training.checkpoint import load_latest
+from runner.training.shards import whole_model
 from tests.helpers import PROBES
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(240)]

@@ -19,7 +19,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.spec.schema import TrainSpec
 from runner.tracking.uri import refuse_half_migrated
-from runner.training.checkpoint import list_checkpoints, whole_model
+from runner.training.checkpoint import list_checkpoints
+from runner.training.shards import whole_model
 from tests.helpers import MlflowServer, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -19,8 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.spec.loading import load_spec
-from runner.training.checkpoint import load_latest, whole_model
+from runner.training.checkpoint import load_latest
 from runner.training.data import build_datasets
+from runner.training.shards import whole_model
 from tests.helpers import ASSETS, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]

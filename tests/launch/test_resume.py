@@ -120,6 +120,23 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
     assert "--allow-spec-change optim.lr" in text
 
 
+def test_a_none_run_continued_under_fsdp_is_not_refused_for_defaults_nobody_set(write_spec, store):
+    from runner.errors import SpecError
+    from runner.launch.driver import ExecOptions
+    from runner.launch.resume import prepare_resume
+    from runner.plan import make_plan
+    from runner.spec.loading import load_spec
+
+    spec = write_spec()  # mode = "none": parallel.backend does not apply, so the checkpoint has no value for it
+    run_id = _killed_run_with_checkpoint(spec, store)
+    fsdp = load_spec(spec, ["parallel.mode=fsdp", "parallel.nproc_per_node=2"])
+    point = prepare_resume(make_plan(fsdp), ExecOptions(resume=run_id, allow_spec_change=("parallel.mode",)))
+    assert point.changes == {"parallel.mode": ["none", "fsdp"], "parallel.nproc_per_node": [None, 2]}
+    chosen = load_spec(spec, ["parallel.mode=fsdp", "parallel.nproc_per_node=2", "parallel.backend=gloo"])
+    with pytest.raises(SpecError, match=r"parallel\.backend: differs from the resumed run"):  # set: a change
+        prepare_resume(make_plan(chosen), ExecOptions(resume=run_id, allow_spec_change=("parallel.mode",)))
+
+
 def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, monkeypatch):
     """A Slurm node other than node 0 (its node rank from SLURM_NODEID, not parallel.node_rank) leaves the run be."""
     import dataclasses

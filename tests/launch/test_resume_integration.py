@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.launch.worker import STOPPING
-from runner.training.checkpoint import list_checkpoints, load_latest, whole_model
+from runner.training.checkpoint import list_checkpoints, load_latest
+from runner.training.shards import whole_model
 from tests.helpers import ASSETS, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from runner.errors import SpecError
 from runner.spec.loading import load_spec
+from runner.spec.reading import MAX_SPEC_BYTES
 from tests.helpers import SMALL, spec_text
 
 BAD = Path(__file__).parents[1] / "assets" / "bad"
@@ -108,6 +110,26 @@ def test_not_utf8_names_line_and_byte(tmp_path: Path):
 def test_directory_is_rejected(tmp_path: Path):
     error = _error(tmp_path)
     assert str(error) == f"{tmp_path}: is a directory, not a spec file: give the path of a .toml file"
+
+
+@pytest.mark.parametrize(
+    ("target", "kind"),
+    [("/dev/zero", "a character device"), ("/dev/urandom", "a character device"), ("fifo", "a FIFO")],
+)
+def test_a_spec_path_that_is_no_regular_file_is_refused_unread(tmp_path: Path, target: str, kind: str):
+    # A link to /dev/zero was read until the OOM killer came (18.7 GB); /dev/urandom read on; a FIFO blocked forever.
+    if target == "fifo":
+        target = str(tmp_path / "fifo")
+        os.mkfifo(target)
+    path = tmp_path / "spec.toml"
+    path.symlink_to(target)
+    assert str(_error(path)) == f"{path}: is {kind}, not a spec file: give the path of a .toml file"
+
+
+def test_a_spec_file_past_the_size_bound_is_refused(tmp_path: Path):
+    path = tmp_path / "huge.toml"
+    path.write_bytes(b"# " + b"x" * MAX_SPEC_BYTES + b"\n")
+    assert str(_error(path)) == f"{path}: is larger than 4 MiB, too large for a spec: give the path of a .toml file"
 
 
 def test_missing_path_is_rejected(tmp_path: Path):

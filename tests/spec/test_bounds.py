@@ -42,6 +42,10 @@ def _line_of(text: str, key: str) -> int:
         ({"data": {"batch_size": 2**63 - 1}}, "data.batch_size", "expected a value >= 1 and < 2147483648 (2**31)"),
         ({"data": {"eval_batch_size": 2**63 - 1}}, "data.eval_batch_size", "< 2147483648 (2**31)"),
         ({"data": {"num_workers": 2**63 - 1}}, "data.num_workers", "expected a value >= 0 and <= 256"),
+        # these passed and failed later: exit 1 with no key, or exit 0 with thread tracebacks
+        ({"parallel": {"timeout_s": 1e308}}, "parallel.timeout_s", "expected a value > 0.0 and <= 604800.0"),
+        ({"parallel": {"hang_grace_s": 1e308}}, "parallel.hang_grace_s", "expected a value > 0.0 and <= 3600.0"),
+        ({"tracking": {"flush_every_s": 1e308}}, "tracking.flush_every_s", "expected a value > 0.0 and <= 3600.0"),
     ],
 )
 def test_out_of_range_integers_are_located_with_their_range(
@@ -177,3 +181,16 @@ def test_a_layer_too_wide_for_any_memory_exits_2_at_model_kwargs_before_any_run(
     err = capsys.readouterr().err
     assert "model.kwargs" in err and "hidden must be below 2**31" in err and "Traceback" not in err, err
     assert not (tmp_path / "mlflow.db").exists()  # no run, not even a deleted one: the store was never created
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{"num_samples": 2**63 - 1, "input_shape": [8]}, {"num_samples": 8, "input_shape": [2**62]}],
+)
+def test_synthetic_data_too_large_for_any_memory_is_refused_at_its_table(tmp_path: Path, data: dict) -> None:
+    path = write_spec_file(tmp_path / "s.toml", MINIMAL, data={"dataset": "synthetic", **data})
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert f"{path}:" in message and "GiB of float32 samples in memory, over 64 GiB" in message, message
+    assert "lower num_samples or input_shape" in message

@@ -31,6 +31,7 @@ from runner.strategies.base import (
 )
 from runner.strategies.distributed import DDPStrategy, describe_unused_parameters_error, is_unused_parameters_error
 from runner.training import checkpoint as ckpt
+from runner.training import shards
 from tests.helpers import spec_object
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -277,7 +278,7 @@ def test_a_checkpoint_of_one_mode_loads_into_another(request, tmp_path: Path, sr
     torch.manual_seed(1)
     target = _wrap(dst, Net())
     state = {"model": get_model_state_dict(unwrap(target))}
-    ckpt.load_checkpoint(tmp_path, state)
+    shards.load_checkpoint(tmp_path, state)
     set_model_state_dict(unwrap(target), state["model"])
     for (name, a), (_, b) in zip(unwrap(source).state_dict().items(), unwrap(target).state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -287,7 +288,7 @@ def test_a_checkpoint_of_another_model_does_not_load_and_names_the_key(tmp_path:
     dcp.save({"model": get_model_state_dict(nn.Linear(2, 2))}, checkpoint_id=tmp_path)
     state = {"model": get_model_state_dict(Net())}
     with pytest.raises(ckpt.CheckpointError, match=r"the shards do not load .*model\.a\.weight"):
-        ckpt.load_checkpoint(tmp_path, state)
+        shards.load_checkpoint(tmp_path, state)
 
 
 # --------------------------------------------------------------------------- gatherable outputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ from runner.spec.schema_parallel import MODES, ParallelSpec
 from runner.strategies import STRATEGIES, make_strategy
 from runner.strategies.base import SingleDevice, find_blocks
 from runner.strategies.distributed import FSDPStrategy
+from runner.training import shards
 from tests.helpers import spec_text
 from tests.strategies.test_ddp import DIST_VARS, clean_dist_env, cpu_plan, free_port, make_spec  # noqa: F401
 
@@ -91,6 +94,39 @@ def test_blocks_default_to_children_with_parameters_and_names_are_checked():
         find_blocks(model, ["Blok"])
     issue = caught.value.issues[0]
     assert issue.key == "parallel.fsdp_blocks" and "'Blok'" in issue.message and '"Block"' in issue.message
+
+
+class Layers(nn.Module):
+    """The usual hand-written transformer's shape: its layers in a top-level ``nn.ModuleList``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_top_level_module_list_gives_its_items_as_blocks_and_cannot_be_named_itself(fsdp_one):
+    # fully_shard refuses a container without a forward: the default blocks took the ModuleList itself, and every
+    # such model failed under fsdp once its run existed.
+    model = Layers()
+    assert find_blocks(model, None) == [*model.layers, model.head]
+    with pytest.raises(SpecError) as caught:
+        find_blocks(model, ["ModuleList"])
+    assert (
+        "container without a forward" in caught.value.issues[0].message and "(Block)" in caught.value.issues[0].message
+    )
+    torch.manual_seed(0)
+    reference = Layers()
+    wrapped = fsdp_one().wrap(copy.deepcopy(reference))
+    assert all(isinstance(layer, FSDPModule) for layer in wrapped.layers)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), reference(x))
 
 
 def test_wrap_shards_blocks_then_root_and_evaluates_like_the_model(fsdp_one):
@@ -197,7 +233,7 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     found = ckpt.load_latest(folder)
     assert found is not None and found.path == newest and found.payload["state"]["global_step"] == 3
     whole = _gathered(wrapped)  # as the none mode holds it
-    exported = ckpt.whole_model(found.path)  # what `runner export` writes: no process group needed
+    exported = shards.whole_model(found.path)  # what `runner export` writes: no process group needed
     assert exported.keys() == whole.keys()
     for key, value in whole.items():
         assert torch.equal(exported[key], value), key
@@ -206,7 +242,7 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     plain = Net()
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
     state = single.checkpoint_state(plain, plain_opt)
-    ckpt.load_checkpoint(newest, state)
+    shards.load_checkpoint(newest, state)
     single.set_checkpoint_state(plain, plain_opt, state)
     for key, value in whole.items():
         assert torch.equal(plain.state_dict()[key], value), key
@@ -216,7 +252,7 @@ def test_a_sharded_checkpoint_saves_each_ranks_shards_and_loads_into_none_and_ba
     fresh = strategy.wrap(Net())  # and back into fsdp
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     state = strategy.checkpoint_state(fresh, fresh_opt)
-    ckpt.load_checkpoint(newest, state)
+    shards.load_checkpoint(newest, state)
     strategy.set_checkpoint_state(fresh, fresh_opt, state)
     for key, value in _gathered(fresh).items():
         assert torch.equal(value, whole[key]), key
@@ -253,7 +289,7 @@ def test_a_damaged_shard_or_a_metadata_that_would_run_code_is_never_loaded(fsdp_
     ckpt.write_digest(folder / "step-00000001", digests)
     state = strategy.checkpoint_state(wrapped, opt)
     with pytest.raises(ckpt.CheckpointError, match=r"refused: its \.metadata names (posix|os)\.system"):
-        ckpt.load_checkpoint(folder / "step-00000001", state)
+        shards.load_checkpoint(folder / "step-00000001", state)
 
 
 def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one, tmp_path):
@@ -271,7 +307,7 @@ def test_an_optimizer_state_without_tensors_loads_under_fsdp(fsdp_one, tmp_path)
     fresh = strategy.wrap(Net())
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
     state = strategy.checkpoint_state(fresh, fresh_opt)
-    ckpt.load_checkpoint(tmp_path / "step-00000001", state)
+    shards.load_checkpoint(tmp_path / "step-00000001", state)
     strategy.set_checkpoint_state(fresh, fresh_opt, state)
     assert fresh_opt.param_groups[0]["lr"] == 0.0125
 
@@ -305,7 +341,7 @@ def test_a_background_save_is_in_place_once_finished_and_a_failed_one_is_named_a
     pending.finish()
     found = ckpt.load_latest(folder)
     assert found is not None and found.path.name == "step-00000001"
-    for key, value in ckpt.whole_model(found.path).items():
+    for key, value in shards.whole_model(found.path).items():
         assert torch.equal(value, before[key]), key
 
     def fail(*_args, **_kwargs):

@@ -19,7 +19,8 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.strategies import make_strategy
-from runner.training.checkpoint import load_latest, whole_model
+from runner.training.checkpoint import load_latest
+from runner.training.shards import whole_model
 from tests.helpers import PROBES, elastic_run, memory_spec, spec_object
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(600)]

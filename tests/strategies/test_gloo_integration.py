@@ -130,15 +130,16 @@ def test_stop_decision_agrees_at_the_next_log_step_on_every_rank(results):
         assert res["stop"]["settled"] == [False, True]
 
 
-def _overlapped_logs() -> tuple[list[tuple[int, int]], list[tuple[int, int, int, str]]]:
-    """Runs in each elastic worker: fit() logging every step, a checkpoint every 4, a stop asked in step 3. Returns
-    (logged step, optimizer steps taken when it was logged) and the checkpoints made."""
+def _overlapped_logs(every_n_steps: int = 4) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, str]]]:
+    """Runs in each elastic worker: fit() logging every step, a checkpoint every ``every_n_steps``, a stop asked in
+    step 3. Returns (logged step, optimizer steps taken when it was logged) and the checkpoints made."""
     from runner.errors import Interrupted
     from runner.training.loop import fit
     from tests.training.test_loop import RecordingTracker, Saves, make_parts, make_spec, request_stop_in_step
 
     spec = make_spec(log_every_n_steps=1)
-    spec = spec.model_copy(update={"parallel": _spec().parallel})
+    checkpoint = spec.checkpoint.model_copy(update={"every_n_steps": every_n_steps})
+    spec = spec.model_copy(update={"parallel": _spec().parallel, "checkpoint": checkpoint})
     strategy = make_strategy(
         spec.parallel, resolve_devices(spec, {}, Inventory([], False)), LauncherEnvironment.detect()
     )
@@ -169,3 +170,13 @@ def test_a_log_steps_reduction_overlaps_the_next_step_and_a_stop_in_it_settles_a
     # step 1's values after step 2, and so on; step 4 is a checkpoint step: its log is waited for at once
     assert [(step, at) for step, at in seen if step <= 4] == [(1, 2), (2, 3), (3, 4), (4, 4)], seen
     assert saves == [(4, 0, 4, "step"), (4, 0, 4, "signal")]  # the stop asked in step 3 rode in step 3's log
+
+
+def test_a_stop_settled_at_a_log_step_logs_that_step_before_its_checkpoint() -> None:
+    """Step 3's log carries the stop asked in step 3 and is read after step 4, whose own log is then being reduced:
+    it used to be dropped, so train/loss and lr of step 4 were lost and the resume began at step 5."""
+    results = elastic_run(_overlapped_logs, WORLD, "stop-at-log", 100)
+    assert results[0] == results[1]
+    seen, saves = results[0]
+    assert [step for step, _ in seen] == [1, 1, 2, 3, 4], seen  # step 1 twice: the start-up metric, then its log
+    assert saves == [(4, 0, 4, "signal")]

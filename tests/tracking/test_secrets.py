@@ -30,6 +30,13 @@ from tests.helpers import write_spec_file
         ("uri = 'postgresql://u:p@ss@h/db' here", "uri = 'postgresql://u:***@h/db' here"),
         ("{'uri': 'http://h:5000', 'to': 'a@b'}", "{'uri': 'http://h:5000', 'to': 'a@b'}"),
         ('at "http://alice:s3cret@h:1/api": refused', 'at "http://alice:***@h:1/api": refused'),
+        # these leaked: an e-mail as user name, a ' in a user or a token, a git remote with an e-mail user
+        ("http://alice@corp.example:pw@host:5000", "http://alice@corp.example:***@host:5000"),
+        ("http://o'brien:s3cret@host:5000", "http://o'brien:***@host:5000"),
+        ("https://to'ken@host/x", "https://***@host/x"),
+        ("https://bob@corp.example:ghp_tok3n@git.example/r.git", "https://bob@corp.example:***@git.example/r.git"),
+        ("postgresql://o'neil:pw@h/db", "postgresql://o'neil:***@h/db"),
+        ("ssh://git@git.example/r.git", "ssh://git@git.example/r.git"),
     ],
 )
 def test_mask_secrets_masks_every_credential_of_a_url(uri: str, masked: str) -> None:

@@ -14,7 +14,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from runner.tracking.uri import default_checkpoint_dir
 from runner.training import checkpoint as ckpt
+from runner.training import shards
 from runner.training.loop import TrainState
+from tests.helpers import fill, small_disk
 
 
 def _payload(step: int) -> dict:
@@ -36,8 +38,8 @@ def _save(folder: Path, step: int, value: float = 1.0, keep_last: int = 5, paylo
     with torch.no_grad():
         model.weight.fill_(value)
     model_state, optimizer_state = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    shards = {"model": model_state, "optimizer": optimizer_state}
-    ckpt.save_checkpoint(folder, shards, payload or _payload(step), step, keep_last, barrier=lambda: None)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    ckpt.save_checkpoint(folder, state, payload or _payload(step), step, keep_last, barrier=lambda: None)
     return folder / f"step-{step:08d}"
 
 
@@ -62,7 +64,7 @@ def test_save_then_load_latest_round_trips(tmp_path: Path) -> None:
     assert found is not None
     assert found.path.name == "step-00000007"
     assert found.payload["state"]["global_step"] == 7
-    assert torch.all(ckpt.whole_model(found.path)["weight"] == 7.0)
+    assert torch.all(shards.whole_model(found.path)["weight"] == 7.0)
     assert found.skipped == ()
 
 
@@ -101,7 +103,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path: Path, monkeypa
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000002 was not saved in .* \(OSError: disk full\)"):
         _save(tmp_path, 2, 2.0)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir() if "step-00000002" not in p.name) == [
@@ -222,7 +224,7 @@ def test_bytes_changed_inside_a_tensor_are_found_and_the_previous_checkpoint_use
     shard.write_bytes(bytes(data))
     found = ckpt.load_latest(tmp_path)
     assert found is not None and found.path.name == "step-00000001"
-    assert torch.all(ckpt.whole_model(found.path)["weight"] == 1.0)
+    assert torch.all(shards.whole_model(found.path)["weight"] == 1.0)
     ((path, reason),) = found.skipped
     assert path == latest and "SHA-256 of step-00000002/__0_0.distcp" in reason
 
@@ -303,13 +305,13 @@ def test_a_crafted_dcp_metadata_is_refused_by_name_and_the_previous_checkpoint_u
     (newest / ".metadata").write_bytes(_dotted_global_pickle(f"touch {marker}"))
     _redigest(newest)
     with pytest.raises(ckpt.CheckpointError, match=r"refused: its \.metadata names "):
-        ckpt.whole_model(newest)
+        shards.whole_model(newest)
     state = {"model": torch.nn.Linear(2, 2).state_dict()}
     with pytest.raises(
         ckpt.CheckpointError, match=r"names torch\.distributed\.checkpoint\.filesystem\.os\.system, which"
     ):
-        ckpt.load_checkpoint(newest, state)
-    found = ckpt.load_latest(tmp_path, ckpt.read_with_model)  # what `runner export` reads
+        shards.load_checkpoint(newest, state)
+    found = ckpt.load_latest(tmp_path, shards.read_with_model)  # what `runner export` reads
     assert found is not None and found.path.name == "step-00000001"
     assert torch.all(found.payload["model"]["weight"] == 1.0) and "refused" in found.skipped[0][1]
     assert not marker.exists()
@@ -322,19 +324,19 @@ def test_a_crafted_non_tensor_item_in_a_shard_is_refused_not_executed(tmp_path: 
     model.register_buffer("table", torch.full((64,), 2.0))
     model_state, optimizer_state = get_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
     optimizer_state["param_groups"][0]["lr"] = _RunsCode(marker)  # stored as a DCP byte item
-    shards = {"model": model_state, "optimizer": optimizer_state}
-    ckpt.save_checkpoint(tmp_path, shards, _payload(2), 2, 5, barrier=lambda: None)
+    state_dicts = {"model": model_state, "optimizer": optimizer_state}
+    ckpt.save_checkpoint(tmp_path, state_dicts, _payload(2), 2, 5, barrier=lambda: None)
     assert not marker.exists()
     model = torch.nn.Linear(2, 2)
     model.register_buffer("table", torch.zeros(64))
     state = _shards(model, torch.optim.SGD(model.parameters(), lr=0.5))
     with pytest.raises(ckpt.CheckpointError, match=r"refused: its item optimizer\.param_groups\.0\.lr carries"):
-        ckpt.load_checkpoint(tmp_path / "step-00000002", state)
+        shards.load_checkpoint(tmp_path / "step-00000002", state)
     assert not marker.exists()
 
     def read(path: Path) -> dict:  # what a resume does on every rank
         payload = ckpt.read_checkpoint(path)
-        ckpt.load_checkpoint(path, state)
+        shards.load_checkpoint(path, state)
         return payload
 
     found = ckpt.load_latest(tmp_path, read)
@@ -357,7 +359,7 @@ def test_plain_non_tensor_items_still_load(tmp_path: Path) -> None:
     )
     fresh = torch.nn.Linear(2, 2)
     state = _shards(fresh, torch.optim.Adam(fresh.parameters()))
-    ckpt.load_checkpoint(tmp_path / "step-00000001", state)
+    shards.load_checkpoint(tmp_path / "step-00000001", state)
     group = state["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.01 and tuple(group["betas"]) == (0.8, 0.9) and group["amsgrad"] is False
 
@@ -369,7 +371,7 @@ def test_a_checkpoint_rotated_away_while_it_is_read_is_passed_over(tmp_path: Pat
     def read_while_rotating(path: Path) -> dict:  # a running job saves step 3 and rotates step 2 away meanwhile
         if path.name == "step-00000002":
             _save(tmp_path, 3, 3.0, keep_last=1)
-        return ckpt.read_with_model(path)
+        return shards.read_with_model(path)
 
     found = ckpt.load_latest(tmp_path, read_while_rotating)
     assert found is not None and found.path.name == "step-00000003" and found.skipped == ()
@@ -387,3 +389,32 @@ def test_nothing_in_runner_loads_a_file_with_weights_only_false() -> None:
         if "weights_only=False" in line.replace(" ", "")
     ]
     assert found == []
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_during_a_save_names_enospc_and_leaves_no_partial_folder(tmp_path: Path, background: bool) -> None:
+    with small_disk(tmp_path / "disk", 512) as disk:
+        first = _save(disk, 1, 1.0)
+        fill(disk, leave_kib=4)  # a shard, its metadata and meta.pt need more
+        model = torch.nn.Linear(2, 2)
+        model.register_buffer("table", torch.zeros(64 * 1024))  # 256 KiB of shard
+        state_dicts = _shards(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ckpt.CheckpointError) as caught:
+            pending = ckpt.save_checkpoint(disk, state_dicts, _payload(2), 2, 5, lambda: None, background=background)
+            if pending is not None:
+                pending.finish()
+        message = str(caught.value)
+        assert message.startswith(f"checkpoint step-00000002 was not saved in {disk} (")
+        assert "the disk is full (ENOSPC)" in message and "checkpoint.dir" in message and "\n" not in message
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "step-00000001", "step-00000001.sha256"]
+        (disk / "filler").unlink()  # room again: the next save goes through, the first checkpoint untouched
+        _save(disk, 3, 3.0)
+        found = ckpt.load_latest(disk, shards.read_with_model)
+        assert found is not None and found.path.name == "step-00000003" and first.exists()
+
+
+def test_a_save_removes_what_an_earlier_failed_save_left(tmp_path: Path) -> None:
+    (tmp_path / ".step-00000007.partial").mkdir(parents=True)
+    (tmp_path / ".step-00000007.partial" / "__0_0.distcp").write_bytes(b"x" * 100)
+    _save(tmp_path, 9, 9.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000009", "step-00000009.sha256"]

@@ -11,7 +11,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.training.checkpoint import list_checkpoints, whole_model
+from runner.training.checkpoint import list_checkpoints
+from runner.training.shards import whole_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.created_store, pytest.mark.timeout(300)]
 
