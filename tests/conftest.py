@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import textwrap
@@ -156,3 +157,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ]
     if unmarked:
         raise pytest.UsageError(f"tests in *_integration.py modules must be marked integration: {unmarked}")
+
+
+def _end_descendants() -> None:
+    """End every process this one started, and theirs (a ``runner exec`` an interrupted test never waited for)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for process in descendants:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """Ctrl-C (or SIGINT) to the suite: the processes its tests started end with it, while they are still this
+    process's descendants (the workers of ``-n`` included, whose own children would be orphaned once they end)."""
+    _end_descendants()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """At the end of a session, in each worker (or the one process without ``-n``): nothing a test started is left
+    running. The main process of ``-n`` leaves its workers to xdist."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        _end_descendants()

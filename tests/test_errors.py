@@ -195,6 +195,7 @@ def test_a_ranks_user_code_error_keeps_all_its_lines_and_other_errors_their_last
     assert python_error(failure("Traceback ...\nRuntimeError: plain\n")) == "RuntimeError: plain"
     multi_line = (  # fully_shard's refusal of a ModuleList: its repr spans lines; the last one is ")"
         'Traceback (most recent call last):\n  File "fsdp.py", line 9, in fully_shard\n    raise ValueError(\n'
+        "    ^^^^^^^^^^^^^^^^^\n"  # Python 3.11's carets under the code
         "ValueError: fully_shard does not support containers that do not implement forward: ModuleList(\n"
         "  (0-1): 2 x Block()\n)\n"
     )

@@ -149,3 +149,22 @@ def test_the_oldest_python_installed_on_is_the_one_the_code_is_checked_against()
     assert python_claims((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8")) == {"3.11"}
     claimed_older = '[project]\nrequires-python = ">=3.10"\n[tool.mypy]\npython_version = "3.11"\n[tool.ruff]\ntarget-version = "py311"\n'
     assert python_claims(claimed_older) == {"3.10", "3.11"}
+
+
+def floors(pyproject: str) -> dict[str, tuple[int, ...]]:
+    """The oldest version ``pyproject.toml`` admits of each dependency with a ``>=`` floor."""
+    import tomllib
+
+    found = {}
+    for requirement in tomllib.loads(pyproject)["project"]["dependencies"]:
+        if match := re.fullmatch(r"([\w-]+)>=([\d.]+)(,.*)?", requirement.replace(" ", "")):
+            found[match.group(1)] = tuple(int(part) for part in match.group(2).split("."))
+    return found
+
+
+def test_the_dependency_floors_are_past_the_security_advisories() -> None:
+    # torch < 2.10: CVE-2026-24747 in the weights_only unpickler that checkpoints are read with;
+    # mlflow < 3.16.1: GHSA-gq3w-7jj3-x7gr, a default admin password in basic_auth.ini
+    found = floors((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert found["torch"] >= (2, 10) and found["mlflow"] >= (3, 16, 1)
+    assert floors('[project]\ndependencies = ["torch>=2.6", "mlflow>=3.0"]\n') == {"torch": (2, 6), "mlflow": (3, 0)}

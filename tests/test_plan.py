@@ -131,3 +131,29 @@ def test_the_table_says_what_fits_and_which_switch_would(tmp_path: Path) -> None
     assert tight.strip().startswith("to fit:") and "data.batch_size = " in tight
     assert "train.activation_checkpointing = true" in tight
     assert "not estimated" in format_memory({"error": "ValueError: x"}, [], loaded.spec)[0]
+
+
+def test_profile_ranks_that_record_nothing_are_noted_and_negative_ones_refused(tmp_path: Path) -> None:
+    from runner.errors import SpecError
+
+    loaded = load(tmp_path, "ddp", "\n[profile]\nranks = [0, 7]\n")
+    plan = make_plan(loaded, env={}, inventory=NO_GPU)
+    assert plan.devices.world_size == 1
+    assert "profile.ranks [7] will record nothing: this job has ranks 0 to 0" in plan.notes
+    assert not [
+        n for n in make_plan(load(tmp_path, "ddp", "\n[profile]\n"), env={}, inventory=NO_GPU).notes if "profile" in n
+    ]
+    with pytest.raises(SpecError, match=r"profile\.ranks\[0\]: got -1; expected a value >= 0"):
+        load(tmp_path, "none", "\n[profile]\nranks = [-1]\n")
+
+
+def test_a_profile_that_recorded_nothing_says_why(tmp_path: Path) -> None:
+    from runner.training.setup import profile_notes
+
+    loaded = load(tmp_path, "none", f"\n[profile]\nwait = {2**63 - 1}\n")
+    (note,) = profile_notes(loaded.spec, 0, tmp_path)
+    assert note.startswith(f"[profile] recorded nothing on rank 0: the job ended before wait = {2**63 - 1} steps")
+    assert profile_notes(loaded.spec, 1, tmp_path) == []  # rank 1 was not asked to record
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "rank0.trace.json").write_text("{}")
+    assert profile_notes(loaded.spec, 0, tmp_path) == []

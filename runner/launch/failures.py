@@ -91,13 +91,15 @@ def python_error(failure: ProcessFailure) -> str:
 
 
 def _exception_start(lines: list[str]) -> int:
-    """Where a traceback's exception line is: after its last frame (``  File ...`` and the code line under it). The
-    message may span lines (a multi-line repr): its last line, once taken, was ``)``."""
+    """Where a traceback's exception line is: after its last frame (``  File ...``, then its code and the carets under
+    it, indented). The message may span lines (a multi-line repr): its last line, once taken, was ``)``."""
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
     if not frames:
         return len(lines) - 1
     start = frames[-1] + 1
-    return start + 1 if start < len(lines) - 1 and lines[start].startswith("    ") else start
+    while start < len(lines) - 1 and lines[start].startswith("    "):
+        start += 1
+    return start
 
 
 def ended_by(exitcode: int, oom_kills_before: int | None) -> str:

@@ -275,6 +275,7 @@ def write_chart(report: BenchReport, path: Path) -> Path:
     speed = [(c.samples_per_s or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
     base = next((c.samples_per_s for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
     eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
+    measured = [good and c.scaling_efficiency is not None for good, c in zip(ok, configs, strict=False)] or [False]
     speed_err = [error_bars(c) for c in configs] or [(0.0, 0.0)]
     eff_err = [error_bars(c, 100 / (c.n * base)) if base else (0.0, 0.0) for c in configs] or [(0.0, 0.0)]
     notes = [(i, note_of(c)) for i, c in enumerate(configs) if c.status == "ok" and note_of(c)]
@@ -285,19 +286,20 @@ def write_chart(report: BenchReport, path: Path) -> Path:
     ax1, ax2 = fig.subplots(1, 2)
     x = list(range(len(names)))
     marks = {i: f" [{k}]" for k, (i, _) in enumerate(notes, 1)}
-    for ax, values, errors, color, fmt in (
-        (ax1, speed, speed_err, "tab:blue", "{:.0f}"),
-        (ax2, eff, eff_err, "tab:green", "{:.0f}%"),
+    for ax, values, errors, shown, color, fmt in (
+        (ax1, speed, speed_err, ok, "tab:blue", "{:.0f}"),
+        (ax2, eff, eff_err, measured, "tab:green", "{:.0f}%"),  # a withdrawn efficiency is no 0 % bar
     ):
-        bars = ax.bar(x, values, color=[color if good else "lightgrey" for good in ok])
+        bars = ax.bar(x, values, color=[color if good else "lightgrey" for good in shown])
         for i, bar in enumerate(bars):
             if i in noisy:
                 bar.set_hatch("//")
         ax.errorbar(x, values, yerr=list(zip(*errors, strict=True)), fmt="none", ecolor="black", capsize=4)
         ax.set_xticks(x, [n + marks.get(i, "") for i, n in enumerate(names)])
         top = max([v + e[1] for v, e in zip(values, errors, strict=False)] + [1.0])
-        for i, (v, good) in enumerate(zip(values, ok, strict=False)):
-            label = fmt.format(v) if good else (report.configs[i].status if i < len(report.configs) else "")
+        for i, (v, good) in enumerate(zip(values, shown, strict=False)):
+            status = report.configs[i].status if i < len(report.configs) else ""
+            label = fmt.format(v) if good else ("withdrawn" if status == "ok" else status)
             ax.text(i, v + errors[i][1] + top * 0.01, label, ha="center", va="bottom", fontsize=8)
         ax.set_ylim(0, top * 1.15)
     ax1.set_title("throughput (samples/s, median of repeats; bars: slowest-fastest)", fontsize=9)

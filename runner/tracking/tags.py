@@ -127,7 +127,7 @@ def run_tags(
         tags[NOTES_TAG] = "; ".join(notes)
         remarks["notes"] = "\n".join(f"- {n}" for n in notes) if len(notes) > 1 else notes[0]
     if spec.description or remarks:
-        tags[DESCRIPTION_TAG] = description_with(spec.description or "", remarks)
+        tags[DESCRIPTION_TAG] = description_with(spec.description or "", remarks, max_tag_chars())
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     tags.update(spec.tags)
@@ -148,9 +148,13 @@ def column_tags(tags: Mapping[str, str]) -> dict[str, str]:
     return {k: column_value(v) if k.startswith("runner.") and k not in whole else v for k, v in tags.items()}
 
 
-def description_with(description: str, remarks: Mapping[str, str]) -> str:
+def description_with(description: str, remarks: Mapping[str, str], limit: int | None = None) -> str:
     """A run's Markdown description: the user's text, then runner's ``remarks`` under ``#### runner`` (a label
-    replaces its earlier remark; several lines go into a code block unless a list)."""
+    replaces its earlier remark; several lines go into a code block unless a list).
+
+    Within ``limit`` characters (MLflow's longest tag value) the user's text is the part cut, so a long spec
+    ``description`` never pushes runner's own section out; the whole text is the ``description`` key of the artifact
+    ``spec/resolved.toml``."""
     head, found, earlier = ("\n\n" + description).rpartition(f"\n\n{_REMARKS_HEADING}\n")
     own, earlier = (head[2:], earlier) if found else (description, "")
     parts = _REMARK.split(earlier)
@@ -164,7 +168,10 @@ def description_with(description: str, remarks: Mapping[str, str]) -> str:
     body = "\n\n".join(
         f"**{label}**:" + ("\n" if text.startswith(("- ", "```")) else " ") + text for label, text in kept.items()
     )
-    return f"{own}\n\n{_REMARKS_HEADING}\n{body}" if own else f"{_REMARKS_HEADING}\n{body}"
+    section = f"{_REMARKS_HEADING}\n{body}"
+    if limit is not None and own and len(own) + 2 + len(section) > limit:
+        own = shorten(own, max(0, limit - 2 - len(section)), "artifact spec/resolved.toml, key description")
+    return f"{own}\n\n{section}" if own else section
 
 
 def git_artifacts(info: GitInfo | None) -> dict[str, str]:
@@ -362,5 +369,7 @@ def tag_run(
     values = column_tags(tags)
     if remarks:
         current = client.get_run(run_id).data.tags.get(DESCRIPTION_TAG, "")
-        values[DESCRIPTION_TAG] = shorten(description_with(current, remarks), max_tag_chars(), "the run's artifacts")
+        values[DESCRIPTION_TAG] = shorten(
+            description_with(current, remarks, max_tag_chars()), max_tag_chars(), "the run's artifacts"
+        )
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in values.items()], synchronous=True)

@@ -247,7 +247,17 @@ def _check_http(uri: str, timeout_s: float) -> None:
 
 LOCK_TIMEOUT_S = 300.0  # a first migration takes seconds; a lock held longer is a stuck process
 OPEN_ATTEMPTS = 6  # a concurrent creator's migration takes seconds
-RACE_SIGNS = ("already exists", "database is locked", "out-of-date database", "Online migration", "duplicate column")
+# Errors of a store that another client is creating or migrating at the same moment: the open is tried again once the
+# file is still. "dimension_attributes": MLflow's ORM reading a table whose migration has not added that column yet
+# (`mlflow ui` beside a first `runner exec`, 1 in 6 tries).
+RACE_SIGNS = (
+    "already exists",
+    "database is locked",
+    "out-of-date database",
+    "Online migration",
+    "duplicate column",
+    "dimension_attributes",
+)
 _opened: set[str] = set()  # URIs opened by this process (MLflow keeps the engine; tables exist from then on)
 
 

@@ -287,7 +287,7 @@ def _log_window(
         tally.guard.check(sums, parts.strategy, f"the train/loss log of step {step}", closed)
         loss = mean_loss(sums)
         report.log({"train/loss": loss, "lr": lr, **tally.accuracy(sums, "train/step_"), **window_metrics}, step)
-        report.progress.show(epoch=shown_epoch, loss=loss)
+        report.progress.show(step, epoch=shown_epoch, loss=loss)
         return asked
 
     if overlap:

@@ -199,8 +199,9 @@ class Progress:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(n)
 
-    def show(self, **values: Any) -> None:
-        """Display the latest values (loss, epoch, ...): as the bar's postfix or as a plain line."""
+    def show(self, step: int | None = None, /, **values: Any) -> None:
+        """Display the latest values (loss, epoch, ...): as the bar's postfix or as a plain line labelled with the
+        ``step`` they are of (default: the steps done; a log step's values are shown a step later under ddp)."""
         if not self.enabled:
             return
         self._values = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
@@ -210,7 +211,8 @@ class Progress:
         now = time.monotonic()
         if now - self._last_line >= self.every_s or self.done >= self.total:
             self._last_line = now
-            print(f"step {self.done}/{self.total} {self._postfix()}", file=sys.stderr, flush=True)
+            shown = self.done if step is None else step
+            print(f"step {shown}/{self.total} {self._postfix()}", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

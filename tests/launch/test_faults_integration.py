@@ -233,7 +233,7 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(
     (run,) = _runs(uri)
     run_id = run.info.run_id
     code, _, err = _finish(_runner(tmp_path, "exec", str(spec), "--resume", run_id))
-    assert code == 2 and f"still RUNNING in pid {driver.pid} on host" in err  # a live owner keeps its run
+    assert code == 2 and f"the run is owned by pid {driver.pid} on host" in err  # a live owner keeps its run
 
     workers = [int((pids / f"rank{r}").read_text()) for r in ranks]
     assert driver.pid not in workers  # the driver trains nothing (docs/design.md §6)
@@ -332,6 +332,31 @@ def test_an_outage_neither_stalls_training_nor_loses_or_repeats_a_metric(tmp_pat
     assert _steps(server.url, run_id, "val/accuracy") == list(range(STEPS_PER_EPOCH, total + 1, STEPS_PER_EPOCH))
     assert MlflowClient(server.url).get_run(run_id).info.status == "FINISHED"
     assert not (folder / "metrics-spool.jsonl").exists()
+
+
+def test_a_store_down_at_the_end_of_a_run_does_not_hold_the_command_in_retries(
+    tmp_path: Path, server: MlflowServer
+) -> None:
+    # MLflow's own HTTP retries (the defaults: 7, backing off to 2 minutes) held `runner exec` for 4 minutes after
+    # training ended, asking the stopped server for the run's end figures, though the spool held everything.
+    spec = _spec(tmp_path, server.url, epochs=4, checkpoint={"dir": "ck"})
+    proc = _runner(tmp_path, "exec", str(spec), env=_env(FAULT_STEP_S="0.2"))
+    wait_for(lambda: bool(_runs(server.url)), "the run", proc=proc)
+    run_id = _runs(server.url)[0].info.run_id
+    wait_for(lambda: bool(_steps(server.url, run_id, "train/loss")), "metrics in MLflow", proc=proc)
+    server.stop()
+    code, out, err = _finish(proc, timeout_s=150)  # the retries alone took 240 s
+    assert code == 0, out + err
+    assert "status: FINISHED (the tracking store did not answer:" in out and f"runner status {run_id}" in out
+    assert "Traceback" not in err
+    server.start()
+    sent = subprocess.run(
+        [sys.executable, "-m", "runner", "status", run_id, "--tracking-uri", server.url],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stdout + sent.stderr
+    assert MlflowClient(server.url).get_run(run_id).info.status == "FINISHED"
+    assert _steps(server.url, run_id, "train/loss") == list(range(1, 4 * STEPS_PER_EPOCH + 1))
 
 
 # ----------------------------------------------------------------------------- item: a non-finite loss

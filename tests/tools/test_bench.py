@@ -344,6 +344,21 @@ def test_chart_is_a_png(tmp_path: Path) -> None:
         assert image.format == "PNG" and image.size[0] > 300
 
 
+def test_a_withdrawn_efficiency_is_labelled_so_not_drawn_as_a_0_percent_bar(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.axes import Axes
+
+    report = _report()
+    ddp2 = next(c for c in report.configs if c.config == "ddp-2")
+    ddp2.scaling_efficiency = None  # withdrawn: above 100 % by more than the spread
+    labels: list[str] = []
+    drawn = Axes.text
+    monkeypatch.setattr(Axes, "text", lambda self, x, y, s, *a, **k: labels.append(s) or drawn(self, x, y, s, *a, **k))
+    write_chart(report, tmp_path / "bench.png")
+    efficiency = labels[len(labels) // 2 :]  # the second chart's labels, one per configuration
+    assert efficiency[[c.config for c in report.configs].index("ddp-2")] == "withdrawn"
+    assert "0%" not in efficiency
+
+
 # ----------------------------------------------------------------------------- CLI errors
 
 

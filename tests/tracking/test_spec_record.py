@@ -16,6 +16,7 @@ from runner.spec.loading import load_spec
 from runner.tracking.runs import start_run
 from runner.tracking.stored import read_stored_run
 from runner.tracking.tags import spec_artifacts
+from tests.helpers import spec_text
 
 REPO = Path(__file__).parents[2]
 NO_GPU = Inventory([], False, "nvidia-smi not found", [])
@@ -95,6 +96,24 @@ def test_long_texts_go_to_the_description_and_their_tags_stay_one_short_line(wri
     description = tags["mlflow.note.content"]  # ... and whole on the run's page, after the spec's description
     assert description.startswith("why\n\n#### runner\n**overrides**: " + overrides)
     assert description.endswith("train.epochs=11\n\n**notes**: devices.ids = [0, 1] is ignored: the run is on cpu")
+
+
+def test_a_long_description_is_cut_so_runners_own_section_stays_and_the_whole_text_is_an_artifact(
+    write_spec, shared
+) -> None:
+    # A 9,000-character description pushed the "#### runner" section out of MLflow's 8,000-character tag.
+    long = "x" * 9000
+    loaded = load_spec(write_spec(text=spec_text(description=long, tracking={"uri": shared})), ["devices.ids=[0, 1]"])
+    run_id = started(loaded, shared)
+    client = MlflowClient(shared)
+    description = client.get_run(run_id).data.tags["mlflow.note.content"]
+    assert len(description) <= 8000
+    assert "; full text in artifact spec/resolved.toml, key description]" in description
+    assert description.endswith(
+        "\n\n#### runner\n**overrides**: --set 'devices.ids=[0, 1]'\n\n**notes**: devices.ids = [0, 1] is ignored: the run is on cpu"
+    )
+    resolved = Path(client.download_artifacts(run_id, "spec/resolved.toml", str(write_spec().parent))).read_text()
+    assert long in resolved
 
 
 def test_artifact_names_of_sources_outside_the_spec_folder_and_of_clashing_names(tmp_path: Path) -> None:

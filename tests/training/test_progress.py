@@ -100,6 +100,15 @@ def test_lines_off_a_terminal_name_the_phase_and_the_rate(capsys) -> None:
     assert err[1] == "step 1/2 validating"
 
 
+def test_a_log_steps_values_shown_a_step_later_are_labelled_with_their_own_step(capsys) -> None:
+    # under ddp step 45's loss is reduced while step 46 trains: it was printed as "step 46/..."
+    lines = Progress("lines", 50, every_s=0.0, initial=44)
+    lines.update(1, samples=16)
+    lines.update(1, samples=16)
+    lines.show(45, loss=0.5)
+    assert capsys.readouterr().err.startswith("step 45/50 loss=0.5 ")
+
+
 def test_the_first_line_shows_at_once_on_a_machine_just_booted_and_the_next_waits(capsys, monkeypatch) -> None:
     clock = iter([1.0, 2.0, 12.5])  # monotonic seconds since boot: the machine came up a second ago
     fake = types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter)
@@ -107,9 +116,9 @@ def test_the_first_line_shows_at_once_on_a_machine_just_booted_and_the_next_wait
     lines = Progress("lines", 10, every_s=10.0)
     for step in (1, 2, 3):
         lines.update(1, samples=16)
-        lines.show(step=step)
+        lines.show(n=step)
     err = capsys.readouterr().err.splitlines()
-    assert [line.split(" samples/s")[0] for line in err] == ["step 1/10 step=1", "step 3/10 step=3"]
+    assert [line.split(" samples/s")[0] for line in err] == ["step 1/10 n=1", "step 3/10 n=3"]
 
 
 def test_other_ranks_and_off_print_nothing(capsys) -> None:
