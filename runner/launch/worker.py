@@ -242,12 +242,15 @@ def _check_or_load(
 
 
 def _report_failure(link: Link, exc: BaseException) -> None:
-    """Tell the driver what rank 0 failed of (the exception itself when it crosses a pipe, else its text)."""
-    error: BaseException = exc
+    """Tell the driver what rank 0 failed of: runner's own exception itself when it crosses a pipe, any other as a
+    TrainingError with its type and text. The driver imports no torch: torch's ``InductorError`` (no C++ compiler
+    under ``train.compile``) did not unpickle there, and the run failed as "exited without a Python error"."""
+    text = TrainingError(f"{type(exc).__name__}: {exc}")
+    error = exc if isinstance(exc, (RunnerError, KeyboardInterrupt)) else text
     try:
-        pickle.loads(pickle.dumps(exc))  # some exceptions pickle but do not unpickle (a custom __init__)
+        pickle.loads(pickle.dumps(error))  # some exceptions pickle but do not unpickle (a custom __init__)
     except Exception:
-        error = TrainingError(f"{type(exc).__name__}: {exc}")
+        error = text
     with contextlib.suppress(OSError, ValueError):
         link.send("failed", error)
 

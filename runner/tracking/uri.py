@@ -279,20 +279,29 @@ def open_store(uri: str) -> None:
             with lock:  # other MLflow clients (`mlflow ui`, a notebook) do not take it: wait while they migrate
                 if not _holds_a_schema(path):
                     _create_aside(uri, path)
-                try:
-                    _refuse_half_migrated_when_still(path)
-                except TrackingError:
-                    if not _holds_nothing(path):
-                        raise
-                    _create_aside(uri, path, replace=True)  # other clients broke a new store racing each other
-                _first_open(uri, path)
-                _refuse_half_migrated_when_still(path)  # what a concurrent creator left must be a whole schema
+                _open_whole(uri, path)
         except Timeout:
             raise TrackingError(
                 f"tracking store {uri}: another process has held {lock.lock_file} for over {LOCK_TIMEOUT_S:.0f} s "
                 "while creating the store; stop it, or remove the lock file if no runner or mlflow process is left"
             ) from None
     _opened.add(uri)
+
+
+def _open_whole(uri: str, path: Path) -> None:
+    """Open the sqlite store at ``path`` once it is a whole schema. A new store that other clients broke, racing each
+    other or runner (two alembic migrations of one file), and that holds nothing is replaced by one made aside, before
+    the open or after it: the second check is where `mlflow ui` beside a first `runner exec` left it, 1 try in 6."""
+    for last in (False, True):
+        try:
+            _refuse_half_migrated_when_still(path)
+            _first_open(uri, path)
+            _refuse_half_migrated_when_still(path)  # what a concurrent creator left must be a whole schema
+            return
+        except TrackingError:
+            if last or not _holds_nothing(path):
+                raise
+            _create_aside(uri, path, replace=True)
 
 
 def _holds_a_schema(path: Path) -> bool:

@@ -3,18 +3,28 @@ Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, user_code_error, with_hint
+from runner.errors import (
+    SpecError,
+    SpecIssue,
+    UserCodeError,
+    did_you_mean,
+    first_line,
+    user_code_error,
+    with_hint,
+)
 from runner.spec.names import (
     BUILTIN_MODELS,
     GENERATED,
@@ -246,7 +256,13 @@ def build_model(
     except ValueError:  # no signature available (builtins, C callables): let the call decide
         pass
     try:
-        model = builder(**kwargs)
+        with _exits_refused():
+            model = builder(**kwargs)
+    except _ProcessExit as exc:
+        raise UserCodeError(
+            f"model.name: {name!r} called {exc.call} at {exc.where}: a factory returns a torch.nn.Module; ending the "
+            "process there leaves no word of why (`runner plan` exited with its code and said nothing)"
+        ) from None
     except Exception as exc:
         located = user_code_error(exc, "model.name") if ":" in name else None  # the factory's own failure
         if located is not None:
@@ -257,6 +273,33 @@ def build_model(
     if not isinstance(model, torch.nn.Module):
         raise spec_issue("model.name", f"{name!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+class _ProcessExit(Exception):
+    """A factory asked to end the process: ``call`` (``os._exit(3)``, ``sys.exit(3)``) at ``where`` (file:line)."""
+
+    def __init__(self, call: str, where: str) -> None:
+        super().__init__(call, where)
+        self.call, self.where = call, where
+
+
+@contextlib.contextmanager
+def _exits_refused() -> Iterator[None]:
+    """``os._exit`` and ``sys.exit`` inside the block raise :class:`_ProcessExit` instead of ending the process."""
+    real = os._exit
+
+    def refuse(status: int) -> NoReturn:
+        caller = sys._getframe(1)
+        raise _ProcessExit(f"os._exit({status})", f"{caller.f_code.co_filename}:{caller.f_lineno}")
+
+    os._exit = refuse
+    try:
+        yield
+    except SystemExit as exc:
+        *_, (frame, line) = traceback.walk_tb(exc.__traceback__)
+        raise _ProcessExit(f"sys.exit({exc.code})", f"{frame.f_code.co_filename}:{line}") from None
+    finally:
+        os._exit = real
 
 
 def _builder_and_kwargs(

@@ -374,3 +374,19 @@ def test_a_non_finite_loss_stops_the_run_failed_without_a_nan_checkpoint(tmp_pat
     for path in list_checkpoints(Path(tmp_path, "checkpoints", run.info.run_id)):
         for name, tensor in whole_model(path).items():
             assert torch.isfinite(tensor).all(), f"{path.name}: {name} holds non-finite values"
+
+
+# ----------------------------------------------------------------------------- item: compile without a C++ compiler
+
+
+def test_compile_without_a_cpp_compiler_names_torchs_error_not_a_silent_exit(tmp_path: Path, ready_store: str) -> None:
+    # torch's InductorError did not unpickle in the driver (which imports no torch): the run failed as "exited with
+    # code 1 without a Python error"
+    spec = _spec(tmp_path, ready_store)
+    env = _env(CXX=str(tmp_path / "no-such-compiler"))
+    code, _, err = _finish(_runner(tmp_path, "exec", str(spec), "--set", "train.compile=true", env=env))
+    assert code == 1, err
+    assert "InductorError: InvalidCxxCompiler: No working C++ compiler found" in err, err
+    assert "without a Python error" not in err and "Traceback" not in err
+    (run,) = _runs(ready_store)
+    assert run.info.status == "FAILED" and "InvalidCxxCompiler" in run.data.tags["runner.error"]

@@ -91,6 +91,29 @@ def test_a_new_store_that_other_clients_left_half_migrated_and_empty_is_made_who
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".creating")] == []
 
 
+def test_a_new_store_that_another_client_breaks_during_runners_open_is_made_whole(
+    ready_store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mlflow ui` migrating beside runner's first open left the file half-migrated after runner's own open: runner
+    told the user to move the new, empty store away (exit 2, 1 try in 6)."""
+    from mlflow.tracking import MlflowClient
+
+    uri, path = ready_store, Path(ready_store[len("sqlite:///") :])
+    real, opens = store_module._first_open, []
+
+    def raced(target: str, at: Path | None = None) -> None:
+        real(target, at)
+        opens.append(target)
+        if len(opens) == 1:  # the other client's migration step, interleaved with runner's
+            _break(path, "CREATE TABLE _alembic_tmp_tags (x INTEGER)")
+
+    monkeypatch.setattr(store_module, "_first_open", raced)
+    monkeypatch.setattr(store_module, "wait_until_still", lambda *a, **k: True)
+    open_store(uri)
+    store_module.refuse_half_migrated(path)  # whole now
+    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
+
+
 def test_a_file_that_appears_while_runner_makes_its_store_aside_is_kept_not_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

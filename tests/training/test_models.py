@@ -271,3 +271,44 @@ def test_a_broken_torchvision_is_a_spec_error_with_the_fix(monkeypatch: pytest.M
     assert (
         text.startswith("model.name: torchvision cannot be imported (ModuleNotFoundError") and "built for torch" in text
     )
+
+
+EXITING_FACTORY = """
+import os
+import sys
+
+
+def build(how="os"):
+    if how == "os":
+        os._exit(3)
+    sys.exit(3)
+"""
+
+
+def test_a_factory_that_calls_sys_exit_is_named_with_its_line(tmp_path: Path) -> None:
+    from runner.errors import UserCodeError
+
+    (tmp_path / "exiting.py").write_text(EXITING_FACTORY)
+    with pytest.raises(UserCodeError) as caught:
+        build_model(ModelSpec(name="exiting:build", kwargs={"how": "sys"}), tmp_path)
+    assert str(caught.value).startswith(
+        f"model.name: 'exiting:build' called sys.exit(3) at {tmp_path / 'exiting.py'}:9: "
+    )
+
+
+@pytest.mark.integration  # a process of its own: under the old code os._exit ended it
+def test_runner_plan_names_a_factory_that_calls_os_exit_instead_of_exiting_with_its_code(tmp_path: Path) -> None:
+    import os
+
+    from tests.helpers import REPO, write_spec_file
+
+    (tmp_path / "exiting.py").write_text(EXITING_FACTORY)
+    spec = write_spec_file(tmp_path / "spec.toml", model={"name": "exiting:build", "kwargs": None})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "plan", str(spec)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr  # it exited 3 and said nothing
+    said = f"memory         not estimated: UserCodeError: model.name: 'exiting:build' called os._exit(3) at {tmp_path}"
+    assert said in done.stdout and "Traceback" not in done.stderr
