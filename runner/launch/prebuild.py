@@ -129,7 +129,7 @@ def _check(
     if bundle is not None:
         steps_per_epoch = build_loaders(spec, bundle, 0, world_size).steps_per_epoch
     model = _unless_unbuildable_here(_model, spec, spec_dir, bundle)
-    _unless_unbuildable_here(_optimizer_and_scheduler, spec, steps_per_epoch)
+    _unless_unbuildable_here(_optimizer_and_scheduler, spec, spec_dir, steps_per_epoch, model)
     return model, bundle
 
 
@@ -202,15 +202,21 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     return model
 
 
-def _optimizer_and_scheduler(spec: ExperimentSpec, steps_per_epoch: int | None) -> None:
-    """Build the optimizer over a stand-in parameter, then the scheduler, and step it as the run would."""
+def _optimizer_and_scheduler(
+    spec: ExperimentSpec, spec_dir: Path, steps_per_epoch: int | None, model: torch.nn.Module | None
+) -> None:
+    """Match the parameter groups against the model's names (when it was built here), build the optimizer over a
+    stand-in parameter, then the scheduler, and step it as the run would."""
     import torch
 
-    from runner.training.losses import SCHEDULERS, build_optimizer, build_scheduler, scheduler_interval
+    from runner.training.losses import SCHEDULERS, build_optimizer, build_scheduler, param_groups, scheduler_interval
     from runner.training.setup import count_total_steps
     from runner.training.sums import lr_problem
 
-    optimizer = build_optimizer(spec.optim, [torch.nn.Parameter(torch.zeros(1))])
+    if model is not None:
+        param_groups(spec.optim, list(model.named_parameters()))
+    alone = spec.optim.model_copy(update={"groups": []})
+    optimizer = build_optimizer(alone, [("stand_in", torch.nn.Parameter(torch.zeros(1)))], spec_dir)
     if spec.scheduler is None:
         return
     check_call(SCHEDULERS[spec.scheduler.name], (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")

@@ -162,7 +162,12 @@ def _file_rules() -> dict[str, list[Schema]]:
                 {"required": ["root"]},
             ),
         ],
-        "OptimSpec": [when({"required": ["momentum"]}, {"properties": {"name": {"const": "sgd"}}})],
+        "OptimSpec": [  # momentum: sgd and rmsprop (any case), or a factory of one's own
+            when(
+                {"required": ["momentum"]},
+                {"properties": {"name": {"pattern": "^([sS][gG][dD]|[rR][mM][sS][pP][rR][oO][pP]|.*:.*)$"}}},
+            )
+        ],
         "SweepParam": [
             {
                 "oneOf": [

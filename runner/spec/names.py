@@ -105,6 +105,24 @@ def import_path_problem(target: str) -> str | None:
     return None
 
 
+CLOSURE_OPTIMIZERS = ("lbfgs",)  # their step() re-evaluates the loss through a closure, which no runner step passes
+
+
+def optimizer_name_problem(name: str) -> str | None:
+    """Why ``name`` names no optimizer runner can build (checked without torch: a class name's form, an import
+    path's form, a closure optimizer), or ``None``; whether torch.optim has the class is checked where torch is."""
+    if ":" in name:
+        return import_path_problem(name)
+    if not name.isidentifier():
+        return f'{name!r} is no class name of torch.optim: write one such as "adamw", or "pkg.module:factory"'
+    if name.lower() in CLOSURE_OPTIMIZERS:
+        return (
+            f"{name!r} needs a closure that evaluates the loss again in every step (optimizer.step(closure)), "
+            "which a runner step does not pass: use another optimizer, or your own loop"
+        )
+    return None
+
+
 def factory_problem(target: str, spec_dir: Path | None) -> str | None:
     """Why ``pkg.module:factory`` cannot be imported, found without importing (``spec_dir`` and the working directory
     first, then installed packages); ``None`` when it can."""

@@ -4,6 +4,7 @@ notes"."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -14,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from runner.errors import mask_secrets, show
 
 if TYPE_CHECKING:
-    from runner.spec.schema import DataSpec, ExperimentSpec, OptimSpec, SweepParam, TrackingSpec
+    from runner.spec.schema import DataSpec, ExperimentSpec, OptimSpec, ParamGroupSpec, SweepParam, TrackingSpec
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
 ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
+MOMENTUM_OPTIMIZERS = ("sgd", "rmsprop")  # the torch.optim classes that take ``momentum``, lower-case
 
 Problem = tuple[str, str]  # (dotted key, message)
 
@@ -126,6 +128,17 @@ def check_data(data: DataSpec) -> None:
 SYNTHETIC_MAX_BYTES = 64 * 2**30  # synthetic data is made whole in host memory: past this it is a typo
 
 
+def check_param_group(group: ParamGroupSpec) -> None:
+    """Rules inside one ``[[optim.groups]]``: ``match`` compiles, kwargs do not repeat named keys (ValueError)."""
+    try:
+        re.compile(group.match)
+    except re.error as exc:
+        raise ValueError(f"match {group.match!r} is no regular expression: {exc}") from None
+    clash = sorted({"lr", "momentum", "weight_decay", "params"} & set(group.kwargs))
+    if clash:
+        raise ValueError(f"kwargs repeats {', '.join(clash)}: set it as a key of the group itself")
+
+
 def check_devices(devices: DevicesSpec) -> None:
     """Rules inside ``[devices]``: a non-empty list of distinct, non-negative ids (ValueError)."""
     ids = devices.ids
@@ -159,8 +172,10 @@ def check_parallel(par: ParallelSpec) -> None:
 
 def check_optim(optim: OptimSpec) -> None:
     """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys (ValueError)."""
-    if optim.name != "sgd" and "momentum" in optim.model_fields_set:
-        raise ValueError(f"momentum applies to sgd only, not {optim.name!r} (use kwargs.betas for adam/adamw)")
+    if ":" not in optim.name and optim.name.lower() not in MOMENTUM_OPTIMIZERS and "momentum" in optim.model_fields_set:
+        raise ValueError(
+            f"momentum applies to sgd and rmsprop only, not {optim.name!r} (use kwargs.betas for adam and its kin)"
+        )
     clash = sorted({"lr", "momentum", "weight_decay"} & set(optim.kwargs))
     if clash:
         raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")

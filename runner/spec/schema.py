@@ -16,22 +16,58 @@ from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
-class OptimSpec(SpecTable):
-    """``[optim]``: the optimizer (torch.optim)."""
+class ParamGroupSpec(SpecTable):
+    """``[[optim.groups]]``: the parameters whose names ``match`` a regular expression, with options of their own
+    (torch's parameter groups): no weight decay on biases and norms, a lower lr for a backbone."""
 
-    name: Literal["sgd", "adam", "adamw"] = Field(default="sgd", description="Optimizer: sgd, adam or adamw.")
+    match: str = Field(
+        min_length=1,
+        description='Regular expression searched in each parameter name (named_parameters()), e.g. "bias|norm".',
+    )
+    lr: float | None = Field(default=None, gt=0, description="This group's learning rate (default: optim.lr).")
+    weight_decay: float | None = Field(default=None, ge=0, description="This group's weight decay.")
+    momentum: float | None = Field(default=None, ge=0, lt=1, description="This group's momentum (sgd, rmsprop).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."
+    )
+
+    rule = rules.check_param_group
+
+
+class OptimSpec(SpecTable):
+    """``[optim]``: the optimizer: any class of torch.optim by name, or a factory of your own."""
+
+    name: str = Field(
+        default="sgd",
+        min_length=1,
+        description=(
+            "A torch.optim class by name, case-insensitive (sgd, adam, adamw, adadelta, RMSprop, NAdam, ...), or "
+            '"pkg.module:factory" called as factory(params, lr=..., **kwargs).'
+        ),
+    )
     lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd only: momentum factor.")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd and rmsprop only: momentum factor.")
     weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw).")
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
-            "Further keyword arguments for the torch.optim class, "
-            "e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
+            "Further keyword arguments for the optimizer, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
         ),
+    )
+    groups: list[ParamGroupSpec] = Field(
+        default_factory=list,
+        description="Parameter groups, first match wins; the other parameters keep the options above.",
     )
 
     rule = rules.check_optim
+
+    @field_validator("name")
+    @classmethod
+    def _optimizer_name(cls, name: str) -> str:
+        problem = names.optimizer_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
 
 class SchedulerSpec(SpecTable):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from runner.errors import SpecError, SpecIssue, TrainingError, first_line
+from runner.errors import SpecError, SpecIssue, TrainingError, did_you_mean, first_line, with_hint
 from runner.training.metrics import check_metric_names
 from runner.training.models import parameter_names, resolve_factory, spec_issue
 
@@ -205,7 +205,6 @@ def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
 
 _Built = TypeVar("_Built")
 
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 SCHEDULERS = {  # [scheduler] name -> its torch.optim.lr_scheduler class
     "step": torch.optim.lr_scheduler.StepLR,
     "multistep": torch.optim.lr_scheduler.MultiStepLR,
@@ -216,16 +215,71 @@ SCHEDULERS = {  # [scheduler] name -> its torch.optim.lr_scheduler class
 }
 
 
+def optimizer_class(name: str, spec_dir: Path | str | None = None) -> Callable[..., torch.optim.Optimizer]:
+    """The optimizer ``optim.name`` names: a ``torch.optim`` class by name, case-insensitive, or the callable of an
+    import path. SpecError at ``optim.name``: no such class (with did-you-mean), or the path does not resolve."""
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "optim.name")
+    classes = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    if name.lower() not in classes:
+        shown = sorted(c.__name__ for c in classes.values())
+        hint = did_you_mean(name, shown, n=3) or f"torch.optim has {', '.join(shown)}"
+        raise spec_issue("optim.name", with_hint(f"{name!r} is no optimizer class of torch.optim", hint))
+    return classes[name.lower()]
+
+
 def build_optimizer(
-    optim_spec: OptimSpec, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]]
+    optim_spec: OptimSpec,
+    named: Iterable[tuple[str, torch.nn.Parameter]],
+    spec_dir: Path | str | None = None,
 ) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer of ``[optim]`` over ``params``; SpecError for an argument it does not take."""
-    cls = _OPTIMIZERS[optim_spec.name]
-    kwargs: dict[str, Any] = {"lr": optim_spec.lr, "weight_decay": optim_spec.weight_decay}
-    if optim_spec.name == "sgd":
-        kwargs["momentum"] = optim_spec.momentum
-    kwargs.update({k: tuple(v) if isinstance(v, list) else v for k, v in optim_spec.kwargs.items()})
-    return _construct(cls, "optim.kwargs", params, **kwargs)
+    """The optimizer of ``[optim]`` over the named parameters ``named`` (``model.named_parameters()``), in the
+    parameter groups ``[[optim.groups]]`` asks for (first match wins; the rest form the first group).
+
+    ``momentum`` and ``weight_decay`` are passed where the optimizer takes them or the spec sets them. Raises
+    SpecError: An unknown optimizer, an argument it does not take, or a group that selects no parameter."""
+    cls = optimizer_class(optim_spec.name, spec_dir)
+    takes = parameter_names(cls)
+    chosen = optim_spec.model_fields_set
+    kwargs: dict[str, Any] = {"lr": optim_spec.lr}
+    for key in ("weight_decay", "momentum"):
+        if key in chosen or key in takes:
+            kwargs[key] = getattr(optim_spec, key)
+    kwargs.update(_toml_kwargs(optim_spec.kwargs))
+    return _construct(cls, "optim.kwargs", param_groups(optim_spec, list(named)), **kwargs)
+
+
+def param_groups(optim_spec: OptimSpec, named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
+    """torch's parameter groups: the parameters no ``[[optim.groups]]`` matches first, then one group per entry."""
+    groups = [{"params": list[torch.nn.Parameter](), **_group_options(g)} for g in optim_spec.groups]
+    rest: list[torch.nn.Parameter] = []
+    patterns = [re.compile(g.match) for g in optim_spec.groups]
+    for name, param in named:
+        index = next((i for i, pattern in enumerate(patterns) if pattern.search(name)), None)
+        (rest if index is None else groups[index]["params"]).append(param)
+    for i, group in enumerate(groups):
+        if not group["params"]:
+            some = ", ".join(name for name, _ in named[:6])
+            message = f"match {optim_spec.groups[i].match!r} selects no parameter (the model's names: {some}, ...)"
+            raise spec_issue(f"optim.groups[{i}].match", message)
+    return [{"params": rest}, *groups] if rest else groups
+
+
+def _group_options(group: Any) -> dict[str, Any]:
+    """The options one ``[[optim.groups]]`` entry sets, as torch takes them."""
+    options = {
+        key: getattr(group, key) for key in ("lr", "weight_decay", "momentum") if getattr(group, key) is not None
+    }
+    return {**options, **_toml_kwargs(group.kwargs)}
+
+
+def _toml_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """TOML arrays as tuples, as torch's options (``betas``) are written."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
 def build_scheduler(

@@ -79,7 +79,7 @@ def build_parts(
     wrapped = strategy.wrap(model, spec.train)
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
-    optimizer = build_optimizer(spec.optim, raw_model.parameters())  # the unwrapped model's parameters
+    optimizer = build_optimizer(spec.optim, raw_model.named_parameters(), spec_dir)  # the unwrapped model's names
     scheduler = build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
     return TrainingParts(
         model=wrapped,

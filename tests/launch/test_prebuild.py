@@ -57,7 +57,7 @@ def test_a_one_cycle_schedule_is_not_blamed_when_the_run_length_is_unknown() -> 
     from tests.helpers import spec_object
 
     spec = spec_object(scheduler={"name": "onecycle", "kwargs": {"pct_start": 0.2}})
-    _optimizer_and_scheduler(spec, None)  # no SpecError: "Tried to step 2 times ... total steps is 1"
+    _optimizer_and_scheduler(spec, Path("."), None, None)  # no SpecError: "Tried to step 2 times ... total steps is 1"
 
 
 @pytest.mark.parametrize("gamma", ["-3", "-0.5"])

@@ -152,7 +152,7 @@ def test_inactive_keys_say_why() -> None:
     assert found["devices.ids"] == 'GPU ids (accelerator = "cpu")'
     assert found["data.num_samples"] == 'synthetic only (dataset = "sklearn.digits")'
     assert found["data.split_seed"] == "no split (val_fraction = 0)"
-    assert found["optim.momentum"] == 'sgd only (optim.name = "adam")'
+    assert found["optim.momentum"] == 'sgd and rmsprop only (optim.name = "adam")'
     assert set(set_inactive_keys(spec)) == {"parallel.dim", "devices.ids"}  # what the spec writes
     assert "parallel.dim" not in active_params(spec) and "devices.ids" not in active_params(spec)
 
