@@ -209,7 +209,13 @@ def _optimizer_and_scheduler(
     stand-in parameter, then the scheduler, and step it as the run would."""
     import torch
 
-    from runner.training.losses import SCHEDULERS, build_optimizer, build_scheduler, param_groups, scheduler_interval
+    from runner.training.losses import (
+        build_optimizer,
+        build_scheduler,
+        param_groups,
+        scheduler_class,
+        scheduler_interval,
+    )
     from runner.training.setup import count_total_steps
     from runner.training.sums import lr_problem
 
@@ -219,10 +225,10 @@ def _optimizer_and_scheduler(
     optimizer = build_optimizer(alone, [("stand_in", torch.nn.Parameter(torch.zeros(1)))], spec_dir)
     if spec.scheduler is None:
         return
-    check_call(SCHEDULERS[spec.scheduler.name], (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
+    check_call(scheduler_class(spec.scheduler.name, spec_dir), (optimizer,), spec.scheduler.kwargs, "scheduler.kwargs")
     total = count_total_steps(steps_per_epoch, spec.train) if steps_per_epoch is not None else None
     stand_in = total or spec.train.max_steps or DRY_RUN_STEPS  # the data not built here: the run's length unknown
-    scheduler = build_scheduler(spec.scheduler, optimizer, stand_in, spec.train.epochs)
+    scheduler = build_scheduler(spec.scheduler, optimizer, stand_in, spec.train.epochs, spec_dir)
     assert scheduler is not None  # spec.scheduler is set
     per_step = scheduler_interval(spec.scheduler) == "step"
     calls = (total if per_step else spec.train.epochs) if total is not None else min(2, stand_in)

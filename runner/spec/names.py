@@ -123,6 +123,35 @@ def optimizer_name_problem(name: str) -> str | None:
     return None
 
 
+SCHEDULER_SHORT_NAMES = {  # [scheduler] name -> its torch.optim.lr_scheduler class name
+    "step": "StepLR",
+    "multistep": "MultiStepLR",
+    "exponential": "ExponentialLR",
+    "cosine": "CosineAnnealingLR",
+    "onecycle": "OneCycleLR",
+    "linear": "LinearLR",
+}
+UNBUILDABLE_SCHEDULERS = {  # lower-case class name -> why TOML cannot describe it
+    "lambdalr": "it takes a Python function (lr_lambda)",
+    "multiplicativelr": "it takes a Python function (lr_lambda)",
+    "sequentiallr": "it takes other schedulers: use scheduler.warmup_steps for a warm-up before one",
+    "chainedscheduler": "it takes other schedulers",
+    "reducelronplateau": "it steps on a metric's value, which runner does not pass it",
+}
+
+
+def scheduler_name_problem(name: str) -> str | None:
+    """Why ``name`` names no scheduler runner can build (checked without torch), or ``None``."""
+    if ":" in name:
+        return import_path_problem(name)
+    if not name.isidentifier():
+        example = 'write one such as "StepLR", or "pkg.module:factory"'
+        return f"{name!r} is no class name of torch.optim.lr_scheduler: {example}"
+    if (why := UNBUILDABLE_SCHEDULERS.get(name.lower())) is not None:
+        return f"{name!r} cannot be built from a spec: {why}"
+    return None
+
+
 def factory_problem(target: str, spec_dir: Path | None) -> str | None:
     """Why ``pkg.module:factory`` cannot be imported, found without importing (``spec_dir`` and the working directory
     first, then installed packages); ``None`` when it can."""

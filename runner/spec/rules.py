@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from runner.errors import mask_secrets, show
 
 if TYPE_CHECKING:
-    from runner.spec.schema import DataSpec, ExperimentSpec, OptimSpec, ParamGroupSpec, SweepParam, TrackingSpec
+    from runner.spec.schema import (
+        DataSpec,
+        ExperimentSpec,
+        OptimSpec,
+        ParamGroupSpec,
+        SchedulerSpec,
+        SweepParam,
+        TrackingSpec,
+    )
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
@@ -137,6 +145,15 @@ def check_param_group(group: ParamGroupSpec) -> None:
     clash = sorted({"lr", "momentum", "weight_decay", "params"} & set(group.kwargs))
     if clash:
         raise ValueError(f"kwargs repeats {', '.join(clash)}: set it as a key of the group itself")
+
+
+def check_scheduler(scheduler: SchedulerSpec) -> None:
+    """Rules inside ``[scheduler]``: a warm-up counts optimizer steps, so the schedule steps per step (ValueError)."""
+    if scheduler.warmup_steps and scheduler.interval != "step":
+        raise ValueError(
+            f'warmup_steps = {scheduler.warmup_steps} counts optimizer steps: set interval = "step" (and the '
+            "schedule's own sizes in steps), or drop warmup_steps"
+        )
 
 
 def check_devices(devices: DevicesSpec) -> None:

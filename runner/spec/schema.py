@@ -73,11 +73,19 @@ class OptimSpec(SpecTable):
 class SchedulerSpec(SpecTable):
     """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
 
-    name: Literal["step", "multistep", "exponential", "cosine", "onecycle", "linear"] = Field(
+    name: str = Field(
+        min_length=1,
         description=(
-            "Schedule: step (StepLR), multistep (MultiStepLR), exponential (ExponentialLR), "
-            "cosine (CosineAnnealingLR), onecycle (OneCycleLR), linear (LinearLR)."
-        )
+            "A torch.optim.lr_scheduler class by name, case-insensitive (StepLR, CosineAnnealingLR, PolynomialLR, "
+            "...), a short name (step, multistep, exponential, cosine, onecycle, linear), or "
+            '"pkg.module:factory" called as factory(optimizer, **kwargs).'
+        ),
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        lt=INT64_LIMIT,
+        description="Optimizer steps of linear warm-up from lr/(warmup_steps+1) before the schedule (SequentialLR).",
     )
     interval: Literal["epoch", "step"] = Field(
         default="epoch",
@@ -87,6 +95,16 @@ class SchedulerSpec(SpecTable):
         default_factory=dict,
         description="Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`.",
     )
+
+    rule = rules.check_scheduler
+
+    @field_validator("name")
+    @classmethod
+    def _scheduler_name(cls, name: str) -> str:
+        problem = names.scheduler_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
 
 class TrainSpec(SpecTable):

@@ -205,15 +205,6 @@ def _probe(loss: BuiltinLoss, kwargs: dict[str, Any]) -> None:
 
 _Built = TypeVar("_Built")
 
-SCHEDULERS = {  # [scheduler] name -> its torch.optim.lr_scheduler class
-    "step": torch.optim.lr_scheduler.StepLR,
-    "multistep": torch.optim.lr_scheduler.MultiStepLR,
-    "exponential": torch.optim.lr_scheduler.ExponentialLR,
-    "cosine": torch.optim.lr_scheduler.CosineAnnealingLR,
-    "onecycle": torch.optim.lr_scheduler.OneCycleLR,
-    "linear": torch.optim.lr_scheduler.LinearLR,
-}
-
 
 def optimizer_class(name: str, spec_dir: Path | str | None = None) -> Callable[..., torch.optim.Optimizer]:
     """The optimizer ``optim.name`` names: a ``torch.optim`` class by name, case-insensitive, or the callable of an
@@ -282,32 +273,67 @@ def _toml_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
-def build_scheduler(
-    scheduler_spec: SchedulerSpec | None, optimizer: torch.optim.Optimizer, total_steps: int, epochs: int
-) -> LRScheduler | None:
-    """The LR scheduler of ``[scheduler]``, or ``None``.
+def scheduler_class(name: str, spec_dir: Path | str | None = None) -> Callable[..., LRScheduler]:
+    """The scheduler ``scheduler.name`` names: a short name, a ``torch.optim.lr_scheduler`` class by name
+    (case-insensitive), or the callable of an import path. SpecError at ``scheduler.name`` otherwise."""
+    from torch.optim import lr_scheduler
 
-    ``cosine``'s ``T_max`` defaults to the run's scheduler calls; ``onecycle``'s ``max_lr`` to the optimizer's lr and
-    ``total_steps`` to the run's steps. SpecError for an argument the scheduler does not take or lacks.
+    from runner.spec.names import SCHEDULER_SHORT_NAMES
+
+    if ":" in name:
+        return resolve_factory(name, spec_dir, "scheduler.name")
+    classes = {
+        n.lower(): c
+        for n, c in vars(lr_scheduler).items()
+        if isinstance(c, type) and issubclass(c, lr_scheduler.LRScheduler) and c is not lr_scheduler.LRScheduler
+    }
+    wanted = SCHEDULER_SHORT_NAMES.get(name, name).lower()
+    if wanted not in classes:
+        shown = sorted(c.__name__ for c in classes.values())
+        hint = did_you_mean(name, shown, n=3) or f"torch.optim.lr_scheduler has {', '.join(shown)}"
+        message = with_hint(f"{name!r} is no scheduler class of torch.optim.lr_scheduler", hint)
+        raise spec_issue("scheduler.name", message)
+    return classes[wanted]
+
+
+def build_scheduler(
+    scheduler_spec: SchedulerSpec | None,
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    epochs: int,
+    spec_dir: Path | str | None = None,
+) -> LRScheduler | None:
+    """The LR scheduler of ``[scheduler]``, or ``None``; after ``warmup_steps`` of linear warm-up when asked
+    (``SequentialLR``).
+
+    ``CosineAnnealingLR``'s ``T_max`` defaults to the run's scheduler calls after the warm-up; ``OneCycleLR``'s
+    ``max_lr`` to the optimizer's lr and ``total_steps`` to the run's steps. SpecError for an unknown scheduler or an
+    argument it does not take or lacks.
     """
     if scheduler_spec is None:
         return None
-    cls = SCHEDULERS[scheduler_spec.name]
+    cls = scheduler_class(scheduler_spec.name, spec_dir)
     kwargs = dict(scheduler_spec.kwargs)
+    warmup = scheduler_spec.warmup_steps
     calls = total_steps if scheduler_spec.interval == "step" else epochs
-    if scheduler_spec.name == "cosine":
-        kwargs.setdefault("T_max", max(1, calls))
-    if scheduler_spec.name == "onecycle":
+    if cls is torch.optim.lr_scheduler.CosineAnnealingLR:
+        kwargs.setdefault("T_max", max(1, calls - warmup))
+    if cls is torch.optim.lr_scheduler.OneCycleLR:
         kwargs.setdefault("max_lr", optimizer.param_groups[0]["lr"])
         kwargs.setdefault("total_steps", max(1, total_steps))
-    return _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
+    main = _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
+    if not warmup:
+        return main
+    ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), total_iters=warmup)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, main], milestones=[warmup])
 
 
 def scheduler_interval(scheduler_spec: SchedulerSpec | None) -> str:
-    """``"step"`` or ``"epoch"``: when the scheduler steps (``onecycle`` always per step)."""
+    """``"step"`` or ``"epoch"``: when the scheduler steps (``OneCycleLR`` always per step)."""
     if scheduler_spec is None:
         return "epoch"
-    return "step" if scheduler_spec.name == "onecycle" else scheduler_spec.interval
+    one_cycle = scheduler_spec.name.lower() in ("onecycle", "onecyclelr")
+    return "step" if one_cycle else scheduler_spec.interval
 
 
 def _construct(cls: Callable[..., _Built], key: str, first: object, **kwargs: Any) -> _Built:  # kwargs: TOML values

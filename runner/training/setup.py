@@ -80,7 +80,7 @@ def build_parts(
     raw_model = strategy.unwrap(wrapped)
     total_steps = count_total_steps(loaders.steps_per_epoch, spec.train)
     optimizer = build_optimizer(spec.optim, raw_model.named_parameters(), spec_dir)  # the unwrapped model's names
-    scheduler = build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs)
+    scheduler = build_scheduler(spec.scheduler, optimizer, total_steps, spec.train.epochs, spec_dir)
     return TrainingParts(
         model=wrapped,
         raw_model=raw_model,
