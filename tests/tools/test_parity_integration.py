@@ -65,3 +65,20 @@ def test_a_known_cause_exits_1_and_is_named(write_spec, store: str, capsys, chan
     assert "the modes differ beyond rounding" in out
     assert "ddp-2    differs from step" in out
     assert f"likely cause: {named}" in out
+
+
+def test_the_mnist_examples_adadelta_and_steplr_agree_across_none_ddp_and_fsdp(write_spec, capsys) -> None:
+    # pytorch/examples' mnist recipe: Adadelta (lr 1.0) and StepLR (gamma 0.7), which no spec could name before
+    recipe = [
+        "--set",
+        'optim.name="adadelta"',
+        "--set",
+        "optim.lr=1.0",
+        "--set",
+        'scheduler={name="StepLR", kwargs={step_size=1, gamma=0.7}}',
+    ]
+    status = main(["parity", str(write_spec()), "--modes", "ddp,fsdp", "--steps", "6", *recipe])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "the modes agree (float64, 6 steps, deterministic)" in out
+    assert "ddp-2    max |Δ train/loss|" in out and "fsdp-2   max |Δ train/loss|" in out
