@@ -350,3 +350,13 @@ def fill(folder: Path, leave_kib: int) -> None:
     """Fill ``folder``'s disk with a file until ``leave_kib`` KiB or less are free."""
     free = shutil.disk_usage(folder).free
     (folder / "filler").write_bytes(bytes(max(0, free - leave_kib * 1024)))
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs; a zombie waiting for its parent counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"

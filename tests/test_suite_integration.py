@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, alive, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -29,15 +29,6 @@ def test_starts_a_child_and_waits():  # as a test that runs `runner exec` and wa
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:  # a zombie waiting for its parent counts as gone
-        return fh.read().split(")")[-1].split()[0] != "Z"
-
-
 @pytest.mark.parametrize("workers", ["2", "0"])
 def test_an_interrupted_suite_leaves_no_process_its_tests_started(tmp_path: Path, workers: str) -> None:
     # SIGINT to pytest left 4 to 6 `runner exec` processes of the tests running.
@@ -52,7 +43,7 @@ def test_an_interrupted_suite_leaves_no_process_its_tests_started(tmp_path: Path
     suite.send_signal(signal.SIGINT)
     suite.communicate(timeout=120)
     try:
-        wait_for(lambda: not _alive(child), "the test's child to end with the suite", 60)
+        wait_for(lambda: not alive(child), "the test's child to end with the suite", 60)
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)

@@ -16,6 +16,13 @@ from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
+def _without(problem: str | None, value: str) -> str:
+    """``value`` when a check found no ``problem`` with it; else ValueError (pydantic locates it at the key)."""
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 class ParamGroupSpec(SpecTable):
     """``[[optim.groups]]``: the parameters whose names ``match`` a regular expression, with options of their own
     (torch's parameter groups): no weight decay on biases and norms, a lower lr for a backbone."""
@@ -64,10 +71,7 @@ class OptimSpec(SpecTable):
     @field_validator("name")
     @classmethod
     def _optimizer_name(cls, name: str) -> str:
-        problem = names.optimizer_name_problem(name)
-        if problem is not None:
-            raise ValueError(problem)
-        return name
+        return _without(names.optimizer_name_problem(name), name)
 
 
 class SchedulerSpec(SpecTable):
@@ -101,10 +105,7 @@ class SchedulerSpec(SpecTable):
     @field_validator("name")
     @classmethod
     def _scheduler_name(cls, name: str) -> str:
-        problem = names.scheduler_name_problem(name)
-        if problem is not None:
-            raise ValueError(problem)
-        return name
+        return _without(names.scheduler_name_problem(name), name)
 
 
 class TrainSpec(SpecTable):
@@ -419,10 +420,7 @@ def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info
     """Check a model or dataset name when a file is validated (``context`` has its ``spec_dir``); else when built."""
     if not isinstance(info.context, dict) or "spec_dir" not in info.context:
         return name
-    problem = problem_of(name, info.context["spec_dir"])
-    if problem is not None:
-        raise ValueError(problem)
-    return name
+    return _without(problem_of(name, info.context["spec_dir"]), name)
 
 
 class ExperimentSpec(SpecTable):

@@ -21,7 +21,7 @@ from runner.spec.schema import TrainSpec
 from runner.tracking.uri import refuse_half_migrated
 from runner.training.checkpoint import list_checkpoints
 from runner.training.shards import whole_model
-from tests.helpers import MlflowServer, wait_for, write_spec_file
+from tests.helpers import MlflowServer, alive, wait_for, write_spec_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -124,15 +124,6 @@ def _runs(uri: str) -> list:
     return [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:  # a zombie waiting for its parent counts as gone
-        return fh.read().split(")")[-1].split()[0] != "Z"
-
-
 # ----------------------------------------------------------------------------- item: a new store, used at once
 
 
@@ -200,7 +191,7 @@ def test_the_elastic_launcher_killed_hard_fails_the_run_naming_it_and_its_worker
     code, _, err = _finish(driver)
     assert code == 1, err
     assert "the elastic launcher was killed by signal 9 (SIGKILL" in err, err
-    wait_for(lambda: not any(_alive(p) for p in workers), "the workers to stop with their launcher", timeout_s=60)
+    wait_for(lambda: not any(alive(p) for p in workers), "the workers to stop with their launcher", timeout_s=60)
     (run,) = _runs(uri)
     assert run.info.status == "FAILED" and "elastic launcher" in run.data.tags["runner.error"]
 
@@ -240,7 +231,7 @@ def test_workers_die_with_a_killed_driver_and_the_orphaned_run_ends_killed(
     driver.send_signal(signal.SIGKILL)
     driver.communicate()
     # 30 s, well before a surviving worker would end its 100 epochs (no elapsed-time assert: a loaded machine)
-    wait_for(lambda: not any(_alive(p) for p in workers), "the workers to die with their driver", timeout_s=30)
+    wait_for(lambda: not any(alive(p) for p in workers), "the workers to die with their driver", timeout_s=30)
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # nobody could end it
 
     code, out, err = _finish(_runner(tmp_path, "status", run_id, "--tracking-uri", uri))
