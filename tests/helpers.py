@@ -360,3 +360,18 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+def refusal(path: Path, table: str, body: str, **changes: Any) -> str:
+    """The SpecError text of ``helpers.MINIMAL`` (with ``changes``) written to ``path`` with ``[table]`` and its
+    ``body`` appended; fails when the spec loads."""
+    import pytest
+
+    from runner.errors import SpecError
+    from runner.spec.loading import load_spec
+
+    write_spec_file(path, **changes)
+    path.write_text(path.read_text() + f"\n[{table}]\n{body}\n")
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    return str(caught.value)

@@ -8,7 +8,7 @@ import os
 import shlex
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -256,7 +256,7 @@ def _check_resume(
     saved = found.payload["spec"]
     known = set(saved) | set(current)
     for key in allowed:
-        if not any(k == key or k.startswith(key + ".") for k in known):
+        if not any(_under(k, [key]) for k in known):
             hint = did_you_mean(key, sorted(known), render=str)
             raise UsageError(with_hint(f"--allow-spec-change {key}: the spec has no such key", hint))
     inactive = run_inactive_keys(loaded.spec, accelerator)  # inert keys (§10) are no change, as in `runner diff`
@@ -264,12 +264,10 @@ def _check_resume(
     # change either: a none run continued under fsdp takes parallel.backend's default, which nobody chose.
     chosen = set_keys(loaded.spec)
     changed = [
-        k
-        for k in spec_changes(saved, current)
-        if not is_inactive(k, inactive) and (k in saved or any(k == c or k.startswith(c + ".") for c in chosen))
+        k for k in spec_changes(saved, current) if not is_inactive(k, inactive) and (k in saved or _under(k, chosen))
     ]
     free = (*allowed, *LAYOUT_KEYS)
-    unexpected = [k for k in changed if not any(k == a or k.startswith(a + ".") for a in free)]
+    unexpected = [k for k in changed if not _under(k, free)]
     if unexpected:
         raise _spec_changed(loaded, saved, current, unexpected, run_id)
     notes = [f"resuming from {found.path.name}"]  # the worker that loads it names the damaged files it skipped
@@ -287,6 +285,11 @@ def _check_resume(
         train.max_steps is not None and state["global_step"] >= train.max_steps
     )
     return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
+
+
+def _under(key: str, tables: Iterable[str]) -> bool:
+    """Whether the dotted ``key`` is one of ``tables`` or a key inside one (``optim.lr`` is under ``optim``)."""
+    return any(key == table or key.startswith(table + ".") for table in tables)
 
 
 Liveness = Literal["alive", "gone", "unknown"]

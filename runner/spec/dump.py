@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from runner.errors import show
 from runner.spec.reading import parse_key
-from runner.spec.rules import MOMENTUM_OPTIMIZERS
+from runner.spec.rules import takes_momentum
 from runner.spec.schema import ExperimentSpec
 from runner.spec.schema_parallel import ParallelSpec, modes_with
 
@@ -183,7 +183,7 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     out.update(_data_inactive(data.dataset, data.val_fraction))
     if not spec.train.compile:
         out["train.compile_backend"] = "compile only (train.compile = false)"
-    if ":" not in spec.optim.name and spec.optim.name.lower() not in MOMENTUM_OPTIMIZERS:
+    if not takes_momentum(spec.optim.name):
         out["optim.momentum"] = f'sgd and rmsprop only (optim.name = "{spec.optim.name}")'
     return out
 

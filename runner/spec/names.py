@@ -111,10 +111,8 @@ CLOSURE_OPTIMIZERS = ("lbfgs",)  # their step() re-evaluates the loss through a 
 def optimizer_name_problem(name: str) -> str | None:
     """Why ``name`` names no optimizer runner can build (checked without torch: a class name's form, an import
     path's form, a closure optimizer), or ``None``; whether torch.optim has the class is checked where torch is."""
-    if ":" in name:
-        return import_path_problem(name)
-    if not name.isidentifier():
-        return f'{name!r} is no class name of torch.optim: write one such as "adamw", or "pkg.module:factory"'
+    if (malformed := _class_name_problem(name, "torch.optim", "adamw")) is not None:
+        return malformed
     if name.lower() in CLOSURE_OPTIMIZERS:
         return (
             f"{name!r} needs a closure that evaluates the loss again in every step (optimizer.step(closure)), "
@@ -142,13 +140,19 @@ UNBUILDABLE_SCHEDULERS = {  # lower-case class name -> why TOML cannot describe 
 
 def scheduler_name_problem(name: str) -> str | None:
     """Why ``name`` names no scheduler runner can build (checked without torch), or ``None``."""
+    if (malformed := _class_name_problem(name, "torch.optim.lr_scheduler", "StepLR")) is not None:
+        return malformed
+    if (why := UNBUILDABLE_SCHEDULERS.get(name.lower())) is not None:
+        return f"{name!r} cannot be built from a spec: {why}"
+    return None
+
+
+def _class_name_problem(name: str, module: str, example: str) -> str | None:
+    """Why ``name`` is neither of the form of a class name of ``module`` nor an import path, or ``None``."""
     if ":" in name:
         return import_path_problem(name)
     if not name.isidentifier():
-        example = 'write one such as "StepLR", or "pkg.module:factory"'
-        return f"{name!r} is no class name of torch.optim.lr_scheduler: {example}"
-    if (why := UNBUILDABLE_SCHEDULERS.get(name.lower())) is not None:
-        return f"{name!r} cannot be built from a spec: {why}"
+        return f'{name!r} is no class name of {module}: write one such as "{example}", or "pkg.module:factory"'
     return None
 
 

@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 ON_CPU = 'accelerator = "cpu"'  # why a CUDA-only setting fails, when the spec alone says so
 MOMENTUM_OPTIMIZERS = ("sgd", "rmsprop")  # the torch.optim classes that take ``momentum``, lower-case
 
+
+def takes_momentum(optimizer: str) -> bool:
+    """Whether ``optim.momentum`` applies to the optimizer ``optim.name`` names: sgd, rmsprop, or a factory of the
+    user's (whose signature is theirs)."""
+    return ":" in optimizer or optimizer.lower() in MOMENTUM_OPTIMIZERS
+
+
 Problem = tuple[str, str]  # (dotted key, message)
 
 
@@ -189,7 +196,7 @@ def check_parallel(par: ParallelSpec) -> None:
 
 def check_optim(optim: OptimSpec) -> None:
     """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys (ValueError)."""
-    if ":" not in optim.name and optim.name.lower() not in MOMENTUM_OPTIMIZERS and "momentum" in optim.model_fields_set:
+    if not takes_momentum(optim.name) and "momentum" in optim.model_fields_set:
         raise ValueError(
             f"momentum applies to sgd and rmsprop only, not {optim.name!r} (use kwargs.betas for adam and its kin)"
         )

@@ -148,9 +148,7 @@ class PendingSave:
 
 def _disk_full(exc: BaseException) -> bool:
     """Whether ``exc``, or a rank's cause that DCP wrapped in it, is a full disk or quota (ENOSPC, EDQUOT)."""
-    failures = getattr(exc, "failures", None)
-    causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()] if isinstance(failures, dict) else []
-    for cause in [exc, *causes]:
+    for cause in [exc, *rank_causes(exc).values()]:
         error: BaseException | None = cause
         while error is not None:
             if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -316,11 +314,19 @@ def _checked(path: Path, payload: Any) -> dict[str, Any]:
 
 def dcp_error(exc: BaseException) -> str:
     """The cause of a DCP failure: each rank's, where DCP wrapped them (its ``CheckpointException``)."""
+    causes = rank_causes(exc)
+    if not causes:
+        return first_line(exc)
+    return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
+
+
+def rank_causes(exc: BaseException) -> dict[int, BaseException]:
+    """The exception of each rank that DCP wrapped in its ``CheckpointException`` (its failures are ``(exception,
+    frames)`` pairs), by rank; empty for any other exception."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
-        return first_line(exc)
-    causes = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}  # (exception, its frames)
-    return "; ".join(f"rank {rank}: {first_line(cause)}" for rank, cause in sorted(causes.items()))
+        return {}
+    return {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}
 
 
 def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint) -> LoadedCheckpoint | None:

@@ -209,17 +209,24 @@ _Built = TypeVar("_Built")
 def optimizer_class(name: str, spec_dir: Path | str | None = None) -> Callable[..., torch.optim.Optimizer]:
     """The optimizer ``optim.name`` names: a ``torch.optim`` class by name, case-insensitive, or the callable of an
     import path. SpecError at ``optim.name``: no such class (with did-you-mean), or the path does not resolve."""
+    return _named_class(name, spec_dir, "optim.name", torch.optim, torch.optim.Optimizer, "optimizer")
+
+
+def _named_class(
+    name: str, spec_dir: Path | str | None, key: str, module: Any, base: type, what: str
+) -> Callable[..., Any]:
+    """The subclass of ``base`` that ``module`` defines under ``name`` (case-insensitive), or the callable of the
+    import path ``name``. SpecError at ``key``: no such ``what`` class (with did-you-mean), or the path does not
+    resolve."""
     if ":" in name:
-        return resolve_factory(name, spec_dir, "optim.name")
+        return resolve_factory(name, spec_dir, key)
     classes = {
-        n.lower(): c
-        for n, c in vars(torch.optim).items()
-        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+        n.lower(): c for n, c in vars(module).items() if isinstance(c, type) and issubclass(c, base) and c is not base
     }
     if name.lower() not in classes:
         shown = sorted(c.__name__ for c in classes.values())
-        hint = did_you_mean(name, shown, n=3) or f"torch.optim has {', '.join(shown)}"
-        raise spec_issue("optim.name", with_hint(f"{name!r} is no optimizer class of torch.optim", hint))
+        hint = did_you_mean(name, shown, n=3) or f"{module.__name__} has {', '.join(shown)}"
+        raise spec_issue(key, with_hint(f"{name!r} is no {what} class of {module.__name__}", hint))
     return classes[name.lower()]
 
 
@@ -280,20 +287,8 @@ def scheduler_class(name: str, spec_dir: Path | str | None = None) -> Callable[.
 
     from runner.spec.names import SCHEDULER_SHORT_NAMES
 
-    if ":" in name:
-        return resolve_factory(name, spec_dir, "scheduler.name")
-    classes = {
-        n.lower(): c
-        for n, c in vars(lr_scheduler).items()
-        if isinstance(c, type) and issubclass(c, lr_scheduler.LRScheduler) and c is not lr_scheduler.LRScheduler
-    }
-    wanted = SCHEDULER_SHORT_NAMES.get(name, name).lower()
-    if wanted not in classes:
-        shown = sorted(c.__name__ for c in classes.values())
-        hint = did_you_mean(name, shown, n=3) or f"torch.optim.lr_scheduler has {', '.join(shown)}"
-        message = with_hint(f"{name!r} is no scheduler class of torch.optim.lr_scheduler", hint)
-        raise spec_issue("scheduler.name", message)
-    return classes[wanted]
+    wanted = SCHEDULER_SHORT_NAMES.get(name, name)
+    return _named_class(wanted, spec_dir, "scheduler.name", lr_scheduler, lr_scheduler.LRScheduler, "scheduler")
 
 
 def build_scheduler(
