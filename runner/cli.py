@@ -122,6 +122,9 @@ def _add_stored_run_commands(sub: _Commands) -> None:
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
     )
     p["export"].add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
+    p["export"].add_argument(
+        "--best", action="store_true", help="the best checkpoint by checkpoint.monitor instead of the newest"
+    )
     p["diff"].add_argument("a", metavar="A", help="a run id or a spec file")
     p["diff"].add_argument("b", metavar="B", help="a run id or a spec file")
     p["diff"].add_argument("--json", action="store_true", help="print the differences as JSON")
@@ -323,7 +326,7 @@ def _stored_run(args: argparse.Namespace) -> int:
     if args.command == "status":
         lines = status_lines(uri, args.run_id)
     elif args.command == "export":
-        lines = [reproduce.export_run(args.run_id, uri, args.out)]  # the summary: never empty
+        lines = [reproduce.export_run(args.run_id, uri, args.out, best=args.best)]  # the summary: never empty
     elif args.command == "diff":
         reproduce.show_diff(args.a, args.b, uri, as_json=args.json)
         lines = []

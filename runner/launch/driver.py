@@ -162,10 +162,27 @@ def _record_end(
     metrics, compute, mfu = end_figures(plan, options, workers)
     if run_id is not None and plan.tracking_uri is not None:
         with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
-            step, tags = max((w.global_step for w in workers), default=0), {**load.tags(used), "runner.mfu": mfu}
-            remarks = {"host load": load.describe(used)}
+            step = max((w.global_step for w in workers), default=0)
+            ended_tags, ended = ending(workers[0]) if workers else ({}, {})
+            tags = {**load.tags(used), "runner.mfu": mfu, **ended_tags}
+            remarks = {"host load": load.describe(used), **ended}
             record_summary(plan.tracking_uri, run_id, metrics=metrics, step=step, tags=tags, remarks=remarks)
     return host_note(plan, load), compute
+
+
+def ending(result: WorkerResult) -> tuple[dict[str, str], dict[str, str]]:
+    """Tags and description remarks on how training ended: early stopping (its step and why) and the best
+    checkpoint (its step and value), each when it applies."""
+    tags: dict[str, str] = {}
+    remarks: dict[str, str] = {}
+    if result.stop_reason is not None:
+        tags["runner.stopped_early"] = f"step {result.global_step}"
+        remarks["stopped early"] = f"at step {result.global_step}: {result.stop_reason}"
+    if result.best is not None:
+        metric, value, step = result.best
+        tags["runner.best_checkpoint"] = f"step {step}: {metric} = {value:.6g}"
+        remarks["best checkpoint"] = f"step {step}, {metric} = {value:.6g}"
+    return tags, remarks
 
 
 def host_note(plan: Plan, load: HostLoad) -> str:

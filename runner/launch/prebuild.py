@@ -237,7 +237,10 @@ def _optimizer_and_scheduler(
         try:
             for _ in range(min(calls, DRY_RUN_STEPS)):
                 optimizer.step()
-                scheduler.step()
+                if spec.scheduler.monitor is None:
+                    scheduler.step()
+                else:  # a plateau schedule steps on the monitored value
+                    scheduler.step(1.0)  # type: ignore[arg-type]
                 if (problem := lr_problem(optimizer)) is not None:
                     raise ValueError(problem)
         except (TypeError, ValueError, ZeroDivisionError) as exc:

@@ -99,11 +99,13 @@ def _export_target(target: Path) -> Path:
     raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
 
 
-def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None) -> str:
-    """``runner export RUN_ID``: write the whole model of a run's newest checkpoint as a plain state dict.
+def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None, *, best: bool = False) -> str:
+    """``runner export RUN_ID``: write the whole model of a run's newest checkpoint (``best``: the best by
+    ``checkpoint.monitor``) as a plain state dict.
 
     It loads in plain PyTorch whatever the mode (``model.load_state_dict(torch.load(FILE))``); ``out`` defaults to
-    ``<run id>-step-<step>.pt``. Raises UsageError for no such run, no stored spec or no usable checkpoint.
+    ``<run id>-step-<step>.pt``. Raises UsageError for no such run, no stored spec, no usable checkpoint, or
+    ``best`` without a monitor.
     """
     import torch
 
@@ -115,12 +117,16 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     stored = read_stored_run(uri, run_id)
     spec = stored.loaded().spec
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
-    try:
-        found = load_latest(directory, read_with_model)  # a RUNNING run's rotation may delete one as it is read
+    if best and spec.checkpoint.monitor is None:
+        raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: drop --best")
+    goal = spec.checkpoint.goal if best else None
+    try:  # a RUNNING run's rotation may delete one as it is read
+        found = load_latest(directory, read_with_model, best=goal)
     except CheckpointError as exc:
         raise UsageError(f"run {run_id}: {exc}") from None
     if found is None:
-        raise UsageError(f"run {run_id} at {uri} has no checkpoint in {directory}: nothing to export")
+        kind = f"checkpoint that recorded {spec.checkpoint.monitor}" if best else "checkpoint"
+        raise UsageError(f"run {run_id} at {uri} has no {kind} in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
     buffer = io.BytesIO()

@@ -24,6 +24,7 @@ from runner.launch.failures import HangWatch, die_with_parent
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.spec.loading import LoadedSpec
+    from runner.spec.schema import ExperimentSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
@@ -145,18 +146,7 @@ def _fit(
 
     spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
-        notes = list(restored.notes)
-        if spec.deterministic:
-            settings = setup.describe_settings(seeded)
-            notes.append(f"deterministic mode: {settings}")
-            tracker.set_tags({"runner.deterministic_settings": settings})
-        if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
-            show_notes([note for note in notes if note not in _SHOWN_NOTES])
-            _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
-        send = getattr(tracker, "send", None)  # a new run's data, for the driver to record as dataset inputs
-        if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
-            fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape")
-            send("data", {name: getattr(parts.data, name) for name in (*fields, "val_split_sha256")})
+        notes = _announce(spec, parts, restored, tracker, seeded, is_log_rank)
         checkpointer = setup.Checkpointer(
             parts, strategy, folder, args.loaded, run_id=handed.run_id, writer=is_log_rank, tracker=tracker
         )
@@ -180,14 +170,61 @@ def _fit(
                 checkpointer.wait()
             raise
         checkpointer.wait()  # the last background save is in place before the run ends
-        if spec.tracking.log_model:  # a collective where the parameters are sharded
-            parts.raw_model = strategy.full_module(parts.model)
+        fitted = _take_best(args, strategy, parts, fitted, folder)
         if is_log_rank:
             _send_outputs(args, tracker, parts, folder, fitted.global_step)
-        result = setup.finish(fitted, strategy, notes + setup.profile_notes(spec, strategy.rank, folder))
+        ended = [why for why in (fitted.stop_reason, setup.describe_best(fitted.best)) if why]
+        if is_log_rank:
+            show_notes(ended)
+        result = setup.finish(fitted, strategy, notes + ended + setup.profile_notes(spec, strategy.rank, folder))
     finally:
         tracker.close()
     return result
+
+
+def _announce(
+    spec: ExperimentSpec,
+    parts: TrainingParts,
+    restored: Restored,
+    tracker: Tracker,
+    seeded: dict[str, str],
+    is_log_rank: bool,
+) -> list[str]:
+    """Before training: the notes so far (restore, deterministic settings), said once by the logging rank, which
+    also sends a new run's data for the driver to record as dataset inputs. Returns the notes."""
+    from runner.training import setup
+
+    notes = list(restored.notes)
+    if spec.deterministic:
+        settings = setup.describe_settings(seeded)
+        notes.append(f"deterministic mode: {settings}")
+        tracker.set_tags({"runner.deterministic_settings": settings})
+    if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
+        show_notes([note for note in notes if note not in _SHOWN_NOTES])
+        _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
+    send = getattr(tracker, "send", None)
+    if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
+        fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape")
+        send("data", {name: getattr(parts.data, name) for name in (*fields, "val_split_sha256")})
+    return notes
+
+
+def _take_best(
+    args: WorkerArgs, strategy: Strategy, parts: TrainingParts, fitted: WorkerResult, folder: Path
+) -> WorkerResult:
+    """The result with ``checkpoint.monitor``'s best checkpoint, whose weights the logged model takes (made whole on
+    every rank, a collective where the parameters are sharded)."""
+    from runner.training import setup
+
+    spec = args.loaded.spec
+    best = setup.best_checkpoint(spec, folder, strategy)
+    if best is not None:
+        fitted = dataclasses.replace(fitted, best=setup.best_record(spec, best))
+    if spec.tracking.log_model:
+        if best is not None:
+            setup.load_weights(parts, strategy, best)
+        parts.raw_model = strategy.full_module(parts.model)
+    return fitted
 
 
 def _build_and_report(

@@ -134,7 +134,6 @@ UNBUILDABLE_SCHEDULERS = {  # lower-case class name -> why TOML cannot describe 
     "multiplicativelr": "it takes a Python function (lr_lambda)",
     "sequentiallr": "it takes other schedulers: use scheduler.warmup_steps for a warm-up before one",
     "chainedscheduler": "it takes other schedulers",
-    "reducelronplateau": "it steps on a metric's value, which runner does not pass it",
 }
 
 

@@ -15,15 +15,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from runner.errors import mask_secrets, show
 
 if TYPE_CHECKING:
-    from runner.spec.schema import (
-        DataSpec,
-        ExperimentSpec,
-        OptimSpec,
-        ParamGroupSpec,
-        SchedulerSpec,
-        SweepParam,
-        TrackingSpec,
-    )
+    from runner.spec.schema import DataSpec, ExperimentSpec, SweepParam, TrackingSpec
+    from runner.spec.schema_loop import OptimSpec, ParamGroupSpec, SchedulerSpec
     from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
@@ -155,7 +148,15 @@ def check_param_group(group: ParamGroupSpec) -> None:
 
 
 def check_scheduler(scheduler: SchedulerSpec) -> None:
-    """Rules inside ``[scheduler]``: a warm-up counts optimizer steps, so the schedule steps per step (ValueError)."""
+    """Rules inside ``[scheduler]``: a warm-up counts optimizer steps, so the schedule steps per step; a plateau
+    schedule steps on ``monitor`` after each evaluation, and only it reads one (ValueError)."""
+    plateau = scheduler.name.lower() == "reducelronplateau"
+    if plateau and scheduler.monitor is None:
+        raise ValueError('monitor is missing: ReduceLROnPlateau steps on a metric, e.g. monitor = "val/loss"')
+    if scheduler.monitor is not None and not plateau and ":" not in scheduler.name:
+        raise ValueError(f"monitor is read by ReduceLROnPlateau only; {scheduler.name} ignores metrics: remove it")
+    if plateau and (scheduler.warmup_steps or scheduler.interval == "step"):
+        raise ValueError('interval: ReduceLROnPlateau steps after each evaluation: keep interval = "epoch", no warm-up')
     if scheduler.warmup_steps and scheduler.interval != "step":
         raise ValueError(
             f'warmup_steps = {scheduler.warmup_steps} counts optimizer steps: set interval = "step" (and the '

@@ -1,5 +1,6 @@
-"""Pydantic models of an experiment spec: the root table and the loop's tables, their keys, types, ranges and meanings.
-Details: docs/design.md, "Module notes"."""
+"""Pydantic models of an experiment spec: the root table and the tables of what is trained and recorded (model,
+data, tracking, checkpoints, sweeps, profiling), their keys, types, ranges and meanings; the root checks that each
+watched metric is one an epoch logs. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -8,157 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from runner.errors import did_you_mean, show, with_hint
 from runner.spec import names, rules
 from runner.spec.names import LossSpec, MetricsSpec
 from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
+from runner.spec.schema_loop import EarlyStoppingSpec, Goal, OptimSpec, SchedulerSpec, TrainSpec, without
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
-
-
-def _without(problem: str | None, value: str) -> str:
-    """``value`` when a check found no ``problem`` with it; else ValueError (pydantic locates it at the key)."""
-    if problem is not None:
-        raise ValueError(problem)
-    return value
-
-
-class ParamGroupSpec(SpecTable):
-    """``[[optim.groups]]``: the parameters whose names ``match`` a regular expression, with options of their own
-    (torch's parameter groups): no weight decay on biases and norms, a lower lr for a backbone."""
-
-    match: str = Field(
-        min_length=1,
-        description='Regular expression searched in each parameter name (named_parameters()), e.g. "bias|norm".',
-    )
-    lr: float | None = Field(default=None, gt=0, description="This group's learning rate (default: optim.lr).")
-    weight_decay: float | None = Field(default=None, ge=0, description="This group's weight decay.")
-    momentum: float | None = Field(default=None, ge=0, lt=1, description="This group's momentum (sgd, rmsprop).")
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."
-    )
-
-    rule = rules.check_param_group
-
-
-class OptimSpec(SpecTable):
-    """``[optim]``: the optimizer: any class of torch.optim by name, or a factory of your own."""
-
-    name: str = Field(
-        default="sgd",
-        min_length=1,
-        description=(
-            "A torch.optim class by name, case-insensitive (sgd, adam, adamw, adadelta, RMSprop, NAdam, ...), or "
-            '"pkg.module:factory" called as factory(params, lr=..., **kwargs).'
-        ),
-    )
-    lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd and rmsprop only: momentum factor.")
-    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw).")
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "Further keyword arguments for the optimizer, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
-        ),
-    )
-    groups: list[ParamGroupSpec] = Field(
-        default_factory=list,
-        description="Parameter groups, first match wins; the other parameters keep the options above.",
-    )
-
-    rule = rules.check_optim
-
-    @field_validator("name")
-    @classmethod
-    def _optimizer_name(cls, name: str) -> str:
-        return _without(names.optimizer_name_problem(name), name)
-
-
-class SchedulerSpec(SpecTable):
-    """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
-
-    name: str = Field(
-        min_length=1,
-        description=(
-            "A torch.optim.lr_scheduler class by name, case-insensitive (StepLR, CosineAnnealingLR, PolynomialLR, "
-            "...), a short name (step, multistep, exponential, cosine, onecycle, linear), or "
-            '"pkg.module:factory" called as factory(optimizer, **kwargs).'
-        ),
-    )
-    warmup_steps: int = Field(
-        default=0,
-        ge=0,
-        lt=INT64_LIMIT,
-        description="Optimizer steps of linear warm-up from lr/(warmup_steps+1) before the schedule (SequentialLR).",
-    )
-    interval: Literal["epoch", "step"] = Field(
-        default="epoch",
-        description="Call scheduler.step() after every `epoch` or every optimizer `step`.",
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`.",
-    )
-
-    rule = rules.check_scheduler
-
-    @field_validator("name")
-    @classmethod
-    def _scheduler_name(cls, name: str) -> str:
-        return _without(names.scheduler_name_problem(name), name)
-
-
-class TrainSpec(SpecTable):
-    """``[train]``: the loop."""
-
-    epochs: int = Field(default=1, ge=1, description="Passes over the training set.")
-    max_steps: int | None = Field(
-        default=None, ge=1, description="Stop after this many optimizer steps, even mid-epoch. Default: no limit."
-    )
-    grad_accum_steps: int = Field(
-        default=1,
-        ge=1,
-        description="Micro-batches accumulated per optimizer step; the global batch is split into this many.",
-    )
-    amp: Literal["no", "bf16", "fp16"] = Field(
-        default="no",
-        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler).",
-    )
-    clip_grad_norm: float | None = Field(
-        default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
-    )
-    compile: bool = Field(
-        default=False,
-        description=(
-            "torch.compile the model: the model under none, the wrapped model under ddp, each block before "
-            "sharding under fsdp; not under dp."
-        ),
-    )
-    compile_backend: str = Field(
-        default="inductor",
-        min_length=1,
-        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()).",
-    )
-    activation_checkpointing: bool = Field(
-        default=False,
-        description=(
-            "Recompute each block's activations in backward instead of keeping them (non-reentrant "
-            "torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child "
-            "with parameters): less memory, about one more forward. Not under dp."
-        ),
-    )
-    on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
-        default="stop",
-        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`.",
-    )
-    log_every_n_steps: int = Field(
-        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step."
-    )
-    eval_every_n_epochs: int = Field(default=1, ge=1, description="Evaluate on the validation split every N epochs.")
-    progress: Literal["auto", "bar", "lines", "off"] = Field(
-        default="auto",
-        description="Progress display: a bar on a terminal, plain lines otherwise (auto).",
-    )
 
 
 class TrackingSpec(SpecTable):
@@ -218,6 +76,18 @@ class CheckpointSpec(SpecTable):
         default=None, ge=1, description="Also checkpoint every N optimizer steps. Default: off."
     )
     keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints.")
+    monitor: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            'Also keep the checkpoints with the best value of this metric, e.g. "val/accuracy" (any metric logged '
+            "per epoch); `runner export --best` and the logged model take the best one. Default: none."
+        ),
+    )
+    goal: Goal = Field(default="min", description="checkpoint.monitor: whether a smaller or larger value is better.")
+    keep_best: int = Field(
+        default=1, ge=1, lt=INT64_LIMIT, description="checkpoint.monitor: the best N checkpoints kept beside keep_last."
+    )
     log_to_mlflow: bool = Field(default=False, description="Also log the final checkpoint as an MLflow artifact.")
     async_save: bool = Field(
         default=False,
@@ -420,7 +290,7 @@ def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info
     """Check a model or dataset name when a file is validated (``context`` has its ``spec_dir``); else when built."""
     if not isinstance(info.context, dict) or "spec_dir" not in info.context:
         return name
-    return _without(problem_of(name, info.context["spec_dir"]), name)
+    return without(problem_of(name, info.context["spec_dir"]), name)
 
 
 class ExperimentSpec(SpecTable):
@@ -453,6 +323,9 @@ class ExperimentSpec(SpecTable):
     )
     optim: OptimSpec = Field(description="The optimizer.")
     scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
+    early_stopping: EarlyStoppingSpec | None = Field(
+        default=None, description="End training when a metric stops improving. Default: off."
+    )
     loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
     metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
@@ -469,6 +342,44 @@ class ExperimentSpec(SpecTable):
 
     rule = rules.check_experiment
 
+    @model_validator(mode="after")
+    def _monitored(self) -> ExperimentSpec:
+        if problems := monitor_problems(self):
+            raise rules.CrossFieldError(problems)
+        return self
+
     @property
     def experiment_name(self) -> str:
         return self.tracking.experiment or self.name
+
+
+MONITORS = ("scheduler.monitor", "early_stopping.metric", "checkpoint.monitor")  # keys that name a watched metric
+VAL_SPLITS = ("sklearn.", "synthetic", "torchvision.")  # their validation split is data.val_fraction's
+
+
+def epoch_metrics(spec: ExperimentSpec) -> list[str]:
+    """The metrics logged at the end of an epoch, which a monitor may watch: the two losses, and accuracy (the
+    default of a classification loss) or the ``[metrics]`` entries."""
+    logged = ["train/epoch_loss", "val/loss"]
+    if spec.metrics is None:
+        return logged + (["train/accuracy", "val/accuracy"] if spec.loss.name in names.CLASSIFICATION_LOSSES else [])
+    logged += [f"train/{names.logged_name(entry)}" for entry in spec.metrics.train]
+    return logged + [f"val/{names.logged_name(entry)}" for entry in spec.metrics.val]
+
+
+def monitor_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
+    """``(key, message)`` for each watched metric (:data:`MONITORS`) that no epoch logs, or that needs a validation
+    split the spec turned off."""
+    known, problems = epoch_metrics(spec), []
+    for key in MONITORS:
+        table, field = key.split(".")
+        name = getattr(getattr(spec, table), field, None) if getattr(spec, table) is not None else None
+        if name is None:
+            continue
+        if name not in known:
+            message = f"{show(name)} is not logged at the end of an epoch; expected one of {', '.join(known)}"
+            problems.append((key, with_hint(message, did_you_mean(name, known))))
+        elif name.startswith("val/") and spec.data.val_fraction == 0 and spec.data.dataset.startswith(VAL_SPLITS):
+            message = f"{show(name)} needs a validation split, but data.val_fraction = 0: set it above 0"
+            problems.append((key, message))
+    return problems

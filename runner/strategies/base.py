@@ -20,7 +20,7 @@ from runner.spec.schema_parallel import MODES, ModeTraits, ParallelSpec
 
 if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
-    from runner.spec.schema import TrainSpec
+    from runner.spec.schema_loop import TrainSpec
 
 
 T = TypeVar("T")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from runner.devices.resolve import DevicePlan
     from runner.launch.environment import LauncherEnvironment
-    from runner.spec.schema import TrainSpec
+    from runner.spec.schema_loop import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
 T = TypeVar("T")

@@ -26,7 +26,8 @@ def flops_uncounted(spec: ExperimentSpec, timed: bool) -> str | None:
 @dataclass
 class WorkerResult:
     """What a worker returns (the driver uses the logging rank's): steps, history, notes, each step's time and data
-    wait, peak memory of the rank and of each GPU it drove (bytes), the device, ``stopped_after_epoch``,
+    wait, peak memory of the rank and of each GPU it drove (bytes), the device, ``stopped_after_epoch`` (a sweep's
+    pruner), ``stop_reason`` and ``best``,
     :data:`STARTUP_METRIC` and one step's FLOPs (``None`` when not counted)."""
 
     rank: int
@@ -40,5 +41,7 @@ class WorkerResult:
     device: str = "cpu"
     device_peaks: list[int] = field(default_factory=list)
     stopped_after_epoch: int | None = None
+    stop_reason: str | None = None  # why training ended before its last step (early stopping), when it did
+    best: tuple[str, float, int] | None = None  # checkpoint.monitor's best checkpoint: (metric, value, step)
     startup_s: float | None = None
     step_flops: int | None = None

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from runner.spec.schema import ExperimentSpec
+    from runner.spec.schema_loop import EarlyStoppingSpec
     from runner.strategies.base import Precision, Strategy
     from runner.tracking.trackers import Tracker
     from runner.training.data import DatasetInfo
@@ -227,13 +228,16 @@ class TrainState:
     epoch_sums: list[float] | None = None
     window_sums: list[float] | None = None
     metric_states: MetricStates | None = None
+    stopping: dict[str, float] | None = None  # early stopping's record: the best value, its step, evaluations since
+    evaluated: dict[str, float] | None = None  # the last epoch's metrics, logged at step ``evaluated_at``
+    evaluated_at: int = -1
 
 
 @dataclass
 class TrainingParts:
     """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
     ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is
-    ``min(steps_per_epoch * epochs, max_steps)``."""
+    ``min(steps_per_epoch * epochs, max_steps)``; ``scheduler_monitor`` is the metric a plateau scheduler steps on."""
 
     model: nn.Module
     raw_model: nn.Module
@@ -248,6 +252,8 @@ class TrainingParts:
     io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
     metrics: MetricPlan = field(default_factory=MetricPlan)
     data: DatasetInfo | None = None
+    scheduler_monitor: str | None = None
+    early_stopping: EarlyStoppingSpec | None = None
 
     def example_input(self) -> Any:
         """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import math
 import os
 import pickle
 import re
@@ -60,12 +61,14 @@ def save_checkpoint(
     *,
     background: bool = False,
     group: Any = None,
+    keep_best: tuple[int, str] = (0, "min"),
 ) -> PendingSave | None:
     """Write ``step-<global_step>/`` with every rank's DCP shards of ``state`` (``Strategy.checkpoint_state``); a
     collective, no rank gathers the state.
 
     The writing rank passes ``payload`` (the rest; others ``None``): it fills a ``.partial`` folder, adds ``meta.pt``
-    and every file's digest, renames it into place and rotates. With ``background``, ``dcp.async_save`` on ``group``
+    and every file's digest, renames it into place and rotates, keeping the newest ``keep_last`` and the ``(count,
+    goal)`` of ``keep_best`` best by their monitored value. With ``background``, ``dcp.async_save`` on ``group``
     writes while the caller goes on; the returned :class:`PendingSave` finishes it.
     """
     import torch.distributed.checkpoint as dcp
@@ -80,7 +83,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()  # the folder exists before any rank writes into it
-    pending = PendingSave(final, partial, payload, keep_last)
+    pending = PendingSave(final, partial, payload, keep_last, keep_best)
     if not background:
         try:
             dcp.save(state, checkpoint_id=partial)  # returns once every rank's shards and the metadata are written
@@ -95,8 +98,19 @@ def save_checkpoint(
 class PendingSave:
     """A checkpoint being written; :meth:`finish` waits and puts it in place, or names its failure."""
 
-    def __init__(self, final: Path, partial: Path, payload: dict[str, Any] | None, keep_last: int) -> None:
-        self.final, self.partial, self.payload, self.keep_last = final, partial, payload, keep_last
+    def __init__(
+        self,
+        final: Path,
+        partial: Path,
+        payload: dict[str, Any] | None,
+        keep_last: int,
+        keep_best: tuple[int, str] = (0, "min"),
+    ) -> None:
+        self.final = final
+        self.partial = partial
+        self.payload = payload
+        self.keep_last = keep_last
+        self.keep_best = keep_best
         self.future: Any = None
 
     def finish(self) -> None:
@@ -130,7 +144,7 @@ class PendingSave:
             shutil.rmtree(final)
         os.replace(partial, final)
         _fsync_dir(final.parent)
-        _rotate(final.parent, self.keep_last)
+        _rotate(final.parent, self.keep_last, *self.keep_best)
 
     def failed(self, exc: BaseException) -> CheckpointError:
         """The error of a save that failed with ``exc``; its ``.partial`` folder is removed, so a full disk does not
@@ -162,9 +176,14 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def _rotate(directory: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints (files or folders) with their digests."""
-    for old in list_checkpoints(directory)[:-keep_last]:
+def _rotate(directory: Path, keep_last: int, keep_best: int = 0, goal: str = "min") -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (files or folders) and the ``keep_best`` best by their
+    monitored value (``goal``), with their digests."""
+    found = list_checkpoints(directory)
+    kept = set(found[-keep_last:])
+    if keep_best:
+        kept |= set(ranked(found, goal)[:keep_best])
+    for old in (path for path in found if path not in kept):
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -222,6 +241,12 @@ def write_atomic(directory: Path, data: bytes | memoryview, final: Path) -> Path
     return final
 
 
+def checkpoint_step(path: Path) -> int:
+    """The global step of a checkpoint, from its name ``step-<global step>``."""
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoints in ``directory``, oldest first (by global step); temporary files are ignored."""
     if not directory.is_dir():
@@ -253,6 +278,24 @@ def pickled_objects(exc: pickle.UnpicklingError) -> str:
     return ", ".join(sorted(set(_GLOBAL.findall(str(exc))))) or "an object that is not a tensor or plain value"
 
 
+def ranked(paths: list[Path], goal: str) -> list[Path]:
+    """The checkpoints among ``paths`` that recorded ``checkpoint.monitor``'s value, best first for ``goal`` ("min"
+    or "max"; of equal values the earliest, which reached it first); one whose ``meta.pt`` does not read is left
+    out. Each value is read from ``meta.pt`` alone, without the digest of the shards."""
+    valued = [(value, step, path) for step, path in enumerate(paths) if (value := monitored_value(path)) is not None]
+    sign = 1.0 if goal == "min" else -1.0
+    return [path for value, step, path in sorted(valued, key=lambda vsp: (sign * vsp[0], vsp[1]))]
+
+
+def monitored_value(path: Path) -> float | None:
+    """The value of ``checkpoint.monitor`` a checkpoint recorded, or ``None`` (none, NaN, or unreadable)."""
+    try:
+        value = _plain_meta(path).get("monitored")
+    except Exception:
+        return None
+    return float(value) if isinstance(value, (int, float)) and not math.isnan(value) else None
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load and check a checkpoint folder's ``meta.pt`` after every file's digest, ``weights_only``.
 
@@ -280,12 +323,17 @@ def peek(path: Path) -> dict[str, Any]:
     :func:`read_checkpoint`, except for the pickled objects that only the training process's load refuses."""
     verify_digest(path)
     try:
-        with zipfile.ZipFile(path / META if path.is_dir() else path) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            payload = _Plain(io.BytesIO(archive.read(name))).load()
+        payload = _plain_meta(path)
     except Exception as exc:
         raise CheckpointError(f"{path}: damaged or truncated checkpoint ({type(exc).__name__}: {exc})") from None
     return _checked(path, payload)
+
+
+def _plain_meta(path: Path) -> Any:
+    """A checkpoint's ``meta.pt`` unpickled with every global and storage read as ``None`` (:class:`_Plain`)."""
+    with zipfile.ZipFile(path / META if path.is_dir() else path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+        return _Plain(io.BytesIO(archive.read(name))).load()
 
 
 class _Plain(pickle.Unpickler):
@@ -329,16 +377,19 @@ def rank_causes(exc: BaseException) -> dict[int, BaseException]:
     return {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}
 
 
-def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint) -> LoadedCheckpoint | None:
+def load_latest(
+    directory: Path, read: Callable[[Path], dict[str, Any]] = read_checkpoint, best: str | None = None
+) -> LoadedCheckpoint | None:
     """The newest checkpoint of ``directory`` that ``read`` reads back, past damaged or refused ones; ``None`` when
-    there is none. The folder is listed again after each failure, so a checkpoint that a running job's rotation
-    deleted while it was read is passed over (not reported) and one saved meanwhile is tried.
+    there is none. With ``best`` (a goal, "min" or "max"), the best by monitored value instead (:func:`ranked`),
+    past damaged ones to the next best. The folder is listed again after each failure, so a checkpoint that a
+    running job's rotation deleted while it was read is passed over (not reported) and one saved meanwhile is tried.
 
     Raises CheckpointError, listing each file and why, when none of them reads.
     """
     skipped: list[tuple[Path, str]] = []
     tried: set[Path] = set()
-    while untried := [p for p in reversed(list_checkpoints(directory)) if p not in tried]:
+    while untried := [p for p in _candidates(directory, best) if p not in tried]:
         path = untried[0]
         tried.add(path)
         try:
@@ -354,6 +405,12 @@ def load_latest(directory: Path, read: Callable[[Path], dict[str, Any]] = read_c
     return None
 
 
+def _candidates(directory: Path, best: str | None) -> list[Path]:
+    """The checkpoints of ``directory`` in the order :func:`load_latest` tries them."""
+    found = list_checkpoints(directory)
+    return ranked(found, best) if best is not None else found[::-1]
+
+
 def build_payload(
     *,
     scheduler: LRScheduler | None,
@@ -364,10 +421,12 @@ def build_payload(
     spec_sha256: str,
     run_id: str | None,
     metrics_recorded: int = 0,
+    monitored: float | None = None,
 ) -> dict[str, Any]:
     """Assemble ``meta.pt``: scheduler and scaler, the loop state, every rank's RNG states, the flattened spec and
     ``metrics_recorded`` (values sent or spooled when it was taken: a resume sends the spooled ones before it and
-    recomputes those after); the model and optimizer are the folder's shards."""
+    recomputes those after) and ``monitored``, the value of ``checkpoint.monitor`` logged at this step (``None``: no
+    evaluation here); the model and optimizer are the folder's shards."""
     return {
         "format": FORMAT_VERSION,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -378,6 +437,7 @@ def build_payload(
         "spec_sha256": spec_sha256,
         "run_id": run_id,
         "tracking": {"metrics_recorded": int(metrics_recorded)},
+        "monitored": monitored,
     }
 
 

@@ -26,9 +26,11 @@ from runner.training.sums import (
     count_correct,
     mean_loss,
 )
+from runner.training.watch import early_stop
 
 if TYPE_CHECKING:
-    from runner.spec.schema import CheckpointSpec, TrainSpec
+    from runner.spec.schema import CheckpointSpec
+    from runner.spec.schema_loop import TrainSpec
     from runner.tracking.trackers import Tracker
 
 
@@ -79,6 +81,8 @@ def fit(
             _stop_if_asked(parts, state, tally, report, settle=True)
             if parts.epoch_end is not None and parts.epoch_end(state.epoch - 1, report.result.history[-1][1]):
                 report.result.stopped_after_epoch = state.epoch - 1
+                break
+            if report.result.stop_reason is not None:  # early stopping: the same step on every rank
                 break
         if report.result.step_times_s and state.global_step % train_spec.log_every_n_steps:
             tally.window, _ = _log_window(parts, state, tally, report)  # the last step, when its log was not due
@@ -138,7 +142,8 @@ def end_epoch(
     tally: Tally,
     report: _Report,
 ) -> bool:
-    """Log the epoch's metrics at ``state.global_step`` (evaluating when due) and step a per-epoch scheduler.
+    """Log the epoch's metrics at ``state.global_step`` (evaluating when due), judge early stopping on them and step
+    a per-epoch scheduler.
 
     Returns whether the epoch is complete. Raises TrainingError for a non-finite step under ``on_nonfinite = "stop"``.
     """
@@ -163,10 +168,25 @@ def end_epoch(
             metrics.update(evaluate(parts))
     report.log(metrics, state.global_step)
     report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
+    state.evaluated = metrics  # a checkpoint at this step records checkpoint.monitor's value
+    state.evaluated_at = state.global_step
+    if parts.early_stopping is not None:
+        state.stopping, report.result.stop_reason = early_stop(
+            parts.early_stopping, metrics, state.global_step, state.stopping
+        )
     if parts.scheduler is not None and parts.scheduler_interval == "epoch" and epoch_done:
-        parts.scheduler.step()
-        check_lr(parts.optimizer, parts.scheduler)
+        _step_scheduler(parts, metrics)
     return epoch_done
+
+
+def _step_scheduler(parts: LoopParts, metrics: dict[str, float]) -> None:
+    """Step a per-epoch scheduler: a plateau scheduler on its monitored metric, when this epoch logged it."""
+    assert parts.scheduler is not None
+    if parts.scheduler_monitor is None:
+        parts.scheduler.step()
+    elif (value := metrics.get(parts.scheduler_monitor)) is not None:
+        parts.scheduler.step(value)  # type: ignore[arg-type]  # ReduceLROnPlateau.step(metrics)
+    check_lr(parts.optimizer, parts.scheduler)
 
 
 @torch.no_grad()

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
     from runner.spec.names import LossSpec
-    from runner.spec.schema import ExperimentSpec, OptimSpec, SchedulerSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.spec.schema_loop import OptimSpec, SchedulerSpec
     from runner.training.batches import Batch, BatchIO, ModelOutput
 
 
@@ -317,6 +318,10 @@ def build_scheduler(
         kwargs.setdefault("max_lr", optimizer.param_groups[0]["lr"])
         kwargs.setdefault("total_steps", max(1, total_steps))
     main = _construct(cls, "scheduler.kwargs", optimizer, **kwargs)
+    if isinstance(main, torch.optim.lr_scheduler.ReduceLROnPlateau) != (scheduler_spec.monitor is not None):
+        problem = f"{scheduler_spec.name} returned {type(main).__name__}: monitor is read by ReduceLROnPlateau only"
+        fix = "set it to the metric it steps on" if scheduler_spec.monitor is None else "remove it"
+        raise SpecError(SpecIssue(None, None, "scheduler.monitor", f"{problem}; {fix}"))
     if not warmup:
         return main
     ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), total_iters=warmup)

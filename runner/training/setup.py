@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ from runner.training.shards import load_checkpoint
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
-    from runner.spec.schema import ExperimentSpec, TrainSpec
+    from runner.spec.schema import ExperimentSpec
+    from runner.spec.schema_loop import TrainSpec
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training.data import DatasetBundle
@@ -95,6 +97,8 @@ def build_parts(
         total_steps=total_steps,
         train_set=bundle.train,
         data=bundle.info,
+        scheduler_monitor=spec.scheduler.monitor if spec.scheduler is not None else None,
+        early_stopping=spec.early_stopping,
     )
 
 
@@ -146,6 +150,38 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     return Restored(TrainState(**payload["state"]), str(found.path), notes, recorded)
 
 
+def best_checkpoint(spec: ExperimentSpec, folder: Path, strategy: Strategy) -> Path | None:
+    """``checkpoint.monitor``'s best checkpoint in ``folder`` as rank 0 finds it, the same on every rank (a
+    collective), or ``None`` (no monitor, or no checkpoint recorded its value)."""
+    settings = spec.checkpoint
+    if not settings.enabled or settings.monitor is None:
+        return None
+    found = ckpt.ranked(ckpt.list_checkpoints(folder), settings.goal) if strategy.rank == 0 else []
+    best: Path | None = strategy.all_gather_object(found[0] if found else None)[0]
+    return best
+
+
+def best_record(spec: ExperimentSpec, path: Path) -> tuple[str, float, int]:
+    """``(metric, value, step)`` of the best checkpoint ``path``, as the run records it."""
+    assert spec.checkpoint.monitor is not None
+    return spec.checkpoint.monitor, ckpt.monitored_value(path) or math.nan, ckpt.checkpoint_step(path)
+
+
+def describe_best(best: tuple[str, float, int] | None) -> str:
+    """The note on the best checkpoint, ``""`` without one."""
+    if best is None:
+        return ""
+    metric, value, step = best
+    return f"best checkpoint: step {step}, {metric} = {value:.6g} (the logged model and `runner export --best`)"
+
+
+def load_weights(parts: TrainingParts, strategy: Strategy, path: Path) -> None:
+    """Load the model and optimizer of checkpoint ``path`` into ``parts``, resharded to this layout (a collective)."""
+    state = strategy.checkpoint_state(parts.model, parts.optimizer)
+    load_checkpoint(path, state)
+    strategy.set_checkpoint_state(parts.model, parts.optimizer, state)
+
+
 class Checkpointer:
     """The loop's ``on_checkpoint``: every rank hands in its RNG state, the writer saves, all wait.
 
@@ -186,8 +222,17 @@ class Checkpointer:
         self.wait()  # one background save at a time, in step order
         keep, barrier = self.settings.keep_last, self.strategy.barrier
         background = self.background and reason != "signal"
+        best = (self.settings.keep_best if self.settings.monitor else 0, self.settings.goal)
         self.pending = ckpt.save_checkpoint(
-            self.folder, shards, payload, state.global_step, keep, barrier, background=background, group=self.group
+            self.folder,
+            shards,
+            payload,
+            state.global_step,
+            keep,
+            barrier,
+            background=background,
+            group=self.group,
+            keep_best=best,
         )
         self.strategy.barrier()
 
@@ -213,7 +258,15 @@ class Checkpointer:
             spec_sha256=self.spec_sha256,
             run_id=self.run_id,
             metrics_recorded=_recorded(self.tracker),
+            monitored=_monitored(state, self.settings.monitor),
         )
+
+
+def _monitored(state: TrainState, monitor: str | None) -> float | None:
+    """``monitor``'s value when the epoch that logged it ended at this checkpoint's step, else ``None``."""
+    if monitor is None or state.evaluated is None or state.evaluated_at != state.global_step:
+        return None
+    return state.evaluated.get(monitor)
 
 
 def _recorded(tracker: Tracker) -> int:

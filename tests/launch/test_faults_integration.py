@@ -17,7 +17,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.spec.schema import TrainSpec
+from runner.spec.schema_loop import TrainSpec
 from runner.tracking.uri import refuse_half_migrated
 from runner.training.checkpoint import list_checkpoints
 from runner.training.shards import whole_model

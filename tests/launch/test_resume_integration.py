@@ -32,10 +32,21 @@ KEYS = ("train/loss", "train/epoch_loss", "train/accuracy", "val/loss", "val/acc
 
 
 def _write(
-    tmp_path: Path, store: str, parallel: dict | None = None, checkpoint: dict | None = None, name: str = "spec.toml"
+    tmp_path: Path,
+    store: str,
+    parallel: dict | None = None,
+    checkpoint: dict | None = None,
+    name: str = "spec.toml",
+    **changes: Any,
 ) -> Path:
-    """Three epochs of ``helpers.MINIMAL`` with the probe model, momentum, a step schedule and 5 checkpoints kept."""
+    """Three epochs of ``helpers.MINIMAL`` with the probe model, momentum, a step schedule and 5 checkpoints kept;
+    ``changes`` replace tables."""
     shutil.copyfile(ASSETS / "probe_factory.py", tmp_path / "probe_factory.py")
+    tables = {
+        "scheduler": {"name": "step", "kwargs": {"step_size": 1, "gamma": 0.5}},
+        "train": {"epochs": 3, "log_every_n_steps": 2},
+        **changes,
+    }
     return write_spec_file(
         tmp_path / name,
         name="resume",
@@ -43,10 +54,9 @@ def _write(
         model={"name": "probe_factory:build", "kwargs": {"in_features": 8, "num_classes": 3}},
         parallel=parallel or {"mode": "none"},
         optim={"momentum": 0.9},
-        scheduler={"name": "step", "kwargs": {"step_size": 1, "gamma": 0.5}},
-        train={"epochs": 3, "log_every_n_steps": 2},
         checkpoint={"keep_last": 5, **(checkpoint or {})},
         tracking={"uri": store, "experiment": "resume"},
+        **tables,
     )
 
 
@@ -128,6 +138,31 @@ def _finished_ddp(tmp_path_factory: pytest.TempPathFactory, _created_store: Path
     return _finished_run(tmp_path_factory, _created_store, ELASTIC, EVERY_2)
 
 
+# Watched: a plateau schedule and early stopping that never see an improvement after the first evaluation (the lr
+# halves after each later epoch; training stops after epoch 4 of 6), and the first epoch's checkpoint kept as the
+# best. A resume that lost any of their records would log another lr, stop elsewhere or keep other checkpoints.
+WATCHED = {
+    "scheduler": {
+        "name": "ReduceLROnPlateau",
+        "monitor": "val/loss",
+        "kwargs": {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 1e9, "threshold_mode": "abs"},
+    },
+    "early_stopping": {"metric": "val/loss", "patience": 3, "min_delta": 1e9},
+    "train": {"epochs": 6, "log_every_n_steps": 2},
+}
+WATCHED_CHECKPOINT = {"monitor": "val/loss", "goal": "max", "keep_best": 1, "keep_last": 1}
+
+
+@pytest.fixture(scope="module")
+def _finished_watched(tmp_path_factory: pytest.TempPathFactory, _created_store: Path) -> Path:
+    folder = tmp_path_factory.mktemp("watched")
+    shutil.copyfile(_created_store, folder / "mlflow.db")
+    spec = _write(folder, "sqlite:///mlflow.db", DDP, WATCHED_CHECKPOINT, **WATCHED)
+    done = _runner(folder, str(spec))
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
 def _copy(folder: Path, tmp_path: Path) -> tuple[Path, str]:
     """``(spec, store)`` of this test's own copy of a finished run's folder."""
     shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
@@ -177,6 +212,28 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path: Path, finished_
     a, b = _final_model(store, full.info.run_id), _final_model(store, stopped.info.run_id)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_watched_run_resumed_equals_the_uninterrupted_one(tmp_path: Path, _finished_watched: Path) -> None:
+    spec, store = _copy(_finished_watched, tmp_path)
+    proc = _interrupt(tmp_path, spec)
+    assert proc.returncode == 130
+    full, stopped = _runs(store)
+    resumed = _runner(tmp_path, str(spec), "--resume", "last")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "early stopping: val/loss did not improve" in resumed.stderr
+    expected, got = _histories(store, full.info.run_id), _histories(store, stopped.info.run_id)
+    assert [step for step, _ in expected["val/loss"]] == [5, 10, 15, 20]  # stopped after epoch 4 of 6
+    assert [value for step, value in expected["lr"] if step in (2, 6, 12, 16)] == pytest.approx([0.1, 0.1, 0.05, 0.025])
+    assert got == expected
+    client = MlflowClient(store)
+    for key in ("runner.stopped_early", "runner.best_checkpoint"):
+        assert client.get_run(stopped.info.run_id).data.tags[key] == client.get_run(full.info.run_id).data.tags[key]
+    assert client.get_run(full.info.run_id).data.tags["runner.stopped_early"] == "step 20"
+    folders = [Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id for run in (full, stopped)]
+    assert [[p.name for p in list_checkpoints(f)] for f in folders] == [["step-00000005", "step-00000020"]] * 2
+    a, b = (whole_model(f / "step-00000005") for f in folders)
+    assert all(torch.equal(a[key], b[key]) for key in a)
 
 
 def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, finished: tuple[Path, str]) -> None:

@@ -77,7 +77,13 @@ def test_an_unknown_scheduler_names_the_close_ones() -> None:
 @pytest.mark.parametrize(
     ("scheduler", "says"),
     [
-        ('name = "ReduceLROnPlateau"', "cannot be built from a spec: it steps on a metric's value"),
+        ('name = "ReduceLROnPlateau"', "monitor is missing: ReduceLROnPlateau steps on a metric, e.g. monitor"),
+        ('name = "StepLR"\nmonitor = "val/loss"', "monitor is read by ReduceLROnPlateau only; StepLR ignores"),
+        (
+            'name = "ReduceLROnPlateau"\nmonitor = "val/loss"\ninterval = "step"',
+            'ReduceLROnPlateau steps after each evaluation: keep interval = "epoch"',
+        ),
+        ('name = "ReduceLROnPlateau"\nmonitor = "val/los"', '"val/los" is not logged at the end of an epoch'),
         ('name = "LambdaLR"', "cannot be built from a spec: it takes a Python function"),
         ('name = "cosine"\nwarmup_steps = 5', 'warmup_steps = 5 counts optimizer steps: set interval = "step"'),
         ('name = "not a name"', "is no class name of torch.optim.lr_scheduler"),

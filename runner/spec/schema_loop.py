@@ -1,0 +1,181 @@
+"""Pydantic models of how training proceeds: the optimizer and its parameter groups, the learning-rate schedule,
+early stopping and the loop. The root table (:mod:`runner.spec.schema`) holds them; they are apart so that each
+file reads as one part of a spec."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from runner.spec import names, rules
+from runner.spec.rules import INT64_LIMIT, SpecTable
+
+
+def without(problem: str | None, value: str) -> str:
+    """``value`` when a check found no ``problem`` with it; else ValueError (pydantic locates it at the key)."""
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+class ParamGroupSpec(SpecTable):
+    """``[[optim.groups]]``: the parameters whose names ``match`` a regular expression, with options of their own
+    (torch's parameter groups): no weight decay on biases and norms, a lower lr for a backbone."""
+
+    match: str = Field(
+        min_length=1,
+        description='Regular expression searched in each parameter name (named_parameters()), e.g. "bias|norm".',
+    )
+    lr: float | None = Field(default=None, gt=0, description="This group's learning rate (default: optim.lr).")
+    weight_decay: float | None = Field(default=None, ge=0, description="This group's weight decay.")
+    momentum: float | None = Field(default=None, ge=0, lt=1, description="This group's momentum (sgd, rmsprop).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."
+    )
+
+    rule = rules.check_param_group
+
+
+class OptimSpec(SpecTable):
+    """``[optim]``: the optimizer: any class of torch.optim by name, or a factory of your own."""
+
+    name: str = Field(
+        default="sgd",
+        min_length=1,
+        description=(
+            "A torch.optim class by name, case-insensitive (sgd, adam, adamw, adadelta, RMSprop, NAdam, ...), or "
+            '"pkg.module:factory" called as factory(params, lr=..., **kwargs).'
+        ),
+    )
+    lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd and rmsprop only: momentum factor.")
+    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Further keyword arguments for the optimizer, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
+        ),
+    )
+    groups: list[ParamGroupSpec] = Field(
+        default_factory=list,
+        description="Parameter groups, first match wins; the other parameters keep the options above.",
+    )
+
+    rule = rules.check_optim
+
+    @field_validator("name")
+    @classmethod
+    def _optimizer_name(cls, name: str) -> str:
+        return without(names.optimizer_name_problem(name), name)
+
+
+class SchedulerSpec(SpecTable):
+    """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
+
+    name: str = Field(
+        min_length=1,
+        description=(
+            "A torch.optim.lr_scheduler class by name, case-insensitive (StepLR, CosineAnnealingLR, PolynomialLR, "
+            "...), a short name (step, multistep, exponential, cosine, onecycle, linear), or "
+            '"pkg.module:factory" called as factory(optimizer, **kwargs).'
+        ),
+    )
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        lt=INT64_LIMIT,
+        description="Optimizer steps of linear warm-up from lr/(warmup_steps+1) before the schedule (SequentialLR).",
+    )
+    interval: Literal["epoch", "step"] = Field(
+        default="epoch",
+        description="Call scheduler.step() after every `epoch` or every optimizer `step`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`.",
+    )
+    monitor: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            'ReduceLROnPlateau only: the metric it steps on after each evaluation, e.g. "val/loss" (any metric '
+            'logged per epoch); its `mode` ("min" or "max") is one of its kwargs.'
+        ),
+    )
+
+    rule = rules.check_scheduler
+
+    @field_validator("name")
+    @classmethod
+    def _scheduler_name(cls, name: str) -> str:
+        return without(names.scheduler_name_problem(name), name)
+
+
+Goal = Literal["min", "max"]
+
+
+class EarlyStoppingSpec(SpecTable):
+    """``[early_stopping]``: end training when a metric logged per epoch stops improving (the run is FINISHED)."""
+
+    metric: str = Field(min_length=1, description='The metric watched, e.g. "val/loss" (any metric logged per epoch).')
+    goal: Goal = Field(default="min", description="Whether a smaller (`min`) or larger (`max`) value is better.")
+    patience: int = Field(
+        default=3, ge=1, lt=INT64_LIMIT, description="Evaluations in a row without improvement before training stops."
+    )
+    min_delta: float = Field(
+        default=0.0, ge=0, description="An improvement is a change beyond this much in the goal's direction."
+    )
+
+
+class TrainSpec(SpecTable):
+    """``[train]``: the loop."""
+
+    epochs: int = Field(default=1, ge=1, description="Passes over the training set.")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many optimizer steps, even mid-epoch. Default: no limit."
+    )
+    grad_accum_steps: int = Field(
+        default=1,
+        ge=1,
+        description="Micro-batches accumulated per optimizer step; the global batch is split into this many.",
+    )
+    amp: Literal["no", "bf16", "fp16"] = Field(
+        default="no",
+        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler).",
+    )
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
+    )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "torch.compile the model: the model under none, the wrapped model under ddp, each block before "
+            "sharding under fsdp; not under dp."
+        ),
+    )
+    compile_backend: str = Field(
+        default="inductor",
+        min_length=1,
+        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()).",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each block's activations in backward instead of keeping them (non-reentrant "
+            "torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child "
+            "with parameters): less memory, about one more forward. Not under dp."
+        ),
+    )
+    on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
+        default="stop",
+        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`.",
+    )
+    log_every_n_steps: int = Field(
+        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step."
+    )
+    eval_every_n_epochs: int = Field(default=1, ge=1, description="Evaluate on the validation split every N epochs.")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        default="auto",
+        description="Progress display: a bar on a terminal, plain lines otherwise (auto).",
+    )
