@@ -106,17 +106,19 @@ def _add_exec(sub: _Commands) -> None:
 
 
 def _add_stored_run_commands(sub: _Commands) -> None:
-    """``runner status``, ``resume``, ``reproduce``, ``export`` RUN_ID, ``runner diff A B``: from MLflow to a run."""
+    """``runner status``, ``resume``, ``reproduce``, ``export``, ``test`` RUN_ID, ``runner diff A B``: from MLflow
+    to a run."""
     helps = {
         "status": "show RUNNING runs and their owner; mark KILLED those whose owner died without ending them",
         "resume": "continue a KILLED or FAILED run with the spec stored in it (no spec file)",
         "reproduce": "start a new run from the resolved spec stored in a run",
         "export": "write the model of a run's newest checkpoint as a plain PyTorch state dict",
+        "test": "score a run's checkpoint on its test split and log test/* to the run",
         "diff": "compare two runs or spec files: spec keys, git commits, environment",
     }
     p = {name: sub.add_parser(name, help=text) for name, text in helps.items()}
     p["status"].add_argument("run_id", nargs="?", metavar="RUN_ID", help="one run (default: every RUNNING run)")
-    for name in ("resume", "reproduce", "export"):
+    for name in ("resume", "reproduce", "export", "test"):
         p[name].add_argument("run_id", metavar="RUN_ID")
     p["reproduce"].add_argument(
         "--run-name", type=_run_name, metavar="NAME", help="MLflow run name (default: the original's, '(reproduced)')"
@@ -124,6 +126,10 @@ def _add_stored_run_commands(sub: _Commands) -> None:
     p["export"].add_argument("--out", metavar="FILE", help="the file to write (default: RUN_ID-step-N.pt here)")
     p["export"].add_argument(
         "--best", action="store_true", help="the best checkpoint by checkpoint.monitor instead of the newest"
+    )
+    p["export"].add_argument("--ema", action="store_true", help="the weights' moving average (train.ema_decay)")
+    p["test"].add_argument(
+        "--checkpoint", choices=("last", "best"), default="last", help="the newest, or the best by checkpoint.monitor"
     )
     p["diff"].add_argument("a", metavar="A", help="a run id or a spec file")
     p["diff"].add_argument("b", metavar="B", help="a run id or a spec file")
@@ -318,15 +324,20 @@ def _summarized(job: Callable[[], Any]) -> int:
 
 
 def _stored_run(args: argparse.Namespace) -> int:
-    """``runner status``, ``resume``, ``reproduce``, ``export`` and ``diff``: commands on runs in the store."""
+    """``runner status``, ``resume``, ``reproduce``, ``export``, ``test`` and ``diff``: commands on runs in the
+    store."""
     from runner.launch import reproduce
     from runner.launch.resume import status_lines
+    from runner.launch.scoring import score_run
 
     uri = args.tracking_uri
     if args.command == "status":
         lines = status_lines(uri, args.run_id)
     elif args.command == "export":
-        lines = [reproduce.export_run(args.run_id, uri, args.out, best=args.best)]  # the summary: never empty
+        exported = reproduce.export_run(args.run_id, uri, args.out, best=args.best, ema=args.ema)
+        lines = [exported]  # the summary: never empty
+    elif args.command == "test":
+        lines = [score_run(args.run_id, uri, args.checkpoint)]
     elif args.command == "diff":
         reproduce.show_diff(args.a, args.b, uri, as_json=args.json)
         lines = []

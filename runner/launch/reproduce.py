@@ -99,19 +99,21 @@ def _export_target(target: Path) -> Path:
     raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
 
 
-def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = None, *, best: bool = False) -> str:
+def export_run(
+    run_id: str, tracking_uri: str | None = None, out: str | None = None, *, best: bool = False, ema: bool = False
+) -> str:
     """``runner export RUN_ID``: write the whole model of a run's newest checkpoint (``best``: the best by
-    ``checkpoint.monitor``) as a plain state dict.
+    ``checkpoint.monitor``; ``ema``: with the weights' moving average for its parameters) as a plain state dict.
 
     It loads in plain PyTorch whatever the mode (``model.load_state_dict(torch.load(FILE))``); ``out`` defaults to
-    ``<run id>-step-<step>.pt``. Raises UsageError for no such run, no stored spec, no usable checkpoint, or
-    ``best`` without a monitor.
+    ``<run id>-step-<step>.pt``. Raises UsageError for no such run, no stored spec, no usable checkpoint, ``best``
+    without a monitor, or ``ema`` without a moving average.
     """
     import torch
 
     from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
     from runner.training.checkpoint import CheckpointError, load_latest, write_atomic
-    from runner.training.shards import read_with_model
+    from runner.training.shards import read_with_model, whole_model
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
@@ -119,6 +121,8 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
     if best and spec.checkpoint.monitor is None:
         raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: drop --best")
+    if ema and spec.train.ema_decay is None:
+        raise UsageError(f"run {run_id} kept no moving average of its weights (train.ema_decay unset): drop --ema")
     goal = spec.checkpoint.goal if best else None
     try:  # a RUNNING run's rotation may delete one as it is read
         found = load_latest(directory, read_with_model, best=goal)
@@ -129,8 +133,11 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
         raise UsageError(f"run {run_id} at {uri} has no {kind} in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
+    weights = found.payload["model"]
+    if ema:  # the buffers stay the model's: only parameters are averaged
+        weights = {**weights, **whole_model(found.path, "ema")}
     buffer = io.BytesIO()
-    torch.save(found.payload["model"], buffer)
+    torch.save(weights, buffer)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target.parent, buffer.getbuffer(), final=target)
@@ -138,7 +145,8 @@ def export_run(run_id: str, tracking_uri: str | None = None, out: str | None = N
         raise UsageError(f"--out {target}: cannot write there ({exc.strerror or exc}); name a writable path") from None
     skipped = "".join(f"\nnote: skipped {why}" for _, why in found.skipped)  # as a resume notes them
     return (
-        f"wrote {target}: the state dict of {spec.model.name} at step {step} (from {found.path.name}); "
+        f"wrote {target}: the state dict of {spec.model.name}{' (moving average)' if ema else ''} at step {step} "
+        f"(from {found.path.name}); "
         f"load it with model.load_state_dict(torch.load(FILE)){skipped}"
     )
 

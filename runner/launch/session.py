@@ -171,6 +171,8 @@ class RunSession:
         parts = [("train", "training", info["num_train"], info["train_digest"])]
         if info["num_val"] and info["val_digest"] is not None:
             parts.append(("val", "validation", info["num_val"], info["val_digest"]))
+        if info.get("num_test") and info.get("test_digest") is not None:
+            parts.append(("test", "testing", info["num_test"], info["test_digest"]))
         records = [
             DatasetRecord(f"{info['name']} {part}", digest, context, count, info["source"], tuple(info["input_shape"]))
             for part, context, count, digest in parts

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
-    from runner.training.batches import TrainingParts
+    from runner.training.batches import LoopParts, TrainingParts
     from runner.training.data import DatasetBundle
     from runner.training.setup import Restored
 
@@ -151,6 +151,8 @@ def _fit(
             parts, strategy, folder, args.loaded, run_id=handed.run_id, writer=is_log_rank, tracker=tracker
         )
         epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
+        if parts.callbacks is not None:
+            parts.callbacks.start(parts.raw_model, tracker, folder / "callbacks" / f"rank{strategy.rank}")
         loop = LoopParts(
             **vars(parts),
             strategy=strategy,
@@ -170,9 +172,9 @@ def _fit(
                 checkpointer.wait()
             raise
         checkpointer.wait()  # the last background save is in place before the run ends
-        fitted = _take_best(args, strategy, parts, fitted, folder)
+        fitted = _final_model(args, loop, fitted, folder)
         if is_log_rank:
-            _send_outputs(args, tracker, parts, folder, fitted.global_step)
+            _send_outputs(args, tracker, loop, folder, fitted.global_step)
         ended = [why for why in (fitted.stop_reason, setup.describe_best(fitted.best)) if why]
         if is_log_rank:
             show_notes(ended)
@@ -204,26 +206,35 @@ def _announce(
         _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
     send = getattr(tracker, "send", None)
     if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
-        fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "source", "input_shape")
-        send("data", {name: getattr(parts.data, name) for name in (*fields, "val_split_sha256")})
+        fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "num_test", "test_digest", "source")
+        send("data", {name: getattr(parts.data, name) for name in (*fields, "input_shape", "val_split_sha256")})
     return notes
 
 
-def _take_best(
-    args: WorkerArgs, strategy: Strategy, parts: TrainingParts, fitted: WorkerResult, folder: Path
-) -> WorkerResult:
-    """The result with ``checkpoint.monitor``'s best checkpoint, whose weights the logged model takes (made whole on
-    every rank, a collective where the parameters are sharded)."""
+def _final_model(args: WorkerArgs, loop: LoopParts, fitted: WorkerResult, folder: Path) -> WorkerResult:
+    """The result with ``checkpoint.monitor``'s best checkpoint, and the final model: the best checkpoint's weights
+    when there is one, their moving average with ``train.ema_decay``. It is scored on the test split (``test/*``,
+    logged at the step of the weights scored, as ``runner test`` logs them) and made whole for the logged model (a
+    collective where it is sharded)."""
     from runner.training import setup
+    from runner.training.loop import evaluate
 
-    spec = args.loaded.spec
+    spec, strategy = args.loaded.spec, loop.strategy
     best = setup.best_checkpoint(spec, folder, strategy)
     if best is not None:
         fitted = dataclasses.replace(fitted, best=setup.best_record(spec, best))
+    if not spec.tracking.log_model and loop.loaders.test is None:
+        return fitted
+    if best is not None:
+        setup.load_weights(loop, strategy, best)
+    if loop.ema is not None:
+        loop.ema.copy_to_model()
+    if loop.loaders.test is not None:
+        scored = evaluate(loop, "test")
+        loop.tracker.log_metrics(scored, step=fitted.best[2] if fitted.best is not None else fitted.global_step)
+        fitted = dataclasses.replace(fitted, metrics={**fitted.metrics, **scored})
     if spec.tracking.log_model:
-        if best is not None:
-            setup.load_weights(parts, strategy, best)
-        parts.raw_model = strategy.full_module(parts.model)
+        loop.raw_model = strategy.full_module(loop.model)
     return fitted
 
 

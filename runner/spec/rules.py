@@ -120,6 +120,11 @@ def output_device_not_chosen(output_device: int, ids: list[int]) -> str:
 
 def check_data(data: DataSpec) -> None:
     """Rules inside ``[data]``; ValueError for the first problem, its message starting with the key."""
+    if data.val_fraction + data.test_fraction >= 1:
+        raise ValueError(
+            f"test_fraction = {data.test_fraction} and val_fraction = {data.val_fraction} leave no training sample: "
+            "keep their sum below 1"
+        )
     if data.persistent_workers and data.num_workers == 0:
         raise ValueError("persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)")
     if (data.dataset == "imagefolder" or data.dataset.startswith("torchvision.")) and data.root is None:

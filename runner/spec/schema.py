@@ -15,7 +15,15 @@ from runner.errors import did_you_mean, show, with_hint
 from runner.spec import names, rules
 from runner.spec.names import LossSpec, MetricsSpec
 from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
-from runner.spec.schema_loop import EarlyStoppingSpec, Goal, OptimSpec, SchedulerSpec, TrainSpec, without
+from runner.spec.schema_loop import (
+    CallbackSpec,
+    EarlyStoppingSpec,
+    Goal,
+    OptimSpec,
+    SchedulerSpec,
+    TrainSpec,
+    without,
+)
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 
 
@@ -253,6 +261,16 @@ class DataSpec(SpecTable):
         lt=1.0,
         description="Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables.",
     )
+    test_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Fraction of the training set held out as the test split (drawn with `split_seed` after the validation "
+            "samples, so these stay the same); the final model is scored on it at the end (`test/*`). For datasets "
+            "split by val_fraction; imagefolder reads `root`/test, a factory may return (train, val, test)."
+        ),
+    )
     split_seed: int = Field(
         default=0,
         ge=0,
@@ -329,6 +347,9 @@ class ExperimentSpec(SpecTable):
     loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
     metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
+    callbacks: list[CallbackSpec] = Field(
+        default_factory=list, description="Your objects whose hooks training calls; rank 0 only unless they ask."
+    )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
     sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")

@@ -128,6 +128,19 @@ class EarlyStoppingSpec(SpecTable):
     )
 
 
+class CallbackSpec(SpecTable):
+    """``[[callbacks]]``: an object of yours whose hooks training calls (on_train_start, on_validation_end,
+    on_epoch_end, on_train_end), with a context that logs metrics, figures, images and files to the run."""
+
+    name: str = Field(min_length=1, description='"pkg.module:factory" called as factory(**kwargs) on every rank.')
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+    @field_validator("name")
+    @classmethod
+    def _import_path(cls, name: str) -> str:
+        return without(names.import_path_problem(name), name)
+
+
 class TrainSpec(SpecTable):
     """``[train]``: the loop."""
 
@@ -175,6 +188,15 @@ class TrainSpec(SpecTable):
         default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step."
     )
     eval_every_n_epochs: int = Field(default=1, ge=1, description="Evaluate on the validation split every N epochs.")
+    ema_decay: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "Keep an exponential moving average of the weights with this decay, e.g. 0.999 (updated after each "
+            "optimizer step); validation, the logged model and `runner export --ema` use it. Default: none."
+        ),
+    )
     progress: Literal["auto", "bar", "lines", "off"] = Field(
         default="auto",
         description="Progress display: a bar on a terminal, plain lines otherwise (auto).",

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from runner.spec.schema_loop import EarlyStoppingSpec
     from runner.strategies.base import Precision, Strategy
     from runner.tracking.trackers import Tracker
+    from runner.training.callbacks import Callbacks
     from runner.training.data import DatasetInfo
+    from runner.training.ema import Ema
     from runner.training.losses import Loss
     from runner.training.sampling import Loaders
 
@@ -237,7 +239,8 @@ class TrainState:
 class TrainingParts:
     """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
     ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is
-    ``min(steps_per_epoch * epochs, max_steps)``; ``scheduler_monitor`` is the metric a plateau scheduler steps on."""
+    ``min(steps_per_epoch * epochs, max_steps)``; ``scheduler_monitor`` is the metric a plateau scheduler steps
+    on; ``ema`` the weights' moving average."""
 
     model: nn.Module
     raw_model: nn.Module
@@ -254,6 +257,8 @@ class TrainingParts:
     data: DatasetInfo | None = None
     scheduler_monitor: str | None = None
     early_stopping: EarlyStoppingSpec | None = None
+    ema: Ema | None = None
+    callbacks: Callbacks | None = None
 
     def example_input(self) -> Any:
         """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""

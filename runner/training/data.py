@@ -45,15 +45,18 @@ class DatasetInfo:
     val_digest: str | None = None
     normalization: tuple[float, float] | None = None
     source: str = ""
+    num_test: int = 0
+    test_digest: str | None = None
 
 
 @dataclass(frozen=True)
 class DatasetBundle:
-    """Train and validation datasets plus their :class:`DatasetInfo`."""
+    """Train, validation and test datasets plus their :class:`DatasetInfo`."""
 
     train: Dataset
     val: Dataset | None
     info: DatasetInfo
+    test: Dataset | None = None
 
 
 def dataset_len(ds: Dataset) -> int:
@@ -61,14 +64,21 @@ def dataset_len(ds: Dataset) -> int:
     return len(cast(Sized, ds))
 
 
-def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None, list[int], list[int]]:
-    """``(train, val, train indices, val indices)``; ``val`` is ``None`` for fraction 0."""
-    train_idx, val_idx = split_indices(dataset_len(ds), val_fraction, seed)
-    if not val_idx:
-        return ds, None, train_idx, val_idx
-    if isinstance(ds, TensorPairDataset):
-        return ds.subset(train_idx), ds.subset(val_idx), train_idx, val_idx
-    return Subset(ds, train_idx), Subset(ds, val_idx), train_idx, val_idx
+def _split(
+    ds: Dataset, val_fraction: float, seed: int, test_fraction: float
+) -> tuple[Dataset, Dataset | None, Dataset | None, list[int], list[int]]:
+    """``(train, val, test, train indices, val indices)``; ``val`` and ``test`` are ``None`` for fraction 0."""
+    train_idx, val_idx, test_idx = split_indices(dataset_len(ds), val_fraction, seed, test_fraction)
+    if not val_idx and not test_idx:
+        return ds, None, None, train_idx, val_idx
+    val = _subset(ds, val_idx) if val_idx else None
+    test = _subset(ds, test_idx) if test_idx else None
+    return _subset(ds, train_idx), val, test, train_idx, val_idx
+
+
+def _subset(ds: Dataset, indices: list[int]) -> Dataset:
+    """The samples of ``ds`` at ``indices``; an in-memory dataset is indexed at once."""
+    return ds.subset(indices) if isinstance(ds, TensorPairDataset) else Subset(ds, indices)
 
 
 def _first_sample(
@@ -142,20 +152,26 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
     fix."""
     data = spec.data
     name = data.dataset
-    train, val, explicit, stats = load_source(data, spec_dir)
+    source = load_source(data, spec_dir)
+    train, val, test = source.train, source.val, source.test
     if dataset_len(train) == 0:
         raise spec_issue("data.dataset", f"{name} has no training samples")
     input_shape, target_shape, keys = _first_sample(train, name, data.target)
     num_classes = _label_count(train, data.target)
     train_members: Sequence[int] | Sequence[str] | None
     val_members: Sequence[int] | Sequence[str] | None
-    if not explicit:
-        train, val, train_members, val_members = _split(train, data.val_fraction, data.split_seed)
+    if not source.explicit:  # the test split comes from the source when it has one (imagefolder's test/)
+        test_fraction = data.test_fraction if test is None else 0.0
+        train, val, split_test, train_members, val_members = _split(
+            train, data.val_fraction, data.split_seed, test_fraction
+        )
+        test = test if test is not None else split_test
     else:
         train_members, val_members = file_list(train), file_list(val) if val is not None else None
         if val is not None and dataset_len(val):
             num_classes = max(num_classes, _label_count(val, data.target))
     num_val = dataset_len(val) if val is not None else 0
+    num_test = dataset_len(test) if test is not None else 0
     settings = data_settings(data)
     info = DatasetInfo(
         input_shape=tuple(int(d) for d in input_shape),
@@ -168,24 +184,33 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
         val_split_sha256=sha256_of_members(val_members) if num_val and val_members is not None else None,
         train_digest=part_digest(settings, "train", train_members, dataset_len(train)),
         val_digest=part_digest(settings, "val", val_members, num_val) if num_val else None,
-        normalization=stats,
+        normalization=source.normalization,
         source=source_text(data, spec_dir),
+        num_test=num_test,
+        test_digest=part_digest(settings, "test", file_list(test), num_test) if test is not None and num_test else None,
     )
-    return DatasetBundle(train=train, val=val, info=info)
+    return DatasetBundle(train=train, val=val, info=info, test=test)
 
 
-def split_indices(num_samples: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Sorted ``(train, val)`` indices of ``range(num_samples)``: the first ``floor(n * val_fraction)`` (at least
-    one) of ``torch.randperm`` under ``data.split_seed``. Raises SpecError when no training sample would be left."""
-    n_val = int(num_samples * val_fraction)
-    if val_fraction > 0 and n_val == 0:
-        n_val = 1
-    if num_samples - n_val < 1:
-        raise spec_issue(
-            "data.val_fraction", f"val_fraction = {val_fraction} leaves no training sample out of {num_samples}"
-        )
+def split_indices(
+    num_samples: int, val_fraction: float, seed: int, test_fraction: float = 0.0
+) -> tuple[list[int], list[int], list[int]]:
+    """Sorted ``(train, val, test)`` indices of ``range(num_samples)``: of ``torch.randperm`` under
+    ``data.split_seed``, the first ``floor(n * val_fraction)`` (at least one) are validation samples and the next
+    ``floor(n * test_fraction)`` (at least one) test samples, so a test split leaves the validation split as it was.
+    Raises SpecError when no training sample would be left."""
+    n_val, n_test = _share(num_samples, val_fraction), _share(num_samples, test_fraction)
+    if num_samples - n_val - n_test < 1:
+        fractions = f"val_fraction = {val_fraction}" + (f" and test_fraction = {test_fraction}" if n_test else "")
+        raise spec_issue("data.val_fraction", f"{fractions} leave no training sample out of {num_samples}")
     perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
+    return sorted(perm[n_val + n_test :]), sorted(perm[:n_val]), sorted(perm[n_val : n_val + n_test])
+
+
+def _share(num_samples: int, fraction: float) -> int:
+    """``floor(num_samples * fraction)``, at least one sample for a fraction above 0."""
+    count = int(num_samples * fraction)
+    return 1 if fraction > 0 and count == 0 else count
 
 
 def sha256_of_members(members: Sequence[int] | Sequence[str]) -> str:

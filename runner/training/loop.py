@@ -61,6 +61,7 @@ def fit(
     tally = Tally.start(parts.metrics, guard, state.window_sums, state.metric_states, held=held)
     resumed_epoch_sums = state.epoch_sums if held else None
     every_n_steps = checkpoint_spec.every_n_steps if checkpoint_spec is not None else None
+    _hook(parts, "on_train_start", state, {})
     try:
         while state.epoch < train_spec.epochs and state.global_step < parts.total_steps:
             progress.start_epoch()
@@ -73,6 +74,7 @@ def fit(
             _stop_if_asked(parts, state, tally, report, settle=True)
             if not end_epoch(parts, train_spec, state, tally, report):
                 break  # max_steps reached mid-epoch
+            _hook(parts, "on_epoch_end", state, report.result.history[-1][1])
             state.epoch += 1
             state.batch_in_epoch = 0
             tally.epoch = None
@@ -89,6 +91,7 @@ def fit(
     finally:
         progress.close()
     report.result.global_step = state.global_step
+    _hook(parts, "on_train_end", state, report.result.metrics)
     return report.result
 
 
@@ -126,6 +129,8 @@ def train_step(
         if isinstance(norm, DTensor):  # fsdp: the norm over sharded gradients, made whole (every rank takes part)
             norm = norm.full_tensor()
     parts.precision.step(parts.optimizer)
+    if parts.ema is not None:
+        parts.ema.update()
     tally.end_step(norm)
     if parts.scheduler is not None and parts.scheduler_interval == "step":
         parts.scheduler.step()
@@ -164,8 +169,10 @@ def end_epoch(
         or not epoch_done
         or state.epoch + 1 == train_spec.epochs
     ):
-        with report.progress.phase("validating"):
-            metrics.update(evaluate(parts))
+        with report.progress.phase("validating"), parts.ema.applied() if parts.ema else contextlib.nullcontext():
+            validated = evaluate(parts)
+        metrics.update(validated)
+        _hook(parts, "on_validation_end", state, metrics, validated)
     report.log(metrics, state.global_step)
     report.progress.show(epoch=state.epoch, **{k: v for k, v in metrics.items() if k.startswith("val/")})
     state.evaluated = metrics  # a checkpoint at this step records checkpoint.monitor's value
@@ -179,6 +186,12 @@ def end_epoch(
     return epoch_done
 
 
+def _hook(parts: LoopParts, hook: str, state: TrainState, metrics: dict[str, float], *args: Any) -> None:
+    """Call ``hook`` of the user's callbacks, if any, at the state's step and epoch with ``metrics``."""
+    if parts.callbacks is not None:
+        parts.callbacks.call(hook, state.global_step, state.epoch, metrics, *args)
+
+
 def _step_scheduler(parts: LoopParts, metrics: dict[str, float]) -> None:
     """Step a per-epoch scheduler: a plateau scheduler on its monitored metric, when this epoch logged it."""
     assert parts.scheduler is not None
@@ -190,17 +203,18 @@ def _step_scheduler(parts: LoopParts, metrics: dict[str, float]) -> None:
 
 
 @torch.no_grad()
-def evaluate(parts: LoopParts) -> dict[str, float]:
+def evaluate(parts: LoopParts, split: str = "val") -> dict[str, float]:
     """``{"val/loss": ..., "val/<metric>": ...}`` over this rank's shard, reduced over ranks, each sample counted
-    once."""
+    once; ``split="test"``: the test split, as ``test/*`` with the validation metrics."""
     strategy, io = parts.strategy, parts.io
     module = strategy.eval_module(parts.model)
     module.eval()
     sums = RunningSums(strategy.output_device)
-    metrics = MetricSet(parts.metrics.val, "val/", strategy.output_device)
+    metrics = MetricSet(parts.metrics.val, f"{split}/", strategy.output_device)
     counted = parts.metrics.counted_accuracy
-    assert parts.loaders.val is not None
-    for raw in parts.loaders.val:
+    loader = parts.loaders.test if split == "test" else parts.loaders.val
+    assert loader is not None
+    for raw in loader:
         batch = io.prepare(raw, strategy.device, strategy.output_device)
         with parts.precision.autocast():
             out = io.forward(module, batch)
@@ -212,8 +226,8 @@ def evaluate(parts: LoopParts) -> dict[str, float]:
             metrics.add(out, batch, io)
     parts.model.train()
     reduced = sums.reduced_sums(strategy)
-    accuracy = {"val/accuracy": accuracy_of(reduced)} if counted else {}
-    return {"val/loss": mean_loss(reduced), **accuracy, **metrics.compute()}
+    accuracy = {f"{split}/accuracy": accuracy_of(reduced)} if counted else {}
+    return {f"{split}/loss": mean_loss(reduced), **accuracy, **metrics.compute()}
 
 
 class _Report:

@@ -132,13 +132,15 @@ class Loaders:
     micro_batch: int
     steps_per_epoch: int
     global_batch_sizes: list[int]
+    test: DataLoader | None = None
 
 
 def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
     """Build this rank's DataLoaders (docs/design.md, "Module notes", runner/training/sampling.py).
 
     Training: micro-batches of ``batch_size // (world_size * grad_accum_steps)`` in :class:`EpochSampler` order.
-    Validation: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``. Raises SpecError:
+    Validation and test: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``. Raises
+    SpecError:
     (``data.batch_size``) an epoch would have no step."""
     data = spec.data
     micro = data.batch_size // (world_size * spec.train.grad_accum_steps)
@@ -162,12 +164,15 @@ def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_
         num_train, world_size, rank, spec.seed, data.shuffle, data.batch_size, data.drop_last, generator=generator
     )
     train = _loader(bundle.train, micro, sampler, generator=generator, **workers)
-    val = None
-    if bundle.val is not None and dataset_len(bundle.val) > 0:
-        eval_batch = math.ceil((data.eval_batch_size or data.batch_size) / world_size)
-        order = EvalSampler(dataset_len(bundle.val), world_size, rank)
-        val = _loader(bundle.val, eval_batch, order, generator=loader_generator(spec.seed, rank), **workers)
-    return Loaders(train, val, sampler, micro, len(sizes), sizes)
+    eval_batch = math.ceil((data.eval_batch_size or data.batch_size) / world_size)
+
+    def evaluated(part: Dataset | None) -> DataLoader | None:  # validation and test: every sample once
+        if part is None or dataset_len(part) == 0:
+            return None
+        order = EvalSampler(dataset_len(part), world_size, rank)
+        return _loader(part, eval_batch, order, generator=loader_generator(spec.seed, rank), **workers)
+
+    return Loaders(train, evaluated(bundle.val), sampler, micro, len(sizes), sizes, evaluated(bundle.test))
 
 
 def _loader(dataset: Dataset, batch: int, sampler: Sampler[int], **options: Any) -> DataLoader:

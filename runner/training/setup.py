@@ -21,7 +21,9 @@ from runner.strategies.distributed import describe_unused_parameters_error, is_u
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
 from runner.training.batches import BatchIO, TrainingParts, check_target
+from runner.training.callbacks import build_callbacks
 from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
+from runner.training.ema import Ema
 from runner.training.loop import LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import build_metric_plan
@@ -99,6 +101,8 @@ def build_parts(
         data=bundle.info,
         scheduler_monitor=spec.scheduler.monitor if spec.scheduler is not None else None,
         early_stopping=spec.early_stopping,
+        ema=Ema(raw_model, spec.train.ema_decay) if spec.train.ema_decay is not None else None,
+        callbacks=build_callbacks(spec.callbacks, spec_dir, strategy.rank),
     )
 
 
@@ -124,7 +128,7 @@ def restore(parts: TrainingParts, strategy: Strategy, folder: Path, *, resume: b
     its model and optimizer do not fit the ones built."""
     if not (resume or restarted):
         return Restored(TrainState())
-    state = strategy.checkpoint_state(parts.model, parts.optimizer)  # every rank reads the shards its layout needs
+    state = checkpoint_state(parts, strategy)  # every rank reads the shards its layout needs
 
     def read(path: Path) -> dict[str, Any]:  # a checkpoint whose shards do not load is passed over, on every rank
         payload = ckpt.read_checkpoint(path)
@@ -177,9 +181,18 @@ def describe_best(best: tuple[str, float, int] | None) -> str:
 
 def load_weights(parts: TrainingParts, strategy: Strategy, path: Path) -> None:
     """Load the model and optimizer of checkpoint ``path`` into ``parts``, resharded to this layout (a collective)."""
-    state = strategy.checkpoint_state(parts.model, parts.optimizer)
+    state = checkpoint_state(parts, strategy)
     load_checkpoint(path, state)
     strategy.set_checkpoint_state(parts.model, parts.optimizer, state)
+
+
+def checkpoint_state(parts: TrainingParts, strategy: Strategy) -> dict[str, Any]:
+    """What a checkpoint's shards hold: the strategy's model and optimizer state, and the weights' moving average
+    (filled in place on load)."""
+    state = strategy.checkpoint_state(parts.model, parts.optimizer)
+    if parts.ema is not None:
+        state["ema"] = parts.ema.state()
+    return state
 
 
 class Checkpointer:
@@ -217,7 +230,7 @@ class Checkpointer:
         if not self.settings.enabled:
             self.strategy.barrier()
             return
-        shards = self.strategy.checkpoint_state(self.parts.model, self.parts.optimizer)  # nothing is gathered
+        shards = checkpoint_state(self.parts, self.strategy)  # nothing is gathered
         payload = self._payload(state, rng_states)
         self.wait()  # one background save at a time, in step order
         keep, barrier = self.settings.keep_last, self.strategy.barrier

@@ -124,8 +124,9 @@ def load_checkpoint(folder: Path, state: dict[str, Any]) -> None:
         raise CheckpointError(f"{folder}: the shards do not load ({dcp_error(exc)})") from None
 
 
-def whole_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The model state dict of the checkpoint ``folder``, whole and on CPU, read without a process group."""
+def whole_model(folder: Path, key: str = "model") -> dict[str, torch.Tensor]:
+    """The model state dict of the checkpoint ``folder`` (``key="ema"``: the weights' moving average), whole and on
+    CPU, read without a process group."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -133,10 +134,10 @@ def whole_model(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, Any] = {}
     reader, alone = _reader(folder), not (dist.is_available() and dist.is_initialized())
     try:  # what DCP's _load_state_dict_from_keys does, with runner's reader and planner
-        _load_state_dict(state, storage_reader=reader, planner=_planner({"model"}), no_dist=alone)
+        _load_state_dict(state, storage_reader=reader, planner=_planner({key}), no_dist=alone)
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{folder}: the shards do not load ({dcp_error(exc)})") from None
-    return dict(state["model"])
+    return dict(state[key])
 
 
 def read_with_model(path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -217,15 +218,16 @@ def _torchvision(data: DataSpec, spec_dir: Path | str | None) -> Dataset:
         ) from None
 
 
-def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None]:
+def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> Source:
+    """``root``/train, and ``root``/val and ``root``/test where they exist, each with the classes of train/."""
     from torchvision.datasets import ImageFolder
 
     root = _root(data, spec_dir)
-    train_dir, val_dir = root / "train", root / "val"
+    train_dir = root / "train"
     if not train_dir.is_dir():
         raise spec_issue(
             "data.root",
-            f"imagefolder expects {train_dir}/<class>/<image> (and optionally {val_dir}/<class>/<image>), "
+            f"imagefolder expects {train_dir}/<class>/<image> (and optionally val/ and test/ beside it), "
             f"but {train_dir} is not a folder: point data.root at the folder that holds train/",
         )
     transform = ImageTransform(data.image_size, data.num_channels)
@@ -239,19 +241,18 @@ def _imagefolder(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, 
             raise spec_issue("data.root", f"imagefolder cannot read {folder}: {exc}") from None
 
     train = load(train_dir)
-    if not val_dir.is_dir():
-        return train, None
-    val = load(val_dir)
-    if val.class_to_idx != train.class_to_idx:
-        raise spec_issue(
-            "data.root",
-            f"{val_dir} has classes {sorted(val.class_to_idx)} but {train_dir} has "
-            f"{sorted(train.class_to_idx)}: use the same class folders",
-        )
-    return train, val
+    held_out = {part: load(root / part) for part in ("val", "test") if (root / part).is_dir()}
+    for part, held in held_out.items():
+        if held.class_to_idx != train.class_to_idx:
+            raise spec_issue(
+                "data.root",
+                f"{root / part} has classes {sorted(held.class_to_idx)} but {train_dir} has "
+                f"{sorted(train.class_to_idx)}: use the same class folders",
+            )
+    return Source(train, held_out.get("val"), held_out.get("test"), explicit="val" in held_out)
 
 
-def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Dataset | None, bool]:
+def _factory(data: DataSpec, spec_dir: Path | str | None) -> Source:
     factory = resolve_factory(data.dataset, spec_dir, "data.dataset")
     signature: inspect.Signature | str = "(...)"  # when even the signature cannot be read
     try:
@@ -270,17 +271,19 @@ def _factory(data: DataSpec, spec_dir: Path | str | None) -> tuple[Dataset, Data
         if located is None:
             raise
         raise located from exc
-    if isinstance(result, (tuple, list)) and len(result) == 2:
-        train, val = result
-        if not _is_dataset(train) or not (val is None or _is_dataset(val)):
-            raise spec_issue("data.dataset", f"{data.dataset!r} returned a pair that is not (Dataset, Dataset | None)")
-        return train, val, True
+    if isinstance(result, (tuple, list)) and len(result) in (2, 3):
+        train, *held_out = result
+        if not _is_dataset(train) or not all(part is None or _is_dataset(part) for part in held_out):
+            kind = "(Dataset, Dataset | None)" if len(result) == 2 else "(Dataset, Dataset | None, Dataset | None)"
+            raise spec_issue("data.dataset", f"{data.dataset!r} returned a tuple that is not {kind}")
+        val, test = (*held_out, None)[:2]
+        return Source(train, val, test, explicit=True)
     if not _is_dataset(result):
         raise spec_issue(
             "data.dataset",
-            f"{data.dataset!r} returned a {type(result).__name__}, not a Dataset or a (train, val) tuple",
+            f"{data.dataset!r} returned a {type(result).__name__}, not a Dataset or a (train, val[, test]) tuple",
         )
-    return result, None, False
+    return Source(result)
 
 
 def _is_dataset(obj: object) -> bool:
@@ -289,28 +292,36 @@ def _is_dataset(obj: object) -> bool:
     return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, dict))
 
 
-def load_source(
-    data: DataSpec, spec_dir: Path | str | None
-) -> tuple[Dataset, Dataset | None, bool, tuple[float, float] | None]:
-    """``(train, val, explicit, normalization)`` of ``data.dataset``: ``val`` is the source's own validation set when
-    ``explicit``, else ``None`` (split later); ``normalization`` is the inputs' ``(mean, std)`` or ``None``.
+@dataclass(frozen=True)
+class Source:
+    """What ``data.dataset`` gives before any split: the training set, and the source's own validation and test sets
+    where it has them. ``explicit``: its validation set is the one used (none is split off the training set);
+    ``normalization`` is the inputs' ``(mean, std)`` or ``None``."""
 
-    Raises SpecError as :func:`runner.training.data.build_datasets`."""
+    train: Dataset
+    val: Dataset | None = None
+    test: Dataset | None = None
+    explicit: bool = False
+    normalization: tuple[float, float] | None = None
+
+
+def load_source(data: DataSpec, spec_dir: Path | str | None) -> Source:
+    """The samples of ``data.dataset`` (:class:`Source`). Raises SpecError as
+    :func:`runner.training.data.build_datasets`."""
     name = data.dataset
     if name == "sklearn.digits":
         digits, stats = _digits(data)
-        return digits, None, False, stats
+        return Source(digits, normalization=stats)
     if name == "sklearn.diabetes":
-        return _diabetes(data), None, False, None
+        return Source(_diabetes(data))
     if name == "synthetic":
-        return _synthetic(data, data.split_seed), None, False, None
+        return Source(_synthetic(data, data.split_seed))
     if name == "imagefolder":
-        train, val = _imagefolder(data, spec_dir)
-        return train, val, val is not None, None
+        return _imagefolder(data, spec_dir)
     if ":" in name:
-        return (*_factory(data, spec_dir), None)
+        return _factory(data, spec_dir)
     if name.startswith("torchvision."):
-        return _torchvision(data, spec_dir), None, False, None
+        return Source(_torchvision(data, spec_dir))
     raise _unknown_dataset(name)
 
 

@@ -139,8 +139,9 @@ def _finished_ddp(tmp_path_factory: pytest.TempPathFactory, _created_store: Path
 
 
 # Watched: a plateau schedule and early stopping that never see an improvement after the first evaluation (the lr
-# halves after each later epoch; training stops after epoch 4 of 6), and the first epoch's checkpoint kept as the
-# best. A resume that lost any of their records would log another lr, stop elsewhere or keep other checkpoints.
+# halves after each later epoch; training stops after epoch 4 of 6), the first epoch's checkpoint kept as the best,
+# and validation on the weights' moving average. A resume that lost any of their records would log another lr or
+# val/loss, stop elsewhere or keep other checkpoints.
 WATCHED = {
     "scheduler": {
         "name": "ReduceLROnPlateau",
@@ -148,7 +149,7 @@ WATCHED = {
         "kwargs": {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 1e9, "threshold_mode": "abs"},
     },
     "early_stopping": {"metric": "val/loss", "patience": 3, "min_delta": 1e9},
-    "train": {"epochs": 6, "log_every_n_steps": 2},
+    "train": {"epochs": 6, "log_every_n_steps": 2, "ema_decay": 0.9},
 }
 WATCHED_CHECKPOINT = {"monitor": "val/loss", "goal": "max", "keep_best": 1, "keep_last": 1}
 
@@ -232,8 +233,9 @@ def test_a_watched_run_resumed_equals_the_uninterrupted_one(tmp_path: Path, _fin
     assert client.get_run(full.info.run_id).data.tags["runner.stopped_early"] == "step 20"
     folders = [Path(store[len("sqlite:///") :]).parent / "checkpoints" / run.info.run_id for run in (full, stopped)]
     assert [[p.name for p in list_checkpoints(f)] for f in folders] == [["step-00000005", "step-00000020"]] * 2
-    a, b = (whole_model(f / "step-00000005") for f in folders)
-    assert all(torch.equal(a[key], b[key]) for key in a)
+    for key in ("model", "ema"):
+        a, b = (whole_model(f / "step-00000020", key) for f in folders)
+        assert all(torch.equal(a[name], b[name]) for name in a), key
 
 
 def test_truncated_latest_checkpoint_falls_back_and_says_so(tmp_path: Path, finished: tuple[Path, str]) -> None:

@@ -68,11 +68,11 @@ def test_bundled_sets_equal_scikit_learns_loaders_and_do_not_import_it():
     """The digits and diabetes are read from scikit-learn's data files, value for value as its loaders give them."""
     from sklearn.datasets import load_diabetes, load_digits
 
-    digits, _, _, _ = load_source(make_spec(dataset="sklearn.digits", kwargs={"normalize": False}).data, None)
+    digits = load_source(make_spec(dataset="sklearn.digits", kwargs={"normalize": False}).data, None).train
     bunch = load_digits()
     assert torch.equal(digits.x, torch.as_tensor(bunch.images, dtype=torch.float32).div_(16.0).unsqueeze(1))
     assert torch.equal(digits.y, torch.as_tensor(bunch.target))
-    diabetes, _, _, _ = load_source(make_spec(dataset="sklearn.diabetes", kwargs={"standardize": False}).data, None)
+    diabetes = load_source(make_spec(dataset="sklearn.diabetes", kwargs={"standardize": False}).data, None).train
     raw = load_diabetes(scaled=False)
     assert torch.equal(diabetes.x, torch.as_tensor(raw.data, dtype=torch.float32))
     assert torch.equal(diabetes.y, torch.as_tensor(raw.target, dtype=torch.float32))
@@ -125,14 +125,37 @@ def test_synthetic_flat_samples_reject_image_options():
 
 
 def test_split_is_stable_disjoint_and_seeded():
-    tr, va = split_indices(103, 0.25, seed=9)
-    assert (tr, va) == split_indices(103, 0.25, seed=9)
+    tr, va, te = split_indices(103, 0.25, seed=9)
+    assert (tr, va, te) == split_indices(103, 0.25, seed=9) and te == []
     assert sorted(tr + va) == list(range(103)) and len(va) == 25
     assert split_indices(103, 0.25, seed=10)[1] != va
-    assert split_indices(10, 0.0, seed=0) == (list(range(10)), [])
+    assert split_indices(10, 0.0, seed=0) == (list(range(10)), [], [])
     assert len(split_indices(3, 0.1, seed=0)[1]) == 1  # at least one validation sample
     with pytest.raises(SpecError):
         split_indices(1, 0.5, seed=0)
+
+
+def test_a_test_split_is_disjoint_and_leaves_the_validation_split_as_it_was():
+    _, plain_val, _ = split_indices(103, 0.25, seed=9)
+    tr, va, te = split_indices(103, 0.25, seed=9, test_fraction=0.1)
+    assert va == plain_val and len(te) == 10 and sorted(tr + va + te) == list(range(103))
+    assert len(split_indices(3, 0.0, seed=0, test_fraction=0.1)[2]) == 1  # at least one test sample
+    with pytest.raises(SpecError, match="val_fraction = 0.5 and test_fraction = 0.5 leave no training sample"):
+        split_indices(2, 0.5, seed=0, test_fraction=0.5)
+
+
+def test_imagefolder_reads_test_beside_train_and_a_factory_may_return_three_sets(tmp_path):
+    write_images(tmp_path / "imgs" / "train", {"cat": 4, "dog": 3})
+    write_images(tmp_path / "imgs" / "test", {"cat": 2, "dog": 1})
+    bundle = build_datasets(make_spec(dataset="imagefolder", root="imgs", image_size=8, val_fraction=0.3), tmp_path)
+    assert (bundle.info.num_train, bundle.info.num_val, bundle.info.num_test) == (5, 2, 3)
+    (tmp_path / "three.py").write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\n"
+        "def sets():\n    part = lambda n: TensorDataset(torch.zeros(n, 4), torch.zeros(n, dtype=torch.long))\n"
+        "    return part(6), part(2), part(3)\n"
+    )
+    three = build_datasets(make_spec(dataset="three:sets"), tmp_path)
+    assert (three.info.num_train, three.info.num_val, three.info.num_test) == (6, 2, 3)
 
 
 def test_digits_split_is_stable_across_builds(digits):
