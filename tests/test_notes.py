@@ -80,3 +80,33 @@ def test_the_printed_link_of_a_new_run_names_its_experiment_without_asking_the_s
     assert result.run_id is not None
     assert result.experiment_id == MlflowClient(store).get_run(result.run_id).info.experiment_id != ""
     assert f"#/experiments/{result.experiment_id}/runs/{result.run_id}" in result.summary()
+
+
+DROPOUT_MODEL = """
+from torch import nn
+
+
+def build(in_features, num_classes, p=0.25):
+    return nn.Sequential(nn.Linear(in_features, 16), nn.Dropout(p), nn.Linear(16, num_classes))
+"""
+
+
+@pytest.mark.parametrize("p", [0.25, 0.0])
+def test_a_factory_models_dropout_is_named_before_training_under_mode_none_and_recorded(
+    write_spec, store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], p: float
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.cli import main
+
+    (tmp_path / "dropout_net.py").write_text(DROPOUT_MODEL, encoding="utf-8")
+    model = f'model={{name="dropout_net:build", kwargs={{in_features=8, num_classes=3, p={p}}}}}'
+    assert main(["exec", str(write_spec()), "--set", model, "--set", "train.epochs=1"]) == 0
+    said = "Dropout: under dp, ddp or fsdp each rank draws its own random numbers, so results differ from mode none"
+    err = capsys.readouterr().err
+    run = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("tests").experiment_id])[0]
+    if p == 0.0:  # a dropout that draws nothing is no cause
+        assert said not in err and said not in run.data.tags.get("mlflow.note.content", "")
+        return
+    assert said in err and "runner parity proves the rest agrees" in err
+    assert said in run.data.tags["mlflow.note.content"]

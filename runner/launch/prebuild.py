@@ -68,11 +68,14 @@ def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 
 def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes: Sequence[str] = ()) -> list[str]:
     """Why runs of ``spec`` under ``modes`` (default: its own) will not match ``none`` step by step (docs/design.md
-    §3), for the plan's notes and parity's causes: BatchNorm or random layers of ``model``."""
-    modes = [m for m in modes or [spec.parallel.mode] if m != REFERENCE_MODE]
-    if not modes or model is None:
+    §3), for the plan's notes and parity's causes: BatchNorm or random layers of ``model``. Under ``none`` itself,
+    random layers are named too: its runs will differ from a multi-process mode's."""
+    if model is None:
         return []
     batch, random = layer_kinds(model)
+    modes = [m for m in modes or [spec.parallel.mode] if m != REFERENCE_MODE]
+    if not modes:
+        return [random_note(random)] if random else []
     notes, mode = [], ", ".join(modes)
     syncs = all("sync_batchnorm" in MODES[m].keys for m in modes)
     if batch and not (syncs and spec.parallel.sync_batchnorm and spec.devices.accelerator != "cpu"):
@@ -86,11 +89,18 @@ def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes:
             f"of the batch, so results differ from mode none; {fix}"
         )
     if random:
-        notes.append(
-            f"{', '.join(random)}: under {mode} each rank (dp: each device) draws its own random numbers, so results "
-            "differ from mode none by chance, not on average"
-        )
+        notes.append(random_note(random, mode))
     return notes
+
+
+def random_note(layers: list[str], mode: str | None = None) -> str:
+    """The note on random layers (dropout): ``mode``'s ranks draw their own numbers, or, under none (``mode``
+    ``None``), a multi-process mode's will; how to compare the modes all the same."""
+    where = f"under {mode} each rank (dp: each device) draws" if mode else "under dp, ddp or fsdp each rank draws"
+    return (
+        f"{', '.join(layers)}: {where} its own random numbers, so results differ from mode none by chance, not on "
+        "average: compare the modes over a few seeds, or with the dropout at 0 (runner parity proves the rest agrees)"
+    )
 
 
 def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
@@ -177,24 +187,26 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     """The model on ``meta`` (an error confirmed on CPU), or ``None`` when only its kwargs were checked."""
     import torch
 
-    from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory
+    from runner.training.models import DATA_REF, build_cnn, build_mlp, build_model, resolve_factory, with_data
 
     name = spec.model.name
+    written = {k: v for k, v in spec.model.kwargs.items() if not (isinstance(v, str) and DATA_REF.match(v))}
     if ":" in name:  # user code: checked, never called here (it may have side effects or load weights)
-        check_call(resolve_factory(name, spec_dir, "model.name"), (), spec.model.kwargs, "model.kwargs")
+        check_call(resolve_factory(name, spec_dir, "model.name"), (), written, "model.kwargs")
         return None
     if bundle is None:  # no shape or classes to build with: check the kwargs the user wrote
         builtins: dict[str, Callable[..., Any]] = {"mlp": build_mlp, "cnn": build_cnn}
         builder = builtins.get(name)
         if builder is not None:
-            check_call(builder, (), spec.model.kwargs, "model.kwargs")
+            check_call(builder, (), written, "model.kwargs")
         return None
     shape, classes = bundle.info.input_shape, bundle.info.num_classes
+    model_spec = with_data(spec.model, bundle.info, bundle.train)
     try:
         with torch.device("meta"):
-            model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)
+            model = build_model(model_spec, spec_dir, input_shape=shape, num_classes=classes)
     except SpecError:
-        model = build_model(spec.model, spec_dir, input_shape=shape, num_classes=classes)  # raises when real
+        model = build_model(model_spec, spec_dir, input_shape=shape, num_classes=classes)  # raises when real
     if "fsdp_blocks" in spec.parallel.traits.keys:
         from runner.strategies.base import find_blocks
 

@@ -196,7 +196,7 @@ class RunSession:
         saved = torch.load(path, weights_only=True)
         loaded = self.plan.loaded
         model = build_model(
-            loaded.spec.model,
+            loaded.spec.model.model_copy(update={"kwargs": saved.get("kwargs", loaded.spec.model.kwargs)}),
             loaded.path.parent,
             input_shape=saved.get("input_shape"),
             num_classes=saved.get("num_classes"),

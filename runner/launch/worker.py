@@ -242,6 +242,7 @@ def _build_and_report(
     args: WorkerArgs, strategy: Strategy, link: Link | None
 ) -> tuple[TrainingParts | None, HandedRun]:
     """Build on every rank, agree, and rank 0 reports to the driver, which then makes the run: ``(parts, handed)``."""
+    from runner.launch.prebuild import difference_notes
     from runner.training import setup
 
     spec, spec_dir = args.loaded.spec, args.loaded.path.parent
@@ -250,6 +251,8 @@ def _build_and_report(
     if first_error is None and failure is None:
         try:
             parts = setup.build_parts(spec, spec_dir, strategy, dtype=args.dtype, nudge=args.nudge, bundle=bundle)
+            if strategy.rank == 0:  # a factory's model is first built here: its random layers are named now
+                notes += [note for note in difference_notes(parts.raw_model, spec) if note not in notes]
         except SpecError as exc:
             spec_error = exc
         except Exception as exc:
@@ -306,6 +309,7 @@ def _report_failure(link: Link, exc: BaseException) -> None:
 def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, folder: Path, step: int) -> None:
     """On the logging rank: the last checkpoint and the trained model, for the driver to upload as the spec asks."""
     from runner.training.checkpoint import list_checkpoints
+    from runner.training.models import resolve_data_refs
 
     spec = args.loaded.spec
     if spec.checkpoint.enabled and spec.checkpoint.log_to_mlflow:
@@ -328,6 +332,8 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
         path = folder / f".model-{os.getpid()}.pt"
         info = parts.data  # what the driver's build of the model needs, as the ranks' build had it
         built = {"input_shape": list(info.input_shape), "num_classes": info.num_classes} if info is not None else {}
+        if info is not None:  # the driver builds the model as the ranks did: "${data.NAME}" values resolved
+            built["kwargs"] = resolve_data_refs(spec.model.kwargs, info, parts.train_set)
         torch.save({"state": parts.raw_model.cpu().state_dict(), "example": example, **built}, path)
         try:
             tracker.flush()

@@ -170,6 +170,7 @@ def _cut(name: str) -> str:
 SYNTHETIC_ONLY = ("num_samples", "input_shape", "num_classes")
 FILE_DATASETS_ONLY = ("root",)  # torchvision.<Name> and imagefolder read files from data.root
 TORCHVISION_ONLY = ("download",)
+IMAGE_ONLY = ("image_size", "num_channels")  # resized and repeated by runner's image datasets, not by a factory
 
 
 def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
@@ -185,6 +186,8 @@ def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
         out["train.compile_backend"] = "compile only (train.compile = false)"
     if not takes_momentum(spec.optim.name):
         out["optim.momentum"] = f'sgd and rmsprop only (optim.name = "{spec.optim.name}")'
+    if spec.checkpoint.monitor is None:
+        out.update({f"checkpoint.{k}": "checkpoint.monitor only (unset)" for k in ("goal", "keep_best")})
     return out
 
 
@@ -196,6 +199,8 @@ def _data_inactive(dataset: str, val_fraction: float) -> dict[str, str]:
         out.update({f"data.{k}": f"synthetic only ({shown})" for k in SYNTHETIC_ONLY})
         if val_fraction == 0:
             out["data.split_seed"] = "no split (val_fraction = 0)"
+    if ":" in dataset or dataset == "sklearn.diabetes":  # a factory makes its own samples; diabetes has no images
+        out.update({f"data.{k}": f"image datasets only ({shown})" for k in IMAGE_ONLY})
     if not dataset.startswith("torchvision."):
         out.update({f"data.{k}": f"torchvision datasets only ({shown})" for k in TORCHVISION_ONLY})
         if dataset != "imagefolder":

@@ -242,7 +242,10 @@ class DataSpec(SpecTable):
         default=None,
         ge=1,
         lt=INT64_LIMIT,
-        description="Repeat grayscale images to this many channels (3 for ImageNet-style models). Default: native.",
+        description=(
+            "Repeat grayscale images to this many channels (3 for ImageNet-style models), or make RGB images "
+            "grayscale with 1. Default: native."
+        ),
     )
     batch_size: int = Field(
         ge=1,

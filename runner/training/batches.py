@@ -4,6 +4,7 @@ Details: docs/design.md, "Module notes"."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from runner.errors import TrainingError
+from runner.errors import TrainingError, UserCodeError, first_line, user_code_error
 from runner.training.metrics import MetricPlan
 from runner.training.models import spec_issue
 
@@ -214,6 +215,40 @@ def _length(value: Any) -> int:
 
 MetricStates = dict[str, dict[str, dict[str, Any]] | None]
 """Train metric states by window (``"window"``, ``"epoch"``), then metric, then torchmetrics state (tensor or list)."""
+
+
+_SHAPE_CAUSES = (  # torch's words for a batch the model does not fit -> the key that decides it, and the fix
+    (
+        re.compile(r"to have (\d+) channels, but got (\d+) channels"),
+        "data.num_channels",
+        "the model takes {0} channels but the batch has {1}: set data.num_channels = {0} (image datasets)",
+    ),
+    (
+        re.compile(r"shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)"),
+        "data.image_size",
+        "a layer takes {2} features but gets {1}: data.image_size and data.num_channels set the images' size",
+    ),
+    (
+        re.compile(r"Expected input batch_size \((\d+)\) to match target batch_size \((\d+)\)"),
+        "model.name",
+        "the output has {0} rows for {1} targets: forward changed the batch dimension (a view or reshape of the "
+        "batch, or a layout that is not batch-first)",
+    ),
+)
+
+
+def shape_error(exc: Exception, batch: Batch) -> UserCodeError | None:
+    """``exc`` of a first forward or loss, when its shapes point at the data: an error naming the data key, the
+    shapes and the fix, then the user's file and line where the traceback passes through their code."""
+    for pattern, key, fix in _SHAPE_CAUSES:
+        if (match := pattern.search(str(exc))) is None:
+            continue
+        inputs = batch.inputs if isinstance(batch.inputs, Mapping) else {"input": batch.inputs}
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in inputs.items() if isinstance(v, torch.Tensor))
+        located = user_code_error(exc, key)
+        cause = f"\n{located}" if located is not None else f" ({type(exc).__name__}: {first_line(exc)})"
+        return UserCodeError(f"{key}: {fix.format(*match.groups())}; the batch holds {shapes}{cause}")
+    return None
 
 
 @dataclass

@@ -12,12 +12,14 @@ the run FAILED, naming the callback's key and the user's file and line.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.errors import user_code_error
+from runner.errors import first_line, user_code_error
 from runner.training.models import resolve_factory, spec_issue
 
 if TYPE_CHECKING:
@@ -99,20 +101,30 @@ class Callbacks:
             try:
                 method(self.ctx, *args)
             except Exception as exc:
-                raise (user_code_error(exc, key) or exc) from exc
+                if (located := user_code_error(exc, key)) is None:
+                    raise
+                raise located from exc
 
 
 def build_callbacks(specs: list[CallbackSpec], spec_dir: Path | str | None, rank: int) -> Callbacks | None:
     """Make each ``[[callbacks]]`` entry (``factory(**kwargs)``); ``None`` without any. Raises SpecError at its key:
-    the factory does not import, rejects its kwargs, or returns an object with none of :data:`HOOKS`."""
+    the factory does not import, its signature rejects the kwargs, or it returns an object with none of
+    :data:`HOOKS`."""
     built = []
     for i, spec in enumerate(specs):
         key = f"callbacks[{i}].name"
         factory = resolve_factory(spec.name, spec_dir, key)
+        with contextlib.suppress(ValueError):  # ValueError: no signature to read; the call decides
+            try:
+                inspect.signature(factory).bind(**spec.kwargs)
+            except TypeError as exc:
+                raise spec_issue(f"callbacks[{i}].kwargs", f"{spec.name!r}: {first_line(exc)}") from None
         try:
             obj = factory(**spec.kwargs)
         except Exception as exc:
-            raise (user_code_error(exc, key) or exc) from exc
+            if (located := user_code_error(exc, key)) is None:
+                raise
+            raise located from exc
         if not any(callable(getattr(obj, hook, None)) for hook in HOOKS):
             raise spec_issue(key, f"{spec.name!r} returned a {type(obj).__name__} with none of {', '.join(HOOKS)}")
         built.append((key, obj))

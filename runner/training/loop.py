@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted, stop_origin
 from runner.training import STARTUP_METRIC, WorkerResult
-from runner.training.batches import CollatedBatch, LoopParts, TrainState
+from runner.training.batches import CollatedBatch, LoopParts, TrainState, shape_error
 from runner.training.metrics import MetricSet
 from runner.training.sampling import rank_batch_size
 from runner.training.sums import (
@@ -116,9 +116,15 @@ def train_step(
         waited += time.perf_counter() - fetch_start
         batch = io.prepare(raw, strategy.device, strategy.output_device)
         with contextlib.nullcontext() if consumed + batch.size >= share else strategy.no_sync(model):
-            with parts.precision.autocast():
-                out = io.forward(model, batch)
-                loss_sum = parts.loss(out, batch, io)
+            try:
+                with parts.precision.autocast():
+                    out = io.forward(model, batch)
+                    loss_sum = parts.loss(out, batch, io)
+            except (RuntimeError, ValueError) as exc:  # shapes that point at the data name its key
+                located = shape_error(exc, batch)
+                if located is None:
+                    raise
+                raise located from exc
             parts.precision.backward(loss_sum / denom)
         tally.add(loss_sum.detach(), batch, out, io)
         consumed += batch.size

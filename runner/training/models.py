@@ -9,6 +9,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -229,6 +230,39 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value >= 2**31:
         raise ValueError(f"{name} must be below 2**31 (a layer that wide does not fit in any memory), got {value}")
+
+
+DATA_REF = re.compile(r"^\$\{data\.([A-Za-z_]\w*)\}$")  # a model.kwargs value "${data.num_classes}"
+
+
+def resolve_data_refs(kwargs: dict[str, Any], info: object, train: object) -> dict[str, Any]:
+    """``kwargs`` with each ``"${data.NAME}"`` replaced by what the data knows, so no number is copied by hand from
+    data to model: a field of :class:`~runner.training.data.DatasetInfo` (``num_classes``, ``input_shape``,
+    ``num_train``, ...), else an attribute of the training set's own dataset (a vocabulary's size). SpecError at
+    ``model.kwargs.<key>`` for a name the data does not know."""
+    source = train
+    while hasattr(source, "dataset") and hasattr(source, "indices"):  # a Subset of the split: its dataset's own
+        source = source.dataset
+    resolved = dict(kwargs)
+    for key, value in kwargs.items():
+        match = DATA_REF.match(value) if isinstance(value, str) else None
+        if match is None:
+            continue
+        name = match.group(1)
+        found = getattr(info, name, getattr(source, name, None))
+        if found is None:
+            known = "num_classes, input_shape, num_train, num_val, num_test"
+            raise spec_issue(
+                f"model.kwargs.{key}",
+                f"{value}: the data has no {name!r}; known: {known} and the attributes of {type(source).__name__}",
+            )
+        resolved[key] = list(found) if isinstance(found, tuple) else found
+    return resolved
+
+
+def with_data(model_spec: ModelSpec, info: object, train: object) -> ModelSpec:
+    """``[model]`` with its ``"${data.NAME}"`` kwargs resolved (:func:`resolve_data_refs`)."""
+    return model_spec.model_copy(update={"kwargs": resolve_data_refs(model_spec.kwargs, info, train)})
 
 
 def build_model(

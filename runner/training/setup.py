@@ -27,7 +27,7 @@ from runner.training.ema import Ema
 from runner.training.loop import LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
 from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import build_metric_plan
-from runner.training.models import build_model
+from runner.training.models import build_model, with_data
 from runner.training.sampling import build_loaders, check_batchnorm_batches
 from runner.training.shards import load_checkpoint
 
@@ -112,7 +112,9 @@ def _setup_model(
     """The user's model, initialised identically on every rank (seeded with ``spec.seed``), cast and nudged."""
     torch.manual_seed(spec.seed)
     info = bundle.info
-    model = build_model(spec.model, spec_dir, input_shape=info.input_shape, num_classes=info.num_classes)
+    model = build_model(
+        with_data(spec.model, info, bundle.train), spec_dir, input_shape=info.input_shape, num_classes=info.num_classes
+    )
     if cast is not None:
         model = model.to(cast)
     if nudge:

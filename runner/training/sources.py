@@ -54,7 +54,8 @@ class TensorPairDataset(Dataset):
 
 
 class ImageTransform:
-    """PIL image -> float32 tensor in [0, 1], optionally resized (bilinear) and a 1-channel image repeated."""
+    """PIL image -> float32 tensor in [0, 1], optionally resized (bilinear), a 1-channel image repeated and an RGB one
+    made grayscale for ``num_channels = 1``."""
 
     def __init__(self, image_size: int | None, num_channels: int | None):
         self.image_size = image_size
@@ -66,6 +67,8 @@ class ImageTransform:
         x = TF.to_dtype(TF.to_image(image), torch.float32, scale=True)
         if self.image_size is not None:
             x = TF.resize(x, [self.image_size, self.image_size], antialias=True)
+        if self.num_channels == 1 and x.shape[0] == 3:
+            x = TF.rgb_to_grayscale(x)
         x = x.as_subclass(torch.Tensor)
         if self.num_channels is not None and x.shape[0] != self.num_channels:
             if x.shape[0] != 1:
@@ -95,6 +98,10 @@ def _shape_images(x: torch.Tensor, dataset: str, image_size: int | None, num_cha
         )
     if image_size is not None and tuple(x.shape[2:]) != (image_size, image_size):
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    if num_channels == 1 and x.shape[1] == 3:
+        from torchvision.transforms.v2 import functional as TF
+
+        x = TF.rgb_to_grayscale(x)
     if num_channels is not None and x.shape[1] != num_channels:
         if x.shape[1] != 1:
             raise spec_issue(

@@ -307,3 +307,18 @@ def test_plan_of_a_sweep_spec_shows_its_trials_without_the_note_that_exec_ignore
     out = capsys.readouterr().out
     assert "trials         6 (runner sweep)" in out
     assert "[sweep]" not in out and "sweep:" not in out
+
+
+def test_image_keys_with_a_data_factory_and_best_checkpoint_keys_without_a_monitor_are_not_logged() -> None:
+    base = {"name": "t", "model": {"name": "mlp"}, "optim": {"lr": 0.1}}
+    data = {"dataset": "mine:data", "batch_size": 8, "image_size": 32, "num_channels": 3}
+    spec = spec_from_dict({**base, "data": data, "checkpoint": {"keep_best": 3}})
+    found = inactive_keys(spec)
+    assert found["data.image_size"] == 'image datasets only (dataset = "mine:data")'
+    assert found["checkpoint.keep_best"] == "checkpoint.monitor only (unset)"
+    params = active_params(spec)
+    assert not {"data.image_size", "data.num_channels", "checkpoint.keep_best", "checkpoint.goal"} & set(params)
+    digits = spec_from_dict(
+        {**base, "data": {**data, "dataset": "sklearn.digits"}, "checkpoint": {"monitor": "val/loss"}}
+    )
+    assert {"data.image_size", "checkpoint.keep_best"} <= set(active_params(digits))

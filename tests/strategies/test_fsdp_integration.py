@@ -19,7 +19,7 @@ from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.launch.environment import LauncherEnvironment
 from runner.strategies import make_strategy
-from runner.training.checkpoint import load_latest
+from runner.training.checkpoint import list_checkpoints, load_latest
 from runner.training.shards import whole_model
 from tests.helpers import PROBES, elastic_run, memory_spec, spec_object
 
@@ -193,3 +193,26 @@ def test_a_sharded_checkpoint_resumes_on_any_process_count_into_the_same_run(wri
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     for (step, va), (_, vb) in zip(a, b, strict=True):
         assert va == pytest.approx(vb, abs=1e-5), f"step {step}"
+
+
+def test_ema_best_checkpoint_and_test_split_under_fsdp_match_none(write_spec, store: str) -> None:
+    # Each rank averages only its shard of the weights, the checkpoints save the average as shards, and the end
+    # loads the best checkpoint and its average on every rank before the test split is scored on them.
+    spec = write_spec()
+    sets = ["train.epochs=3", "train.ema_decay=0.8", "data.test_fraction=0.25", "tracking.log_model=true"]
+    sets += ["checkpoint={monitor='val/loss', goal='max', keep_best=1, keep_last=1}"]
+    common = [arg for value in sets for arg in ("--set", value)]
+    assert main(["exec", str(spec), *common]) == 0
+    assert main(["exec", str(spec), *common, *FSDP]) == 0
+    client, (single, sharded) = _runs(store)
+    for key in ("val/loss", "test/loss", "test/accuracy"):
+        a, b = (client.get_metric_history(run.info.run_id, key) for run in (single, sharded))
+        assert [m.step for m in a] == [m.step for m in b], key
+        assert [m.value for m in a] == pytest.approx([m.value for m in b], abs=1e-5), key
+    assert sharded.data.tags["runner.best_checkpoint"] == single.data.tags["runner.best_checkpoint"]
+    folder = Path(sharded.data.tags["runner.checkpoint_dir"])
+    assert [p.name for p in list_checkpoints(folder)] == ["step-00000003", "step-00000009"]
+    averages = [
+        whole_model(Path(run.data.tags["runner.checkpoint_dir"]) / "step-00000009", "ema") for run in (single, sharded)
+    ]
+    assert all(torch.allclose(averages[0][k], averages[1][k], atol=1e-5) for k in averages[0])

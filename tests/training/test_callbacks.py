@@ -107,9 +107,25 @@ def test_an_error_in_a_callback_fails_the_run_naming_the_users_file_and_line(
     assert run.info.status == "FAILED"
 
 
-def test_a_factory_without_hooks_exits_2_before_any_run(callback_spec, store: str, capsys) -> None:
-    assert main(["exec", str(callback_spec("hookless"))]) == 2
-    assert "callbacks[0].name" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("name", "kwargs", "says"),
+    [
+        (
+            "hookless",
+            "{}",
+            "callbacks[0].name: 'user_callbacks:hookless' returned a object with none of on_train_start",
+        ),
+        ("Recorder", "{ tga = 1 }", "callbacks[0].kwargs: 'user_callbacks:Recorder': got an unexpected keyword"),
+        ("Missing", "{}", "callbacks[0].name"),
+    ],
+)
+def test_a_callback_that_does_not_build_exits_2_before_any_run(
+    callback_spec, store: str, capsys, name: str, kwargs: str, says: str
+) -> None:
+    path = callback_spec(name, kwargs)
+    assert main(["exec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:" in err and says in err and "Traceback" not in err, err
     experiment = MlflowClient(store).get_experiment_by_name("tests")
     assert experiment is None or not MlflowClient(store).search_runs([experiment.experiment_id])
 

@@ -319,3 +319,13 @@ def test_torchvision_mnist_from_local_files(tmp_path):
     loaders = build_loaders(make_spec(dataset="torchvision.MNIST", root="data", batch_size=4), resized, 0, 1)
     xb, yb = next(iter(loaders.train))
     assert xb.shape == (4, 3, 14, 14) and yb.dtype == torch.int64
+
+
+def test_an_rgb_image_folder_feeds_a_one_channel_model_as_grayscale(tmp_path):
+    write_images(tmp_path / "train", {"a": 3, "b": 3})
+    bundle = build_datasets(make_spec(dataset="imagefolder", root=str(tmp_path), num_channels=1, image_size=6), None)
+    x, _ = bundle.train[0]
+    assert bundle.info.input_shape == (1, 6, 6) and x.shape == (1, 6, 6)
+    rgb = build_datasets(make_spec(dataset="imagefolder", root=str(tmp_path), image_size=6), None).train[0][0]
+    weights = torch.tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)  # ITU-R 601-2 luma, as torchvision weighs it
+    assert torch.allclose(x, (rgb * weights).sum(0, keepdim=True), atol=1e-5)

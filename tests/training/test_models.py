@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,37 @@ def test_runner_plan_names_a_factory_that_calls_os_exit_instead_of_exiting_with_
     assert done.returncode == 0, done.stdout + done.stderr  # it exited 3 and said nothing
     said = f"memory         not estimated: UserCodeError: model.name: 'exiting:build' called os._exit(3) at {tmp_path}"
     assert said in done.stdout and "Traceback" not in done.stderr
+
+
+def test_model_kwargs_take_what_the_data_knows_and_refuse_what_it_does_not() -> None:
+    from torch.utils.data import Subset, TensorDataset
+
+    from runner.training.models import resolve_data_refs
+
+    class Tokens(TensorDataset):
+        vocab_size = 18_328
+
+    train = Subset(Tokens(torch.zeros(4, 3)), [0, 1])
+    info = types.SimpleNamespace(num_classes=10, input_shape=(1, 28, 28))
+    kwargs = {"ntoken": "${data.vocab_size}", "classes": "${data.num_classes}", "shape": "${data.input_shape}"}
+    resolved = resolve_data_refs({**kwargs, "hidden": 64, "text": "${not a ref"}, info, train)
+    assert resolved == {"ntoken": 18_328, "classes": 10, "shape": [1, 28, 28], "hidden": 64, "text": "${not a ref"}
+    with pytest.raises(SpecError) as caught:
+        resolve_data_refs({"ntoken": "${data.vocab}"}, info, train)
+    assert caught.value.issues[0].key == "model.kwargs.ntoken" and "attributes of Tokens" in str(caught.value)
+
+
+def test_a_factory_gets_the_datas_facts_and_the_logged_model_is_built_alike(write_spec, tmp_path: Path) -> None:
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.spec.loading import load_spec
+
+    (tmp_path / "sized.py").write_text(
+        "from torch import nn\n\n\ndef build(width, classes):\n"
+        "    assert width == 8 and classes == 3, (width, classes)  # the synthetic data's facts\n"
+        "    return nn.Linear(width, classes)\n",
+        encoding="utf-8",
+    )
+    model = 'model={name="sized:build", kwargs={width=8, classes="${data.num_classes}"}}'
+    loaded = load_spec(write_spec(), [model, "tracking.log_model=true"])
+    result = exec_experiment(loaded, ExecOptions(in_process=True))  # the driver builds the logged model too
+    assert result.status == "FINISHED" and 0 <= result.metrics["val/accuracy"] <= 1

@@ -120,6 +120,7 @@ def test_export_best_without_a_monitor_is_a_usage_error(write_spec, store: str, 
         ("early_stopping", "patience = 2", "early_stopping.metric", "missing"),
         ("checkpoint", 'monitor = "val/f1"', "checkpoint.monitor", "is not logged at the end of an epoch"),
         ("checkpoint", 'monitor = "val/loss"\nkeep_best = 0', "checkpoint.keep_best", "got 0"),
+        ("checkpoint", 'monitor = "val/loss"\ngoal = "best"', "checkpoint.goal", '"min" or "max"'),
     ],
 )
 def test_bad_watching_keys_are_refused_at_their_line(
