@@ -99,6 +99,19 @@ def _export_target(target: Path) -> Path:
     raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
 
 
+def run_checkpoints(run_id: str, tracking_uri: str | None, best: bool, fix: str) -> tuple[str, LoadedSpec, Path]:
+    """``(store, stored spec, checkpoint folder)`` of ``run_id``, for export and scoring. Raises UsageError for no such
+    run, or ``best`` without ``checkpoint.monitor`` (``fix``: what to do instead)."""
+    from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
+
+    uri = store_uri(tracking_uri)
+    stored = read_stored_run(uri, run_id)
+    loaded = stored.loaded()
+    if best and loaded.spec.checkpoint.monitor is None:
+        raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: {fix}")
+    return uri, loaded, run_checkpoint_dir(uri, run_id, loaded.spec.checkpoint.dir, stored.tags)
+
+
 def export_run(
     run_id: str, tracking_uri: str | None = None, out: str | None = None, *, best: bool = False, ema: bool = False
 ) -> str:
@@ -111,16 +124,11 @@ def export_run(
     """
     import torch
 
-    from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
     from runner.training.checkpoint import CheckpointError, load_latest, write_atomic
     from runner.training.shards import read_with_model, whole_model
 
-    uri = store_uri(tracking_uri)
-    stored = read_stored_run(uri, run_id)
-    spec = stored.loaded().spec
-    directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
-    if best and spec.checkpoint.monitor is None:
-        raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: drop --best")
+    uri, loaded, directory = run_checkpoints(run_id, tracking_uri, best, "drop --best")
+    spec = loaded.spec
     if ema and spec.train.ema_decay is None:
         raise UsageError(f"run {run_id} kept no moving average of its weights (train.ema_decay unset): drop --ema")
     goal = spec.checkpoint.goal if best else None
@@ -159,6 +167,7 @@ _ENV_TAGS = {
     "world size": "runner.world_size",
     "accelerator": "runner.accelerator",
     "host": "runner.hostname",
+    "user code": "runner.code",
 }
 
 
@@ -205,7 +214,7 @@ def _spec_side(loaded: LoadedSpec) -> Side:
     import torch
 
     from runner.plan import make_plan
-    from runner.tracking.tags import git_info
+    from runner.tracking.tags import code_digests, git_info
 
     info = git_info(loaded.path)
     git = {
@@ -224,6 +233,7 @@ def _spec_side(loaded: LoadedSpec) -> Side:
     except DeviceError as exc:
         environment["devices"] = f"cannot run here ({exc.message})"
     environment["host"] = socket.gethostname()
+    environment["user code"] = code_digests(loaded)
     words = " ".join(loaded.command_line())
     return Side(
         f"spec {loaded.path}" + (f" {words}" if words else ""), *_spec_keys(loaded.spec, accelerator), git, environment

@@ -24,17 +24,12 @@ def score_run(run_id: str, tracking_uri: str | None = None, checkpoint: str = "l
     """Score checkpoint ``checkpoint`` (``"last"`` or ``"best"``) of ``run_id`` on the test split and log ``test/*``
     to the run; returns the summary. Raises UsageError: no such run, no test split, no checkpoint, or ``"best"``
     without ``checkpoint.monitor``. SpecError: the stored spec no longer builds."""
+    from runner.launch.reproduce import run_checkpoints
     from runner.spec.schema_parallel import ParallelSpec
     from runner.tracking.runs import record_summary
-    from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
 
-    uri = store_uri(tracking_uri)
-    stored = read_stored_run(uri, run_id)
-    loaded = stored.loaded()
+    uri, loaded, directory = run_checkpoints(run_id, tracking_uri, checkpoint == "best", "use --checkpoint last")
     spec = loaded.spec.model_copy(update={"parallel": ParallelSpec(mode="none")})
-    if checkpoint == "best" and spec.checkpoint.monitor is None:
-        raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: use --checkpoint last")
-    directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir, stored.tags)
     found, scored = _score(dataclasses.replace(loaded, spec=spec), directory, checkpoint, run_id)
     step = int(found.payload["state"]["global_step"])
     record_summary(uri, run_id, metrics=scored, step=step, tags={"runner.test.checkpoint": found.path.name})
@@ -60,10 +55,8 @@ def _score(
     try:
         parts = setup.build_parts(spec, loaded.path.parent, strategy)
         if parts.loaders.test is None:
-            raise UsageError(
-                f"run {run_id} has no test split: set data.test_fraction (or give imagefolder a test/ folder, a data "
-                "factory a third dataset) in a new run"
-            )
+            fix = "set data.test_fraction (imagefolder: a test/ folder; a factory: a third set) in a new run"
+            raise UsageError(f"run {run_id} has no test split: {fix}")
 
         def read(path: Path) -> dict[str, Any]:
             payload = read_checkpoint(path)

@@ -143,6 +143,7 @@ def _fit(
     """Train on built and restored parts, then send the outputs and the result (rank 0)."""
     from runner.training import flops_uncounted, setup
     from runner.training.batches import LoopParts
+    from runner.training.callbacks import CallbackContext
 
     spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
@@ -152,7 +153,8 @@ def _fit(
         )
         epoch_end = _agreed_epoch_end(args.epoch_end, strategy, is_log_rank)
         if parts.callbacks is not None:
-            parts.callbacks.start(parts.raw_model, tracker, folder / "callbacks" / f"rank{strategy.rank}")
+            files = folder / "callbacks" / f"rank{strategy.rank}"
+            parts.callbacks.ctx = CallbackContext(strategy.rank, parts.raw_model, tracker, files)
         loop = LoopParts(
             **vars(parts),
             strategy=strategy,

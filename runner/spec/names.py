@@ -155,14 +155,10 @@ def _class_name_problem(name: str, module: str, example: str) -> str | None:
     return None
 
 
-def factory_problem(target: str, spec_dir: Path | None) -> str | None:
-    """Why ``pkg.module:factory`` cannot be imported, found without importing (``spec_dir`` and the working directory
-    first, then installed packages); ``None`` when it can."""
-    problem = import_path_problem(target)
-    if problem is not None or spec_dir is None:
-        return problem
-    module_name = target.partition(":")[0]
-    top, *subs = module_name.split(".")
+def find_module(target: str, spec_dir: Path) -> importlib.machinery.ModuleSpec | None:
+    """Where the module of ``pkg.module:factory`` is, found without importing it: ``spec_dir`` and the working
+    directory first, then installed packages; ``None`` when nowhere."""
+    top, *subs = target.partition(":")[0].split(".")
     folders = [str(Path(spec_dir).resolve()), os.getcwd()]
     found = importlib.machinery.PathFinder.find_spec(top, folders)
     if found is None:
@@ -175,10 +171,22 @@ def factory_problem(target: str, spec_dir: Path | None) -> str | None:
         if not locations:
             break
         found = importlib.machinery.PathFinder.find_spec(".".join([top, *subs[: depth + 1]]), list(locations))
-    if found is not None:
+    return found
+
+
+def factory_problem(target: str, spec_dir: Path | None) -> str | None:
+    """Why ``pkg.module:factory`` cannot be imported, found without importing (``spec_dir`` and the working directory
+    first, then installed packages); ``None`` when it can."""
+    problem = import_path_problem(target)
+    if problem is not None or spec_dir is None:
+        return problem
+    if find_module(target, spec_dir) is not None:
         return None
     import pkgutil
 
+    module_name = target.partition(":")[0]
+    top = module_name.split(".")[0]
+    folders = [str(Path(spec_dir).resolve()), os.getcwd()]
     nearby = [m.name for m in pkgutil.iter_modules(folders)]
     return (
         with_hint(

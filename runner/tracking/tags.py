@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import hashlib
 import importlib.util
 import json
 import os
@@ -89,6 +90,23 @@ def _device_tags(plan_description: Mapping[str, Any]) -> dict[str, Any]:
     return tags
 
 
+CODE_TAG = "runner.code"  # the user's modules the spec names, "file:digest ...": runner diff tells code apart
+
+
+def code_digests(loaded: LoadedSpec) -> str:
+    """``"model.py:1a2b3c4d5e6f ..."``: the SHA-256 (12 digits) of each module the spec imports by path (model,
+    data, loss, metrics, callbacks), found without importing it, so two runs' code differs visibly even outside git;
+    ``"none"`` when the spec names none."""
+    from runner.spec.names import find_module, metric_name
+
+    spec = loaded.spec
+    metrics = [*spec.metrics.train, *spec.metrics.val] if spec.metrics is not None else []
+    targets = [spec.model.name, spec.data.dataset, spec.loss.name, *map(metric_name, metrics)]
+    found = [find_module(t, loaded.path.parent) for t in [*targets, *(c.name for c in spec.callbacks)] if ":" in t]
+    files = sorted({Path(f.origin) for f in found if f is not None and f.origin and Path(f.origin).is_file()})
+    return " ".join(f"{p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()[:12]}" for p in files) or "none"
+
+
 def run_tags(
     loaded: LoadedSpec,
     plan_description: Mapping[str, Any],
@@ -111,6 +129,7 @@ def run_tags(
         "runner.cuda_version": cuda_version,
         "runner.hostname": socket.gethostname(),
         "runner.parallel_mode": plan_description.get("mode", spec.parallel.mode),
+        CODE_TAG: code_digests(loaded),
     }
     with contextlib.suppress(Exception):  # no user name in containers without a passwd entry
         tags["mlflow.user"] = getpass.getuser()

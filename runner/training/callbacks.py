@@ -79,20 +79,16 @@ class CallbackContext:
 
 class Callbacks:
     """The built callbacks of one rank, each called only where it runs (rank 0, or every rank), and their context
-    (:meth:`start` gives it the model, the tracker and the folder for files)."""
+    (set by the worker, which holds the tracker and the run's folder)."""
 
     def __init__(self, built: list[tuple[str, Any]], rank: int) -> None:
-        self.rank = rank
         self.built = [(key, obj) for key, obj in built if rank == 0 or getattr(obj, "every_rank", False)]
         self.ctx: CallbackContext | None = None
-
-    def start(self, model: nn.Module, tracker: Tracker, folder: Path) -> None:
-        self.ctx = CallbackContext(self.rank, model, tracker, folder)
 
     def call(self, hook: str, step: int, epoch: int, metrics: dict[str, float], *args: Any) -> None:
         """Run ``hook`` of each callback that defines it, the context at ``step`` and ``epoch`` with ``metrics``; a
         failure in the user's code names its key, file and line."""
-        assert self.ctx is not None, "Callbacks.start comes first"
+        assert self.ctx is not None, "the worker sets the context first"
         self.ctx.step, self.ctx.epoch, self.ctx.metrics = step, epoch, dict(metrics)
         for key, obj in self.built:
             method = getattr(obj, hook, None)

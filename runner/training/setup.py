@@ -174,11 +174,9 @@ def best_record(spec: ExperimentSpec, path: Path) -> tuple[str, float, int]:
 
 
 def describe_best(best: tuple[str, float, int] | None) -> str:
-    """The note on the best checkpoint, ``""`` without one."""
-    if best is None:
-        return ""
-    metric, value, step = best
-    return f"best checkpoint: step {step}, {metric} = {value:.6g} (the logged model and `runner export --best`)"
+    """The note on the best checkpoint ``(metric, value, step)``, ``""`` without one."""
+    note = "best checkpoint: step {2}, {0} = {1:.6g} (the logged model and `runner export --best`)"
+    return "" if best is None else note.format(*best)
 
 
 def load_weights(parts: TrainingParts, strategy: Strategy, path: Path) -> None:

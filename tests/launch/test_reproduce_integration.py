@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -293,3 +294,19 @@ def test_diff_names_the_keys_commits_and_environment_that_differ(write_spec, sto
     assert "git: same" in text and "environment: same" in text
     assert main(["diff", a, "nope.toml"]) == 2
     assert "nope.toml: spec file not found" in capsys.readouterr().err
+
+
+def test_diff_names_the_user_files_that_differ_outside_git(write_spec, store: str, tmp_path: Path, capsys) -> None:
+    # "git: same" said nothing for two runs whose model code differed in a folder that is no repository
+    source = "from torch import nn\n\n\ndef build(in_features, num_classes):\n    return nn.Linear(in_features, num_classes)\n"
+    (tmp_path / "user_net.py").write_text(source, encoding="utf-8")
+    spec = str(write_spec())
+    model = ["--set", 'model={name="user_net:build", kwargs={in_features=8, num_classes=3}}', "--set", "train.epochs=1"]
+    a = exec_ok(store, spec, *model)
+    (tmp_path / "user_net.py").write_text(source + "# tuned\n", encoding="utf-8")
+    b = exec_ok(store, spec, *model)
+    tags = [MlflowClient(store).get_run(run).data.tags["runner.code"] for run in (a, b)]
+    assert all(re.fullmatch(r"user_net\.py:[0-9a-f]{12}", tag) for tag in tags) and tags[0] != tags[1]
+    capsys.readouterr()
+    assert main(["diff", a, b, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["environment"] == {"user code": tags}
