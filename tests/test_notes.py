@@ -110,3 +110,20 @@ def test_a_factory_models_dropout_is_named_before_training_under_mode_none_and_r
         return
     assert said in err and "runner parity proves the rest agrees" in err
     assert said in run.data.tags["mlflow.note.content"]
+
+
+def test_random_transforms_are_named_like_dropout_and_deterministic_ones_are_not() -> None:
+    from torch import nn
+
+    from runner.launch.prebuild import difference_notes
+    from tests.helpers import spec_object
+
+    def notes(*transforms: object) -> list[str]:
+        spec = spec_object(data={"dataset": "sklearn.digits", "batch_size": 32, "transforms": list(transforms)})
+        return difference_notes(nn.Linear(64, 10), spec)
+
+    flip = {"name": "RandomHorizontalFlip", "kwargs": {"p": 0.5}}
+    assert notes("Normalize", flip, "my_augment:Blur")[0].startswith(
+        "data.transforms RandomHorizontalFlip, data.transforms my_augment:Blur: under dp, ddp or fsdp each rank draws"
+    )
+    assert notes({"name": "Normalize", "kwargs": {"mean": [0.5], "std": [0.5]}}, "Resize") == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,6 +16,7 @@ from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, show, 
 from runner.spec.loading import relocate_issues
 from runner.spec.messages import value_problem
 from runner.spec.reading import folder_problem
+from runner.spec.schema import transform_names
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
 from runner.tracking.uri import default_checkpoint_dir
 
@@ -73,6 +75,7 @@ def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes:
     if model is None:
         return []
     batch, random = layer_kinds(model)
+    random += [f"data.transforms {n}" for n in transform_names(spec.data.transforms) if _RANDOM_TRANSFORM.search(n)]
     modes = [m for m in modes or [spec.parallel.mode] if m != REFERENCE_MODE]
     if not modes:
         return [random_note(random)] if random else []
@@ -93,13 +96,17 @@ def difference_notes(model: torch.nn.Module | None, spec: ExperimentSpec, modes:
     return notes
 
 
+_RANDOM_TRANSFORM = re.compile(r"Random|Augment|AugMix|Jitter|:")  # torchvision's random ones, and a user's
+
+
 def random_note(layers: list[str], mode: str | None = None) -> str:
     """The note on random layers (dropout): ``mode``'s ranks draw their own numbers, or, under none (``mode``
     ``None``), a multi-process mode's will; how to compare the modes all the same."""
     where = f"under {mode} each rank (dp: each device) draws" if mode else "under dp, ddp or fsdp each rank draws"
     return (
         f"{', '.join(layers)}: {where} its own random numbers, so results differ from mode none by chance, not on "
-        "average: compare the modes over a few seeds, or with the dropout at 0 (runner parity proves the rest agrees)"
+        "average: compare the modes over a few seeds, or without dropout and random transforms (runner parity "
+        "proves the rest agrees)"
     )
 
 

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, UsageError, echo, show
+from runner.launch.driver import ExecOptions, exec_experiment
 from runner.launch.resume import RESUMABLE
+from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
+from runner.tracking.tags import code_digests, git_info
 
 if TYPE_CHECKING:
     from runner.launch.driver import ExecResult
@@ -30,8 +33,6 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
 
     ``run_name`` defaults to the original's followed by ``(reproduced)``. Raises UsageError: No such run, or one without
     runner's stored spec (naming run and store). SpecError: The stored spec no longer validates."""
-    from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.tracking.stored import read_stored_run, store_uri
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
@@ -46,7 +47,6 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
 def code_differences(stored: StoredRun, spec_path: Path) -> list[str]:
     """One warning per way the code may differ from the run's: another git commit, or uncommitted changes then or
     now."""
-    from runner.tracking.tags import git_info
 
     was_commit = stored.tags.get("mlflow.source.git.commit")
     was_dirty = stored.tags.get("runner.git.dirty") == "true"
@@ -69,8 +69,6 @@ def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
     """Continue a KILLED or FAILED run with the spec stored in it (``runner resume RUN_ID``). Raises UsageError: No such
     run, no stored spec, a FINISHED run, or no checkpoint (naming run and store). TrackingError: The store cannot be
     reached."""
-    from runner.launch.driver import ExecOptions, exec_experiment
-    from runner.tracking.stored import read_stored_run, store_uri
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
@@ -102,7 +100,6 @@ def _export_target(target: Path) -> Path:
 def run_checkpoints(run_id: str, tracking_uri: str | None, best: bool, fix: str) -> tuple[str, LoadedSpec, Path]:
     """``(store, stored spec, checkpoint folder)`` of ``run_id``, for export and scoring. Raises UsageError for no such
     run, or ``best`` without ``checkpoint.monitor`` (``fix``: what to do instead)."""
-    from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
 
     uri = store_uri(tracking_uri)
     stored = read_stored_run(uri, run_id)
@@ -192,7 +189,6 @@ def _spec_keys(spec: ExperimentSpec, accelerator: str | None) -> tuple[dict[str,
 def side_of(arg: str, tracking_uri: str | None = None) -> Side:
     """A spec file when ``arg`` names one, else a run id at the store; UsageError for neither, SpecError if invalid."""
     from runner.spec.loading import load_spec
-    from runner.tracking.stored import read_stored_run, store_uri
 
     path = Path(arg)
     if path.is_file():
@@ -214,7 +210,6 @@ def _spec_side(loaded: LoadedSpec) -> Side:
     import torch
 
     from runner.plan import make_plan
-    from runner.tracking.tags import code_digests, git_info
 
     info = git_info(loaded.path)
     git = {

@@ -212,12 +212,14 @@ def _root_rules() -> list[Schema]:
 
 
 def _toml_only(node: Any) -> Any:
-    """Drop what TOML cannot write: ``null`` branches of ``anyOf`` and ``default: null``."""
+    """Drop what TOML cannot write: ``null`` branches of ``anyOf`` and ``default: null``; fold descriptions."""
     if isinstance(node, list):
         return [_toml_only(v) for v in node]
     if not isinstance(node, dict):
         return node
     out = {k: _toml_only(v) for k, v in node.items() if not (k == "default" and v is None)}
+    if isinstance(out.get("description"), str):  # a key's docstring: its line breaks are spaces
+        out["description"] = out["description"].replace("\n", " ")
     branches = out.get("anyOf")
     if isinstance(branches, list):
         kept = [b for b in branches if b != {"type": "null"}]

@@ -276,7 +276,7 @@ def _type_hint(value: Any) -> str:
 
 def _missing(loc: Loc) -> str:
     field = _field_at(loc)
-    about = f"; {field.description}" if field is not None and field.description else ""
+    about = f"; {' '.join(field.description.split())}" if field is not None and field.description else ""
     target = annotation_at(loc)
     if isinstance(target, type) and issubclass(target, BaseModel):
         return f"required table is missing: add [{format_key(loc)}]{about}"

@@ -226,22 +226,13 @@ def _check_name(name: str, builtins: tuple[str, ...], what: str, path_form: str)
 class LossSpec(SpecTable):
     """``[loss]``: the loss the optimizer minimises (docs/design.md §3, §13)."""
 
-    name: str = Field(
-        default="cross_entropy",
-        min_length=1,
-        description=(
-            "Loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, nll (torch.nn losses), `model` (forward "
-            "gets the targets and returns the loss, or an object with a `loss` entry) or `pkg.module:function` "
-            "(gets `(prediction, target)`, returns the mean over its samples)."
-        ),
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "Keyword arguments of the loss, e.g. `{ label_smoothing = 0.1 }` or `{ pos_weight = [2.0] }` "
-            "(lists become tensors); runner chooses the reduction."
-        ),
-    )
+    name: str = Field(default="cross_entropy", min_length=1)
+    """Loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, nll (torch.nn losses), `model` (forward gets
+    the targets and returns the loss, or an object with a `loss` entry) or `pkg.module:function` (gets
+    `(prediction, target)`, returns the mean over its samples)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the loss, e.g. `{ label_smoothing = 0.1 }` or `{ pos_weight = [2.0] }` (lists
+    become tensors); runner chooses the reduction."""
 
     @field_validator("name")
     @classmethod
@@ -336,20 +327,14 @@ MetricEntry = Annotated[str | dict[str, Any], AfterValidator(_check_entry)]
 class MetricsSpec(SpecTable):
     """``[metrics]``: torchmetrics metrics computed on the training and validation batches (docs/design.md §13)."""
 
-    train: list[MetricEntry] = Field(
-        default_factory=list,
-        description=(
-            "Metrics of the training batches, logged as `train/<name>` per epoch and `train/step_<name>` every "
-            "log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, "
-            'r2), tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), '
-            '`pkg.module:Factory` returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of '
-            "forward's output, logged as its mean over the samples."
-        ),
-    )
-    val: list[MetricEntry] = Field(
-        default_factory=list,
-        description="Metrics of the validation split, logged as `val/<name>`; entries as for `train`.",
-    )
+    train: list[MetricEntry] = Field(default_factory=list)
+    """Metrics of the training batches, logged as `train/<name>` per epoch and `train/step_<name>` every
+    log_every_n_steps: built-in names (accuracy, top_k_accuracy, f1, precision, recall, auroc, mae, mse, r2),
+    tables with arguments (`{ name = "top_k_accuracy", k = 5 }`, `log_as` renames), `pkg.module:Factory`
+    returning a torchmetrics.Metric, or `{ output = "aux_loss" }`: a scalar of forward's output, logged as its
+    mean over the samples."""
+    val: list[MetricEntry] = Field(default_factory=list)
+    """Metrics of the validation split, logged as `val/<name>`; entries as for `train`."""
 
     @field_validator("train", "val")
     @classmethod

@@ -345,9 +345,19 @@ UINT32_LIMIT = 2**32
 
 
 class SpecTable(BaseModel):
-    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid."""
+    """Base of every spec table: strict, finite, no unknown keys, frozen; ``rule`` runs once its keys are valid.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
+    A key's description is the docstring beside it (pydantic's ``use_attribute_docstrings``): the JSON Schema, the
+    key reference and the messages read it with its line breaks as spaces."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        validate_default=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,
+    )
     rule: ClassVar[Callable[[Any], None] | None] = None  # a runner.spec.rules check_* of this table
 
     @model_validator(mode="after")

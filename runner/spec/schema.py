@@ -30,40 +30,24 @@ from runner.spec.schema_parallel import DevicesSpec, ParallelSpec
 class TrackingSpec(SpecTable):
     """``[tracking]``: MLflow."""
 
-    enabled: bool = Field(default=True, description="Record the run in MLflow.")
-    uri: str | None = Field(
-        default=None,
-        description=(
-            "Tracking URI: a database (`sqlite:///runs.db`, `postgresql://...`) or a server (`http://host:5000`); "
-            "file stores are not accepted. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working "
-            "directory."
-        ),
-    )
-    experiment: str | None = Field(
-        default=None, min_length=1, description="MLflow experiment name (created if missing). Default: the spec's name."
-    )
-    run_name: str | None = Field(
-        default=None,
-        min_length=1,
-        description=(
-            "MLflow run name, not empty (remove the key for the default). Default: the spec's name, mode and "
-            "devices, and the values the command line changed, e.g. `digits-mlp ddp-2 lr=0.05`."
-        ),
-    )
-    log_model: bool = Field(
-        default=False,
-        description=(
-            "Log the trained model with mlflow.pytorch.log_model at the end (a LoggedModel with an input example, "
-            "a signature and the input normalisation inside)."
-        ),
-    )
-    system_metrics: bool = Field(default=False, description="Record MLflow system metrics (CPU, memory, GPU).")
-    flush_every_s: float = Field(
-        default=5.0,
-        gt=0,
-        le=3600,
-        description="Send buffered metrics at least this often (seconds, at most an hour), by MLflow's async logging.",
-    )
+    enabled: bool = True
+    """Record the run in MLflow."""
+    uri: str | None = None
+    """Tracking URI: a database (`sqlite:///runs.db`, `postgresql://...`) or a server (`http://host:5000`);
+    file stores are not accepted. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working
+    directory."""
+    experiment: str | None = Field(default=None, min_length=1)
+    """MLflow experiment name (created if missing). Default: the spec's name."""
+    run_name: str | None = Field(default=None, min_length=1)
+    """MLflow run name, not empty (remove the key for the default). Default: the spec's name, mode and
+    devices, and the values the command line changed, e.g. `digits-mlp ddp-2 lr=0.05`."""
+    log_model: bool = False
+    """Log the trained model with mlflow.pytorch.log_model at the end (a LoggedModel with an input example, a
+    signature and the input normalisation inside)."""
+    system_metrics: bool = False
+    """Record MLflow system metrics (CPU, memory, GPU)."""
+    flush_every_s: float = Field(default=5.0, gt=0, le=3600)
+    """Send buffered metrics at least this often (seconds, at most an hour), by MLflow's async logging."""
 
     rule = rules.check_tracking
 
@@ -71,60 +55,53 @@ class TrackingSpec(SpecTable):
 class CheckpointSpec(SpecTable):
     """``[checkpoint]``: periodic, atomic checkpoints for resume."""
 
-    enabled: bool = Field(default=True, description="Write checkpoints.")
-    dir: str | None = Field(
-        default=None,
-        description=(
-            "Folder for checkpoints; a relative path is relative to the file that writes it, or to the current "
-            "directory when given with --set. Default: `checkpoints/<run id>` next to the tracking store."
-        ),
-    )
-    every_n_epochs: int = Field(default=1, ge=1, description="Checkpoint every N epochs.")
-    every_n_steps: int | None = Field(
-        default=None, ge=1, description="Also checkpoint every N optimizer steps. Default: off."
-    )
-    keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints.")
-    monitor: str | None = Field(
-        default=None,
-        min_length=1,
-        description=(
-            'Also keep the checkpoints with the best value of this metric, e.g. "val/accuracy" (any metric logged '
-            "per epoch); `runner export --best` and the logged model take the best one. Default: none."
-        ),
-    )
-    goal: Goal = Field(default="min", description="checkpoint.monitor: whether a smaller or larger value is better.")
-    keep_best: int = Field(
-        default=1, ge=1, lt=INT64_LIMIT, description="checkpoint.monitor: the best N checkpoints kept beside keep_last."
-    )
-    log_to_mlflow: bool = Field(default=False, description="Also log the final checkpoint as an MLflow artifact.")
-    async_save: bool = Field(
-        default=False,
-        description=(
-            "Write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) "
-            "while training goes on; the run waits for the last one before it ends."
-        ),
-    )
+    enabled: bool = True
+    """Write checkpoints."""
+    dir: str | None = None
+    """Folder for checkpoints; a relative path is relative to the file that writes it, or to the current
+    directory when given with --set. Default: `checkpoints/<run id>` next to the tracking store."""
+    every_n_epochs: int = Field(default=1, ge=1)
+    """Checkpoint every N epochs."""
+    every_n_steps: int | None = Field(default=None, ge=1)
+    """Also checkpoint every N optimizer steps. Default: off."""
+    keep_last: int = Field(default=2, ge=1)
+    """Keep the newest N checkpoints."""
+    monitor: str | None = Field(default=None, min_length=1)
+    """Also keep the checkpoints with the best value of this metric, e.g. "val/accuracy" (any metric logged
+    per epoch); `runner export --best` and the logged model take the best one. Default: none."""
+    goal: Goal = "min"
+    """checkpoint.monitor: whether a smaller or larger value is better."""
+    keep_best: int = Field(default=1, ge=1, lt=INT64_LIMIT)
+    """checkpoint.monitor: the best N checkpoints kept beside keep_last."""
+    log_to_mlflow: bool = False
+    """Also log the final checkpoint as an MLflow artifact."""
+    async_save: bool = False
+    """Write step and epoch checkpoints in the background (torch.distributed.checkpoint.async_save) while
+    training goes on; the run waits for the last one before it ends."""
 
 
 class ProfileSpec(SpecTable):
     """``[profile]``: ``torch.profiler`` around a few training steps; its trace and top operators become artifacts."""
 
-    wait: int = Field(default=1, ge=0, lt=INT64_LIMIT, description="Optimizer steps run before the profiler starts.")
-    active: int = Field(default=3, ge=1, lt=INT64_LIMIT, description="Steps recorded (after one warm-up step).")
-    ranks: list[Annotated[int, Field(ge=0, lt=INT64_LIMIT)]] = Field(
-        default_factory=lambda: [0], description="Ranks that profile themselves (global ranks, from 0)."
-    )
+    wait: int = Field(default=1, ge=0, lt=INT64_LIMIT)
+    """Optimizer steps run before the profiler starts."""
+    active: int = Field(default=3, ge=1, lt=INT64_LIMIT)
+    """Steps recorded (after one warm-up step)."""
+    ranks: list[Annotated[int, Field(ge=0, lt=INT64_LIMIT)]] = Field(default_factory=lambda: [0])
+    """Ranks that profile themselves (global ranks, from 0)."""
 
 
 class SweepParam(SpecTable):
     """One swept key in ``[sweep.params]``: explicit values or a numeric range."""
 
-    values: list[Any] | None = Field(default=None, min_length=1, description="Explicit values to try.")
-    low: float | None = Field(default=None, description="Lower bound of a sampled range (random and tpe).")
-    high: float | None = Field(default=None, description="Upper bound of a sampled range (random and tpe).")
-    distribution: Literal["uniform", "log_uniform", "int_uniform"] = Field(
-        default="uniform", description="How a range is sampled."
-    )
+    values: list[Any] | None = Field(default=None, min_length=1)
+    """Explicit values to try."""
+    low: float | None = None
+    """Lower bound of a sampled range (random and tpe)."""
+    high: float | None = None
+    """Upper bound of a sampled range (random and tpe)."""
+    distribution: Literal["uniform", "log_uniform", "int_uniform"] = "uniform"
+    """How a range is sampled."""
 
     rule = rules.check_sweep_param
 
@@ -132,48 +109,32 @@ class SweepParam(SpecTable):
 class SweepSpec(SpecTable):
     """``[sweep]``: many trials of one spec, searched by Optuna (see ``runner sweep``, docs/design.md §16)."""
 
-    method: Literal["grid", "random", "tpe"] = Field(
-        default="grid",
-        description="Optuna sampler: grid (GridSampler, every combination), random (RandomSampler) or tpe "
-        "(TPESampler).",
-    )
-    trials: int | None = Field(
-        default=None,
-        ge=1,
-        description="Trials in total, over every worker (random and tpe: required; grid: at most the grid size). "
-        "Default: the grid size.",
-    )
-    seed: int = Field(
-        default=0,
-        ge=0,
-        lt=UINT32_LIMIT,
-        description="Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState).",
-    )
-    metric: str = Field(default="val/accuracy", description="Metric that ranks trials.")
-    goal: Literal["max", "min"] = Field(default="max", description="Whether a larger or smaller metric is better.")
-    pruner: Literal["none", "median", "hyperband"] = Field(
-        default="none",
-        description="Stop poor trials early on the per-epoch metric: none, median (MedianPruner) or hyperband "
-        "(HyperbandPruner).",
-    )
-    pruner_startup_trials: int = Field(
-        default=5, ge=0, description="median only: trials that finish before any is pruned."
-    )
-    pruner_warmup_epochs: int = Field(default=0, ge=0, description="Epochs every trial trains before it may be pruned.")
-    storage: str | None = Field(
-        default=None,
-        description="Optuna storage URL of the study, shared by every worker, e.g. "
-        "`postgresql+psycopg://user@host/db`. Default: sqlite `optuna.db` next to the MLflow store.",
-    )
-    study: str | None = Field(
-        default=None,
-        description="Optuna study name; workers with the same name and storage share one sweep. "
-        "Default: the spec name and a hash of the trial spec and the sweep.",
-    )
-    params: dict[str, SweepParam] = Field(
-        default_factory=dict,
-        description='Dotted spec key -> values or range, e.g. `"optim.lr" = { values = [0.1, 0.01] }`.',
-    )
+    method: Literal["grid", "random", "tpe"] = "grid"
+    """Optuna sampler: grid (GridSampler, every combination), random (RandomSampler) or tpe (TPESampler)."""
+    trials: int | None = Field(default=None, ge=1)
+    """Trials in total, over every worker (random and tpe: required; grid: at most the grid size). Default:
+    the grid size."""
+    seed: int = Field(default=0, ge=0, lt=UINT32_LIMIT)
+    """Seed of the sampler; 0 <= seed < 2**32 (Optuna's samplers seed NumPy's RandomState)."""
+    metric: str = "val/accuracy"
+    """Metric that ranks trials."""
+    goal: Literal["max", "min"] = "max"
+    """Whether a larger or smaller metric is better."""
+    pruner: Literal["none", "median", "hyperband"] = "none"
+    """Stop poor trials early on the per-epoch metric: none, median (MedianPruner) or hyperband
+    (HyperbandPruner)."""
+    pruner_startup_trials: int = Field(default=5, ge=0)
+    """median only: trials that finish before any is pruned."""
+    pruner_warmup_epochs: int = Field(default=0, ge=0)
+    """Epochs every trial trains before it may be pruned."""
+    storage: str | None = None
+    """Optuna storage URL of the study, shared by every worker, e.g. `postgresql+psycopg://user@host/db`.
+    Default: sqlite `optuna.db` next to the MLflow store."""
+    study: str | None = None
+    """Optuna study name; workers with the same name and storage share one sweep. Default: the spec name and a
+    hash of the trial spec and the sweep."""
+    params: dict[str, SweepParam] = Field(default_factory=dict)
+    """Dotted spec key -> values or range, e.g. `"optim.lr" = { values = [0.1, 0.01] }`."""
 
 
 TorchSize = Annotated[int, Field(ge=1, lt=INT64_LIMIT)]  # a tensor dimension: torch takes a C int64
@@ -182,20 +143,13 @@ TorchSize = Annotated[int, Field(ge=1, lt=INT64_LIMIT)]  # a tensor dimension: t
 class ModelSpec(SpecTable):
     """``[model]``: which network to build."""
 
-    name: str = Field(
-        min_length=1,
-        description=(
-            "Model to build: a torchvision builder (`torchvision.resnet18`), a built-in "
-            "(`mlp`, `cnn`) or an import path `pkg.module:factory` returning an nn.Module."
-        ),
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`.",
-    )
-    output: str | int | None = Field(
-        default=None, description="The prediction in a dict, dataclass or tuple output: a key, attribute or index."
-    )
+    name: str = Field(min_length=1)
+    """Model to build: a torchvision builder (`torchvision.resnet18`), a built-in (`mlp`, `cnn`) or an import
+    path `pkg.module:factory` returning an nn.Module."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`."""
+    output: str | int | None = None
+    """The prediction in a dict, dataclass or tuple output: a key, attribute or index."""
 
     @field_validator("name")
     @classmethod
@@ -203,101 +157,81 @@ class ModelSpec(SpecTable):
         return _known(functools.partial(names.name_problem, model=True), name, info)
 
 
+class TransformSpec(SpecTable):
+    """One entry of ``data.transforms``: a transform class and its keyword arguments."""
+
+    name: str = Field(min_length=1)
+    """A torchvision.transforms.v2 class (e.g. "RandomHorizontalFlip") or "pkg.module:Transform"."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the class."""
+
+
+Transforms = list[Annotated[str, Field(min_length=1)] | TransformSpec]
+
+
+def transform_names(entries: Transforms) -> list[str]:
+    """The class names of ``data.transforms`` entries, bare or in a table."""
+    return [entry if isinstance(entry, str) else entry.name for entry in entries]
+
+
 class DataSpec(SpecTable):
     """``[data]``: dataset, split and loader settings. ``batch_size`` is global."""
 
-    dataset: str = Field(
-        min_length=1,
-        description=(
-            "Dataset: `sklearn.digits` or `sklearn.diabetes` (shipped with scikit-learn), `torchvision.<Name>` (e.g. "
-            "`torchvision.MNIST`, read from `root`), `imagefolder` (`root`/train and `root`/val), `synthetic` "
-            "(seeded random tensors) or `pkg.module:factory` (samples `(x, y)` or dicts of tensors)."
-        ),
-    )
-    root: str | None = Field(
-        default=None,
-        description=(
-            "Folder holding the data for torchvision and imagefolder datasets; a relative path is relative to "
-            "the file that writes it, or to the current directory when given with --set."
-        ),
-    )
-    download: bool = Field(
-        default=False,
-        description=("Let torchvision download missing files into `root`; without it runs never touch the network."),
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Extra keyword arguments for the dataset builder or factory.",
-    )
-    target: str | None = Field(default=None, min_length=1, description='Dict samples: the target key, e.g. "labels".')
-    image_size: int | None = Field(
-        default=None,
-        ge=1,
-        lt=INT64_LIMIT,
-        description=(
-            "Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native size."
-        ),
-    )
-    num_channels: int | None = Field(
-        default=None,
-        ge=1,
-        lt=INT64_LIMIT,
-        description=(
-            "Repeat grayscale images to this many channels (3 for ImageNet-style models), or make RGB images "
-            "grayscale with 1. Default: native."
-        ),
-    )
-    batch_size: int = Field(
-        ge=1,
-        lt=INT32_LIMIT,
-        description=(
-            "GLOBAL batch size: samples per optimizer step across all devices and processes. "
-            "dp scatters it; ddp loads batch_size / world_size per rank (must divide)."
-        ),
-    )
-    eval_batch_size: int | None = Field(
-        default=None, ge=1, lt=INT32_LIMIT, description="Global batch size for evaluation. Default: `batch_size`."
-    )
-    val_fraction: float = Field(
-        default=0.2,
-        ge=0.0,
-        lt=1.0,
-        description="Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables.",
-    )
-    test_fraction: float = Field(
-        default=0.0,
-        ge=0.0,
-        lt=1.0,
-        description=(
-            "Fraction of the training set held out as the test split (drawn with `split_seed` after the validation "
-            "samples, so these stay the same); the final model is scored on it at the end (`test/*`). For datasets "
-            "split by val_fraction; imagefolder reads `root`/test, a factory may return (train, val, test)."
-        ),
-    )
-    split_seed: int = Field(
-        default=0,
-        ge=0,
-        lt=INT64_LIMIT,
-        description=(
-            "Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change "
-            "`seed` score on the same validation samples; 0 <= split_seed < 2**63 (a torch.Generator seed)."
-        ),
-    )
-    shuffle: bool = Field(default=True, description="Reshuffle training samples every epoch.")
-    drop_last: bool = Field(default=False, description="Drop the last incomplete training batch of each epoch.")
-    num_workers: int = Field(default=0, ge=0, le=256, description="DataLoader worker processes per rank (at most 256).")
-    pin_memory: bool = Field(default=False, description="Pin host memory for faster host-to-GPU copies.")
-    persistent_workers: bool = Field(
-        default=False,
-        description="Keep DataLoader workers alive between epochs (needs num_workers > 0).",
-    )
-    num_samples: int = Field(default=1024, ge=1, lt=INT64_LIMIT, description="`synthetic` only: number of samples.")
-    input_shape: list[TorchSize] = Field(
-        default_factory=lambda: [64],
-        min_length=1,
-        description="`synthetic` only: shape of one sample, e.g. [3, 32, 32].",
-    )
-    num_classes: int = Field(default=10, ge=2, lt=INT64_LIMIT, description="`synthetic` only: number of classes.")
+    dataset: str = Field(min_length=1)
+    """Dataset: `sklearn.digits` or `sklearn.diabetes` (shipped with scikit-learn), `torchvision.<Name>` (e.g.
+    `torchvision.MNIST`, read from `root`), `imagefolder` (`root`/train and `root`/val), `synthetic` (seeded
+    random tensors) or `pkg.module:factory` (samples `(x, y)` or dicts of tensors)."""
+    root: str | None = None
+    """Folder holding the data for torchvision and imagefolder datasets; a relative path is relative to the
+    file that writes it, or to the current directory when given with --set."""
+    download: bool = False
+    """Let torchvision download missing files into `root`; without it runs never touch the network."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the dataset builder or factory."""
+    target: str | None = Field(default=None, min_length=1)
+    """Dict samples: the target key, e.g. "labels"."""
+    image_size: int | None = Field(default=None, ge=1, lt=INT64_LIMIT)
+    """Resize images to `image_size` x `image_size` pixels (e.g. 32 for ResNet on digits). Default: native
+    size."""
+    num_channels: int | None = Field(default=None, ge=1, lt=INT64_LIMIT)
+    """Repeat grayscale images to this many channels (3 for ImageNet-style models), or make RGB images
+    grayscale with 1. Default: native."""
+    batch_size: int = Field(ge=1, lt=INT32_LIMIT)
+    """GLOBAL batch size: samples per optimizer step across all devices and processes. dp scatters it; ddp
+    loads batch_size / world_size per rank (must divide)."""
+    eval_batch_size: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
+    """Global batch size for evaluation. Default: `batch_size`."""
+    val_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    """Fraction of the training set held out for validation (drawn with `split_seed`); 0 disables."""
+    test_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of the training set held out as the test split (drawn with `split_seed` after the validation
+    samples, so these stay the same); the final model is scored on it at the end (`test/*`). For datasets
+    split by val_fraction; imagefolder reads `root`/test, a factory may return (train, val, test)."""
+    transforms: Transforms = Field(default_factory=list)
+    """Transforms of each training sample, in order: torchvision.transforms.v2 names or tables, e.g.
+    ["RandomHorizontalFlip", { name = "Normalize", kwargs = { mean = [0.5], std = [0.5] } }]; they see the
+    sample as the dataset gives it (images as float tensors in [0, 1], after image_size and num_channels)."""
+    eval_transforms: Transforms = Field(default_factory=list)
+    """Transforms of each validation and test sample (e.g. the same Normalize, no augmentation)."""
+    split_seed: int = Field(default=0, ge=0, lt=INT64_LIMIT)
+    """Seeds the validation split (and the samples of `synthetic`), apart from `seed`: runs that change `seed`
+    score on the same validation samples; 0 <= split_seed < 2**63 (a torch.Generator seed)."""
+    shuffle: bool = True
+    """Reshuffle training samples every epoch."""
+    drop_last: bool = False
+    """Drop the last incomplete training batch of each epoch."""
+    num_workers: int = Field(default=0, ge=0, le=256)
+    """DataLoader worker processes per rank (at most 256)."""
+    pin_memory: bool = False
+    """Pin host memory for faster host-to-GPU copies."""
+    persistent_workers: bool = False
+    """Keep DataLoader workers alive between epochs (needs num_workers > 0)."""
+    num_samples: int = Field(default=1024, ge=1, lt=INT64_LIMIT)
+    """`synthetic` only: number of samples."""
+    input_shape: list[TorchSize] = Field(default_factory=lambda: [64], min_length=1)
+    """`synthetic` only: shape of one sample, e.g. [3, 32, 32]."""
+    num_classes: int = Field(default=10, ge=2, lt=INT64_LIMIT)
+    """`synthetic` only: number of classes."""
 
     rule = rules.check_data
 
@@ -317,52 +251,48 @@ def _known(problem_of: Callable[[str, Path | None], str | None], name: str, info
 class ExperimentSpec(SpecTable):
     """A whole experiment spec: the root of the TOML file."""
 
-    name: str = Field(min_length=1, description="Experiment name; also the default MLflow experiment.")
-    description: str = Field(default="", description="Free text, recorded as the MLflow run description.")
-    seed: int = Field(
-        default=0,
-        ge=0,
-        lt=INT64_LIMIT,
-        description=(
-            "Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 "
-            "(torch.manual_seed takes 64 bits, and epoch e shuffles with seed + e)."
-        ),
-    )
-    deterministic: bool = Field(
-        default=False,
-        description="Use PyTorch's deterministic algorithms (and the settings they need).",
-    )
-    tags: dict[str, str] = Field(
-        default_factory=dict,
-        description='Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1".',
-    )
-    model: ModelSpec = Field(description="The network to build.")
-    data: DataSpec = Field(description="Dataset, split and loaders; batch_size is global.")
-    devices: DevicesSpec = Field(default_factory=DevicesSpec, description="Accelerator and device ids.")
-    parallel: ParallelSpec = Field(
-        default_factory=ParallelSpec, description="Parallel mode (none, dp, ddp, fsdp) and its options."
-    )
-    optim: OptimSpec = Field(description="The optimizer.")
-    scheduler: SchedulerSpec | None = Field(default=None, description="Optional learning-rate schedule.")
-    early_stopping: EarlyStoppingSpec | None = Field(
-        default=None, description="End training when a metric stops improving. Default: off."
-    )
-    loss: LossSpec = Field(default_factory=LossSpec, description="The loss minimised.")
-    metrics: MetricsSpec | None = Field(default=None, description="torchmetrics; default: accuracy when classifying.")
-    train: TrainSpec = Field(default_factory=TrainSpec, description="The training loop.")
-    callbacks: list[CallbackSpec] = Field(
-        default_factory=list, description="Your objects whose hooks training calls; rank 0 only unless they ask."
-    )
-    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow tracking.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints for resume.")
-    sweep: SweepSpec | None = Field(default=None, description="Trials for `runner sweep`; ignored by `runner exec`.")
-    profile: ProfileSpec | None = Field(
-        default=None,
-        description=(
-            "Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top "
-            "operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."
-        ),
-    )
+    name: str = Field(min_length=1)
+    """Experiment name; also the default MLflow experiment."""
+    description: str = ""
+    """Free text, recorded as the MLflow run description."""
+    seed: int = Field(default=0, ge=0, lt=INT64_LIMIT)
+    """Seeds Python, NumPy, torch (CPU and CUDA) and DataLoader workers; 0 <= seed < 2**63 (torch.manual_seed
+    takes 64 bits, and epoch e shuffles with seed + e)."""
+    deterministic: bool = False
+    """Use PyTorch's deterministic algorithms (and the settings they need)."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra MLflow tags for the run; MLflow tags are strings, so `--set tags.a=1` records "1"."""
+    model: ModelSpec
+    """The network to build."""
+    data: DataSpec
+    """Dataset, split and loaders; batch_size is global."""
+    devices: DevicesSpec = Field(default_factory=DevicesSpec)
+    """Accelerator and device ids."""
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    """Parallel mode (none, dp, ddp, fsdp) and its options."""
+    optim: OptimSpec
+    """The optimizer."""
+    scheduler: SchedulerSpec | None = None
+    """Optional learning-rate schedule."""
+    early_stopping: EarlyStoppingSpec | None = None
+    """End training when a metric stops improving. Default: off."""
+    loss: LossSpec = Field(default_factory=LossSpec)
+    """The loss minimised."""
+    metrics: MetricsSpec | None = None
+    """torchmetrics; default: accuracy when classifying."""
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    """The training loop."""
+    callbacks: list[CallbackSpec] = Field(default_factory=list)
+    """Your objects whose hooks training calls; rank 0 only unless they ask."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """MLflow tracking."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoints for resume."""
+    sweep: SweepSpec | None = None
+    """Trials for `runner sweep`; ignored by `runner exec`."""
+    profile: ProfileSpec | None = None
+    """Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top
+    operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."""
 
     rule = rules.check_experiment
 

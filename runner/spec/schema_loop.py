@@ -23,16 +23,16 @@ class ParamGroupSpec(SpecTable):
     """``[[optim.groups]]``: the parameters whose names ``match`` a regular expression, with options of their own
     (torch's parameter groups): no weight decay on biases and norms, a lower lr for a backbone."""
 
-    match: str = Field(
-        min_length=1,
-        description='Regular expression searched in each parameter name (named_parameters()), e.g. "bias|norm".',
-    )
-    lr: float | None = Field(default=None, gt=0, description="This group's learning rate (default: optim.lr).")
-    weight_decay: float | None = Field(default=None, ge=0, description="This group's weight decay.")
-    momentum: float | None = Field(default=None, ge=0, lt=1, description="This group's momentum (sgd, rmsprop).")
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."
-    )
+    match: str = Field(min_length=1)
+    """Regular expression searched in each parameter name (named_parameters()), e.g. "bias|norm"."""
+    lr: float | None = Field(default=None, gt=0)
+    """This group's learning rate (default: optim.lr)."""
+    weight_decay: float | None = Field(default=None, ge=0)
+    """This group's weight decay."""
+    momentum: float | None = Field(default=None, ge=0, lt=1)
+    """This group's momentum (sgd, rmsprop)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."""
 
     rule = rules.check_param_group
 
@@ -40,27 +40,19 @@ class ParamGroupSpec(SpecTable):
 class OptimSpec(SpecTable):
     """``[optim]``: the optimizer: any class of torch.optim by name, or a factory of your own."""
 
-    name: str = Field(
-        default="sgd",
-        min_length=1,
-        description=(
-            "A torch.optim class by name, case-insensitive (sgd, adam, adamw, adadelta, RMSprop, NAdam, ...), or "
-            '"pkg.module:factory" called as factory(params, lr=..., **kwargs).'
-        ),
-    )
-    lr: float = Field(gt=0, description="Learning rate (base value before any scheduler).")
-    momentum: float = Field(default=0.0, ge=0, lt=1, description="sgd and rmsprop only: momentum factor.")
-    weight_decay: float = Field(default=0.0, ge=0, description="L2 penalty (decoupled for adamw).")
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "Further keyword arguments for the optimizer, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."
-        ),
-    )
-    groups: list[ParamGroupSpec] = Field(
-        default_factory=list,
-        description="Parameter groups, first match wins; the other parameters keep the options above.",
-    )
+    name: str = Field(default="sgd", min_length=1)
+    """A torch.optim class by name, case-insensitive (sgd, adam, adamw, adadelta, RMSprop, NAdam, ...), or
+    "pkg.module:factory" called as factory(params, lr=..., **kwargs)."""
+    lr: float = Field(gt=0)
+    """Learning rate (base value before any scheduler)."""
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    """sgd and rmsprop only: momentum factor."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """L2 penalty (decoupled for adamw)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments for the optimizer, e.g. `{ nesterov = true }` or `{ betas = [0.9, 0.99] }`."""
+    groups: list[ParamGroupSpec] = Field(default_factory=list)
+    """Parameter groups, first match wins; the other parameters keep the options above."""
 
     rule = rules.check_optim
 
@@ -73,36 +65,19 @@ class OptimSpec(SpecTable):
 class SchedulerSpec(SpecTable):
     """``[scheduler]``: optional learning-rate schedule (torch.optim.lr_scheduler)."""
 
-    name: str = Field(
-        min_length=1,
-        description=(
-            "A torch.optim.lr_scheduler class by name, case-insensitive (StepLR, CosineAnnealingLR, PolynomialLR, "
-            "...), a short name (step, multistep, exponential, cosine, onecycle, linear), or "
-            '"pkg.module:factory" called as factory(optimizer, **kwargs).'
-        ),
-    )
-    warmup_steps: int = Field(
-        default=0,
-        ge=0,
-        lt=INT64_LIMIT,
-        description="Optimizer steps of linear warm-up from lr/(warmup_steps+1) before the schedule (SequentialLR).",
-    )
-    interval: Literal["epoch", "step"] = Field(
-        default="epoch",
-        description="Call scheduler.step() after every `epoch` or every optimizer `step`.",
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`.",
-    )
-    monitor: str | None = Field(
-        default=None,
-        min_length=1,
-        description=(
-            'ReduceLROnPlateau only: the metric it steps on after each evaluation, e.g. "val/loss" (any metric '
-            'logged per epoch); its `mode` ("min" or "max") is one of its kwargs.'
-        ),
-    )
+    name: str = Field(min_length=1)
+    """A torch.optim.lr_scheduler class by name, case-insensitive (StepLR, CosineAnnealingLR, PolynomialLR,
+    ...), a short name (step, multistep, exponential, cosine, onecycle, linear), or "pkg.module:factory"
+    called as factory(optimizer, **kwargs)."""
+    warmup_steps: int = Field(default=0, ge=0, lt=INT64_LIMIT)
+    """Optimizer steps of linear warm-up from lr/(warmup_steps+1) before the schedule (SequentialLR)."""
+    interval: Literal["epoch", "step"] = "epoch"
+    """Call scheduler.step() after every `epoch` or every optimizer `step`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the scheduler class, e.g. `{ step_size = 10, gamma = 0.1 }`."""
+    monitor: str | None = Field(default=None, min_length=1)
+    """ReduceLROnPlateau only: the metric it steps on after each evaluation, e.g. "val/loss" (any metric
+    logged per epoch); its `mode` ("min" or "max") is one of its kwargs."""
 
     rule = rules.check_scheduler
 
@@ -118,22 +93,24 @@ Goal = Literal["min", "max"]
 class EarlyStoppingSpec(SpecTable):
     """``[early_stopping]``: end training when a metric logged per epoch stops improving (the run is FINISHED)."""
 
-    metric: str = Field(min_length=1, description='The metric watched, e.g. "val/loss" (any metric logged per epoch).')
-    goal: Goal = Field(default="min", description="Whether a smaller (`min`) or larger (`max`) value is better.")
-    patience: int = Field(
-        default=3, ge=1, lt=INT64_LIMIT, description="Evaluations in a row without improvement before training stops."
-    )
-    min_delta: float = Field(
-        default=0.0, ge=0, description="An improvement is a change beyond this much in the goal's direction."
-    )
+    metric: str = Field(min_length=1)
+    """The metric watched, e.g. "val/loss" (any metric logged per epoch)."""
+    goal: Goal = "min"
+    """Whether a smaller (`min`) or larger (`max`) value is better."""
+    patience: int = Field(default=3, ge=1, lt=INT64_LIMIT)
+    """Evaluations in a row without improvement before training stops."""
+    min_delta: float = Field(default=0.0, ge=0)
+    """An improvement is a change beyond this much in the goal's direction."""
 
 
 class CallbackSpec(SpecTable):
     """``[[callbacks]]``: an object of yours whose hooks training calls (on_train_start, on_validation_end,
     on_epoch_end, on_train_end), with a context that logs metrics, figures, images and files to the run."""
 
-    name: str = Field(min_length=1, description='"pkg.module:factory" called as factory(**kwargs) on every rank.')
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+    name: str = Field(min_length=1)
+    """"pkg.module:factory" called as factory(**kwargs) on every rank."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the factory."""
 
     @field_validator("name")
     @classmethod
@@ -144,60 +121,33 @@ class CallbackSpec(SpecTable):
 class TrainSpec(SpecTable):
     """``[train]``: the loop."""
 
-    epochs: int = Field(default=1, ge=1, description="Passes over the training set.")
-    max_steps: int | None = Field(
-        default=None, ge=1, description="Stop after this many optimizer steps, even mid-epoch. Default: no limit."
-    )
-    grad_accum_steps: int = Field(
-        default=1,
-        ge=1,
-        description="Micro-batches accumulated per optimizer step; the global batch is split into this many.",
-    )
-    amp: Literal["no", "bf16", "fp16"] = Field(
-        default="no",
-        description="Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler).",
-    )
-    clip_grad_norm: float | None = Field(
-        default=None, gt=0, description="Clip the global L2 norm of gradients to this value. Default: no clipping."
-    )
-    compile: bool = Field(
-        default=False,
-        description=(
-            "torch.compile the model: the model under none, the wrapped model under ddp, each block before "
-            "sharding under fsdp; not under dp."
-        ),
-    )
-    compile_backend: str = Field(
-        default="inductor",
-        min_length=1,
-        description="train.compile only: the torch.compile backend (torch._dynamo.list_backends()).",
-    )
-    activation_checkpointing: bool = Field(
-        default=False,
-        description=(
-            "Recompute each block's activations in backward instead of keeping them (non-reentrant "
-            "torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child "
-            "with parameters): less memory, about one more forward. Not under dp."
-        ),
-    )
-    on_nonfinite: Literal["stop", "warn", "ignore"] = Field(
-        default="stop",
-        description="On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`.",
-    )
-    log_every_n_steps: int = Field(
-        default=10, ge=1, description="Log train/loss and lr every N optimizer steps and at the last step."
-    )
-    eval_every_n_epochs: int = Field(default=1, ge=1, description="Evaluate on the validation split every N epochs.")
-    ema_decay: float | None = Field(
-        default=None,
-        gt=0,
-        lt=1,
-        description=(
-            "Keep an exponential moving average of the weights with this decay, e.g. 0.999 (updated after each "
-            "optimizer step); validation, the logged model and `runner export --ema` use it. Default: none."
-        ),
-    )
-    progress: Literal["auto", "bar", "lines", "off"] = Field(
-        default="auto",
-        description="Progress display: a bar on a terminal, plain lines otherwise (auto).",
-    )
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the training set."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimizer steps, even mid-epoch. Default: no limit."""
+    grad_accum_steps: int = Field(default=1, ge=1)
+    """Micro-batches accumulated per optimizer step; the global batch is split into this many."""
+    amp: Literal["no", "bf16", "fp16"] = "no"
+    """Mixed precision: no, bf16 (CPU and CUDA) or fp16 (CUDA, with a GradScaler)."""
+    clip_grad_norm: float | None = Field(default=None, gt=0)
+    """Clip the global L2 norm of gradients to this value. Default: no clipping."""
+    compile: bool = False
+    """torch.compile the model: the model under none, the wrapped model under ddp, each block before sharding
+    under fsdp; not under dp."""
+    compile_backend: str = Field(default="inductor", min_length=1)
+    """train.compile only: the torch.compile backend (torch._dynamo.list_backends())."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (non-reentrant
+    torch.utils.checkpoint; the blocks are parallel.fsdp_blocks under fsdp, else each direct child with
+    parameters): less memory, about one more forward. Not under dp."""
+    on_nonfinite: Literal["stop", "warn", "ignore"] = "stop"
+    """On a non-finite loss or gradient norm: `stop` (the run FAILS), `warn` or `ignore`."""
+    log_every_n_steps: int = Field(default=10, ge=1)
+    """Log train/loss and lr every N optimizer steps and at the last step."""
+    eval_every_n_epochs: int = Field(default=1, ge=1)
+    """Evaluate on the validation split every N epochs."""
+    ema_decay: float | None = Field(default=None, gt=0, lt=1)
+    """Keep an exponential moving average of the weights with this decay, e.g. 0.999 (updated after each
+    optimizer step); validation, the logged model and `runner export --ema` use it. Default: none."""
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """Progress display: a bar on a terminal, plain lines otherwise (auto)."""

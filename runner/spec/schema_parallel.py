@@ -70,35 +70,18 @@ def modes_with(key: str) -> list[str]:
 class DevicesSpec(SpecTable):
     """``[devices]``: which accelerator and which of the visible devices."""
 
-    accelerator: Accelerator = Field(
-        default="auto",
-        description="`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU).",
-    )
-    ids: list[int] | Literal["all"] = Field(
-        default="all",
-        description=(
-            "Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), "
-            "or `all`. mode = none runs on the first of them (a note says so). Inactive when the run is on "
-            "CPU."
-        ),
-    )
-    threads_per_process: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "CPU threads (torch intra-op and inter-op) of each training process; 0 = OMP_NUM_THREADS when set, "
-            "else the usable cores (CPU affinity; under Slurm its CPUs per task) / training processes on the node."
-        ),
-    )
+    accelerator: Accelerator = "auto"
+    """`cuda`, `cpu`, or `auto` (CUDA when a GPU is visible, else CPU)."""
+    ids: list[int] | Literal["all"] = "all"
+    """Indices into the GPUs visible when runner starts (after any inherited CUDA_VISIBLE_DEVICES), or `all`.
+    mode = none runs on the first of them (a note says so). Inactive when the run is on CPU."""
+    threads_per_process: int = Field(default=0, ge=0)
+    """CPU threads (torch intra-op and inter-op) of each training process; 0 = OMP_NUM_THREADS when set, else
+    the usable cores (CPU affinity; under Slurm its CPUs per task) / training processes on the node."""
 
-    peak_tflops: float | None = Field(
-        default=None,
-        gt=0,
-        description=(
-            "Peak dense TFLOP/s of one device at the run's precision, for the run's MFU metrics; replaces runner's "
-            "table of known GPUs (docs/design.md §10). Default: the table's figure, else no MFU (CPUs, unknown GPUs)."
-        ),
-    )
+    peak_tflops: float | None = Field(default=None, gt=0)
+    """Peak dense TFLOP/s of one device at the run's precision, for the run's MFU metrics; replaces runner's
+    table of known GPUs (docs/design.md §10). Default: the table's figure, else no MFU (CPUs, unknown GPUs)."""
 
     rule = rules.check_devices
 
@@ -107,82 +90,50 @@ class ParallelSpec(SpecTable):
     """``[parallel]``: how the model is replicated; another mode's options are inactive, not errors (docs/design.md
     §10)."""
 
-    mode: ParallelMode = Field(
-        default="none",
-        description=(
-            "`none` (one device), `dp` (torch.nn.DataParallel, one process), "
-            "`ddp` (DistributedDataParallel, one process per device) or `fsdp` (fully_shard: parameters, "
-            "gradients and optimizer state sharded over one process per device)."
-        ),
-    )
+    mode: ParallelMode = "none"
+    """`none` (one device), `dp` (torch.nn.DataParallel, one process), `ddp` (DistributedDataParallel, one
+    process per device) or `fsdp` (fully_shard: parameters, gradients and optimizer state sharded over one
+    process per device)."""
     # --- dp
-    output_device: int | None = Field(
-        default=None, ge=0, description="dp only: device id (from devices.ids) that gathers outputs. Default: first id."
-    )
-    dim: int = Field(default=0, ge=0, description="dp only: batch dimension the input is scattered along.")
+    output_device: int | None = Field(default=None, ge=0)
+    """dp only: device id (from devices.ids) that gathers outputs. Default: first id."""
+    dim: int = Field(default=0, ge=0)
+    """dp only: batch dimension the input is scattered along."""
     # --- ddp
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        default="auto",
-        description="ddp and fsdp: process-group backend; auto = nccl on CUDA, gloo on CPU.",
-    )
-    nproc_per_node: int | None = Field(
-        default=None,
-        ge=1,
-        description="ddp and fsdp: worker processes per node. Default: number of device ids on CUDA, 1 on CPU.",
-    )
-    nnodes: int = Field(default=1, ge=1, description="ddp and fsdp: number of nodes.")
-    node_rank: int = Field(default=0, ge=0, description="ddp and fsdp: rank of this node, 0 .. nnodes-1.")
-    rdzv_endpoint: str | None = Field(
-        default=None,
-        description="ddp and fsdp: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port.",
-    )
-    rdzv_id: str = Field(
-        default="runner",
-        min_length=1,
-        description="ddp and fsdp: rendezvous (job) id shared by all nodes.",
-    )
-    max_restarts: int = Field(default=0, ge=0, description="ddp and fsdp: elastic restarts of failed workers.")
-    timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        le=7 * 24 * 3600,
-        description="ddp and fsdp: process-group timeout in seconds (at most a week); a hung collective fails then.",
-    )
-    hang_grace_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=3600,
-        description=(
-            "ddp and fsdp: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint "
-            "excepted) before it counts as hung and ends itself, instead of torch's 30 s wait."
-        ),
-    )
-    find_unused_parameters: bool = Field(
-        default=False, description="ddp only: allow parameters that get no gradient in a step."
-    )
-    static_graph: bool = Field(default=False, description="ddp only: the set of used parameters never changes.")
-    gradient_as_bucket_view: bool = Field(
-        default=False,
-        description="ddp only: gradients are views into the all-reduce buckets (saves memory).",
-    )
-    sync_batchnorm: bool = Field(
-        default=False, description="ddp and fsdp, CUDA only: convert BatchNorm layers to SyncBatchNorm."
-    )
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """ddp and fsdp: process-group backend; auto = nccl on CUDA, gloo on CPU."""
+    nproc_per_node: int | None = Field(default=None, ge=1)
+    """ddp and fsdp: worker processes per node. Default: number of device ids on CUDA, 1 on CPU."""
+    nnodes: int = Field(default=1, ge=1)
+    """ddp and fsdp: number of nodes."""
+    node_rank: int = Field(default=0, ge=0)
+    """ddp and fsdp: rank of this node, 0 .. nnodes-1."""
+    rdzv_endpoint: str | None = None
+    """ddp and fsdp: c10d rendezvous `host:port`; required when nnodes > 1. Default: a free local port."""
+    rdzv_id: str = Field(default="runner", min_length=1)
+    """ddp and fsdp: rendezvous (job) id shared by all nodes."""
+    max_restarts: int = Field(default=0, ge=0)
+    """ddp and fsdp: elastic restarts of failed workers."""
+    timeout_s: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
+    """ddp and fsdp: process-group timeout in seconds (at most a week); a hung collective fails then."""
+    hang_grace_s: float = Field(default=10.0, gt=0, le=3600)
+    """ddp and fsdp: seconds a rank may make no progress after SIGTERM or SIGINT (writing a checkpoint
+    excepted) before it counts as hung and ends itself, instead of torch's 30 s wait."""
+    find_unused_parameters: bool = False
+    """ddp only: allow parameters that get no gradient in a step."""
+    static_graph: bool = False
+    """ddp only: the set of used parameters never changes."""
+    gradient_as_bucket_view: bool = False
+    """ddp only: gradients are views into the all-reduce buckets (saves memory)."""
+    sync_batchnorm: bool = False
+    """ddp and fsdp, CUDA only: convert BatchNorm layers to SyncBatchNorm."""
     # --- fsdp
-    fsdp_blocks: list[str] | None = Field(
-        default=None,
-        description=(
-            'fsdp only: class names of the modules sharded as one unit each (e.g. ["TransformerBlock"]), '
-            "before the root. Default: each direct child of the model that has parameters."
-        ),
-    )
-    reshard_after_forward: bool = Field(
-        default=True,
-        description=(
-            "fsdp only: free the gathered parameters after forward and gather them again for backward "
-            "(less memory, more communication)."
-        ),
-    )
+    fsdp_blocks: list[str] | None = None
+    """fsdp only: class names of the modules sharded as one unit each (e.g. ["TransformerBlock"]), before the
+    root. Default: each direct child of the model that has parameters."""
+    reshard_after_forward: bool = True
+    """fsdp only: free the gathered parameters after forward and gather them again for backward (less memory,
+    more communication)."""
 
     rule = rules.check_parallel
 

@@ -16,12 +16,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import optuna
+from optuna.trial import TrialState
+
 from runner.errors import UsageError, mask_secrets
 from runner.tools.sweep_space import SweepDefinition, Trial, TrialResult, decode_choice
 from runner.tracking.uri import local_store_path
 
 if TYPE_CHECKING:
-    import optuna
     from optuna.pruners import BasePruner
     from optuna.samplers import BaseSampler
     from optuna.storages import RDBStorage
@@ -50,7 +52,6 @@ class SweepStudy:
     @classmethod
     def join(cls, storage: RDBStorage, url: str, name: str, definition: SweepDefinition) -> SweepStudy:
         """The existing study ``name`` (a warm worker's view of the study its ``runner sweep`` opened)."""
-        import optuna
 
         study = optuna.load_study(
             study_name=name, storage=storage, sampler=make_sampler(definition), pruner=make_pruner(definition)
@@ -74,7 +75,6 @@ class SweepStudy:
         The founder calls ``found`` once (it makes the parent run and returns its id) and records ``spec_sha256``;
         ``unfound`` removes that run when the set-up fails after it. Raises UsageError: The study exists with another
         definition, or its founder never finished setting it up. StorageError: The storage refuses a request."""
-        import optuna
 
         sampler, pruner = make_sampler(definition), make_pruner(definition)
         direction: Literal["maximize", "minimize"] = "maximize" if definition.goal == "max" else "minimize"
@@ -160,9 +160,7 @@ class SweepStudy:
 
     def next_trial(self) -> optuna.Trial | None:
         """The next WAITING trial or ``None``, taken in one conditional UPDATE (docs/design.md §16)."""
-        import optuna
         from optuna.storages._rdb.models import TrialModel as T
-        from optuna.trial import TrialState
 
         # Listed through the study (not the raw storage): Optuna's cache of the study then knows the trials.
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -211,7 +209,6 @@ class SweepStudy:
         False when another worker had taken it over (its heartbeat stopped): the result is not recorded."""
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.storages import RetryHeartbeatStaleTrialCallback
-        from optuna.trial import TrialState
 
         value = result.metric_value
         try:
@@ -230,7 +227,6 @@ class SweepStudy:
 
     def fail_dead(self, number: int, error: str) -> bool:
         """Fail trial ``number`` whose worker died; False when it had already finished and its result stands."""
-        from optuna.trial import TrialState
 
         trial_id = self.trial_id(number)
         if self.storage.get_trial(trial_id).state.is_finished():
@@ -244,7 +240,6 @@ class SweepStudy:
         """Fail and enqueue again the RUNNING trials without heartbeats; return their numbers (their runs end
         KILLED)."""
         from optuna.storages import fail_stale_trials
-        from optuna.trial import TrialState
 
         running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         if not running:
@@ -258,7 +253,6 @@ class SweepStudy:
         yet)."""
         import sqlalchemy
         from optuna.storages._rdb import models
-        from optuna.trial import TrialState
 
         session = self.storage.scoped_session()
         try:
@@ -359,7 +353,6 @@ def open_storage(url: str, *, heartbeat: bool = True, attempts: int = 5) -> RDBS
     Workers creating a new storage's tables at once race, and the loser tries again (``attempts``). ``heartbeat`` fails
     trials whose worker went silent. Raises StorageError: malformed URL, driver missing, or refused.
     """
-    import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from runner.errors import did_you_mean, first_line, with_hint
 from runner.training.models import spec_issue
-from runner.training.sources import TensorPairDataset, load_source, source_text
+from runner.training.sources import TensorPairDataset, Transformed, build_transforms, load_source, source_text
 
 if TYPE_CHECKING:
     from runner.spec.schema import DataSpec, ExperimentSpec
@@ -156,7 +156,11 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
     train, val, test = source.train, source.val, source.test
     if dataset_len(train) == 0:
         raise spec_issue("data.dataset", f"{name} has no training samples")
-    input_shape, target_shape, keys = _first_sample(train, name, data.target)
+    augment = build_transforms(data.transforms, "data.transforms", spec_dir)
+    evaluate = build_transforms(data.eval_transforms, "data.eval_transforms", spec_dir)
+    for transform, key, part in ((augment, "data.transforms", train), (evaluate, "data.eval_transforms", val)):
+        _probe_transform(part if part is not None else train, transform, key)
+    input_shape, target_shape, keys = _first_sample(_through(train, augment), name, data.target)
     num_classes = _label_count(train, data.target)
     train_members: Sequence[int] | Sequence[str] | None
     val_members: Sequence[int] | Sequence[str] | None
@@ -189,7 +193,23 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
         num_test=num_test,
         test_digest=part_digest(settings, "test", file_list(test), num_test) if test is not None and num_test else None,
     )
-    return DatasetBundle(train=train, val=val, info=info, test=test)
+    return DatasetBundle(_through(train, augment), _through(val, evaluate), info, _through(test, evaluate))
+
+
+def _through(dataset: Dataset | None, transform: Callable[[Any], Any] | None) -> Any:
+    """``dataset`` with its samples through ``transform`` (as it is without one)."""
+    return Transformed(dataset, transform) if transform is not None and dataset is not None else dataset
+
+
+def _probe_transform(dataset: Dataset, transform: Callable[[Any], Any] | None, key: str) -> None:
+    """Pass sample 0 through ``transform``: one that cannot take the samples is a SpecError at ``key``."""
+    if transform is not None and dataset_len(dataset):
+        try:
+            transform(dataset[0])
+        except Exception as exc:  # the user's transform or torchvision's on a sample it cannot take
+            raise spec_issue(
+                key, f"sample 0 of the data cannot go through {key}: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def split_indices(
@@ -234,6 +254,7 @@ def data_settings(data: DataSpec) -> str:
     keys: tuple[str, ...] = ("dataset", "root", "kwargs", "image_size", "num_channels")
     if data.dataset == "synthetic":
         keys += ("num_samples", "input_shape", "num_classes", "split_seed")
+    keys += tuple(key for key in ("transforms", "eval_transforms") if getattr(data, key))
     return json.dumps({k: getattr(data, k) for k in keys}, sort_keys=True, default=str)
 
 

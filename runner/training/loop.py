@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted, stop_origin
 from runner.training import STARTUP_METRIC, WorkerResult
-from runner.training.batches import CollatedBatch, LoopParts, TrainState, shape_error
+from runner.training.batches import Batch, CollatedBatch, LoopParts, TrainState, shape_error
 from runner.training.metrics import MetricSet
 from runner.training.sampling import rank_batch_size
 from runner.training.sums import (
@@ -102,20 +102,30 @@ def train_step(
     clip_grad_norm: float | None,
     tally: Tally,
 ) -> float:
-    """One optimizer step over this rank's micro-batches of a global batch: accumulate under ``no_sync``, each summed
-    loss divided by ``global_size / world_size``, then clip, step, schedule. Returns the seconds waited for data."""
+    """One optimizer step over this rank's micro-batches of a global batch: fetch them all and know the global count
+    the loss's mean divides by (agreed by one small collective only where labels are ignored or weighted, as
+    torchtitan agrees on a step's tokens), then accumulate under ``no_sync`` each summed loss divided by ``count /
+    world_size`` (DDP averages the gradients over ranks), clip, step, schedule. Returns the seconds waited for
+    data."""
     strategy, model, io = parts.strategy, parts.model, parts.io
     share = rank_batch_size(global_size, strategy.world_size, strategy.rank)
-    denom = global_size / strategy.world_size
     waited = 0.0
-    parts.optimizer.zero_grad(set_to_none=True)
-    consumed = 0
-    while consumed < share:
+    micro: list[Batch] = []
+    while sum(batch.size for batch in micro) < share:
         fetch_start = time.perf_counter()
         raw = next(batches)
         waited += time.perf_counter() - fetch_start
-        batch = io.prepare(raw, strategy.device, strategy.output_device)
-        with contextlib.nullcontext() if consumed + batch.size >= share else strategy.no_sync(model):
+        micro.append(io.prepare(raw, strategy.device, strategy.output_device))
+    counts = [parts.loss.count(batch) for batch in micro]
+    local = sum(counts)
+    if parts.loss.counts_vary(micro[0]):  # ignored or weighted labels: the ranks agree on the global count
+        total = torch.as_tensor(local, dtype=torch.float64, device=strategy.output_device)
+        denom: torch.Tensor | float = (strategy.all_reduce_sum(total) / strategy.world_size).float()
+    else:  # every sample counts alike on every rank: no collective
+        denom = local / share * global_size / strategy.world_size
+    parts.optimizer.zero_grad(set_to_none=True)
+    for index, (batch, count) in enumerate(zip(micro, counts, strict=True)):
+        with contextlib.nullcontext() if index == len(micro) - 1 else strategy.no_sync(model):
             try:
                 with parts.precision.autocast():
                     out = io.forward(model, batch)
@@ -126,8 +136,7 @@ def train_step(
                     raise
                 raise located from exc
             parts.precision.backward(loss_sum / denom)
-        tally.add(loss_sum.detach(), batch, out, io)
-        consumed += batch.size
+        tally.add(loss_sum.detach(), count, batch, out, io)
     norm = None
     if clip_grad_norm is not None:
         parts.precision.unscale_(parts.optimizer)
@@ -225,7 +234,7 @@ def evaluate(parts: LoopParts, split: str = "val") -> dict[str, float]:
         with parts.precision.autocast():
             out = io.forward(module, batch)
             loss_sum = parts.loss(out, batch, io)
-        sums.add(loss_sum, batch.size)
+        sums.add(loss_sum, parts.loss.count(batch))
         if counted and batch.target is not None:
             sums.add_correct(count_correct(io.prediction(out), batch.target), batch.target.numel())
         if metrics:

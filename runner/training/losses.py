@@ -1,5 +1,5 @@
-"""Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each summed over samples. Details:
-docs/design.md, "Module notes"."""
+"""Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each a sum with the count
+PyTorch's mean would divide it by. Details: docs/design.md, "Module notes"."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def _named_parameters(function: Callable[..., Any]) -> set[str]:
 
 
 class Loss:
-    """A loss as the loop calls it: ``loss(out, batch, io)`` is the sum over the micro-batch's samples."""
+    """A loss as the loop calls it: ``loss(out, batch, io)`` is the micro-batch's sum and ``count(batch)`` what
+    PyTorch's ``reduction="mean"`` divides that sum by. The loop divides the global batch's sum by the global count,
+    so the logged loss is the named loss's mean over the global batch in every mode (a token of a sequence model
+    counts once, as ``F.cross_entropy`` counts it), and ``exp(loss)`` of a language model is its perplexity."""
 
     needs_target = True
 
@@ -52,24 +55,37 @@ class Loss:
         self.name = name
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
-        """Sum of the per-sample losses of ``batch``: a float32 (or float64) scalar on the output device."""
+        """Sum of the losses of ``batch``: a float32 (or float64) scalar on the output device."""
         raise NotImplementedError
+
+    def count(self, batch: Batch) -> torch.Tensor | float:
+        """What a mean divides the sum by: here the samples (a loss given as the mean of its batch is weighted by
+        the batch's size); known before the forward, so the loop knows the global count first."""
+        return float(batch.size)
+
+    def counts_vary(self, batch: Batch) -> bool:
+        """Whether the count of a global batch differs from its samples times one sample's count, so the ranks
+        must agree on it by a collective."""
+        return False
 
 
 class BuiltinLoss(Loss):
-    """A torch.nn loss with ``reduction="sum"`` on the prediction ``model.output`` selects."""
+    """A torch.nn loss with ``reduction="sum"`` on the prediction ``model.output`` selects, counted as its
+    ``reduction="mean"`` counts."""
 
-    def __init__(self, name: str, criterion: nn.Module) -> None:
+    def __init__(self, name: str, criterion: nn.Module, masked: bool = False) -> None:
         super().__init__(name)
         self.criterion = criterion
         self.elementwise = name in ELEMENTWISE
+        self.masked = masked  # loss.kwargs gives weight or ignore_index: labels count by them
         self.dataset_classes = 0  # the data's classes, for the message of a target out of bounds (set by setup)
 
     def __call__(self, out: ModelOutput, batch: Batch, io: BatchIO) -> torch.Tensor:
         pred = _wide(io.prediction(out))
-        target = batch.target
-        assert target is not None  # build_loss refuses dict batches without data.target
+        target = self._target(batch)
         if not self.elementwise:
+            if pred.dim() == 2 and target.dim() > 1 and not target.is_floating_point():
+                target = target.reshape(-1)  # a sequence model's (tokens, classes) against (batch, time) labels
             try:
                 return self.criterion(pred, target)
             except (IndexError, RuntimeError) as exc:
@@ -80,9 +96,36 @@ class BuiltinLoss(Loss):
                 f"{list(pred.shape)} for a target of {list(target.shape)}: make the model return as many values as "
                 "the target (for the built-in mlp: model.kwargs.num_classes = 1 for one regression target)"
             )
-        total = self.criterion(pred, target.to(pred.dtype).reshape(pred.shape))
-        per_sample = pred.numel() // max(1, batch.size)
-        return total / per_sample if per_sample > 1 else total
+        return self.criterion(pred, target.to(pred.dtype).reshape(pred.shape))
+
+    def count(self, batch: Batch) -> torch.Tensor | float:
+        """PyTorch's mean divisor: every value (element-wise losses); every sample and position of class
+        probabilities; every class label, but where :meth:`counts_vary` each label not ``ignore_index``, weighted
+        by its class ``weight`` when given."""
+        target = self._target(batch)
+        if self.elementwise:
+            return float(target.numel())
+        if target.is_floating_point():
+            return float(target.numel() // target.shape[1])
+        if not self.counts_vary(batch):
+            return float(target.numel())
+        kept = target[target != self.criterion.ignore_index]
+        weight: torch.Tensor | None = self.criterion.weight  # type: ignore[assignment]  # NLLLoss/CrossEntropyLoss
+        return weight.to(kept.device)[kept].sum().double() if weight is not None else float(kept.numel())
+
+    def counts_vary(self, batch: Batch) -> bool:
+        """Labels whose count is not fixed by the batch's shape: with class weights, an ``ignore_index`` given, or
+        labels per position (a sequence, where padding is usual). Plain labels (one per sample, no weight or
+        ignore_index given) count each sample: a step then needs no collective to know the global count."""
+        target = self._target(batch)
+        if self.elementwise or target.is_floating_point():
+            return False
+        return self.masked or target.dim() > 1
+
+    @staticmethod
+    def _target(batch: Batch) -> torch.Tensor:
+        assert batch.target is not None  # build_loss refuses dict batches without data.target
+        return batch.target
 
 
 def _out_of_bounds(exc: Exception, pred: torch.Tensor, classes: int) -> TrainingError | None:
@@ -152,7 +195,9 @@ def build_loss(loss_spec: LossSpec, spec_dir: Path | str | None) -> Loss:
     if name in PER_SAMPLE or name in ELEMENTWISE:
         cls = PER_SAMPLE.get(name) or ELEMENTWISE[name]
         try:
-            return BuiltinLoss(name, cls(reduction="sum", **kwargs))
+            return BuiltinLoss(
+                name, cls(reduction="sum", **kwargs), masked=bool({"weight", "ignore_index"} & set(kwargs))
+            )
         except (TypeError, ValueError, RuntimeError) as exc:
             message = f"{name} ({cls.__name__}) rejected {loss_spec.kwargs}: {first_line(exc)}"
             raise spec_issue("loss.kwargs", message) from None

@@ -7,7 +7,7 @@ import gzip
 import importlib.util
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from runner.errors import first_line, user_code_error
+from runner.errors import did_you_mean, first_line, user_code_error, with_hint
 from runner.spec.names import NOT_DATASETS, unknown_dataset
 from runner.training.models import installed_torchvision_names, resolve_factory, spec_issue, torchvision_package
 
 if TYPE_CHECKING:
-    from runner.spec.schema import DataSpec
+    from runner.spec.schema import DataSpec, Transforms
 
 IN_MEMORY = ("sklearn.digits", "sklearn.diabetes", "synthetic")  # built without reading files
 
@@ -75,6 +75,43 @@ class ImageTransform:
                 raise ValueError(f"cannot turn {x.shape[0]}-channel images into {self.num_channels} channels")
             x = x.expand(self.num_channels, *x.shape[1:]).contiguous()
         return x
+
+
+class Transformed(Dataset):
+    """``dataset``'s samples through ``transform``: torchvision's v2 transforms take the whole sample (an ``(x, y)``
+    pair or a dict) and change its image, the first plain tensor, leaving the target as it is."""
+
+    def __init__(self, dataset: Dataset, transform: Callable[[Any], Any]):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # map-style datasets have a length
+
+    def __getitem__(self, i: int) -> Any:
+        return self.transform(self.dataset[i])
+
+
+def build_transforms(entries: Transforms, key: str, spec_dir: Path | str | None) -> Callable[[Any], Any] | None:
+    """``data.transforms`` or ``data.eval_transforms`` as one v2 ``Compose`` (``None`` when empty); SpecError at
+    the entry for an unknown name or kwargs its class rejects."""
+    if not entries:
+        return None
+    from torchvision.transforms import v2
+
+    made = []
+    for index, entry in enumerate(entries):
+        name, kwargs = (entry, {}) if isinstance(entry, str) else (entry.name, entry.kwargs)
+        at = f"{key}[{index}]" if isinstance(entry, str) else f"{key}[{index}].name"
+        cls = resolve_factory(name, spec_dir, at) if ":" in name else getattr(v2, name, None)
+        if not callable(cls):
+            known = [n for n, obj in vars(v2).items() if isinstance(obj, type) and issubclass(obj, v2.Transform)]
+            problem = f"torchvision.transforms.v2 has no transform {name!r}"
+            raise spec_issue(at, with_hint(problem, did_you_mean(name, known) or 'or give "pkg.module:Transform"'))
+        try:
+            made.append(cls(**kwargs))
+        except (TypeError, ValueError) as exc:
+            raise spec_issue(f"{key}[{index}].kwargs", f"{name} rejected {kwargs}: {first_line(exc)}") from None
+    return v2.Compose(made)
 
 
 def to_long(y: Any) -> torch.Tensor:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class RunningSums:
-    """Running float64 sums on ``device`` (``[loss, clipped norm, samples, correct, predicted]``), reduced in one
+    """Running float64 sums on ``device`` (``[loss, clipped norm, loss count, correct, predicted]``), reduced in one
     collective; the norm sum turns non-finite with a step's norm; ``start`` restores rank-reduced sums."""
 
     SIZE = 5
@@ -35,8 +35,8 @@ class RunningSums:
             kept = start[: self.SIZE]
             self.sums[: len(kept)] += torch.tensor(kept, dtype=torch.float64, device=device)
 
-    def add(self, loss_sum: torch.Tensor, count: int) -> None:
-        """Add one micro-batch: its summed loss (a scalar) and its sample count."""
+    def add(self, loss_sum: torch.Tensor, count: torch.Tensor | float) -> None:
+        """Add one micro-batch: its summed loss and what the loss's mean divides it by (scalars)."""
         self.sums[0] += loss_sum.to(torch.float64)
         self.sums[2] += count
 
@@ -61,7 +61,7 @@ class RunningSums:
 
 
 def mean_loss(sums: list[float]) -> float:
-    """``loss sum / samples`` of reduced sums (``nan`` without samples)."""
+    """``loss sum / loss count`` of reduced sums: the loss's mean (``nan`` without a count)."""
     return sums[0] / sums[2] if sums[2] else math.nan
 
 
@@ -115,11 +115,13 @@ class Tally:
         tally.epoch_metrics.load_state(saved.get("epoch") or {})
         return tally
 
-    def add(self, loss_sum: torch.Tensor, batch: Batch, out: ModelOutput, io: BatchIO) -> None:
+    def add(
+        self, loss_sum: torch.Tensor, count: torch.Tensor | float, batch: Batch, out: ModelOutput, io: BatchIO
+    ) -> None:
         """Add a micro-batch to window and epoch: device work only, no host read, no collective."""
         sums = (self.window, self.epoch) if self.epoch is not None else (self.window,)
         for running in sums:
-            running.add(loss_sum, batch.size)
+            running.add(loss_sum, count)
         if self.counted_accuracy and batch.target is not None:
             target = batch.target
             correct = count_correct(io.prediction(out), target)

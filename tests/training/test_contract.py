@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
@@ -158,21 +159,47 @@ def _batch(io: BatchIO, x: torch.Tensor, y: torch.Tensor):
     return io.prepare((x, y), CPU, CPU)
 
 
-def test_builtin_losses_are_sums_of_per_sample_means() -> None:
+def _mean(loss: Any, pred: torch.Tensor, batch: Any, io: BatchIO) -> torch.Tensor:
+    return loss(pred, batch, io) / loss.count(batch)
+
+
+def test_builtin_losses_divided_by_their_count_are_pytorchs_default_mean() -> None:
     io = BatchIO(None, None, model_loss=False)
     pred, target = torch.randn(6, 3), torch.randn(6, 3)
     mse = build_loss(spec(loss={"name": "mse"}).loss, None)
-    total = mse(pred, _batch(io, torch.zeros(6, 1), target), io)
-    assert torch.allclose(total, torch.nn.functional.mse_loss(pred, target) * 6)
+    assert torch.allclose(_mean(mse, pred, _batch(io, torch.zeros(6, 1), target), io).float(), F.mse_loss(pred, target))
     logits, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
     ce = build_loss(spec(loss={"name": "cross_entropy", "kwargs": {"label_smoothing": 0.1}}).loss, None)
-    expected = torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
+    expected = F.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
     assert torch.equal(ce(logits, _batch(io, torch.zeros(6, 1), labels), io), expected)
     bce = build_loss(spec(loss={"name": "bce_with_logits", "kwargs": {"pos_weight": [2.0, 1.0, 1.0]}}).loss, None)
     multi = (torch.rand(6, 3) > 0.5).float()
-    got = bce(pred, _batch(io, torch.zeros(6, 1), multi), io)
+    got = _mean(bce, pred, _batch(io, torch.zeros(6, 1), multi), io).float()
     weight = torch.tensor([2.0, 1.0, 1.0])
-    assert torch.allclose(got, torch.nn.functional.binary_cross_entropy_with_logits(pred, multi, pos_weight=weight) * 6)
+    assert torch.allclose(got, F.binary_cross_entropy_with_logits(pred, multi, pos_weight=weight))
+
+
+def test_a_sequence_models_loss_counts_each_token_as_pytorch_does() -> None:
+    """A language model's nll was summed per sequence (35x F.nll_loss for 35 tokens): now it is the token mean,
+    ignored positions and class weights counted as PyTorch's mean counts them."""
+    io = BatchIO(None, None, model_loss=False)
+    tokens = torch.randint(0, 5, (4, 35))
+    tokens[0, :7] = -100
+    flat = torch.log_softmax(torch.randn(4 * 35, 5), dim=1)  # word_language_model's (batch * time, ntoken)
+    nll = build_loss(spec(loss={"name": "nll"}).loss, None)
+    batch = _batch(io, torch.zeros(4, 1), tokens)
+    assert torch.allclose(_mean(nll, flat, batch, io).float(), F.nll_loss(flat, tokens.reshape(-1)))
+    assert nll.count(batch) == 4 * 35 - 7
+    by_class = torch.randn(4, 5, 35)  # (batch, classes, time) as F.cross_entropy takes it
+    weights = [1.0, 2.0, 0.5, 1.0, 3.0]
+    ce = build_loss(spec(loss={"name": "cross_entropy", "kwargs": {"weight": weights}}).loss, None)
+    expected = F.cross_entropy(by_class, tokens, weight=torch.tensor(weights))
+    assert torch.allclose(_mean(ce, by_class, batch, io).float(), expected)
+    soft = torch.softmax(torch.randn(4, 5, 35), dim=1)
+    soft_batch = _batch(io, torch.zeros(4, 1), soft)
+    assert torch.allclose(
+        _mean(ce, by_class, soft_batch, io).float(), F.cross_entropy(by_class, soft, torch.tensor(weights))
+    )
 
 
 def test_a_target_out_of_bounds_names_num_classes_and_the_datasets_classes() -> None:

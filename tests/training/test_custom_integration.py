@@ -311,3 +311,68 @@ def test_a_batchnorm_model_meeting_one_sample_exits_2_at_the_batch_size_line_and
     line = next(i for i, text in enumerate(spec.read_text().splitlines(), 1) if text.startswith("batch_size"))
     assert f"{spec}:{line}: data.batch_size:" in err and "data.drop_last = true" in err and "BatchNorm" in err
     assert _runs(shared_store, "bn")[1] == []
+
+
+# --------------------------------------------------------------------------- a language model's loss is PyTorch's
+
+# word_language_model's layout: forward gives log-probabilities (batch * time, ntoken) for labels (batch, time);
+# the ends of some sequences are padding (-100), unevenly, so the two ranks of ddp-2 count different tokens.
+TINY_LM = """
+import math
+
+import torch
+from torch import nn
+
+
+class Tokens(torch.utils.data.Dataset):
+    vocab_size = 11
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(n)
+        self.x = torch.randint(0, self.vocab_size, (n, 12), generator=g)
+        self.y = (self.x + 1) % self.vocab_size  # the next token follows from this one
+        for i in range(n):
+            self.y[i, 12 - i % 5 :] = -100
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def sets():
+    return Tokens(48), Tokens(16)
+
+
+class LM(nn.Module):
+    def __init__(self, ntoken, zero=False):
+        super().__init__()
+        self.ntoken = ntoken
+        self.emb = nn.Embedding(ntoken, 8)
+        self.out = nn.Linear(8, ntoken)
+        if zero:
+            nn.init.zeros_(self.out.weight), nn.init.zeros_(self.out.bias)
+
+    def forward(self, x):
+        return torch.log_softmax(self.out(self.emb(x)).view(-1, self.ntoken), dim=1)
+"""
+
+
+def test_a_language_models_loss_is_the_token_mean_of_nll_in_none_and_ddp(in_repo: Path, store: str) -> None:
+    """PyTorch's F.nll_loss mean over the tokens of the global batch, padding left out, in none and ddp-2 alike."""
+    (in_repo / "tiny_lm.py").write_text(TINY_LM)
+    spec = in_repo / "lm.toml"
+    spec.write_text(
+        'name = "tiny-lm"\nseed = 0\n[model]\nname = "tiny_lm:LM"\nkwargs = { ntoken = "${data.vocab_size}" }\n'
+        '[data]\ndataset = "tiny_lm:sets"\nbatch_size = 16\n[loss]\nname = "nll"\n[metrics]\ntrain = []\nval = []\n'
+        '[optim]\nname = "sgd"\nlr = 0.5\n[train]\nepochs = 7\n[devices]\naccelerator = "cpu"\n'
+        '[tracking]\nexperiment = "tiny-lm"\n'
+    )
+    client, (single, _) = _none_and_ddp(str(spec), store, "tiny-lm", [])
+    assert single.data.metrics["val/loss"] < math.log(11)  # it learns, on the scale of one token's nll
+    zero = [f'tracking.uri="{store}"', 'train.progress="off"', "train.log_every_n_steps=1", "model.kwargs.zero=true"]
+    assert main(["exec", str(spec), *_sets([*zero, "train.epochs=1"])]) == 0
+    _, runs = _runs(store, "tiny-lm")
+    first = _history(client, runs[-1].info.run_id, "train/loss")[0]
+    assert first == (1, pytest.approx(math.log(11), rel=1e-6))  # a uniform prediction: ln(ntoken) per token

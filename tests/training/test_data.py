@@ -329,3 +329,46 @@ def test_an_rgb_image_folder_feeds_a_one_channel_model_as_grayscale(tmp_path):
     rgb = build_datasets(make_spec(dataset="imagefolder", root=str(tmp_path), image_size=6), None).train[0][0]
     weights = torch.tensor([0.2989, 0.587, 0.114]).view(3, 1, 1)  # ITU-R 601-2 luma, as torchvision weighs it
     assert torch.allclose(x, (rgb * weights).sum(0, keepdim=True), atol=1e-5)
+
+
+def test_transforms_change_training_samples_and_eval_transforms_the_held_out_ones(tmp_path):
+    """A grayscale folder for a 1-channel model, flipped for training and normalised everywhere, with no factory."""
+    write_images(tmp_path / "train", {"a": 4, "b": 4})
+    write_images(tmp_path / "val", {"a": 1, "b": 1})
+    normalize = {"name": "Normalize", "kwargs": {"mean": [0.5], "std": [0.25]}}
+    options = {"dataset": "imagefolder", "root": str(tmp_path), "num_channels": 1, "image_size": 6}
+    plain = build_datasets(make_spec(**options), None)
+    bundle = build_datasets(
+        make_spec(
+            **options,
+            transforms=[{"name": "RandomHorizontalFlip", "kwargs": {"p": 1.0}}, normalize],
+            eval_transforms=[normalize],
+        ),
+        None,
+    )
+    (x, y), (raw, raw_y) = bundle.train[0], plain.train[0]
+    assert y == raw_y and x.shape == raw.shape == (1, 6, 6) and bundle.info.input_shape == (1, 6, 6)
+    assert torch.allclose(x, (raw.flip(-1) - 0.5) / 0.25)
+    assert torch.allclose(bundle.val[0][0], (plain.val[0][0] - 0.5) / 0.25)  # normalised, not flipped
+    digits = build_datasets(make_spec(dataset="sklearn.digits", transforms=["RandomVerticalFlip"]), None)
+    assert digits.info.input_shape == (1, 8, 8) and digits.val is not None  # a bare name works; val untouched
+    assert torch.equal(digits.val[0][0], build_datasets(make_spec(dataset="sklearn.digits"), None).val[0][0])
+
+
+@pytest.mark.parametrize(
+    ("transforms", "key", "fragment"),
+    [
+        (["RandomHorizontalFlp"], "data.transforms[0]", 'did you mean "RandomHorizontalFlip"'),
+        ([{"name": "Resize", "kwargs": {"sise": 4}}], "data.transforms[0].kwargs", "Resize rejected"),
+        (
+            [{"name": "RandomErasing", "kwargs": {"p": 1.0, "value": [1, 2, 3]}}],  # 3 values, 1 channel
+            "data.transforms",
+            "sample 0 of the data cannot go through data.transforms",
+        ),
+    ],
+)
+def test_a_transform_that_cannot_apply_is_a_spec_error_at_its_entry(transforms, key, fragment):
+    with pytest.raises(SpecError) as err:
+        build_datasets(make_spec(dataset="sklearn.digits", transforms=transforms), None)
+    issue = only_issue(err)
+    assert issue.key == key and fragment in issue.message
