@@ -14,7 +14,7 @@ from runner.errors import show
 from runner.spec.reading import parse_key
 from runner.spec.rules import takes_momentum
 from runner.spec.schema import ExperimentSpec
-from runner.spec.schema_parallel import ParallelSpec, modes_with
+from runner.spec.schema_parallel import DevicesSpec, ParallelSpec, modes_with
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -31,6 +31,15 @@ def dump_spec(spec: ExperimentSpec) -> str:
 def spec_sha256(spec: ExperimentSpec) -> str:
     """Return the hex SHA-256 of :func:`dump_spec` (stable across comments and formatting)."""
     return hashlib.sha256(dump_spec(spec).encode("utf-8")).hexdigest()
+
+
+def group_sha256(spec: ExperimentSpec) -> str:
+    """The first 12 hex digits of :func:`spec_sha256` with ``[parallel]``, ``[devices]`` and the run name at their
+    defaults: the runs of one spec under every mode and device list share it (tag ``runner.spec.group``), so one
+    filter in the MLflow UI shows them side by side."""
+    tracking = spec.tracking.model_copy(update={"run_name": None})
+    modeless = spec.model_copy(update={"parallel": ParallelSpec(), "devices": DevicesSpec(), "tracking": tracking})
+    return spec_sha256(modeless)[:12]
 
 
 def flatten_spec(spec: ExperimentSpec) -> dict[str, Any]:
@@ -101,7 +110,7 @@ def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[
 
 
 MAX_RUN_NAME_CHARS = 250  # MLflow stores run names in a column of 250 characters
-_IN_THE_MODE = ("parallel.mode",)  # already said by the mode part of the name
+_IN_THE_MODE = ("parallel.mode", "parallel.nproc_per_node")  # already said by the "<mode>-<size>" part
 
 
 def value_label(value: Any) -> str:

@@ -150,6 +150,11 @@ class ModelSpec(SpecTable):
     """Keyword arguments passed to the builder, e.g. `{ num_classes = 10 }`."""
     output: str | int | None = None
     """The prediction in a dict, dataclass or tuple output: a key, attribute or index."""
+    batch_dim: int = Field(default=0, ge=0, le=8)
+    """Where the samples' dimension is in the tensors forward gets and in the target: 1 for a sequence-first
+    model (time, batch, ...), as nn.LSTM without batch_first takes them. Samples are collated on dimension 0,
+    then moved there; the loss counts the same samples and tokens either way. Under dp, set parallel.dim
+    alike."""
 
     @field_validator("name")
     @classmethod

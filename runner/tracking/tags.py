@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import runner
 from runner.errors import mask_secrets
+from runner.spec.dump import active_params, group_sha256
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -124,6 +125,7 @@ def run_tags(
         "mlflow.source.name": spec_path,
         "runner.spec.path": spec_path,
         "runner.spec.sha256": loaded.sha256,
+        "runner.spec.group": group_sha256(spec),
         "runner.version": runner.__version__,
         "runner.torch_version": torch_version,
         "runner.cuda_version": cuda_version,
@@ -262,7 +264,6 @@ def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[st
     ``None`` values are left out; a value over ``MAX_PARAM_VAL_LENGTH`` is cut with a pointer to ``spec/resolved.toml``.
     ``accelerator = "cpu"`` leaves out GPU-only keys too.
     """
-    from runner.spec.dump import active_params
 
     limit = max_param_chars()
     return {

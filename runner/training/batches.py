@@ -75,21 +75,32 @@ class BatchIO:
     output: str | int | None
     model_loss: bool
     dtype: torch.dtype | None = None
+    batch_dim: int = 0
 
     def prepare(self, batch: Any, device: torch.device, output_device: torch.device) -> Batch:
-        """Move a collated batch to the devices: inputs to ``device``, the target to ``output_device``."""
+        """Move a collated batch to the devices: inputs to ``device``, the target to ``output_device``; with
+        ``model.batch_dim`` the samples' dimension of each tensor moves there (a sequence-first model's layout)."""
         if isinstance(batch, Mapping):
             moved = {k: _to(v, device, self.dtype) for k, v in batch.items()}
             target = moved.get(self.target_key) if self.target_key is not None else None
             target = target.to(output_device, non_blocking=True) if isinstance(target, torch.Tensor) else None
             inputs = moved if self.model_loss else {k: v for k, v in moved.items() if k != self.target_key}
-            return Batch(inputs, target, _length(target if target is not None else moved))
+            size = _length(target if target is not None else moved)
+            return Batch(self._laid(inputs), self._laid(target), size)
         x, y = batch
         x_in = _to(x, device, self.dtype)
         if self.dtype is not None and y.is_floating_point():
             y = y.to(self.dtype)
         pair = (x_in, y.to(device, non_blocking=True)) if self.model_loss else x_in
-        return Batch(pair, y.to(output_device, non_blocking=True), int(y.shape[0]))
+        return Batch(self._laid(pair), self._laid(y.to(output_device, non_blocking=True)), int(y.shape[0]))
+
+    def _laid(self, value: Any) -> Any:
+        """``value``'s tensors with the samples' dimension (0, as collated) moved to ``batch_dim``."""
+        if isinstance(value, torch.Tensor):
+            return value.movedim(0, self.batch_dim) if 0 < self.batch_dim < value.dim() else value
+        if isinstance(value, Mapping):
+            return {k: self._laid(v) for k, v in value.items()}
+        return type(value)(self._laid(v) for v in value) if isinstance(value, (tuple, list)) else value
 
     def whole(self, batch: Batch) -> Any:
         """The whole batch on its devices, as a loss function's ``batch`` gets it: the dict with its target key, or

@@ -93,7 +93,7 @@ def build_parts(
         scheduler_interval=scheduler_interval(spec.scheduler),
         precision=Precision(spec.train.amp, strategy.device),
         loss=loss,
-        io=BatchIO(spec.data.target, spec.model.output, model_loss=spec.loss.name == "model", dtype=cast),
+        io=BatchIO(spec.data.target, spec.model.output, spec.loss.name == "model", cast, spec.model.batch_dim),
         metrics=metrics,
         loaders=loaders,
         total_steps=total_steps,

@@ -68,7 +68,8 @@ def mean_loss(sums: list[float]) -> float:
 def count_correct(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Correct class predictions of a batch, a scalar on the device: classes on dim 1 of ``prediction``, as
     torchmetrics' multiclass accuracy reads logits ``(B, C, ...)`` against labels ``(B, ...)``."""
-    return (prediction.detach().argmax(1) == target).sum()
+    predicted = prediction.detach().argmax(1)  # a sequence model's (tokens, classes) takes its labels flattened
+    return (predicted == (target.reshape(predicted.shape) if target.numel() == predicted.numel() else target)).sum()
 
 
 def accuracy_of(sums: list[float]) -> float:

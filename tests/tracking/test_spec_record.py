@@ -63,6 +63,18 @@ def test_a_run_logs_the_files_it_extends_and_the_logged_spec_loads_on_its_own(ex
     assert "runner.notes" not in run.data.tags  # nothing runs instead of what was asked
 
 
+def test_the_runs_of_one_spec_under_every_mode_share_a_group_tag_and_other_keys_part_them(experiments, shared) -> None:
+    """One filter, tags.runner.spec.group = "...", shows a spec's modes side by side in the MLflow UI."""
+    spec = experiments / "digits_mlp_ddp.toml"
+    ddp = ['parallel.mode="ddp"', "parallel.nproc_per_node=4"]
+    sets = [[], ['parallel.mode="none"'], ddp, [*ddp, 'tracking.run_name="x"'], ["optim.lr=0.05"]]
+    runs = [MlflowClient(shared).get_run(started(load_spec(spec, s), shared)) for s in sets]
+    groups = [run.data.tags["runner.spec.group"] for run in runs]
+    assert len(groups[0]) == 12 and groups[0] == groups[1] == groups[2] == groups[3] != groups[4]
+    names = [run.info.run_name for run in runs]
+    assert names[1:] == ["digits-mlp-ddp none-1", "digits-mlp-ddp ddp-4", "x", "digits-mlp-ddp ddp-2 lr=0.05"]
+
+
 def test_params_leave_out_inactive_keys_and_stored_spec_round_trips(experiments, shared) -> None:
     store = shared
     loaded = load_spec(experiments / "digits_mlp_ddp.toml", ['parallel.mode="none"'])

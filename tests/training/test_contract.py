@@ -545,3 +545,18 @@ def test_dict_samples_need_the_target_key_their_loss_or_metrics_use(tmp_path) ->
     check_target(build_datasets(missing, tmp_path).info, missing, needs=False)  # a model-computed loss, no metrics
     with pytest.raises(SpecError, match=r"data.target: synthetic yields \(x, y\) pairs"):
         build_datasets(spec(data={"target": "labels"}), None)
+
+
+def test_model_batch_dim_gives_a_sequence_first_model_its_layout_and_counts_the_same() -> None:
+    tokens, labels = torch.randint(0, 7, (4, 12)), torch.randint(0, 7, (4, 12))
+    first = BatchIO(None, None, model_loss=False, batch_dim=1).prepare((tokens, labels), CPU, CPU)
+    assert first.size == 4 and torch.equal(first.inputs, tokens.T) and torch.equal(first.target, labels.T)
+    as_dict = BatchIO("y", None, model_loss=False, batch_dim=1).prepare({"x": tokens, "y": labels}, CPU, CPU)
+    assert as_dict.size == 4 and torch.equal(as_dict.inputs["x"], tokens.T) and torch.equal(as_dict.target, labels.T)
+    flat = torch.log_softmax(torch.randn(12 * 4, 7), dim=1)  # (time * batch, classes), time-major
+    nll = build_loss(spec(loss={"name": "nll"}).loss, None)
+    io = BatchIO(None, None, model_loss=False, batch_dim=1)
+    assert torch.allclose(_mean(nll, flat, first, io).float(), F.nll_loss(flat, labels.T.reshape(-1)))
+    from runner.training.sums import count_correct
+
+    assert count_correct(flat, first.target) == (flat.argmax(1) == labels.T.reshape(-1)).sum()

@@ -365,14 +365,20 @@ def test_a_language_models_loss_is_the_token_mean_of_nll_in_none_and_ddp(in_repo
     spec = in_repo / "lm.toml"
     spec.write_text(
         'name = "tiny-lm"\nseed = 0\n[model]\nname = "tiny_lm:LM"\nkwargs = { ntoken = "${data.vocab_size}" }\n'
-        '[data]\ndataset = "tiny_lm:sets"\nbatch_size = 16\n[loss]\nname = "nll"\n[metrics]\ntrain = []\nval = []\n'
+        '[data]\ndataset = "tiny_lm:sets"\nbatch_size = 16\n[loss]\nname = "nll"\n'
         '[optim]\nname = "sgd"\nlr = 0.5\n[train]\nepochs = 7\n[devices]\naccelerator = "cpu"\n'
         '[tracking]\nexperiment = "tiny-lm"\n'
     )
     client, (single, _) = _none_and_ddp(str(spec), store, "tiny-lm", [])
     assert single.data.metrics["val/loss"] < math.log(11)  # it learns, on the scale of one token's nll
-    zero = [f'tracking.uri="{store}"', 'train.progress="off"', "train.log_every_n_steps=1", "model.kwargs.zero=true"]
-    assert main(["exec", str(spec), *_sets([*zero, "train.epochs=1"])]) == 0
+    common = [f'tracking.uri="{store}"', 'train.progress="off"', "train.log_every_n_steps=1"]
+    assert main(["exec", str(spec), *_sets([*common, "model.batch_dim=1"])]) == 0  # fed (time, batch): same losses
+    _, runs = _runs(store, "tiny-lm")
+    a, b = (_history(client, run.info.run_id, "train/loss") for run in (single, runs[-1]))
+    assert [s for s, _ in a] == [s for s, _ in b] and all(
+        x == pytest.approx(y, rel=1e-5) for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+    assert main(["exec", str(spec), *_sets([*common, "model.kwargs.zero=true", "train.epochs=1"])]) == 0
     _, runs = _runs(store, "tiny-lm")
     first = _history(client, runs[-1].info.run_id, "train/loss")[0]
     assert first == (1, pytest.approx(math.log(11), rel=1e-6))  # a uniform prediction: ln(ntoken) per token
