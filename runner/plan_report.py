@@ -116,7 +116,7 @@ def show_plan(
 
     inventory = probe_inventory(os.environ)
     info, problem = plan_or_problem(loaded, env=os.environ, inventory=inventory, shown=shown)
-    info["notes"] = [*info.get("notes", []), *known_differences(loaded)]
+    info["notes"] = [*info.get("notes", []), *known_differences(loaded, call_factory=memory)]
     if loaded.spec.sweep is not None and sweep_trials is not None:
         info["trials"] = sweep_trials(loaded)  # the trials say what [sweep] does: no note that exec ignores it
         info["notes"] = [n for n in info.get("notes", []) if not n.startswith("[sweep]")]

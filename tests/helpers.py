@@ -175,6 +175,21 @@ def spec_object(base: Mapping[str, Any] = SMALL, **changes: Any) -> ExperimentSp
     return ExperimentSpec.model_validate(spec_dict(base, **changes))
 
 
+def run_in_process(write_spec: Callable[[], Path], *sets: str, store: bool = False) -> Any:
+    """``exec_experiment`` of a written spec in this process: the loop's features, not the process model; without
+    ``store`` nothing is tracked or checkpointed."""
+    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.spec.loading import load_spec
+
+    tracking = [] if store else ["tracking.enabled=false", "checkpoint.enabled=false"]
+    return exec_experiment(load_spec(write_spec(), [*tracking, *sets]), ExecOptions(in_process=True))
+
+
+def series(result: Any, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of metric ``key`` in a run result's history."""
+    return [(step, m[key]) for step, m in result.history if key in m]
+
+
 def exec_args(spec: Path, *sets: str) -> list[str]:
     """The arguments of ``runner exec SPEC --set A --set B ...``."""
     return ["exec", str(spec), *(arg for item in sets for arg in ("--set", item))]

@@ -127,3 +127,18 @@ def test_random_transforms_are_named_like_dropout_and_deterministic_ones_are_not
         "data.transforms RandomHorizontalFlip, data.transforms my_augment:Blur: under dp, ddp or fsdp each rank draws"
     )
     assert notes({"name": "Normalize", "kwargs": {"mean": [0.5], "std": [0.5]}}, "Resize") == []
+
+
+def test_runner_plan_names_a_factory_models_dropout_where_it_estimates_memory(
+    write_spec, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The estimate calls the factory on fake tensors anyway; --no-memory calls no user code, and says nothing."""
+    from runner.cli import main
+
+    (tmp_path / "dropout_net.py").write_text(DROPOUT_MODEL, encoding="utf-8")
+    model = 'model={name="dropout_net:build", kwargs={in_features=8, num_classes=3}}'
+    said = "Dropout: under dp, ddp or fsdp each rank draws its own random numbers"
+    assert main(["plan", str(write_spec()), "--set", model]) == 0
+    assert said in capsys.readouterr().out
+    assert main(["plan", str(write_spec()), "--set", model, "--no-memory"]) == 0
+    assert said not in capsys.readouterr().out

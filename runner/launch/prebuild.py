@@ -42,15 +42,36 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], Dataset
     return difference_notes(model, loaded.spec), bundle
 
 
-def known_differences(loaded: LoadedSpec) -> list[str]:
-    """:func:`difference_notes` of the model built on the ``meta`` device; none for a factory model (never called
-    before its run) or a model that cannot be built here (``runner plan``)."""
+def known_differences(loaded: LoadedSpec, *, call_factory: bool = False) -> list[str]:
+    """:func:`difference_notes` of the model built on the ``meta`` device (``runner plan``); none for a model that
+    cannot be built here, or a factory model unless ``call_factory`` (the plan's memory estimate calls it anyway:
+    before a run, user code is never called)."""
     spec, folder = loaded.spec, loaded.path.parent
     try:
-        model = _model(spec, folder, _dataset(spec, folder))
+        bundle = _dataset(spec, folder)
+        model = _factory_model(spec, folder, bundle) if call_factory else _model(spec, folder, bundle)
     except Exception:  # the plan reports what it can; check_parts names a part that does not build
         return []
     return difference_notes(model, spec)
+
+
+def _factory_model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -> torch.nn.Module | None:
+    """The model on ``meta``, a factory's too, its ``${data.NAME}`` kwargs resolved when the data was built."""
+    import torch
+
+    from runner.training.models import build_model, with_data
+
+    if ":" not in spec.model.name:
+        return _model(spec, spec_dir, bundle)
+    shape: tuple[int, ...] = ()
+    model_spec, classes = spec.model, 0
+    if bundle is not None:
+        model_spec = with_data(spec.model, bundle.info, bundle.train)
+        shape, classes = bundle.info.input_shape, bundle.info.num_classes
+    elif spec.model.kwargs != _written(spec):  # data not built (files, a factory) that its kwargs need
+        return None
+    with torch.device("meta"):
+        return build_model(model_spec, spec_dir, input_shape=shape, num_classes=classes)
 
 
 def layer_kinds(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -194,10 +215,10 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
     """The model on ``meta`` (an error confirmed on CPU), or ``None`` when only its kwargs were checked."""
     import torch
 
-    from runner.training.models import DATA_REF, build_cnn, build_mlp, build_model, resolve_factory, with_data
+    from runner.training.models import build_cnn, build_mlp, build_model, resolve_factory, with_data
 
     name = spec.model.name
-    written = {k: v for k, v in spec.model.kwargs.items() if not (isinstance(v, str) and DATA_REF.match(v))}
+    written = _written(spec)
     if ":" in name:  # user code: checked, never called here (it may have side effects or load weights)
         check_call(resolve_factory(name, spec_dir, "model.name"), (), written, "model.kwargs")
         return None
@@ -219,6 +240,13 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
 
         find_blocks(model, spec.parallel.fsdp_blocks)
     return model
+
+
+def _written(spec: ExperimentSpec) -> dict[str, Any]:
+    """``model.kwargs`` but the ``${data.NAME}`` values, known once the data is built."""
+    from runner.training.models import DATA_REF
+
+    return {k: v for k, v in spec.model.kwargs.items() if not (isinstance(v, str) and DATA_REF.match(v))}
 
 
 def _optimizer_and_scheduler(

@@ -89,7 +89,9 @@ class Callbacks:
         """Run ``hook`` of each callback that defines it, the context at ``step`` and ``epoch`` with ``metrics``; a
         failure in the user's code names its key, file and line."""
         assert self.ctx is not None, "the worker sets the context first"
-        self.ctx.step, self.ctx.epoch, self.ctx.metrics = step, epoch, dict(metrics)
+        self.ctx.step = step
+        self.ctx.epoch = epoch
+        self.ctx.metrics = dict(metrics)
         for key, obj in self.built:
             method = getattr(obj, hook, None)
             if method is None:

@@ -10,23 +10,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.driver import ExecOptions, exec_experiment
-from runner.spec.loading import load_spec
 from runner.training.checkpoint import list_checkpoints
 from runner.training.ema import Ema, clean_name
 from runner.training.shards import whole_model
-from tests.helpers import refusal
+from tests.helpers import refusal, run_in_process, series
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _run(write_spec, *sets: str, store: bool = False):
-    tracking = [] if store else ["tracking.enabled=false", "checkpoint.enabled=false"]
-    return exec_experiment(load_spec(write_spec(), [*tracking, *sets]), ExecOptions(in_process=True))
-
-
-def _series(result, key: str) -> list[tuple[int, float]]:
-    return [(step, m[key]) for step, m in result.history if key in m]
 
 
 def test_the_average_follows_torchs_ema_and_is_applied_only_inside_the_block() -> None:
@@ -49,16 +38,16 @@ def test_names_lose_the_infixes_of_compile_and_activation_checkpointing() -> Non
 
 
 def test_training_is_unchanged_and_validation_uses_the_average(write_spec) -> None:
-    plain = _run(write_spec, "train.epochs=3")
-    averaged = _run(write_spec, "train.epochs=3", "train.ema_decay=0.9")
-    assert _series(averaged, "train/loss") == _series(plain, "train/loss")
-    assert _series(averaged, "val/loss") != _series(plain, "val/loss")
+    plain = run_in_process(write_spec, "train.epochs=3")
+    averaged = run_in_process(write_spec, "train.epochs=3", "train.ema_decay=0.9")
+    assert series(averaged, "train/loss") == series(plain, "train/loss")
+    assert series(averaged, "val/loss") != series(plain, "val/loss")
 
 
 def test_export_ema_and_the_logged_model_hold_the_average(
     write_spec, tmp_path: Path, store: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = _run(write_spec, "train.epochs=2", "train.ema_decay=0.9", "tracking.log_model=true", store=True)
+    result = run_in_process(write_spec, "train.epochs=2", "train.ema_decay=0.9", "tracking.log_model=true", store=True)
     newest = list_checkpoints(Path(result.checkpoint_dir))[-1]
     average, live = whole_model(newest, "ema"), whole_model(newest)
     assert average.keys() <= live.keys() and any(not torch.equal(average[k], live[k]) for k in average)
@@ -76,7 +65,7 @@ def test_export_ema_and_the_logged_model_hold_the_average(
 
 
 def test_export_ema_without_an_average_is_a_usage_error(write_spec, store: str, capsys) -> None:
-    result = _run(write_spec, "train.epochs=1", store=True)
+    result = run_in_process(write_spec, "train.epochs=1", store=True)
     assert main(["export", result.run_id, "--ema", "--tracking-uri", store]) == 2
     assert "kept no moving average of its weights (train.ema_decay unset): drop --ema" in capsys.readouterr().err
 

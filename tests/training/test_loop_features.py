@@ -10,79 +10,70 @@ import torch
 
 from runner.launch.driver import ExecOptions, exec_experiment
 from runner.spec.loading import load_spec
+from tests.helpers import run_in_process, series
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _run(write_spec, *sets: str):
-    spec = write_spec()
-    loaded = load_spec(spec, ["tracking.enabled=false", "checkpoint.enabled=false", *sets])
-    return exec_experiment(loaded, ExecOptions(in_process=True))  # the loop's features, not the process model
-
-
-def _series(result, key: str) -> list[tuple[int, float]]:
-    return [(step, m[key]) for step, m in result.history if key in m]
-
-
 def test_gradient_accumulation_keeps_the_global_batch_semantics(write_spec) -> None:
-    plain = _run(write_spec)
-    accumulated = _run(write_spec, "train.grad_accum_steps=2")
-    a, b = _series(plain, "train/loss"), _series(accumulated, "train/loss")
+    plain = run_in_process(write_spec)
+    accumulated = run_in_process(write_spec, "train.grad_accum_steps=2")
+    a, b = series(plain, "train/loss"), series(accumulated, "train/loss")
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 10
     for (_, x), (_, y) in zip(a, b, strict=False):
         assert x == pytest.approx(y, abs=1e-5)
 
 
 def test_other_seed_other_curve(write_spec) -> None:
-    a = _series(_run(write_spec), "train/loss")
-    b = _series(_run(write_spec, "seed=1"), "train/loss")
+    a = series(run_in_process(write_spec), "train/loss")
+    b = series(run_in_process(write_spec, "seed=1"), "train/loss")
     assert a != b
 
 
 def test_max_steps_stops_mid_epoch_and_still_evaluates(write_spec) -> None:
-    result = _run(write_spec, "train.max_steps=3", "train.epochs=5")
-    assert [s for s, _ in _series(result, "train/loss")] == [1, 2, 3]
-    assert _series(result, "val/accuracy")[-1][0] == 3
+    result = run_in_process(write_spec, "train.max_steps=3", "train.epochs=5")
+    assert [s for s, _ in series(result, "train/loss")] == [1, 2, 3]
+    assert series(result, "val/accuracy")[-1][0] == 3
 
 
 def test_bf16_autocast_on_cpu_trains(write_spec) -> None:
-    result = _run(write_spec, 'train.amp="bf16"', "train.epochs=3")
-    losses = [v for _, v in _series(result, "train/loss")]
+    result = run_in_process(write_spec, 'train.amp="bf16"', "train.epochs=3")
+    losses = [v for _, v in series(result, "train/loss")]
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]
 
 
 def test_step_scheduler_changes_the_logged_lr(write_spec) -> None:
-    result = _run(write_spec, 'scheduler={name="step", kwargs={step_size=1, gamma=0.5}}')
-    lrs = dict(_series(result, "lr"))
+    result = run_in_process(write_spec, 'scheduler={name="step", kwargs={step_size=1, gamma=0.5}}')
+    lrs = dict(series(result, "lr"))
     assert lrs[1] == pytest.approx(0.1) and lrs[6] == pytest.approx(0.05)
 
 
 def test_onecycle_steps_every_optimizer_step(write_spec) -> None:
-    result = _run(write_spec, 'scheduler={name="onecycle"}')
-    lrs = [v for _, v in _series(result, "lr")]
+    result = run_in_process(write_spec, 'scheduler={name="onecycle"}')
+    lrs = [v for _, v in series(result, "lr")]
     assert all(a != b for a, b in itertools.pairwise(lrs))  # a new lr after every step
     peak = lrs.index(max(lrs))
     assert 0 < peak < len(lrs) - 1 and max(lrs) == pytest.approx(0.1)
 
 
 def test_tiny_clip_norm_slows_learning(write_spec) -> None:
-    free = _run(write_spec, "train.epochs=3")
-    clipped = _run(write_spec, "train.epochs=3", "train.clip_grad_norm=1e-4")
-    assert _series(free, "train/loss")[0] == _series(clipped, "train/loss")[0]  # before any update
-    epochs = [v for _, v in _series(clipped, "train/epoch_loss")]
+    free = run_in_process(write_spec, "train.epochs=3")
+    clipped = run_in_process(write_spec, "train.epochs=3", "train.clip_grad_norm=1e-4")
+    assert series(free, "train/loss")[0] == series(clipped, "train/loss")[0]  # before any update
+    epochs = [v for _, v in series(clipped, "train/epoch_loss")]
     assert epochs[-1] == pytest.approx(epochs[0], rel=0.01)  # steps of norm 1e-4 barely move the weights
     assert clipped.metrics["val/loss"] > free.metrics["val/loss"]
 
 
 def test_label_smoothing_raises_the_loss_floor(write_spec) -> None:
-    plain = _series(_run(write_spec), "train/loss")
-    smooth = _series(_run(write_spec, "loss.kwargs={label_smoothing=0.2}"), "train/loss")
+    plain = series(run_in_process(write_spec), "train/loss")
+    smooth = series(run_in_process(write_spec, "loss.kwargs={label_smoothing=0.2}"), "train/loss")
     assert smooth[0][1] != plain[0][1]
 
 
 def test_adamw_with_kwargs(write_spec) -> None:
-    result = _run(write_spec, 'optim.name="adamw"', "optim.lr=0.01", "optim.kwargs={betas=[0.8, 0.99]}")
+    result = run_in_process(write_spec, 'optim.name="adamw"', "optim.lr=0.01", "optim.kwargs={betas=[0.8, 0.99]}")
     assert math.isfinite(result.metrics["val/loss"])
 
 
@@ -90,7 +81,7 @@ def test_bad_optimizer_kwargs_is_a_spec_error(write_spec) -> None:
     from runner.errors import SpecError
 
     with pytest.raises(SpecError, match=r"optim\.kwargs"):
-        _run(write_spec, "optim.kwargs={nesterov_typo=true}")
+        run_in_process(write_spec, "optim.kwargs={nesterov_typo=true}")
 
 
 def test_deterministic_mode_is_reproducible(write_spec) -> None:
@@ -99,8 +90,8 @@ def test_deterministic_mode_is_reproducible(write_spec) -> None:
     def values(result):
         return [(step, {k: v for k, v in m.items() if k not in timing}) for step, m in result.history]
 
-    a = _run(write_spec, "deterministic=true")
-    b = _run(write_spec, "deterministic=true")
+    a = run_in_process(write_spec, "deterministic=true")
+    b = run_in_process(write_spec, "deterministic=true")
     assert values(a) == values(b)
     assert any("torch.use_deterministic_algorithms=True" in note for note in a.notes)
     assert torch.are_deterministic_algorithms_enabled()
@@ -119,7 +110,7 @@ def test_rank_0_builds_its_datasets_once_for_the_checks_and_the_training(write_s
 
     monkeypatch.setattr(data, "build_datasets", counting)
     monkeypatch.setattr("runner.training.setup.build_datasets", counting)
-    result = _run(write_spec, "train.max_steps=1")
+    result = run_in_process(write_spec, "train.max_steps=1")
     assert result.workers[0].global_step == 1
     assert len(built) == 1  # the prebuild checks' datasets are the training's
 

@@ -10,27 +10,15 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.driver import ExecOptions, exec_experiment
-from runner.spec.loading import load_spec
 from runner.training.checkpoint import list_checkpoints
 from runner.training.shards import whole_model
 from runner.training.watch import early_stop, improves
-from tests.helpers import refusal, spec_object
+from tests.helpers import refusal, run_in_process, series, spec_object
 
 pytestmark = pytest.mark.timeout(180)
 
 STEPS_PER_EPOCH = 5  # helpers.MINIMAL: 72 training samples, global batch 16
 NEVER = "early_stopping={metric='val/loss', patience=2, min_delta=1e9}"  # no evaluation improves by 1e9
-
-
-def _run(write_spec, *sets: str, store: bool = False):
-    tracking = [] if store else ["tracking.enabled=false", "checkpoint.enabled=false"]
-    loaded = load_spec(write_spec(), [*tracking, *sets])
-    return exec_experiment(loaded, ExecOptions(in_process=True))
-
-
-def _series(result, key: str) -> list[tuple[int, float]]:
-    return [(step, m[key]) for step, m in result.history if key in m]
 
 
 def test_improves_in_the_goals_direction_beyond_min_delta_and_never_with_nan() -> None:
@@ -54,11 +42,11 @@ def test_early_stopping_counts_evaluations_without_improvement_and_skips_epochs_
 
 
 def test_early_stopping_ends_training_at_the_step_patience_runs_out(write_spec) -> None:
-    free = _run(write_spec, "train.epochs=6")
+    free = run_in_process(write_spec, "train.epochs=6")
     assert free.workers[0].global_step == 6 * STEPS_PER_EPOCH and free.workers[0].stop_reason is None
-    stopped = _run(write_spec, "train.epochs=6", NEVER)
+    stopped = run_in_process(write_spec, "train.epochs=6", NEVER)
     assert stopped.workers[0].global_step == 3 * STEPS_PER_EPOCH  # the first evaluation, then 2 without improvement
-    assert [s for s, _ in _series(stopped, "val/loss")] == [5, 10, 15]
+    assert [s for s, _ in series(stopped, "val/loss")] == [5, 10, 15]
     assert "early stopping: val/loss did not improve" in (stopped.workers[0].stop_reason or "")
 
 
@@ -66,10 +54,10 @@ def test_a_plateau_schedule_steps_on_the_monitored_metric(write_spec) -> None:
     # mode max with an absolute threshold of 1e9: after the first evaluation no epoch improves, so with patience 0
     # the lr halves after every later epoch
     plateau = "{mode='max', patience=0, factor=0.5, threshold=1e9, threshold_mode='abs'}"
-    result = _run(
+    result = run_in_process(
         write_spec, "train.epochs=4", f"scheduler={{name='ReduceLROnPlateau', monitor='val/loss', kwargs={plateau}}}"
     )
-    lrs = dict(_series(result, "lr"))
+    lrs = dict(series(result, "lr"))
     assert [lrs[step] for step in (1, 6, 11, 16)] == pytest.approx([0.1, 0.1, 0.05, 0.025])
 
 
@@ -78,10 +66,10 @@ def test_the_best_checkpoints_stay_beside_the_newest_and_export_and_the_logged_m
 ) -> None:
     # val/loss falls, so with goal "max" the first epoch's checkpoint is the best: it must outlive the rotation
     monitor = "checkpoint={monitor='val/loss', goal='max', keep_best=1, keep_last=1}"
-    result = _run(write_spec, "train.epochs=4", monitor, "tracking.log_model=true", store=True)
+    result = run_in_process(write_spec, "train.epochs=4", monitor, "tracking.log_model=true", store=True)
     folder = Path(result.checkpoint_dir)
     assert [p.name for p in list_checkpoints(folder)] == ["step-00000005", "step-00000020"]
-    losses = dict(_series(result, "val/loss"))
+    losses = dict(series(result, "val/loss"))
     assert losses[5] == max(losses.values())
     assert result.workers[0].best == ("val/loss", pytest.approx(losses[5]), 5)
     run = MlflowClient(store).get_run(result.run_id)
@@ -105,7 +93,7 @@ def test_the_best_checkpoints_stay_beside_the_newest_and_export_and_the_logged_m
 
 
 def test_export_best_without_a_monitor_is_a_usage_error(write_spec, store: str, capsys) -> None:
-    result = _run(write_spec, "train.epochs=1", store=True)
+    result = run_in_process(write_spec, "train.epochs=1", store=True)
     assert main(["export", result.run_id, "--best", "--tracking-uri", store]) == 2
     assert "set no checkpoint.monitor, so no checkpoint is the best: drop --best" in capsys.readouterr().err
 
