@@ -163,7 +163,9 @@ class RunSession:
 
     def _data(self, info: dict[str, Any]) -> None:
         """Record the data as dataset inputs and the split fingerprint (a new run only)."""
+        from runner.tracking.runs import record_summary
         from runner.tracking.stored import DatasetRecord, record_data
+        from runner.tracking.tags import spec_params
 
         uri, run_id = self.plan.tracking_uri, self.run_id
         if uri is None or run_id is None:
@@ -178,6 +180,8 @@ class RunSession:
             for part, context, count, digest in parts
         ]
         record_data(uri, run_id, records, info["val_split_sha256"])
+        if info.get("split") and ":" in self.plan.loaded.spec.data.dataset:  # the factory's one set was split
+            record_summary(uri, run_id, params=spec_params(self.plan.loaded.spec, split=True))
 
     def _model(self, path: str, step: int, normalization: tuple[float, float] | None) -> None:
         """Log the model whose state rank 0 saved to ``path`` with MLflow. The file holds tensors and plain values

@@ -208,8 +208,9 @@ def _announce(
         _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
     send = getattr(tracker, "send", None)
     if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
-        fields = ("name", "num_train", "train_digest", "num_val", "val_digest", "num_test", "test_digest", "source")
-        send("data", {name: getattr(parts.data, name) for name in (*fields, "input_shape", "val_split_sha256")})
+        fields = ["name", "num_train", "train_digest", "num_val", "val_digest", "num_test", "test_digest", "source"]
+        fields += ["input_shape", "val_split_sha256", "split"]
+        send("data", {name: getattr(parts.data, name) for name in fields})
     return notes
 
 

@@ -258,19 +258,28 @@ PLAN = "spec/plan.json"
 OVERRIDES_TAG = "runner.overrides"
 
 
-def spec_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[str, str]:
+# A data factory may return its own validation (and test) set: whether these keys applied is known once it ran.
+SPLIT_KEYS = ("data.val_fraction", "data.test_fraction", "data.split_seed")
+
+
+def spec_params(spec: ExperimentSpec, accelerator: str | None = None, *, split: bool | None = None) -> dict[str, str]:
     """The MLflow params of a spec: the keys that apply (docs/design.md §10), as strings within MLflow's limits.
 
     ``None`` values are left out; a value over ``MAX_PARAM_VAL_LENGTH`` is cut with a pointer to ``spec/resolved.toml``.
-    ``accelerator = "cpu"`` leaves out GPU-only keys too.
+    ``accelerator = "cpu"`` leaves out GPU-only keys too. With a data factory, :data:`SPLIT_KEYS` wait for the data
+    (``split=None``, a new run's params): once it is built, ``split=True`` gives them alone, when the factory's one set
+    was split.
     """
 
     limit = max_param_chars()
-    return {
+    params = {
         safe_key(key): shorten(param_value(value), limit, f"artifact {RESOLVED}")
         for key, value in active_params(spec, accelerator).items()
         if value is not None
     }
+    if ":" not in spec.data.dataset:
+        return params
+    return {k: v for k, v in params.items() if (k in SPLIT_KEYS) == bool(split)}
 
 
 def spec_artifacts(loaded: LoadedSpec, resolved_toml: str, plan_json: str) -> dict[str, str]:

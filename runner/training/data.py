@@ -47,6 +47,7 @@ class DatasetInfo:
     source: str = ""
     num_test: int = 0
     test_digest: str | None = None
+    split: bool = True  # the held-out sets were drawn from the training set (val_fraction, test_fraction)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
         source=source_text(data, spec_dir),
         num_test=num_test,
         test_digest=part_digest(settings, "test", file_list(test), num_test) if test is not None and num_test else None,
+        split=not source.explicit,
     )
     return DatasetBundle(_through(train, augment), _through(val, evaluate), info, _through(test, evaluate))
 

@@ -322,3 +322,13 @@ def test_image_keys_with_a_data_factory_and_best_checkpoint_keys_without_a_monit
         {**base, "data": {**data, "dataset": "sklearn.digits"}, "checkpoint": {"monitor": "val/loss"}}
     )
     assert {"data.image_size", "checkpoint.keep_best"} <= set(active_params(digits))
+
+
+def test_a_data_factorys_split_keys_wait_for_the_data_and_other_datasets_log_them_at_once() -> None:
+    base = {"name": "t", "model": {"name": "mlp"}, "optim": {"lr": 0.1}}
+    factory = spec_from_dict({**base, "data": {"dataset": "mine:data", "batch_size": 8, "test_fraction": 0.1}})
+    split = {"data.val_fraction", "data.test_fraction", "data.split_seed"}
+    assert not split & set(spec_params(factory))  # a new run's params: the factory may return its own sets
+    assert set(spec_params(factory, split=True)) == split  # logged once its one set was split
+    digits = spec_from_dict({**base, "data": {"dataset": "sklearn.digits", "batch_size": 8, "test_fraction": 0.1}})
+    assert split <= set(spec_params(digits))

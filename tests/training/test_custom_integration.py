@@ -154,6 +154,7 @@ def test_custom_model_example_agrees_in_none_and_ddp_and_counts_every_validation
         assert metrics["val/Count"] == 359 * 10_000 + label_sum  # every sample once, none padded or repeated
         assert metrics["val/Seen"] == 359
         assert {"train/accuracy", "train/step_accuracy", "val/f1", "val/true_class_probability"} <= set(metrics)
+        assert run.data.params["data.val_fraction"] == "0.2"  # the factory's one set was split: logged once built
     for key in ("val/accuracy", "val/f1", "val/true_class_probability", "val/loss"):
         assert single.data.metrics[key] == pytest.approx(ddp.data.metrics[key], abs=1e-4), key
 
@@ -371,6 +372,7 @@ def test_a_language_models_loss_is_the_token_mean_of_nll_in_none_and_ddp(in_repo
     )
     client, (single, _) = _none_and_ddp(str(spec), store, "tiny-lm", [])
     assert single.data.metrics["val/loss"] < math.log(11)  # it learns, on the scale of one token's nll
+    assert "data.val_fraction" not in single.data.params  # the factory returned its own validation set
     common = [f'tracking.uri="{store}"', 'train.progress="off"', "train.log_every_n_steps=1"]
     assert main(["exec", str(spec), *_sets([*common, "model.batch_dim=1"])]) == 0  # fed (time, batch): same losses
     _, runs = _runs(store, "tiny-lm")
