@@ -209,9 +209,8 @@ def _probe_transform(dataset: Dataset, transform: Callable[[Any], Any] | None, k
         try:
             transform(dataset[0])
         except Exception as exc:  # the user's transform or torchvision's on a sample it cannot take
-            raise spec_issue(
-                key, f"sample 0 of the data cannot go through {key}: {type(exc).__name__}: {exc}"
-            ) from None
+            problem = f"{type(exc).__name__}: {first_line(exc)}"  # one line, as build_transforms words its errors
+            raise spec_issue(key, f"sample 0 of the data cannot go through {key}: {problem}") from None
 
 
 def split_indices(
