@@ -157,3 +157,15 @@ def test_a_profile_that_recorded_nothing_says_why(tmp_path: Path) -> None:
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "rank0.trace.json").write_text("{}")
     assert profile_notes(loaded.spec, 0, tmp_path) == []
+
+
+def test_an_issue_at_a_list_entry_set_by_an_override_names_that_override(tmp_path: Path):
+    """data.transforms[0] read as ("data", "transforms[0]") matched no --set: it was placed in the file, no line."""
+    from runner.errors import SpecError, SpecIssue
+    from runner.spec.loading import relocate_issues
+
+    loaded = load_spec(load(tmp_path).path, ['data.transforms=["RandomFlp"]'])
+    issue = SpecIssue(None, None, "data.transforms[0].name", "no such transform")
+    (moved,) = relocate_issues(SpecError(issue), loaded).issues
+    assert moved.line is None and moved.message == 'no such transform (from --set data.transforms=["RandomFlp"])'
+    assert key_line(loaded, "data.transforms[0]") is None and key_line(loaded, "optim.lr") == 10

@@ -121,7 +121,7 @@ def relocate_issues(error: SpecError, loaded: LoadedSpec) -> SpecError:
 
 def _override_of(loaded: LoadedSpec, key: str) -> str | None:
     """The ``--set KEY=VALUE`` (or ``--unset KEY``) that replaced dotted ``key`` or a table above it, or ``None``."""
-    loc = tuple(key.split("."))
+    loc = _loc_of(key)
     flags = [(f"--unset {k}", k) for k in loaded.unset] + [(typed_as(text), text) for text in loaded.overrides]
     for flag, text in reversed(flags):
         o = parse_key(text.partition("=")[0])
@@ -139,11 +139,17 @@ def key_line(loaded: LoadedSpec, key: str) -> int | None:
 
 
 def _line_in(lines: dict[Loc, int], key: str) -> int | None:
+    return nearest(lines, _loc_of(key))
+
+
+def _loc_of(key: str) -> Loc:
+    """A builder's dotted key as a location, list indices included: ``"metrics.val[1]"`` -> ``("metrics", "val",
+    1)``, so ``data.transforms[0]`` is found under the ``--set data.transforms=...`` that wrote it."""
     loc: Loc = ()
-    for part in key.split("."):  # "metrics.val[1]" -> ("metrics", "val", 1)
+    for part in key.split("."):
         name, *indices = part.split("[")
         loc = (*loc, name, *(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit()))
-    return nearest(lines, loc)
+    return loc
 
 
 def _validate(
