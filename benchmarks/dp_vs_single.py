@@ -63,8 +63,8 @@ def _model(name: str, image_size: int) -> Any:
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` timed steps in this process with ``args.mode``; return the measurements."""
-    from runner.devices.inventory import apply_device_env, probe_inventory
-    from runner.devices.resolve import resolve_devices
+    from runner.devices.inventory import probe_inventory
+    from runner.devices.resolve import apply_device_env, resolve_devices
     from runner.errors import RunnerError
 
     spec = _spec(args, args.mode)

@@ -9,10 +9,10 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from runner import __version__
-from runner.errors import Interrupted, RunnerError, TrainingError, UsageError, echo, exit_quickly
+from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, UsageError, echo, exit_quickly
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -264,9 +264,11 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _load(args: argparse.Namespace) -> LoadedSpec:
+    """The command's spec, kept in ``args`` for :func:`main` to place the issues found later in its files."""
     from runner.spec.loading import load_spec
 
-    return load_spec(args.file, _overrides(args), getattr(args, "unset", ()))
+    args.loaded = load_spec(args.file, _overrides(args), getattr(args, "unset", ()))
+    return cast("LoadedSpec", args.loaded)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -299,7 +301,8 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _exec(args: argparse.Namespace) -> int:
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
 
     if args.allow_spec_change and not args.resume:
         raise UsageError("--allow-spec-change only applies with --resume RUN_ID")
@@ -402,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``runner`` console script; returns the exit status (0, 1, 2 or 130): the ``exit_code`` of
     the error that ended the command."""
     parser = build_parser()
+    args = argparse.Namespace()
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
@@ -410,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except RunnerError as exc:
+        if isinstance(exc, SpecError) and hasattr(args, "loaded"):  # a key without a line, found after loading
+            from runner.spec.loading import relocate_issues
+
+            exc = relocate_issues(exc, args.loaded)
         print(f"runner: {exc.format_message()}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

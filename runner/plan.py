@@ -1,5 +1,12 @@
-"""What would run: devices, world size, batches, launch method and tracking target of a spec. Details: docs/design.md,
-"Module notes"."""
+"""What would run: devices, world size, batches, launch method and tracking target of a spec.
+
+Shared by ``runner plan`` (which prints it) and ``runner exec`` (which acts on it), so the
+two can never disagree. The launcher's environment is read here, once, through
+``runner.devices.environment.LauncherEnvironment``; inside a Slurm job step the layout of
+its tasks is decided here too (docs/design.md §15). For a spec this machine cannot run:
+what is missing, and the ``--set`` arguments that run it here, tried before they are offered
+(``plan_or_problem``). What ``runner plan`` prints is ``runner.plan_report``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from runner.devices.environment import LauncherEnvironment, SlurmLayout
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
-from runner.launch.environment import LauncherEnvironment, SlurmLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
@@ -149,7 +156,7 @@ def make_plan(
         raise exc.located(loaded.path, key_line(loaded, exc.key)) from None
     slurm = None
     if launcher.slurm is not None and not launcher.external:
-        slurm, launcher = _slurm_layout(loaded, launcher, devices, env)
+        slurm, launcher = _slurm_layout(loaded, launcher, devices)
         if slurm.kind == "per-device":  # this task is one training process with CPUs of its own
             threads, source = threads_per_process(spec.devices.threads_per_process, env, inventory.cores, 1)
             devices = replace(devices, threads_per_process=threads, threads_from=source)
@@ -170,7 +177,7 @@ def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
 
 def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
     """``tracking.run_name``, else ``<name> <mode>-<size> <changed values>`` (docs/design.md §6)."""
-    from runner.spec.dump import default_run_name
+    from runner.spec.loading import default_run_name
 
     spec = loaded.spec
     if spec.tracking.run_name:
@@ -180,7 +187,7 @@ def run_name_of(loaded: LoadedSpec, devices: DevicePlan | None) -> str:
 
 def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
     """Devices (dp) or processes (ddp, fsdp) a run spans: the ``2`` of ``ddp-2``."""
-    from runner.spec.rules import static_world_size
+    from runner.spec.schema import static_world_size
 
     spec = loaded.spec
     traits = spec.parallel.traits
@@ -214,7 +221,7 @@ def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: D
 
 
 def _slurm_layout(
-    loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan, env: Mapping[str, str]
+    loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan
 ) -> tuple[SlurmLayout, LauncherEnvironment]:
     """The layout of this Slurm step (and this task as its worker); UsageError when the tasks fit no layout."""
     assert launcher.slurm is not None
@@ -225,7 +232,7 @@ def _slurm_layout(
         )
         if layout.kind != "per-device":
             return layout, launcher
-        worker = launcher.as_slurm_worker(layout, env)
+        worker = launcher.as_slurm_worker(layout)
     except ValueError as exc:
         raise UsageError(f"{loaded.path}: {exc}") from None
     local = launcher.slurm.local_tasks
@@ -239,8 +246,6 @@ def _slurm_layout(
 
 def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) -> Rendezvous:
     """Where the elastic launcher meets other nodes: the spec's settings, else the Slurm job's; SpecError for none."""
-    from runner.spec.loading import relocate_issues
-
     par = loaded.spec.parallel
     if slurm is not None and slurm.kind != "batch":
         try:
@@ -254,7 +259,7 @@ def _rendezvous(loaded: LoadedSpec, slurm: SlurmLayout | None, launching: bool) 
             f'nnodes = {par.nnodes} needs rdzv_endpoint = "host:port" reachable from every node '
             "(inside a Slurm job step it comes from the node list)"
         )
-        raise relocate_issues(SpecError(SpecIssue(None, None, "parallel.nnodes", message)), loaded)  # line or flag
+        raise SpecError(SpecIssue(None, None, "parallel.nnodes", message))
     return Rendezvous(par.rdzv_endpoint, par.rdzv_id, par.nnodes, par.node_rank)
 
 

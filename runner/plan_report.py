@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -148,26 +149,22 @@ _KINDS = {  # torch's kinds of memory (MemTracker's, then FSDPMemTracker's) -> t
 def estimate_memory(loaded: LoadedSpec, devices: int) -> dict[str, Any]:
     """Bytes per device of one training step in each mode, from fake steps (docs/design.md §10): ``{"devices",
     "global_batch", "flops_per_step", "modes": {mode: [per-device rows]}}``, or ``{"error": why}`` if none runs."""
+    from runner.strategies import STRATEGIES
+    from runner.strategies.base import StepMemory
+
+    share = math.ceil(loaded.spec.data.batch_size / devices)
     try:
         whole = fake_step(loaded, loaded.spec.data.batch_size, count_flops=True)
-        local = fake_step(loaded, -(-loaded.spec.data.batch_size // devices))
-        sharded = fake_step(loaded, -(-loaded.spec.data.batch_size // devices), shards=devices)
+        local = fake_step(loaded, share)
+        sharded = fake_step(loaded, share, shards=devices)
     except Exception as exc:  # user code under fake tensors: any error means "cannot estimate", never a failure
         return {"error": f"{type(exc).__name__}: {first_line(exc)}"}
-    n, bucket = devices, 0 if getattr(loaded.spec.parallel, "gradient_as_bucket_view", False) else local["grad_bytes"]
-    others = {**local, "optimizer": 0, "peak": local["peak"] - local["optimizer"]}
-    modes: dict[str, list[dict[str, Any]]] = {
-        "none": [{"device": "0", **whole}],
-        "dp": [
-            {"device": "0", **local, "peak": local["peak"] + whole["input_bytes"] + whole["output_bytes"]},
-            {"device": f"1-{n - 1}" if n > 2 else "1", **others},
-        ],
-        "ddp": [{"device": "each", **local, "grads": local["grads"] + bucket, "peak": local["peak"] + bucket}],
-        "fsdp": [{"device": "each", **sharded}],
-    }
+    bucket_view = getattr(loaded.spec.parallel, "gradient_as_bucket_view", False)
+    step = StepMemory(whole, local, sharded, devices, bucket_view)
+    modes = {mode: strategy.memory(step) for mode, strategy in STRATEGIES.items()}
     shown = ("params", "grads", "optimizer", "activations", "peak")
     return {
-        "devices": n,
+        "devices": devices,
         "global_batch": loaded.spec.data.batch_size,
         "flops_per_step": whole["flops"],
         "modes": {
@@ -318,11 +315,7 @@ def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | Non
         for row in rows:
             mib = [row[k] / size for k in ("params", "grads", "optimizer", "activations", "peak")]
             figures = "".join(f"{v:>{w}.1f}" for v, w in zip(mib, (9, 9, 9, 10, 10), strict=True))
-            spare = ((smallest or 0) - row["peak"]) / 2**30
-            fits = (f"  yes, {spare:.1f} GiB spare" if spare >= 0 else f"  no, {-spare:.1f} GiB over") * bool(smallest)
-            lines.append(
-                _row("", f"{name + ('*' if name == spec.parallel.mode else ''):<6} {row['device']:<7}{figures}{fits}")
-            )
+            lines.append(_row("", f"{_mode_label(name, spec):<6} {row['device']:<7}{figures}{_fits(row, smallest)}"))
     flops = memory["flops_per_step"]
     scale, prefix = next(
         (10**e, p) for e, p in ((15, "P"), (12, "T"), (9, "G"), (6, "M"), (0, "")) if flops >= 10**e or not e
@@ -342,6 +335,19 @@ def format_memory(memory: Mapping[str, Any], gpus: Sequence[tuple[str, int | Non
     return lines
 
 
+def _mode_label(mode: str, spec: ExperimentSpec) -> str:
+    """``mode``, starred when it is the spec's own."""
+    return f"{mode}*" if mode == spec.parallel.mode else mode
+
+
+def _fits(row: Mapping[str, Any], smallest: int | None) -> str:
+    """Whether ``row``'s peak fits the smallest visible GPU, and by how much; ``""`` when its memory is unknown."""
+    if not smallest:
+        return ""
+    spare = (smallest - row["peak"]) / 2**30
+    return f"  yes, {spare:.1f} GiB spare" if spare >= 0 else f"  no, {-spare:.1f} GiB over"
+
+
 def _switches(memory: Mapping[str, Any], worst: Mapping[str, int], total: int, spec: ExperimentSpec) -> list[str]:
     """What would make the spec's mode fit ``total`` bytes: fsdp, a smaller global batch, activation checkpointing."""
     found = []
@@ -351,7 +357,8 @@ def _switches(memory: Mapping[str, Any], worst: Mapping[str, int], total: int, s
     if not spec.parallel.traits.shards_state and memory["modes"][sharded][0]["peak"] <= total:
         found.append(f'parallel.mode = "{sharded}"')
     n = 1 if spec.parallel.mode == REFERENCE_MODE else memory["devices"]  # activations were measured per device
-    fixed, per_sample = worst["peak"] - worst["activations"], worst["activations"] / -(-memory["global_batch"] // n)
+    fixed = worst["peak"] - worst["activations"]
+    per_sample = worst["activations"] / math.ceil(memory["global_batch"] / n)
     if fixed < total and per_sample > 0:
         found.append(f"data.batch_size = {int((total - fixed) / per_sample) * n} or less")
     if not spec.train.activation_checkpointing:

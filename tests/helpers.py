@@ -178,7 +178,8 @@ def spec_object(base: Mapping[str, Any] = SMALL, **changes: Any) -> ExperimentSp
 def run_in_process(write_spec: Callable[[], Path], *sets: str, store: bool = False) -> Any:
     """``exec_experiment`` of a written spec in this process: the loop's features, not the process model; without
     ``store`` nothing is tracked or checkpointed."""
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
     from runner.spec.loading import load_spec
 
     tracking = [] if store else ["tracking.enabled=false", "checkpoint.enabled=false"]

@@ -95,16 +95,16 @@ RULES = (
     ),
     Rule(
         "environment",
-        ("runner/launch/environment.py",),
+        ("runner/devices/environment.py",),
         ("runner", "torch"),
         ANYWHERE,
-        "runner.launch.environment is a torch-free leaf that imports nothing else of runner",
+        "runner.devices.environment is a torch-free leaf that imports nothing else of runner",
     ),
 )
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 # Modules a fresh interpreter imports without loading torch or mlflow.
-LIGHT_MODULES = ("runner.cli", "runner.spec.loading", "runner.launch.environment")
+LIGHT_MODULES = ("runner.cli", "runner.spec.loading", "runner.devices.environment")
 HEAVY_MODULES = ("torch", "mlflow")
 
 
@@ -262,9 +262,9 @@ CROSSINGS = [
     ("training", "runner/training/loop.py", "from runner.tracking.trackers import Tracker\n"),
     ("training", "runner/training/setup.py", "def run():\n    from ..tracking import runs\n"),
     ("training", "runner/training/checkpoint.py", "class A:\n    import mlflow\n"),
-    ("environment", "runner/launch/environment.py", "from runner.errors import UsageError\n"),
-    ("environment", "runner/launch/environment.py", "from . import driver\n"),
-    ("environment", "runner/launch/environment.py", "def f():\n    import torch.distributed\n"),
+    ("environment", "runner/devices/environment.py", "from runner.errors import UsageError\n"),
+    ("environment", "runner/devices/environment.py", "from . import driver\n"),
+    ("environment", "runner/devices/environment.py", "def f():\n    import torch.distributed\n"),
 ]
 
 
@@ -301,7 +301,7 @@ ALLOWED = [
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runner.tracking.trackers import Tracker\n",
     ),
     ("training", "runner/training/loop.py", "import torch\nfrom runner.strategies.base import Strategy\n"),
-    ("environment", "runner/launch/environment.py", "import os\nfrom dataclasses import dataclass\n"),
+    ("environment", "runner/devices/environment.py", "import os\nfrom dataclasses import dataclass\n"),
 ]
 
 
@@ -326,7 +326,7 @@ def test_the_run_time_check_sees_an_indirect_heavy_import(tmp_path: Path, heavy:
         _write(tmp_path, rel, "")
     _write(tmp_path, "runner/cli.py", "")
     _write(tmp_path, "runner/spec/loading.py", "")
-    _write(tmp_path, "runner/launch/environment.py", "")
+    _write(tmp_path, "runner/devices/environment.py", "")
     for rel, source in files.items():
         _write(tmp_path, rel, source)
     _write(tmp_path, f"{heavy}.py", "")  # a stand-in, so the check needs neither library

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runner.devices.environment import LauncherEnvironment
 from runner.devices.inventory import probe_inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import TrainingError
-from runner.launch.environment import LauncherEnvironment
 from runner.spec.schema import ExperimentSpec
 from runner.strategies import make_strategy
 from runner.strategies.base import DataParallelStrategy
@@ -120,7 +120,7 @@ def test_narrowing_selects_the_planned_card(form):
         f"""
         import json, os, torch
         from runner.devices.inventory import probe_inventory
-        from runner.devices.inventory import apply_device_env
+        from runner.devices.resolve import apply_device_env
         from runner.devices.resolve import resolve_devices
         from runner.spec.schema import ExperimentSpec
         spec = ExperimentSpec.model_validate({{"name": "t", "model": {{"name": "mlp"}},
@@ -145,7 +145,7 @@ def test_apply_refuses_after_real_cuda_init():
     res = run_child(
         """
         import json, torch
-        from runner.devices.inventory import apply_device_env
+        from runner.devices.resolve import apply_device_env
         from runner.devices.resolve import DevicePlan
         from runner.errors import DeviceError
         torch.cuda.init()

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from runner.launch.driver import ExecOptions, exec_experiment
+from runner.launch.driver import exec_experiment
+from runner.launch.session import ExecOptions
 from runner.spec.loading import load_spec
 from runner.training import WorkerResult, loop, setup
 from tests.helpers import spec_text

@@ -200,7 +200,8 @@ def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) 
     import mlflow
 
     from runner.errors import TrackingError
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
     from runner.spec.loading import load_spec
 
     loaded = load_spec(write_spec(), ["train.epochs=1"])

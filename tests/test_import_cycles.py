@@ -1,6 +1,6 @@
-"""No import cycle among runner's modules at run time, function-local imports included (docs/design.md, package map).
-
-Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+"""No import cycle among runner's modules, function-local imports included (docs/design.md, package map); and none
+through imports under ``if TYPE_CHECKING:`` either: they never run, but a type one module needs from another above it
+says the two are one idea split in two, or that the type belongs lower down.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """The runner modules ``tree`` imports at run time (``from pkg import mod`` counts as ``pkg.mod``)."""
+def _imports(tree: ast.AST, modules: set[str], type_only: bool) -> set[str]:
+    """The runner modules ``tree`` imports at run time, and with ``type_only`` those it imports for types too
+    (``from pkg import mod`` counts as ``pkg.mod``)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
+            if not type_only and isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
                 continue
             if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("runner"):
                 for alias in child.names:
@@ -36,10 +37,12 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
     return found & modules
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in (ROOT / "runner").rglob("*.py")}
     modules = set(files)
-    graph = {name: _imports(ast.parse(path.read_text(encoding="utf-8")), modules) for name, path in files.items()}
+    graph = {
+        name: _imports(ast.parse(path.read_text(encoding="utf-8")), modules, type_only) for name, path in files.items()
+    }
     return {name: targets - {name} for name, targets in graph.items()}
 
 
@@ -80,6 +83,20 @@ def test_runner_has_no_import_cycle():
     assert found == [], "import cycles (move the shared code down, into the module both import):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
+
+
+def test_runner_has_no_import_cycle_through_type_only_imports():
+    found = cycles(import_graph(type_only=True))
+    assert found == [], "cycles through type-only imports (move the type down, or join the two):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_a_type_only_import_counts_only_when_asked():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runner.b import T\nimport runner.c\n"
+    modules = {"runner.b", "runner.c"}
+    assert _imports(ast.parse(source), modules, type_only=False) == {"runner.c"}
+    assert _imports(ast.parse(source), modules, type_only=True) == {"runner.b", "runner.c"}
 
 
 def test_the_cycle_finder_finds_a_cycle():

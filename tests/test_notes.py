@@ -8,6 +8,7 @@ import pytest
 
 from runner.devices.inventory import Inventory
 from runner.launch import driver
+from runner.launch.session import ExecOptions
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.training import WorkerResult
@@ -53,7 +54,7 @@ def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
         return [worker]
 
     monkeypatch.setattr(driver, "_launch", fake_training)
-    result = driver.exec_experiment(load_spec(path), driver.ExecOptions(parent_run_id="p" * 32))
+    result = driver.exec_experiment(load_spec(path), ExecOptions(parent_run_id="p" * 32))
     assert capsys.readouterr().err == ""  # the trial prints no note: its tool reports
     assert "note: devices.ids = [0] is ignored: the run is on cpu" in result.summary()
 

@@ -1,5 +1,4 @@
-"""The GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA; the process env.
-Numbering: docs/design.md, "Module notes", runner/devices/resolve.py."""
+"""The GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA; the process env."""
 
 from __future__ import annotations
 
@@ -7,18 +6,13 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from runner.errors import DeviceError
+from typing import Any
 
 VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 ORDER_VAR = "CUDA_DEVICE_ORDER"
 DEFAULT_ORDER = "PCI_BUS_ID"
-
-if TYPE_CHECKING:
-    from runner.devices.resolve import DevicePlan
 
 # Peak dense TFLOP/s of one GPU (no sparsity), by NVML name, for MFU. fp32 is CUDA-core FP32 (torch's default keeps
 # TF32 off for matmuls); bf16 and fp16 are tensor-core figures. Source: NVIDIA's datasheet of each product, named in
@@ -277,29 +271,6 @@ def cuda_initialized() -> bool:
         return False
     cuda = getattr(torch, "cuda", None)
     return bool(cuda is not None and cuda.is_initialized())
-
-
-def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices, in ``devices.ids``
-    order; DeviceError when CUDA, which reads the variable once, is initialised and the plan would change its view."""
-    changes = {k: v for k, v in plan.env.items() if environ.get(k) != v}
-    if changes and cuda_initialized():
-        now = {k: environ.get(k) for k in changes}
-        raise DeviceError(
-            f"CUDA is already initialised in this process, so setting {changes} (now {now}) would not take effect "
-            f"and the run would use other GPUs than planned; resolve and apply devices before anything touches CUDA"
-        )
-    environ.update(changes)
-
-
-def apply_threads(plan: DevicePlan) -> None:
-    """Give torch ``plan.threads_per_process`` intra-op threads, and inter-op ones while torch still accepts them."""
-    import torch
-
-    torch.set_num_threads(plan.threads_per_process)
-    if torch.get_num_interop_threads() != plan.threads_per_process:
-        with contextlib.suppress(RuntimeError):  # "cannot set number of interop threads after parallel work"
-            torch.set_num_interop_threads(plan.threads_per_process)
 
 
 @contextlib.contextmanager

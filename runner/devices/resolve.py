@@ -1,17 +1,42 @@
-"""Resolve the accelerator and device ids of a spec against the visible GPUs; narrow CUDA_VISIBLE_DEVICES. Details:
-docs/design.md, "Module notes"."""
+"""Resolve the accelerator and device ids of a spec against the visible GPUs; narrow CUDA_VISIBLE_DEVICES.
+
+Three steps, kept apart so the middle one is pure and testable without a GPU:
+
+1. ``runner.devices.inventory.probe_inventory`` lists the GPUs
+   visible when runner starts, through NVML and an inherited
+   ``CUDA_VISIBLE_DEVICES``, without initialising CUDA in this process.
+2. ``resolve_devices`` turns spec + environment + inventory into a
+   ``DevicePlan`` (accelerator, chosen devices, world size, backend,
+   per-device batch) or raises ``runner.errors.DeviceError``.
+3. ``runner.devices.inventory.apply_device_env`` narrows ``CUDA_VISIBLE_DEVICES``
+   to the chosen devices, so that inside this process and its children they are
+   ``cuda:0 .. cuda:n-1``.
+
+Only the rules that need the machine are checked here (a GPU is visible, ``auto`` found
+CUDA, the GPU count); the schema checks what the spec alone decides. Both word a rule with
+the same function of ``runner.spec.rules``, and never check it twice for one spec.
+
+Numbering: ``devices.ids`` index the GPUs visible when runner starts (the
+user's view, honouring an inherited ``CUDA_VISIBLE_DEVICES``). ``entry`` is the
+``CUDA_VISIBLE_DEVICES`` item that selects a device as inherited (an integer
+or a ``GPU-``/``MIG-`` UUID); ``physical_index`` is the index in PCI bus order
+(nvidia-smi's index), which CUDA follows once ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from runner.devices.inventory import DEFAULT_ORDER, ORDER_VAR, VISIBLE_VAR, Inventory
+from runner.devices.inventory import DEFAULT_ORDER, ORDER_VAR, VISIBLE_VAR, Inventory, cuda_initialized
 from runner.errors import DeviceError, show
 from runner.spec import rules
+from runner.spec.schema import cuda_only_problems, static_world_size
 from runner.spec.schema_parallel import MODES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -182,7 +207,7 @@ def _check_cpu_run(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inve
     if spec.devices.accelerator != "auto":
         return
     why = f'accelerator = "auto" chose cpu since {_no_gpu_reason(env, inventory)}'
-    problems = rules.cuda_only_problems(spec, why)
+    problems = cuda_only_problems(spec, why)
     if problems:
         key, message = problems[0]
         raise DeviceError(message, key=key)
@@ -257,7 +282,7 @@ def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[in
 def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: list[str]) -> list[int]:
     """Samples per device per forward pass; DeviceError when a world size only this machine fixes does not divide."""
     batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
-    if rules.static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
+    if static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
         raise DeviceError(problem, key="data.batch_size")
     micro = batch // (world * accum)
     traits = spec.parallel.traits
@@ -270,3 +295,26 @@ def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: l
             )
         return per_device
     return [micro] * layout.nproc_per_node if traits.elastic else [micro]
+
+
+def apply_device_env(plan: DevicePlan, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Set ``plan.env`` in ``environ`` so this process and its children see only the chosen devices, in ``devices.ids``
+    order; DeviceError when CUDA, which reads the variable once, is initialised and the plan would change its view."""
+    changes = {k: v for k, v in plan.env.items() if environ.get(k) != v}
+    if changes and cuda_initialized():
+        now = {k: environ.get(k) for k in changes}
+        raise DeviceError(
+            f"CUDA is already initialised in this process, so setting {changes} (now {now}) would not take effect "
+            f"and the run would use other GPUs than planned; resolve and apply devices before anything touches CUDA"
+        )
+    environ.update(changes)
+
+
+def apply_threads(plan: DevicePlan) -> None:
+    """Give torch ``plan.threads_per_process`` intra-op threads, and inter-op ones while torch still accepts them."""
+    import torch
+
+    torch.set_num_threads(plan.threads_per_process)
+    if torch.get_num_interop_threads() != plan.threads_per_process:
+        with contextlib.suppress(RuntimeError):  # "cannot set number of interop threads after parallel work"
+            torch.set_num_interop_threads(plan.threads_per_process)

@@ -1,12 +1,30 @@
-"""Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status. Details: docs/design.md,
-"Module notes"."""
+"""Driver of ``runner exec``: owns the MLflow run, starts the workers, sets the final status.
+
+The driver is the process that launches, and the only one that imports MLflow (docs/design.md §6, "The
+process model"): rank 0 reports its build to the driver's hub, the driver creates the run, and rank 0
+streams what the run records over the same pipe.
+
+* ``none`` / ``dp``: one child training process (``runner.launch.elastic``); ``ExecOptions.in_process``
+  trains in this process instead (sweeps, bench, parity);
+* ``ddp``: the driver starts ``nproc_per_node`` workers through torch's elastic launcher
+  (``torch.distributed.launcher.api.elastic_launch``, the machinery behind ``torchrun``)
+  with a c10d rendezvous (``localhost:0`` on one node: the OS picks a free port);
+* started by ``torchrun`` or a scheduler (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set):
+  this process is a worker and launches nothing; rank 0 owns the run;
+* a task of a Slurm job step (docs/design.md §15): one task per device is a worker (its
+  torchrun variables are set from Slurm's), one task per node is its node's elastic launcher
+  (rendezvous on the first host of the node list); either way the job has one run, tagged
+  ``runner.slurm.job_id``, and a requeued job (``SLURM_RESTART_COUNT > 0``) resumes it from
+  its last checkpoint.
+
+Whatever happens, the run ends FINISHED, FAILED (with the error) or KILLED in ``finally``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,9 +34,9 @@ from runner.devices.inventory import HostLoad, peak_tflops
 from runner.errors import Interrupted, SpecError, TrackingError, TrainingError
 from runner.launch.channel import Hub
 from runner.launch.elastic import LaunchFailed, launch_elastic, launch_failure, run_agent, run_child
-from runner.launch.failures import JobContext, oom_kill_count
+from runner.launch.failures import JobContext, ended_by, oom_kill_count
 from runner.launch.resume import resume_command
-from runner.launch.session import RunSession, Spooled, apply_plan_env, before_launch, worker_args
+from runner.launch.session import ExecOptions, RunSession, Spooled, apply_plan_env, before_launch, worker_args
 from runner.launch.worker import run_worker
 from runner.spec.loading import relocate_issues
 from runner.tracking.runs import check_fluent_run, experiment_id_of, record_summary
@@ -31,32 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.training import WorkerResult
-
-
-@dataclass(frozen=True)
-class ExecOptions:
-    """Command-line options of ``runner exec`` beyond the spec.
-
-    ``resume`` is a run id or ``"last"``; ``parent_run_id`` makes the run a child (sweeps, bench); ``nested`` allows an
-    active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made against
-    (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and stops
-    training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process`` trains a
-    one-process job in this process; start-up is measured from ``started_at`` (default: process start)."""
-
-    run_name: str | None = None
-    resume: str | None = None
-    allow_spec_change: tuple[str, ...] = ()
-    parent_run_id: str | None = None
-    tags: tuple[tuple[str, str], ...] = ()
-    sync_timing: bool = False
-    nested: bool = False
-    tracking_uri: str | None = None
-    environ: Mapping[str, str] | None = None
-    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
-    dtype: str | None = None
-    nudge: bool = False
-    in_process: bool = False
-    started_at: float | None = None
 
 
 @dataclass
@@ -109,7 +101,18 @@ def exec_experiment(loaded: LoadedSpec, options: ExecOptions = ExecOptions()) ->
 
     Raises SpecError, DeviceError, UsageError, TrackingError: before any training (exit 2); no MLflow run is left
     behind. TrainingError: training failed on some rank; the run is FAILED (exit 1). Interrupted: stopped by
-    SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130)."""
+    SIGINT/SIGTERM after a checkpoint; the run is KILLED (exit 130).
+
+    This is where a spec issue found below (a key without a line: by the plan, a build, a check) is placed in the
+    spec's files, once for every path of a run."""
+    try:
+        return _execute(loaded, options)
+    except SpecError as exc:
+        raise relocate_issues(exc, loaded) from None
+
+
+def _execute(loaded: LoadedSpec, options: ExecOptions) -> ExecResult:
+    """:func:`exec_experiment`, its spec issues not yet placed in the spec's files."""
     from runner.plan import make_plan
 
     if options.started_at is None:
@@ -276,7 +279,7 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         raise _interrupted(getattr(exc, "signum", 2), plan, session) from None
     except (SpecError, TrackingError) as exc:
         if session is None or session.run_id is None:
-            raise relocate_issues(exc, plan.loaded) if isinstance(exc, SpecError) else exc from None
+            raise exc from None
         error = str(exc)
         raise TrainingError(error) from None
     except Exception as exc:
@@ -288,7 +291,7 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
             signum, rank = failed.stopped
             raise _interrupted(signum, plan, session, hangs, rank) from None
         if failed.spec_error is not None and (session is None or session.run_id is None):
-            raise relocate_issues(failed.spec_error, plan.loaded) from None
+            raise failed.spec_error from None
         error = failed.error
         raise TrainingError(error) from None
     finally:
@@ -330,6 +333,27 @@ def checkpoint_note(folder: str, hangs: HangReports) -> str:
     return f"a checkpoint was written at the stop ({newest})" if newest else "it has no checkpoint"
 
 
+def _in_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
+    """Train ``args`` in a child process and return its result.
+
+    Raises Interrupted on a stop, the RunnerError the child reported, or TrainingError when it ended without one.
+    """
+    from runner.training import WorkerResult
+
+    code, oom_before = run_child(args, session.launch_pointless)
+    if session.result is not None and code == 0:
+        return WorkerResult(**session.result)
+    if session.failure is not None:
+        raise session.failure
+    if session.build_error is not None or session.store_error is not None:
+        return WorkerResult(rank=0)  # the driver raises why it made no run
+    if code == 0:
+        raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
+    if code == Interrupted.exit_code:
+        raise Interrupted()
+    raise TrainingError(f"the training process {ended_by(code, oom_before)}")
+
+
 def _launch(
     plan: Plan, args: WorkerArgs, hangs: HangReports, options: ExecOptions, session: RunSession | None
 ) -> list[WorkerResult]:
@@ -343,7 +367,7 @@ def _launch(
     if session is not None and plan.launch != "elastic" and not options.in_process:
         # none and dp; and rank 0 started by torchrun or a Slurm task per device, which thus stays its job's
         # driver: the rank trains in a child that inherits its launcher's variables (docs/design.md §6)
-        return [run_child(args, session)]
+        return [_in_child(args, session)]
     result = run_worker(args)
     if result is None:
         _raise_unmade(session)

@@ -1,5 +1,28 @@
-"""Starting ddp workers through torch's elastic launcher, and reading why a launched job failed. Details:
-docs/design.md, "Module notes"."""
+"""Starting ddp workers through torch's elastic launcher, and reading why a launched job failed.
+
+``elastic_launch`` (``torch.distributed.launcher.api``, the machinery behind ``torchrun``) starts
+``nproc_per_node`` workers with a c10d rendezvous (``localhost:0`` on one node: the OS picks a
+free port). The workers fork from a process that imported torch, ``torch._dynamo`` and the worker's modules
+(``PRELOAD``) once per job, instead of each importing them again: the launcher of its own process (``fork``, it
+imported them while the driver planned and runs no other thread of ours), else, for a launch inside the driver
+(several nodes), Python's fork server, stopped after each job so that the next job's workers start from that
+job's environment (every worker holds the server's end-of-clients pipe, so the kernel's parent-death signal never
+comes). Each worker watches its launcher's pid (a pidfd) and stops as on SIGTERM when it ends, checkpoint first. The
+launcher runs in a process of its own (``run_agent``), which turns what ``elastic_launch`` raised into data
+(``LaunchFailed``: the stop signal and rank, the spec error a rank's build found, or the run's message) that the
+driver reads back. See
+docs/design.md §6. torch is imported inside the functions.
+
+The launcher's process stops the job once on SIGINT or SIGTERM: a signal less than 1 s after the first is the
+same stop delivered twice (the driver passes on what a terminal or Slurm also sent there), as the workers count
+it (``runner.launch.worker``); a later one stops again. The driver, waiting for it, passes both signals on, and kills
+it at once when no run will be made (the store could not be opened), rather than let it import torch for nothing.
+
+A worker that returned its result and then dies by a signal at interpreter exit (torch's gloo
+teardown sometimes aborts with ``terminate called without an active exception``, SIGABRT) has
+done its work: each worker leaves its result in the launcher's folder as it returns, so such an
+exit is noted and the job's results stand, instead of a finished run ending FAILED.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +62,6 @@ from runner.launch.worker import run_worker
 
 if TYPE_CHECKING:
     from runner.launch.failures import HangReports
-    from runner.launch.session import RunSession
     from runner.launch.worker import WorkerArgs
     from runner.plan import Plan
     from runner.training import WorkerResult
@@ -335,31 +357,16 @@ def fresh_start_needed(now: dict[str, str], given: dict[str, str]) -> bool:
     return torch.cuda.is_initialized() and any(now.get(k) != given.get(k) for k in keys)
 
 
-def run_child(args: WorkerArgs, session: RunSession) -> WorkerResult:
-    """Train ``args`` in a child process and return its result.
-
-    Raises Interrupted on a stop, the RunnerError the child reported, or TrainingError when it ended without one.
-    """
-    from runner.training import WorkerResult
-
+def run_child(args: WorkerArgs, pointless: Callable[[], bool | None]) -> tuple[int, int | None]:
+    """Train ``args`` in a child process: ``(its exit code, the OOM kills counted before it started)``, for
+    :func:`runner.launch.failures.ended_by`. The child is killed once ``pointless()`` says no run will be made; what it
+    reported went to the driver's hub."""
     assert args.hub is not None
     path = Path(args.hub.path).with_name(ARGS_FILE)
     path.write_bytes(pickle.dumps(dataclasses.replace(args, launcher_pid=os.getpid())))
     oom_before = oom_kill_count()
     child = _start([str(path)], dict(os.environ))
-    code = _wait_passing_signals(child, session.launch_pointless)
-    if session.result is not None and code == 0:
-        return WorkerResult(**session.result)
-    failure = session.failure
-    if failure is not None:
-        raise failure
-    if session.build_error is not None or session.store_error is not None:
-        return WorkerResult(rank=0)  # the driver raises why it made no run
-    if code == 0:
-        raise TrainingError("the worker exited without a result (sys.exit(0) during training)")
-    if code == Interrupted.exit_code:
-        raise Interrupted()
-    raise TrainingError(f"the training process {ended_by(code, oom_before)}")
+    return _wait_passing_signals(child, pointless), oom_before
 
 
 def _wait_passing_signals(child: subprocess.Popen[bytes], pointless: Callable[[], bool | None] | None = None) -> int:

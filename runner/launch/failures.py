@@ -1,5 +1,12 @@
-"""Why a launched job failed, in words (the error, signal, OOM kill or hang); a worker's two guards. Details:
-docs/design.md, "Module notes"."""
+"""Why a launched job failed, in words (the error, signal, OOM kill or hang); a worker's two guards.
+
+The elastic launcher reports a failed worker as a ``ProcessFailure`` (``exitcode``, the error file
+its ``@record`` wrote, ``timestamp``); a worker killed hard leaves no error file, only its exit code,
+``-N`` for signal ``N``. This module turns that into one sentence for the run's ``runner.error`` tag
+and the command line: ``rank 1 was killed by signal 9 (SIGKILL, exit code -9) ...``. It also keeps the
+launcher's own log lines about a collective timeout off the terminal, where they would repeat a torch
+traceback that the sentence already explains. torch is not imported here.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,35 @@
-"""Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type. Details:
-docs/design.md, "Module notes"."""
+"""Before the MLflow run exists: build every part the spec names, or check its arguments by signature and type.
+
+A wrong value in ``[model]``, ``[data]``, ``[optim]``, ``[scheduler]`` or ``[train]`` must exit 2 with
+``FILE:LINE`` and leave no run (docs/design.md §1), not fail after an epoch of training. Rank 0 calls
+``check_parts`` before it reports its build, so before the run exists (docs/design.md §6). What is
+built, and what only checked:
+
+* dataset: ``sklearn.digits``, ``sklearn.diabetes`` and small ``synthetic`` sets are built (they
+  live in memory and take milliseconds); torchvision datasets, ``imagefolder`` and
+  ``pkg.module:factory`` datasets, which may read a whole dataset from disk, are only checked: the
+  name resolves and ``data.kwargs`` bind to the class or factory signature with the annotated types;
+* model: a built-in or torchvision model is built on the ``meta`` device (parameters without storage,
+  so the size of the model costs nothing) with the dataset's shape and classes when the dataset was
+  built, else its kwargs are checked by signature and type; an error on ``meta`` is confirmed by a build
+  on CPU before it is reported; fsdp's ``parallel.fsdp_blocks`` must name module classes of that model. A
+  ``pkg.module:factory`` model is user code: it is only checked by
+  signature and type, never called here, so a factory runs once per run (a sweep trial's warm worker
+  builds it once) and its side effects (a file written, weights read) happen only in the worker.
+  ``runner plan`` is the one exception: where it estimates memory, which calls the factory on fake
+  tensors anyway, ``known_differences(call_factory=True)`` builds it on ``meta`` to name its random
+  layers;
+* optimizer: built over one stand-in parameter with the spec's arguments;
+* scheduler: built over that optimizer, its kwargs type-checked against the annotations of the
+  ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
+  ``DRY_RUN_STEPS`` calls), so a value that only fails when the schedule is computed is found;
+* the training loaders: built on the built dataset (no batch is read). The loss and the metrics
+  are checked by ``check_objectives``, which rank 0 calls first.
+
+"Checked by type" is pydantic's strict validation of each kwarg against its annotation
+(``TypeAdapter``, worded as spec errors are): a kind TOML can write (number, string, boolean, list,
+choice) must match; what TOML cannot write (a tuple, a path, a class) is left to the call.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +43,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, SpecIssue, did_you_mean, first_line, show, with_hint
-from runner.spec.loading import relocate_issues
 from runner.spec.messages import value_problem
 from runner.spec.reading import folder_problem
 from runner.spec.schema import transform_names
@@ -35,10 +64,7 @@ def check_parts(loaded: LoadedSpec, world_size: int) -> tuple[list[str], Dataset
     """Build or check every part of ``loaded`` before any run exists; return the mode-difference notes and the
     datasets when they were built. SpecError at ``FILE:LINE`` for a part that does not build or an argument of the
     wrong type."""
-    try:
-        model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
-    except SpecError as exc:
-        raise relocate_issues(exc, loaded) from None
+    model, bundle = _check(loaded.spec, loaded.path.parent, world_size)
     return difference_notes(model, loaded.spec), bundle
 
 
@@ -149,7 +175,7 @@ def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> Non
         message = f"dir = {show(settings.dir)} cannot hold checkpoints: {problem}; choose a writable folder"
     else:
         message = f"the default checkpoint folder {folder} cannot be written: {problem}; set checkpoint.dir"
-    raise relocate_issues(SpecError(SpecIssue(None, None, "checkpoint.dir", message)), loaded)
+    raise SpecError(SpecIssue(None, None, "checkpoint.dir", message))
 
 
 def _check(
@@ -351,13 +377,3 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         except Exception:
             continue
     return hints
-
-
-def check_objectives(loaded: LoadedSpec) -> None:
-    """``[loss]`` and ``[metrics]`` names import and their arguments fit, before any run exists (exit 2, FILE:LINE)."""
-    from runner.training.losses import check_objectives as check_names
-
-    try:
-        check_names(loaded.spec, loaded.path.parent)
-    except SpecError as exc:
-        raise relocate_issues(exc, loaded) from None

@@ -1,5 +1,10 @@
-"""``runner reproduce RUN_ID``: a new run from the resolved spec stored with an earlier one. Details: docs/design.md,
-"Module notes"."""
+"""``runner reproduce RUN_ID``: a new run from the resolved spec stored with an earlier one.
+
+The new run trains the stored spec (every default written out, so later changes of a default
+do not leak in), in the same store, tagged ``runner.reproduced_from = RUN_ID``. On the same
+machine with the same seed its metric history equals the original's (docs/design.md §7). It
+warns first when the code may differ: another git commit, or a dirty working tree on either side.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, UsageError, echo, show
-from runner.launch.driver import ExecOptions, exec_experiment
+from runner.launch.driver import exec_experiment
 from runner.launch.resume import RESUMABLE
+from runner.launch.session import ExecOptions
 from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
 from runner.tracking.tags import code_digests, git_info
 

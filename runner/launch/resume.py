@@ -1,5 +1,12 @@
-"""Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file. Details:
-docs/design.md, "Module notes"."""
+"""Resume: ``runner resume RUN_ID`` from the run's stored spec; ``exec --resume`` with a spec file.
+
+A resumed run continues the same MLflow run from its newest usable checkpoint. ``runner resume``
+needs only the run id: the spec is the resolved one stored with the run (``spec/resolved.toml``),
+so the ``--set`` values it started with come along, and it is what an interrupted run prints.
+With ``exec --resume`` the spec may differ from the run's only in keys named by
+``--allow-spec-change`` and in the process layout (``LAYOUT_KEYS``, e.g. ``--nproc-per-node 1``
+for a run stopped with 2 processes); each change is recorded.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from runner.errors import SpecError, SpecIssue, UsageError, did_you_mean, show, with_hint
 
 if TYPE_CHECKING:
-    from runner.launch.driver import ExecOptions
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.tracking.spool import Sent
@@ -48,21 +54,22 @@ class ResumePoint:
     claimed: str = ""
 
 
-def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
-    """Find the run ``--resume`` names, claim it for this process and check the spec against its newest checkpoint.
+def prepare_resume(plan: Plan, resume: str, allow_spec_change: tuple[str, ...] = ()) -> ResumePoint:
+    """Find the run ``resume`` names (``--resume``: a run id or ``last``), claim it for this process and check the spec
+    against its newest checkpoint; the keys in ``allow_spec_change`` may differ from it.
 
     Raises UsageError: Tracking is off, no such run, FINISHED with this spec, or another process owns it. SpecError:
     The spec differs in keys not allowed to change. CheckpointError: Every checkpoint of the run is damaged."""
     from runner.tracking.stored import run_checkpoint_dir
 
     uri, spec = plan.tracking_uri, plan.loaded.spec
-    if uri is None or options.resume is None:
+    if uri is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-    run_id, chosen = _resolve_resume(uri, spec.experiment_name, options.resume)
+    run_id, chosen = _resolve_resume(uri, spec.experiment_name, resume)
     directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
     claimed = claim_run(uri, run_id, directory) if plan.owns_run else []
     try:
-        changes, notes = _checked_resume(plan, options, uri, directory, run_id)
+        changes, notes = _checked_resume(plan, allow_spec_change, uri, directory, run_id)
     except BaseException as exc:
         drop_claim(directory)  # this process will not continue the run
         if isinstance(exc, UsageError):
@@ -72,7 +79,7 @@ def prepare_resume(plan: Plan, options: ExecOptions) -> ResumePoint:
 
 
 def _checked_resume(
-    plan: Plan, options: ExecOptions, uri: str, directory: Path, run_id: str
+    plan: Plan, allow_spec_change: tuple[str, ...], uri: str, directory: Path, run_id: str
 ) -> tuple[dict[str, list[Any]], list[str]]:
     """``(allowed spec changes, notes)`` of continuing ``run_id`` from ``directory``; a refusal for want of a
     checkpoint says how to start the run again instead."""
@@ -81,7 +88,7 @@ def _checked_resume(
 
     try:
         changes, complete, notes = _check_resume(
-            plan.loaded, directory, options.allow_spec_change, plan.devices.accelerator, run_id
+            plan.loaded, directory, allow_spec_change, plan.devices.accelerator, run_id
         )
     except _NoCheckpoint as exc:
         again = resume_command(run_id, uri, "reproduce")

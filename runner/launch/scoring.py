@@ -45,9 +45,8 @@ def _score(
     from runner.strategies import make_strategy
     from runner.tracking.trackers import NullTracker
     from runner.training import setup
-    from runner.training.batches import LoopParts
     from runner.training.checkpoint import CheckpointError, load_latest, read_checkpoint
-    from runner.training.loop import evaluate
+    from runner.training.loop import LoopParts, evaluate
 
     spec = loaded.spec
     strategy = make_strategy(spec.parallel, make_plan(loaded).devices)

@@ -1,5 +1,10 @@
 """The driver's side of a run: open the store, create the run once rank 0 reports the build, record what it sends, and
-end it (or keep its status in the spool while the store does not answer). Details: docs/design.md, "Module notes"."""
+end it (or keep its status in the spool while the store does not answer).
+
+``RunSession`` answers the messages of ``runner.launch.channel`` on the hub's thread. It is the
+only place that creates, reopens, records into and ends the run of ``runner exec`` (docs/design.md §6,
+"Process model"). The training processes never import MLflow.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,17 +22,42 @@ from runner.errors import SpecError, SpecIssue, TrackingError, echo, show_notes
 from runner.launch.channel import HandedRun
 from runner.launch.prebuild import check_checkpoint_folder
 from runner.launch.resume import Owner, ResumePoint, claim_run, drop_claim, prepare_resume, take_claim
-from runner.launch.worker import WorkerArgs
+from runner.launch.worker import WorkerArgs, torchrun_env
 from runner.spec.loading import relocate_issues
 from runner.tracking.uri import check_reachable, default_checkpoint_dir, local_store_missing, open_store
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress
-    from runner.launch.driver import ExecOptions
     from runner.launch.resume import ResumePoint
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.tracking.trackers import MlflowTracker
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """Command-line options of ``runner exec`` beyond the spec.
+
+    ``resume`` is a run id or ``"last"``; ``parent_run_id`` makes the run a child (sweeps, bench); ``nested`` allows an
+    active MLflow fluent run; ``tracking_uri`` overrides the spec's store; ``environ`` is what the plan is made against
+    (a sweep's lacks Slurm's variables); ``epoch_end(epoch, metrics)`` runs on every rank after each epoch and stops
+    training when True (picklable for ddp); ``dtype`` and ``nudge`` serve ``runner parity``; ``in_process`` trains a
+    one-process job in this process; start-up is measured from ``started_at`` (default: process start)."""
+
+    run_name: str | None = None
+    resume: str | None = None
+    allow_spec_change: tuple[str, ...] = ()
+    parent_run_id: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
+    sync_timing: bool = False
+    nested: bool = False
+    tracking_uri: str | None = None
+    environ: Mapping[str, str] | None = None
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    dtype: str | None = None
+    nudge: bool = False
+    in_process: bool = False
+    started_at: float | None = None
 
 
 class RunSession:
@@ -86,7 +117,7 @@ class RunSession:
 
     def _built(self, error: SpecError | None, notes: list[str]) -> HandedRun:
         if error is not None:
-            self.build_error = relocate_issues(error, self.plan.loaded)
+            self.build_error = error
             return HandedRun(None, "", False, abort=True)
         self.open_store(early=False)
         if self.store_error is not None:
@@ -314,7 +345,7 @@ def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
             open_store(plan.tracking_uri)  # reachable, writable; a new sqlite store is created under its lock
         except TrackingError as exc:
             raise store_error_at(exc, plan.loaded, options.tracking_uri) from None
-    return prepare_resume(plan, options)
+    return prepare_resume(plan, options.resume, options.allow_spec_change)
 
 
 def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) -> TrackingError:
@@ -332,11 +363,21 @@ def store_error_at(error: TrackingError, loaded: LoadedSpec, given: str | None) 
 
 def apply_plan_env(plan: Plan) -> None:
     """Make the plan's devices (and a Slurm task's worker variables) this process's environment."""
-    from runner.devices.inventory import apply_device_env
+    from runner.devices.resolve import apply_device_env
 
     apply_device_env(plan.devices)
-    if plan.slurm is not None and plan.slurm.kind == "per-device":
-        os.environ.update(plan.slurm.worker_env(os.environ))  # this task is now the worker torchrun would start
+    if plan.slurm is not None and plan.slurm.kind == "per-device":  # this task is now the worker torchrun would start
+        job = plan.slurm.job
+        host, _, port = plan.slurm.rendezvous_endpoint().rpartition(":")
+        env = torchrun_env(
+            job.procid,
+            job.ntasks,
+            os.environ.get("MASTER_PORT") or port,  # a rendezvous the user set wins
+            address=os.environ.get("MASTER_ADDR") or host,
+            local=(job.localid, job.local_tasks),
+            node_rank=job.nodeid,
+        )
+        os.environ.update(env)
 
 
 def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> WorkerArgs:

@@ -1,5 +1,13 @@
-"""One training process: make the strategy and the tracker, then run the setup steps and the loop. Details:
-docs/design.md, "Module notes"."""
+"""One training process: make the strategy and the tracker, then run the setup steps and the loop.
+
+``run_worker`` is the function the elastic launcher starts once per rank (it must be
+importable and its argument picklable); for ``none`` and ``dp`` the driver calls it in
+its own process. It never launches processes and never ends the MLflow run: the driver
+owns the run (docs/design.md §6) and sets its final status. The worker reads the launcher's
+environment once (``runner.devices.environment.LauncherEnvironment``), makes the
+tracker (MLflow lives in ``runner.tracking``, never in ``runner.training``) and calls
+the named steps of ``runner.training.setup``.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +24,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from runner.devices.environment import LauncherEnvironment
 from runner.errors import RunnerError, SpecError, TrainingError, show_notes, stop_code, user_code_error
 from runner.launch.channel import ChannelTracker, HandedRun, HubAddress, Link
-from runner.launch.environment import LauncherEnvironment
 from runner.launch.failures import HangWatch, die_with_parent
 
 if TYPE_CHECKING:
@@ -28,8 +36,8 @@ if TYPE_CHECKING:
     from runner.strategies.base import Strategy
     from runner.tracking.trackers import Tracker
     from runner.training import WorkerResult
-    from runner.training.batches import LoopParts, TrainingParts
     from runner.training.data import DatasetBundle
+    from runner.training.loop import LoopParts, TrainingParts
     from runner.training.setup import Restored
 
 
@@ -58,11 +66,38 @@ class WorkerArgs:
     started_at: float | None = None
 
 
+def torchrun_env(
+    rank: int,
+    world_size: int,
+    port: str,
+    *,
+    address: str = "127.0.0.1",
+    local: tuple[int, int] | None = None,
+    node_rank: int = 0,
+) -> dict[str, str]:
+    """The variables torchrun gives the worker of global ``rank``: what :class:`LauncherEnvironment` reads back.
+
+    The one place these variables are written (a Slurm per-device task and bench's warm ranks set them; the elastic
+    agent sets them for the workers it starts). ``local`` is ``(local rank, workers on this node)``, by default the
+    global ones (one node).
+    """
+    local_rank, local_size = (rank, world_size) if local is None else local
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": address,
+        "MASTER_PORT": port,
+    }
+
+
 def run_worker(args: WorkerArgs) -> WorkerResult | None:
     """Train one rank to the end or a stop signal; the rank's result, or ``None`` when the driver made no run.
 
     Raises Interrupted after a checkpoint on SIGINT/SIGTERM, SpecError for a part that did not build."""
-    from runner.devices.inventory import apply_threads
+    from runner.devices.resolve import apply_threads
     from runner.strategies import make_strategy
 
     apply_threads(args.plan)  # one rule for every mode, before any work (docs/design.md §4)
@@ -142,8 +177,8 @@ def _fit(
 ) -> WorkerResult:
     """Train on built and restored parts, then send the outputs and the result (rank 0)."""
     from runner.training import flops_uncounted, setup
-    from runner.training.batches import LoopParts
     from runner.training.callbacks import CallbackContext
+    from runner.training.loop import LoopParts
 
     spec, folder = args.loaded.spec, Path(handed.checkpoint_dir)
     try:
@@ -279,12 +314,13 @@ def _check_or_load(
     args: WorkerArgs, strategy: Strategy
 ) -> tuple[list[str], DatasetBundle | None, SpecError | None, Exception | None]:
     """Rank 0 checks what needs no build while the others load data: ``(notes, datasets, spec error, failure)``."""
-    from runner.launch.prebuild import check_objectives, check_parts
+    from runner.launch.prebuild import check_parts
     from runner.training.data import build_datasets
+    from runner.training.losses import check_objectives
 
     try:
         if strategy.rank == 0:  # loss and metrics, then every part by build or signature
-            check_objectives(args.loaded)
+            check_objectives(args.loaded.spec, args.loaded.path.parent)
             return *check_parts(args.loaded, strategy.world_size), None, None
         return [], build_datasets(args.loaded.spec, args.loaded.path.parent), None, None
     except SpecError as exc:

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tomli_w
 from pydantic import BaseModel
 
 from runner.errors import show
-from runner.spec.reading import parse_key
 from runner.spec.rules import takes_momentum
 from runner.spec.schema import ExperimentSpec
 from runner.spec.schema_parallel import DevicesSpec, ParallelSpec, modes_with
-
-if TYPE_CHECKING:
-    from runner.spec.loading import LoadedSpec
 
 
 def dump_spec(spec: ExperimentSpec) -> str:
@@ -110,7 +106,6 @@ def active_params(spec: ExperimentSpec, accelerator: str | None = None) -> dict[
 
 
 MAX_RUN_NAME_CHARS = 250  # MLflow stores run names in a column of 250 characters
-_IN_THE_MODE = ("parallel.mode", "parallel.nproc_per_node")  # already said by the "<mode>-<size>" part
 
 
 def value_label(value: Any) -> str:
@@ -134,45 +129,11 @@ def values_label(values: Mapping[str, Any]) -> str:
 
 def trial_run_name(values: Mapping[str, Any]) -> str:
     """A sweep trial's run name from its values, ``lr=0.1 seed=0`` (``trial`` when it has none)."""
-    return _cut(values_label(values) or "trial")
+    return cut_run_name(values_label(values) or "trial")
 
 
-def default_run_name(loaded: LoadedSpec, mode: str, size: int | str) -> str:
-    """``<name> <mode>-<size> <values the command line changed>``, e.g. ``digits-mlp ddp-2 lr=0.05``, at most 250
-    characters."""
-    changed = {k: v for k, v in overridden_values(loaded).items() if k not in _IN_THE_MODE}
-    parts = [loaded.spec.name, f"{mode}-{size}", values_label(changed)]
-    return _cut(" ".join(p for p in parts if p))
-
-
-def overridden_values(loaded: LoadedSpec) -> dict[str, Any]:
-    """Dotted key -> validated value of every key the command line set or unset, in command-line order."""
-    keys: dict[str, str] = {}
-    for text in (*loaded.unset, *(o.partition("=")[0] for o in loaded.overrides)):
-        loc = parse_key(text)
-        if loc is not None:
-            key = ".".join(str(part) for part in loc)
-            keys.pop(key, None)
-            keys[key] = text
-    return {key: _value_at(loaded.spec, key.split(".")) for key in keys}
-
-
-def _value_at(model: BaseModel, parts: Iterable[str]) -> Any:
-    """The value of the validated spec at dotted ``parts`` (``None`` when unset)."""
-    value: Any = model
-    for part in parts:
-        if isinstance(value, BaseModel):
-            value = getattr(value, part, None)
-        elif isinstance(value, Mapping):
-            value = value.get(part)
-        else:
-            return None
-    if isinstance(value, BaseModel):
-        return {k: getattr(value, k) for k in value.model_fields_set}
-    return value
-
-
-def _cut(name: str) -> str:
+def cut_run_name(name: str) -> str:
+    """``name`` cut to :data:`MAX_RUN_NAME_CHARS` (MLflow's limit for a run name), ending in ``...`` when cut."""
     return name if len(name) <= MAX_RUN_NAME_CHARS else name[: MAX_RUN_NAME_CHARS - 3] + "..."
 
 

@@ -1,5 +1,21 @@
 """The JSON Schema of a spec file for editors (with the taplo config that ships it) and the Markdown key reference.
-Details: docs/design.md, "Module notes"."""
+
+``runner validate`` reads a spec after ``extends`` has merged its bases; an editor sees one file
+alone. So the schema accepts every file that ``runner validate`` accepts and flags, of what it
+flags, all that JSON Schema can express about one file:
+
+* every key is known (``additionalProperties: false`` on every table), every value typed and
+  ranged, as in the Pydantic models of ``runner.spec.schema``;
+* required keys (``name``, ``model.name``, ``data.batch_size``, ...) and rules between keys
+  (``runner.spec.rules``) apply only to a file without ``extends`` (``if``/``then``): in a
+  file that extends another, those keys and their partners may come from the base;
+* rules on one value (``devices.ids`` distinct and non-negative, ``optim.kwargs`` not repeating
+  ``lr``) apply to every file.
+
+What JSON Schema cannot express is left to ``runner validate``: a batch that does not divide by
+the world size, ``low < high``, ``node_rank < nnodes``, cycles and missing files in ``extends``,
+and ``2.0`` where a count is expected (JSON Schema counts ``2.0`` as an integer).
+"""
 
 from __future__ import annotations
 
@@ -182,7 +198,7 @@ def _file_rules() -> dict[str, list[Schema]]:
 
 
 def _root_rules() -> list[Schema]:
-    """Rules across tables (:func:`runner.spec.rules.check_experiment`), for a file without ``extends``."""
+    """Rules across tables (:meth:`runner.spec.schema.ExperimentSpec.check`), for a file without ``extends``."""
     from runner.spec.schema_parallel import MODES, modes_with
 
     on_cpu = {

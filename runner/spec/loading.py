@@ -1,20 +1,24 @@
-"""Load a spec: read its files, apply ``--set``, validate; ``runner validate`` and the ``extends`` chains. Details:
-docs/design.md, "Module notes"."""
+"""Load a spec: read its files, apply ``--set``, validate; ``runner validate`` and the ``extends`` chains.
+
+The steps live apart: ``runner.spec.reading`` (TOML, ``extends``, ``--set`` -> dict and key origins),
+``runner.spec.messages`` (wording pydantic's errors);
+this module validates and places every problem at ``FILE:LINE: dotted.key``.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import tomllib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from runner.errors import SpecError, SpecIssue, echo
-from runner.spec.dump import spec_sha256
+from runner.spec.dump import cut_run_name, spec_sha256, values_label
 from runner.spec.messages import Loc, explain_errors, format_key, locate_keys, nearest, schema_fields
 from runner.spec.reading import Origin, apply_override, apply_unset, option_of, parse_key, read_tree, typed_as
 from runner.spec.rules import INT64_LIMIT
@@ -286,3 +290,41 @@ def plan_validation(changed: Sequence[str | Path], folders: Iterable[str | Path]
             dependents.append(candidate)
     plan.files = [p for p in given if p not in plan.bases] + dependents
     return plan
+
+
+_IN_THE_MODE = ("parallel.mode", "parallel.nproc_per_node")  # already said by the "<mode>-<size>" part
+
+
+def default_run_name(loaded: LoadedSpec, mode: str, size: int | str) -> str:
+    """``<name> <mode>-<size> <values the command line changed>``, e.g. ``digits-mlp ddp-2 lr=0.05``, at most 250
+    characters."""
+    changed = {k: v for k, v in overridden_values(loaded).items() if k not in _IN_THE_MODE}
+    parts = [loaded.spec.name, f"{mode}-{size}", values_label(changed)]
+    return cut_run_name(" ".join(p for p in parts if p))
+
+
+def overridden_values(loaded: LoadedSpec) -> dict[str, Any]:
+    """Dotted key -> validated value of every key the command line set or unset, in command-line order."""
+    keys: dict[str, str] = {}
+    for text in (*loaded.unset, *(o.partition("=")[0] for o in loaded.overrides)):
+        loc = parse_key(text)
+        if loc is not None:
+            key = ".".join(str(part) for part in loc)
+            keys.pop(key, None)
+            keys[key] = text
+    return {key: _value_at(loaded.spec, key.split(".")) for key in keys}
+
+
+def _value_at(model: BaseModel, parts: Iterable[str]) -> Any:
+    """The value of the validated spec at dotted ``parts`` (``None`` when unset)."""
+    value: Any = model
+    for part in parts:
+        if isinstance(value, BaseModel):
+            value = getattr(value, part, None)
+        elif isinstance(value, Mapping):
+            value = value.get(part)
+        else:
+            return None
+    if isinstance(value, BaseModel):
+        return {k: getattr(value, k) for k in value.model_fields_set}
+    return value

@@ -1,5 +1,13 @@
-"""Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories. Details:
-docs/design.md, "Module notes"."""
+"""Model and dataset names a spec may use, checked without importing torch: built-ins, torchvision, factories.
+
+Built-in names are the tables below. torchvision's builder and dataset names come from
+``torchvision_names.json`` beside this module, generated from the installed torchvision by
+``python -m runner.training.models`` (a test checks that it matches); when another torchvision
+version is installed, a name missing from that list is left to ``runner exec``, which asks torchvision.
+A ``pkg.module:factory`` name is checked for a module that can be found where ``runner exec`` looks
+(the spec's folder, the working directory, installed packages) without importing it; the attribute is
+checked when the module is imported (``runner.training.models.resolve_factory``).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,18 @@
 """Read spec files: TOML (binary, UTF-8) -> dict, ``extends`` merged in, then ``--set`` and ``--unset`` applied, with
-the file and line of every key. Details: docs/design.md, "Module notes"."""
+the file and line of every key.
+
+Reading is kept apart from validating (``runner.spec.loading``): the result is a plain dict
+and, for each key, where it was written (``Origin``), so that validation messages can say
+``FILE:LINE:`` even for keys that came from a base file. Problems with the files themselves
+(missing, not UTF-8, not TOML, an ``extends`` cycle) become located ``runner.errors.SpecIssue``.
+
+``--set`` and ``--unset``: each value is read as a TOML value (``0.05``, ``[0, 1]``, ``{ a = 1 }``); text that is not
+TOML, or any scalar given for a string key, is taken as a string. The override becomes the
+origin of its key, so validation messages say ``--set: optim.lr: ... (from --set optim.lr=x)``; an
+override a shorthand flag made (``FlagOverride``) is named by that flag instead.
+``--unset`` removes a key written in the file (or a file it extends), so its default applies;
+unsetting comes before setting.
+"""
 
 from __future__ import annotations
 

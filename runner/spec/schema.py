@@ -1,10 +1,21 @@
 """Pydantic models of an experiment spec: the root table and the tables of what is trained and recorded (model,
-data, tracking, checkpoints, sweeps, profiling), their keys, types, ranges and meanings; the root checks that each
-watched metric is one an epoch logs. Details: docs/design.md, "Module notes"."""
+data, tracking, checkpoints, sweeps, profiling), their keys, types, ranges and meanings.
+
+A spec is checked whole before anything runs, so a mistake costs seconds and names its key. Each table checks the
+rules between its own keys (``check``); the root checks those across tables, e.g. that a watched metric is one an
+epoch logs (§18). Rules that need the machine (visible GPUs, CUDA) are ``runner.devices.resolve``'s, so
+``runner validate`` answers alike on a laptop and a GPU node. Conventions: counts are strict integers (``2.0`` is
+rejected); hyperparameters are floats (``lr = 1`` is ``1.0``); booleans are strict; every number is finite, also
+inside ``kwargs`` and sweep values; no table takes unknown keys, and each is frozen; ``data.batch_size`` is the
+global batch. ``[optim]``, ``[scheduler]``, ``[early_stopping]`` and ``[train]`` are in ``runner.spec.schema_loop``,
+``[devices]`` and ``[parallel]`` in ``runner.spec.schema_parallel``, ``[loss]`` and ``[metrics]`` in
+``runner.spec.names``; their base is ``runner.spec.rules.SpecTable``.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -12,9 +23,24 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from runner.errors import did_you_mean, show, with_hint
-from runner.spec import names, rules
+from runner.spec import names
 from runner.spec.names import LossSpec, MetricsSpec
-from runner.spec.rules import INT32_LIMIT, INT64_LIMIT, UINT32_LIMIT, SpecTable
+from runner.spec.rules import (
+    INT32_LIMIT,
+    INT64_LIMIT,
+    ON_CPU,
+    SYNTHETIC_MAX_BYTES,
+    UINT32_LIMIT,
+    CrossFieldError,
+    Problem,
+    SpecTable,
+    batch_split_problem,
+    has_non_finite,
+    non_finite,
+    nproc_mismatch,
+    output_device_not_chosen,
+    store_uri_problem,
+)
 from runner.spec.schema_loop import (
     CallbackSpec,
     EarlyStoppingSpec,
@@ -49,7 +75,10 @@ class TrackingSpec(SpecTable):
     flush_every_s: float = Field(default=5.0, gt=0, le=3600)
     """Send buffered metrics at least this often (seconds, at most an hour), by MLflow's async logging."""
 
-    rule = rules.check_tracking
+    def check(self) -> None:
+        """Rules inside ``[tracking]``: ``uri`` is a database or a server (ValueError)."""
+        if self.uri is not None and (problem := store_uri_problem(self.uri)):
+            raise ValueError(f"uri = {problem}")
 
 
 class CheckpointSpec(SpecTable):
@@ -103,7 +132,18 @@ class SweepParam(SpecTable):
     distribution: Literal["uniform", "log_uniform", "int_uniform"] = "uniform"
     """How a range is sampled."""
 
-    rule = rules.check_sweep_param
+    def check(self) -> None:
+        """Rules of one ``[sweep.params."key"]``: values, or a range ``low < high`` (ValueError)."""
+        if self.values is not None and has_non_finite(self.values):
+            raise ValueError(f"values {show(self.values)} holds inf or nan: list finite numbers")
+        has_range = self.low is not None or self.high is not None
+        if (self.values is None) == (not has_range):
+            raise ValueError("give either values = [...] or low and high, not both and not neither")
+        if has_range:
+            if self.low is None or self.high is None or not self.low < self.high:
+                raise ValueError(f"a range needs low < high, got low = {self.low}, high = {self.high}")
+            if self.distribution == "log_uniform" and self.low <= 0:
+                raise ValueError(f"log_uniform needs low > 0, got {self.low}")
 
 
 class SweepSpec(SpecTable):
@@ -238,7 +278,27 @@ class DataSpec(SpecTable):
     num_classes: int = Field(default=10, ge=2, lt=INT64_LIMIT)
     """`synthetic` only: number of classes."""
 
-    rule = rules.check_data
+    def check(self) -> None:
+        """Rules inside ``[data]``; ValueError for the first problem, its message starting with the key."""
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError(
+                f"test_fraction = {self.test_fraction} and val_fraction = {self.val_fraction} leave no training "
+                "sample: keep their sum below 1"
+            )
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError(
+                "persistent_workers = true needs num_workers > 0 (set num_workers or drop persistent_workers)"
+            )
+        if (self.dataset == "imagefolder" or self.dataset.startswith("torchvision.")) and self.root is None:
+            raise ValueError(f"dataset {self.dataset!r} reads files: set data.root to the folder that holds them")
+        if self.dataset == "synthetic":
+            size = self.num_samples * math.prod(self.input_shape) * 4  # float32 samples, made in memory at once
+            if size > SYNTHETIC_MAX_BYTES:
+                raise ValueError(
+                    f"num_samples = {self.num_samples} of input_shape {self.input_shape} make {size / 2**30:.3g} "
+                    f"GiB of float32 samples in memory, over {SYNTHETIC_MAX_BYTES // 2**30} GiB: lower num_samples or "
+                    "input_shape"
+                )
 
     @field_validator("dataset")
     @classmethod
@@ -299,12 +359,26 @@ class ExperimentSpec(SpecTable):
     """Profile a few steps with torch.profiler: a Chrome trace (chrome://tracing, Perfetto) and the top
     operators, logged as artifacts `profile/rank<N>.trace.json` and `profile/rank<N>.ops.txt`. Default: off."""
 
-    rule = rules.check_experiment
+    def check(self) -> None:
+        """Rules across tables that the spec alone decides; CrossFieldError with every problem at its key."""
+        problems = cuda_only_problems(self, ON_CPU) if self.devices.accelerator == "cpu" else []
+        problems += _layout_problems(self) + _non_finite_problems(self)
+        for key in ("compile", "activation_checkpointing"):
+            if getattr(self.train, key) and not self.parallel.traits.transforms_blocks:
+                why = "DataParallel copies the module onto every device at each forward"
+                fix = 'use mode = "none", "ddp" or "fsdp", or set it to false'
+                problems.append(
+                    (f"train.{key}", f'{key} cannot apply under mode = "{self.parallel.mode}" ({why}): {fix}')
+                )
+        if self.sweep is not None and self.sweep.method != "grid" and self.sweep.trials is None:
+            problems.append(("sweep.trials", f'method = "{self.sweep.method}" needs a trial budget: set trials = N'))
+        if problems:
+            raise CrossFieldError(problems)
 
     @model_validator(mode="after")
     def _monitored(self) -> ExperimentSpec:
         if problems := monitor_problems(self):
-            raise rules.CrossFieldError(problems)
+            raise CrossFieldError(problems)
         return self
 
     @property
@@ -342,3 +416,73 @@ def monitor_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
             message = f"{show(name)} needs a validation split, but data.val_fraction = 0: set it above 0"
             problems.append((key, message))
     return problems
+
+
+def static_world_size(spec: ExperimentSpec) -> int | None:
+    """The world size the spec alone fixes (1 for none and dp; ddp/fsdp's ``nnodes * nproc_per_node`` when known
+    without the hardware), or ``None``."""
+    par, dev = spec.parallel, spec.devices
+    if not par.traits.elastic:
+        return 1
+    if par.nproc_per_node is not None:
+        return par.nnodes * par.nproc_per_node
+    if dev.accelerator == "cpu":
+        return par.nnodes
+    if dev.accelerator == "cuda" and isinstance(dev.ids, list):
+        return par.nnodes * len(dev.ids)
+    return None
+
+
+def cuda_only_problems(spec: ExperimentSpec, why: str) -> list[Problem]:
+    """The CUDA-only settings of ``spec`` (dp, nccl, sync_batchnorm, fp16) for a run on CPU, each message ending in
+    ``why``."""
+    par = spec.parallel
+    keys = par.traits.keys  # an inactive key is never a problem (docs/design.md §10)
+    problems: list[Problem] = []
+    if par.traits.cuda_only:
+        fix = 'use mode = "none", or "ddp" (backend gloo runs on CPU)'
+        problems.append(("parallel.mode", f'mode = "{par.mode}" needs CUDA GPUs but {why}: {fix}'))
+    if "backend" in keys and par.backend == "nccl":
+        message = f'backend = "nccl" needs CUDA but {why}: use backend = "gloo" (or "auto")'
+        problems.append(("parallel.backend", message))
+    if "sync_batchnorm" in keys and par.sync_batchnorm:
+        message = f"sync_batchnorm needs CUDA (SyncBatchNorm has no CPU kernel) but {why}: remove it, or run on GPUs"
+        problems.append(("parallel.sync_batchnorm", message))
+    if spec.train.amp == "fp16":
+        problems.append(("train.amp", f'amp = "fp16" needs CUDA but {why}: use amp = "bf16" or "no"'))
+    return problems
+
+
+def _layout_problems(spec: ExperimentSpec) -> list[Problem]:
+    """Device ids, processes and the batch split where the spec alone fixes them (``grad_accum_steps`` always)."""
+    dev, par = spec.devices, spec.parallel
+    ids = dev.ids if isinstance(dev.ids, list) else None
+    problems: list[Problem] = []
+    active = par.traits.keys
+    chosen = ids is not None and par.output_device in ids
+    if "output_device" in active and par.output_device is not None and ids is not None and not chosen:
+        problems.append(("parallel.output_device", output_device_not_chosen(par.output_device, ids)))
+    nproc = par.nproc_per_node if "nproc_per_node" in active and dev.accelerator == "cuda" else None
+    if nproc is not None and ids is not None and nproc != len(ids):
+        problems.append(("parallel.nproc_per_node", nproc_mismatch(nproc, ids, len(ids))))
+    world = static_world_size(spec)
+    known = world if world is not None else 1  # the machine's world size is checked by device resolution
+    if problem := batch_split_problem(spec.data.batch_size, known, spec.train.grad_accum_steps):
+        problems.append(("data.batch_size", problem))
+    return problems
+
+
+def _non_finite_problems(spec: ExperimentSpec) -> list[Problem]:
+    """``inf`` or ``nan`` inside kwargs (typed keys and sweep values reject them on their own)."""
+    free: list[tuple[str, Any]] = [
+        ("model.kwargs", spec.model.kwargs),
+        ("data.kwargs", spec.data.kwargs),
+        ("optim.kwargs", spec.optim.kwargs),
+        ("loss.kwargs", spec.loss.kwargs),
+    ]
+    if spec.scheduler is not None:
+        free.append(("scheduler.kwargs", spec.scheduler.kwargs))
+    if spec.metrics is not None:
+        free += [("metrics.train", spec.metrics.train), ("metrics.val", spec.metrics.val)]
+    message = "got {}; expected finite numbers (inf and nan are not accepted in a spec)"
+    return [(key, message.format(show(value))) for prefix, tree in free for key, value in non_finite(prefix, tree)]

@@ -4,12 +4,13 @@ file reads as one part of a spec."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from runner.spec import names, rules
-from runner.spec.rules import INT64_LIMIT, SpecTable
+from runner.spec import names
+from runner.spec.rules import INT64_LIMIT, SpecTable, takes_momentum
 
 
 def without(problem: str | None, value: str) -> str:
@@ -34,7 +35,15 @@ class ParamGroupSpec(SpecTable):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Other options of this group, e.g. `{ betas = [0.9, 0.95] }`."""
 
-    rule = rules.check_param_group
+    def check(self) -> None:
+        """Rules inside one ``[[optim.groups]]``: ``match`` compiles, kwargs do not repeat named keys (ValueError)."""
+        try:
+            re.compile(self.match)
+        except re.error as exc:
+            raise ValueError(f"match {self.match!r} is no regular expression: {exc}") from None
+        clash = sorted({"lr", "momentum", "weight_decay", "params"} & set(self.kwargs))
+        if clash:
+            raise ValueError(f"kwargs repeats {', '.join(clash)}: set it as a key of the group itself")
 
 
 class OptimSpec(SpecTable):
@@ -54,7 +63,15 @@ class OptimSpec(SpecTable):
     groups: list[ParamGroupSpec] = Field(default_factory=list)
     """Parameter groups, first match wins; the other parameters keep the options above."""
 
-    rule = rules.check_optim
+    def check(self) -> None:
+        """Rules inside ``[optim]``: momentum is sgd's, kwargs do not repeat named keys (ValueError)."""
+        if not takes_momentum(self.name) and "momentum" in self.model_fields_set:
+            raise ValueError(
+                f"momentum applies to sgd and rmsprop only, not {self.name!r} (use kwargs.betas for adam and its kin)"
+            )
+        clash = sorted({"lr", "momentum", "weight_decay"} & set(self.kwargs))
+        if clash:
+            raise ValueError(f"kwargs repeats {clash}: set them as optim.{clash[0]} instead")
 
     @field_validator("name")
     @classmethod
@@ -79,7 +96,23 @@ class SchedulerSpec(SpecTable):
     """ReduceLROnPlateau only: the metric it steps on after each evaluation, e.g. "val/loss" (any metric
     logged per epoch); its `mode` ("min" or "max") is one of its kwargs."""
 
-    rule = rules.check_scheduler
+    def check(self) -> None:
+        """Rules inside ``[scheduler]``: a warm-up counts optimizer steps, so the schedule steps per step; a plateau
+        schedule steps on ``monitor`` after each evaluation, and only it reads one (ValueError)."""
+        plateau = self.name.lower() == "reducelronplateau"
+        if plateau and self.monitor is None:
+            raise ValueError('monitor is missing: ReduceLROnPlateau steps on a metric, e.g. monitor = "val/loss"')
+        if self.monitor is not None and not plateau and ":" not in self.name:
+            raise ValueError(f"monitor is read by ReduceLROnPlateau only; {self.name} ignores metrics: remove it")
+        if plateau and (self.warmup_steps or self.interval == "step"):
+            raise ValueError(
+                'interval: ReduceLROnPlateau steps after each evaluation: keep interval = "epoch", no warm-up'
+            )
+        if self.warmup_steps and self.interval != "step":
+            raise ValueError(
+                f'warmup_steps = {self.warmup_steps} counts optimizer steps: set interval = "step" (and the '
+                "schedule's own sizes in steps), or drop warmup_steps"
+            )
 
     @field_validator("name")
     @classmethod

@@ -8,7 +8,6 @@ from typing import Literal
 
 from pydantic import Field
 
-from runner.spec import rules
 from runner.spec.rules import SpecTable
 
 ParallelMode = Literal["none", "dp", "ddp", "fsdp"]
@@ -83,7 +82,19 @@ class DevicesSpec(SpecTable):
     """Peak dense TFLOP/s of one device at the run's precision, for the run's MFU metrics; replaces runner's
     table of known GPUs (docs/design.md §10). Default: the table's figure, else no MFU (CPUs, unknown GPUs)."""
 
-    rule = rules.check_devices
+    def check(self) -> None:
+        """Rules inside ``[devices]``: a non-empty list of distinct, non-negative ids (ValueError)."""
+        ids = self.ids
+        if not isinstance(ids, list):
+            return
+        if not ids:
+            raise ValueError('ids is empty: list at least one device index, e.g. [0], or use "all"')
+        negative = [i for i in ids if i < 0]
+        if negative:
+            raise ValueError(f"ids {ids} contains negative indices {negative}: device ids count from 0")
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"ids {ids} lists {dupes} more than once: each device may appear once")
 
 
 class ParallelSpec(SpecTable):
@@ -135,7 +146,20 @@ class ParallelSpec(SpecTable):
     """fsdp only: free the gathered parameters after forward and gather them again for backward (less memory,
     more communication)."""
 
-    rule = rules.check_parallel
+    def check(self) -> None:
+        """Rules inside ``[parallel]``: the endpoint's form, node rank and nodes where they apply (ValueError).
+
+        Another mode's options are inactive, not errors (docs/design.md §10), so ``--set parallel.mode`` alone switches;
+        ``nnodes > 1`` without ``rdzv_endpoint`` is a launch rule (:mod:`runner.plan`).
+        """
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(f'rdzv_endpoint {self.rdzv_endpoint!r} must be host:port, e.g. "10.0.0.1:29500"')
+        if "nnodes" not in self.traits.keys:
+            return
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank = {self.node_rank} must be < nnodes = {self.nnodes}")
 
     @property
     def traits(self) -> ModeTraits:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from runner.launch.environment import LauncherEnvironment
+from runner.devices.environment import LauncherEnvironment
 from runner.strategies.base import DataParallelStrategy, SingleDevice, Strategy
 from runner.strategies.distributed import DDPStrategy, FSDPStrategy
 
@@ -13,14 +12,11 @@ if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.spec.schema_parallel import ParallelSpec
 
-_Builder = Callable[["ParallelSpec", "DevicePlan", LauncherEnvironment, str], Strategy]
-
-
-STRATEGIES: dict[str, _Builder] = {
-    "none": lambda parallel, plan, env, amp: SingleDevice(plan),
-    "dp": lambda parallel, plan, env, amp: DataParallelStrategy(plan, parallel),
-    "ddp": lambda parallel, plan, env, amp: DDPStrategy(plan, parallel, env),
-    "fsdp": lambda parallel, plan, env, amp: FSDPStrategy(plan, parallel, env, amp),
+STRATEGIES: dict[str, type[Strategy]] = {
+    "none": SingleDevice,
+    "dp": DataParallelStrategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
 }
 
 
@@ -33,4 +29,4 @@ def make_strategy(
     dtype.
     """
     launcher = LauncherEnvironment.detect({}) if env is None else env
-    return STRATEGIES[plan.mode](parallel, plan, launcher, amp)
+    return STRATEGIES[plan.mode].create(parallel, plan, launcher, amp)

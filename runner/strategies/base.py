@@ -1,5 +1,32 @@
 """The Strategy interface (device, wrapping, collectives, the stop decision) and the modes of one process: ``none``
-and ``dp`` (``DataParallel``). Details: docs/design.md, "Module notes"."""
+and ``dp`` (``DataParallel``).
+
+The training loop talks only to ``Strategy``, whose own methods answer for one process on one
+device (mode none); ``SingleDevice`` and ``DataParallelStrategy`` live here too, ddp's and fsdp's
+strategies in ``runner.strategies.distributed``:
+
+========  ==========================  ==================  ========================
+mode      model                       inputs go to        collectives
+========  ==========================  ==================  ========================
+none      as is, on ``device``        ``device``          identity
+dp        ``torch.nn.DataParallel``   ``cuda:0``          identity (one process)
+ddp       ``DistributedDataParallel`` ``cuda:LOCAL_RANK`` torch.distributed
+                                      or cpu
+fsdp      ``fully_shard`` (FSDP2)     as ddp              as ddp
+========  ==========================  ==================  ========================
+
+What the spec and the launcher must know of a mode without torch (how it launches, which
+``[parallel]`` keys apply) is its ``runner.spec.schema_parallel.ModeTraits`` entry in
+``runner.spec.schema_parallel.MODES``, read here as ``Strategy.traits``.
+
+Device indices are those after ``runner.devices.inventory.apply_device_env`` has
+narrowed ``CUDA_VISIBLE_DEVICES``: the chosen GPUs are ``cuda:0 .. cuda:n-1``.
+
+A strategy is built from its own settings (the resolved
+``runner.devices.resolve.DevicePlan``, the ``[parallel]`` table, the launcher's
+environment) and assumes them valid: the rules that tie them together are checked once,
+by the schema and by device resolution.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +46,7 @@ from runner.errors import DeviceError, SpecError, SpecIssue, TrainingError, did_
 from runner.spec.schema_parallel import MODES, ModeTraits, ParallelSpec
 
 if TYPE_CHECKING:
+    from runner.devices.environment import LauncherEnvironment
     from runner.devices.resolve import DevicePlan
     from runner.spec.schema_loop import TrainSpec
 
@@ -99,6 +127,23 @@ def transform_blocks(blocks: list[nn.Module], train: TrainSpec | None, *, compil
             block.compile(backend=train.compile_backend)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What the fake steps of ``runner plan`` measured (bytes by kind, :func:`runner.training.setup.fake_step`), from
+    which each mode's :meth:`Strategy.memory` tells the bytes per device of its step.
+
+    ``whole``: a step of the global batch on one device; ``local``: of one of ``devices`` ranks' share; ``sharded``: of
+    that share with parameters, gradients and optimizer state sharded over the ranks; ``bucket_view``: ddp's
+    ``gradient_as_bucket_view`` (its gradient buckets alias the gradients).
+    """
+
+    whole: dict[str, int]
+    local: dict[str, int]
+    sharded: dict[str, int]
+    devices: int
+    bucket_view: bool = False
+
+
 class Strategy:
     """How one process runs the model: device, wrapping, collectives, the stop decision.
 
@@ -112,6 +157,17 @@ class Strategy:
         self.plan = plan
         self.device = torch.device("cuda", 0) if plan.accelerator == "cuda" else torch.device("cpu")
         self.output_device = self.device
+
+    @classmethod
+    def create(cls, parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
+        """The strategy of ``plan`` from what :func:`runner.strategies.make_strategy` is given (each takes its part)."""
+        return cls(plan)
+
+    @staticmethod
+    def memory(step: StepMemory) -> list[dict[str, Any]]:
+        """Bytes by kind on each device of one training step, as rows ``{"device": ..., kind: bytes}``: here the one
+        device holds the whole step."""
+        return [{"device": "0", **step.whole}]
 
     # process layout -------------------------------------------------------
     @property
@@ -384,6 +440,21 @@ class DataParallelStrategy(SingleDevice):
         self.dim = parallel.dim
         self.num_devices = len(plan.requested_ids)
         self.output_device = torch.device("cuda", plan.output_index)
+
+    @classmethod
+    def create(cls, parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
+        """A dp strategy over ``plan``'s GPUs."""
+        return cls(plan, parallel)
+
+    @staticmethod
+    def memory(step: StepMemory) -> list[dict[str, Any]]:
+        """Device 0 holds a replica, the whole batch's inputs and the gathered outputs, and the only optimizer state;
+        the other devices a replica and their share's activations and gradients."""
+        local = step.local
+        first = {"device": "0", **local, "peak": local["peak"] + step.whole["input_bytes"] + step.whole["output_bytes"]}
+        others = {**local, "optimizer": 0, "peak": local["peak"] - local["optimizer"]}
+        rest = f"1-{step.devices - 1}" if step.devices > 2 else "1"
+        return [first, {**others, "device": rest}]
 
     @property
     def replicas(self) -> int:

@@ -1,6 +1,22 @@
 """The modes of one process per device over a torch.distributed process group: ``ddp``
-(``DistributedDataParallel``) and ``fsdp`` (``fully_shard``, FSDP2, on the blocks and then the root). Details:
-docs/design.md, "Module notes"."""
+(``DistributedDataParallel``) and ``fsdp`` (``fully_shard``, FSDP2, on the blocks and then the root).
+
+Under fsdp, parameters, gradients and optimizer state are sharded over the ranks (dim 0, ``Shard(0)``
+DTensors). The process group, the launcher, the collectives and the stop decision are ddp's
+(``DDPStrategy``); only the wrapping and the state differ.
+
+* Gradients are reduce-scattered as a mean over ranks, as DDP's all-reduce, so the global batch
+  means what it means in every mode (docs/design.md §2, §3).
+* ``train.amp`` maps to ``MixedPrecisionPolicy``: ``bf16``/``fp16`` gather the parameters in that
+  dtype for forward and backward and reduce gradients in float32; the sharded parameters and the
+  optimizer stay in float32.
+* Checkpoints stay sharded: each rank writes its own shards of the model and optimizer through
+  ``torch.distributed.checkpoint`` into the step's folder (``runner.training.checkpoint.save_checkpoint``);
+  no rank holds the whole state. DCP reshards on load, so a run resumes on any process count or mode.
+* Evaluation may give the ranks different numbers of batches, which sharded forwards (one
+  all-gather per block) cannot follow: it runs on a replica that holds the gathered model for the
+  duration of the evaluation, as ddp evaluates its unwrapped replica.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +35,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.errors import DeviceError, TrainingError, UsageError
-from runner.strategies.base import Strategy, find_blocks, key_list, transform_blocks, unwrap
+from runner.strategies.base import StepMemory, Strategy, find_blocks, key_list, transform_blocks, unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from runner.devices.environment import LauncherEnvironment
     from runner.devices.resolve import DevicePlan
-    from runner.launch.environment import LauncherEnvironment
     from runner.spec.schema_loop import TrainSpec
     from runner.spec.schema_parallel import ParallelSpec
 
@@ -84,6 +100,19 @@ class DDPStrategy(Strategy):
         self._flag_group: dist.ProcessGroup | None = None  # CPU gloo group of the stop decision
         self._save_group: Any = None  # CPU gloo group of background checkpoint saves, made when needed
         self._stopping = False  # the stop decision, final once True
+
+    @classmethod
+    def create(cls, parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
+        """A ddp strategy for the process ``env`` describes."""
+        return cls(plan, parallel, env)
+
+    @staticmethod
+    def memory(step: StepMemory) -> list[dict[str, Any]]:
+        """Each device holds a replica and its share's step, plus DDP's gradient buckets (a second copy of the
+        gradients unless ``gradient_as_bucket_view``)."""
+        bucket = 0 if step.bucket_view else step.local["grad_bytes"]
+        local = step.local
+        return [{"device": "each", **local, "grads": local["grads"] + bucket, "peak": local["peak"] + bucket}]
 
     @property
     def rank(self) -> int:
@@ -283,6 +312,16 @@ class FSDPStrategy(DDPStrategy):
         super().__init__(plan, parallel, env)
         self.policy = mixed_precision(amp)
         self._replica: nn.Module | None = None  # the evaluation replica, storage-less between evaluations
+
+    @classmethod
+    def create(cls, parallel: ParallelSpec, plan: DevicePlan, env: LauncherEnvironment, amp: str) -> Strategy:
+        """An fsdp strategy for the process ``env`` describes, gathering in ``amp``'s dtype."""
+        return cls(plan, parallel, env, amp)
+
+    @staticmethod
+    def memory(step: StepMemory) -> list[dict[str, Any]]:
+        """Each device holds its shard of parameters, gradients and optimizer state and its share's activations."""
+        return [{"device": "each", **step.sharded}]
 
     def wrap(self, module: nn.Module, train: TrainSpec | None = None) -> nn.Module:
         """Move ``module`` to this rank's device, checkpoint and compile each block (torchtitan's order), shard each,

@@ -1,41 +1,69 @@
-"""``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration. Details:
-docs/design.md, "Module notes"."""
+"""``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration.
+
+Every configuration trains the SAME spec (model, data, optimizer, seed, global batch) for
+``warmup + steps`` optimizer steps as a child MLflow run of one parent run, both in the experiment
+``<experiment>/bench`` (so its per-configuration figures stay off the training experiment's
+charts); only the parallel mode and the device/process count change:
+
+* ``none``: one device (``devices.ids = [0]``), measured once whatever ``nprocs`` says;
+* ``dp-n``: ``torch.nn.DataParallel`` over ``devices.ids = [0 .. n-1]``, for every ``n >= 2`` in
+  ``nprocs`` (dp on one device is ``none``);
+* ``ddp-n``: ``parallel.nproc_per_node = n`` processes on this machine; on CUDA one per GPU
+  (``devices.ids = [0 .. n-1]``), on CPU with the gloo backend (``devices.accelerator`` stays as
+  the spec says).
+
+The bench overrides ``train.max_steps = warmup + steps`` (``train.epochs`` large enough to reach
+it, evaluation only once at the end), ``checkpoint.enabled = false``, ``train.progress = "off"``
+and ``train.log_every_n_steps = 1``. Multi-node settings are dropped: the bench runs on one machine.
+
+Every repeat of every configuration runs in warm worker processes started once, at the
+beginning (``runner.tools.bench_pool``), while this process plans, probes the model and opens
+the MLflow runs. A configuration is repeated until its figures are steady or ``max_repeats`` is
+spent (``runner.tools.compare``); its child run records the first repeat's metrics, as
+``runner exec`` would, and the figures over all repeats. A configuration that cannot run here (dp
+without two GPUs, more ddp processes than GPUs, a batch that does not divide) is listed as
+skipped with the reason; a configuration that fails while training is listed as failed and the
+parent run ends FAILED.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.devices.inventory import HostLoad
 from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, TrainingError, UsageError
 from runner.spec.schema_parallel import MODES
-from runner.tools.bench_figures import LOSS_TOLERANCE, comparability, probe_model_and_data, reason
 from runner.tools.bench_pool import Probe, Reply, WarmPool, write_chart
-from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons, recommend, write_json
+from runner.tools.bench_report import BenchReport, ConfigResult, finish_comparisons, recommend, write_json
 from runner.tools.bench_runs import (
     Config,
-    Parent,
-    ending,
     measure_config,
     open_child,
     record_child,
     record_parent,
     start_bench_parent,
 )
+from runner.tools.compare import (
+    LOSS_TOLERANCE,
+    Parent,
+    check_modes,
+    comparability,
+    config_id,
+    derive,
+    ending,
+    probe_model_and_data,
+    reason,
+)
 from runner.tracking.runs import delete_run, end_run, record_summary
 
 if TYPE_CHECKING:
-    from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
 
 DEFAULT_OUT_DIR = "bench-results"
-# Options for several nodes (the bench runs on one machine); those of another mode are dropped too.
-_MULTI_NODE_KEYS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "max_restarts")
 
 
 def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[str, int]]:
@@ -55,35 +83,6 @@ def configurations(modes: Sequence[str], nprocs: Sequence[int]) -> list[tuple[st
         else:
             out.append((mode, 1))
     return out
-
-
-def check_modes(modes: Sequence[str]) -> None:
-    """``--modes`` of bench and parity: a non-empty subset of the modes; UsageError otherwise."""
-    if not modes or any(m not in MODES for m in modes):
-        raise UsageError(
-            f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(modes) or 'nothing'}"
-        )
-
-
-def bench_spec_data(data: dict[str, Any], mode: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
-    """A new raw spec dict of one configuration (``n`` devices or processes) from the user's merged ``data``."""
-    d = copy.deepcopy(data)
-    traits = MODES[mode]
-    par = {
-        k: v
-        for k, v in (d.get("parallel") or {}).items()
-        if k not in _MULTI_NODE_KEYS and (k == "mode" or k in traits.keys)
-    }
-    par["mode"] = mode
-    if traits.elastic:
-        par["nproc_per_node"] = n
-    d["parallel"] = par
-    d.setdefault("devices", {})["ids"] = list(range(n))
-    total = warmup + steps
-    train = d.setdefault("train", {})
-    train.update(max_steps=total, epochs=total, eval_every_n_epochs=total, progress="off", log_every_n_steps=1)
-    d.setdefault("checkpoint", {})["enabled"] = False
-    return d
 
 
 def run_bench(
@@ -260,24 +259,6 @@ def _measure_all(
 
 
 # ----------------------------------------------------------------------------- preparing
-
-
-def derive(
-    base: LoadedSpec, mode: str, n: int, steps: int, warmup: int, adjust: Callable[[dict[str, Any]], None] | None = None
-) -> tuple[LoadedSpec, Plan]:
-    """The spec and plan of one configuration of ``base`` (:func:`bench_spec_data`, then ``adjust`` on the raw dict),
-    the core that bench and parity share. Raises SpecError, DeviceError or UsageError when it does not validate or
-    this machine cannot run it."""
-    from runner.plan import make_plan
-    from runner.spec.dump import spec_sha256
-    from runner.spec.loading import spec_from_dict
-
-    data = bench_spec_data(base.data, mode, n, steps, warmup)
-    if adjust is not None:
-        adjust(data)
-    spec = spec_from_dict(data, origin=str(base.path))
-    loaded = dataclasses.replace(base, spec=spec, data=data, sha256=spec_sha256(spec))
-    return loaded, make_plan(loaded)
 
 
 def _prepare(base: LoadedSpec, mode: str, n: int, steps: int, warmup: int) -> Config:

@@ -1,5 +1,21 @@
-"""Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration. Details:
-docs/design.md, "Module notes"."""
+"""Warm worker processes for ``runner bench``: started once, they train every repeat of every configuration.
+
+A fresh interpreter per measurement spends seconds importing torch and building the launcher
+before a step of a fraction of a millisecond is timed. The pool starts ``n`` processes
+(``spawn``) at the beginning of the bench, while the bench process plans and opens its MLflow
+runs; each one imports torch and runner's training code once. A repeat of a configuration is
+one ``runner.launch.worker.run_worker`` call on processes ``0 .. world_size - 1``: for
+``ddp`` they set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+(a fresh port per repeat) the way torch's elastic launcher does, and build a new process group.
+
+Before each repeat a worker restores its thread count (each repeat sets its own), resets the CUDA
+allocator peaks and its peak resident set size (``/proc/self/clear_refs``), so the memory figures
+are those of that repeat. ``CUDA_VISIBLE_DEVICES`` is fixed for the pool's lifetime, to the
+devices of the widest configuration; every configuration uses a prefix ``0 .. n-1`` of them.
+
+When one rank of a repeat fails, the others may wait in a collective until the process group's
+timeout: the pool ends them at once and starts fresh processes for later configurations.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +35,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrainingError, UsageError
 from runner.spec.schema_parallel import REFERENCE_MODE
-from runner.tools.bench_figures import probe_model_and_data, reason
 from runner.tools.bench_report import BenchReport, ConfigResult, note_of
+from runner.tools.compare import probe_model_and_data, reason
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -28,9 +44,6 @@ if TYPE_CHECKING:
     from runner.devices.resolve import DevicePlan
     from runner.spec.loading import LoadedSpec
     from runner.training import WorkerResult
-
-
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
 @dataclass(frozen=True)
@@ -47,7 +60,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Probe:
-    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.bench_figures.probe_model_and_data`)."""
+    """Build the datasets and the model of ``loaded`` once (:func:`runner.tools.compare.probe_model_and_data`)."""
 
     loaded: LoadedSpec
 
@@ -71,7 +84,7 @@ def free_port() -> int:
 
 
 class WarmPool:
-    """Up to ``size`` warm worker processes with ``env`` on top of this one's (docs/design.md, "Module notes")."""
+    """Up to ``size`` warm worker processes with ``env`` on top of this one's (the module docstring)."""
 
     def __init__(self, size: int, env: Mapping[str, str] | None = None) -> None:
         self.size = size
@@ -204,12 +217,13 @@ def serve(conn: Connection) -> None:
 
 def run_job(job: Job) -> Reply:
     """Train one repeat in this process; failures become replies, and no MLflow run is touched."""
-    from runner.launch.worker import WorkerArgs, run_worker
+    from runner.devices.inventory import scoped_environ
+    from runner.launch.worker import WorkerArgs, run_worker, torchrun_env
 
-    _set_launch_env(job)
     _reset_peaks()
+    rank_env = torchrun_env(job.rank, job.world_size, str(job.master_port)) if job.ddp else {}
     try:
-        with tempfile.TemporaryDirectory(prefix="runner-bench-") as folder:
+        with tempfile.TemporaryDirectory(prefix="runner-bench-") as folder, scoped_environ(rank_env):
             args = WorkerArgs(job.loaded, job.plan, None, None, folder, resume=False, sync_timing=True)
             result = run_worker(args)
     except (SpecError, DeviceError, UsageError) as exc:
@@ -220,28 +234,12 @@ def run_job(job: Job) -> Reply:
         return Reply("failed", reason(exc))
     except (RunnerError, Exception) as exc:
         return Reply("failed", f"{type(exc).__name__}: {reason(exc)}")
-    finally:
-        for key in _LAUNCH_VARS:
-            os.environ.pop(key, None)
     if result is None:
         return Reply("failed", "the worker exited without a result")
     torch: Any = sys.modules.get("torch")
     on_cuda = torch is not None and torch.cuda.is_initialized()
     peaks = [int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())] if on_cuda else []
     return Reply("ok", result=result, cuda_peaks=peaks)
-
-
-def _set_launch_env(job: Job) -> None:
-    """The launcher's variables of a rank of a process group (run_job removes them after each job)."""
-    if job.ddp:
-        os.environ.update(
-            RANK=str(job.rank),
-            LOCAL_RANK=str(job.rank),
-            WORLD_SIZE=str(job.world_size),
-            LOCAL_WORLD_SIZE=str(job.world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(job.master_port),
-        )
 
 
 def _reset_peaks() -> None:

@@ -1,28 +1,40 @@
 """The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON. Figures:
-:mod:`runner.tools.bench_figures` (docs/design.md, "Module notes", runner/tools/bench_figures.py)."""
+:mod:`runner.tools.compare`."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import mask_secrets
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tools.bench_figures import (
-    DDP1_FLOOR,
+from runner.tools.compare import (
     LOSS_TOLERANCE,
+    ONE_RANK_FLOOR,
     SPREAD_LIMIT,
     TAIL_LIMIT,
+    ComparedRuns,
     comparability,
+    final_loss,
     loss_check,
+    median,
+    noise,
+    percentile,
     scaling_efficiency,
+    spread,
+    steady,
+    tail,
+    throughput,
 )
 from runner.tracking.uri import ui_line
+
+if TYPE_CHECKING:
+    from runner.training import WorkerResult
 
 MIB = 1024 * 1024
 
@@ -74,9 +86,72 @@ class ConfigResult:
 _NOT_IN_JSON = ("train_losses", "step_times_s", "data_wait_s")
 
 
-def config_id(mode: str, n: int) -> str:
-    """``none`` for mode none, else ``<mode>-<n>`` (``dp-2``, ``ddp-4``)."""
-    return mode if mode == REFERENCE_MODE else f"{mode}-{n}"
+def summarize(
+    result: ConfigResult,
+    ranks: Sequence[WorkerResult],
+    history: Sequence[tuple[int, Mapping[str, float]]],
+    batch_sizes: Sequence[int],
+    warmup: int,
+    steps: int,
+    cuda_peaks: Sequence[int] = (),
+) -> None:
+    """Fill ``result`` from one training of ``warmup + steps`` steps: every rank's result, the logging rank's
+    ``history`` and ``cuda_peaks`` (bytes) of an in-process run."""
+    workers = sorted(ranks, key=lambda w: w.rank)
+    timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
+    slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
+    times = timed[slowest]
+    waits = list(workers[slowest].data_wait_s[warmup : warmup + len(times)])
+    cycle = list(batch_sizes) or [0]
+    samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
+    result.timed_steps = len(times)
+    result.step_times_s = list(times)
+    result.data_wait_s = waits
+    result.timed_samples = samples
+    result.samples_per_s = throughput(samples, times)
+    _step_figures(result, times, waits)
+    on_cuda = any(str(w.device).startswith("cuda") for w in workers)
+    if on_cuda and not MODES[result.mode].elastic and cuda_peaks:
+        result.peak_memory_bytes = [int(b) for b in cuda_peaks]
+        result.devices = [f"cuda:{i}" for i in range(len(cuda_peaks))]
+    else:
+        result.peak_memory_bytes = [int(w.peak_memory_bytes) for w in workers]
+        result.devices = [str(w.device) for w in workers]
+    result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
+    result.final_loss = final_loss(history)
+    result.train_losses = {int(step): float(m["train/loss"]) for step, m in history if "train/loss" in m}
+
+
+def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
+    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps,
+    largest peak; run id, devices and losses from the first (every repeat trains the same steps)."""
+    first = repeats[0]
+    times = [t for r in repeats for t in r.step_times_s]
+    waits = [w for r in repeats for w in r.data_wait_s]
+    rates = [r.samples_per_s or 0.0 for r in repeats]
+    for name in ("run_id", "devices", "timed_steps", "timed_samples", "peak_memory_kind", "final_loss"):
+        setattr(result, name, getattr(first, name))
+    result.train_losses = dict(first.train_losses)
+    result.step_times_s, result.data_wait_s = times, waits
+    result.repeats = len(repeats)
+    result.repeat_samples_per_s = rates
+    result.samples_per_s = median(rates)
+    _step_figures(result, times, waits)
+    width = max(len(r.peak_memory_bytes) for r in repeats)
+    result.peak_memory_bytes = [
+        max(r.peak_memory_bytes[i] for r in repeats if i < len(r.peak_memory_bytes)) for i in range(width)
+    ]
+    result.spread, result.tail = spread(rates), tail(times)
+    result.steady = steady(result.spread, result.tail)
+    result.noise = noise(result.spread, result.tail)
+
+
+def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[float]) -> None:
+    """Median and p90 step time (seconds) and the fraction of step time spent waiting for data."""
+    result.step_time_median_s = median(times)
+    result.step_time_p90_s = percentile(times, 90)
+    total = sum(times)
+    result.data_wait_fraction = sum(waits) / total if total > 0 else None
 
 
 def finish_comparisons(
@@ -110,11 +185,11 @@ def _cross_config_noise(c: ConfigResult, base: ConfigResult | None) -> list[str]
             f"efficiency {eff:.0%} is above 100% by more than the measured spread ({margin:.0%}): a measurement "
             f"problem, not a result; likely cause: {_likely_cause(c, base)}"
         ]
-    if MODES[c.mode].elastic and c.n == 1 and eff < DDP1_FLOOR:
+    if MODES[c.mode].elastic and c.n == 1 and eff < ONE_RANK_FLOOR:
         extra = (c.step_time_median_s or 0.0) - (base.step_time_median_s or 0.0)
         return [
-            f"ddp-1 at {eff:.0%} of none: DDP's fixed cost per step (about {extra * 1e3:.2g} ms here) "
-            "outweighs a step this small, or other load slowed it"
+            f"{c.config} at {eff:.0%} of {base.config}: the fixed cost per step of {c.mode}'s process group and "
+            f"collectives (about {extra * 1e3:.2g} ms here) outweighs a step this small, or other load slowed it"
         ]
     return []
 
@@ -181,11 +256,9 @@ def _likely_cause(c: ConfigResult, base: ConfigResult) -> str:
 
 
 @dataclass
-class BenchReport:
+class BenchReport(ComparedRuns):
     """Result of ``runner bench``: every configuration side by side, the parent run, the recommendation."""
 
-    spec: str
-    name: str
     accelerator: str
     global_batch_size: int
     steps: int
@@ -196,10 +269,6 @@ class BenchReport:
     min_repeats: int = 1
     max_repeats: int = 1
     loss_tolerance: float = LOSS_TOLERANCE
-    parent_run_id: str | None = None
-    tracking_uri: str | None = None
-    experiment: str = ""
-    experiment_id: str = ""
     json_path: str | None = None
     png_path: str | None = None
     recommendation: str = ""
@@ -225,8 +294,8 @@ class BenchReport:
             "spread": f"(max - min) / median of the repeats' samples_per_s; steady at most {SPREAD_LIMIT:g}",
             "tail": f"step p90 / step p50 over all repeats; steady at most {TAIL_LIMIT:g}",
             "noise": (
-                f"why not steady, plus ddp-1 below {DDP1_FLOOR:g} x none, and an efficiency above 1 + the two "
-                "spreads (then scaling_efficiency is null: a measurement problem, not a result)"
+                f"why not steady, plus ddp-1 or fsdp-1 below {ONE_RANK_FLOOR:g} x none, an efficiency above 1 + "
+                "the two spreads (then scaling_efficiency is null: a measurement problem, not a result)"
             ),
             "thread_budget": "CPU threads on the node: training processes x threads_per_process",
         }
@@ -324,7 +393,7 @@ def note_of(c: ConfigResult) -> str:
     return "; ".join(parts)
 
 
-_REPEAT_NOISE = ("repeats differ", "p90 is")  # the wording of runner.tools.bench_figures.noise
+_REPEAT_NOISE = ("repeats differ", "p90 is")  # the wording of runner.tools.compare.noise
 
 
 def _row(c: ConfigResult) -> list[str]:

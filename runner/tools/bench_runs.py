@@ -3,75 +3,20 @@ measuring one configuration: its repeats on the warm pool, until steady."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from runner.errors import Interrupted, SpecError
+from runner.errors import Interrupted
 from runner.spec.schema_parallel import MODES
-from runner.tools.bench_figures import combine, spread, steady, summarize, tail
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
-from runner.tools.bench_report import BenchReport, ConfigResult
+from runner.tools.bench_report import BenchReport, ConfigResult, combine, summarize
+from runner.tools.compare import Parent, log_history, spread, start_parent, steady, tail
 from runner.tracking.runs import delete_run, end_run, record_summary, start_run
-from runner.tracking.trackers import MlflowTracker
-from runner.tracking.uri import resolve_tracking_uri
 
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
-    from runner.tools.parity import ParityReport
-
-
-class Parent(NamedTuple):
-    """The parent run of a bench or parity, in ``experiment`` (``<training experiment>/bench`` for a bench)."""
-
-    uri: str
-    run_id: str
-    experiment: str
-
-
-def start_parent(
-    base: LoadedSpec, report: BenchReport | ParityReport, kind: str, configs: list[str], **description: Any
-) -> Parent | None:
-    """The parent run of a bench or a parity check (``kind``), tagged ``runner.<kind>`` = ``parent`` with its
-    configurations; ``None`` when tracking is off. Fills the report's run id, store URI and experiment id."""
-    if not base.spec.tracking.enabled:
-        return None
-    uri = resolve_tracking_uri(base.spec)  # start_run checks it is reachable (runner.tracking.uri.open_store)
-    experiment = report.experiment or base.spec.experiment_name
-    handle = start_run(
-        base,
-        {"mode": kind, kind: {"configurations": configs, **description.pop(kind, {})}, **description},
-        run_name=f"{kind}-{report.name}",
-        extra_tags={f"runner.{kind}": "parent", f"runner.{kind}.configs": ",".join(configs)},
-        uri=uri,
-        experiment=experiment,
-    )
-    report.parent_run_id, report.tracking_uri = handle.run_id, uri
-    report.experiment_id, report.experiment = handle.experiment_id, experiment
-    return Parent(uri, handle.run_id, experiment)
-
-
-@contextlib.contextmanager
-def ending(parent: Parent | None) -> Iterator[dict[str, str | None]]:
-    """The parent-run lifecycle of bench and parity: end ``parent`` FINISHED, or with the ``status`` and ``error`` the
-    body sets in the yielded dict; KILLED on an interrupt, FAILED naming an exception; a SpecError deletes it (a bad
-    spec leaves no run)."""
-    outcome: dict[str, str | None] = {"status": "FINISHED", "error": None}
-    try:
-        yield outcome
-    except BaseException as exc:
-        if parent is not None and isinstance(exc, SpecError):
-            delete_run(parent.uri, parent.run_id)
-        elif parent is not None:
-            killed = isinstance(exc, (Interrupted, KeyboardInterrupt))
-            error = None if killed else f"{type(exc).__name__}: {exc}"
-            end_run(parent.uri, parent.run_id, "KILLED" if killed else "FAILED", error)
-        raise
-    if parent is not None:
-        end_run(parent.uri, parent.run_id, outcome["status"] or "FINISHED", outcome["error"])
 
 
 def start_bench_parent(base: LoadedSpec, report: BenchReport, configs: list[str]) -> Parent | None:
@@ -100,13 +45,6 @@ def start_child(
         experiment=parent.experiment,
     )
     return handle.run_id
-
-
-def log_history(uri: str, run_id: str, history: Sequence[tuple[int, dict[str, float]]]) -> None:
-    """Log a repeat's metrics, step by step, as the training rank would have."""
-    with MlflowTracker(uri, run_id) as tracker:
-        for step, metrics in history:
-            tracker.log_metrics(metrics, step=step)
 
 
 def record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> None:

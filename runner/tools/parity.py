@@ -16,9 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 from runner.errors import DeviceError, SpecError, TrainingError, UsageError, first_line
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tools.bench_figures import first_beyond, loss_deltas, loss_scale, reason
-from runner.tools.bench_report import config_id
-from runner.tools.bench_runs import Parent, ending, log_history, start_parent
+from runner.tools.compare import (
+    ComparedRuns,
+    Parent,
+    check_modes,
+    config_id,
+    derive,
+    ending,
+    first_beyond,
+    log_history,
+    loss_deltas,
+    loss_scale,
+    reason,
+    start_parent,
+)
 from runner.tracking.runs import record_summary
 from runner.tracking.uri import ui_line
 
@@ -58,12 +69,10 @@ class ModeResult:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(ComparedRuns):
     """The verdict of ``runner parity``: ``modes[0]`` is ``none``, ``control`` the perturbed ``none`` in float32,
     ``reference`` the float32 ``none`` it is compared with (``None`` when everything ran in float32)."""
 
-    spec: str
-    name: str
     precision: str
     steps: int
     modes: list[ModeResult]
@@ -73,10 +82,6 @@ class ParityReport:
     param_tolerance: float = 0.0
     causes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    parent_run_id: str | None = None
-    tracking_uri: str | None = None
-    experiment: str = ""
-    experiment_id: str = ""
 
     @property
     def differing(self) -> list[ModeResult]:
@@ -190,7 +195,6 @@ def _configurations(
 ) -> tuple[LoadedSpec, list[_Config], list[ModeResult]]:
     """``none``'s spec, the configurations that run here, the skipped ones; UsageError for a named one that cannot."""
     from runner.devices.inventory import probe_inventory
-    from runner.tools.bench import check_modes
 
     if modes is not None:
         check_modes(modes)
@@ -213,7 +217,6 @@ def _configurations(
 
 def _mode_spec(loaded: LoadedSpec, mode: str, n: int, steps: int, cpu: bool, folder: Path) -> LoadedSpec:
     """One configuration's spec: bench's, with determinism, its own epochs, checkpoints, ``<experiment>/parity``."""
-    from runner.tools.bench import derive
 
     def adjust(data: dict[str, Any]) -> None:
         train, original = data["train"], loaded.data.get("train", {})
@@ -263,7 +266,8 @@ def _train(
     result: ModeResult, loaded: LoadedSpec, parent: Parent | None, dtype: str | None, nudge: bool = False
 ) -> None:
     """``runner exec`` of one configuration as a child of ``parent``; fills its losses and final parameters."""
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
     from runner.training.checkpoint import load_latest
     from runner.training.shards import read_with_model
 

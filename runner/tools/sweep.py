@@ -1,5 +1,22 @@
 """``runner sweep``: trials of one spec searched by Optuna, as child runs of one MLflow run, over any number of workers.
-Details: docs/design.md, "Module notes"."""
+
+One Optuna study per sweep, in an RDB storage (default: sqlite ``optuna.db`` next to the
+MLflow store; ``[sweep] storage`` or ``--storage`` for a database shared by several machines),
+and one parent MLflow run (tag ``runner.sweep = "parent"``) with one child run per trial
+(``mlflow.parentRunId``; tags ``runner.sweep.trial``, ``runner.sweep.values``, ``sweep.<key>``).
+Every ``runner sweep`` started with the same spec and flags, in another shell, on another machine
+or as a task of a Slurm job array, joins the same study and parent run and pulls the next
+trial; run again after a stop, it continues where the sweep stopped (docs/design.md §16).
+
+A trial is the base spec plus ``--set key=value`` overrides, minus its ``[sweep]`` table: a
+plain experiment, run by ``runner.launch.driver.exec_experiment`` in this process (CPU,
+``jobs = 1``) or in warm worker processes that run trial after trial (``jobs > 1``, or CUDA,
+whose device view a process keeps).
+
+The worker that ends the last trial ends the parent run: FINISHED, or FAILED when a trial did not finish. It
+reads the trials' results after the count of pending ones: read before it, a trial that another worker ended in
+between still showed RUNNING, and the parent ended FAILED with every trial complete.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,11 @@
 """Warm worker processes of a sweep: ``jobs`` processes pulling trial after trial, spread over GPUs, stopped together.
-Details: docs/design.md, "Module notes"."""
+
+A worker process is started once (``spawn``), sets its device view (``CUDA_VISIBLE_DEVICES``
+before CUDA initialises) and runs ``runner.tools.sweep_jobs.work`` against the study, so
+the interpreter start-up and the torch and MLflow imports are paid once per process, not
+once per trial (docs/design.md §16). Trials whose device view differs from trial to trial
+(``devices`` swept) get one process each.
+"""
 
 from __future__ import annotations
 
@@ -327,7 +333,8 @@ def _execute(
     study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: optuna.Trial, point: Trial, parent_id: str
 ) -> TrialResult:
     """Load the trial's spec and run it with ``runner exec``'s driver; tag the run when the pruner stopped it."""
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
 
     definition = study.definition
     loaded = without_sweep(load_spec(setup.path, [*setup.overrides, *point.overrides(), *setup.extra], setup.unset))

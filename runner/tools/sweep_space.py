@@ -1,5 +1,14 @@
 """What a sweep searches and what it records: the definition, its Optuna search space, the trials, their results,
-and the sweep's runs in MLflow (parent, children, best trial, plots). Details: docs/design.md, "Module notes"."""
+and the sweep's runs in MLflow (parent, children, best trial, plots).
+
+The definition (built by ``runner.tools.sweep_trials``) says which Optuna sampler and pruner
+search which keys, how many trials there are in total and which metric ranks them
+(docs/design.md §16): it is the spec's ``[sweep]`` table (``SweepSpec``) with the command line merged in and
+the trial budget known, so it validates, and reads back from the study, as that table does. ``SweepDefinition.suggest``
+turns an Optuna trial into the values of
+one ``Trial``; nothing here opens a study. ``SweepStore`` records the sweep in MLflow through
+``runner.tracking.runs``, deciding only the sweep's names, tags, params and texts.
+"""
 
 from __future__ import annotations
 

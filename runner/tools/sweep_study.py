@@ -1,5 +1,18 @@
-"""The sweep's Optuna study: who founds it, and the queue of trials every worker pulls from. Details: docs/design.md,
-"Module notes"."""
+"""The sweep's Optuna study: who founds it, and the queue of trials every worker pulls from.
+
+One study per sweep, in an Optuna RDB storage (docs/design.md §16). The first worker to
+create it (Optuna's study names are unique in a storage, so exactly one succeeds) records the
+definition, creates the MLflow parent run (with ``start_run``, as bench, parity and ``runner exec``
+create theirs: the spec, its provenance and the plan, then the sweep's params and ``sweep.json``)
+and enqueues the sweep's trials as WAITING trials:
+the grid's points with their values, or empty slots the sampler fills when a trial starts.
+Every worker then pulls the next WAITING trial; one conditional update moves a trial from
+WAITING to RUNNING for one caller only (§16), so no trial runs twice and the sweep has exactly
+``trials`` trials whatever the number of workers. A trial interrupted by a signal, or whose worker died
+(its heartbeat stopped), is put back as a new WAITING copy that keeps the number it had.
+The storage, the sampler and the pruner are built here too (``open_storage``, ``make_sampler``,
+``make_pruner``).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,18 @@
-"""MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up. Details: docs/design.md,
-"Module notes"."""
+"""MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up.
+
+A child run points at its parent with the tag ``mlflow.parentRunId``, which the MLflow UI
+nests. The parent-run functions know nothing of sweeps or benches: the tools give them names,
+tags, params, metrics and texts, and find the children with ``runner.tracking.stored.search_runs``.
+
+Only ``mlflow.tracking.MlflowClient`` is used, always with an explicit run id, so
+runs never depend on MLflow's fluent "active run" stack. Every module of ``runner/tracking/`` gets the
+process's one client of a store from ``runner.tracking.uri.client_for(uri)``, and maps MLflow's errors onto
+``TrackingError`` with ``runner.errors.store_errors`` (MLflow's own message; runner's errors pass through). Where
+the store is lives in
+``runner.tracking.uri``, what a run records about its origin in ``runner.tracking.tags``,
+the trackers that log a run's metrics in ``runner.tracking.trackers``. mlflow and torch
+are imported inside functions, never when this module is imported.
+"""
 
 from __future__ import annotations
 

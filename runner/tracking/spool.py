@@ -1,5 +1,19 @@
 """The metric spool: what could not reach the tracking store yet, kept in a JSON-lines file beside the checkpoints.
-Details: docs/design.md, "Module notes"."""
+
+While the store does not answer, ``runner.tracking.trackers.MlflowTracker`` keeps the
+metric values it could not send in memory and then here, and sends them when the store is back.
+Each line is one record:
+
+* ``{"seq": 12, "key": "train/loss", "value": 0.51, "timestamp": 1700000000000, "step": 10}``: a
+  metric value; ``seq`` counts the run's metric values from 0 (also across resumes);
+* ``{"tags": {"key": "value"}}``: tags set while the store was away;
+* ``{"end": "FINISHED", "error": null}``: the run's final status, when the driver could not set it.
+
+What is left in a spool is sent by ``send_spool`` (``runner status RUN_ID``, or a resume, which
+first drops the values recorded after its checkpoint: they are computed again). A value is sent only
+when its step is beyond what the run holds for that metric, so nothing is logged twice.
+mlflow is imported inside the functions.
+"""
 
 from __future__ import annotations
 

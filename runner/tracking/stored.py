@@ -1,5 +1,11 @@
-"""A run read back from MLflow: its status, tags and stored spec; look runs up and tag them afterwards. Details:
-docs/design.md, "Module notes"."""
+"""A run read back from MLflow: its status, tags and stored spec; look runs up and tag them afterwards.
+
+``runner resume``, ``runner reproduce`` and ``runner diff`` start from a run id alone: the spec a
+run trained with is its artifact ``spec/resolved.toml`` (every default written out, paths absolute),
+and ``spec/plan.json`` names the spec file it came from. Runs are read back as ``runner.tracking.runs.RunRecord``,
+one by id (``runner.tracking.runs.find_run``) or by experiment, tags and status (``search_runs``), so no
+MLflow object leaves the package. mlflow is imported inside functions.
+"""
 
 from __future__ import annotations
 

@@ -1,34 +1,37 @@
 """The model's side of a step: move a batch to the devices, call forward, pick the prediction and the loss it returned.
-Details: docs/design.md, "Module notes"."""
+
+The contract (docs/design.md §13, README "Bring your own model"):
+
+* a batch is an ``(x, y)`` pair or a dict of tensors (``data.target`` names the target key);
+  every tensor is moved to the strategy's input device, the target also to its output device;
+* forward is called as ``model(x)`` or ``model(**inputs)`` (a dict batch without its target key),
+  and with ``loss.name = "model"`` as ``model(x, y)`` or ``model(**batch)`` (the target included);
+* forward returns a tensor (the prediction), or a dict, dataclass, named tuple, tuple or list out
+  of which ``model.output`` picks the prediction (a key, attribute or index); with
+  ``loss.name = "model"`` it returns the loss (a scalar tensor) or an object with a ``loss`` entry
+  (a key or attribute, as Hugging Face models do).
+
+A mistake that only shows when forward has run raises ``runner.errors.TrainingError``
+naming the spec key that fixes it (exit 1, the run FAILED).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from runner.errors import TrainingError, UserCodeError, first_line, user_code_error
-from runner.training.metrics import MetricPlan
 from runner.training.models import spec_issue
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import LRScheduler
-    from torch.utils.data import Dataset
-
     from runner.spec.schema import ExperimentSpec
-    from runner.spec.schema_loop import EarlyStoppingSpec
-    from runner.strategies.base import Precision, Strategy
-    from runner.tracking.trackers import Tracker
-    from runner.training.callbacks import Callbacks
     from runner.training.data import DatasetInfo
-    from runner.training.ema import Ema
-    from runner.training.losses import Loss
-    from runner.training.sampling import Loaders
 
 
 # What forward returns: a tensor, or a dict, dataclass or tuple holding the prediction (and a
@@ -224,10 +227,6 @@ def _length(value: Any) -> int:
     raise TrainingError("data.dataset: a dict batch holds no tensor, so its number of samples is unknown")
 
 
-MetricStates = dict[str, dict[str, dict[str, Any]] | None]
-"""Train metric states by window (``"window"``, ``"epoch"``), then metric, then torchmetrics state (tensor or list)."""
-
-
 _SHAPE_CAUSES = (  # torch's words for a batch the model does not fit -> the key that decides it, and the fix
     (
         re.compile(r"to have (\d+) channels, but got (\d+) channels"),
@@ -260,78 +259,3 @@ def shape_error(exc: Exception, batch: Batch) -> UserCodeError | None:
         cause = f"\n{located}" if located is not None else f" ({type(exc).__name__}: {first_line(exc)})"
         return UserCodeError(f"{key}: {fix.format(*match.groups())}; the batch holds {shapes}{cause}")
     return None
-
-
-@dataclass
-class TrainState:
-    """Where training stands, saved in checkpoints so a resumed run continues exactly.
-
-    ``batch_in_epoch`` counts global batches of ``epoch`` consumed; ``epoch_sums``, ``window_sums`` and
-    ``metric_states`` are rank-reduced running sums, so a resumed epoch's metrics cover the whole epoch.
-    """
-
-    epoch: int = 0
-    global_step: int = 0
-    batch_in_epoch: int = 0
-    epoch_sums: list[float] | None = None
-    window_sums: list[float] | None = None
-    metric_states: MetricStates | None = None
-    stopping: dict[str, float] | None = None  # early stopping's record: the best value, its step, evaluations since
-    evaluated: dict[str, float] | None = None  # the last epoch's metrics, logged at step ``evaluated_at``
-    evaluated_at: int = -1
-
-
-@dataclass
-class TrainingParts:
-    """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
-    ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is
-    ``min(steps_per_epoch * epochs, max_steps)``; ``scheduler_monitor`` is the metric a plateau scheduler steps
-    on; ``ema`` the weights' moving average."""
-
-    model: nn.Module
-    raw_model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: LRScheduler | None
-    scheduler_interval: str
-    precision: Precision
-    loss: Loss
-    loaders: Loaders
-    total_steps: int
-    train_set: Dataset
-    io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
-    metrics: MetricPlan = field(default_factory=MetricPlan)
-    data: DatasetInfo | None = None
-    scheduler_monitor: str | None = None
-    early_stopping: EarlyStoppingSpec | None = None
-    ema: Ema | None = None
-    callbacks: Callbacks | None = None
-
-    def example_input(self) -> Any:
-        """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""
-        sample = self.train_set[0]
-        if isinstance(sample, dict):
-            return {
-                k: v.unsqueeze(0) for k, v in sample.items() if isinstance(v, torch.Tensor) and k != self.io.target_key
-            }
-        return sample[0].unsqueeze(0)
-
-
-@dataclass(kw_only=True)
-class LoopParts(TrainingParts):
-    """The built parts and what the run adds; the loop builds nothing itself.
-
-    ``on_checkpoint(state, reason)`` runs on all ranks; ``should_stop`` is 0 or a stop code; ``sync_timing`` makes
-    CUDA step times exact (bench); ``epoch_end(epoch, metrics)`` ends training when True on every rank;
-    ``after_step`` follows each step's timing (the profiler); from ``started_at`` the loop logs
-    ``time_to_first_step_s``; ``count_flops`` counts one step with ``FlopCounterMode``.
-    """
-
-    strategy: Strategy
-    tracker: Tracker
-    on_checkpoint: Callable[[TrainState, str], None] | None = None
-    should_stop: Callable[[], int] = lambda: 0
-    sync_timing: bool = False
-    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
-    after_step: Callable[[], object] | None = None
-    started_at: float | None = None
-    count_flops: bool = False

@@ -1,5 +1,33 @@
 """Checkpoints: every rank's DCP shards in one step folder, keep-last rotation, validated load with fall-back, resume
-lookup. Details: docs/design.md, "Module notes"."""
+lookup.
+
+A checkpoint holds everything needed to continue exactly (docs/design.md §8): the unwrapped
+model state (no ``module.`` prefix), optimizer, scheduler, grad scaler, the
+``runner.training.loop.TrainState`` (epoch, global step, batches consumed in the epoch) and
+the RNG states of every rank, plus the flattened spec and its SHA-256.
+
+Each checkpoint is a folder ``step-00000123/`` in the run's checkpoint folder, in every mode (``save_checkpoint``):
+the model and optimizer through ``torch.distributed.checkpoint`` (DCP: each rank's shards under fsdp, whole
+tensors elsewhere), beside ``meta.pt``, the rest of the payload. Each file is written to a
+temporary file in the same folder, flushed, fsync'ed and renamed (``os.replace`` is
+atomic on POSIX), so a crash mid-write never leaves a damaged latest checkpoint. Beside each one a
+digest file ``step-00000123.sha256`` (``sha256sum`` format: one line per file of the folder) is written atomically
+before the checkpoint is
+renamed into place; a checkpoint whose bytes no longer match it, or that has none, counts as damaged
+(``torch.load`` does not check the zip CRCs, so bytes changed in place would load silently).
+
+A checkpoint holds only tensors and plain values (numbers, strings, lists, dicts; RNG states as
+tensors) and is read with ``torch.load(weights_only=True)``, which rebuilds those and nothing else
+(PyTorch docs, ``torch.load``: "weights_only"). A file that carries any other pickled object is
+refused, not executed, so a checkpoint folder on a shared filesystem cannot run code on the nodes
+that resume from it. Files of another format version are refused with the reason. DCP's own
+``.metadata`` is a pickle: it is read with an unpickler that builds DCP's metadata classes by exact name
+and nothing else, and the shards' non-tensor items are read with ``weights_only`` too (§8).
+The driver checks a resume (the spec's changes, whether training is complete) with ``peek``: the
+digests, then the checkpoint's plain fields read from ``torch.save``'s pickle with every tensor, dtype and
+size taken as ``None`` and no other object built. It imports no torch and never holds the weights; the
+training process's ``torch.load(weights_only=True)`` is what refuses a file carrying pickled objects.
+"""
 
 from __future__ import annotations
 

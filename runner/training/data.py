@@ -1,5 +1,43 @@
-"""Datasets: ``[data]`` into train and validation sets, the validation split, and the data's fingerprints. Details:
-docs/design.md, "Module notes"."""
+"""Datasets: ``[data]`` into train and validation sets, the validation split, and the data's fingerprints.
+
+A sample is an ``(x, y)`` pair (``x`` a tensor of ``DatasetInfo.input_shape``, ``y`` the target)
+or a dict of tensors (``data.target`` names the target key; docs/design.md §13). Sources
+(``runner.training.sources``):
+
+* ``sklearn.digits``: the 1797 8x8 UCI digits shipped with scikit-learn, in memory. Pixels
+  0..16 are scaled to [0, 1], resized once up front (``image_size``, bilinear), then
+  normalised with the mean and std of the whole (resized) set; ``num_channels`` repeats the
+  single channel. kwargs: ``normalize`` (default true). Labels are int64.
+* ``sklearn.diabetes``: the 442 patients of scikit-learn's diabetes data, ten features in raw
+  units, standardised per feature over the whole set (kwargs: ``standardize``, default true);
+  the target is a float32 measure of disease progression one year later (25..346).
+* ``torchvision.<Name>``: read from ``data.root`` (relative to the spec file), downloaded
+  only with ``download = true``; the training split (``train = True`` or ``split = "train"``)
+  is used and held-out validation is taken from it. Images become [0, 1] tensors.
+* ``imagefolder``: ``root/train/<class>/*`` and, if present, ``root/val/<class>/*`` (else
+  ``val_fraction`` of train) and ``root/test/<class>/*``; images are read as RGB, made grayscale
+  for ``num_channels = 1`` (torchvision's ``rgb_to_grayscale``) and resized to ``image_size``.
+
+``data.transforms`` and ``data.eval_transforms`` (``runner.training.sources.build_transforms``) are
+torchvision ``transforms.v2`` classes by name (or ``pkg.module:Transform``) with kwargs, composed
+once and checked before the run exists: an unknown name, kwargs the class rejects, or sample 0
+that cannot go through them is a spec error at the entry. They wrap the datasets after the split
+(``Transformed``): the training set takes ``transforms``, the validation and test sets
+``eval_transforms``, so a split dataset's held-out samples are never augmented. v2 transforms take
+the whole sample and change its image (the first plain tensor), leaving the target. A random
+transform draws from each process's generator, so it is named with dropout as a cause of
+differences between the modes (docs/design.md §3).
+* ``synthetic``: ``num_samples`` standard-normal tensors of ``input_shape``, labelled by a
+  fixed random linear teacher (argmax of ``x.flatten() @ W``), seeded by ``data.split_seed``.
+* ``pkg.module:factory``: ``factory(**data.kwargs)`` returns a Dataset (split here) or a
+  ``(train, val)`` tuple.
+
+The validation split is a permutation from ``torch.Generator().manual_seed(data.split_seed)``,
+apart from ``seed`` (docs/design.md §11): the same split seed and size always give the same split,
+and runs that differ in ``seed`` score on the same validation samples. Its fingerprint
+(``DatasetInfo.val_split_sha256``) is the SHA-256 of the sorted validation indices, or of
+the sorted validation file list when the dataset brings its own validation files.
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,57 @@
-"""The training loop: steps, evaluation and metric reduction, identical for every parallel mode; a rank's peak memory.
-Details: docs/design.md, "Module notes"."""
+"""The training loop: steps, evaluation and metric reduction, identical for every parallel mode.
+
+The loop reads top to bottom in the order zero_grad -> forward -> loss -> backward ->
+clip -> step -> schedule -> log. It never asks which parallel mode it runs under: the
+``runner.strategies.base.Strategy`` supplies wrapping, ``no_sync``, the collectives and
+the stop decision, the ``runner.strategies.base.Precision`` supplies autocast and
+gradient scaling, and it imports neither mlflow nor the CLI (metrics go to a ``Tracker``).
+
+Loss normalisation (docs/design.md §3): every micro-batch loss is a sum with the count PyTorch's
+mean would divide it by (``runner.training.losses``: a mean-returning loss is multiplied by the
+micro-batch's samples, which are its count); a step fetches its micro-batches first, knows the
+global count ``C`` of the whole optimizer step across all ranks and micro-batches (a collective only
+where labels are ignored, weighted or per position), and divides each sum by ``C / world_size``.
+DDP averages gradients over ranks, so the gradient is exactly that of the mean loss over the
+global batch, also for uneven final batches and with gradient accumulation. This is what makes
+``none`` and ``ddp`` runs of one spec agree step by step. Batches and forward: ``runner.training.batches``; metrics:
+``runner.training.metrics``; ``train.on_nonfinite``: ``runner.training.sums``.
+
+Steady state: between ``train/loss`` logs a step makes no collective (but the count's, for a loss
+whose labels are ignored, weighted or per position) and reads nothing back from the device; the
+running sums, the non-finite check and the default train accuracy stay on the device until a log step, a checkpoint or
+the epoch's end reduces them in one collective.
+
+Stopping: after every optimizer step the loop asks
+``runner.strategies.base.Strategy.reduce_stop_decision`` whether to stop, settling it (the
+ranks agree, a collective where there are peers) only at log steps, step checkpoints and the end
+of an epoch's steps. At a log step the ranks' requests ride in the logged sums' reduction, so the
+decision's own collective runs there only when some rank asked. A request seen after step ``k``
+(e.g. SIGTERM during step ``k``) stops a single process after step ``k``, and several processes at
+the first of those points from step ``k`` on. The decision is settled again at the epoch boundary
+(after evaluation and the epoch checkpoint), so a request during an epoch's last step stops before
+its evaluation, as one during evaluation stops at the boundary. Stopping first logs the log step
+whose reduction still runs beside the next step (several ranks: a log step's values are reduced
+while the next step trains), then writes a ``"signal"`` checkpoint, then raises
+``runner.errors.Interrupted``: a stop settled at a log step used to checkpoint without that step's
+values, and the resume began after it, so its ``train/loss`` and ``lr`` were lost.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from runner.errors import Interrupted, stop_origin
 from runner.training import STARTUP_METRIC, WorkerResult
-from runner.training.batches import Batch, CollatedBatch, LoopParts, TrainState, shape_error
-from runner.training.metrics import MetricSet
+from runner.training.batches import Batch, BatchIO, CollatedBatch, shape_error
+from runner.training.metrics import MetricPlan, MetricSet
 from runner.training.sampling import rank_batch_size
 from runner.training.sums import (
     NonFiniteGuard,
@@ -29,9 +66,94 @@ from runner.training.sums import (
 from runner.training.watch import early_stop
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+    from torch.utils.data import Dataset
+
     from runner.spec.schema import CheckpointSpec
-    from runner.spec.schema_loop import TrainSpec
+    from runner.spec.schema_loop import EarlyStoppingSpec, TrainSpec
+    from runner.strategies.base import Precision, Strategy
     from runner.tracking.trackers import Tracker
+    from runner.training.callbacks import Callbacks
+    from runner.training.data import DatasetInfo
+    from runner.training.ema import Ema
+    from runner.training.losses import Loss
+    from runner.training.metrics import MetricStates
+    from runner.training.sampling import Loaders
+
+
+@dataclass
+class TrainState:
+    """Where training stands, saved in checkpoints so a resumed run continues exactly.
+
+    ``batch_in_epoch`` counts global batches of ``epoch`` consumed; ``epoch_sums``, ``window_sums`` and
+    ``metric_states`` are rank-reduced running sums, so a resumed epoch's metrics cover the whole epoch.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_in_epoch: int = 0
+    epoch_sums: list[float] | None = None
+    window_sums: list[float] | None = None
+    metric_states: MetricStates | None = None
+    stopping: dict[str, float] | None = None  # early stopping's record: the best value, its step, evaluations since
+    evaluated: dict[str, float] | None = None  # the last epoch's metrics, logged at step ``evaluated_at``
+    evaluated_at: int = -1
+
+
+@dataclass
+class TrainingParts:
+    """What :func:`runner.training.setup.build_parts` makes from the spec on one rank (``model`` wrapped,
+    ``raw_model`` the user's); ``loss(out, batch, io)`` is a micro-batch's summed loss; ``total_steps`` is
+    ``min(steps_per_epoch * epochs, max_steps)``; ``scheduler_monitor`` is the metric a plateau scheduler steps
+    on; ``ema`` the weights' moving average."""
+
+    model: nn.Module
+    raw_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler | None
+    scheduler_interval: str
+    precision: Precision
+    loss: Loss
+    loaders: Loaders
+    total_steps: int
+    train_set: Dataset
+    io: BatchIO = field(default_factory=lambda: BatchIO(None, None, model_loss=False))
+    metrics: MetricPlan = field(default_factory=MetricPlan)
+    data: DatasetInfo | None = None
+    scheduler_monitor: str | None = None
+    early_stopping: EarlyStoppingSpec | None = None
+    ema: Ema | None = None
+    callbacks: Callbacks | None = None
+
+    def example_input(self) -> Any:
+        """One training input with a batch dimension, ``(1, *input_shape)``, or a dict of them, for a signature."""
+        sample = self.train_set[0]
+        if isinstance(sample, dict):
+            return {
+                k: v.unsqueeze(0) for k, v in sample.items() if isinstance(v, torch.Tensor) and k != self.io.target_key
+            }
+        return sample[0].unsqueeze(0)
+
+
+@dataclass(kw_only=True)
+class LoopParts(TrainingParts):
+    """The built parts and what the run adds; the loop builds nothing itself.
+
+    ``on_checkpoint(state, reason)`` runs on all ranks; ``should_stop`` is 0 or a stop code; ``sync_timing`` makes
+    CUDA step times exact (bench); ``epoch_end(epoch, metrics)`` ends training when True on every rank;
+    ``after_step`` follows each step's timing (the profiler); from ``started_at`` the loop logs
+    ``time_to_first_step_s``; ``count_flops`` counts one step with ``FlopCounterMode``.
+    """
+
+    strategy: Strategy
+    tracker: Tracker
+    on_checkpoint: Callable[[TrainState, str], None] | None = None
+    should_stop: Callable[[], int] = lambda: 0
+    sync_timing: bool = False
+    epoch_end: Callable[[int, dict[str, float]], bool] | None = None
+    after_step: Callable[[], object] | None = None
+    started_at: float | None = None
+    count_flops: bool = False
 
 
 def fit(
@@ -45,7 +167,7 @@ def fit(
     Without ``checkpoint_spec`` no step or epoch checkpoints are written. Metrics are reduced, the same on every rank;
     the result holds them, the logged history, each step's time and data wait (seconds), the epoch ``epoch_end``
     stopped after, ``startup_s`` and one step's FLOPs (``state`` is where training ended).
-    Raises Interrupted: A stop signal (docs/design.md, "Module notes"), after ``on_checkpoint(..., "signal")``.
+    Raises Interrupted: A stop signal (the module docstring), after ``on_checkpoint(..., "signal")``.
     TrainingError: A non-finite loss or norm under ``on_nonfinite = "stop"``, or an output that does not fit."""
     state = state or TrainState()
     strategy, loaders = parts.strategy, parts.loaders
@@ -373,31 +495,3 @@ def _checkpoint(parts: LoopParts, state: TrainState, reason: str, tally: Tally) 
         return
     state.metric_states = tally.metric_states()
     parts.on_checkpoint(state, reason)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes() or 0
-
-
-def device_peaks(device: torch.device, replicas: bool) -> list[int]:
-    """CUDA allocator peak of each GPU this process drove: every visible one for dp (``replicas``), else ``device``."""
-    if device.type != "cuda":
-        return []
-    ids = range(torch.cuda.device_count()) if replicas else [device.index or 0]
-    return [int(torch.cuda.max_memory_allocated(i)) for i in ids]
-
-
-def peak_rss_bytes() -> int | None:
-    """Peak resident set of this process image (``VmHWM``, which starts afresh at ``exec``), bytes; ``None`` off
-    Linux."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -1,5 +1,25 @@
 """Losses of ``[loss]``: a torch.nn loss, the model's own loss, or a user's function, each a sum with the count
-PyTorch's mean would divide it by. Details: docs/design.md, "Module notes"."""
+PyTorch's mean would divide it by.
+
+Every loss here returns the SUM of its losses over one micro-batch and, from the batch alone
+(before the forward), the count PyTorch's ``reduction="mean"`` divides by; the loop divides the
+step's sums by the global count (docs/design.md §3), so ``none``, ``dp``, ``ddp`` and ``fsdp`` give the
+gradient of the same global mean, and the logged loss is what the named loss gives by default:
+
+* built-in losses run with ``reduction="sum"``; an element-wise loss (``mse``, ``l1``, ``smooth_l1``,
+  ``bce_with_logits``) counts its values; ``cross_entropy``/``nll`` count their labels (positions of a
+  sequence included: a ``(batch * time, classes)`` prediction takes ``(batch, time)`` labels
+  flattened, as word_language_model flattens them), or the samples and positions of class
+  probabilities. With ``weight`` or ``ignore_index`` in ``loss.kwargs``, or labels per position, the
+  count leaves out ``ignore_index`` (-100 by default) and weighs each label by its class weight, as
+  torch does; plain labels count each sample, so a classification step needs no collective (a
+  plain label of -100 then adds nothing to the sum but counts: give ``ignore_index = -100`` in
+  ``loss.kwargs`` to leave such labels out of the count too);
+* a model-computed loss (``loss.name = "model"``) and a custom function return the MEAN over
+  their micro-batch; runner multiplies it by the micro-batch's sample count and counts its
+  samples, so a micro-batch weighs what its samples do. This is exact when the mean is a plain
+  mean over samples.
+"""
 
 from __future__ import annotations
 

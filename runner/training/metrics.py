@@ -1,5 +1,21 @@
 """Metrics of ``[metrics]``: torchmetrics objects per scope, updated on the device, synced across ranks when computed.
-Details: docs/design.md, "Module notes"."""
+
+Built-in names (torchmetrics classes, arguments passed through, defaults in brackets):
+``accuracy`` (``Accuracy``, [average = "micro"]), ``top_k_accuracy`` (``Accuracy`` with
+``top_k = k`` [5]), ``f1``, ``precision``, ``recall`` (``F1Score``, ``Precision``, ``Recall``,
+[average = "macro"]), ``auroc`` (``AUROC``), ``mae``, ``mse``, ``r2`` (``MeanAbsoluteError``,
+``MeanSquaredError``, ``R2Score``). Classification metrics get ``task`` (``"multiclass"``; with
+``bce_with_logits`` ``"binary"`` or ``"multilabel"``) and ``num_classes`` / ``num_labels`` from
+the data unless the entry sets them. ``"pkg.module:Factory"`` is called with the entry's other
+keys and must return a ``torchmetrics.Metric`` whose ``update`` takes ``(prediction, target)``.
+``{ output = "aux_loss" }`` logs a scalar of forward's output: its mean over the samples
+(``MeanMetric``, each micro-batch weighted by its samples).
+
+Distributed (docs/design.md §13): ``compute()`` gathers every rank's states with torchmetrics'
+own sync (sums added, ``cat`` lists gathered without padding), and the eval sampler gives each
+validation sample to exactly one rank, so every validation sample counts once. Train metrics
+skip torchmetrics' argument checks, which would synchronise a CUDA device on every step.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +39,9 @@ if TYPE_CHECKING:
     from runner.training.data import DatasetInfo
 
 _AVERAGE = {"accuracy": "micro", "top_k_accuracy": "micro", "f1": "macro", "precision": "macro", "recall": "macro"}
+
+MetricStates = dict[str, dict[str, dict[str, Any]] | None]
+"""Train metric states by window (``"window"``, ``"epoch"``), then metric, then torchmetrics state (tensor or list)."""
 
 
 @dataclass(frozen=True)

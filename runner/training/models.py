@@ -1,5 +1,23 @@
 """Model registry: turn ``[model]`` (a torchvision builder, a built-in or ``pkg.module:factory``) into an nn.Module.
-Details: docs/design.md, "Module notes"."""
+
+Names:
+
+* ``torchvision.<builder>`` (also ``torchvision.models.<builder>``): any name of
+  ``torchvision.models.list_models()``, built with ``weights=None`` (and
+  ``weights_backbone=None`` where the builder has it) unless the kwargs say otherwise, so
+  nothing is downloaded by default.
+* ``mlp``: Flatten -> (Linear -> ReLU [-> Dropout]) per hidden size -> Linear. No
+  batch-statistics layers, so ``none`` and ``ddp`` runs agree step by step.
+* ``cnn``: three 3x3 conv blocks (widths ``width``, ``2*width``, ``4*width``; strides 1, 2, 2),
+  optional BatchNorm, global average pooling, Linear.
+* ``pkg.module:factory``: ``factory(**kwargs)`` must return an ``nn.Module``; the spec's
+  folder and the working directory are importable.
+
+Parameters are initialised from torch's global RNG, so a model is a pure function of the
+torch seed set just before building it. ``runner validate`` checks names without this module
+(``runner.spec.names``, from the list ``write_torchvision_names`` generates:
+``python -m runner.training.models``); the checks here ask the installed torchvision.
+"""
 
 from __future__ import annotations
 

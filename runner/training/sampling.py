@@ -1,5 +1,38 @@
-"""Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives). Details:
-docs/design.md, "Module notes"."""
+"""Which sample indices each rank reads, per epoch and per optimizer step (pure torch, no collectives).
+
+The layout that makes ``none``, ``dp`` and ``ddp`` runs of one spec agree step by step:
+
+* Every epoch has ONE permutation of ``range(num_samples)``, drawn exactly like
+  ``torch.utils.data.DistributedSampler`` draws it: ``torch.randperm(N)`` with a
+  ``torch.Generator`` seeded ``seed + epoch`` (or ``range(N)`` without shuffling).
+* Global batch ``k`` (one optimizer step, ``B = data.batch_size`` samples) is positions
+  ``[k*B, k*B + size_k)`` of that permutation; ``size_k`` comes from
+  ``global_batch_sizes``.
+* Rank ``r`` of ``W`` takes positions ``r::W`` of the (truncated) permutation. Since ``B``
+  is a multiple of ``W``, rank ``r``'s share of global batch ``k`` is positions
+  ``k*B + r, k*B + r + W, ...``: ``B / W`` consecutive entries of the rank's stream
+  (``rank_batch_size(size_k, W, r)`` for a short final batch).
+* With ``grad_accum_steps = A`` the DataLoader's batch size is the micro-batch
+  ``m = B / (W * A)``. Cutting the rank's stream into consecutive chunks of ``m`` gives
+  exactly ``A`` micro-batches per full step, whose union over ranks and micro-steps is the
+  global batch of a ``W = 1, A = 1`` run. A short final step holds the rank's
+  ``rank_batch_size(size_k, W, r)`` samples cut into ``m``-sized chunks
+  (``micro_batch_sizes``), so it can have fewer than ``A`` micro-batches and ranks
+  may differ by one sample (and by one micro-batch): the loop must group micro-batches by
+  these sizes, not by counting to ``A``.
+
+Resuming mid-epoch: ``EpochSampler.set_start_batch`` skips the first ``k`` global
+batches of the epoch (this rank's share of them), so the remaining steps read exactly
+what an uninterrupted run reads.
+
+Final incomplete global batch rule: it is kept (split ``r::W`` over ranks) unless
+``drop_last``, but it is dropped whenever it holds fewer than ``W`` samples, so that every
+rank has at least one sample in every step and all ranks run the same number of steps.
+No index is ever padded or repeated, unlike ``DistributedSampler``.
+
+An in-memory dataset gives each batch in one indexing rather than sample by sample: the same tensors, 0.4 ms
+against 1.6 ms for 256 samples of 784 floats, a tenth of ``benchmarks/overhead.py``'s step.
+"""
 
 from __future__ import annotations
 
@@ -58,7 +91,7 @@ class EpochSampler(Sampler[int]):
     """Training sampler: one seeded permutation per epoch, rank ``r`` reads positions ``r::W``.
 
     ``DistributedSampler``'s permutation without padding or duplicates, cut to the epoch's global batches
-    (docs/design.md, "Module notes"). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the DataLoader's)
+    (the module docstring). :meth:`set_epoch` before every epoch also reseeds ``generator`` (the DataLoader's)
     from (seed, rank, epoch), so a resumed run reproduces worker seeds."""
 
     def __init__(
@@ -136,7 +169,7 @@ class Loaders:
 
 
 def build_loaders(spec: ExperimentSpec, bundle: DatasetBundle, rank: int, world_size: int) -> Loaders:
-    """Build this rank's DataLoaders (docs/design.md, "Module notes", runner/training/sampling.py).
+    """Build this rank's DataLoaders (the module docstring).
 
     Training: micro-batches of ``batch_size // (world_size * grad_accum_steps)`` in :class:`EpochSampler` order.
     Validation and test: every ``world_size``-th sample, batches of ``ceil(eval_batch_size / world_size)``. Raises

@@ -1,5 +1,14 @@
-"""One rank's training in named steps: build, restore, checkpointer, train, finish; the tracker is handed in. Details:
-docs/design.md, "Module notes"."""
+"""One rank's training in named steps: build, restore, checkpointer, train, finish; the tracker is handed in.
+
+The worker (``runner.launch.worker``) calls the steps in this order on a set-up
+strategy, after seeding and after the ranks agreed on the run::
+
+    parts = build_parts(spec, spec_dir, strategy)          # data, model, optimizer, scheduler, loss, precision
+    restored = restore(parts, strategy, folder, resume=..., restarted=...)
+    checkpointer = Checkpointer(parts, strategy, folder, loaded, run_id=..., writer=..., tracker=...)
+    fitted = train(LoopParts(**vars(parts), strategy=strategy, tracker=tracker, ...), spec, restored.state)
+    result = finish(fitted, strategy, notes)
+"""
 
 from __future__ import annotations
 
@@ -20,11 +29,11 @@ from runner.strategies.base import Precision
 from runner.strategies.distributed import describe_unused_parameters_error, is_unused_parameters_error
 from runner.training import WorkerResult
 from runner.training import checkpoint as ckpt
-from runner.training.batches import BatchIO, TrainingParts, check_target
+from runner.training.batches import BatchIO, check_target
 from runner.training.callbacks import build_callbacks
 from runner.training.data import build_datasets, capture_rng_state, restore_rng_state
 from runner.training.ema import Ema
-from runner.training.loop import LoopParts, TrainState, device_peaks, fit, peak_memory_bytes
+from runner.training.loop import LoopParts, TrainingParts, TrainState, fit
 from runner.training.losses import BuiltinLoss, build_loss, build_optimizer, build_scheduler, scheduler_interval
 from runner.training.metrics import build_metric_plan
 from runner.training.models import build_model, with_data
@@ -353,3 +362,31 @@ def finish(fitted: WorkerResult, strategy: Strategy, notes: list[str]) -> Worker
         device=str(strategy.device),
         device_peaks=device_peaks(strategy.device, strategy.traits.replicas),
     )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA allocator peak of ``device``, else this process's peak resident set size (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes() or 0
+
+
+def device_peaks(device: torch.device, replicas: bool) -> list[int]:
+    """CUDA allocator peak of each GPU this process drove: every visible one for dp (``replicas``), else ``device``."""
+    if device.type != "cuda":
+        return []
+    ids = range(torch.cuda.device_count()) if replicas else [device.index or 0]
+    return [int(torch.cuda.max_memory_allocated(i)) for i in ids]
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set of this process image (``VmHWM``, which starts afresh at ``exec``), bytes; ``None`` off
+    Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -208,7 +208,7 @@ def _synthetic(data: DataSpec, seed: int) -> TensorPairDataset:
 
 
 def _root(data: DataSpec, spec_dir: Path | str | None) -> Path:
-    assert data.root is not None  # runner.spec.rules.check_data: file datasets name their root
+    assert data.root is not None  # DataSpec.check: file datasets name their root
     root = Path(data.root).expanduser()
     if not root.is_absolute() and spec_dir is not None:
         root = Path(spec_dir) / root

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
     from runner.strategies.base import Strategy
-    from runner.training.batches import Batch, BatchIO, MetricStates, ModelOutput
+    from runner.training.batches import Batch, BatchIO, ModelOutput
+    from runner.training.metrics import MetricStates
 
 
 class RunningSums:

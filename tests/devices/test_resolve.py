@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from runner.devices.inventory import GpuInfo, Inventory, apply_device_env, apply_threads, probe_inventory
-from runner.devices.resolve import DevicePlan, chunk_sizes, resolve_devices, threads_per_process
+from runner.devices.inventory import GpuInfo, Inventory, probe_inventory
+from runner.devices.resolve import (
+    DevicePlan,
+    apply_device_env,
+    apply_threads,
+    chunk_sizes,
+    resolve_devices,
+    threads_per_process,
+)
 from runner.errors import DeviceError
 from runner.spec.schema import ExperimentSpec
 from tests.helpers import SMALL, spec_dict, spec_object
@@ -409,7 +416,7 @@ def test_resolving_and_applying_never_import_torch():
         "env = {}\n"
         "plan = devices.DevicePlan('cuda', 'none', [0], ['0'], ['0'], ['x'], [None], 1, 1, 1, None, 1, [1],\n"
         "                          {'CUDA_VISIBLE_DEVICES': '0'})\n"
-        "device_env.apply_device_env(plan, env)\n"
+        "devices.apply_device_env(plan, env)\n"
         "assert env == {'CUDA_VISIBLE_DEVICES': '0'}\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

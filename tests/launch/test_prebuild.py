@@ -11,14 +11,18 @@ import torch
 from runner.cli import main
 from runner.errors import SpecError
 from runner.launch.prebuild import check_call, check_parts
-from runner.spec.loading import load_spec
+from runner.spec.loading import load_spec, relocate_issues
 from runner.spec.messages import value_problem
 
 
 def _issue(path: Path, overrides: tuple[str, ...] = ()):
+    """The one issue ``check_parts`` finds (its key alone), placed in the file as a run's start places it."""
+    loaded = load_spec(path, overrides)
     with pytest.raises(SpecError) as info:
-        check_parts(load_spec(path, overrides), world_size=1)
-    (issue,) = info.value.issues
+        check_parts(loaded, world_size=1)
+    (found,) = info.value.issues
+    assert found.file is None and found.line is None  # placed once, where the run starts (exec_experiment)
+    (issue,) = relocate_issues(info.value, loaded).issues
     return issue
 
 

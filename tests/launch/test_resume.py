@@ -100,7 +100,6 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
 
 def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec, store):
     from runner.errors import SpecError
-    from runner.launch.driver import ExecOptions
     from runner.launch.resume import prepare_resume
     from runner.plan import make_plan
     from runner.spec.loading import load_spec
@@ -108,11 +107,11 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
     spec = write_spec()  # mode = "none": parallel.nproc_per_node is ddp's
     run_id = _killed_run_with_checkpoint(spec, store)
     inert = load_spec(spec, ["parallel.nproc_per_node=2", "parallel.backend=gloo"])
-    point = prepare_resume(make_plan(inert), ExecOptions(resume=run_id))
+    point = prepare_resume(make_plan(inert), run_id)
     assert point.run_id == run_id and point.changes == {}
     changed = load_spec(spec, ["parallel.nproc_per_node=2", "optim.lr=0.5"])
     with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
-        prepare_resume(make_plan(changed), ExecOptions(resume=run_id))
+        prepare_resume(make_plan(changed), run_id)
     assert "nproc_per_node" not in str(caught.value)
     text = str(caught.value)  # which --set to repeat, and the command that needs none
     assert "was 0.1, now 0.5: repeat --set optim.lr=0.1 if the run was started with it" in text, text
@@ -122,7 +121,6 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
 
 def test_a_none_run_continued_under_fsdp_is_not_refused_for_defaults_nobody_set(write_spec, store):
     from runner.errors import SpecError
-    from runner.launch.driver import ExecOptions
     from runner.launch.resume import prepare_resume
     from runner.plan import make_plan
     from runner.spec.loading import load_spec
@@ -130,11 +128,11 @@ def test_a_none_run_continued_under_fsdp_is_not_refused_for_defaults_nobody_set(
     spec = write_spec()  # mode = "none": parallel.backend does not apply, so the checkpoint has no value for it
     run_id = _killed_run_with_checkpoint(spec, store)
     fsdp = load_spec(spec, ["parallel.mode=fsdp", "parallel.nproc_per_node=2"])
-    point = prepare_resume(make_plan(fsdp), ExecOptions(resume=run_id, allow_spec_change=("parallel.mode",)))
+    point = prepare_resume(make_plan(fsdp), run_id, ("parallel.mode",))
     assert point.changes == {"parallel.mode": ["none", "fsdp"], "parallel.nproc_per_node": [None, 2]}
     chosen = load_spec(spec, ["parallel.mode=fsdp", "parallel.nproc_per_node=2", "parallel.backend=gloo"])
     with pytest.raises(SpecError, match=r"parallel\.backend: differs from the resumed run"):  # set: a change
-        prepare_resume(make_plan(chosen), ExecOptions(resume=run_id, allow_spec_change=("parallel.mode",)))
+        prepare_resume(make_plan(chosen), run_id, ("parallel.mode",))
 
 
 def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, monkeypatch):
@@ -142,7 +140,6 @@ def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, 
     import dataclasses
 
     import runner.launch.resume as resume
-    from runner.launch.driver import ExecOptions
     from runner.plan import make_plan
     from runner.spec.loading import load_spec
 
@@ -152,11 +149,11 @@ def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, 
     monkeypatch.setattr(resume, "claim_run", lambda uri, rid, folder: claimed.append(rid) or [])
     plan = make_plan(load_spec(spec))
     assert plan.rendezvous is not None and plan.owns_run
-    resume.prepare_resume(plan, ExecOptions(resume=run_id))
+    resume.prepare_resume(plan, run_id)
     assert claimed == [run_id]
     other = dataclasses.replace(plan, rendezvous=dataclasses.replace(plan.rendezvous, node_rank=1))
     assert other.loaded.spec.parallel.node_rank == 0 and not other.owns_run
-    resume.prepare_resume(other, ExecOptions(resume=run_id))
+    resume.prepare_resume(other, run_id)
     assert claimed == [run_id]  # node 1 does not claim (mark KILLED, send the spool of) node 0's run
 
 

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from runner.cli import main
-from runner.devices.inventory import Inventory
-from runner.errors import SpecError, UsageError
-from runner.launch.environment import (
+from runner.devices.environment import (
     LauncherEnvironment,
     SlurmJob,
     parse_tasks_per_node,
 )
+from runner.devices.inventory import Inventory
+from runner.errors import SpecError, UsageError
+from runner.launch.session import apply_plan_env
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from tests.helpers import SMALL, spec_text
@@ -121,18 +123,28 @@ def test_a_contradiction_names_both_numbers() -> None:
     assert "SLURM_NTASKS=3" in text and "world size is 2" in text and "SLURM_NNODES=1" in text
 
 
-def test_a_per_device_task_becomes_the_worker_torchrun_would_start() -> None:
+def test_a_per_device_task_becomes_the_worker_torchrun_would_start(tmp_path: Path, monkeypatch) -> None:
     env = step(ntasks=2, procid=1)
     launcher = LauncherEnvironment.detect(env)
     assert not launcher.external and launcher.slurm is not None
     layout = launcher.slurm.layout(world_size=2, nproc_per_node=2, nnodes=1)
-    worker = launcher.as_slurm_worker(layout, env)
+    worker = launcher.as_slurm_worker(layout)
     assert worker.external and (worker.rank, worker.local_rank, worker.world_size) == (1, 1, 2)
-    made = layout.worker_env(env)
-    assert (made["LOCAL_WORLD_SIZE"], made["MASTER_ADDR"], made["MASTER_PORT"]) == ("2", "n07", str(15000 + 4321))
     assert not worker.missing
-    kept = layout.worker_env({"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400"})
-    assert (kept["MASTER_ADDR"], kept["MASTER_PORT"]) == ("10.1.1.1", "29400")  # the user's choice wins
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    apply_plan_env(make_plan(load(tmp_path), env=env, inventory=NO_GPU))  # what the task itself does before it trains
+    made = LauncherEnvironment.detect()
+    assert made == worker and not made.missing
+    assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (
+        "2",
+        "n07",
+        str(15000 + 4321),
+    )
+    monkeypatch.setenv("MASTER_ADDR", "10.1.1.1")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    apply_plan_env(make_plan(load(tmp_path), env=env, inventory=NO_GPU))
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.1.1.1", "29400")  # the user's choice wins
 
 
 def test_torchruns_variables_come_before_slurms() -> None:
@@ -163,12 +175,14 @@ def test_plan_of_a_per_node_task_meets_on_the_first_host(tmp_path: Path) -> None
     assert one.launch == "elastic" and one.owns_run and one.rendezvous.endpoint is None  # a free local port
 
 
-def test_several_nodes_without_slurm_need_an_endpoint_at_the_nnodes_line(tmp_path: Path) -> None:
+def test_several_nodes_without_slurm_need_an_endpoint_at_the_nnodes_line(tmp_path: Path, capsys) -> None:
     loaded = load(tmp_path, parallel={"nnodes": 2, "nproc_per_node": 1})
     with pytest.raises(SpecError) as info:
         make_plan(loaded, env={}, inventory=NO_GPU)
     (issue,) = info.value.issues
-    assert issue.key == "parallel.nnodes" and issue.line == 11 and "rdzv_endpoint" in issue.message
+    assert issue.key == "parallel.nnodes" and issue.line is None and "rdzv_endpoint" in issue.message  # not placed yet
+    assert main(["plan", str(loaded.path)]) == 2  # the command places it in the file, once
+    assert f"{loaded.path}:11: parallel.nnodes: nnodes = 2 needs rdzv_endpoint" in capsys.readouterr().err
 
 
 def test_a_step_that_fits_no_layout_is_a_usage_error(tmp_path: Path) -> None:

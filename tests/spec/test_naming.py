@@ -6,8 +6,8 @@ from pathlib import Path
 
 from runner.devices.inventory import Inventory
 from runner.plan import make_plan
-from runner.spec.dump import MAX_RUN_NAME_CHARS, default_run_name, short_keys, trial_run_name, values_label
-from runner.spec.loading import load_spec
+from runner.spec.dump import MAX_RUN_NAME_CHARS, short_keys, trial_run_name, values_label
+from runner.spec.loading import default_run_name, load_spec
 
 REPO = Path(__file__).parents[2]
 DIGITS = REPO / "experiments" / "digits_mlp.toml"

@@ -11,7 +11,7 @@ from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, SpecError
 from runner.spec import rules
 from runner.spec.loading import spec_from_dict
-from runner.spec.schema import ExperimentSpec
+from runner.spec.schema import ExperimentSpec, static_world_size
 from runner.spec.schema_parallel import DevicesSpec
 
 NO_GPU = Inventory([], False, "nvidia-smi not found", [])
@@ -130,12 +130,12 @@ def test_batch_with_a_static_world_size_is_checked_by_the_schema_only():
     data = raw("ddp", "cpu", batch=10, parallel={"nproc_per_node": 4})
     assert issues(data) == [("data.batch_size", rules.batch_split_problem(10, 4, 1))]
     valid = spec_from_dict(raw("ddp", "cpu", batch=8, parallel={"nproc_per_node": 4}))
-    assert rules.static_world_size(valid) == 4
+    assert static_world_size(valid) == 4
 
 
 def test_batch_with_a_machine_world_size_is_checked_by_devices_only():
     spec = spec_from_dict(raw("ddp", batch=10))  # ids = "all": the world size is the GPU count
-    assert rules.static_world_size(spec) is None
+    assert static_world_size(spec) is None
     error = device_error(spec, gpus(4))
     assert (error.key, error.message) == ("data.batch_size", rules.batch_split_problem(10, 4, 1))
     assert resolve_devices(spec, {}, gpus(2)).per_device_batch == [5, 5]
@@ -143,7 +143,7 @@ def test_batch_with_a_machine_world_size_is_checked_by_devices_only():
 
 def test_accumulation_is_static_also_when_the_world_size_is_the_machines(capsys, tmp_path):
     data = raw("ddp", batch=10, train={"grad_accum_steps": 4})  # ids = "all": the world size is the GPU count
-    assert rules.static_world_size(spec_from_dict(raw("ddp", batch=12, train={"grad_accum_steps": 4}))) is None
+    assert static_world_size(spec_from_dict(raw("ddp", batch=12, train={"grad_accum_steps": 4}))) is None
     assert issues(data) == [("data.batch_size", rules.batch_split_problem(10, 1, 4))]
     assert rules.batch_split_problem(10, 1, 4) == (
         "batch_size = 10 is not divisible by grad_accum_steps 4: use a multiple of 4, e.g. 8"

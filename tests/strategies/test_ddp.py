@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from runner.devices.environment import LauncherEnvironment
 from runner.devices.inventory import GpuInfo, Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import DeviceError, TrainingError, UsageError
-from runner.launch.environment import LauncherEnvironment
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
 from runner.spec.schema import ExperimentSpec

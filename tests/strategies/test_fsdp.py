@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from runner.cli import main
+from runner.devices.environment import LauncherEnvironment
 from runner.errors import SpecError
-from runner.launch.environment import LauncherEnvironment
 from runner.launch.prebuild import _compile_backend
 from runner.spec.dump import inactive_keys
 from runner.spec.schema_parallel import MODES, ParallelSpec

@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from runner.cli import main
+from runner.devices.environment import LauncherEnvironment
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
-from runner.launch.environment import LauncherEnvironment
 from runner.strategies import make_strategy
 from runner.training.checkpoint import list_checkpoints, load_latest
 from runner.training.shards import whole_model

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner.devices.inventory import Inventory, apply_threads
-from runner.devices.resolve import resolve_devices
-from runner.launch.environment import LauncherEnvironment
+from runner.devices.environment import LauncherEnvironment
+from runner.devices.inventory import Inventory
+from runner.devices.resolve import apply_threads, resolve_devices
 from runner.spec.schema import ExperimentSpec
 from runner.strategies import make_strategy
 from tests.helpers import elastic_run, spec_object

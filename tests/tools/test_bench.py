@@ -14,9 +14,13 @@ import pytest
 from runner.cli import main
 from runner.errors import SpecError, SpecIssue, UsageError
 from runner.spec.loading import load_spec, spec_from_dict
-from runner.tools.bench import bench_spec_data, configurations
-from runner.tools.bench_figures import (
+from runner.tools.bench import configurations
+from runner.tools.bench_pool import write_chart
+from runner.tools.bench_report import BenchReport, ConfigResult, finish_comparisons, summarize
+from runner.tools.compare import (
+    bench_spec_data,
     comparability,
+    config_id,
     final_loss,
     first_beyond,
     loss_check,
@@ -24,11 +28,8 @@ from runner.tools.bench_figures import (
     median,
     percentile,
     scaling_efficiency,
-    summarize,
     throughput,
 )
-from runner.tools.bench_pool import write_chart
-from runner.tools.bench_report import BenchReport, ConfigResult, config_id, finish_comparisons
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NOT_COMPARABLE = "not comparable: batch-statistics layers"  # what a bench of a model with BatchNorm says
@@ -170,7 +171,7 @@ def test_dp_on_this_cpu_spec_and_an_indivisible_batch_are_skipped_with_reasons(w
 
 
 def test_probe_counts_training_samples_and_detects_batch_statistics_layers(write_spec) -> None:
-    from runner.tools.bench_figures import probe_model_and_data
+    from runner.tools.compare import probe_model_and_data
 
     assert probe_model_and_data(load_spec(write_spec("", name="a.toml"))) == (72, False, False)
     bn = load_spec(
@@ -449,7 +450,7 @@ def _repeat_row(rate: float, times: list[float]) -> ConfigResult:
 
 
 def test_spread_tail_and_steadiness() -> None:
-    from runner.tools.bench_figures import noise, spread, steady, tail
+    from runner.tools.compare import noise, spread, steady, tail
 
     assert spread([100.0]) is None and spread([90.0, 100.0, 110.0]) == pytest.approx(0.2)
     assert tail([1.0] * 9 + [3.0]) == pytest.approx(1.2)
@@ -458,14 +459,14 @@ def test_spread_tail_and_steadiness() -> None:
 
 
 def test_a_figure_just_over_its_limit_does_not_print_as_the_limit() -> None:
-    from runner.tools.bench_figures import noise
+    from runner.tools.compare import noise
 
     assert noise(0.104, 1.504) == ["repeats differ by 10.4% (limit 10%)", "p90 is 1.504x p50 (limit 1.5x)"]
     assert noise(None, 1.5000001) == ["p90 is 1.5000001x p50 (limit 1.5x)"]
 
 
 def test_combine_takes_the_median_rate_and_pools_the_step_times() -> None:
-    from runner.tools.bench_figures import combine
+    from runner.tools.bench_report import combine
 
     repeats = [
         _repeat_row(1000.0, [0.01] * 4),
@@ -491,11 +492,13 @@ def test_ddp1_far_below_none_and_noisy_rows_are_flagged_in_table_chart_and_json(
     ddp2.repeat_samples_per_s = [900.0, 1200.0, 1500.0]
     long_reason = "needs CUDA GPUs but none is usable " * 8
     dp = ConfigResult("dp-2", "dp", 2, status="skipped", reason=long_reason.strip())
-    finish_comparisons([none, ddp1, ddp2, dp])
+    fsdp1 = ConfigResult("fsdp-1", "fsdp", 1, samples_per_s=400.0, step_time_median_s=0.0025, repeats=2, steady=True)
+    finish_comparisons([none, ddp1, ddp2, dp, fsdp1])
     assert ddp1.noise == [
-        "ddp-1 at 50% of none: DDP's fixed cost per step (about 1 ms here) outweighs a step this small, "
-        "or other load slowed it"
+        "ddp-1 at 50% of none: the fixed cost per step of ddp's process group and collectives (about 1 ms here) "
+        "outweighs a step this small, or other load slowed it"
     ]
+    assert fsdp1.noise[0].startswith("fsdp-1 at 40% of none: the fixed cost per step of fsdp's process group")
     report = BenchReport("/x.toml", "n", "cpu", 64, 20, 3, False, [none, ddp1, ddp2, dp], min_repeats=2, max_repeats=5)
     table = report.table()
     assert "noisy after 5 repeats: p90 is 2.2x p50" in table and "ddp-1 at 50% of none" in table
@@ -606,7 +609,7 @@ def test_bench_and_parity_end_their_parent_run_one_way(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    from runner.tools.bench_runs import Parent, ending
+    from runner.tools.compare import Parent, ending
 
     client = MlflowClient(ready_store)
     run_id = client.create_run(client.create_experiment("e")).info.run_id

@@ -9,7 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.driver import ExecOptions, exec_experiment
+from runner.launch.driver import exec_experiment
+from runner.launch.session import ExecOptions
 from runner.spec.loading import load_spec
 from runner.training.callbacks import Callbacks
 from tests.helpers import refusal

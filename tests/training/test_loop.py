@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
+from runner.devices.environment import LauncherEnvironment
 from runner.devices.inventory import Inventory
 from runner.devices.resolve import resolve_devices
 from runner.errors import Interrupted, TrainingError
-from runner.launch.environment import LauncherEnvironment
 from runner.spec.names import MetricsSpec
 from runner.spec.schema import ExperimentSpec
 from runner.strategies.base import Precision, SingleDevice, Strategy

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from runner.launch.driver import ExecOptions, exec_experiment
+from runner.launch.driver import exec_experiment
+from runner.launch.session import ExecOptions
 from runner.spec.loading import load_spec
 from tests.helpers import run_in_process, series
 

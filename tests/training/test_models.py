@@ -334,7 +334,8 @@ def test_model_kwargs_take_what_the_data_knows_and_refuse_what_it_does_not() -> 
 
 
 def test_a_factory_gets_the_datas_facts_and_the_logged_model_is_built_alike(write_spec, tmp_path: Path) -> None:
-    from runner.launch.driver import ExecOptions, exec_experiment
+    from runner.launch.driver import exec_experiment
+    from runner.launch.session import ExecOptions
     from runner.spec.loading import load_spec
 
     (tmp_path / "sized.py").write_text(

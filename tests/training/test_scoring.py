@@ -8,7 +8,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
-from runner.launch.driver import ExecOptions, exec_experiment
+from runner.launch.driver import exec_experiment
+from runner.launch.session import ExecOptions
 from runner.spec.loading import load_spec
 from tests.helpers import refusal
 

@@ -1,5 +1,17 @@
 """The one reader of the launcher's environment: rank, world size, restarts, the run handed down, the Slurm job. Imports
-neither torch nor mlflow. Details: docs/design.md, "Module notes"."""
+neither torch nor mlflow.
+
+A process learns its place in a job from variables its launcher sets. torch's elastic
+launcher and ``torchrun`` set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``
+(see PyTorch's "torchrun (Elastic Launch)" docs, section *Environment Variables*). The
+driver of ``runner exec`` adds ``RUNNER_RUN_ID`` for workers it starts. Slurm's ``srun``
+sets ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
+``SLURM_NNODES``, ``SLURM_JOB_NODELIST`` and ``SLURM_JOB_ID`` for every task of a job step
+(Slurm's ``srun`` man page, *Output Environment Variables*); ``SlurmJob`` reads them
+and ``SlurmJob.layout`` decides how the tasks of a step become ranks (docs/design.md §15).
+Nothing else in runner reads these variables: every module asks a ``LauncherEnvironment``.
+"""
 
 from __future__ import annotations
 
@@ -122,21 +134,6 @@ class SlurmLayout:
         """``first host:port`` of the job (ValueError for a malformed node list)."""
         return f"{self.job.first_host}:{self.job.port}"
 
-    def worker_env(self, env: Mapping[str, str]) -> dict[str, str]:
-        """The torchrun variables of a per-device task; ``MASTER_ADDR``/``MASTER_PORT`` already in ``env`` are kept."""
-        if self.kind != "per-device":
-            raise ValueError(f"a {self.kind} Slurm task is not a worker")
-        host, _, port = self.rendezvous_endpoint().rpartition(":")
-        return {
-            "RANK": str(self.job.procid),
-            "LOCAL_RANK": str(self.job.localid),
-            "WORLD_SIZE": str(self.job.ntasks),
-            "LOCAL_WORLD_SIZE": str(self.job.local_tasks),
-            "GROUP_RANK": str(self.job.nodeid),
-            "MASTER_ADDR": env.get("MASTER_ADDR") or host,
-            "MASTER_PORT": env.get("MASTER_PORT") or port,
-        }
-
 
 @dataclass(frozen=True)
 class LauncherEnvironment:
@@ -173,10 +170,13 @@ class LauncherEnvironment:
             slurm=SlurmJob.detect(env),
         )
 
-    def as_slurm_worker(self, layout: SlurmLayout, env: Mapping[str, str]) -> LauncherEnvironment:
-        """This process as the per-device task ``layout`` makes it (ValueError otherwise)."""
-        merged = {**env, **layout.worker_env(env)}
-        return replace(LauncherEnvironment.detect(merged), slurm=self.slurm)
+    def as_slurm_worker(self, layout: SlurmLayout) -> LauncherEnvironment:
+        """This process as the worker torchrun would start for the per-device task of ``layout`` (ValueError for
+        another kind): its rank, local rank and world size are the task's; ``runner.launch.session`` sets them."""
+        if layout.kind != "per-device":
+            raise ValueError(f"a {layout.kind} Slurm task is not a worker")
+        job = layout.job
+        return replace(self, external=True, rank=job.procid, local_rank=job.localid, world_size=job.ntasks, missing=())
 
     @property
     def is_main(self) -> bool:
