@@ -1,5 +1,9 @@
 """Exception hierarchy: every error raised on purpose, each class carrying its exit status (docs/design.md §9) and
-heading; notes, and the wording helpers of messages."""
+heading; notes, and the wording helpers of messages.
+
+Errors are classified where they are raised, so that the command line maps each to its exit status with one
+``except`` and a message that names the cause never travels as a traceback.
+"""
 
 from __future__ import annotations
 

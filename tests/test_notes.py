@@ -8,6 +8,7 @@ import pytest
 
 from runner.devices.inventory import Inventory
 from runner.launch import driver
+from runner.launch.channel import Built
 from runner.launch.session import ExecOptions
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
@@ -30,7 +31,7 @@ def test_spec_notes_print_before_training_and_not_again_in_the_summary(
     seen_before_training: list[str] = []
 
     def fake_training(plan, args, hangs, options, session):
-        session.handle("built", None, [])  # rank 0 reports its build: the driver prints the notes then
+        session.handle(Built(None, []))  # rank 0 reports its build: the driver prints the notes then
         seen_before_training.append(capsys.readouterr().err)
         worker = WorkerResult(rank=0, metrics={"val/loss": 0.5})
         return [worker]
@@ -50,7 +51,7 @@ def test_trials_of_a_sweep_or_bench_leave_their_notes_to_the_tool(
     worker = WorkerResult(rank=0)
 
     def fake_training(plan, args, hangs, options, session):
-        session.handle("built", None, [])
+        session.handle(Built(None, []))
         return [worker]
 
     monkeypatch.setattr(driver, "_launch", fake_training)
@@ -69,7 +70,7 @@ def test_the_printed_link_of_a_new_run_names_its_experiment_without_asking_the_s
     from runner.tracking import runs
 
     def built_and_done(plan, args, hangs, options, session):
-        session.handle("built", None, [])
+        session.handle(Built(None, []))
         return [WorkerResult(rank=0, metrics={"val/loss": 0.5})]
 
     def asked(uri: str, run_id: str) -> str:

@@ -1,4 +1,10 @@
-"""The GPUs visible when runner starts (NVML and CUDA_VISIBLE_DEVICES), without initialising CUDA; the process env."""
+"""What the machine has: the GPUs visible when runner starts (NVML and ``CUDA_VISIBLE_DEVICES``), their peak FLOP/s for
+MFU, how busy the host is, and variables set for a block of code.
+
+CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when it starts: the driver must choose the devices and narrow the variable
+before anything starts CUDA in it, so nothing here initialises CUDA to look (NVML reads the GPUs instead). A spec's
+``devices.ids`` index these GPUs as the user sees them (numbering: :mod:`runner.devices.resolve`).
+"""
 
 from __future__ import annotations
 

@@ -1,18 +1,22 @@
 """The pipe between the training processes and the driver: rank 0 talks, the driver's hub listens; no torch, no mlflow.
 
-The driver is the only process that imports MLflow (docs/design.md, "Process model"). Rank 0 of the
+The driver is the only process that imports MLflow (docs/design.md §6, the process model). Rank 0 of the
 job connects to the driver's ``Hub`` over a Unix socket (``multiprocessing.connection``, with a
-random key) and sends, in order:
+random key) and sends, in order, one frozen dataclass per message (:data:`Message`):
 
-* ``built``: the parts were built (or the spec error found while building them); the driver then
+* :class:`Built`: the parts were built (or the spec error found while building them); the driver then
   creates or reopens the run and answers with the run id, the checkpoint folder and whether to resume;
-* ``restored``: what the checkpoint said (values recorded, resumed or not); the driver answers notes;
-* ``metrics``, ``tags``, ``artifact``, ``data``, ``model``: what the run records, without waiting; metric values
-  logged within 0.2 s of the last message wait, stamped with the time they were taken, and go in one
-  ``metrics`` message with the next call (each message costs both processes CPU on a busy machine: a message per
-  step cost rank 0 about 2.5 % of its time under ddp-2 logging every step on 2 cores, and woke the hub as often);
-* ``flush`` and ``close``: answered once everything before them reached the store (or its spool);
-* ``result`` or ``failed``: how the rank ended.
+* :class:`Restored`: what the checkpoint said (values recorded, resumed or not); the driver answers notes;
+* :class:`Metrics`, :class:`Tags`, :class:`Artifact`, :class:`Data`, :class:`LoggedModel`: what the run records,
+  without waiting; metric values logged within 0.2 s of the last message wait, stamped with the time they were
+  taken, and go in one :class:`Metrics` with the next call (each message costs both processes CPU on a busy
+  machine: a message per step cost rank 0 about 2.5 % of its time under ddp-2 logging every step on 2 cores, and
+  woke the hub as often);
+* :class:`Flush` and :class:`Close`: answered once everything before them reached the store (or its spool);
+* :class:`Result` or :class:`Failed`: how the rank ended.
+
+A message is a type, not a string and a tuple, so the driver's session is called by type
+(:meth:`runner.launch.session.RunSession.handle`) and a field a sender forgot fails where it is sent.
 """
 
 from __future__ import annotations
@@ -32,9 +36,92 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from runner.errors import RunnerError, TrackingError
+from runner.errors import RunnerError, SpecError, TrackingError
 
-ANSWERED = frozenset({"built", "restored", "flush", "close"})  # the kinds the hub answers
+
+@dataclass(frozen=True)
+class Built:
+    """Rank 0 built the parts (``error``: the spec issue a rank found instead), with the notes of what differs between
+    modes; answered with a :class:`HandedRun`."""
+
+    error: SpecError | None
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What the checkpoint said: metric values the run had ``recorded``, whether training ``resumed`` from it, whether
+    the run is ``continuing`` (a resume or a restart); answered with the driver's notes."""
+
+    recorded: int
+    resumed: bool
+    continuing: bool
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Metric values logged since the last message: ``(values, step, timestamp in ms)`` each."""
+
+    logged: list[tuple[dict[str, float], int, int]]
+
+
+@dataclass(frozen=True)
+class Tags:
+    """Tags to set on the run."""
+
+    tags: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A file or folder of rank 0's to upload, under ``artifact_path`` of the run."""
+
+    path: str
+    artifact_path: str | None
+
+
+@dataclass(frozen=True)
+class Data:
+    """The data's figures and fingerprints (:class:`runner.training.data.DatasetInfo`), for a new run's inputs."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoggedModel:
+    """The trained model's state, saved by rank 0 to ``path`` (tensors and plain values), logged at ``step``."""
+
+    path: str
+    step: int
+    normalization: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Answered once what came before reached the store: the metric values the run has numbered."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """As :class:`Flush`, and rank 0 sends nothing more to record."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """How the rank ended: its :class:`runner.training.WorkerResult` as a dict."""
+
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What rank 0 failed of (runner's own exception, or a TrainingError naming another)."""
+
+    error: BaseException
+
+
+Message = Built | Restored | Metrics | Tags | Artifact | Data | LoggedModel | Flush | Close | Result | Failed
+ANSWERED = (Built, Restored, Flush, Close)  # the messages the hub answers
 
 
 @dataclass(frozen=True)
@@ -63,15 +150,15 @@ class Link:
         self._conn: Connection = Client(address.path, family="AF_UNIX", authkey=address.key)
         self._lock = threading.Lock()
 
-    def send(self, kind: str, *payload: Any) -> None:
+    def send(self, message: Message) -> None:
         """Send a message that the hub does not answer; returns once it is written to the socket."""
         with self._lock:
-            self._conn.send((kind, *payload))
+            self._conn.send(message)
 
-    def ask(self, kind: str, *payload: Any) -> Any:
+    def ask(self, message: Message) -> Any:
         """Send a message the hub answers and wait; TrackingError carries the hub's error."""
         with self._lock:
-            self._conn.send((kind, *payload))
+            self._conn.send(message)
             ok, answer = self._conn.recv()
         if not ok:
             raise TrackingError(answer)
@@ -106,28 +193,28 @@ class ChannelTracker:
         local = Path(path).resolve()
         if not local.exists():
             raise FileNotFoundError(f"artifact not found: {local}")
-        self.send("artifact", str(local), artifact_path)
+        self.send(Artifact(str(local), artifact_path))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self.send("tags", dict(tags))
+        self.send(Tags(dict(tags)))
 
     def flush(self) -> None:
         self._check_open()
         self._send_pending()
-        self._recorded = int(self._link.ask("flush"))
+        self._recorded = int(self._link.ask(Flush()))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._send_pending()
-        self._recorded = int(self._link.ask("close"))
+        self._recorded = int(self._link.ask(Close()))
 
-    def send(self, kind: str, *payload: Any) -> None:
-        """Send another kind of message (``data``, ``model``) to the driver, in order with the rest."""
+    def send(self, message: Message) -> None:
+        """Send a message to the driver (:class:`Data`, :class:`LoggedModel`, ...), in order with the rest."""
         self._check_open()
         self._send_pending()
-        self._link.send(kind, *payload)
+        self._link.send(message)
 
     def recorded(self) -> int:
         """Metric values the run has numbered, as of the last :meth:`flush` (what a checkpoint records)."""
@@ -135,7 +222,7 @@ class ChannelTracker:
 
     def _send_pending(self) -> None:
         if self._pending:
-            self._link.send("metrics", self._pending)
+            self._link.send(Metrics(self._pending))
             self._pending = []
         self._sent_at = time.monotonic()
 
@@ -145,12 +232,12 @@ class ChannelTracker:
 
 
 class Hub:
-    """The driver's end: a socket and one thread serving rank 0's messages in order through ``handle(kind, *payload)``.
+    """The driver's end: a socket and one thread serving rank 0's messages in order through ``handle(message)``.
 
     Its return value answers :data:`ANSWERED` kinds, its exception answers them as an error; ``before_accept`` runs
     first (the driver opens the store there while the training processes build)."""
 
-    def __init__(self, handle: Callable[..., Any], before_accept: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, handle: Callable[[Message], Any], before_accept: Callable[[], None] = lambda: None) -> None:
         self._handle, self._before = handle, before_accept
         self.folder = tempfile.mkdtemp(prefix="runner-")
         self.address = HubAddress(str(Path(self.folder) / "hub.sock"), secrets.token_bytes(16))
@@ -194,16 +281,16 @@ class Hub:
     def _serve_one(self, conn: Connection) -> None:
         while True:
             try:
-                kind, *payload = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 return
             try:
-                answer = (True, self._handle(kind, *payload))
+                answer = (True, self._handle(message))
             except Exception as exc:
-                if kind not in ANSWERED:
+                if not isinstance(message, ANSWERED):
                     raise
                 answer = (False, str(exc) if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}")
-            if kind in ANSWERED:
+            if isinstance(message, ANSWERED):
                 try:
                     conn.send(answer)
                 except OSError:

@@ -24,7 +24,7 @@ built, and what only checked:
   ``torch.optim.lr_scheduler`` class, then stepped as the run would step it (up to
   ``DRY_RUN_STEPS`` calls), so a value that only fails when the schedule is computed is found;
 * the training loaders: built on the built dataset (no batch is read). The loss and the metrics
-  are checked by ``check_objectives``, which rank 0 calls first.
+  are checked by ``runner.training.losses.check_objectives``, which rank 0 calls first.
 
 "Checked by type" is pydantic's strict validation of each kwarg against its annotation
 (``TypeAdapter``, worded as spec errors are): a kind TOML can write (number, string, boolean, list,

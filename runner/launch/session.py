@@ -19,7 +19,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import SpecError, SpecIssue, TrackingError, echo, show_notes
-from runner.launch.channel import HandedRun
+from runner.launch.channel import (
+    Artifact,
+    Built,
+    Close,
+    Data,
+    Failed,
+    Flush,
+    HandedRun,
+    LoggedModel,
+    Message,
+    Metrics,
+    Restored,
+    Result,
+    Tags,
+)
 from runner.launch.prebuild import check_checkpoint_folder
 from runner.launch.resume import Owner, ResumePoint, claim_run, drop_claim, prepare_resume, take_claim
 from runner.launch.worker import WorkerArgs, torchrun_env
@@ -93,18 +107,47 @@ class RunSession:
         except TrackingError as exc:
             self.store_error = store_error_at(exc, self.plan.loaded, self.options.tracking_uri)
 
-    def handle(self, kind: str, *payload: Any) -> Any:
-        """Answer one message of rank 0 (see :mod:`runner.launch.channel`)."""
-        if kind in ("metrics", "tags", "artifact", "data", "model"):
+    def handle(self, message: Message) -> Any:
+        """Answer one message of rank 0 (:mod:`runner.launch.channel`), by its type. What the run records is not
+        answered: an error recording it is raised at the next :class:`Flush` or :class:`Close`, as a buffered tracker
+        would."""
+        if isinstance(message, (Metrics, Tags, Artifact, Data, LoggedModel)):
             try:
-                return getattr(self, f"_{kind}")(*payload)
-            except Exception as exc:  # reported at the next flush, as a buffered tracker would
+                self._record(message)
+            except Exception as exc:
                 self._deferred = self._deferred or exc
-                return None
-        if kind in ("flush", "close") and self._deferred is not None:
-            error, self._deferred = self._deferred, None
-            raise error
-        return getattr(self, f"_{kind}")(*payload)
+            return None
+        if isinstance(message, (Flush, Close)) and self._deferred is not None:
+            deferred = self._deferred
+            self._deferred = None
+            raise deferred
+        match message:
+            case Built(build_error, notes):
+                return self._built(build_error, notes)
+            case Restored(recorded, resumed, continuing):
+                return self._restored(recorded, resumed, continuing)
+            case Flush():
+                return self._flush()
+            case Close():
+                return self._close()
+            case Result(result):
+                self.result = result
+            case Failed(failure):
+                self.failure = failure
+        return None
+
+    def _record(self, message: Metrics | Tags | Artifact | Data | LoggedModel) -> None:
+        match message:
+            case Metrics(logged):
+                self._metrics(logged)
+            case Tags(tags) if self._tracker is not None:
+                self._tracker.set_tags(tags)
+            case Artifact(path, artifact_path) if self._tracker is not None:
+                self._tracker.log_artifact(path, artifact_path)
+            case Data(info):
+                self._data(info)
+            case LoggedModel(path, step, normalization):
+                self._model(path, step, normalization)
 
     def launch_pointless(self) -> bool | None:
         """For the wait on a training child: ``True`` once the store failed to open (no run will be made), ``None``
@@ -184,14 +227,6 @@ class RunSession:
                 if fresh:
                     self._tracker.log_metrics(fresh, step, timestamp_ms)
 
-    def _tags(self, tags: dict[str, Any]) -> None:
-        if self._tracker is not None:
-            self._tracker.set_tags(tags)
-
-    def _artifact(self, path: str, artifact_path: str | None) -> None:
-        if self._tracker is not None:
-            self._tracker.log_artifact(path, artifact_path)
-
     def _data(self, info: dict[str, Any]) -> None:
         """Record the data as dataset inputs and the split fingerprint (a new run only)."""
         from runner.tracking.runs import record_summary
@@ -261,12 +296,6 @@ class RunSession:
         tracker, self._tracker = self._tracker, None
         tracker.close()
         return tracker.recorded()
-
-    def _result(self, result: dict[str, Any]) -> None:
-        self.result = result
-
-    def _failed(self, error: BaseException) -> None:
-        self.failure = error
 
     # -- the end -----------------------------------------------------------------------------
 

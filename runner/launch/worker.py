@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.environment import LauncherEnvironment
 from runner.errors import RunnerError, SpecError, TrainingError, show_notes, stop_code, user_code_error
+from runner.launch import channel
 from runner.launch.channel import ChannelTracker, HandedRun, HubAddress, Link
 from runner.launch.failures import HangWatch, die_with_parent
 
@@ -125,7 +126,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult | None:
             raise located from exc
         strategy.barrier()  # every rank is done with collectives before any destroys the group
         if link is not None and result is not None:
-            link.send("result", dataclasses.asdict(result))
+            link.send(channel.Result(dataclasses.asdict(result)))
         return result
     except BaseException as exc:
         if link is not None:
@@ -159,7 +160,7 @@ def _train(
     if link is not None:
         resumed = restored.resumed_from is not None
         continuing = handed.resume or env.restarted
-        restored.notes += link.ask("restored", restored.metrics_recorded, resumed, continuing)
+        restored.notes += link.ask(channel.Restored(restored.metrics_recorded, resumed, continuing))
         tracker = ChannelTracker(link)
     return _fit(args, strategy, parts, restored, tracker, handed, seeded, stop, is_log_rank)
 
@@ -245,7 +246,7 @@ def _announce(
     if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
         fields = ["name", "num_train", "train_digest", "num_val", "val_digest", "num_test", "test_digest", "source"]
         fields += ["input_shape", "val_split_sha256", "split"]
-        send("data", {name: getattr(parts.data, name) for name in fields})
+        send(channel.Data({name: getattr(parts.data, name) for name in fields}))
     return notes
 
 
@@ -299,7 +300,7 @@ def _build_and_report(
         first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
     handed = HandedRun(args.run_id, args.checkpoint_dir, args.resume)
     if link is not None:
-        handed = link.ask("built", first_error, notes)
+        handed = link.ask(channel.Built(first_error, notes))
     handed = strategy.all_gather_object(handed)[0]
     if first_error is not None and args.hub is None and strategy.rank == 0:
         raise first_error  # no driver to report it to (runner bench's own processes)
@@ -342,7 +343,7 @@ def _report_failure(link: Link, exc: BaseException) -> None:
     except Exception:
         error = text
     with contextlib.suppress(OSError, ValueError):
-        link.send("failed", error)
+        link.send(channel.Failed(error))
 
 
 def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, folder: Path, step: int) -> None:
@@ -376,7 +377,7 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
         torch.save({"state": parts.raw_model.cpu().state_dict(), "example": example, **built}, path)
         try:
             tracker.flush()
-            send("model", str(path), step, stats)
+            send(channel.LoggedModel(str(path), step, stats))
             tracker.flush()  # answered once the driver logged it
         finally:
             path.unlink(missing_ok=True)

@@ -1,4 +1,8 @@
-"""Write a validated spec back out: TOML with every default explicit, flat dotted keys, and its SHA-256."""
+"""Write a validated spec back out: TOML with every default explicit, flat dotted keys, and its SHA-256.
+
+The stored spec is what a run is compared, resumed and reproduced against: every default is written out so that a
+later change of a default cannot leak into an old run, and its digest names one exact experiment.
+"""
 
 from __future__ import annotations
 

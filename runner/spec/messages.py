@@ -1,5 +1,9 @@
 """Where each key of a spec file is written (its line) and pydantic's errors worded at those keys (``got X; expected
-Y (hint)``)."""
+Y (hint)``).
+
+A bad spec must be fixable from the message alone: ``FILE:LINE: key: what was got; what was expected``, with a
+did-you-mean for a misspelt key, whatever the layer that found the problem.
+"""
 
 from __future__ import annotations
 

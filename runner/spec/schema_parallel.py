@@ -1,5 +1,9 @@
 """The ``[devices]`` and ``[parallel]`` tables: which devices, and how the model is replicated over them (static rules:
-:mod:`runner.spec.rules`; what needs the machine: :mod:`runner.devices.resolve`)."""
+:mod:`runner.spec.rules`; what needs the machine: :mod:`runner.devices.resolve`).
+
+They are apart from the other tables because a parallel mode is the one line a user switches: the mode table
+(:data:`MODES`) says what each mode is, so that spec, devices, plan and launch ask a mode's traits, never its name.
+"""
 
 from __future__ import annotations
 

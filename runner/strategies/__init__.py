@@ -1,4 +1,8 @@
-"""How the model is wrapped and how ranks talk: one strategy per parallel mode, picked by :func:`make_strategy`."""
+"""How the model is wrapped and how ranks talk: one strategy per parallel mode, picked by :func:`make_strategy`.
+
+:data:`STRATEGIES` is the one table of modes outside the spec's traits: a new mode is a strategy class and one line
+here (docs/design.md, package map).
+"""
 
 from __future__ import annotations
 

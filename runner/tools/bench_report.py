@@ -1,5 +1,9 @@
 """The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON. Figures:
-:mod:`runner.tools.compare`."""
+:mod:`runner.tools.compare`.
+
+It is apart from the measuring so that a report can be built, checked and shown from figures alone (the tests
+build rows by hand), and so that what it says is worded in one place: the table, the JSON and the recommendation.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
-"""The MLflow side of ``runner bench``: the parent run, one child run per configuration, their figures and files; and
-measuring one configuration: its repeats on the warm pool, until steady."""
+"""Measuring one configuration of ``runner bench``: its repeats on the warm pool, until steady, and what bench records
+in MLflow of it: a child run under the comparison's parent (:mod:`runner.tools.compare`), its figures and files.
+
+Measuring is apart from the report so that what bench records in MLflow (a child run per configuration, the
+figures on the parent) and how long it measures (repeats until steady) can change without the report.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """``runner parity``: train one spec under each parallel mode in float64 and compare every step with ``none``; a
-perturbed control sets the tolerance. Semantics: docs/design.md §17."""
+perturbed control sets the tolerance. Semantics: docs/design.md §17.
+
+Bench says which mode is faster; parity says whether switching changes the results, and by how much beyond the
+rounding a float64 run cannot avoid: the question the tool was built for, answered per step.
+"""
 
 from __future__ import annotations
 

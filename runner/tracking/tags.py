@@ -1,5 +1,9 @@
 """Provenance of a new run (tags, git artifacts), how values and names are written to MLflow, and its spec records.
-Imports neither mlflow nor torch."""
+Imports neither mlflow nor torch.
+
+A run found in the MLflow UI months later must say what made it: the code (git commit, dirty files), the
+machine, the versions and the spec as written; written in one place, so every run says it alike.
+"""
 
 from __future__ import annotations
 

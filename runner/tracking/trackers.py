@@ -1,5 +1,9 @@
 """What a run logs through: the ``Tracker`` protocol, the MLflow tracker, a null tracker, system metrics. Outage rules:
-docs/design.md §8 and §12."""
+docs/design.md §8 and §12.
+
+Training must never wait on the tracking store: values are buffered and sent by a background thread, kept in a
+spool when the store is away, and only ``flush`` and ``close`` wait.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """The tracking store: which URI a run logs to, whether it can be used before training, its first (locked) open.
-Importing this module imports neither mlflow nor torch."""
+Importing this module imports neither mlflow nor torch.
+
+A store that cannot be reached or written must fail before training, not after an epoch: its URI is resolved
+and checked once, in the driver, before any training process starts.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""What one rank does. :class:`WorkerResult` lives here, free of torch: it crosses to the driver."""
+"""What one rank does. :class:`WorkerResult` lives here, free of torch: it crosses to the driver.
+
+The driver imports this package's light names (the result of a rank, the startup metric) without torch; every
+module that needs torch is imported by the worker alone.
+"""
 
 from __future__ import annotations
 

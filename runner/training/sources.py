@@ -1,5 +1,9 @@
 """Dataset sources, each ``data.dataset`` name into datasets: ``sklearn.digits``, ``sklearn.diabetes``, ``synthetic``,
-``torchvision.<Name>``, ``imagefolder``, ``pkg.module:factory`` (split and info: :mod:`runner.training.data`)."""
+``torchvision.<Name>``, ``imagefolder``, ``pkg.module:factory`` (split and info: :mod:`runner.training.data`).
+
+Each source is one way data reaches a spec; they are apart from the split and its fingerprints so that a new
+source is one function, and every source is split, transformed and fingerprinted alike.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The loop's running tallies: loss, non-finite steps and samples on the device, and the train metrics beside them."""
+"""The loop's running tallies: loss, non-finite steps and samples on the device, and the train metrics beside them.
+
+Reading a value from the device each step would stall the GPU, and a collective per step would cost as much as
+the step on a small model: tallies stay on the device and are reduced only when a value is logged or checked.
+"""
 
 from __future__ import annotations
 

@@ -9,23 +9,24 @@ from multiprocessing import AuthenticationError
 import pytest
 
 from runner.errors import Interrupted, SpecError, SpecIssue, TrackingError, UserCodeError
-from runner.launch.channel import ChannelTracker, HandedRun, Hub, Link
+from runner.launch.channel import Built, ChannelTracker, Close, Flush, HandedRun, Hub, Link, Message, Metrics, Tags
 
 
 class Recorder:
     """A hub handler that keeps every message and answers as the driver's session would."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple] = []
+        self.seen: list[Message] = []
 
-    def handle(self, kind: str, *payload):
-        self.seen.append((kind, *payload))
-        if kind == "built":
-            return HandedRun("run-1", "/tmp/ck", False)
-        if kind == "flush":
-            return sum(len(values) for p in self.seen if p[0] == "metrics" for values, _, _ in p[1])
-        if kind == "close":
-            raise TrackingError("the store refused the last batch")
+    def handle(self, message: Message):
+        self.seen.append(message)
+        match message:
+            case Built():
+                return HandedRun("run-1", "/tmp/ck", False)
+            case Flush():
+                return sum(len(values) for m in self.seen if isinstance(m, Metrics) for values, _, _ in m.logged)
+            case Close():
+                raise TrackingError("the store refused the last batch")
         return None
 
 
@@ -37,7 +38,7 @@ def test_messages_arrive_in_order_and_answers_come_back(monkeypatch):
     hub.start()
     link = Link(hub.address)
     try:
-        assert link.ask("built", None, ["a note"]) == HandedRun("run-1", "/tmp/ck", False)
+        assert link.ask(Built(None, ["a note"])) == HandedRun("run-1", "/tmp/ck", False)
         tracker = ChannelTracker(link, every_s=3600)  # the first values go at once, the next wait for a message
         tracker.log_metrics({"train/loss": 1.5, "lr": 0.1}, step=1)
         tracker.log_metrics({"train/loss": 1.25}, step=2, timestamp_ms=1_000)
@@ -52,11 +53,12 @@ def test_messages_arrive_in_order_and_answers_come_back(monkeypatch):
     finally:
         link.close()
         hub.stop()
-    kinds = [m[0] for m in recorder.seen]
-    assert kinds == ["built", "metrics", "metrics", "tags", "flush", "close"]
-    ((first, step, stamp),) = recorder.seen[1][1]
+    kinds = [type(m) for m in recorder.seen]
+    assert kinds == [Built, Metrics, Metrics, Tags, Flush, Close]
+    ((first, step, stamp),) = recorder.seen[1].logged
     assert (first, step) == ({"train/loss": 1.5, "lr": 0.1}, 1) and stamp > 1_000_000_000_000  # ms since the epoch
-    assert recorder.seen[2][1] == [({"train/loss": 1.25}, 2, 1_000), ({"train/loss": 1.0}, 3, 2_000)]
+    assert recorder.seen[2].logged == [({"train/loss": 1.25}, 2, 1_000), ({"train/loss": 1.0}, 3, 2_000)]
+    assert recorder.seen[3] == Tags({"k": "v"})
 
 
 def test_values_logged_after_the_interval_go_at_once_and_none_is_left_at_close():
@@ -76,7 +78,7 @@ def test_values_logged_after_the_interval_go_at_once_and_none_is_left_at_close()
     finally:
         link.close()
         hub.stop()
-    metrics = [p[1] for p in recorder.seen if p[0] == "metrics"]
+    metrics = [m.logged for m in recorder.seen if isinstance(m, Metrics)]
     assert metrics == [[({"x": 1.0}, 1, 1)], [({"x": 2.0}, 2, 2)], [({"y": 1.0}, 1, 5)], [({"y": 2.0}, 2, 6)]]
 
 
@@ -108,7 +110,7 @@ def test_a_wrong_key_is_refused_and_the_hub_still_serves_rank_0():
         with pytest.raises(AuthenticationError):
             Link(replace(hub.address, key=b"0" * 16))
         link = Link(hub.address)
-        assert link.ask("built", None, []).run_id == "run-1"
+        assert link.ask(Built(None, [])).run_id == "run-1"
         link.close()
     finally:
         hub.stop()
@@ -134,3 +136,26 @@ def test_the_run_records_torch_versions_without_importing_torch():
     from runner.tracking.tags import _torch_versions
 
     assert _torch_versions() == (str(torch.__version__), str(torch.version.cuda or "none"))
+
+
+def test_every_message_crosses_the_pipe_as_its_type():
+    from runner.launch import channel
+
+    messages = [
+        channel.Built(SpecError([SpecIssue(None, None, "model.name", "no such model")]), ["a note"]),
+        channel.Restored(3, True, False),
+        channel.Metrics([({"train/loss": 0.5}, 1, 10)]),
+        channel.Tags({"k": "v"}),
+        channel.Artifact("/tmp/x", None),
+        channel.Data({"name": "digits"}),
+        channel.LoggedModel("/tmp/model.pt", 4, (0.0, 1.0)),
+        channel.Flush(),
+        channel.Close(),
+        channel.Result({"rank": 0}),
+        channel.Failed(TrackingError("gone")),
+    ]
+    assert {type(m) for m in messages} == set(channel.Message.__args__)  # one of each kind there is
+    for message in messages:
+        back = pickle.loads(pickle.dumps(message))
+        assert type(back) is type(message)
+        assert str(back) == str(message)  # errors compare by their text

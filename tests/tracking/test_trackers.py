@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from runner.errors import TrackingError
-from runner.launch.channel import ChannelTracker
+from runner.launch.channel import ChannelTracker, Close, Metrics, Restored
 from runner.launch.session import RunSession
 from runner.tracking.trackers import MlflowTracker, NullTracker, Tracker
 from tests.helpers import AsyncStore
@@ -260,15 +260,15 @@ def test_a_resumed_runs_session_logs_only_the_steps_the_run_lacks_at_the_ranks_t
     run_id = new_run(client)
     client.log_metric(run_id, "train/loss", 1.0, step=5)
     session = _session(uri, run_id, tmp_path)
-    assert session.handle("restored", 0, True, False) == []  # resumed: what the run holds is read once
+    assert session.handle(Restored(0, True, False)) == []  # resumed: what the run holds is read once
     assert session._last_steps == {"train/loss": 5}
     logged = [
         ({"train/loss": 9.0, "lr": 0.1}, 5, 1_000),
         ({"train/loss": 2.0}, 4, 2_000),
         ({"train/loss": 3.0}, 6, 3_000),
     ]
-    session.handle("metrics", logged)
-    assert session.handle("close") == 2  # values the run numbered: lr at 5, train/loss at 6
+    session.handle(Metrics(logged))
+    assert session.handle(Close()) == 2  # values the run numbered: lr at 5, train/loss at 6
     history = client.get_metric_history(run_id, "train/loss")
     assert sorted((m.step, m.value, m.timestamp) for m in history)[1:] == [(6, 3.0, 3_000)]
     assert [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, "lr")] == [(5, 0.1, 1_000)]
@@ -277,8 +277,8 @@ def test_a_resumed_runs_session_logs_only_the_steps_the_run_lacks_at_the_ranks_t
 def test_a_new_runs_session_logs_every_step(uri, client, tmp_path):
     run_id = new_run(client)
     session = _session(uri, run_id, tmp_path)
-    session.handle("restored", 0, False, False)
+    session.handle(Restored(0, False, False))
     assert session._last_steps == {}
-    session.handle("metrics", [({"train/loss": 1.0}, 1, 10), ({"train/loss": 0.5}, 2, 20)])
-    session.handle("close")
+    session.handle(Metrics([({"train/loss": 1.0}, 1, 10), ({"train/loss": 0.5}, 2, 20)]))
+    session.handle(Close())
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
