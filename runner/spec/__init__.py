@@ -2,7 +2,8 @@
 
 One module per step: ``schema`` (the root table and what is trained and recorded), ``schema_loop`` (``[optim]``,
 ``[scheduler]``, ``[early_stopping]``, ``[train]``), ``schema_parallel`` (``[devices]``, ``[parallel]``
-and the mode table ``MODES``) and ``names`` (model and dataset names) on the rules of ``rules`` (rules between keys);
+and the mode table ``MODES``) and ``names`` (model and dataset names), on ``rules`` (the base of every table, the
+wording rules share);
 ``reading`` (files -> dict, ``extends``, ``--set`` and ``--unset``, key origins), ``loading`` (validation into
 located issues, which specs extend a file, ``runner validate``), ``messages`` (how problems are worded, key lines),
 ``dump`` (TOML, flat keys, hash, the keys that apply, run names) and ``editor_schema`` (the JSON Schema for editors,

@@ -1,4 +1,4 @@
-"""``runner bench``: train one spec as none, dp and ddp side by side and measure each configuration.
+"""``runner bench``: train one spec in each parallel mode side by side and measure each configuration.
 
 Every configuration trains the SAME spec (model, data, optimizer, seed, global batch) for
 ``warmup + steps`` optimizer steps as a child MLflow run of one parent run, both in the experiment
@@ -37,8 +37,15 @@ from typing import TYPE_CHECKING
 from runner.devices.inventory import HostLoad
 from runner.errors import DeviceError, Interrupted, SpecError, TrackingError, TrainingError, UsageError
 from runner.spec.schema_parallel import MODES
-from runner.tools.bench_pool import Probe, Reply, WarmPool, write_chart
-from runner.tools.bench_report import BenchReport, ConfigResult, finish_comparisons, recommend, write_json
+from runner.tools.bench_pool import Probe, Reply, WarmPool
+from runner.tools.bench_report import (
+    BenchReport,
+    ConfigResult,
+    finish_comparisons,
+    recommend,
+    write_chart,
+    write_json,
+)
 from runner.tools.bench_runs import (
     Config,
     measure_config,

@@ -5,8 +5,9 @@ before a step of a fraction of a millisecond is timed. The pool starts ``n`` pro
 (``spawn``) at the beginning of the bench, while the bench process plans and opens its MLflow
 runs; each one imports torch and runner's training code once. A repeat of a configuration is
 one ``runner.launch.worker.run_worker`` call on processes ``0 .. world_size - 1``: for
-``ddp`` they set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-(a fresh port per repeat) the way torch's elastic launcher does, and build a new process group.
+a mode of one process per device they take the variables torch's elastic launcher would set
+(``runner.launch.worker.torchrun_env``: ``RANK``, ``WORLD_SIZE``, a fresh ``MASTER_PORT`` per repeat, ...) for the
+repeat alone, and build a new process group.
 
 Before each repeat a worker restores its thread count (each repeat sets its own), resets the CUDA
 allocator peaks and its peak resident set size (``/proc/self/clear_refs``), so the memory figures
@@ -26,16 +27,12 @@ import os
 import socket
 import sys
 import tempfile
-import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from runner.errors import DeviceError, Interrupted, RunnerError, SpecError, TrainingError, UsageError
-from runner.spec.schema_parallel import REFERENCE_MODE
-from runner.tools.bench_report import BenchReport, ConfigResult, note_of
 from runner.tools.compare import probe_model_and_data, reason
 
 if TYPE_CHECKING:
@@ -250,65 +247,3 @@ def _reset_peaks() -> None:
             torch.cuda.reset_peak_memory_stats(i)
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
         fh.write("5")  # Linux: reset the peak resident set size to the current one (proc(5))
-
-
-def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:
-    """``(below, above)`` the bar: from the median samples/s to the slowest and the fastest repeat, times ``scale``."""
-    rates = c.repeat_samples_per_s
-    if c.status != "ok" or not rates or c.samples_per_s is None:
-        return 0.0, 0.0
-    return (c.samples_per_s - min(rates)) * scale, (max(rates) - c.samples_per_s) * scale
-
-
-def write_chart(report: BenchReport, path: Path) -> Path:
-    """Draw samples/s and scaling efficiency per configuration into the PNG ``path`` (skipped ones as empty slots)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    configs = report.configs
-    names = [c.config for c in configs] or ["(none)"]
-    ok = [c.status == "ok" for c in configs] or [False]
-    speed = [(c.samples_per_s or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
-    base = next((c.samples_per_s for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
-    eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
-    measured = [good and c.scaling_efficiency is not None for good, c in zip(ok, configs, strict=False)] or [False]
-    speed_err = [error_bars(c) for c in configs] or [(0.0, 0.0)]
-    eff_err = [error_bars(c, 100 / (c.n * base)) if base else (0.0, 0.0) for c in configs] or [(0.0, 0.0)]
-    notes = [(i, note_of(c)) for i, c in enumerate(configs) if c.status == "ok" and note_of(c)]
-    noisy = {i for i, c in enumerate(configs) if c.noise}
-    wrapped = [textwrap.fill(f"[{k}] {configs[i].config}: {text}", 150) for k, (i, text) in enumerate(notes, 1)]
-    lines = sum(w.count("\n") + 1 for w in wrapped)
-    fig = Figure(figsize=(max(7.0, 3.2 * len(names)), 4.4 + 0.22 * lines), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
-    x = list(range(len(names)))
-    marks = {i: f" [{k}]" for k, (i, _) in enumerate(notes, 1)}
-    for ax, values, errors, shown, color, fmt in (
-        (ax1, speed, speed_err, ok, "tab:blue", "{:.0f}"),
-        (ax2, eff, eff_err, measured, "tab:green", "{:.0f}%"),  # a withdrawn efficiency is no 0 % bar
-    ):
-        bars = ax.bar(x, values, color=[color if good else "lightgrey" for good in shown])
-        for i, bar in enumerate(bars):
-            if i in noisy:
-                bar.set_hatch("//")
-        ax.errorbar(x, values, yerr=list(zip(*errors, strict=True)), fmt="none", ecolor="black", capsize=4)
-        ax.set_xticks(x, [n + marks.get(i, "") for i, n in enumerate(names)])
-        top = max([v + e[1] for v, e in zip(values, errors, strict=False)] + [1.0])
-        for i, (v, good) in enumerate(zip(values, shown, strict=False)):
-            status = report.configs[i].status if i < len(report.configs) else ""
-            label = fmt.format(v) if good else ("withdrawn" if status == "ok" else status)
-            ax.text(i, v + errors[i][1] + top * 0.01, label, ha="center", va="bottom", fontsize=8)
-        ax.set_ylim(0, top * 1.15)
-    ax1.set_title("throughput (samples/s, median of repeats; bars: slowest-fastest)", fontsize=9)
-    ax2.axhline(100, color="black", linewidth=0.8, linestyle="--")
-    ax2.set_title("scaling efficiency vs none (%)", fontsize=9)
-    fig.suptitle(
-        f"runner bench: {report.name} - {report.accelerator}, global batch {report.global_batch_size}, "
-        f"{report.steps} timed steps, {report.min_repeats}-{report.max_repeats} repeats (hatched: noisy)",
-        fontsize=10,
-    )
-    if wrapped:
-        fig.supxlabel("\n".join(wrapped), fontsize=7, ha="left", x=0.01)
-    fig.savefig(path, dpi=100)
-    return path

@@ -1,8 +1,9 @@
-"""The result of ``runner bench``: a row per configuration, the comparison against ``none``, table and JSON. Figures:
-:mod:`runner.tools.compare`.
+"""The result of ``runner bench``: a row per configuration, the comparison against ``none``, and how it is shown:
+table, JSON and chart. Figures: :mod:`runner.tools.compare`.
 
 It is apart from the measuring so that a report can be built, checked and shown from figures alone (the tests
-build rows by hand), and so that what it says is worded in one place: the table, the JSON and the recommendation.
+build rows by hand), and so that what it says is worded in one place: the table, the JSON, the chart and the
+recommendation.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import textwrap
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,21 +26,13 @@ from runner.tools.compare import (
     TAIL_LIMIT,
     ComparedRuns,
     comparability,
-    final_loss,
     loss_check,
-    median,
-    noise,
-    percentile,
     scaling_efficiency,
-    spread,
-    steady,
-    tail,
-    throughput,
 )
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
-    from runner.training import WorkerResult
+    pass
 
 MIB = 1024 * 1024
 
@@ -88,74 +82,6 @@ class ConfigResult:
 
 
 _NOT_IN_JSON = ("train_losses", "step_times_s", "data_wait_s")
-
-
-def summarize(
-    result: ConfigResult,
-    ranks: Sequence[WorkerResult],
-    history: Sequence[tuple[int, Mapping[str, float]]],
-    batch_sizes: Sequence[int],
-    warmup: int,
-    steps: int,
-    cuda_peaks: Sequence[int] = (),
-) -> None:
-    """Fill ``result`` from one training of ``warmup + steps`` steps: every rank's result, the logging rank's
-    ``history`` and ``cuda_peaks`` (bytes) of an in-process run."""
-    workers = sorted(ranks, key=lambda w: w.rank)
-    timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
-    slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
-    times = timed[slowest]
-    waits = list(workers[slowest].data_wait_s[warmup : warmup + len(times)])
-    cycle = list(batch_sizes) or [0]
-    samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
-    result.timed_steps = len(times)
-    result.step_times_s = list(times)
-    result.data_wait_s = waits
-    result.timed_samples = samples
-    result.samples_per_s = throughput(samples, times)
-    _step_figures(result, times, waits)
-    on_cuda = any(str(w.device).startswith("cuda") for w in workers)
-    if on_cuda and not MODES[result.mode].elastic and cuda_peaks:
-        result.peak_memory_bytes = [int(b) for b in cuda_peaks]
-        result.devices = [f"cuda:{i}" for i in range(len(cuda_peaks))]
-    else:
-        result.peak_memory_bytes = [int(w.peak_memory_bytes) for w in workers]
-        result.devices = [str(w.device) for w in workers]
-    result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
-    result.final_loss = final_loss(history)
-    result.train_losses = {int(step): float(m["train/loss"]) for step, m in history if "train/loss" in m}
-
-
-def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
-    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps,
-    largest peak; run id, devices and losses from the first (every repeat trains the same steps)."""
-    first = repeats[0]
-    times = [t for r in repeats for t in r.step_times_s]
-    waits = [w for r in repeats for w in r.data_wait_s]
-    rates = [r.samples_per_s or 0.0 for r in repeats]
-    for name in ("run_id", "devices", "timed_steps", "timed_samples", "peak_memory_kind", "final_loss"):
-        setattr(result, name, getattr(first, name))
-    result.train_losses = dict(first.train_losses)
-    result.step_times_s, result.data_wait_s = times, waits
-    result.repeats = len(repeats)
-    result.repeat_samples_per_s = rates
-    result.samples_per_s = median(rates)
-    _step_figures(result, times, waits)
-    width = max(len(r.peak_memory_bytes) for r in repeats)
-    result.peak_memory_bytes = [
-        max(r.peak_memory_bytes[i] for r in repeats if i < len(r.peak_memory_bytes)) for i in range(width)
-    ]
-    result.spread, result.tail = spread(rates), tail(times)
-    result.steady = steady(result.spread, result.tail)
-    result.noise = noise(result.spread, result.tail)
-
-
-def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[float]) -> None:
-    """Median and p90 step time (seconds) and the fraction of step time spent waiting for data."""
-    result.step_time_median_s = median(times)
-    result.step_time_p90_s = percentile(times, 90)
-    total = sum(times)
-    result.data_wait_fraction = sum(waits) / total if total > 0 else None
 
 
 def finish_comparisons(
@@ -450,4 +376,66 @@ def write_json(report: BenchReport, path: Path) -> Path:
     """Write ``report.to_json()`` to ``path`` (indented, trailing newline, credentials masked: a sink); return
     ``path``."""
     path.write_text(mask_secrets(json.dumps(report.to_json(), indent=2)) + "\n", encoding="utf-8")
+    return path
+
+
+def error_bars(c: ConfigResult, scale: float = 1.0) -> tuple[float, float]:
+    """``(below, above)`` the bar: from the median samples/s to the slowest and the fastest repeat, times ``scale``."""
+    rates = c.repeat_samples_per_s
+    if c.status != "ok" or not rates or c.samples_per_s is None:
+        return 0.0, 0.0
+    return (c.samples_per_s - min(rates)) * scale, (max(rates) - c.samples_per_s) * scale
+
+
+def write_chart(report: BenchReport, path: Path) -> Path:
+    """Draw samples/s and scaling efficiency per configuration into the PNG ``path`` (skipped ones as empty slots)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    configs = report.configs
+    names = [c.config for c in configs] or ["(none)"]
+    ok = [c.status == "ok" for c in configs] or [False]
+    speed = [(c.samples_per_s or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
+    base = next((c.samples_per_s for c in configs if c.mode == REFERENCE_MODE and c.status == "ok"), None)
+    eff = [100 * (c.scaling_efficiency or 0.0) if c.status == "ok" else 0.0 for c in configs] or [0.0]
+    measured = [good and c.scaling_efficiency is not None for good, c in zip(ok, configs, strict=False)] or [False]
+    speed_err = [error_bars(c) for c in configs] or [(0.0, 0.0)]
+    eff_err = [error_bars(c, 100 / (c.n * base)) if base else (0.0, 0.0) for c in configs] or [(0.0, 0.0)]
+    notes = [(i, note_of(c)) for i, c in enumerate(configs) if c.status == "ok" and note_of(c)]
+    noisy = {i for i, c in enumerate(configs) if c.noise}
+    wrapped = [textwrap.fill(f"[{k}] {configs[i].config}: {text}", 150) for k, (i, text) in enumerate(notes, 1)]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    fig = Figure(figsize=(max(7.0, 3.2 * len(names)), 4.4 + 0.22 * lines), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    x = list(range(len(names)))
+    marks = {i: f" [{k}]" for k, (i, _) in enumerate(notes, 1)}
+    for ax, values, errors, shown, color, fmt in (
+        (ax1, speed, speed_err, ok, "tab:blue", "{:.0f}"),
+        (ax2, eff, eff_err, measured, "tab:green", "{:.0f}%"),  # a withdrawn efficiency is no 0 % bar
+    ):
+        bars = ax.bar(x, values, color=[color if good else "lightgrey" for good in shown])
+        for i, bar in enumerate(bars):
+            if i in noisy:
+                bar.set_hatch("//")
+        ax.errorbar(x, values, yerr=list(zip(*errors, strict=True)), fmt="none", ecolor="black", capsize=4)
+        ax.set_xticks(x, [n + marks.get(i, "") for i, n in enumerate(names)])
+        top = max([v + e[1] for v, e in zip(values, errors, strict=False)] + [1.0])
+        for i, (v, good) in enumerate(zip(values, shown, strict=False)):
+            status = report.configs[i].status if i < len(report.configs) else ""
+            label = fmt.format(v) if good else ("withdrawn" if status == "ok" else status)
+            ax.text(i, v + errors[i][1] + top * 0.01, label, ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, top * 1.15)
+    ax1.set_title("throughput (samples/s, median of repeats; bars: slowest-fastest)", fontsize=9)
+    ax2.axhline(100, color="black", linewidth=0.8, linestyle="--")
+    ax2.set_title("scaling efficiency vs none (%)", fontsize=9)
+    fig.suptitle(
+        f"runner bench: {report.name} - {report.accelerator}, global batch {report.global_batch_size}, "
+        f"{report.steps} timed steps, {report.min_repeats}-{report.max_repeats} repeats (hatched: noisy)",
+        fontsize=10,
+    )
+    if wrapped:
+        fig.supxlabel("\n".join(wrapped), fontsize=7, ha="left", x=0.01)
+    fig.savefig(path, dpi=100)
     return path

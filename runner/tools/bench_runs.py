@@ -8,19 +8,33 @@ figures on the parent) and how long it measures (repeats until steady) can chang
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted
 from runner.spec.schema_parallel import MODES
 from runner.tools.bench_pool import Job, Reply, WarmPool, free_port
-from runner.tools.bench_report import BenchReport, ConfigResult, combine, summarize
-from runner.tools.compare import Parent, log_history, spread, start_parent, steady, tail
+from runner.tools.bench_report import BenchReport, ConfigResult
+from runner.tools.compare import (
+    Parent,
+    final_loss,
+    log_history,
+    median,
+    noise,
+    percentile,
+    spread,
+    start_parent,
+    steady,
+    tail,
+    throughput,
+)
 from runner.tracking.runs import delete_run, end_run, record_summary, start_run
 
 if TYPE_CHECKING:
     from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
+    from runner.training import WorkerResult
 
 
 def start_bench_parent(base: LoadedSpec, report: BenchReport, configs: list[str]) -> Parent | None:
@@ -160,6 +174,74 @@ def repeats(
         if len(rows) >= report.min_repeats and steady(spread(rates), tail(times)):
             break
     return rows, history, None
+
+
+def summarize(
+    result: ConfigResult,
+    ranks: Sequence[WorkerResult],
+    history: Sequence[tuple[int, Mapping[str, float]]],
+    batch_sizes: Sequence[int],
+    warmup: int,
+    steps: int,
+    cuda_peaks: Sequence[int] = (),
+) -> None:
+    """Fill ``result`` from one training of ``warmup + steps`` steps: every rank's result, the logging rank's
+    ``history`` and ``cuda_peaks`` (bytes) of an in-process run."""
+    workers = sorted(ranks, key=lambda w: w.rank)
+    timed = [list(w.step_times_s[warmup : warmup + steps]) for w in workers]
+    slowest = max(range(len(workers)), key=lambda i: sum(timed[i]))
+    times = timed[slowest]
+    waits = list(workers[slowest].data_wait_s[warmup : warmup + len(times)])
+    cycle = list(batch_sizes) or [0]
+    samples = sum(cycle[k % len(cycle)] for k in range(warmup, warmup + len(times)))
+    result.timed_steps = len(times)
+    result.step_times_s = list(times)
+    result.data_wait_s = waits
+    result.timed_samples = samples
+    result.samples_per_s = throughput(samples, times)
+    _step_figures(result, times, waits)
+    on_cuda = any(str(w.device).startswith("cuda") for w in workers)
+    if on_cuda and not MODES[result.mode].elastic and cuda_peaks:
+        result.peak_memory_bytes = [int(b) for b in cuda_peaks]
+        result.devices = [f"cuda:{i}" for i in range(len(cuda_peaks))]
+    else:
+        result.peak_memory_bytes = [int(w.peak_memory_bytes) for w in workers]
+        result.devices = [str(w.device) for w in workers]
+    result.peak_memory_kind = "cuda_allocated" if on_cuda else "cpu_rss"
+    result.final_loss = final_loss(history)
+    result.train_losses = {int(step): float(m["train/loss"]) for step, m in history if "train/loss" in m}
+
+
+def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
+    """Fill ``result`` from its repeats: median samples/s, step percentiles and data wait over all timed steps,
+    largest peak; run id, devices and losses from the first (every repeat trains the same steps)."""
+    first = repeats[0]
+    times = [t for r in repeats for t in r.step_times_s]
+    waits = [w for r in repeats for w in r.data_wait_s]
+    rates = [r.samples_per_s or 0.0 for r in repeats]
+    for name in ("run_id", "devices", "timed_steps", "timed_samples", "peak_memory_kind", "final_loss"):
+        setattr(result, name, getattr(first, name))
+    result.train_losses = dict(first.train_losses)
+    result.step_times_s, result.data_wait_s = times, waits
+    result.repeats = len(repeats)
+    result.repeat_samples_per_s = rates
+    result.samples_per_s = median(rates)
+    _step_figures(result, times, waits)
+    width = max(len(r.peak_memory_bytes) for r in repeats)
+    result.peak_memory_bytes = [
+        max(r.peak_memory_bytes[i] for r in repeats if i < len(r.peak_memory_bytes)) for i in range(width)
+    ]
+    result.spread, result.tail = spread(rates), tail(times)
+    result.steady = steady(result.spread, result.tail)
+    result.noise = noise(result.spread, result.tail)
+
+
+def _step_figures(result: ConfigResult, times: Sequence[float], waits: Sequence[float]) -> None:
+    """Median and p90 step time (seconds) and the fraction of step time spent waiting for data."""
+    result.step_time_median_s = median(times)
+    result.step_time_p90_s = percentile(times, 90)
+    total = sum(times)
+    result.data_wait_fraction = sum(waits) / total if total > 0 else None
 
 
 def _jobs(config: Config) -> list[Job]:

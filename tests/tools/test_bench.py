@@ -15,8 +15,8 @@ from runner.cli import main
 from runner.errors import SpecError, SpecIssue, UsageError
 from runner.spec.loading import load_spec, spec_from_dict
 from runner.tools.bench import configurations
-from runner.tools.bench_pool import write_chart
-from runner.tools.bench_report import BenchReport, ConfigResult, finish_comparisons, summarize
+from runner.tools.bench_report import BenchReport, ConfigResult, finish_comparisons, write_chart
+from runner.tools.bench_runs import summarize
 from runner.tools.compare import (
     bench_spec_data,
     comparability,
@@ -466,7 +466,7 @@ def test_a_figure_just_over_its_limit_does_not_print_as_the_limit() -> None:
 
 
 def test_combine_takes_the_median_rate_and_pools_the_step_times() -> None:
-    from runner.tools.bench_report import combine
+    from runner.tools.bench_runs import combine
 
     repeats = [
         _repeat_row(1000.0, [0.01] * 4),
@@ -509,7 +509,7 @@ def test_ddp1_far_below_none_and_noisy_rows_are_flagged_in_table_chart_and_json(
     assert rows["ddp-2"]["steady"] is False and rows["ddp-2"]["repeat_samples_per_s"] == [900.0, 1200.0, 1500.0]
     assert "step_times_s" not in rows["none"] and "spread" in data["definitions"]
 
-    from runner.tools.bench_pool import error_bars
+    from runner.tools.bench_report import error_bars
 
     assert error_bars(ddp2) == (300.0, 300.0) and error_bars(dp) == (0.0, 0.0)
     path = write_chart(report, tmp_path / "bench.png")
