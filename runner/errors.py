@@ -129,7 +129,10 @@ class DeviceError(RunnerError):
     exit_code = 2
 
     def __init__(self, message: str, key: str = "", file: Path | None = None, line: int | None = None):
-        self.message, self.key, self.file, self.line = message, key, file, line
+        self.message = message
+        self.key = key
+        self.file = file
+        self.line = line
         super().__init__(SpecIssue(file, line, key, message).format())
 
     def located(self, file: Path, line: int | None) -> DeviceError:

@@ -70,14 +70,16 @@ class Plan:
         notes = [*self.devices.notes, *self.part_notes]
         if self.loaded.spec.sweep is not None:
             notes.append(f"[sweep] is ignored by runner exec; run `runner sweep {self.loaded.path}` for the study")
-        profile, world = self.loaded.spec.profile, self.devices.world_size
+        profile = self.loaded.spec.profile
+        world = self.devices.world_size
         if profile is not None and (absent := [r for r in profile.ranks if r >= world]):
             notes.append(f"profile.ranks {absent} will record nothing: this job has ranks 0 to {world - 1}")
         return notes
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
-        devices, par = self.devices, self.loaded.spec.parallel
+        devices = self.devices
+        par = self.loaded.spec.parallel
         out = spec_facts(self.loaded, self.tracking_uri, self.run_name, devices.accelerator)
         out.update(devices=devices.describe(), world_size=devices.world_size, launch=self.launch, notes=self.notes)
         if self.rendezvous is not None:
@@ -203,7 +205,8 @@ def _size(loaded: LoadedSpec, devices: DevicePlan | None) -> int | str:
 
 def _launch_method(loaded: LoadedSpec, launcher: LauncherEnvironment, devices: DevicePlan) -> Launch:
     """How the workers are made; UsageError when torchrun's ``WORLD_SIZE`` disagrees with the spec."""
-    mode, traits = loaded.spec.parallel.mode, loaded.spec.parallel.traits
+    mode = loaded.spec.parallel.mode
+    traits = loaded.spec.parallel.traits
     if not launcher.external:
         return traits.launch
     outside = launcher.world_size

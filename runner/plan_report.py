@@ -216,7 +216,8 @@ def fake_step(
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         optimizer = build_optimizer(spec.optim, trained, loaded.path.parent)
         x, y = torch.randn(batch, *shape), torch.randint(0, max(classes, 1), (batch,))
-        amp, target = spec.train.amp != "no", y if classes else None
+        amp = spec.train.amp != "no"
+        target = y if classes else None
         _, flops = _step(model, optimizer, x, target, amp, count_flops)  # untracked: it makes the optimizer state
         tracker = FSDPMemTracker(model, optimizer) if mesh is not None else MemTracker()
         if mesh is None:

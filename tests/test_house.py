@@ -24,8 +24,8 @@ MAX_SLOC = 14_500  # the budget (issue 64) for every feature of the cycle: lower
 MAX_MODULE_LINES = 500
 # Ratchets of crammed code (issue 64): lower each as lines are un-crammed, never raise it; the goal is <= 300
 # long lines. Long: a code line over 110 characters (docstrings and comments aside).
-MAX_LONG_CODE_LINES = 548
-MAX_JOINED_ASSIGNMENTS = 139  # `a, b = x, y`: two statements on one line
+MAX_LONG_CODE_LINES = 547
+MAX_JOINED_ASSIGNMENTS = 67  # `a, b = x, y`: two statements on one line
 LONG_LINE = 110
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}

@@ -98,7 +98,8 @@ class SlurmJob:
         (docs/design.md §15). Raises ValueError, with both sides' numbers, when none fits."""
         if not self.in_step:
             return SlurmLayout("batch", self, nnodes=nnodes, node_rank=0, world_size=world_size)
-        tasks, nodes = self.ntasks, self.nnodes
+        tasks = self.ntasks
+        nodes = self.nnodes
         if tasks == nodes == nnodes:
             return SlurmLayout("per-node", self, nnodes=nodes, node_rank=self.nodeid, world_size=world_size)
         if tasks == world_size:

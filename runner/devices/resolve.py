@@ -224,7 +224,8 @@ def _cpu_env(devices: DevicesSpec, inventory: Inventory, notes: list[str]) -> di
 
 def _select_gpus(spec: ExperimentSpec, env: Mapping[str, str], inventory: Inventory, notes: list[str]) -> list[int]:
     """The visible indices the run uses (``devices.ids`` or all; one for mode none); DeviceError for an unknown id."""
-    dev, mode = spec.devices, spec.parallel.mode
+    dev = spec.devices
+    mode = spec.parallel.mode
     n_visible = len(inventory.gpus)
     ids = list(range(n_visible)) if dev.ids == "all" else list(dev.ids)
     bad = [i for i in ids if i >= n_visible]
@@ -266,7 +267,8 @@ class _Layout(NamedTuple):
 
 def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[int]) -> _Layout:
     """Nodes, processes per node, world size and backend; DeviceError when ddp's ``nproc_per_node`` unlike the GPUs."""
-    par, dev = spec.parallel, spec.devices
+    par = spec.parallel
+    dev = spec.devices
     if not par.traits.elastic:
         return _Layout(1, 1, 1, None)
     nproc = par.nproc_per_node if par.nproc_per_node is not None else (len(ids) if accelerator == "cuda" else 1)
@@ -281,7 +283,9 @@ def _process_layout(spec: ExperimentSpec, accelerator: Accelerator, ids: list[in
 
 def _split_batch(spec: ExperimentSpec, layout: _Layout, ids: list[int], notes: list[str]) -> list[int]:
     """Samples per device per forward pass; DeviceError when a world size only this machine fixes does not divide."""
-    batch, accum, world = spec.data.batch_size, spec.train.grad_accum_steps, layout.world_size
+    batch = spec.data.batch_size
+    accum = spec.train.grad_accum_steps
+    world = layout.world_size
     if static_world_size(spec) is None and (problem := rules.batch_split_problem(batch, world, accum)):
         raise DeviceError(problem, key="data.batch_size")
     micro = batch // (world * accum)

@@ -238,7 +238,8 @@ class Hub:
     first (the driver opens the store there while the training processes build)."""
 
     def __init__(self, handle: Callable[[Message], Any], before_accept: Callable[[], None] = lambda: None) -> None:
-        self._handle, self._before = handle, before_accept
+        self._handle = handle
+        self._before = before_accept
         self.folder = tempfile.mkdtemp(prefix="runner-")
         self.address = HubAddress(str(Path(self.folder) / "hub.sock"), secrets.token_bytes(16))
         self._listener = Listener(self.address.path, family="AF_UNIX", authkey=self.address.key)

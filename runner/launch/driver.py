@@ -264,7 +264,8 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
     """Start the training processes and the hub, and end the run with their outcome (when this process owns it)."""
     hub = Hub(session.handle, session.open_store) if session is not None else None
     args = worker_args(plan, options, hub.address if hub is not None else None)
-    status, error = "FAILED", None
+    status = "FAILED"
+    error = None
     oom_before = oom_kill_count()
     hangs: HangReports = {}
     if hub is not None:
@@ -313,7 +314,8 @@ def _interrupted(
     signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None, rank: int | None = None
 ) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
-    uri, run_id = plan.tracking_uri, (session.run_id if session is not None else None)
+    uri = plan.tracking_uri
+    run_id = session.run_id if session is not None else None
     folder = session.checkpoint_dir if session is not None else ""
     command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
     note = checkpoint_note(folder, hangs or {})

@@ -74,7 +74,9 @@ class LaunchFailed(Exception):
 
     def __init__(self, error: str, stopped: tuple[int, int | None] | None = None, spec_error: SpecError | None = None):
         super().__init__(error, stopped, spec_error)
-        self.error, self.stopped, self.spec_error = error, stopped, spec_error
+        self.error = error
+        self.stopped = stopped
+        self.spec_error = spec_error
 
 
 def launch_failure(exc: BaseException, context: JobContext) -> LaunchFailed:
@@ -88,7 +90,8 @@ def launch_failure(exc: BaseException, context: JobContext) -> LaunchFailed:
     return LaunchFailed(error, stopped, spec_error_of_child(exc))
 
 
-_AGENT_ARGS, _AGENT_OUTCOME = "agent-args.pkl", "agent-outcome.pkl"
+_AGENT_ARGS = "agent-args.pkl"
+_AGENT_OUTCOME = "agent-outcome.pkl"
 
 
 def run_agent(plan: Plan, args: WorkerArgs, hangs: HangReports) -> list[WorkerResult]:
@@ -157,7 +160,8 @@ def launch_elastic(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    par, rdzv = plan.loaded.spec.parallel, plan.rendezvous
+    par = plan.loaded.spec.parallel
+    rdzv = plan.rendezvous
     assert rdzv is not None  # the plan has one for every elastic launch
     config = LaunchConfig(
         min_nodes=rdzv.nnodes,

@@ -194,7 +194,8 @@ class QuietCollectiveTimeouts(logging.Filter):
 
     def __init__(self, path: Path) -> None:
         super().__init__()
-        self.path, self.written = path, False
+        self.path = path
+        self.written = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -255,7 +256,9 @@ class HangWatch:
     ``report_dir``."""
 
     def __init__(self, rank: int, report_dir: str | None, grace_s: float = HANG_GRACE_S):
-        self.rank, self.report_dir, self.grace_s = rank, report_dir, grace_s
+        self.rank = rank
+        self.report_dir = report_dir
+        self.grace_s = grace_s
         self._stopped = threading.Event()
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
@@ -320,7 +323,8 @@ class HangWatch:
 
 def _stack(frame: FrameType | None) -> tuple[tuple[tuple[int, int], ...], bool]:
     """Each frame's code object and instruction (they change as Python runs), and whether one is in ``_BUSY_FILES``."""
-    out, busy = [], False
+    out = []
+    busy = False
     while frame is not None:
         out.append((id(frame.f_code), frame.f_lasti))
         busy = busy or frame.f_code.co_filename.replace(os.sep, "/").endswith(_BUSY_FILES)

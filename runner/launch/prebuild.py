@@ -72,7 +72,8 @@ def known_differences(loaded: LoadedSpec, *, call_factory: bool = False) -> list
     """:func:`difference_notes` of the model built on the ``meta`` device (``runner plan``); none for a model that
     cannot be built here, or a factory model unless ``call_factory`` (the plan's memory estimate calls it anyway:
     before a run, user code is never called)."""
-    spec, folder = loaded.spec, loaded.path.parent
+    spec = loaded.spec
+    folder = loaded.path.parent
     try:
         bundle = _dataset(spec, folder)
         model = _factory_model(spec, folder, bundle) if call_factory else _model(spec, folder, bundle)
@@ -90,10 +91,12 @@ def _factory_model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle |
     if ":" not in spec.model.name:
         return _model(spec, spec_dir, bundle)
     shape: tuple[int, ...] = ()
-    model_spec, classes = spec.model, 0
+    model_spec = spec.model
+    classes = 0
     if bundle is not None:
         model_spec = with_data(spec.model, bundle.info, bundle.train)
-        shape, classes = bundle.info.input_shape, bundle.info.num_classes
+        shape = bundle.info.input_shape
+        classes = bundle.info.num_classes
     elif spec.model.kwargs != _written(spec):  # data not built (files, a factory) that its kwargs need
         return None
     with torch.device("meta"):
@@ -254,7 +257,8 @@ def _model(spec: ExperimentSpec, spec_dir: Path, bundle: DatasetBundle | None) -
         if builder is not None:
             check_call(builder, (), written, "model.kwargs")
         return None
-    shape, classes = bundle.info.input_shape, bundle.info.num_classes
+    shape = bundle.info.input_shape
+    classes = bundle.info.num_classes
     model_spec = with_data(spec.model, bundle.info, bundle.train)
     try:
         with torch.device("meta"):

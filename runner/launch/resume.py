@@ -62,7 +62,8 @@ def prepare_resume(plan: Plan, resume: str, allow_spec_change: tuple[str, ...] =
     The spec differs in keys not allowed to change. CheckpointError: Every checkpoint of the run is damaged."""
     from runner.tracking.stored import run_checkpoint_dir
 
-    uri, spec = plan.tracking_uri, plan.loaded.spec
+    uri = plan.tracking_uri
+    spec = plan.loaded.spec
     if uri is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
     run_id, chosen = _resolve_resume(uri, spec.experiment_name, resume)
@@ -287,7 +288,8 @@ def _check_resume(
         )
     if changed:
         notes.append("spec changed on resume: " + ", ".join(changed))
-    state, train = found.payload["state"], loaded.spec.train
+    state = found.payload["state"]
+    train = loaded.spec.train
     complete = state["epoch"] >= train.epochs or (
         train.max_steps is not None and state["global_step"] >= train.max_steps
     )

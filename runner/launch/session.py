@@ -78,7 +78,9 @@ class RunSession:
     """One job's run, made and recorded by the driver; no run exists after a ``build_error`` or ``store_error``."""
 
     def __init__(self, plan: Plan, options: ExecOptions, resume: ResumePoint | None) -> None:
-        self.plan, self.options, self.resume = plan, options, resume
+        self.plan = plan
+        self.options = options
+        self.resume = resume
         self.run_id: str | None = None
         self.experiment_id = ""  # known when this process created the run (for the printed link)
         self.checkpoint_dir = ""
@@ -179,7 +181,9 @@ class RunSession:
         from runner.tracking.runs import record_summary
         from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir
 
-        plan, uri, spec_dir = self.plan, self.plan.tracking_uri, self.plan.loaded.spec.checkpoint.dir
+        plan = self.plan
+        uri = self.plan.tracking_uri
+        spec_dir = self.plan.loaded.spec.checkpoint.dir
         self.run_id, self.experiment_id = open_run(plan, self.options, plan.owns_run, self.resume)
         run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         if self.resume is not None and self.run_id is not None and uri is not None:  # where its checkpoints are
@@ -197,7 +201,9 @@ class RunSession:
         from runner.tracking.spool import SPOOL_NAME, send_spool, spool_path
         from runner.tracking.trackers import MlflowTracker
 
-        uri, run_id, spec = self.plan.tracking_uri, self.run_id, self.plan.loaded.spec
+        uri = self.plan.tracking_uri
+        run_id = self.run_id
+        spec = self.plan.loaded.spec
         notes: list[str] = []
         if uri is None or run_id is None:
             return notes
@@ -233,7 +239,8 @@ class RunSession:
         from runner.tracking.stored import DatasetRecord, record_data
         from runner.tracking.tags import spec_params
 
-        uri, run_id = self.plan.tracking_uri, self.run_id
+        uri = self.plan.tracking_uri
+        run_id = self.run_id
         if uri is None or run_id is None:
             return
         parts = [("train", "training", info["num_train"], info["train_digest"])]
@@ -289,11 +296,13 @@ class RunSession:
 
     def _close(self) -> int:
         if self._monitor is not None:
-            monitor, self._monitor = self._monitor, None
+            monitor = self._monitor
+            self._monitor = None
             monitor.finish()
         if self._tracker is None:
             return 0
-        tracker, self._tracker = self._tracker, None
+        tracker = self._tracker
+        self._tracker = None
         tracker.close()
         return tracker.recorded()
 

@@ -258,7 +258,8 @@ def _final_model(args: WorkerArgs, loop: LoopParts, fitted: WorkerResult, folder
     from runner.training import setup
     from runner.training.loop import evaluate
 
-    spec, strategy = args.loaded.spec, loop.strategy
+    spec = args.loaded.spec
+    strategy = loop.strategy
     best = setup.best_checkpoint(spec, folder, strategy)
     if best is not None:
         fitted = dataclasses.replace(fitted, best=setup.best_record(spec, best))
@@ -284,7 +285,8 @@ def _build_and_report(
     from runner.launch.prebuild import difference_notes
     from runner.training import setup
 
-    spec, spec_dir = args.loaded.spec, args.loaded.path.parent
+    spec = args.loaded.spec
+    spec_dir = args.loaded.path.parent
     parts, (notes, bundle, spec_error, failure) = None, _check_or_load(args, strategy)
     first_error = next((e for e in strategy.all_gather_object(spec_error) if e is not None), None)
     if first_error is None and failure is None:
@@ -405,7 +407,9 @@ class _StopFlag:
     """The first SIGINT/SIGTERM asks the loop to stop (rank 0 prints ``STOPPING``); a SIGINT 1 s on interrupts."""
 
     def __init__(self, announce: bool = False, rank: int = 0) -> None:
-        self._announce, self._rank, self.signum = announce, rank, 0
+        self._announce = announce
+        self._rank = rank
+        self.signum = 0
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
 

@@ -149,7 +149,8 @@ IMAGE_ONLY = ("image_size", "num_channels")  # resized and repeated by runner's 
 
 def inactive_keys(spec: ExperimentSpec) -> dict[str, str]:
     """``{dotted key: reason}`` of keys (or tables) that do not apply to ``spec``, set or not."""
-    par, data = spec.parallel, spec.data
+    par = spec.parallel
+    data = spec.data
     out: dict[str, str] = {}
     for key in [k for k in ParallelSpec.model_fields if k != "mode" and k not in par.traits.keys]:
         out[f"parallel.{key}"] = f'{" and ".join(modes_with(key))} only (mode = "{par.mode}")'

@@ -307,7 +307,8 @@ class FlagOverride(str):
 
     def __new__(cls, text: str, option: str, typed: str) -> FlagOverride:
         self = super().__new__(cls, text)
-        self.option, self.typed = option, typed
+        self.option = option
+        self.typed = typed
         return self
 
     def __getnewargs__(self) -> tuple[str, str, str]:  # type: ignore[override]

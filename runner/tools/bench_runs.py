@@ -121,7 +121,8 @@ def open_child(config: Config, parent: Parent | None, name: str) -> None:
 
 def measure_config(config: Config, report: BenchReport, parent: Parent | None, pool: WarmPool, which: str) -> None:
     """Repeat one configuration until its figures are steady (or the repeats run out); finish its child run."""
-    result, child = config.result, config.child_run_id
+    result = config.result
+    child = config.child_run_id
     uri = parent.uri if parent is not None else ""
     try:
         rows, history, bad = repeats(config, report, pool, which)
@@ -130,7 +131,8 @@ def measure_config(config: Config, report: BenchReport, parent: Parent | None, p
             end_run(uri, child, "KILLED")
         raise
     if bad is not None:
-        result.status, result.reason = bad.status, bad.reason
+        result.status = bad.status
+        result.reason = bad.reason
         if child is not None and bad.status == "skipped":
             delete_run(uri, child)  # a name or kwarg that only fails when built: no stray run
         elif child is not None:
@@ -222,7 +224,8 @@ def combine(result: ConfigResult, repeats: Sequence[ConfigResult]) -> None:
     for name in ("run_id", "devices", "timed_steps", "timed_samples", "peak_memory_kind", "final_loss"):
         setattr(result, name, getattr(first, name))
     result.train_losses = dict(first.train_losses)
-    result.step_times_s, result.data_wait_s = times, waits
+    result.step_times_s = times
+    result.data_wait_s = waits
     result.repeats = len(repeats)
     result.repeat_samples_per_s = rates
     result.samples_per_s = median(rates)

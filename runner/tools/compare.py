@@ -313,8 +313,10 @@ def start_parent(
         uri=uri,
         experiment=experiment,
     )
-    report.parent_run_id, report.tracking_uri = handle.run_id, uri
-    report.experiment_id, report.experiment = handle.experiment_id, experiment
+    report.parent_run_id = handle.run_id
+    report.tracking_uri = uri
+    report.experiment_id = handle.experiment_id
+    report.experiment = experiment
     return Parent(uri, handle.run_id, experiment)
 
 

@@ -336,7 +336,8 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
     from runner.training.data import build_datasets
     from runner.training.models import build_model
 
-    spec, folder = loaded.spec, loaded.path.parent
+    spec = loaded.spec
+    folder = loaded.path.parent
     try:
         info = build_datasets(spec, folder).info
     except Exception:
@@ -352,7 +353,8 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
 
 def _record(report: ParityReport, parent: Parent, folder: Path) -> None:
     """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
-    uri, run_id = parent.uri, parent.run_id
+    uri = parent.uri
+    run_id = parent.run_id
     metrics: dict[str, float] = {}
     for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:
         figures = {"max_abs_dloss": m.max_loss_delta, "max_abs_dparam": m.max_param_delta}

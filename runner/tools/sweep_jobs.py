@@ -93,7 +93,8 @@ def worker_main(config: WorkerConfig, messages: Queue[Message]) -> None:
         log = os.open(config.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-    code, me = 0, config.index
+    code = 0
+    me = config.index
     try:
         with sigterm_interrupts():
             storage, definition = open_storage(config.url), SweepDefinition.model_validate(config.definition)
@@ -133,7 +134,9 @@ class WorkerPool:
         progress: Callable[[TrialResult], object],
         on_dead: Callable[[int, str], None],
     ) -> None:
-        self.study, self.progress, self.on_dead = study, progress, on_dead
+        self.study = study
+        self.progress = progress
+        self.on_dead = on_dead
         self._context = multiprocessing.get_context("spawn")
         self._messages: Queue[Message] = self._context.Queue()
         self._running: dict[BaseProcess, WorkerConfig] = {}
@@ -234,7 +237,10 @@ class Progress:
     """One line per finished trial: ``[sweep 2/4] trial 1 (optim.lr=0.01): FINISHED val/accuracy=0.93``."""
 
     def __init__(self, say: Callable[[str], None], total: int, metric: str, done: int = 0):
-        self.say, self.total, self.metric, self.done = say, total, metric, done
+        self.say = say
+        self.total = total
+        self.metric = metric
+        self.done = done
 
     def __call__(self, result: TrialResult) -> TrialResult:
         self.done += 1

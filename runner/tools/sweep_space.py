@@ -249,7 +249,8 @@ def write_plots(trials: Sequence[FrozenTrial], goal: str, folder: Path) -> tuple
 
     study = optuna.create_study(direction="maximize" if goal == "max" else "minimize")
     study.add_trials([t for t in trials if t.state.is_finished()])
-    files, notes = [], []
+    files = []
+    notes = []
     drawers: tuple[Callable[[optuna.Study], Any], ...] = (plots.plot_optimization_history, plots.plot_param_importances)
     for name, draw in zip(PLOTS, drawers, strict=True):
         try:
@@ -273,7 +274,8 @@ class SweepStore:
     """The sweep's runs in one store and experiment; nothing touches the store before a method needs it."""
 
     def __init__(self, uri: str, experiment: str):
-        self.uri, self.experiment = uri, experiment
+        self.uri = uri
+        self.experiment = experiment
 
     def create_parent(self, base: LoadedSpec, definition: SweepDefinition, study: str, storage: str) -> str:
         """Create the parent run as ``runner exec`` records a run (:func:`~runner.tracking.runs.start_run`), with the

@@ -55,7 +55,10 @@ class SweepStudy:
     """The sweep's study in its storage, and the trials in it."""
 
     def __init__(self, study: optuna.Study, storage: RDBStorage, url: str, definition: SweepDefinition):
-        self.study, self.storage, self.url, self.definition = study, storage, url, definition
+        self.study = study
+        self.storage = storage
+        self.url = url
+        self.definition = definition
         self.study_id = storage.get_study_id_from_name(study.study_name)
 
     @property

@@ -391,7 +391,10 @@ class OptunaPruning:
         definition: dict[str, Any],
         trial: optuna.Trial | None = None,
     ):
-        self.url, self.study_name, self.trial_number, self.definition = url, study_name, trial_number, definition
+        self.url = url
+        self.study_name = study_name
+        self.trial_number = trial_number
+        self.definition = definition
         self._trial = trial
 
     def __getstate__(self) -> dict[str, Any]:

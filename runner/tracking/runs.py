@@ -71,7 +71,8 @@ class RunRecord:
 
 def run_record(run: Run, experiment: str = "") -> RunRecord:
     """The :class:`RunRecord` of an MLflow ``Run``."""
-    info, data = run.info, run.data
+    info = run.info
+    data = run.data
     metrics = {k: float(v) for k, v in data.metrics.items()}
     started, name = int(info.start_time or 0), str(info.run_name or "")
     return RunRecord(
@@ -212,7 +213,8 @@ def _error_tag(error: str) -> str:
     text = error.strip()
     if len(text) <= ERROR_TAG_CHARS:
         return text
-    head, tail = 200, ERROR_TAG_CHARS - 260
+    head = 200
+    tail = ERROR_TAG_CHARS - 260
     return (
         f"{text[:head]}\n...[{len(text) - head - tail} chars cut; full text in artifact error.txt]...\n{text[-tail:]}"
     )

@@ -161,7 +161,9 @@ def search_runs(
         else:
             found = client.get_experiment_by_name(experiment)
             names = {found.experiment_id: experiment} if found is not None else {}
-        runs, token, newest = [], None, ["attributes.start_time DESC"]
+        runs = []
+        token = None
+        newest = ["attributes.start_time DESC"]
         while names:
             page = client.search_runs(
                 list(names), " and ".join(conditions), order_by=newest, max_results=limit or 1000, page_token=token

@@ -63,7 +63,9 @@ class MlflowTracker:
     ):
         if flush_every_s <= 0:
             raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
-        self.uri, self.run_id, self.spool = uri, run_id, spool
+        self.uri = uri
+        self.run_id = run_id
+        self.spool = spool
         self.flush_every_s, self.spill_after_s = float(flush_every_s), float(spill_after_s)
         self.max_batch = max(1, min(int(max_batch), MAX_BATCH))
         self.max_memory = max(self.max_batch, int(max_memory))
@@ -234,7 +236,8 @@ class MlflowTracker:
             if short and tags:  # tags are idempotent: a batch still in MLflow's hands may send them too
                 self._write_spool(tags=tags)
             self._tags.clear()
-            artifacts, self._artifacts = self._artifacts, []
+            artifacts = self._artifacts
+            self._artifacts = []
         if answering:
             self._upload(artifacts)
             return
@@ -304,15 +307,19 @@ class MlflowTracker:
                 self._failures.append((f"log_batch of {len(self._batch)} metrics", error))
                 self._lost += len(self._batch) + len(self._batch_tags)
             else:
-                self._down_until, self._backoff, self._unanswered = None, 0.0, False
+                self._down_until = None
+                self._backoff = 0.0
+                self._unanswered = False
             if self._batch:
                 self._sent = max(self._sent, self._batch[-1].seq + 1)
-            self._batch, self._batch_tags = [], {}
+            self._batch = []
+            self._batch_tags = {}
             if self._batch_end_offset is not None:
                 self._read_at = self._batch_end_offset
             if self.spool is not None and self._sent >= self._on_disk and self._spilled and not self._closed:
                 self.spool.unlink(missing_ok=True)  # everything in it was sent
-                self._read_at, self._spilled = 0, False
+                self._read_at = 0
+                self._spilled = False
         self._done.notify_all()
 
     def _arm(self, delay: float) -> None:
@@ -379,8 +386,10 @@ class MlflowTracker:
     def _raise_failures(self) -> None:
         """Raise the failures kept since the last call, once."""
         with self._lock:
-            failures, self._failures = self._failures, []
-            lost, self._lost = self._lost, 0
+            failures = self._failures
+            self._failures = []
+            lost = self._lost
+            self._lost = 0
         if not failures:
             return
         what = f"{lost} items were not recorded" if lost else "items may be missing"

@@ -162,7 +162,8 @@ class PendingSave:
         """Add ``meta.pt`` and the digest, rename the folder into place and rotate (the writing rank)."""
         import torch
 
-        final, partial = self.final, self.partial
+        final = self.final
+        partial = self.partial
         buffer = io.BytesIO()
         torch.save(self.payload, buffer)
         write_atomic(partial, buffer.getbuffer(), final=partial / META)

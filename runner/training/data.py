@@ -155,7 +155,8 @@ def _shape_of(value: Any) -> tuple[int, ...]:
 
 def _label_count(ds: Dataset, target: str | None) -> int:
     """Number of classes of ``ds``: an attribute if it has one, else ``max(label) + 1`` (0 if not integral)."""
-    base, indices = ds, None
+    base = ds
+    indices = None
     while isinstance(base, Subset):
         indices = [base.indices[i] for i in indices] if indices is not None else list(base.indices)
         base = base.dataset
@@ -192,7 +193,9 @@ def build_datasets(spec: ExperimentSpec, spec_dir: Path | str | None) -> Dataset
     data = spec.data
     name = data.dataset
     source = load_source(data, spec_dir)
-    train, val, test = source.train, source.val, source.test
+    train = source.train
+    val = source.val
+    test = source.test
     if dataset_len(train) == 0:
         raise spec_issue("data.dataset", f"{name} has no training samples")
     augment = build_transforms(data.transforms, "data.transforms", spec_dir)

@@ -332,7 +332,8 @@ class _ProcessExit(Exception):
 
     def __init__(self, call: str, where: str) -> None:
         super().__init__(call, where)
-        self.call, self.where = call, where
+        self.call = call
+        self.where = where
 
 
 @contextlib.contextmanager

@@ -146,7 +146,9 @@ class EvalSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` reads ``r::W`` in order, every sample once; sum metrics across ranks."""
 
     def __init__(self, num_samples: int, world_size: int, rank: int):
-        self.num_samples, self.world_size, self.rank = num_samples, world_size, rank
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.num_samples, self.world_size))
@@ -241,7 +243,8 @@ def check_batchnorm_batches(
     if not cases:
         return
     size, rank, where = cases[0]
-    data, accum = spec.data, spec.train.grad_accum_steps
+    data = spec.data
+    accum = spec.train.grad_accum_steps
     layout = [f"world size {world_size} (rank {rank})" if world_size > 1 else ""]
     layout += [
         f"{replicas} DataParallel replicas" if replicas > 1 else "",

@@ -221,10 +221,14 @@ class Checkpointer:
         writer: bool,
         tracker: Tracker,
     ) -> None:
-        self.parts, self.strategy, self.folder = parts, strategy, folder
+        self.parts = parts
+        self.strategy = strategy
+        self.folder = folder
         self.settings = loaded.spec.checkpoint
         self.spec_sha256 = loaded.sha256
-        self.run_id, self.writer, self.tracker = run_id, writer, tracker
+        self.run_id = run_id
+        self.writer = writer
+        self.tracker = tracker
         flat = flatten_spec(loaded.spec)  # the same for every checkpoint of this run
         self.spec_flat = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in flat.items()}
         # checkpoints saved while training goes on, on a group of their own (made here: a collective)
@@ -242,7 +246,8 @@ class Checkpointer:
         shards = checkpoint_state(self.parts, self.strategy)  # nothing is gathered
         payload = self._payload(state, rng_states)
         self.wait()  # one background save at a time, in step order
-        keep, barrier = self.settings.keep_last, self.strategy.barrier
+        keep = self.settings.keep_last
+        barrier = self.strategy.barrier
         background = self.background and reason != "signal"
         best = (self.settings.keep_best if self.settings.monitor else 0, self.settings.goal)
         self.pending = ckpt.save_checkpoint(
@@ -260,7 +265,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Finish the background save in flight, if any (every rank); CheckpointError names a failed one."""
-        pending, self.pending = self.pending, None
+        pending = self.pending
+        self.pending = None
         if pending is not None:
             pending.finish()
 
@@ -311,7 +317,8 @@ def profiled(loop: LoopParts, spec: ExperimentSpec, folder: Path) -> Iterator[Lo
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
-    out, rank = folder / "profile", loop.strategy.rank
+    out = folder / "profile"
+    rank = loop.strategy.rank
     out.mkdir(parents=True, exist_ok=True)
 
     def ready(prof: torch_profile) -> None:

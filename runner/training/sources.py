@@ -35,7 +35,8 @@ class TensorPairDataset(Dataset):
     batches."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
+        self.x = x
+        self.y = y
 
     def __len__(self) -> int:
         return len(self.x)
@@ -86,7 +87,8 @@ class Transformed(Dataset):
     pair or a dict) and change its image, the first plain tensor, leaving the target as it is."""
 
     def __init__(self, dataset: Dataset, transform: Callable[[Any], Any]):
-        self.dataset, self.transform = dataset, transform
+        self.dataset = dataset
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # map-style datasets have a length
