@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from runner import __version__
 from runner.errors import Interrupted, RunnerError, SpecError, TrainingError, UsageError, echo, exit_quickly
@@ -267,8 +267,9 @@ def _load(args: argparse.Namespace) -> LoadedSpec:
     """The command's spec, kept in ``args`` for :func:`main` to place the issues found later in its files."""
     from runner.spec.loading import load_spec
 
-    args.loaded = load_spec(args.file, _overrides(args), getattr(args, "unset", ()))
-    return cast("LoadedSpec", args.loaded)
+    loaded = load_spec(args.file, _overrides(args), getattr(args, "unset", ()))
+    args.loaded = loaded
+    return loaded
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -120,7 +120,8 @@ class Failed:
     error: BaseException
 
 
-Message = Built | Restored | Metrics | Tags | Artifact | Data | LoggedModel | Flush | Close | Result | Failed
+Recorded = Metrics | Tags | Artifact | Data | LoggedModel  # what the run records: not answered
+Message = Built | Restored | Recorded | Flush | Close | Result | Failed
 ANSWERED = (Built, Restored, Flush, Close)  # the messages the hub answers
 
 

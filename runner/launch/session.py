@@ -30,6 +30,7 @@ from runner.launch.channel import (
     LoggedModel,
     Message,
     Metrics,
+    Recorded,
     Restored,
     Result,
     Tags,
@@ -113,7 +114,7 @@ class RunSession:
         """Answer one message of rank 0 (:mod:`runner.launch.channel`), by its type. What the run records is not
         answered: an error recording it is raised at the next :class:`Flush` or :class:`Close`, as a buffered tracker
         would."""
-        if isinstance(message, (Metrics, Tags, Artifact, Data, LoggedModel)):
+        if isinstance(message, Recorded):
             try:
                 self._record(message)
             except Exception as exc:
@@ -138,7 +139,7 @@ class RunSession:
                 self.failure = failure
         return None
 
-    def _record(self, message: Metrics | Tags | Artifact | Data | LoggedModel) -> None:
+    def _record(self, message: Recorded) -> None:
         match message:
             case Metrics(logged):
                 self._metrics(logged)
