@@ -12,6 +12,8 @@ import os
 import tempfile
 import time
 
+from runner.tracking.runs import TrackedRun
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +46,7 @@ def main() -> None:
                 client.log_batch(sync_run, metrics=[Metric(k, float(step), ts, step) for k in keys], synchronous=True)
         sync_s = time.perf_counter() - t0
 
-        tracker = MlflowTracker(uri, buf_run, flush_every_s=5.0)
+        tracker = MlflowTracker(TrackedRun(uri, buf_run), flush_every_s=5.0)
         t0 = time.perf_counter()
         for step in range(args.calls):
             tracker.log_metrics({k: float(step) for k in keys}, step=step)

@@ -15,10 +15,12 @@ import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.devices.environment import LauncherEnvironment, SlurmLayout
 from runner.errors import DeviceError, SpecError, SpecIssue, UsageError
+from runner.tracking.uri import checkpoint_root, resolve_tracking_uri
 
 if TYPE_CHECKING:  # pragma: no cover
     from runner.devices.inventory import Inventory
@@ -44,12 +46,14 @@ class Plan:
     """A resolved spec ready to run.
 
     ``launch`` is ``"in-process"``, ``"elastic"`` or ``"external"`` (a worker of torchrun or a scheduler); ``launcher``
-    is this process's place in its job; ``part_notes`` are filled in once the built parts are checked.
+    is this process's place in its job; ``checkpoint_root`` holds each run's checkpoint folder (named by its run id);
+    ``part_notes`` are filled in once the built parts are checked.
     """
 
     loaded: LoadedSpec
     devices: DevicePlan
     tracking_uri: str | None
+    checkpoint_root: Path
     launch: Launch
     launcher: LauncherEnvironment
     run_name: str = ""
@@ -80,7 +84,7 @@ class Plan:
         """JSON-able summary (printed by ``runner plan --json``, logged as ``spec/plan.json``)."""
         devices = self.devices
         par = self.loaded.spec.parallel
-        out = spec_facts(self.loaded, self.tracking_uri, self.run_name, devices.accelerator)
+        out = spec_facts(self.loaded, self.tracking_uri, self.checkpoint_root, self.run_name, devices.accelerator)
         out.update(devices=devices.describe(), world_size=devices.world_size, launch=self.launch, notes=self.notes)
         if self.rendezvous is not None:
             rdzv = self.rendezvous
@@ -101,15 +105,14 @@ class Plan:
         return out
 
 
-def spec_facts(loaded: LoadedSpec, uri: str | None, run_name: str, accelerator: str | None = None) -> dict[str, Any]:
+def spec_facts(
+    loaded: LoadedSpec, uri: str | None, checkpoint_root: Path, run_name: str, accelerator: str | None = None
+) -> dict[str, Any]:
     """What the spec says: name, mode, batch, tracking, checkpoint folder, keys that do not apply on ``accelerator``."""
     from runner.spec.dump import set_inactive_keys
-    from runner.tracking.uri import default_checkpoint_dir
 
     spec = loaded.spec
-    checkpoints = None
-    if spec.checkpoint.enabled:
-        checkpoints = str(default_checkpoint_dir(uri, spec.checkpoint.dir, RUN_ID_PLACEHOLDER))
+    checkpoints = str(checkpoint_root / RUN_ID_PLACEHOLDER) if spec.checkpoint.enabled else None
     return {
         "spec": str(loaded.path),
         "name": spec.name,
@@ -166,12 +169,12 @@ def make_plan(
     rendezvous = _rendezvous(loaded, slurm, launch == "elastic") if spec.parallel.traits.elastic else None
     uri = tracking_uri_of(loaded, tracking_uri)
     name = run_name_of(loaded, devices)
-    return Plan(loaded, devices, uri, launch, launcher, name, rendezvous, slurm)
+    return Plan(
+        loaded, devices, uri, checkpoint_root(uri, spec.checkpoint.dir), launch, launcher, name, rendezvous, slurm
+    )
 
 
 def tracking_uri_of(loaded: LoadedSpec, given: str | None) -> str | None:
-    from runner.tracking.uri import resolve_tracking_uri
-
     if not loaded.spec.tracking.enabled:
         return None
     return given if given is not None else resolve_tracking_uri(loaded.spec)
@@ -272,7 +275,8 @@ def describe_unrunnable(
     """What ``runner plan`` shows for a spec this machine cannot run: like :meth:`Plan.describe` with ``devices =
     None``, ``asked``, ``missing`` (the error) and ``try`` (the command with ``fix``, or ``None``)."""
     spec = loaded.spec
-    info = spec_facts(loaded, tracking_uri_of(loaded, None), run_name_of(loaded, None))
+    uri = tracking_uri_of(loaded, None)
+    info = spec_facts(loaded, uri, checkpoint_root(uri, loaded.spec.checkpoint.dir), run_name_of(loaded, None))
     ids = spec.devices.ids
     shown_ids = "all visible GPUs" if ids == "all" else f"ids {ids}"
     launch: Launch = spec.parallel.traits.launch

@@ -9,6 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.cli import main
+from runner.tracking.runs import TrackedRun
 from tests.helpers import exec_args, spec_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -187,13 +188,13 @@ def test_interrupt_message_says_how_to_resume(tmp_path, monkeypatch) -> None:
     assert hint.endswith("Continue it with: runner resume abc")  # the spec and its --set values are in the run
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     here = f"sqlite:///{tmp_path}/mlflow.db"  # the tests run in tmp_path: ./mlflow.db is the default store
-    assert resume_command("abc", here) == "runner resume abc"
+    assert resume_command(TrackedRun(here, "abc")) == "runner resume abc"
     assert (
-        resume_command("abc", "sqlite:////elsewhere/m.db")
+        resume_command(TrackedRun("sqlite:////elsewhere/m.db", "abc"))
         == "runner resume abc --tracking-uri sqlite:////elsewhere/m.db"
     )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/m.db")
-    assert resume_command("abc", "sqlite:////elsewhere/m.db") == "runner resume abc"
+    assert resume_command(TrackedRun("sqlite:////elsewhere/m.db", "abc")) == "runner resume abc"
 
 
 def test_an_active_fluent_run_is_an_error_unless_nested(write_spec, store: str) -> None:

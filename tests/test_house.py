@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1] / "runner"
 MAX_MODULES = 70  # the budget (issue: 70 modules); never raise it
 # The budget (issue 64) is 14,500 sloc for every feature of the cycle; until it is met this is a ratchet at the
 # measured figure: lower it as code goes, never raise it.
-MAX_SLOC = 14_681
+MAX_SLOC = 14_665
 MAX_MODULE_LINES = 500
 # Ratchets of crammed code (issue 64): lower each as lines are un-crammed, never raise it; the goal is <= 300
 # long lines. Long: a code line over 110 characters (docstrings and comments aside).
-MAX_LONG_CODE_LINES = 547
-MAX_JOINED_ASSIGNMENTS = 67  # `a, b = x, y`: two statements on one line
+MAX_LONG_CODE_LINES = 544
+MAX_JOINED_ASSIGNMENTS = 66  # `a, b = x, y`: two statements on one line
 LONG_LINE = 110
 MAX_FUNCTION_LINES = 60
 MODE_TABLE = {"strategies", "spec/schema_parallel.py"}

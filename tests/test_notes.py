@@ -73,11 +73,11 @@ def test_the_printed_link_of_a_new_run_names_its_experiment_without_asking_the_s
         session.handle(Built(None, []))
         return [WorkerResult(rank=0, metrics={"val/loss": 0.5})]
 
-    def asked(uri: str, run_id: str) -> str:
+    def asked(run: runs.TrackedRun) -> str:
         raise AssertionError("the store was asked for the experiment of the run the driver created")
 
     monkeypatch.setattr(driver, "_launch", built_and_done)
-    monkeypatch.setattr(runs, "experiment_id_of", asked)
+    monkeypatch.setattr(runs.TrackedRun, "experiment_id", asked)
     result = driver.exec_experiment(load_spec(write_spec()))
     assert result.run_id is not None
     assert result.experiment_id == MlflowClient(store).get_run(result.run_id).info.experiment_id != ""

@@ -39,7 +39,7 @@ from runner.launch.resume import resume_command
 from runner.launch.session import ExecOptions, RunSession, Spooled, apply_plan_env, before_launch, worker_args
 from runner.launch.worker import run_worker
 from runner.spec.loading import relocate_issues
-from runner.tracking.runs import check_fluent_run, experiment_id_of, record_summary
+from runner.tracking.runs import TrackedRun, check_fluent_run
 from runner.tracking.uri import ui_line
 from runner.training import STARTUP_METRIC, flops_uncounted
 
@@ -125,21 +125,19 @@ def _execute(loaded: LoadedSpec, options: ExecOptions) -> ExecResult:
     load_before = HostLoad.read()
     workers = _run_to_the_end(plan, options, session)
     result = workers[0]
-    run_id = session.run_id if session is not None else None
+    run = session.run if session is not None else None
     folder = session.checkpoint_dir if session is not None else ""
-    spooled = Spooled.of(folder) if run_id is not None else None
+    spooled = Spooled.of(folder) if run is not None else None
     # A store that did not take the run's end is not asked again now: each request would wait out MLflow's HTTP
     # retries (minutes), and the spool already holds the run's values and status.
-    answering = run_id is not None and not (spooled is not None and spooled.status is not None)
-    host, compute = _record_end(plan, options, run_id if answering else None, workers, HostLoad.since(load_before))
+    answering = run is not None and not (spooled is not None and spooled.status is not None)
+    host, compute = _record_end(plan, options, run if answering else None, workers, HostLoad.since(load_before))
     experiment_id = ""  # for the printed link: known when the driver created the run, else asked of the store
-    if session is not None and session.run_id is not None and plan.tracking_uri:
-        experiment_id = session.experiment_id or (
-            experiment_id_of(plan.tracking_uri, session.run_id) if answering else ""
-        )
+    if session is not None and run is not None:
+        experiment_id = session.experiment_id or (run.experiment_id() if answering else "")
     return ExecResult(
         spooled=spooled,
-        run_id=run_id,
+        run_id=run.run_id if run is not None else None,
         status="FINISHED",
         metrics=result.metrics,
         tracking_uri=plan.tracking_uri,
@@ -158,18 +156,18 @@ def _execute(loaded: LoadedSpec, options: ExecOptions) -> ExecResult:
 
 
 def _record_end(
-    plan: Plan, options: ExecOptions, run_id: str | None, workers: list[WorkerResult], load: HostLoad
+    plan: Plan, options: ExecOptions, run: TrackedRun | None, workers: list[WorkerResult], load: HostLoad
 ) -> tuple[str, str]:
     """Record host load, peak memory and compute per device; return the summary's host and compute lines."""
     used = plan.devices.nproc_per_node * plan.devices.threads_per_process
     metrics, compute, mfu = end_figures(plan, options, workers)
-    if run_id is not None and plan.tracking_uri is not None:
+    if run is not None:
         with contextlib.suppress(TrackingError):  # figures beside the run: the run itself is recorded
             step = max((w.global_step for w in workers), default=0)
             ended_tags, ended = ending(workers[0]) if workers else ({}, {})
             tags = {**load.tags(used), "runner.mfu": mfu, **ended_tags}
             remarks = {"host load": load.describe(used), **ended}
-            record_summary(plan.tracking_uri, run_id, metrics=metrics, step=step, tags=tags, remarks=remarks)
+            run.log(metrics=metrics, step=step, tags=tags, remarks=remarks)
     return host_note(plan, load), compute
 
 
@@ -277,9 +275,9 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         return workers
     except (Interrupted, KeyboardInterrupt) as exc:
         status = "KILLED"
-        raise _interrupted(getattr(exc, "signum", 2), plan, session) from None
+        raise _interrupted(getattr(exc, "signum", 2), session) from None
     except (SpecError, TrackingError) as exc:
-        if session is None or session.run_id is None:
+        if session is None or session.run is None:
             raise exc from None
         error = str(exc)
         raise TrainingError(error) from None
@@ -290,8 +288,8 @@ def _run_to_the_end(plan: Plan, options: ExecOptions, session: RunSession | None
         if failed.stopped is not None:
             status = "KILLED"
             signum, rank = failed.stopped
-            raise _interrupted(signum, plan, session, hangs, rank) from None
-        if failed.spec_error is not None and (session is None or session.run_id is None):
+            raise _interrupted(signum, session, hangs, rank) from None
+        if failed.spec_error is not None and (session is None or session.run is None):
             raise failed.spec_error from None
         error = failed.error
         raise TrainingError(error) from None
@@ -311,14 +309,14 @@ def _raise_unmade(session: RunSession | None) -> None:
 
 
 def _interrupted(
-    signum: int, plan: Plan, session: RunSession | None, hangs: HangReports | None = None, rank: int | None = None
+    signum: int, session: RunSession | None, hangs: HangReports | None = None, rank: int | None = None
 ) -> Interrupted:
     """The interruption, with the checkpoint that exists and the command that continues the run."""
-    uri = plan.tracking_uri
-    run_id = session.run_id if session is not None else None
+    run = session.run if session is not None else None
     folder = session.checkpoint_dir if session is not None else ""
-    command = resume_command(run_id, uri) if run_id is not None and uri is not None else None
+    command = resume_command(run) if run is not None else None
     note = checkpoint_note(folder, hangs or {})
+    run_id = run.run_id if run is not None else None
     return Interrupted(int(signum), run_id=run_id, command=command, checkpoint=note, rank=rank)
 
 

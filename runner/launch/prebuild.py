@@ -47,11 +47,11 @@ from runner.spec.messages import value_problem
 from runner.spec.reading import folder_problem
 from runner.spec.schema import transform_names
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tracking.uri import default_checkpoint_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from runner.plan import Plan
     from runner.spec.loading import LoadedSpec
     from runner.spec.schema import ExperimentSpec
     from runner.training.data import DatasetBundle
@@ -160,15 +160,16 @@ def random_note(layers: list[str], mode: str | None = None) -> str:
     )
 
 
-def check_checkpoint_folder(loaded: LoadedSpec, tracking_uri: str | None) -> None:
-    """Check the run's checkpoint folder can be written before the run exists: SpecError at ``checkpoint.dir``, or
+def check_checkpoint_folder(plan: Plan) -> None:
+    """Check the plan's checkpoint folder can be written before the run exists: SpecError at ``checkpoint.dir``, or
     TrackingError first when the default folder is beside an unwritable sqlite store."""
     from runner.tracking.uri import check_reachable, sqlite_path
 
-    settings = loaded.spec.checkpoint
+    settings = plan.loaded.spec.checkpoint
+    tracking_uri = plan.tracking_uri
     if not settings.enabled:
         return
-    folder = default_checkpoint_dir(tracking_uri, settings.dir, "run").parent
+    folder = plan.checkpoint_root
     problem = folder_problem(folder)
     if problem is None:
         return

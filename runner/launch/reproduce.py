@@ -21,8 +21,10 @@ from runner.errors import DeviceError, UsageError, echo, show
 from runner.launch.driver import exec_experiment
 from runner.launch.resume import RESUMABLE
 from runner.launch.session import ExecOptions
+from runner.tracking.runs import TrackedRun
 from runner.tracking.stored import read_stored_run, run_checkpoint_dir, store_uri
 from runner.tracking.tags import code_digests, git_info
+from runner.tracking.uri import checkpoint_root
 
 if TYPE_CHECKING:
     from runner.launch.driver import ExecResult
@@ -41,7 +43,7 @@ def reproduce_run(run_id: str, tracking_uri: str | None = None, *, run_name: str
     runner's stored spec (naming run and store). SpecError: The stored spec no longer validates."""
 
     uri = store_uri(tracking_uri)
-    stored = read_stored_run(uri, run_id)
+    stored = read_stored_run(TrackedRun(uri, run_id))
     loaded = stored.loaded()
     for warning in code_differences(stored, loaded.path):
         echo(f"runner: warning: {warning}", err=True)
@@ -77,7 +79,7 @@ def resume_run(run_id: str, tracking_uri: str | None = None) -> ExecResult:
     reached."""
 
     uri = store_uri(tracking_uri)
-    stored = read_stored_run(uri, run_id)
+    stored = read_stored_run(TrackedRun(uri, run_id))
     if stored.status == "FINISHED":
         raise UsageError(
             f"run {run_id} at {uri} already FINISHED: there is nothing to resume; "
@@ -103,16 +105,16 @@ def _export_target(target: Path) -> Path:
     raise UsageError(f"--out {target} is {kind}: export replaces only a regular file; {fix}")
 
 
-def run_checkpoints(run_id: str, tracking_uri: str | None, best: bool, fix: str) -> tuple[str, LoadedSpec, Path]:
-    """``(store, stored spec, checkpoint folder)`` of ``run_id``, for export and scoring. Raises UsageError for no such
+def run_checkpoints(run_id: str, tracking_uri: str | None, best: bool, fix: str) -> tuple[TrackedRun, LoadedSpec, Path]:
+    """``(run, stored spec, checkpoint folder)`` of ``run_id``, for export and scoring. Raises UsageError for no such
     run, or ``best`` without ``checkpoint.monitor`` (``fix``: what to do instead)."""
-
-    uri = store_uri(tracking_uri)
-    stored = read_stored_run(uri, run_id)
+    run = TrackedRun(store_uri(tracking_uri), run_id)
+    stored = read_stored_run(run)
     loaded = stored.loaded()
     if best and loaded.spec.checkpoint.monitor is None:
         raise UsageError(f"run {run_id} set no checkpoint.monitor, so no checkpoint is the best: {fix}")
-    return uri, loaded, run_checkpoint_dir(uri, run_id, loaded.spec.checkpoint.dir, stored.tags)
+    root = checkpoint_root(run.uri, loaded.spec.checkpoint.dir)
+    return run, loaded, run_checkpoint_dir(run, root, stored.tags)
 
 
 def export_run(
@@ -130,7 +132,7 @@ def export_run(
     from runner.training.checkpoint import CheckpointError, load_latest, write_atomic
     from runner.training.shards import read_with_model, whole_model
 
-    uri, loaded, directory = run_checkpoints(run_id, tracking_uri, best, "drop --best")
+    run, loaded, directory = run_checkpoints(run_id, tracking_uri, best, "drop --best")
     spec = loaded.spec
     if ema and spec.train.ema_decay is None:
         raise UsageError(f"run {run_id} kept no moving average of its weights (train.ema_decay unset): drop --ema")
@@ -141,7 +143,7 @@ def export_run(
         raise UsageError(f"run {run_id}: {exc}") from None
     if found is None:
         kind = f"checkpoint that recorded {spec.checkpoint.monitor}" if best else "checkpoint"
-        raise UsageError(f"run {run_id} at {uri} has no {kind} in {directory}: nothing to export")
+        raise UsageError(f"run {run_id} at {run.uri} has no {kind} in {directory}: nothing to export")
     step = found.payload["state"]["global_step"]
     target = _export_target(Path(out) if out else Path(f"{run_id}-step-{step:08d}.pt"))
     weights = found.payload["model"]
@@ -201,7 +203,7 @@ def side_of(arg: str, tracking_uri: str | None = None) -> Side:
         return _spec_side(load_spec(path))
     if path.suffix == ".toml":
         raise UsageError(f"{arg}: spec file not found (give a spec file or a run id)")
-    stored = read_stored_run(store_uri(tracking_uri), arg)
+    stored = read_stored_run(TrackedRun(store_uri(tracking_uri), arg))
     tags = stored.tags
     git = {"commit": tags.get("mlflow.source.git.commit", "?"), "dirty": tags.get("runner.git.dirty", "?")}
     environment = {label: tags.get(tag, "?") for label, tag in _ENV_TAGS.items()}

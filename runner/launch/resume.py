@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.errors import SpecError, SpecIssue, UsageError, did_you_mean, show, with_hint
+from runner.tracking.runs import TrackedRun
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -44,14 +45,13 @@ LAYOUT_KEYS = (
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """A run to continue: the allowed spec changes ``{key: [old, new]}``, notes for the user, and the checkpoint
-    folder this process holds the run's claim on (:func:`take_claim`; ``""``: not the owner)."""
+    """A run to continue: the allowed spec changes ``{key: [old, new]}``, notes for the user, and the run's checkpoint
+    folder (this process holds the run's claim on it when it owns the run: :func:`take_claim`)."""
 
-    run_id: str
-    uri: str
+    run: TrackedRun
     changes: dict[str, list[Any]]
     notes: list[str]
-    claimed: str = ""
+    folder: Path
 
 
 def prepare_resume(plan: Plan, resume: str, allow_spec_change: tuple[str, ...] = ()) -> ResumePoint:
@@ -63,42 +63,41 @@ def prepare_resume(plan: Plan, resume: str, allow_spec_change: tuple[str, ...] =
     from runner.tracking.stored import run_checkpoint_dir
 
     uri = plan.tracking_uri
-    spec = plan.loaded.spec
     if uri is None:
         raise UsageError("--resume needs tracking.enabled = true: the run to resume is found in MLflow")
-    run_id, chosen = _resolve_resume(uri, spec.experiment_name, resume)
-    directory = run_checkpoint_dir(uri, run_id, spec.checkpoint.dir)
-    claimed = claim_run(uri, run_id, directory) if plan.owns_run else []
+    run, chosen = _resolve_resume(uri, plan.loaded.spec.experiment_name, resume)
+    directory = run_checkpoint_dir(run, plan.checkpoint_root)
+    claimed = claim_run(run, directory) if plan.owns_run else []
     try:
-        changes, notes = _checked_resume(plan, allow_spec_change, uri, directory, run_id)
+        changes, notes = _checked_resume(plan, allow_spec_change, run, directory)
     except BaseException as exc:
         drop_claim(directory)  # this process will not continue the run
         if isinstance(exc, UsageError):
             raise UsageError("; ".join([*chosen, str(exc)])) from None
         raise
-    return ResumePoint(run_id, uri, changes, chosen + claimed + notes, str(directory) if plan.owns_run else "")
+    return ResumePoint(run, changes, chosen + claimed + notes, directory)
 
 
 def _checked_resume(
-    plan: Plan, allow_spec_change: tuple[str, ...], uri: str, directory: Path, run_id: str
+    plan: Plan, allow_spec_change: tuple[str, ...], run: TrackedRun, directory: Path
 ) -> tuple[dict[str, list[Any]], list[str]]:
-    """``(allowed spec changes, notes)`` of continuing ``run_id`` from ``directory``; a refusal for want of a
+    """``(allowed spec changes, notes)`` of continuing ``run`` from ``directory``; a refusal for want of a
     checkpoint says how to start the run again instead."""
-    from runner.tracking import runs as tracking
     from runner.training.checkpoint import CheckpointError
 
+    run_id = run.run_id
     try:
         changes, complete, notes = _check_resume(
             plan.loaded, directory, allow_spec_change, plan.devices.accelerator, run_id
         )
     except _NoCheckpoint as exc:
-        again = resume_command(run_id, uri, "reproduce")
+        again = resume_command(run, "reproduce")
         hint = f"run {run_id} ended before its first checkpoint; `{again}` starts it again from the same spec, anew"
         raise UsageError(f"{exc}: {hint}") from None
     except CheckpointError as exc:
-        again = resume_command(run_id, uri, "reproduce")
+        again = resume_command(run, "reproduce")
         raise CheckpointError(f"{exc}\n`{again}` starts run {run_id} again from the same spec, anew") from None
-    if complete and (found := tracking.find_run(uri, run_id)) is not None and found.status == "FINISHED":
+    if complete and (found := run.find()) is not None and found.status == "FINISHED":
         raise UsageError(
             f"--resume {run_id}: the run already FINISHED with this spec; to train it further, change the "
             f"spec and name the change, e.g. --set train.epochs=N --allow-spec-change train.epochs"
@@ -167,23 +166,24 @@ def _recorded_owner(folder: Path) -> Owner | None:
         return None
 
 
-def claim_run(uri: str, run_id: str, folder: Path) -> list[str]:
-    """Claim ``run_id`` for this process (:func:`take_claim` on its checkpoint ``folder``), then make sure no live
+def claim_run(run: TrackedRun, folder: Path) -> list[str]:
+    """Claim ``run`` for this process (:func:`take_claim` on its checkpoint ``folder``), then make sure no live
     process owns it by its tags (docs/design.md §12): a gone owner's run is marked KILLED first.
 
     Returns notes (an owner on another host cannot be checked). Raises UsageError when another process holds the
     claim, or an owner here is alive (the claim is then dropped)."""
-    take_claim(folder, run_id)
+    take_claim(folder, run.run_id)
     try:
-        return _settled_notes(uri, run_id)
+        return _settled_notes(run)
     except BaseException:
         drop_claim(folder)
         raise
 
 
-def _settled_notes(uri: str, run_id: str) -> list[str]:
+def _settled_notes(run: TrackedRun) -> list[str]:
     """The notes of a run no live process owns, after :func:`settle`; UsageError when its owner here is alive."""
-    settled = settle(uri, run_id)
+    run_id = run.run_id
+    settled = settle(run)
     owner = settled.owner
     sent = settled.sent
     notes = [f"sent {sent.metrics} metric values its spool kept from before"] if sent and sent.metrics else []
@@ -202,20 +202,19 @@ def _settled_notes(uri: str, run_id: str) -> list[str]:
     return [f"run {run_id} is RUNNING, owned by {who}; this host cannot tell whether it is alive: continuing"]
 
 
-def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[str, list[str]]:
+def _resolve_resume(uri: str, experiment: str, resume: str) -> tuple[TrackedRun, list[str]]:
     """The run ``--resume`` names, and for ``last`` a note saying which run was chosen."""
-    from runner.tracking import runs as tracking
-
     if resume == "last":
         return _last_run(uri, experiment)
-    if tracking.find_run(uri, resume) is None:
+    run = TrackedRun(uri, resume)
+    if run.find() is None:
         raise UsageError(
             f"--resume {resume}: no such run at {uri} (copy the run id from the MLflow UI or use --resume last)"
         )
-    return resume, []
+    return run, []
 
 
-def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
+def _last_run(uri: str, experiment: str) -> tuple[TrackedRun, list[str]]:
     """The newest run of ``experiment`` that exec can continue: KILLED, FAILED, or RUNNING with its owner gone."""
     from runner.tracking.stored import continuable_runs
 
@@ -225,7 +224,8 @@ def _last_run(uri: str, experiment: str) -> tuple[str, list[str]]:
             continue  # alive, or cannot tell: not orphaned
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.start_time_ms / 1000))
         state = "RUNNING, owner gone" if info.status == "RUNNING" else info.status
-        return info.run_id, [f"--resume last: run {info.run_id} {info.run_name!r} ({state}, started {started})"]
+        chosen = f"--resume last: run {info.run_id} {info.run_name!r} ({state}, started {started})"
+        return TrackedRun(uri, info.run_id), [chosen]
     raise UsageError(
         f"--resume last: experiment {experiment!r} at {uri} has no run to resume (a KILLED or FAILED run, or a "
         "RUNNING one whose owner is gone; sweep and bench runs are not candidates): pass --resume RUN_ID"
@@ -255,7 +255,7 @@ def _check_resume(
 ) -> tuple[dict[str, list[Any]], bool, list[str]]:
     """``(changes, complete, notes)``: allowed spec changes; whether the newest usable checkpoint ends the training."""
     from runner.spec.dump import flatten_spec, is_inactive, run_inactive_keys, set_keys
-    from runner.training.checkpoint import load_latest, peek, spec_changes
+    from runner.training.checkpoint import load_latest, peek
 
     current = flatten_spec(loaded.spec)
     found = load_latest(directory, peek)  # every checkpoint damaged: CheckpointError, exit 1
@@ -294,6 +294,13 @@ def _check_resume(
         train.max_steps is not None and state["global_step"] >= train.max_steps
     )
     return {k: [saved.get(k), current.get(k)] for k in changed}, complete, notes
+
+
+def spec_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys that differ between two flattened specs, leaving out those that cannot change results."""
+    quiet = ("tracking.", "train.progress", "checkpoint.", "description")
+    keys = set(saved) | set(current)
+    return sorted(k for k in keys if not k.startswith(quiet) and saved.get(k) != current.get(k))
 
 
 def _under(key: str, tables: Iterable[str]) -> bool:
@@ -363,12 +370,11 @@ class Owner:
 class Settled:
     """A run after :func:`settle`: its status now, the owner's liveness, whether it was marked KILLED, what was sent."""
 
-    run_id: str
+    run: TrackedRun
     status: str
     owner: Owner | None
     liveness: Liveness
     marked_killed: bool = False
-    uri: str = ""
     sent: Sent | None = None
 
     def line(self) -> str:
@@ -380,13 +386,14 @@ class Settled:
 
     def _state(self) -> str:
         who = self.owner.describe() if self.owner else "no owner recorded"
+        run_id = self.run.run_id
         if self.marked_killed:
             return (
-                f"{self.run_id}  KILLED   its owner ({who}) is gone and never ended it: marked KILLED; "
-                f"continue it with: {resume_command(self.run_id, self.uri)}"
+                f"{run_id}  KILLED   its owner ({who}) is gone and never ended it: marked KILLED; "
+                f"continue it with: {resume_command(self.run)}"
             )
         if self.status != "RUNNING":
-            return f"{self.run_id}  {self.status:<8} ({who})"
+            return f"{run_id}  {self.status:<8} ({who})"
         state = {
             "alive": "owner alive",
             "gone": "owner gone",
@@ -394,32 +401,31 @@ class Settled:
         }[self.liveness]
         if self.owner is None:
             state = "no owner recorded: cannot tell whether it is alive"
-        return f"{self.run_id}  RUNNING  {who}, {state}"
+        return f"{run_id}  RUNNING  {who}, {state}"
 
 
-def settle(uri: str, run_id: str) -> Settled:
+def settle(run: TrackedRun) -> Settled:
     """Mark a RUNNING run KILLED when its owner on this host is gone; UsageError for no such run."""
-    from runner.tracking import runs as tracking
     from runner.tracking.spool import send_spool, spool_path
     from runner.tracking.stored import CHECKPOINT_DIR_TAG
 
-    info = tracking.run_info(uri, run_id)
+    info = run.record()
     owner = Owner.from_tags(info.tags)
     liveness: Liveness = owner.liveness() if owner is not None else "unknown"
     sent = None
     if info.status != "RUNNING" or (owner is not None and liveness == "gone"):  # no live process uses the spool
         folder = info.tags.get(CHECKPOINT_DIR_TAG)  # where the run's spool is
-        sent = send_spool(uri, run_id, spool_path(folder)) if folder else None
+        sent = send_spool(run, spool_path(folder)) if folder else None
         if sent is not None and sent.ended:
-            return Settled(run_id, sent.ended, owner, liveness, uri=uri, sent=sent)
+            return Settled(run, sent.ended, owner, liveness, sent=sent)
     if info.status != "RUNNING" or liveness != "gone" or owner is None:
-        return Settled(run_id, info.status, owner, liveness, uri=uri, sent=sent)
+        return Settled(run, info.status, owner, liveness, sent=sent)
     error = (
         f"the run's owner ({owner.describe()}) is gone and never ended the run (it was killed hard, or its "
         "machine stopped); marked KILLED by runner"
     )
-    tracking.end_run(uri, run_id, "KILLED", error)
-    return Settled(run_id, "KILLED", owner, liveness, marked_killed=True, uri=uri, sent=sent)
+    run.end("KILLED", error)
+    return Settled(run, "KILLED", owner, liveness, marked_killed=True, sent=sent)
 
 
 def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
@@ -435,19 +441,19 @@ def status_lines(tracking_uri: str | None, run_id: str | None) -> list[str]:
         raise UsageError(f"no tracking store at {uri}: there are no runs to show; {STORE_HINT}")
     open_store(uri)
     if run_id is not None:
-        return [settle(uri, run_id).line()]
+        return [settle(TrackedRun(uri, run_id)).line()]
     running = search_runs(uri, None, status="RUNNING", limit=1000)
     if not running:
         return [f"no RUNNING run at {uri}"]
-    return [f"{settle(uri, info.run_id).line()}  [{info.experiment}]" for info in running]
+    return [f"{settle(TrackedRun(uri, info.run_id)).line()}  [{info.experiment}]" for info in running]
 
 
-def resume_command(run_id: str, uri: str, verb: str = "resume") -> str:
-    """``runner resume RUN_ID`` (or another verb), with ``--tracking-uri`` only when the command would not find
-    ``uri``."""
+def resume_command(run: TrackedRun, verb: str = "resume") -> str:
+    """``runner resume RUN_ID`` (or another verb), with ``--tracking-uri`` only when the command would not find the
+    run's store."""
     from runner.tracking.uri import default_tracking_uri
 
-    words = ["runner", verb, run_id]
-    if uri != default_tracking_uri():
-        words += ["--tracking-uri", uri]
+    words = ["runner", verb, run.run_id]
+    if run.uri != default_tracking_uri():
+        words += ["--tracking-uri", run.uri]
     return shlex.join(words)

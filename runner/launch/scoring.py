@@ -26,13 +26,12 @@ def score_run(run_id: str, tracking_uri: str | None = None, checkpoint: str = "l
     without ``checkpoint.monitor``. SpecError: the stored spec no longer builds."""
     from runner.launch.reproduce import run_checkpoints
     from runner.spec.schema_parallel import ParallelSpec
-    from runner.tracking.runs import record_summary
 
-    uri, loaded, directory = run_checkpoints(run_id, tracking_uri, checkpoint == "best", "use --checkpoint last")
+    run, loaded, directory = run_checkpoints(run_id, tracking_uri, checkpoint == "best", "use --checkpoint last")
     spec = loaded.spec.model_copy(update={"parallel": ParallelSpec(mode="none")})
     found, scored = _score(dataclasses.replace(loaded, spec=spec), directory, checkpoint, run_id)
     step = int(found.payload["state"]["global_step"])
-    record_summary(uri, run_id, metrics=scored, step=step, tags={"runner.test.checkpoint": found.path.name})
+    run.log(metrics=scored, step=step, tags={"runner.test.checkpoint": found.path.name})
     lines = [f"run {run_id}: {found.path.name} ({checkpoint}) scored on the test split, logged at step {step}:"]
     return "\n".join(lines + [f"  {key:<21}  {value:.6g}" for key, value in sorted(scored.items())])
 

@@ -39,7 +39,8 @@ from runner.launch.prebuild import check_checkpoint_folder
 from runner.launch.resume import Owner, ResumePoint, claim_run, drop_claim, prepare_resume, take_claim
 from runner.launch.worker import WorkerArgs, torchrun_env
 from runner.spec.loading import relocate_issues
-from runner.tracking.uri import check_reachable, default_checkpoint_dir, local_store_missing, open_store
+from runner.tracking.runs import TrackedRun
+from runner.tracking.uri import check_reachable, local_store_missing, open_store
 
 if TYPE_CHECKING:
     from runner.launch.channel import HubAddress
@@ -82,7 +83,7 @@ class RunSession:
         self.plan = plan
         self.options = options
         self.resume = resume
-        self.run_id: str | None = None
+        self.run: TrackedRun | None = None  # once made; None with tracking off, or on a node that does not own it
         self.experiment_id = ""  # known when this process created the run (for the printed link)
         self.checkpoint_dir = ""
         self.build_error: SpecError | None = None
@@ -178,53 +179,50 @@ class RunSession:
         self._create()
         return HandedRun(self.run_id, self.checkpoint_dir, self.resume is not None or requeued(self.plan))
 
+    @property
+    def run_id(self) -> str | None:
+        return self.run.run_id if self.run is not None else None
+
     def _create(self) -> None:
-        from runner.tracking.runs import record_summary
-        from runner.tracking.stored import CHECKPOINT_DIR_TAG, run_checkpoint_dir
+        from runner.tracking.stored import CHECKPOINT_DIR_TAG
 
         plan = self.plan
-        uri = self.plan.tracking_uri
-        spec_dir = self.plan.loaded.spec.checkpoint.dir
-        self.run_id, self.experiment_id = open_run(plan, self.options, plan.owns_run, self.resume)
+        self.run, self.experiment_id = open_run(plan, self.options, plan.owns_run, self.resume)
         run_key = self.run_id or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        if self.resume is not None and self.run_id is not None and uri is not None:  # where its checkpoints are
-            self.checkpoint_dir = str(run_checkpoint_dir(uri, self.run_id, spec_dir))
-        else:
-            self.checkpoint_dir = str(default_checkpoint_dir(uri, spec_dir, run_key))
-        if self.run_id is not None and uri is not None:  # where the run's checkpoints and spool are
+        folder = self.resume.folder if self.resume is not None else plan.checkpoint_root / run_key
+        self.checkpoint_dir = str(folder)
+        if self.run is not None:  # where the run's checkpoints and spool are
             if plan.owns_run:  # a resume claimed it already; a new run is claimed before any rank trains
-                take_claim(Path(self.checkpoint_dir), self.run_id)
-            record_summary(uri, self.run_id, tags={CHECKPOINT_DIR_TAG: self.checkpoint_dir})
+                take_claim(folder, self.run.run_id)
+            self.run.log(tags={CHECKPOINT_DIR_TAG: self.checkpoint_dir})
 
     def _restored(self, recorded: int, resumed: bool, continuing: bool) -> list[str]:
         """Make the run's tracker once rank 0 restored its checkpoint; send what the spool kept from before it."""
-        from runner.tracking.runs import last_logged_steps
         from runner.tracking.spool import SPOOL_NAME, send_spool, spool_path
         from runner.tracking.trackers import MlflowTracker
 
-        uri = self.plan.tracking_uri
-        run_id = self.run_id
+        run = self.run
         spec = self.plan.loaded.spec
         notes: list[str] = []
-        if uri is None or run_id is None:
+        if run is None:
             return notes
         folder = Path(self.checkpoint_dir)
         if continuing:
             # Send what the spool kept from before the checkpoint; values recorded after it (seq >= recorded) are
             # computed again, so they are dropped.
-            sent = send_spool(uri, run_id, spool_path(folder), before_seq=recorded, apply_end=False)
+            sent = send_spool(run, spool_path(folder), before_seq=recorded, apply_end=False)
             if sent is not None:
                 notes.append(
                     f"sent {sent.metrics} metric values kept in {SPOOL_NAME} while the tracking store was away"
                 )
-        self._last_steps = last_logged_steps(uri, run_id) if resumed else {}  # a resumed run logs no step twice
+        self._last_steps = run.last_logged_steps() if resumed else {}  # a resumed run logs no step twice
         self._tracker = MlflowTracker(
-            uri, run_id, flush_every_s=spec.tracking.flush_every_s, spool=spool_path(folder), first_seq=recorded
+            run, flush_every_s=spec.tracking.flush_every_s, spool=spool_path(folder), first_seq=recorded
         )
         if spec.tracking.system_metrics:
             from runner.tracking.trackers import start_system_metrics
 
-            self._monitor = start_system_metrics(uri, run_id, resumed=resumed)
+            self._monitor = start_system_metrics(run, resumed=resumed)
         return notes
 
     def _metrics(self, logged: list[tuple[dict[str, float], int, int]]) -> None:
@@ -236,13 +234,11 @@ class RunSession:
 
     def _data(self, info: dict[str, Any]) -> None:
         """Record the data as dataset inputs and the split fingerprint (a new run only)."""
-        from runner.tracking.runs import record_summary
         from runner.tracking.stored import DatasetRecord, record_data
         from runner.tracking.tags import spec_params
 
-        uri = self.plan.tracking_uri
-        run_id = self.run_id
-        if uri is None or run_id is None:
+        run = self.run
+        if run is None:
             return
         parts = [("train", "training", info["num_train"], info["train_digest"])]
         if info["num_val"] and info["val_digest"] is not None:
@@ -253,9 +249,9 @@ class RunSession:
             DatasetRecord(f"{info['name']} {part}", digest, context, count, info["source"], tuple(info["input_shape"]))
             for part, context, count, digest in parts
         ]
-        record_data(uri, run_id, records, info["val_split_sha256"])
+        record_data(run, records, info["val_split_sha256"])
         if info.get("split") and ":" in self.plan.loaded.spec.data.dataset:  # the factory's one set was split
-            record_summary(uri, run_id, params=spec_params(self.plan.loaded.spec, split=True))
+            run.log(params=spec_params(self.plan.loaded.spec, split=True))
 
     def _model(self, path: str, step: int, normalization: tuple[float, float] | None) -> None:
         """Log the model whose state rank 0 saved to ``path`` with MLflow. The file holds tensors and plain values
@@ -267,7 +263,7 @@ class RunSession:
         from runner.tracking.stored import log_model
         from runner.training.models import build_model
 
-        if self.plan.tracking_uri is None or self.run_id is None:
+        if self.run is None:
             return
         if self._tracker is not None:
             self._tracker.flush()  # the last step's metrics are linked to the model: they must be in MLflow
@@ -280,14 +276,7 @@ class RunSession:
             num_classes=saved.get("num_classes"),
         )
         model.load_state_dict(saved["state"], assign=True)  # assign: the trained dtype, not the built one
-        log_model(
-            self.plan.tracking_uri,
-            self.run_id,
-            model,
-            saved["example"],
-            step=step,
-            normalization=normalization,
-        )
+        log_model(self.run, model, saved["example"], step=step, normalization=normalization)
 
     def _flush(self) -> int:
         if self._tracker is None:
@@ -313,14 +302,13 @@ class RunSession:
         """Close what rank 0 left open and give the run its final status (kept in the spool while the store is away)."""
         with contextlib.suppress(Exception):  # the run's status matters more than a last batch the store refused
             self._close()
-        uri = self.plan.tracking_uri
         try:
-            if self.run_id is not None and uri is not None and self.plan.owns_run:
-                end_run_or_spool(uri, self.run_id, status, error, self.checkpoint_dir)
+            if self.run is not None and self.plan.owns_run:
+                end_run_or_spool(self.run, status, error, self.checkpoint_dir)
         finally:  # the run has its end: another process may continue it
             drop_claim(self.checkpoint_dir)
             if self.resume is not None:  # claimed before the run was handed down (no run when the build failed)
-                drop_claim(self.resume.claimed)
+                drop_claim(self.resume.folder)
 
 
 @dataclass(frozen=True)
@@ -355,28 +343,26 @@ class Spooled:
         )
 
 
-def end_run_or_spool(uri: str, run_id: str, status: str, error: str | None, checkpoint_dir: str) -> None:
+def end_run_or_spool(run: TrackedRun, status: str, error: str | None, checkpoint_dir: str) -> None:
     """Give the run its final status, or keep it in the spool while the store does not answer (one quick check)."""
-
-    from runner.tracking import runs as tracking
     from runner.tracking.spool import append, spool_path
 
     try:
-        check_reachable(uri)
-        tracking.end_run(uri, run_id, status, error)
+        check_reachable(run.uri)
+        run.end(status, error)
     except TrackingError:
         path = spool_path(checkpoint_dir)
         append(path, end=(status, error))
         echo(
-            f"runner: the tracking store at {uri} did not answer: run {run_id}'s status {status} is kept in {path}; "
-            f"`runner status {run_id}` sets it once the store answers",
+            f"runner: the tracking store at {run.uri} did not answer: run {run.run_id}'s status {status} is kept in "
+            f"{path}; `runner status {run.run_id}` sets it once the store answers",
             err=True,
         )
 
 
 def before_launch(plan: Plan, options: ExecOptions) -> ResumePoint | None:
     """Check the checkpoint folder and the run to continue before any training process starts (docs/design.md §12)."""
-    check_checkpoint_folder(plan.loaded, plan.tracking_uri)
+    check_checkpoint_folder(plan)
     if options.resume is None:
         return requeued_run(plan, plan.owns_run)
     if plan.tracking_uri is not None:
@@ -426,7 +412,6 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
         loaded=plan.loaded,
         plan=plan.devices,
         run_id=None,
-        tracking_uri=plan.tracking_uri,
         checkpoint_dir="",
         resume=requeued(plan),
         hub=hub,
@@ -434,34 +419,36 @@ def worker_args(plan: Plan, options: ExecOptions, hub: HubAddress | None) -> Wor
     )
 
 
-def open_run(plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None) -> tuple[str | None, str]:
-    """``(run id, experiment id)`` of this job's run: reopened, handed down, or started here (recording its owner)."""
-    from runner.tracking import runs as tracking
+def open_run(
+    plan: Plan, options: ExecOptions, owner: bool, resume: ResumePoint | None
+) -> tuple[TrackedRun | None, str]:
+    """``(run, experiment id)`` of this job: reopened, handed down, or started here (recording its owner)."""
+    from runner.tracking.runs import start_run
 
     if resume is not None:
         if owner:
-            spec_change = json.dumps(resume.changes) if resume.changes else None
-            tracking.reopen_run(resume.uri, resume.run_id, spec_change=spec_change)
-            tracking.record_summary(resume.uri, resume.run_id, tags=Owner.this_process().tags())  # docs/design.md §12
-        return resume.run_id, ""
-    if not owner or plan.tracking_uri is None:
+            resume.run.reopen(spec_change=json.dumps(resume.changes) if resume.changes else None)
+            resume.run.log(tags=Owner.this_process().tags())  # docs/design.md §12
+        return resume.run, ""
+    uri = plan.tracking_uri
+    if not owner or uri is None:
         return None, ""
     if plan.launch == "external" and plan.launcher.run_id:
-        return plan.launcher.run_id, ""
+        return TrackedRun(uri, plan.launcher.run_id), ""
     tags = {**dict(options.tags), **Owner.this_process().tags()}
     if plan.slurm is not None:
         tags[SLURM_JOB_TAG] = plan.slurm.job.job_id
     if options.parent_run_id:
         tags["mlflow.parentRunId"] = options.parent_run_id
-    handle = tracking.start_run(
+    record = start_run(
         plan.loaded,
         plan.describe(),
         run_name=options.run_name or plan.run_name,
         extra_tags=tags,
-        uri=plan.tracking_uri,
+        uri=uri,
         nested=options.nested,
     )
-    return handle.run_id, handle.experiment_id
+    return TrackedRun(uri, record.run_id), record.experiment_id
 
 
 SLURM_JOB_TAG = "runner.slurm.job_id"
@@ -476,16 +463,15 @@ def requeued_run(plan: Plan, owner: bool) -> ResumePoint | None:
     """The run to continue on the owner of a requeued Slurm job (tag ``runner.slurm.job_id``), or ``None``."""
     from runner.tracking.stored import run_checkpoint_dir, search_runs
 
-    if not (owner and requeued(plan) and plan.tracking_uri is not None):
+    uri = plan.tracking_uri
+    if not (owner and requeued(plan) and uri is not None):
         return None
     assert plan.slurm is not None
     job = plan.slurm.job
-    found = search_runs(plan.tracking_uri, plan.loaded.spec.experiment_name, {SLURM_JOB_TAG: job.job_id}, limit=1)
+    found = search_runs(uri, plan.loaded.spec.experiment_name, {SLURM_JOB_TAG: job.job_id}, limit=1)
     if not found:
         return None
-    run_id = found[0].run_id
-    note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run_id}"
-    folder = run_checkpoint_dir(plan.tracking_uri, run_id, plan.loaded.spec.checkpoint.dir, found[0].tags)
-    return ResumePoint(
-        run_id, plan.tracking_uri, {}, [note, *claim_run(plan.tracking_uri, run_id, folder)], str(folder)
-    )
+    run = TrackedRun(uri, found[0].run_id)
+    note = f"Slurm requeued job {job.job_id} ({job.restart_count}x): continuing its run {run.run_id}"
+    folder = run_checkpoint_dir(run, plan.checkpoint_root, found[0].tags)
+    return ResumePoint(run, {}, [note, *claim_run(run, folder)], folder)

@@ -54,7 +54,6 @@ class WorkerArgs:
     loaded: LoadedSpec
     plan: DevicePlan
     run_id: str | None
-    tracking_uri: str | None
     checkpoint_dir: str
     resume: bool = False
     sync_timing: bool = False

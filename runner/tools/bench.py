@@ -65,7 +65,6 @@ from runner.tools.compare import (
     probe_model_and_data,
     reason,
 )
-from runner.tracking.runs import delete_run, end_run, record_summary
 
 if TYPE_CHECKING:
     from runner.spec.loading import LoadedSpec
@@ -140,8 +139,8 @@ def run_bench(
             _probed(base, report, runnable, next((a for a in answers if not isinstance(a, tuple)), answers[0]))
         except BaseException:  # a model or dataset that does not build: a bad spec, no stray run
             if parent is not None:
-                for run_id in [*(c.child_run_id for c in runnable if c.child_run_id), parent.run_id]:
-                    delete_run(parent.uri, run_id)
+                for run in [*(c.child for c in runnable if c.child is not None), parent]:
+                    run.delete()
             raise
         _run_under_parent(runnable, report, parent, out, pool)
     finally:
@@ -154,7 +153,7 @@ def _host_load(load: HostLoad, parent: Parent | None) -> str:
     text = load.describe(load.cores)  # the largest configuration uses every core
     if parent is not None:
         with contextlib.suppress(TrackingError):
-            record_summary(parent.uri, parent.run_id, tags=load.tags(load.cores), remarks={"host load": text})
+            parent.log(tags=load.tags(load.cores), remarks={"host load": text})
     return text
 
 
@@ -246,8 +245,8 @@ def _measure_all(
         except (Interrupted, KeyboardInterrupt):
             if parent is not None:  # the child runs not measured yet end with the bench
                 for later in runnable[i:]:
-                    if later.child_run_id is not None:
-                        end_run(parent.uri, later.child_run_id, "KILLED")
+                    if later.child is not None:
+                        later.child.end("KILLED")
             raise
     report.host_load = _host_load(HostLoad.since(started), parent)
     not_comparable = comparability(report.batch_statistics, report.dropout)

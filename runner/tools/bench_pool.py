@@ -221,7 +221,7 @@ def run_job(job: Job) -> Reply:
     rank_env = torchrun_env(job.rank, job.world_size, str(job.master_port)) if job.ddp else {}
     try:
         with tempfile.TemporaryDirectory(prefix="runner-bench-") as folder, scoped_environ(rank_env):
-            args = WorkerArgs(job.loaded, job.plan, None, None, folder, resume=False, sync_timing=True)
+            args = WorkerArgs(job.loaded, job.plan, None, folder, resume=False, sync_timing=True)
             result = run_worker(args)
     except (SpecError, DeviceError, UsageError) as exc:
         return Reply("skipped", reason(exc))

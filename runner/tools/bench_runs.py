@@ -29,7 +29,7 @@ from runner.tools.compare import (
     tail,
     throughput,
 )
-from runner.tracking.runs import delete_run, end_run, record_summary, start_run
+from runner.tracking.runs import TrackedRun, start_run
 
 if TYPE_CHECKING:
     from runner.plan import Plan
@@ -44,7 +44,7 @@ def start_bench_parent(base: LoadedSpec, report: BenchReport, configs: list[str]
 
 def start_child(
     parent: Parent | None, loaded: LoadedSpec, plan_description: dict[str, Any], result: ConfigResult, name: str
-) -> str | None:
+) -> TrackedRun | None:
     """The configuration's child run, recorded as ``runner exec`` records a run (``None`` without tracking)."""
     if parent is None:
         return None
@@ -54,7 +54,7 @@ def start_child(
         "runner.bench.mode": result.mode,
         "runner.bench.nproc": str(result.n),
     }
-    handle = start_run(
+    record = start_run(
         loaded,
         plan_description,
         run_name=f"{result.config} bench {name}",  # the configuration first: the runs table cuts names
@@ -62,7 +62,7 @@ def start_child(
         uri=parent.uri,
         experiment=parent.experiment,
     )
-    return handle.run_id
+    return TrackedRun(parent.uri, record.run_id)
 
 
 def record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> None:
@@ -75,7 +75,7 @@ def record_child(uri: str, result: ConfigResult, warmup: int, steps: int) -> Non
         "bench.repeats": str(result.repeats),
     }
     if result.run_id is not None:
-        record_summary(uri, result.run_id, metrics=_figures(result, ""), params=params)
+        TrackedRun(uri, result.run_id).log(metrics=_figures(result, ""), params=params)
 
 
 def record_parent(report: BenchReport, parent: Parent) -> None:
@@ -88,7 +88,7 @@ def record_parent(report: BenchReport, parent: Parent) -> None:
     }
     files = [f for f in (report.json_path, report.png_path) if f]
     tags = {"runner.bench.recommendation": report.recommendation} if report.recommendation else {}
-    record_summary(parent.uri, parent.run_id, metrics=metrics, params=params, tags=tags, files=files, files_dir="bench")
+    parent.log(metrics=metrics, params=params, tags=tags, files=files, files_dir="bench")
 
 
 def _figures(result: ConfigResult, prefix: str) -> dict[str, float]:
@@ -110,39 +110,38 @@ class Config:
     world_size: int = 1
     batch_sizes: list[int] = field(default_factory=list)
     plan: Plan | None = None
-    child_run_id: str | None = None
+    child: TrackedRun | None = None
 
 
 def open_child(config: Config, parent: Parent | None, name: str) -> None:
     """Create the configuration's child run (before measuring starts, while the workers warm up)."""
     if config.loaded is not None and config.plan is not None:
-        config.child_run_id = start_child(parent, config.loaded, config.plan.describe(), config.result, name)
+        config.child = start_child(parent, config.loaded, config.plan.describe(), config.result, name)
 
 
 def measure_config(config: Config, report: BenchReport, parent: Parent | None, pool: WarmPool, which: str) -> None:
     """Repeat one configuration until its figures are steady (or the repeats run out); finish its child run."""
     result = config.result
-    child = config.child_run_id
-    uri = parent.uri if parent is not None else ""
+    child = config.child
     try:
         rows, history, bad = repeats(config, report, pool, which)
     except (Interrupted, KeyboardInterrupt):
         if child is not None:
-            end_run(uri, child, "KILLED")
+            child.end("KILLED")
         raise
     if bad is not None:
         result.status = bad.status
         result.reason = bad.reason
         if child is not None and bad.status == "skipped":
-            delete_run(uri, child)  # a name or kwarg that only fails when built: no stray run
+            child.delete()  # a name or kwarg that only fails when built: no stray run
         elif child is not None:
-            end_run(uri, child, "FAILED", bad.reason)
+            child.end("FAILED", bad.reason)
         return
     combine(result, rows)
-    result.run_id = child
     if child is not None:
-        log_history(uri, child, history)
-        end_run(uri, child, "FINISHED")
+        result.run_id = child.run_id
+        log_history(child, history)
+        child.end("FINISHED")
 
 
 def repeats(

@@ -52,11 +52,11 @@ import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from runner.errors import Interrupted, SpecError, UsageError
 from runner.spec.schema_parallel import MODES, REFERENCE_MODE
-from runner.tracking.runs import delete_run, end_run, start_run
+from runner.tracking.runs import TrackedRun, start_run
 from runner.tracking.trackers import MlflowTracker
 from runner.tracking.uri import resolve_tracking_uri
 
@@ -288,11 +288,10 @@ class ComparedRuns:
     experiment_id: str = ""
 
 
-class Parent(NamedTuple):
+@dataclass(frozen=True)
+class Parent(TrackedRun):
     """The parent run of a bench or parity, in ``experiment`` (``<training experiment>/bench`` for a bench)."""
 
-    uri: str
-    run_id: str
     experiment: str
 
 
@@ -330,18 +329,18 @@ def ending(parent: Parent | None) -> Iterator[dict[str, str | None]]:
         yield outcome
     except BaseException as exc:
         if parent is not None and isinstance(exc, SpecError):
-            delete_run(parent.uri, parent.run_id)
+            parent.delete()
         elif parent is not None:
             killed = isinstance(exc, (Interrupted, KeyboardInterrupt))
             error = None if killed else f"{type(exc).__name__}: {exc}"
-            end_run(parent.uri, parent.run_id, "KILLED" if killed else "FAILED", error)
+            parent.end("KILLED" if killed else "FAILED", error)
         raise
     if parent is not None:
-        end_run(parent.uri, parent.run_id, outcome["status"] or "FINISHED", outcome["error"])
+        parent.end(outcome["status"] or "FINISHED", outcome["error"])
 
 
-def log_history(uri: str, run_id: str, history: Sequence[tuple[int, dict[str, float]]]) -> None:
+def log_history(run: TrackedRun, history: Sequence[tuple[int, dict[str, float]]]) -> None:
     """Log a repeat's metrics, step by step, as the training rank would have."""
-    with MlflowTracker(uri, run_id) as tracker:
+    with MlflowTracker(run) as tracker:
         for step, metrics in history:
             tracker.log_metrics(metrics, step=step)

@@ -34,7 +34,7 @@ from runner.tools.compare import (
     reason,
     start_parent,
 )
-from runner.tracking.runs import record_summary
+from runner.tracking.runs import TrackedRun
 from runner.tracking.uri import ui_line
 
 if TYPE_CHECKING:
@@ -353,24 +353,20 @@ def _meta_model(loaded: LoadedSpec) -> torch.nn.Module | None:
 
 def _record(report: ParityReport, parent: Parent, folder: Path) -> None:
     """The verdict on the parent run (tags, figures, text, JSON, plot) and per-step |Δ| on each child."""
-    uri = parent.uri
-    run_id = parent.run_id
     metrics: dict[str, float] = {}
     for m in [*report.modes[1:], report.control, *([report.reference] if report.reference else [])]:
         figures = {"max_abs_dloss": m.max_loss_delta, "max_abs_dparam": m.max_param_delta}
         shown = {f"parity/{k}": v for k, v in figures.items() if v is not None and math.isfinite(v)}
         metrics.update({f"parity/{m.config}/{k[7:]}": v for k, v in shown.items()})
         if m.run_id is not None:
-            record_summary(uri, m.run_id, metrics=shown)
-            deltas = [(s, {"parity/abs_dloss": d}) for s, d in m.loss_deltas.items() if math.isfinite(d)]
-            log_history(uri, m.run_id, deltas)
+            child = TrackedRun(parent.uri, m.run_id)
+            child.log(metrics=shown)
+            log_history(child, [(s, {"parity/abs_dloss": d}) for s, d in m.loss_deltas.items() if math.isfinite(d)])
     plot = write_plot(report, folder / "parity.png")
     text = report.table()
     tags = {"runner.parity.verdict": report.verdict(), "runner.parity.precision": report.precision}
     tags["runner.parity.summary"] = text[:5000]
-    record_summary(
-        uri,
-        run_id,
+    parent.log(
         metrics=metrics,
         params={"parity.steps": str(report.steps), "parity.precision": report.precision},
         tags=tags,

@@ -58,7 +58,7 @@ from runner.tools.sweep_trials import (
     trials_to_check,
     without_sweep,
 )
-from runner.tracking.runs import delete_run, end_run, experiment_id
+from runner.tracking.runs import TrackedRun, experiment_id
 from runner.tracking.uri import absolute_uri, check_reachable, resolve_tracking_uri
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def _open_study(
         definition,
         found=lambda s: store.create_parent(base, definition, name, url),
         spec_sha256=trial_base.sha256,
-        unfound=lambda run_id: delete_run(store.uri, run_id),  # no trial ever pointed at it
+        unfound=lambda run_id: TrackedRun(store.uri, run_id).delete(),  # no trial ever pointed at it
     )
     notes = []
     if not founded:  # a study another worker created: reopen its parent run; note a trial spec that changed
@@ -220,7 +220,7 @@ def _run_trials(
                 return  # the trial finished before its process died: its run and result stand
             run_id = store.trial_run(study.parent_run_id, number)
             if run_id is not None:
-                end_run(store.uri, run_id, "FAILED", error)
+                TrackedRun(store.uri, run_id).end("FAILED", error)
 
         for error in WorkerPool(study, progress, dead).run(configs):
             echo(f"runner: {first_line(error)}", err=True)

@@ -29,7 +29,7 @@ from runner.spec.loading import load_spec
 from runner.tools.sweep_space import SweepDefinition, SweepStore, Trial, TrialResult
 from runner.tools.sweep_study import SweepStudy, open_storage
 from runner.tools.sweep_trials import OptunaPruning, trial_tags, without_sweep
-from runner.tracking.runs import end_run
+from runner.tracking.runs import TrackedRun
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -331,7 +331,7 @@ def run_trial(study: SweepStudy, store: SweepStore, setup: TrialSetup, trial: op
         echo(f"runner: {why}", err=True)
         if result.run_id is not None:
             with contextlib.suppress(Exception):  # a store in trouble: the note above is said all the same
-                end_run(store.uri, result.run_id, "KILLED", why)
+                TrackedRun(store.uri, result.run_id).end("KILLED", why)
     return result
 
 

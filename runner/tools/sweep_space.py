@@ -294,18 +294,20 @@ class SweepStore:
             base, {"mode": "sweep"}, parent_run_name(base.spec.name), tags, uri=self.uri, experiment=self.experiment
         )
         texts = {"sweep.json": json.dumps(sweep_json, indent=2, default=str) + "\n"}
+        parent = runs.TrackedRun(self.uri, run.run_id)
         try:
-            runs.record_summary(self.uri, run.run_id, params=params, texts=texts)
+            parent.log(params=params, texts=texts)
         except BaseException:
-            runs.delete_run(self.uri, run.run_id)
+            parent.delete()
             raise
         return run.run_id
 
     def reopen(self, run_id: str) -> None:
         """Mark the parent RUNNING again when a worker joins a stopped sweep."""
-        record = runs.find_run(self.uri, run_id)
+        parent = runs.TrackedRun(self.uri, run_id)
+        record = parent.find()
         if record is not None and record.status != "RUNNING":
-            runs.mark_running(self.uri, run_id)
+            parent.reopen(resumed=False)
 
     def trial_runs(self, parent_id: str, number: int) -> list[RunRecord]:
         """The child runs of Optuna trial ``number``, newest first (the first is its latest attempt's)."""
@@ -323,11 +325,11 @@ class SweepStore:
             for run in self.trial_runs(parent_id, number):
                 if run.status == "RUNNING":
                     why = f"trial {number} was taken over by another worker: its worker stopped sending heartbeats"
-                    runs.end_run(self.uri, run.run_id, "KILLED", why)
+                    runs.TrackedRun(self.uri, run.run_id).end("KILLED", why)
 
     def mark_pruned(self, run_id: str, epoch: int) -> None:
         """Tag a trial's run as pruned after ``epoch`` (its status stays FINISHED; docs/design.md §16)."""
-        runs.record_summary(self.uri, run_id, tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
+        runs.TrackedRun(self.uri, run_id).log(tags={PRUNED_TAG: "true", "runner.sweep.pruned_epoch": str(epoch)})
 
     def end(self, run_id: str, status: str, error: str | None, report: SweepReport, plots: Sequence[Path] = ()) -> None:
         """Record the best trial, the report and the plots on the parent run, then end it with ``status``."""
@@ -339,10 +341,9 @@ class SweepStore:
             tags["runner.sweep.best_run_id"] = best.run_id or ""
             tags["runner.sweep.best_trial"] = str(best.index)
         texts = {"sweep_report.json": json.dumps(report.to_json(), indent=2, default=str) + "\n"}
-        runs.record_summary(
-            self.uri, run_id, metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots"
-        )
-        runs.end_run(self.uri, run_id, status, error)
+        parent = runs.TrackedRun(self.uri, run_id)
+        parent.log(metrics=metrics, tags=tags, texts=texts, files=list(plots), files_dir="plots")
+        parent.end(status, error)
 
 
 def parent_run_name(name: str) -> str:

@@ -1,16 +1,16 @@
-"""MLflow runs: create one with its spec and provenance, end, delete, reopen and look runs up.
+"""MLflow runs: create one with its spec and provenance; the run handle (``TrackedRun``) records into it, ends,
+reopens, deletes and reads it back.
 
 A child run points at its parent with the tag ``mlflow.parentRunId``, which the MLflow UI
 nests. The parent-run functions know nothing of sweeps or benches: the tools give them names,
 tags, params, metrics and texts, and find the children with ``runner.tracking.stored.search_runs``.
 
-Only ``mlflow.tracking.MlflowClient`` is used, always with an explicit run id, so
-runs never depend on MLflow's fluent "active run" stack. Every module of ``runner/tracking/`` gets the
-process's one client of a store from ``runner.tracking.uri.client_for(uri)``, and maps MLflow's errors onto
-``TrackingError`` with ``runner.errors.store_errors`` (MLflow's own message; runner's errors pass through). Where
-the store is lives in
-``runner.tracking.uri``, what a run records about its origin in ``runner.tracking.tags``,
-the trackers that log a run's metrics in ``runner.tracking.trackers``. mlflow and torch
+Only ``mlflow.tracking.MlflowClient`` is used, always with an explicit run id, so runs never depend on MLflow's
+fluent "active run" stack. A run is reached through its handle, which holds the process's one client of the store
+(``runner.tracking.uri.client_for``) and maps MLflow's errors onto ``TrackingError`` with
+``runner.errors.store_errors`` (MLflow's own message; runner's errors pass through), so no caller carries a URI
+beside a run id. Where the store is lives in ``runner.tracking.uri``, what a run records about its origin in
+``runner.tracking.tags``, the trackers that log a run's metrics in ``runner.tracking.trackers``. mlflow and torch
 are imported inside functions, never when this module is imported.
 """
 
@@ -160,7 +160,7 @@ def start_run(
     nested: bool = False,
     experiment: str | None = None,
 ) -> RunRecord:
-    """Create the MLflow run and record its spec, provenance and plan; it is RUNNING until :func:`end_run`.
+    """Create the MLflow run and record its spec, provenance and plan; it is RUNNING until :meth:`TrackedRun.end`.
 
     An explicit run id, without MLflow's fluent run. Params are the keys that apply; tags from :func:`run_tags`;
     artifacts ``spec/`` and ``git/``. A failure after creation marks the run FAILED first. ``nested`` allows an active
@@ -180,7 +180,7 @@ def start_run(
         experiment_id = ensure_experiment(client, experiment_name, uri)
         run = client.create_run(experiment_id, tags=tags, run_name=run_name)
     try:
-        record_summary(uri, run.info.run_id, params=params, texts=texts)
+        TrackedRun(uri, run.info.run_id).log(params=params, texts=texts)
     except TrackingError:
         with contextlib.suppress(Exception):  # the original error matters more
             set_terminated(client, run.info.run_id, "FAILED")
@@ -220,19 +220,132 @@ def _error_tag(error: str) -> str:
     )
 
 
-def end_run(uri: str, run_id: str, status: str, error: str | None = None) -> None:
-    """Give a run its terminal ``status``; ``error`` goes whole to ``error.txt``, cut into the description, and its
-    naming line into tag ``runner.error``. Raises ValueError for another status, TrackingError when MLflow rejects
-    it."""
-    if status not in TERMINAL_STATUSES:
-        raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
-    client = client_for(uri)
-    error = mask_secrets(error) if error else error
-    with store_errors(f"end MLflow run {run_id} at {uri} with status {status}"):
-        if error:
-            tag_run(client, run_id, {"runner.error": first_line(error)}, {"error": _error_tag(error)})
-            client.log_text(run_id, error if error.endswith("\n") else error + "\n", "error.txt")
-        set_terminated(client, run_id, status)
+@dataclass(frozen=True)
+class TrackedRun:
+    """One MLflow run, by its store and id: the handle through which runner records into a run, ends, reopens,
+    deletes and reads it back. It owns the process's client of the store (``client_for``) and maps the store's
+    errors onto TrackingError naming the run and the store (``store_errors``), so no caller passes a URI beside a
+    run id or words that error itself. The driver makes it once the run exists and hands it down."""
+
+    uri: str
+    run_id: str
+
+    @property
+    def client(self) -> MlflowClient:
+        return client_for(self.uri)
+
+    def errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        """Map the store's errors while ``doing`` (``"end"``, ``"log to"`` ...) this run onto TrackingError."""
+        return store_errors(f"{doing} MLflow run {self.run_id} at {self.uri}")
+
+    def find(self) -> RunRecord | None:
+        """The run's record, or ``None`` (no such run, or deleted); TrackingError when the store cannot be read."""
+        from mlflow.exceptions import MlflowException
+
+        with self.errors("read"):
+            try:
+                run = self.client.get_run(self.run_id)
+            except MlflowException as exc:
+                if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such run, or no id
+                    return None
+                raise
+        return None if run.info.lifecycle_stage == "deleted" else run_record(run)
+
+    def record(self) -> RunRecord:
+        """:meth:`find`'s record; UsageError for no such run (or a deleted one)."""
+        found = self.find()
+        if found is None:
+            raise UsageError(
+                f"{self.run_id}: no such run at {self.uri}, or it is deleted (copy the run id from the MLflow UI)"
+            )
+        return found
+
+    def log(
+        self,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        params: Mapping[str, str] | None = None,
+        tags: Mapping[str, str] | None = None,
+        texts: Mapping[str, str] | None = None,
+        files: Sequence[str | Path] = (),
+        files_dir: str | None = None,
+        step: int = 0,
+        remarks: Mapping[str, str] | None = None,
+    ) -> None:
+        """Log to the run in a few requests: metrics at ``step``, params, tags, texts, files under ``files_dir``, and
+        ``remarks`` added to its description (credentials masked); TrackingError when MLflow rejects them."""
+        from mlflow.entities import Metric, Param
+
+        open_store(self.uri)  # the first use of a new sqlite store creates it, under its lock
+        now = int(time.time() * 1000)
+        client = self.client
+        with self.errors("log to"):
+            client.log_batch(
+                self.run_id,
+                metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+                params=[Param(k, mask_secrets(v)) for k, v in (params or {}).items()],
+                synchronous=True,  # MLflow splits it into requests within its limits
+            )
+            for artifact_file, text in (texts or {}).items():
+                client.log_text(self.run_id, mask_secrets(text), artifact_file)
+            for file in files:
+                client.log_artifact(self.run_id, str(file), files_dir)
+            if tags or remarks:  # the column rule of runner.* tags, as every tag runner writes
+                masked = [{k: mask_secrets(v) for k, v in m.items()} for m in (tags or {}, remarks or {})]
+                tag_run(client, self.run_id, *masked)
+
+    def end(self, status: str, error: str | None = None) -> None:
+        """Give the run its terminal ``status``; ``error`` goes whole to ``error.txt``, cut into the description, and
+        its naming line into tag ``runner.error``. Raises ValueError for another status, TrackingError when MLflow
+        rejects it."""
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
+        error = mask_secrets(error) if error else error
+        with self.errors(f"end (status {status})"):
+            if error:
+                tag_run(self.client, self.run_id, {"runner.error": first_line(error)}, {"error": _error_tag(error)})
+                self.client.log_text(self.run_id, error if error.endswith("\n") else error + "\n", "error.txt")
+            set_terminated(self.client, self.run_id, status)
+
+    def reopen(self, spec_change: str | None = None, *, resumed: bool = True) -> None:
+        """Mark the stopped run RUNNING again: a resumed job (counted in tag ``runner.resume.count``, ``spec_change`` in
+        tag ``runner.resume.spec_change``), or a parent whose children run again (``resumed=False``)."""
+        client = self.client
+        with self.errors("reopen"):
+            client.update_run(self.run_id, status="RUNNING")
+            if not resumed:
+                return
+            count = int(client.get_run(self.run_id).data.tags.get("runner.resume.count", "0")) + 1
+            client.set_tag(self.run_id, "runner.resume.count", str(count))
+            if spec_change:
+                tag_run(client, self.run_id, {"runner.resume.spec_change": spec_change}, {"spec change": spec_change})
+
+    def delete(self) -> None:
+        """Delete a run that never trained (its spec did not build), leaving not even a deleted run where the store
+        allows it: a database or file store purges it and its artifacts as ``mlflow gc`` does; a server only marks it
+        deleted (its ``mlflow gc`` purges). TrackingError when rejected."""
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        with self.errors("delete"):
+            client = self.client
+            client.delete_run(self.run_id)
+            store = client._tracking_client.store
+            if hasattr(store, "_hard_delete_run"):
+                get_artifact_repository(client.get_run(self.run_id).info.artifact_uri).delete_artifacts()
+                store._hard_delete_run(self.run_id)
+
+    def experiment_id(self) -> str:
+        """The id of the run's experiment, or ``""`` when the store does not say (a link is then left out)."""
+        try:
+            return str(self.client.get_run(self.run_id).info.experiment_id)
+        except Exception:  # only for a printed link: the run's own outcome is already recorded
+            return ""
+
+    def last_logged_steps(self) -> dict[str, int]:
+        """The highest step logged for every metric of the run, so a resumed job never logs a step twice."""
+        client = self.client
+        keys = client.get_run(self.run_id).data.metrics.keys()
+        return {k: max((m.step for m in client.get_metric_history(self.run_id, k)), default=-1) for k in keys}
 
 
 def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
@@ -244,75 +357,7 @@ def set_terminated(client: MlflowClient, run_id: str, status: str) -> None:
     client._tracking_client.store.update_run_info(run_id, RunStatus.from_string(status), stamp, None)
 
 
-def find_run(uri: str, run_id: str) -> RunRecord | None:
-    """The run ``run_id`` at ``uri``, or ``None`` (a deleted run too); TrackingError when the store cannot be read."""
-    from mlflow.exceptions import MlflowException
-
-    with store_errors(f"read MLflow run {run_id} at {uri}"):
-        try:
-            run = client_for(uri).get_run(run_id)
-        except MlflowException as exc:
-            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such run, or no run id
-                return None
-            raise
-    return None if run.info.lifecycle_stage == "deleted" else run_record(run)
-
-
-def run_info(uri: str, run_id: str) -> RunRecord:
-    """:func:`find_run`'s record; UsageError for no such run (or a deleted one)."""
-    record = find_run(uri, run_id)
-    if record is None:
-        raise UsageError(f"{run_id}: no such run at {uri}, or it is deleted (copy the run id from the MLflow UI)")
-    return record
-
-
-def delete_run(uri: str, run_id: str) -> None:
-    """Delete a run that never trained (its spec did not build), leaving not even a deleted run where the store allows
-    it: a database or file store purges it and its artifacts as ``mlflow gc`` does; a server only marks it deleted
-    (its ``mlflow gc`` purges). TrackingError when rejected."""
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-    with store_errors(f"delete MLflow run {run_id} at {uri}"):
-        client = client_for(uri)
-        client.delete_run(run_id)
-        store = client._tracking_client.store
-        if hasattr(store, "_hard_delete_run"):
-            get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts()
-            store._hard_delete_run(run_id)
-
-
-def experiment_id_of(uri: str, run_id: str) -> str:
-    """The id of ``run_id``'s experiment, or ``""`` when the store does not say (a link is then left out)."""
-    try:
-        return str(client_for(uri).get_run(run_id).info.experiment_id)
-    except Exception:  # only for a printed link: the run's own outcome is already recorded
-        return ""
-
-
-def reopen_run(uri: str, run_id: str, spec_change: str | None = None) -> None:
-    """Mark a stopped run RUNNING again for a resumed job; ``spec_change`` goes to tag ``runner.resume.spec_change``."""
-    client = client_for(uri)
-    with store_errors(f"reopen MLflow run {run_id} at {uri}"):
-        client.update_run(run_id, status="RUNNING")
-        count = int(client.get_run(run_id).data.tags.get("runner.resume.count", "0")) + 1
-        client.set_tag(run_id, "runner.resume.count", str(count))
-        if spec_change:
-            tag_run(client, run_id, {"runner.resume.spec_change": spec_change}, {"spec change": spec_change})
-
-
-def last_logged_steps(uri: str, run_id: str) -> dict[str, int]:
-    """The highest step logged for every metric of a run, so a resumed job never logs a step twice."""
-    client = client_for(uri)
-    keys = client.get_run(run_id).data.metrics.keys()
-    return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1) for key in keys}
-
-
 # ----------------------------------------------------------------------------- parent runs (docs/design.md)
-
-
-def _opened(uri: str) -> MlflowClient:
-    open_store(uri)  # the first use of a new sqlite store creates it, under its lock
-    return client_for(uri)
 
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -320,45 +365,6 @@ PARENT_TAG = "mlflow.parentRunId"
 
 def experiment_id(uri: str, experiment: str) -> str:
     """Id of experiment ``experiment`` at ``uri``, created when missing; TrackingError if deleted or rejected."""
+    open_store(uri)  # the first use of a new sqlite store creates it, under its lock
     with store_errors(f"open MLflow experiment {experiment!r} at {uri}"):
-        return ensure_experiment(_opened(uri), experiment, uri)
-
-
-def record_summary(
-    uri: str,
-    run_id: str,
-    *,
-    metrics: Mapping[str, float] | None = None,
-    params: Mapping[str, str] | None = None,
-    tags: Mapping[str, str] | None = None,
-    texts: Mapping[str, str] | None = None,
-    files: Sequence[str | Path] = (),
-    files_dir: str | None = None,
-    step: int = 0,
-    remarks: Mapping[str, str] | None = None,
-) -> None:
-    """Log to a run in a few requests: metrics at ``step``, params, tags, texts, files under ``files_dir``, and
-    ``remarks`` added to its description (credentials masked); TrackingError when MLflow rejects them."""
-    from mlflow.entities import Metric, Param
-
-    client, now = _opened(uri), int(time.time() * 1000)
-    with store_errors(f"log to run {run_id} at {uri}"):
-        client.log_batch(
-            run_id,
-            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
-            params=[Param(k, mask_secrets(v)) for k, v in (params or {}).items()],
-            synchronous=True,  # MLflow splits it into requests within its limits
-        )
-        for artifact_file, text in (texts or {}).items():
-            client.log_text(run_id, mask_secrets(text), artifact_file)
-        for file in files:
-            client.log_artifact(run_id, str(file), files_dir)
-        if tags or remarks:  # the column rule of runner.* tags, as every tag runner writes
-            masked = [{k: mask_secrets(v) for k, v in m.items()} for m in (tags or {}, remarks or {})]
-            tag_run(client, run_id, *masked)
-
-
-def mark_running(uri: str, run_id: str) -> None:
-    """Set a stopped run RUNNING again (a parent whose children run again); TrackingError when rejected."""
-    with store_errors(f"reopen MLflow run {run_id} at {uri}"):
-        _opened(uri).update_run(run_id, status="RUNNING")
+        return ensure_experiment(client_for(uri), experiment, uri)

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from runner.errors import store_errors
-from runner.tracking.runs import end_run, last_logged_steps
-from runner.tracking.uri import client_for
+from runner.tracking.runs import TrackedRun
 
 SPOOL_NAME = "metrics-spool.jsonl"
 
@@ -115,9 +114,7 @@ class Sent:
     ended: str | None = None
 
 
-def send_spool(
-    uri: str, run_id: str, path: Path, *, before_seq: int | None = None, apply_end: bool = True
-) -> Sent | None:
+def send_spool(run: TrackedRun, path: Path, *, before_seq: int | None = None, apply_end: bool = True) -> Sent | None:
     """Send a spool to the run and remove it; ``None`` without a spool file.
 
     ``before_seq`` sends only values recorded before a resume's checkpoint; ``apply_end`` sets the recorded final
@@ -128,16 +125,16 @@ def send_spool(
     if not path.is_file():
         return None
     contents, _ = read(path)
-    with store_errors(f"send the metrics kept in {path} to run {run_id} at {uri}"):
-        last = last_logged_steps(uri, run_id)
+    with store_errors(f"send the metrics kept in {path} to run {run.run_id} at {run.uri}"):
+        last = run.last_logged_steps()
         wanted = [i for i in contents.items if before_seq is None or i.seq < before_seq]
         fresh = [i for i in wanted if i.step > last.get(i.key, -1)]
         metrics = [Metric(i.key, i.value, i.timestamp, i.step) for i in fresh]
         tags = [RunTag(k, v) for k, v in contents.tags.items()]
-        client_for(uri).log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)  # split within MLflow's limits
+        run.client.log_batch(run.run_id, metrics=metrics, tags=tags, synchronous=True)  # split within MLflow's limits
     ended = None
     if apply_end and contents.end is not None:
-        end_run(uri, run_id, contents.end[0], contents.end[1])
+        run.end(*contents.end)
         ended = contents.end[0]
     path.unlink(missing_ok=True)
     return Sent(len(fresh), len(contents.items) - len(fresh), ended)

@@ -3,7 +3,7 @@
 ``runner resume``, ``runner reproduce`` and ``runner diff`` start from a run id alone: the spec a
 run trained with is its artifact ``spec/resolved.toml`` (every default written out, paths absolute),
 and ``spec/plan.json`` names the spec file it came from. Runs are read back as ``runner.tracking.runs.RunRecord``,
-one by id (``runner.tracking.runs.find_run``) or by experiment, tags and status (``search_runs``), so no
+one by id (``runner.tracking.runs.TrackedRun.find``) or by experiment, tags and status (``search_runs``), so no
 MLflow object leaves the package. mlflow is imported inside functions.
 """
 
@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from runner.devices.inventory import scoped_environ
 from runner.errors import UsageError, store_errors
-from runner.tracking.runs import RunRecord, find_run, run_info, run_record
+from runner.tracking.runs import RunRecord, TrackedRun, run_record
 from runner.tracking.tags import PLAN, RESOLVED
 from runner.tracking.uri import (
     absolute_uri,
     check_reachable,
     client_for,
-    default_checkpoint_dir,
     default_tracking_uri,
     local_store_missing,
 )
@@ -61,24 +60,25 @@ def store_uri(given: str | None) -> str:
     return absolute_uri(given) if given else default_tracking_uri()
 
 
-def read_stored_run(uri: str, run_id: str) -> StoredRun:
-    """Read run ``run_id`` and its stored spec. Raises TrackingError: The store cannot be reached. UsageError: No such
-    run (or deleted), or no ``spec/resolved.toml``; naming the run and store."""
-    where = f"at {uri}"
-    if local_store_missing(uri):
+def read_stored_run(run: TrackedRun) -> StoredRun:
+    """Read ``run`` and its stored spec. Raises TrackingError: The store cannot be reached. UsageError: No such run
+    (or deleted), or no ``spec/resolved.toml``; naming the run and store."""
+    run_id = run.run_id
+    where = f"at {run.uri}"
+    if local_store_missing(run.uri):
         raise UsageError(f"no run {run_id} {where}: there is no tracking store there; {STORE_HINT}")
-    check_reachable(uri)
-    record = find_run(uri, run_id)
+    check_reachable(run.uri)
+    record = run.find()
     if record is None:
         raise UsageError(f"no run {run_id} {where}: copy the run id from the MLflow UI; {STORE_HINT}")
-    texts = _download_texts(client_for(uri), run_id, (RESOLVED, PLAN))
+    texts = _download_texts(run.client, run_id, (RESOLVED, PLAN))
     if RESOLVED not in texts:
         raise UsageError(_not_an_exec_run(run_id, where, record.tags))
     plan = _json_object(texts.get(PLAN, ""))
     spec_path = Path(str(plan.get("spec") or record.tags.get("runner.spec.path") or "spec.toml"))
     return StoredRun(
         **vars(record),
-        uri=uri,
+        uri=run.uri,
         resolved_text=texts[RESOLVED],
         spec_path=spec_path if spec_path.is_absolute() else Path.cwd() / spec_path,
         plan=plan,
@@ -132,15 +132,13 @@ def _json_object(text: str) -> dict[str, Any]:
 CHECKPOINT_DIR_TAG = "runner.checkpoint_dir"
 
 
-def run_checkpoint_dir(uri: str, run_id: str, spec_dir: str | None, tags: Mapping[str, str] | None = None) -> Path:
-    """Where ``run_id`` keeps its checkpoints, from any working directory.
-
-    The default folder beside a sqlite store when it exists, else the tag ``runner.checkpoint_dir``.
-    """
-    default = default_checkpoint_dir(uri, spec_dir, run_id)
+def run_checkpoint_dir(run: TrackedRun, root: Path, tags: Mapping[str, str] | None = None) -> Path:
+    """Where ``run`` keeps its checkpoints, from any working directory: its folder under the plan's ``root`` when it
+    exists, else the tag ``runner.checkpoint_dir`` (of ``tags``, else read from the run)."""
+    default = root / run.run_id
     if default.is_dir():
         return default
-    tagged = (run_info(uri, run_id).tags if tags is None else tags).get(CHECKPOINT_DIR_TAG)
+    tagged = (run.record().tags if tags is None else tags).get(CHECKPOINT_DIR_TAG)
     return Path(tagged) if tagged else default
 
 
@@ -207,14 +205,13 @@ def with_normalization(
 
 
 @contextlib.contextmanager
-def _tracking_uri(uri: str | None) -> Iterator[None]:
+def _tracking_uri(uri: str) -> Iterator[None]:
     """Point MLflow's fluent API at ``uri`` for the duration (``mlflow.pytorch.log_model`` reads it), then restore."""
     import mlflow
     from mlflow.tracking._tracking_service import utils
 
     before_uri, before_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is not None:
-        mlflow.set_tracking_uri(uri)
+    mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
@@ -242,15 +239,14 @@ def _served(
 
 
 def log_model(
-    uri: str | None,
-    run_id: str,
+    run: TrackedRun,
     model: torch.nn.Module,
     example: torch.Tensor | dict[str, torch.Tensor],
     *,
     step: int = 0,
     normalization: tuple[float, float] | None = None,
 ) -> None:
-    """Log the unwrapped model as a LoggedModel of ``run_id``, linked to the metrics at ``step``.
+    """Log the unwrapped model as a LoggedModel of ``run``, linked to the metrics at ``step``.
 
     ``create_logged_model`` then ``mlflow.pytorch.log_model(model_id=...)``, without MLflow's fluent run stack. The
     model is pickled (``pt2`` needs a traceable forward). ``example`` is one input before normalisation (a tensor or a
@@ -258,18 +254,17 @@ def log_model(
     """
     import mlflow.pytorch
 
-    client = client_for(uri)
-    run = client.get_run(run_id)
+    found = run.client.get_run(run.run_id)
     served, shown, signature = _served(model, example, normalization)
-    logged = client.create_logged_model(
-        run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id, params=dict(run.data.params)
+    logged = run.client.create_logged_model(
+        found.info.experiment_id, name=MODEL_NAME, source_run_id=run.run_id, params=dict(found.data.params)
     )
-    with _tracking_uri(uri):
+    with _tracking_uri(run.uri):
         mlflow.pytorch.log_model(
             served,
             name=MODEL_NAME,
             model_id=logged.model_id,
-            run_id=run_id,
+            run_id=run.run_id,
             step=step,
             input_example=shown,
             signature=signature,
@@ -293,19 +288,18 @@ class DatasetRecord:
     input_shape: tuple[int, ...]
 
 
-def record_data(uri: str, run_id: str, records: list[DatasetRecord], val_split_sha256: str | None) -> None:
+def record_data(run: TrackedRun, records: list[DatasetRecord], val_split_sha256: str | None) -> None:
     """Log the data's parts as dataset inputs and tag the validation split's fingerprint; TrackingError if rejected."""
     from mlflow.entities import DatasetInput, InputTag
 
     inputs = [DatasetInput(_dataset(r), tags=[InputTag("mlflow.data.context", r.context)]) for r in records]
-    client = client_for(uri)
-    with store_errors(f"record the datasets of run {run_id} at {uri}"):
+    with run.errors("record the datasets of"):
         for attempt in range(ATTEMPTS):
             try:
                 if inputs:
-                    client.log_inputs(run_id, datasets=inputs)
+                    run.client.log_inputs(run.run_id, datasets=inputs)
                 if val_split_sha256:
-                    client.set_tag(run_id, VAL_SPLIT_TAG, val_split_sha256)
+                    run.client.set_tag(run.run_id, VAL_SPLIT_TAG, val_split_sha256)
                 return
             except Exception as exc:
                 # Runs of one experiment logging the same dataset at once (sweep workers) race on its row: the

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runner.errors import STORE_LEFT_HANGING, TrackingError, mask_secrets
 from runner.tracking import spool as spool_file
+from runner.tracking.runs import TrackedRun
 from runner.tracking.spool import Item
 from runner.tracking.tags import param_value
-from runner.tracking.uri import client_for
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -51,8 +51,7 @@ class MlflowTracker:
 
     def __init__(
         self,
-        uri: str,
-        run_id: str,
+        run: TrackedRun,
         flush_every_s: float = 5.0,
         max_batch: int = MAX_BATCH,
         *,
@@ -63,13 +62,13 @@ class MlflowTracker:
     ):
         if flush_every_s <= 0:
             raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
-        self.uri = uri
-        self.run_id = run_id
+        self.uri = run.uri
+        self.run_id = run.run_id
         self.spool = spool
         self.flush_every_s, self.spill_after_s = float(flush_every_s), float(spill_after_s)
         self.max_batch = max(1, min(int(max_batch), MAX_BATCH))
         self.max_memory = max(self.max_batch, int(max_memory))
-        self._client = client_for(uri)
+        self._client = run.client
         # a failed batch is reported by flush/close (masked) or spooled, not logged by MLflow's thread on each try
         logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
         self._lock = threading.RLock()  # MLflow may complete a batch inside the call that hands it over
@@ -409,11 +408,11 @@ def _skip_exit_drain(client: Any) -> None:
         atexit.unregister(drain)
 
 
-def start_system_metrics(uri: str | None, run_id: str, resumed: bool) -> SystemMetricsMonitor:
+def start_system_metrics(run: TrackedRun, resumed: bool) -> SystemMetricsMonitor:
     """Start MLflow's system metrics monitor (``mlflow.system_metrics``); the caller calls ``finish()``."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(run_id, tracking_uri=uri, resume_logging=resumed)
+    monitor = SystemMetricsMonitor(run.run_id, tracking_uri=run.uri, resume_logging=resumed)
     monitor.start()
     return monitor
 
@@ -460,4 +459,4 @@ class NullTracker:
 
 if TYPE_CHECKING:  # mypy checks here that every tracker implements the protocol; nothing runs
     _null: Tracker = NullTracker()
-    _buffered: Tracker = MlflowTracker("", "")
+    _buffered: Tracker = MlflowTracker(TrackedRun("", ""))

@@ -131,13 +131,13 @@ def sqlite_path(uri: str) -> Path | None:
     return local[1] if local is not None and local[0] == "sqlite" else None
 
 
-def default_checkpoint_dir(tracking_uri: str | None, spec_dir: str | None, run_key: str) -> Path:
-    """The absolute folder of one run's checkpoints: ``checkpoint.dir``, else beside a sqlite or file store, else the
-    working directory; ``/checkpoints/<run_key>`` below it."""
+def checkpoint_root(tracking_uri: str | None, spec_dir: str | None) -> Path:
+    """The absolute folder that holds each run's checkpoint folder (named by its run id): ``checkpoint.dir``, else
+    ``checkpoints/`` beside a sqlite or file store, else in the working directory."""
     if spec_dir:
-        return Path(spec_dir) / run_key
+        return Path(spec_dir)
     local = local_store_path(tracking_uri) if tracking_uri else None
-    return ((local[1].parent if local is not None else Path.cwd()) / "checkpoints" / run_key).resolve()
+    return ((local[1].parent if local is not None else Path.cwd()) / "checkpoints").resolve()
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:

@@ -470,13 +470,6 @@ def build_payload(
     }
 
 
-def spec_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys that differ between two flattened specs, leaving out those that cannot change results."""
-    quiet = ("tracking.", "train.progress", "checkpoint.", "description")
-    keys = set(saved) | set(current)
-    return sorted(k for k in keys if not k.startswith(quiet) and saved.get(k) != current.get(k))
-
-
 def _fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from runner.cli import main
 from runner.errors import UsageError
 from runner.launch.resume import OWNER_FILE, Owner, claim_run, drop_claim, settle, take_claim
+from runner.tracking.runs import TrackedRun
 
 REPO = Path(__file__).parents[2]
 
@@ -49,17 +50,17 @@ def test_a_running_run_whose_owner_died_is_marked_killed(ready_store: str) -> No
     orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
     alive = _run_owned_by(ready_store, me)
     remote = _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0))
-    settled = settle(ready_store, orphan)
+    settled = settle(TrackedRun(ready_store, orphan))
     assert settled.marked_killed and settled.status == "KILLED"
     assert f"continue it with: runner resume {orphan} --tracking-uri {ready_store}" in settled.line()
     assert "runner exec" not in settled.line()  # `exec SPEC --resume` would drop the run's --set values
     run = MlflowClient(ready_store).get_run(orphan)
     assert run.info.status == "KILLED" and "is gone and never ended the run" in run.data.tags["runner.error"]
     assert (
-        settle(ready_store, alive).status == "RUNNING"
+        settle(TrackedRun(ready_store, alive)).status == "RUNNING"
         and MlflowClient(ready_store).get_run(alive).info.status == "RUNNING"
     )
-    far = settle(ready_store, remote)
+    far = settle(TrackedRun(ready_store, remote))
     assert far.status == "RUNNING" and "this host cannot tell whether it is alive" in far.line()
 
 
@@ -86,13 +87,17 @@ def test_resume_refuses_a_run_whose_owner_lives_and_takes_over_an_orphan(ready_s
     me = Owner.this_process()
     alive = _run_owned_by(ready_store, me)
     with pytest.raises(UsageError, match=rf"still RUNNING in pid {me.pid} on host .*kill -TERM {me.pid}"):
-        claim_run(ready_store, alive, tmp_path / "alive")
+        claim_run(TrackedRun(ready_store, alive), tmp_path / "alive")
     orphan = _run_owned_by(ready_store, Owner(me.host, _dead_pid(), me.start_time))
-    (note,) = claim_run(ready_store, orphan, tmp_path / "orphan")
+    (note,) = claim_run(TrackedRun(ready_store, orphan), tmp_path / "orphan")
     assert "which is gone: marked KILLED" in note
     assert MlflowClient(ready_store).get_run(orphan).info.status == "KILLED"
-    assert claim_run(ready_store, _run_owned_by(ready_store, me, status="KILLED"), tmp_path / "killed") == []
-    (note,) = claim_run(ready_store, _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0)), tmp_path / "far")
+    assert (
+        claim_run(TrackedRun(ready_store, _run_owned_by(ready_store, me, status="KILLED")), tmp_path / "killed") == []
+    )
+    (note,) = claim_run(
+        TrackedRun(ready_store, _run_owned_by(ready_store, Owner("elsewhere.example", 1, 0.0))), tmp_path / "far"
+    )
     assert "cannot tell whether it is alive: continuing" in note
     for folder in ("orphan", "killed", "far"):
         drop_claim(tmp_path / folder)

@@ -213,15 +213,16 @@ def test_an_unusable_checkpoint_dir_exits_2_before_the_run(write_spec, tmp_path:
 
 def test_a_file_in_the_way_of_checkpoint_dir_is_named_and_nothing_is_left_behind(write_spec, tmp_path: Path) -> None:
     from runner.launch.prebuild import check_checkpoint_folder
+    from runner.plan import make_plan
 
     (tmp_path / "taken").write_text("a file")
     path = write_spec('[checkpoint]\ndir = "taken/ckpt"\n')
     with pytest.raises(SpecError, match=r"checkpoint.dir: dir = .* is a file, not a folder"):
-        check_checkpoint_folder(load_spec(path), None)
+        check_checkpoint_folder(make_plan(load_spec(path)))
     before = sorted(p.name for p in tmp_path.iterdir())
-    check_checkpoint_folder(load_spec(path, ('checkpoint.dir="fine/ckpt"',)), None)
+    check_checkpoint_folder(make_plan(load_spec(path, ('checkpoint.dir="fine/ckpt"',))))
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # the probe folder is gone, nothing was created
-    check_checkpoint_folder(load_spec(path, ("checkpoint.enabled=false",)), None)  # no checkpoints: not checked
+    check_checkpoint_folder(make_plan(load_spec(path, ("checkpoint.enabled=false",))))  # no checkpoints: not checked
 
 
 @pytest.mark.integration  # starts several processes: the driver's training child

@@ -10,7 +10,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import main
 from runner.launch.resume import Owner
-from runner.tracking.uri import default_checkpoint_dir
+from runner.tracking.runs import TrackedRun
+from runner.tracking.uri import checkpoint_root
 
 pytestmark = pytest.mark.created_store
 
@@ -60,10 +61,10 @@ def test_resume_last_without_a_candidate_says_what_qualifies(write_spec, store, 
 
 def test_resuming_a_failed_run_without_a_checkpoint_points_to_reproduce(write_spec, store, capsys):
     from runner.spec.loading import load_spec
-    from runner.tracking.runs import end_run, start_run
+    from runner.tracking.runs import start_run
 
     run_id = start_run(load_spec(write_spec()), {}, uri=store).run_id
-    end_run(store, run_id, "FAILED")
+    TrackedRun(store, run_id).end("FAILED")
     assert main(["resume", run_id, "--tracking-uri", store]) == 2
     err = capsys.readouterr().err
     assert "nothing to resume: no checkpoint in" in err
@@ -76,13 +77,13 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
 
     from runner.spec.dump import flatten_spec
     from runner.spec.loading import load_spec
-    from runner.tracking.runs import end_run, start_run
+    from runner.tracking.runs import start_run
     from runner.training import checkpoint as ckpt
     from runner.training.loop import TrainState
 
     loaded = load_spec(spec_path)
     run_id = start_run(loaded, {}, uri=store).run_id
-    end_run(store, run_id, "KILLED")
+    TrackedRun(store, run_id).end("KILLED")
     model = torch.nn.Linear(2, 2)
     payload = ckpt.build_payload(
         scheduler=None,
@@ -94,7 +95,7 @@ def _killed_run_with_checkpoint(spec_path, store: str) -> str:
         run_id=run_id,
     )
     shards = {"model": model.state_dict(), "optimizer": {}}
-    ckpt.save_checkpoint(default_checkpoint_dir(store, None, run_id), shards, payload, 5, 2, barrier=lambda: None)
+    ckpt.save_checkpoint(checkpoint_root(store, None) / run_id, shards, payload, 5, 2, barrier=lambda: None)
     return run_id
 
 
@@ -108,7 +109,7 @@ def test_an_inactive_key_is_no_change_on_resume_but_an_active_one_is(write_spec,
     run_id = _killed_run_with_checkpoint(spec, store)
     inert = load_spec(spec, ["parallel.nproc_per_node=2", "parallel.backend=gloo"])
     point = prepare_resume(make_plan(inert), run_id)
-    assert point.run_id == run_id and point.changes == {}
+    assert point.run.run_id == run_id and point.changes == {}
     changed = load_spec(spec, ["parallel.nproc_per_node=2", "optim.lr=0.5"])
     with pytest.raises(SpecError, match=r"optim\.lr: differs from the resumed run") as caught:
         prepare_resume(make_plan(changed), run_id)
@@ -146,7 +147,7 @@ def test_only_the_node_that_owns_the_run_claims_it_on_resume(write_spec, store, 
     spec = write_spec('[parallel]\nmode = "ddp"\nnproc_per_node = 2\n')
     run_id = _killed_run_with_checkpoint(spec, store)
     claimed: list[str] = []
-    monkeypatch.setattr(resume, "claim_run", lambda uri, rid, folder: claimed.append(rid) or [])
+    monkeypatch.setattr(resume, "claim_run", lambda run, folder: claimed.append(run.run_id) or [])
     plan = make_plan(load_spec(spec))
     assert plan.rendezvous is not None and plan.owns_run
     resume.prepare_resume(plan, run_id)
@@ -176,3 +177,11 @@ def test_the_interrupt_message_names_the_checkpoint_that_exists(tmp_path) -> Non
     assert checkpoint_note(str(tmp_path), {}) == "a checkpoint was written at the stop (step-00000010.pt)"
     message = Interrupted(15, run_id="abc", command="runner resume abc", checkpoint=note).format_message()
     assert "a checkpoint was written" not in message and "step-00000010.pt, from before the stop" in message
+
+
+def test_spec_changes_lists_changed_keys_and_ignores_tracking() -> None:
+    from runner.launch.resume import spec_changes
+
+    saved = {"optim.lr": 0.1, "seed": 0, "tracking.experiment": "a", "train.epochs": 3}
+    now = {"optim.lr": 0.05, "seed": 0, "tracking.experiment": "b", "train.epochs": 3, "data.shuffle": False}
+    assert spec_changes(saved, now) == ["data.shuffle", "optim.lr"]

@@ -7,6 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import TrackingError
 from runner.tracking import stored as datasets
+from runner.tracking.runs import TrackedRun
 from runner.tracking.stored import DatasetRecord, record_data
 
 RECORD = DatasetRecord("synthetic train", "abc123", "training", 72, "synthetic", (8,))
@@ -37,7 +38,7 @@ def test_a_dataset_another_worker_logged_first_is_linked_not_failed(
 
     monkeypatch.setattr(MlflowClient, "log_inputs", racing)
     monkeypatch.setattr(datasets.time, "sleep", lambda s: None)
-    record_data(ready_store, mine, [RECORD], "f00d")
+    record_data(TrackedRun(ready_store, mine), [RECORD], "f00d")
     client = MlflowClient(ready_store)
     for run_id in (mine, other):
         (logged,) = client.get_run(run_id).inputs.dataset_inputs
@@ -55,5 +56,5 @@ def test_a_store_error_that_is_not_transient_fails_at_once(ready_store: str, mon
 
     monkeypatch.setattr(MlflowClient, "log_inputs", refused)
     with pytest.raises(TrackingError, match="could not record the datasets"):
-        record_data(ready_store, mine, [RECORD], None)
+        record_data(TrackedRun(ready_store, mine), [RECORD], None)
     assert len(calls) == 1

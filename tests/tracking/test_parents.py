@@ -8,7 +8,7 @@ import pytest
 
 from runner.errors import TrackingError
 from runner.tracking import runs
-from runner.tracking.runs import end_run, find_run
+from runner.tracking.runs import TrackedRun
 from runner.tracking.stored import search_runs
 from runner.tracking.uri import client_for
 
@@ -49,7 +49,7 @@ def test_find_run_and_search_runs_newest_first(store, client):
         time.sleep(0.01)
     client.create_run(eid, tags={"mlflow.parentRunId": "f" * 32})  # another parent's child
     client.log_metric(children[1], "val/loss", 0.25)
-    end_run(store, children[2], "FINISHED")
+    TrackedRun(store, children[2]).end("FINISHED")
 
     name = client.get_experiment(eid).name
     found = search_runs(store, name, {runs.PARENT_TAG: parent})
@@ -62,19 +62,17 @@ def test_find_run_and_search_runs_newest_first(store, client):
     assert [r.run_id for r in search_runs(store, None, status="FINISHED")] == [children[2]]
     assert search_runs(store, "no-such-experiment") == []
 
-    record = find_run(store, parent)
+    record = TrackedRun(store, parent).find()
     assert record is not None and record.run_id == parent and record.experiment_id == eid
     assert record.params == {"group.size": "3"} and record.tags["kind"] == "parent"
-    assert find_run(store, "0" * 32) is None
+    assert TrackedRun(store, "0" * 32).find() is None
 
 
 def test_record_summary_and_mark_running(store, client, tmp_path):
     run_id = _parent(store)
     chart = tmp_path / "chart.png"
     chart.write_bytes(b"\x89PNG")
-    runs.record_summary(
-        store,
-        run_id,
+    runs.TrackedRun(store, run_id).log(
         metrics={"best/val/loss": 0.5, "count": 3},
         params={"group.steps": "20"},
         tags={"group.best": "x"},
@@ -89,14 +87,14 @@ def test_record_summary_and_mark_running(store, client, tmp_path):
     names = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "figures")}
     assert {"report.json", "figures/chart.png"} <= names
 
-    end_run(store, run_id, "FAILED")
-    runs.mark_running(store, run_id)
+    TrackedRun(store, run_id).end("FAILED")
+    runs.TrackedRun(store, run_id).reopen(resumed=False)
     assert client.get_run(run_id).info.status == "RUNNING"
     assert "runner.resume.count" not in client.get_run(run_id).data.tags  # only the status changes
-    with pytest.raises(TrackingError, match="could not log to run"):
-        runs.record_summary(store, "0" * 32, tags={"a": "b"})
+    with pytest.raises(TrackingError, match="could not log to MLflow run"):
+        runs.TrackedRun(store, "0" * 32).log(tags={"a": "b"})
     with pytest.raises(TrackingError, match="could not reopen"):
-        runs.mark_running(store, "0" * 32)
+        runs.TrackedRun(store, "0" * 32).reopen(resumed=False)
 
 
 def test_record_summary_writes_runner_tags_as_column_values_and_remarks_into_the_description(store, client):
@@ -105,7 +103,7 @@ def test_record_summary_writes_runner_tags_as_column_values_and_remarks_into_the
     long = "no MFU: peak fp32 FLOP/s of NVIDIA H100 80GB HBM3 unknown; set devices.peak_tflops and  more"
     summary = "the modes agree\n  ddp-2  " + "x" * 200
     tags = {"runner.mfu": long, "runner.parity.summary": summary, "other": long}
-    runs.record_summary(store, run_id, tags=tags, remarks={"host load": "quiet"})
+    runs.TrackedRun(store, run_id).log(tags=tags, remarks={"host load": "quiet"})
     got = client.get_run(run_id).data.tags
     assert got["runner.mfu"] == long.replace("  ", " ")[:79] + "…" and got["other"] == long
     assert got["runner.parity.summary"] == summary and "**host load**: quiet" in got["mlflow.note.content"]

@@ -19,11 +19,7 @@ from runner.spec.loading import load_spec
 from runner.tracking import runs as tracking
 from runner.tracking.runs import (
     RunRecord,
-    delete_run,
-    end_run,
-    find_run,
-    last_logged_steps,
-    reopen_run,
+    TrackedRun,
     start_run,
 )
 from runner.tracking.stored import continuable_runs
@@ -292,14 +288,14 @@ def test_start_run_unreachable_store_creates_nothing(tmp_path):
 
 def test_end_run_finished_and_failed(tmp_path, uri, client):
     ok = new_run(client)
-    end_run(uri, ok, "FINISHED")
+    TrackedRun(uri, ok).end("FINISHED")
     run = client.get_run(ok)
     assert run.info.status == "FINISHED" and run.info.end_time
     assert "runner.error" not in run.data.tags
 
     bad = new_run(client)
     error = "Traceback (most recent call last):\n" + "  frame\n" * 500 + "RuntimeError: loss is nan"
-    end_run(uri, bad, "FAILED", error=error)
+    TrackedRun(uri, bad).end("FAILED", error=error)
     run = client.get_run(bad)
     assert run.info.status == "FAILED"
     assert run.data.tags["runner.error"] == "RuntimeError: loss is nan"  # the line that names it, for the column
@@ -309,16 +305,16 @@ def test_end_run_finished_and_failed(tmp_path, uri, client):
     assert read_artifact(client, bad, "error.txt", tmp_path).strip() == error
 
     killed = new_run(client)
-    end_run(uri, killed, "KILLED", error="interrupted by signal 2")
+    TrackedRun(uri, killed).end("KILLED", error="interrupted by signal 2")
     assert client.get_run(killed).info.status == "KILLED"
     assert client.get_run(killed).data.tags["runner.error"] == "interrupted by signal 2"
 
 
 def test_end_run_errors(uri, client):
     with pytest.raises(ValueError, match="FINISHED"):
-        end_run(uri, new_run(client), "DONE")
+        TrackedRun(uri, new_run(client)).end("DONE")
     with pytest.raises(TrackingError, match="could not end"):
-        end_run(uri, "f" * 32, "FINISHED")
+        TrackedRun(uri, "f" * 32).end("FINISHED")
 
 
 def test_module_import_is_light():
@@ -371,36 +367,36 @@ def test_run_lookups_reopen_and_delete(tmp_path, uri, client):
     parent = start_run(loaded, {}, uri=uri, extra_tags={"runner.sweep": "parent"}).run_id
     start_run(loaded, {}, uri=uri, extra_tags={"mlflow.parentRunId": parent})
     start_run(loaded, {}, uri=uri, extra_tags={"runner.bench": "parent"})
-    end_run(uri, start_run(loaded, {}, uri=uri).run_id, "FINISHED")
+    TrackedRun(uri, start_run(loaded, {}, uri=uri).run_id).end("FINISHED")
     # sweep and bench parents, child runs and FINISHED runs are not candidates
     assert [r.run_id for r in continuable_runs(uri, "exp-demo")] == [first]
 
-    assert find_run(uri, first) is not None and find_run(uri, "0" * 32) is None
-    assert find_run(uri, first).status == "RUNNING"  # type: ignore[union-attr]
+    assert TrackedRun(uri, first).find() is not None and TrackedRun(uri, "0" * 32).find() is None
+    assert TrackedRun(uri, first).find().status == "RUNNING"  # type: ignore[union-attr]
     client.log_metric(first, "train/loss", 1.0, step=3)
     client.log_metric(first, "train/loss", 0.5, step=7)
     client.log_metric(first, "val/loss", 0.9, step=5)
-    assert last_logged_steps(uri, first) == {"train/loss": 7, "val/loss": 5}
-    assert last_logged_steps(uri, parent) == {}
+    assert TrackedRun(uri, first).last_logged_steps() == {"train/loss": 7, "val/loss": 5}
+    assert TrackedRun(uri, parent).last_logged_steps() == {}
 
-    end_run(uri, first, "KILLED")
-    reopen_run(uri, first, spec_change=json.dumps({"train.epochs": [1, 2]}))
-    reopen_run(uri, first)
+    TrackedRun(uri, first).end("KILLED")
+    TrackedRun(uri, first).reopen(spec_change=json.dumps({"train.epochs": [1, 2]}))
+    TrackedRun(uri, first).reopen()
     run = client.get_run(first)
     assert run.info.status == "RUNNING" and run.data.tags["runner.resume.count"] == "2"
     assert json.loads(run.data.tags["runner.resume.spec_change"]) == {"train.epochs": [1, 2]}
     with pytest.raises(TrackingError, match="could not reopen"):
-        reopen_run(uri, "0" * 32)
+        TrackedRun(uri, "0" * 32).reopen()
 
     artifacts = Path(client.get_run(first).info.artifact_uri.removeprefix("file://"))
     assert artifacts.is_dir()
-    delete_run(uri, first)
-    assert find_run(uri, first) is None
+    TrackedRun(uri, first).delete()
+    assert TrackedRun(uri, first).find() is None
     with pytest.raises(MlflowException):  # purged, as `mlflow gc` would, not only marked deleted
         client.get_run(first)
     assert not artifacts.exists()
     with pytest.raises(TrackingError, match="could not delete"):
-        delete_run(uri, "0" * 32)
+        TrackedRun(uri, "0" * 32).delete()
 
 
 def test_a_store_error_reading_a_run_is_not_mistaken_for_no_such_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -414,6 +410,6 @@ def test_a_store_error_reading_a_run_is_not_mistaken_for_no_such_run(monkeypatch
     with pytest.raises(
         TrackingError, match="could not read MLflow run r1 at http://127.0.0.1:1: the database is locked"
     ):
-        tracking.find_run("http://127.0.0.1:1", "r1")
+        tracking.TrackedRun("http://127.0.0.1:1", "r1").find()
     with pytest.raises(TrackingError):
-        tracking.run_info("http://127.0.0.1:1", "r1")
+        tracking.TrackedRun("http://127.0.0.1:1", "r1").record()

@@ -12,7 +12,7 @@ import pytest
 
 from runner.errors import TrackingError
 from runner.spec.loading import load_spec
-from runner.tracking.runs import end_run, start_run
+from runner.tracking.runs import TrackedRun, start_run
 from runner.tracking.trackers import MlflowTracker
 from runner.tracking.uri import check_reachable
 from tests.helpers import REPO, SMALL, MlflowServer, exec_args, spec_text, write_spec_file
@@ -64,12 +64,12 @@ def test_run_over_http_then_server_goes_away(tmp_path, mlflow_server, monkeypatc
     handle = start_run(load_spec(spec_path), {"accelerator": "cpu", "world_size": 1}, uri=url)
     assert handle.status == "RUNNING"
 
-    tracker = MlflowTracker(url, handle.run_id, flush_every_s=0.5)
+    tracker = MlflowTracker(TrackedRun(url, handle.run_id), flush_every_s=0.5)
     for step in range(1500):  # two log_batch requests of <= 1000 metrics
         tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
     tracker.set_tags({"phase": "done"})
     tracker.close()
-    end_run(url, handle.run_id, "FINISHED")
+    TrackedRun(url, handle.run_id).end("FINISHED")
 
     # Read back through the REST API directly, not only through the client.
     resp = requests.get(f"{url}/api/2.0/mlflow/runs/get", params={"run_id": handle.run_id}, timeout=10)
@@ -92,7 +92,7 @@ def test_run_over_http_then_server_goes_away(tmp_path, mlflow_server, monkeypatc
     # The server goes away mid-run: the loss is reported on close, not swallowed.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     run_id = client.create_run(handle.experiment_id).info.run_id
-    tracker = MlflowTracker(url, run_id, flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(url, run_id), flush_every_s=3600)
     tracker.log_metrics({"m": 1.0}, step=0)
     tracker.flush()
     mlflow_server.stop()

@@ -13,7 +13,7 @@ from runner.devices.inventory import Inventory
 from runner.errors import UsageError
 from runner.plan import make_plan
 from runner.spec.loading import load_spec
-from runner.tracking.runs import start_run
+from runner.tracking.runs import TrackedRun, start_run
 from runner.tracking.stored import read_stored_run
 from runner.tracking.tags import spec_artifacts
 from tests.helpers import spec_text
@@ -82,7 +82,7 @@ def test_params_leave_out_inactive_keys_and_stored_spec_round_trips(experiments,
     params = MlflowClient(store).get_run(run_id).data.params
     assert [k for k in params if k.startswith("parallel.")] == ["parallel.mode"]
     assert "data.num_samples" not in params and params["data.split_seed"] == "0"
-    stored = read_stored_run(store, run_id)
+    stored = read_stored_run(TrackedRun(store, run_id))
     assert stored.spec_path == loaded.path and stored.status == "RUNNING"
     assert stored.loaded().spec == loaded.spec and stored.loaded().sha256 == loaded.sha256
 
@@ -148,13 +148,13 @@ def test_reading_a_run_that_is_not_there_names_the_run_and_the_store(shared, tmp
     store = shared
     missing = f"sqlite:///{tmp_path}/none/mlflow.db"
     with pytest.raises(UsageError, match=rf"no run abc at {missing}: there is no tracking store there"):
-        read_stored_run(missing, "abc")
+        read_stored_run(TrackedRun(missing, "abc"))
     client = MlflowClient(store)
     foreign = client.create_run(client.create_experiment("by-hand")).info.run_id
     with pytest.raises(UsageError, match=rf"run {foreign} at {store} has no spec stored by runner"):
-        read_stored_run(store, foreign)
+        read_stored_run(TrackedRun(store, foreign))
     with pytest.raises(UsageError, match=rf"no run {'0' * 32} at {store}: copy the run id"):
-        read_stored_run(store, "0" * 32)
+        read_stored_run(TrackedRun(store, "0" * 32))
 
 
 def test_reading_a_sweep_or_bench_parent_run_says_which_command_continues_it(shared) -> None:
@@ -165,7 +165,7 @@ def test_reading_a_sweep_or_bench_parent_run_says_which_command_continues_it(sha
     with pytest.raises(
         UsageError, match=r"is a sweep's parent run: `runner sweep /x/sweep_lr.toml` continues the study"
     ):
-        read_stored_run(shared, sweep)
+        read_stored_run(TrackedRun(shared, sweep))
     bench = client.create_run(experiment, tags={"runner.bench": "parent"}).info.run_id
     with pytest.raises(UsageError, match=r"is a bench's parent run: `runner bench SPEC` measures again"):
-        read_stored_run(shared, bench)
+        read_stored_run(TrackedRun(shared, bench))

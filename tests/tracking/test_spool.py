@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from runner.errors import TrackingError
 from runner.launch.session import Spooled, end_run_or_spool
 from runner.tracking import spool
+from runner.tracking.runs import TrackedRun
 from runner.tracking.trackers import MlflowTracker
 from tests.helpers import AsyncStore, wait_for
 
@@ -33,7 +34,9 @@ def _steps(store: str, run_id: str, key: str = "m") -> list[int]:
 def _tracker(
     store: str, run_id: str, path: Path, spill_after_s: float = 0.5, **kwargs
 ) -> tuple[MlflowTracker, AsyncStore]:
-    tracker = MlflowTracker(store, run_id, flush_every_s=0.05, spool=path, spill_after_s=spill_after_s, **kwargs)
+    tracker = MlflowTracker(
+        TrackedRun(store, run_id), flush_every_s=0.05, spool=path, spill_after_s=spill_after_s, **kwargs
+    )
     switch = AsyncStore(tracker._client)
     tracker._client = switch
     return tracker, switch
@@ -113,11 +116,11 @@ def test_send_spool_sends_only_what_the_run_lacks_and_applies_the_end(
     MlflowClient(ready_store).log_metric(run, "m", 0.0, step=0)
     items = [spool.Item(s, "m", float(s), 1000 + s, s) for s in range(4)]
     spool.append(path, items, tags={"t": "1"})
-    end_run_or_spool(f"sqlite:///{tmp_path}/no/such/folder/m.db", run, "FINISHED", None, str(tmp_path))
+    end_run_or_spool(TrackedRun(f"sqlite:///{tmp_path}/no/such/folder/m.db", run), "FINISHED", None, str(tmp_path))
     kept = Spooled.of(tmp_path)
     assert kept is not None and (kept.metrics, kept.status) == (4, "FINISHED")
     assert "4 metric values and the status FINISHED could only be spooled" in kept.describe(run)
-    sent = spool.send_spool(ready_store, run, path)
+    sent = spool.send_spool(TrackedRun(ready_store, run), path)
     assert (sent.metrics, sent.skipped, sent.ended) == (3, 1, "FINISHED")  # step 0 was already in the run
     assert _steps(ready_store, run) == [0, 1, 2, 3] and not path.exists()
     got = MlflowClient(ready_store).get_run(run)
@@ -127,7 +130,7 @@ def test_send_spool_sends_only_what_the_run_lacks_and_applies_the_end(
 def test_a_resume_sends_what_came_before_its_checkpoint_only(ready_store: str, run: str, tmp_path: Path) -> None:
     path = tmp_path / spool.SPOOL_NAME
     spool.append(path, [spool.Item(s, "m", float(s), 1000 + s, s) for s in range(6)])
-    sent = spool.send_spool(ready_store, run, path, before_seq=4, apply_end=False)
+    sent = spool.send_spool(TrackedRun(ready_store, run), path, before_seq=4, apply_end=False)
     assert (sent.metrics, sent.skipped) == (4, 2) and _steps(ready_store, run) == [0, 1, 2, 3]
 
 
@@ -141,7 +144,7 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
 
 def test_values_the_store_rejects_are_reported_not_spooled(ready_store: str, tmp_path: Path) -> None:
     path = tmp_path / spool.SPOOL_NAME
-    tracker = MlflowTracker(ready_store, "0" * 32, flush_every_s=3600, spool=path)
+    tracker = MlflowTracker(TrackedRun(ready_store, "0" * 32), flush_every_s=3600, spool=path)
     tracker.log_metrics({"m": 1.0}, step=0)
     with pytest.raises(TrackingError, match="1 items were not recorded"):
         tracker.flush()
@@ -155,7 +158,7 @@ def test_a_store_that_hangs_delays_one_flush_only(ready_store: str, run: str, tm
     import threading
 
     path = tmp_path / "ck" / spool.SPOOL_NAME
-    tracker = MlflowTracker(ready_store, run, flush_every_s=0.05, spool=path, spill_after_s=2.0)
+    tracker = MlflowTracker(TrackedRun(ready_store, run), flush_every_s=0.05, spool=path, spill_after_s=2.0)
     switch = tracker._client = AsyncStore(tracker._client)
     switch.gate = released = threading.Event()
     waits = []
@@ -180,8 +183,9 @@ def test_a_process_that_gave_up_on_a_hanging_store_exits_without_waiting_for_its
         code = f"""
 from pathlib import Path
 from runner.errors import exit_quickly
+from runner.tracking.runs import TrackedRun
 from runner.tracking.trackers import MlflowTracker
-tracker = MlflowTracker("http://127.0.0.1:{listener.getsockname()[1]}", "0" * 32, spool=Path({str(path)!r}))
+tracker = MlflowTracker(TrackedRun("http://127.0.0.1:{listener.getsockname()[1]}", "0" * 32), spool=Path({str(path)!r}))
 tracker.log_metrics({{"m": 1.0}}, step=0)
 tracker.close(timeout_s=1)
 exit_quickly(3)

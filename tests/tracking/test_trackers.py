@@ -15,6 +15,7 @@ import pytest
 from runner.errors import TrackingError
 from runner.launch.channel import ChannelTracker, Close, Metrics, Restored
 from runner.launch.session import RunSession
+from runner.tracking.runs import TrackedRun
 from runner.tracking.trackers import MlflowTracker, NullTracker, Tracker
 from tests.helpers import AsyncStore
 
@@ -36,7 +37,7 @@ def new_run(client) -> str:
 
 def test_tracker_logs_2500_metrics_in_order(uri, client):
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=0.2)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=0.2)
     for step in range(2500):
         tracker.log_metrics({"train/loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
     tracker.close()
@@ -55,7 +56,7 @@ def test_a_full_batch_of_values_and_tags_goes_in_one_request(uri, client):
     # Bug: a batch of 1,000 values with a tag made MLflow split it into two requests, which the tracker took for a
     # failed batch: every value was reported lost (or, with a spool, sent again and again).
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600)
     tracker.set_tags({f"t{i}": str(i) for i in range(150)})
     for step in range(2000):
         tracker.log_metrics({"m": float(step)}, step=step)
@@ -67,7 +68,7 @@ def test_a_full_batch_of_values_and_tags_goes_in_one_request(uri, client):
 
 def test_a_value_keeps_the_time_it_was_taken_at_on_its_rank(uri, client):
     run_id = new_run(client)
-    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+    with MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600) as tracker:
         tracker.log_metrics({"train/loss": 0.5}, step=3, timestamp_ms=1_234_567)
     ((metric,),) = [client.get_metric_history(run_id, "train/loss")]
     assert (metric.step, metric.value, metric.timestamp) == (3, 0.5, 1_234_567)
@@ -75,7 +76,7 @@ def test_a_value_keeps_the_time_it_was_taken_at_on_its_rank(uri, client):
 
 def test_tracker_flush_semantics(uri, client):
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600)
     for step in range(10):
         tracker.log_metrics({"m": float(step)}, step=step)
     time.sleep(0.3)
@@ -91,7 +92,7 @@ def test_tracker_flush_semantics(uri, client):
 
 def test_tracker_sends_when_batch_is_full_or_due(uri, client):
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600, max_batch=5)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600, max_batch=5)
     for step in range(5):
         tracker.log_metrics({"full": 1.0}, step=step)
     deadline = time.monotonic() + 60
@@ -100,7 +101,7 @@ def test_tracker_sends_when_batch_is_full_or_due(uri, client):
     assert len(client.get_metric_history(run_id, "full")) == 5
     tracker.close()
 
-    timed = MlflowTracker(uri, run_id, flush_every_s=0.2)
+    timed = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=0.2)
     timed.log_metrics({"due": 1.0}, step=0)
     deadline = time.monotonic() + 60
     while not client.get_metric_history(run_id, "due") and time.monotonic() < deadline:
@@ -111,7 +112,7 @@ def test_tracker_sends_when_batch_is_full_or_due(uri, client):
 
 def test_tracker_never_blocks_the_caller(uri, client):
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=0.05, max_batch=1)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=0.05, max_batch=1)
     store = tracker._client = AsyncStore(tracker._client)
     store.gate = release = threading.Event()  # a store that takes no request until released (no timing)
     tracker.log_metrics({"slow": 0.0}, step=0)
@@ -130,7 +131,7 @@ def test_a_closed_tracker_leaves_mlflow_no_exit_drain_to_wait_on(uri, client, mo
 
     unregistered: list = []
     monkeypatch.setattr(atexit, "unregister", unregistered.append)
-    tracker = MlflowTracker(uri, new_run(client), flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, new_run(client)), flush_every_s=3600)
     tracker.log_metrics({"m": 1.0}, step=0)
     tracker.close()
     assert unregistered == [tracker._client._tracking_client.store._async_logging_queue._at_exit_callback]
@@ -138,14 +139,13 @@ def test_a_closed_tracker_leaves_mlflow_no_exit_drain_to_wait_on(uri, client, mo
 
 def test_ending_a_run_after_async_logging_does_not_shut_mlflow_logging_down(uri, client):
     """MlflowClient.set_terminated joins MLflow's idle logging loop (up to 1 s a run); runner's end_run must not."""
-    from runner.tracking.runs import end_run
 
     run_id = new_run(client)
-    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+    with MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600) as tracker:
         tracker.log_metrics({"m": 1.0}, step=0)
     queue = tracker._client._tracking_client.store._async_logging_queue
     assert queue.is_active()
-    end_run(uri, run_id, "FINISHED")
+    TrackedRun(uri, run_id).end("FINISHED")
     run = client.get_run(run_id)
     assert queue.is_active() and run.info.status == "FINISHED" and run.info.end_time >= run.info.start_time
     assert [m.value for m in client.get_metric_history(run_id, "m")] == [1.0]
@@ -155,7 +155,7 @@ def test_tracker_tags_and_artifacts(tmp_path, uri, client):
     run_id = new_run(client)
     f = tmp_path / "notes.txt"
     f.write_text("hello\n")
-    with MlflowTracker(uri, run_id, flush_every_s=3600) as tracker:
+    with MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600) as tracker:
         tracker.set_tags({"phase": "train", "best_epoch": 3, "ok": True})
         tracker.log_artifact(f, "extra")
         with pytest.raises(FileNotFoundError):
@@ -166,18 +166,18 @@ def test_tracker_tags_and_artifacts(tmp_path, uri, client):
 
 
 def test_tracker_rejects_bad_input(uri, client):
-    tracker = MlflowTracker(uri, new_run(client), flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, new_run(client)), flush_every_s=3600)
     with pytest.raises(TypeError):
         tracker.log_metrics({"m": 1.0}, step=1.5)
     with pytest.raises(ValueError, match="metric name"):
         tracker.log_metrics({"bad|name": 1.0}, step=1)
     tracker.close()
     with pytest.raises(ValueError):
-        MlflowTracker(uri, "x", flush_every_s=0)
+        MlflowTracker(TrackedRun(uri, "x"), flush_every_s=0)
 
 
 def test_tracker_errors_surface_on_flush(uri, client):
-    tracker = MlflowTracker(uri, "0" * 32, flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, "0" * 32), flush_every_s=3600)
     tracker.log_metrics({"m": 1.0}, step=0)
     with pytest.raises(TrackingError, match="1 items were not recorded") as err:
         tracker.flush()
@@ -188,7 +188,7 @@ def test_tracker_errors_surface_on_flush(uri, client):
 
 def test_tracker_errors_surface_on_close_for_deleted_run(uri, client):
     run_id = new_run(client)
-    tracker = MlflowTracker(uri, run_id, flush_every_s=3600)
+    tracker = MlflowTracker(TrackedRun(uri, run_id), flush_every_s=3600)
     tracker.log_metrics({"m": 1.0}, step=0)
     tracker.flush()
     client.delete_run(run_id)
@@ -252,7 +252,8 @@ def _session(uri: str, run_id: str, folder: Path) -> RunSession:
     tracking = SimpleNamespace(flush_every_s=3600.0, system_metrics=False)
     plan = SimpleNamespace(tracking_uri=uri, loaded=SimpleNamespace(spec=SimpleNamespace(tracking=tracking)))
     session = RunSession(plan, None, None)  # type: ignore[arg-type]
-    session.run_id, session.checkpoint_dir = run_id, str(folder)
+    session.run = TrackedRun(uri, run_id)
+    session.checkpoint_dir = str(folder)
     return session
 
 

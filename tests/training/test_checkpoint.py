@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from runner.tracking.uri import default_checkpoint_dir
+from runner.tracking.uri import checkpoint_root
 from runner.training import checkpoint as ckpt
 from runner.training import shards
 from runner.training.loop import TrainState
@@ -115,16 +115,11 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path: Path, monkeypa
     assert ckpt.load_latest(tmp_path).payload["state"]["global_step"] == 1
 
 
-def test_spec_changes_lists_changed_keys_and_ignores_tracking() -> None:
-    saved = {"optim.lr": 0.1, "seed": 0, "tracking.experiment": "a", "train.epochs": 3}
-    now = {"optim.lr": 0.05, "seed": 0, "tracking.experiment": "b", "train.epochs": 3, "data.shuffle": False}
-    assert ckpt.spec_changes(saved, now) == ["data.shuffle", "optim.lr"]
-
-
 def test_default_dir_sits_next_to_sqlite_store(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    assert default_checkpoint_dir(uri, None, "abc") == (tmp_path / "store" / "checkpoints" / "abc").resolve()
-    assert default_checkpoint_dir(uri, str(tmp_path / "ck"), "abc") == tmp_path / "ck" / "abc"
+    assert checkpoint_root(uri, None) == (tmp_path / "store" / "checkpoints").resolve()
+    assert checkpoint_root(uri, str(tmp_path / "ck")) == tmp_path / "ck"
+    assert checkpoint_root(None, None) == (Path.cwd() / "checkpoints").resolve()  # tracking off: here
 
 
 class _RunsCode:
