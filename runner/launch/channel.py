@@ -211,8 +211,8 @@ class ChannelTracker:
         self._send_pending()
         self._recorded = int(self._link.ask(Close()))
 
-    def send(self, message: Message) -> None:
-        """Send a message to the driver (:class:`Data`, :class:`LoggedModel`, ...), in order with the rest."""
+    def send(self, message: Any) -> None:
+        """Send a :data:`Message` to the driver (:class:`Data`, :class:`LoggedModel`, ...), in order with the rest."""
         self._check_open()
         self._send_pending()
         self._link.send(message)

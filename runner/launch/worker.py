@@ -241,11 +241,10 @@ def _announce(
     if is_log_rank:  # parity and sweeps train several runs in one process: a note is said once
         show_notes([note for note in notes if note not in _SHOWN_NOTES])
         _SHOWN_NOTES.update(note for note in notes if note.startswith("deterministic mode: "))
-    send = getattr(tracker, "send", None)
-    if is_log_rank and restored.resumed_from is None and parts.data is not None and send is not None:
+    if is_log_rank and restored.resumed_from is None and parts.data is not None:
         fields = ["name", "num_train", "train_digest", "num_val", "val_digest", "num_test", "test_digest", "source"]
         fields += ["input_shape", "val_split_sha256", "split"]
-        send(channel.Data({name: getattr(parts.data, name) for name in fields}))
+        tracker.send(channel.Data({name: getattr(parts.data, name) for name in fields}))
     return notes
 
 
@@ -360,8 +359,7 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
             tracker.log_artifact(str(newest), f"checkpoints/{newest.name}")
     if spec.profile is not None and (folder / "profile").is_dir():  # every profiled rank's, on one filesystem
         tracker.log_artifact(str(folder / "profile"), "profile")
-    send = getattr(tracker, "send", None)
-    if spec.tracking.log_model and send is not None:
+    if spec.tracking.log_model and args.hub is not None:  # a driver to log it: save the model for it
         import torch
 
         stats = parts.data.normalization if parts.data is not None else None
@@ -378,7 +376,7 @@ def _send_outputs(args: WorkerArgs, tracker: Tracker, parts: TrainingParts, fold
         torch.save({"state": parts.raw_model.cpu().state_dict(), "example": example, **built}, path)
         try:
             tracker.flush()
-            send(channel.LoggedModel(str(path), step, stats))
+            tracker.send(channel.LoggedModel(str(path), step, stats))
             tracker.flush()  # answered once the driver logged it
         finally:
             path.unlink(missing_ok=True)

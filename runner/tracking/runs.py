@@ -225,7 +225,8 @@ class TrackedRun:
     """One MLflow run, by its store and id: the handle through which runner records into a run, ends, reopens,
     deletes and reads it back. It owns the process's client of the store (``client_for``) and maps the store's
     errors onto TrackingError naming the run and the store (``store_errors``), so no caller passes a URI beside a
-    run id or words that error itself. The driver makes it once the run exists and hands it down."""
+    run id or words that error itself. Whoever creates or finds a run makes its handle (in ``runner exec`` the
+    driver, once the run exists) and passes the handle down."""
 
     uri: str
     run_id: str
@@ -234,9 +235,9 @@ class TrackedRun:
     def client(self) -> MlflowClient:
         return client_for(self.uri)
 
-    def errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
+    def errors(self, doing: str, detail: str = "") -> contextlib.AbstractContextManager[None]:
         """Map the store's errors while ``doing`` (``"end"``, ``"log to"`` ...) this run onto TrackingError."""
-        return store_errors(f"{doing} MLflow run {self.run_id} at {self.uri}")
+        return store_errors(f"{doing} MLflow run {self.run_id} at {self.uri}{detail}")
 
     def find(self) -> RunRecord | None:
         """The run's record, or ``None`` (no such run, or deleted); TrackingError when the store cannot be read."""
@@ -301,7 +302,7 @@ class TrackedRun:
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"status {status!r} is not one of {', '.join(TERMINAL_STATUSES)}")
         error = mask_secrets(error) if error else error
-        with self.errors(f"end (status {status})"):
+        with self.errors("end", f" with status {status}"):
             if error:
                 tag_run(self.client, self.run_id, {"runner.error": first_line(error)}, {"error": _error_tag(error)})
                 self.client.log_text(self.run_id, error if error.endswith("\n") else error + "\n", "error.txt")

@@ -62,8 +62,7 @@ class MlflowTracker:
     ):
         if flush_every_s <= 0:
             raise ValueError(f"flush_every_s must be > 0 seconds, got {flush_every_s}")
-        self.uri = run.uri
-        self.run_id = run.run_id
+        self.run = run
         self.spool = spool
         self.flush_every_s, self.spill_after_s = float(flush_every_s), float(spill_after_s)
         self.max_batch = max(1, min(int(max_batch), MAX_BATCH))
@@ -141,6 +140,10 @@ class MlflowTracker:
             self._check_open()
             self._artifacts.append((str(p), artifact_path))
 
+    def send(self, message: Any) -> None:
+        """Drop a driver's message (:meth:`Tracker.send`): this tracker records straight into the run, no driver
+        stands behind it."""
+
     def recorded(self) -> int:
         """Metric values recorded by the run so far (numbered across resumes); a checkpoint stores it."""
         with self._lock:
@@ -166,7 +169,7 @@ class MlflowTracker:
                 if left <= 0:
                     raise TrackingError(
                         f"timed out after {timeout_s} s sending {target - self._sent} buffered values "
-                        f"to run {self.run_id} at {self.uri}"
+                        f"to run {self.run.run_id} at {self.run.uri}"
                     )
                 self._done.wait(left)
             if self.spool is not None and self._sent < target:
@@ -194,7 +197,7 @@ class MlflowTracker:
                 if self._timer is not None:
                     self._timer.cancel()
                 if self._inflight is not None and self.spool is not None:  # its values are in the spool
-                    STORE_LEFT_HANGING.append(self.uri)
+                    STORE_LEFT_HANGING.append(self.run.uri)
                 elif self._inflight is None:
                     _skip_exit_drain(self._client)
         self._raise_failures()
@@ -215,7 +218,7 @@ class MlflowTracker:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TrackingError(f"tracker of run {self.run_id} is closed; nothing more can be logged")
+            raise TrackingError(f"tracker of run {self.run.run_id} is closed; nothing more can be logged")
 
     def _pumped_short_of(self, target: int) -> bool:
         """Hand over what is left at once (lock held); whether values before ``target``, or tags, are unsent."""
@@ -271,7 +274,7 @@ class MlflowTracker:
             self._batch_tags = {k: self._tags.pop(k) for k in list(self._tags)[:PARAMS_PER_BATCH]}
         try:
             operations = self._client.log_batch(
-                self.run_id,
+                self.run.run_id,
                 metrics=[Metric(i.key, i.value, i.timestamp, i.step) for i in batch],
                 tags=[RunTag(k, v) for k, v in self._batch_tags.items()],
                 synchronous=False,
@@ -375,7 +378,7 @@ class MlflowTracker:
         for path, folder in artifacts:
             try:
                 upload = self._client.log_artifacts if Path(path).is_dir() else self._client.log_artifact
-                upload(self.run_id, path, folder)
+                upload(self.run.run_id, path, folder)
             except Exception as exc:
                 log.debug("MLflow log_artifact failed", exc_info=True)
                 with self._lock:
@@ -395,7 +398,7 @@ class MlflowTracker:
         cause = failures[0][1]
         more = f" ({len(failures)} failed requests)" if len(failures) > 1 else ""
         raise TrackingError(
-            f"MLflow logging to run {self.run_id} at {self.uri} failed{more}: {what}; "
+            f"MLflow logging to run {self.run.run_id} at {self.run.uri} failed{more}: {what}; "
             f"first error ({failures[0][0]}): {type(cause).__name__}: {cause}"
         ) from cause
 
@@ -441,6 +444,14 @@ class Tracker(Protocol):
     def close(self) -> None:
         """Send what is buffered and release the tracker; blocks; harmless twice. Raises as :meth:`flush`."""
 
+    def send(self, message: Any) -> None:
+        """Hand the driver a message beyond values, tags and files (the run's data, the trained model), in order with
+        them; a tracker with no driver behind it (one that records nothing, or straight into MLflow) drops it."""
+
+    def recorded(self) -> int:
+        """Metric values the run has numbered, as of the last flush (a checkpoint stores it, so a resume knows which
+        spooled values came before it); 0 for a tracker that keeps none."""
+
 
 class NullTracker:
     """Records nothing (ranks other than 0, ``tracking.enabled = false``; an artifact's path is not even checked);
@@ -455,6 +466,11 @@ class NullTracker:
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def send(self, message: Any) -> None: ...
+
+    def recorded(self) -> int:
+        return 0
 
 
 if TYPE_CHECKING:  # mypy checks here that every tracker implements the protocol; nothing runs

@@ -285,7 +285,7 @@ class Checkpointer:
             spec_flat=self.spec_flat,
             spec_sha256=self.spec_sha256,
             run_id=self.run_id,
-            metrics_recorded=_recorded(self.tracker),
+            metrics_recorded=self.tracker.recorded(),
             monitored=_monitored(state, self.settings.monitor),
         )
 
@@ -295,12 +295,6 @@ def _monitored(state: TrainState, monitor: str | None) -> float | None:
     if monitor is None or state.evaluated is None or state.evaluated_at != state.global_step:
         return None
     return state.evaluated.get(monitor)
-
-
-def _recorded(tracker: Tracker) -> int:
-    """The metric values the run's tracker has numbered (``MlflowTracker.recorded``); 0 for trackers that keep none."""
-    count = getattr(tracker, "recorded", None)
-    return int(count()) if callable(count) else 0
 
 
 @contextlib.contextmanager
